@@ -1,0 +1,41 @@
+"""`kvwire generate`: a small client of the router's completions API."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import httpx
+import typer
+
+
+def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")],
+             url: Annotated[str, typer.Option("--url", help="Router base URL.")] = "http://127.0.0.1:8000",
+             max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 32,
+             temperature: Annotated[float, typer.Option("--temperature", min=0.0)] = 0.0,
+             seed: Annotated[int | None, typer.Option("--seed")] = None,
+             stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print tokens as they come.")] = False,
+             timeout: Annotated[float, typer.Option("--timeout", help="Seconds.")] = 120.0) -> None:
+    """Send one completion request and print the text and the transfer statistics."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "stream": stream}
+    with httpx.Client(timeout=timeout) as client:
+        if not stream:
+            resp = client.post(f"{url}/v1/completions", json=body)
+            data = resp.json()
+            if resp.status_code != 200:
+                typer.echo(f"error {resp.status_code}: {data['error']['message']}", err=True)
+                raise typer.Exit(1)
+            typer.echo(data["choices"][0]["text"])
+            typer.echo(f"kvwire: {json.dumps(data['kvwire'])}", err=True)
+            return
+        with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    typer.echo(f"\nerror: {data['error']['message']}", err=True)
+                    raise typer.Exit(1)
+                typer.echo(data["choices"][0]["text"], nl=False)
+                if "kvwire" in data:
+                    typer.echo(f"\nkvwire: {json.dumps(data['kvwire'])}", err=True)

@@ -1,0 +1,158 @@
+"""A whole kvwire cluster on this host: private Redis, one prefill, one decode, the router.
+
+Lifecycle: `start()` starts a private redis-server (unless a URL is given), spawns the
+prefill node, decode node and router as child processes of this one, and returns
+once the router's /healthz sees both nodes live; `stop()` (also on exit of the
+`with` block) sends SIGTERM to every child, SIGKILL to any still alive after a grace
+period, and stops Redis, so nothing is left behind. Children are started with
+PR_SET_PDEATHSIG where the OS has it, so they die with this process too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from cli.redis_server import LocalRedis
+from connectors.config import ConnectorKind
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 120.0
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model_dir: Path
+    connector: ConnectorKind = ConnectorKind.UCX
+    host: str = "127.0.0.1"
+    port: int = 0  # router HTTP port; 0 picks a free one
+    redis_url: str | None = None
+    kv_deadline_s: float = 10.0
+    num_blocks: int = 1024
+    block_size: int = 16
+    log_dir: Path | None = None  # children's output; inherited from this process when None
+    log_level: str = "INFO"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class LocalCluster:
+    spec: ClusterSpec
+    redis: LocalRedis | None = None
+    redis_url: str = ""
+    port: int = 0
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.spec.host}:{self.port}"
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> LocalCluster:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        if self.spec.redis_url:
+            self.redis_url = self.spec.redis_url
+        else:
+            self.redis = LocalRedis().start()
+            self.redis_url = self.redis.url
+        self.port = self.spec.port or free_port(self.spec.host)
+        for role in ("prefill", "decode"):
+            self.spawn(role, self._node_args(role))
+        self.spawn("router", ["router", "--model", str(self.spec.model_dir), "--redis-url", self.redis_url,
+                              "--host", self.spec.host, "--port", str(self.port), "--log-level", self.spec.log_level])
+        self.wait_ready()
+
+    def _node_args(self, role: str) -> list[str]:
+        s = self.spec
+        return [role, "--model", str(s.model_dir), "--redis-url", self.redis_url, "--host", s.host,
+                "--node-id", f"{role}-0", "--connector", str(s.connector), "--block-size", str(s.block_size),
+                "--num-blocks", str(s.num_blocks), "--kv-deadline", str(s.kv_deadline_s),
+                "--log-level", s.log_level]
+
+    def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        """Start `python -m cli.main ARGS` as a child named `name`."""
+        out = None
+        if self.spec.log_dir is not None:
+            self.spec.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.spec.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], stdout=out, stderr=subprocess.STDOUT if out else None,
+                                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, cwd=os.getcwd())
+        if out is not None:
+            out.close()
+        self.procs[name] = proc
+        return proc
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Block until /healthz answers 200. Raises ClusterError if a child dies or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+                if dead:
+                    raise ClusterError(f"processes exited during start-up: {dead}")
+                try:
+                    if client.get(f"{self.url}/healthz").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)  # start-up only: children are loading models
+        raise ClusterError(f"cluster not ready within {timeout_s:.0f}s")
+
+    def stop_process(self, name: str, sig: int = signal.SIGTERM, grace_s: float = 10.0) -> int | None:
+        proc = self.procs.get(name)
+        if proc is None or proc.poll() is not None:
+            return proc.returncode if proc else None
+        proc.send_signal(sig)
+        try:
+            return proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+    def stop(self) -> None:
+        for name in ("router", "prefill", "decode", *self.procs):
+            if name in self.procs:
+                self.stop_process(name)
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None

@@ -1,0 +1,25 @@
+"""The `kvwire` command: one sub-command per file in this package."""
+
+from __future__ import annotations
+
+import typer
+
+from cli.demo_cmd import demo
+from cli.generate_cmd import generate
+from cli.model_cmd import init_model
+from cli.node_cmd import decode, prefill
+from cli.router_cmd import router
+from cli.up_cmd import up
+
+app = typer.Typer(help="kvwire: disaggregated prefill/decode with KV transfer over UCX.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+app.command("init-model")(init_model)
+app.command()(prefill)
+app.command()(decode)
+app.command()(router)
+app.command()(up)
+app.command()(demo)
+app.command()(generate)
+
+if __name__ == "__main__":
+    app()

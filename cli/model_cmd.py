@@ -1,0 +1,22 @@
+"""`kvwire init-model`: write a randomly initialised checkpoint in Hugging Face format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from engine.config import PRESETS
+
+
+def init_model(out_dir: Annotated[Path, typer.Argument(help="Directory to write config.json and model.safetensors to.")],
+               preset: Annotated[str, typer.Option("--preset", help=f"One of: {', '.join(PRESETS)}.")] = "tiny",
+               seed: Annotated[int, typer.Option("--seed", help="RNG seed of the weights.")] = 0) -> None:
+    """Write a random Llama checkpoint that kvwire and transformers both load."""
+    from engine.init_model import write_random_checkpoint
+
+    if preset not in PRESETS:
+        raise typer.BadParameter(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}", param_hint="--preset")
+    config = write_random_checkpoint(out_dir, preset, seed)
+    typer.echo(f"wrote {preset} checkpoint ({config.num_hidden_layers} layers, hidden {config.hidden_size}) to {out_dir}")

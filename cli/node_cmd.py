@@ -1,0 +1,42 @@
+"""`kvwire prefill` and `kvwire decode`: run one node in the foreground."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from cli.options import (BlockSize, Connector, Host, KVDeadline, LogLevel, ModelDir, NumBlocks, RedisUrl,
+                         node_config, setup_logging)
+from connectors.config import ConnectorKind, NodeRole
+
+NodeId = Annotated[str | None, typer.Option("--node-id", help="Name in the directory; role-host-pid by default.")]
+Port = Annotated[int, typer.Option("--port", min=0, max=65535, help="zmq work port; 0 picks a free one.")]
+MaxLen = Annotated[int, typer.Option("--max-model-len", min=0, help="Longest prompt + completion; 0: the model's.")]
+Device = Annotated[str, typer.Option("--device", help="torch device, e.g. cpu or cuda:0.")]
+
+
+def _run(role: NodeRole, **kw) -> None:
+    setup_logging(kw.pop("log_level"))
+    config = node_config(role, **kw)
+    if role == NodeRole.PREFILL:
+        from prefill_node.main import run
+    else:
+        from decode_node.main import run
+    run(config)
+
+
+def prefill(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port: Port = 0,
+            node_id: NodeId = None, connector: Connector = ConnectorKind.UCX, block_size: BlockSize = 16,
+            num_blocks: NumBlocks = 1024, kv_deadline: KVDeadline = 10.0, max_model_len: MaxLen = 0,
+            device: Device = "cpu", log_level: LogLevel = "INFO") -> None:
+    """Run a prefill node: compute prompts and publish their KV."""
+    _run(NodeRole.PREFILL, **locals())
+
+
+def decode(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port: Port = 0,
+           node_id: NodeId = None, connector: Connector = ConnectorKind.UCX, block_size: BlockSize = 16,
+           num_blocks: NumBlocks = 1024, kv_deadline: KVDeadline = 10.0, max_model_len: MaxLen = 0,
+           device: Device = "cpu", log_level: LogLevel = "INFO") -> None:
+    """Run a decode node: receive prompts' KV and generate tokens."""
+    _run(NodeRole.DECODE, **locals())

@@ -1,0 +1,51 @@
+"""Typer option types shared by the commands, and the builders of each process's config."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from connectors.config import ConnectorConfig, ConnectorKind, NodeConfig, NodeRole
+from engine.engine_config import EngineConfig
+
+ModelDir = Annotated[Path, typer.Option("--model", help="Hugging Face-format checkpoint directory.",
+                                        envvar="KVWIRE_MODEL")]
+RedisUrl = Annotated[str, typer.Option("--redis-url", help="Redis URL of the directory (redis:// or rediss://).",
+                                       envvar="KVWIRE_REDIS_URL")]
+OptionalRedisUrl = Annotated[str | None, typer.Option(
+    "--redis-url", help="Use this Redis instead of starting a private one.", envvar="KVWIRE_REDIS_URL")]
+Host = Annotated[str, typer.Option("--host", help="Address to bind; loopback unless told otherwise.")]
+Connector = Annotated[ConnectorKind, typer.Option("--connector", help="KV transport.")]
+BlockSize = Annotated[int, typer.Option("--block-size", min=1, help="Tokens per KV block.")]
+NumBlocks = Annotated[int, typer.Option("--num-blocks", min=1, help="KV blocks in the pool.")]
+KVDeadline = Annotated[float, typer.Option("--kv-deadline", min=0.01,
+                                           help="Seconds a decode node waits for KV before recomputing.")]
+LogLevel = Annotated[str, typer.Option("--log-level", help="DEBUG, INFO, WARNING or ERROR.")]
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s")
+
+
+def default_node_id(role: NodeRole) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port: int, node_id: str | None,
+                connector: ConnectorKind, block_size: int, num_blocks: int, kv_deadline: float,
+                max_model_len: int, device: str) -> NodeConfig:
+    """Build a node's one config object from its command-line options."""
+    if not (model / "config.json").is_file():
+        raise typer.BadParameter(f"{model} has no config.json (create one with `kvwire init-model`)", param_hint="--model")
+    return NodeConfig(
+        engine=EngineConfig(model_dir=model, block_size=block_size, num_blocks=num_blocks,
+                            max_model_len=max_model_len, device=device),
+        connector=ConnectorConfig(kind=connector, role=role, node_id=node_id or default_node_id(role),
+                                  redis_url=redis_url, host=host, kv_deadline_s=kv_deadline,
+                                  entry_ttl_s=max(60.0, kv_deadline * 2)),
+        work_port=port)

@@ -1,0 +1,25 @@
+"""`kvwire router`: the OpenAI-compatible HTTP front door."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from cli.options import Host, LogLevel, ModelDir, RedisUrl, setup_logging
+from router.config import RouterConfig
+
+
+def router(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1",
+           port: Annotated[int, typer.Option("--port", min=1, max=65535, help="HTTP port.")] = 8000,
+           request_timeout: Annotated[float, typer.Option("--request-timeout", min=0.1,
+                                                          help="Seconds before a request gets a 504.")] = 120.0,
+           log_level: LogLevel = "INFO") -> None:
+    """Serve POST /v1/completions, GET /v1/models and GET /healthz."""
+    import uvicorn
+
+    from router.app import create_app
+
+    setup_logging(log_level)
+    config = RouterConfig(model_dir=model, redis_url=redis_url, host=host, port=port, request_timeout_s=request_timeout)
+    uvicorn.run(create_app(config), host=host, port=port, log_level=log_level.lower(), access_log=False)

@@ -1,0 +1,39 @@
+"""`kvwire up`: a whole local cluster in the foreground until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli.local_cluster import ClusterSpec, LocalCluster
+from cli.options import Connector, Host, KVDeadline, LogLevel, OptionalRedisUrl, setup_logging
+from cli.paths import default_model_dir
+from connectors.config import ConnectorKind
+
+
+def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a tiny random one by default.")] = None,
+       host: Host = "127.0.0.1",
+       port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Router HTTP port.")] = 8000,
+       redis_url: OptionalRedisUrl = None, connector: Connector = ConnectorKind.UCX,
+       kv_deadline: KVDeadline = 10.0, log_level: LogLevel = "WARNING") -> None:
+    """Start Redis, a prefill node, a decode node and the router; stop them all on Ctrl-C."""
+    setup_logging(log_level)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    spec = ClusterSpec(model_dir=model or default_model_dir(), connector=connector, host=host, port=port,
+                       redis_url=redis_url, kv_deadline_s=kv_deadline, log_level=log_level)
+    with LocalCluster(spec) as cluster:
+        typer.echo(f"kvwire is up: {cluster.url}  (model {spec.model_dir}, connector {connector}, "
+                   f"redis {cluster.redis_url})")
+        typer.echo(f"try: kvwire generate 'Hello' --url {cluster.url}    Ctrl-C stops everything.")
+        while not stop.wait(1.0):
+            dead = {n: p.returncode for n, p in cluster.procs.items() if p.poll() is not None}
+            if dead:
+                typer.echo(f"processes exited: {dead}; shutting down", err=True)
+                raise typer.Exit(1)
+    typer.echo("kvwire stopped")

@@ -1,0 +1,1 @@
+"""The KV transfer plane: the connector contract, its transports and the Redis directory."""

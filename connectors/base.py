@@ -1,0 +1,92 @@
+"""The connector contract every transport implements (vLLM's classic KV connector).
+
+Lifecycle: a node builds one connector from its config (`factory.create_connector`),
+hands it the KV pool once (`register_kv_caches`), then calls
+`send_kv_caches_and_hidden_states` after each prefill forward (prefill role) or
+`recv_kv_caches_and_hidden_states` before each prompt forward (decode role), and
+finally `close()`. A prefill node also calls `set_release_callback` to learn when
+the connector no longer needs a request's blocks (pulled, refused, or expired).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from connectors.types import IntermediateTensors
+
+if TYPE_CHECKING:
+    from connectors.config import ConnectorConfig
+    from engine.model_input import ModelInput
+
+HiddenStates = torch.Tensor | IntermediateTensors
+
+
+class TransferError(RuntimeError):
+    """A transfer of one request's KV failed; the consumer recomputes it."""
+
+    def __init__(self, request_id: str, peer: str, reason: str):
+        super().__init__(f"request {request_id} with peer {peer}: {reason}")
+        self.request_id = request_id
+        self.peer = peer
+        self.reason = reason
+
+
+class KVConnectorBase(ABC):
+    """Moves KV caches and hidden states from prefill nodes to decode nodes."""
+
+    @abstractmethod
+    def __init__(self, rank: int, local_rank: int, config: ConnectorConfig):
+        """Args:
+        rank: global rank of this worker.
+        local_rank: rank on this host (picks the device).
+        config: the node's connector configuration.
+        """
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Called once with the per-layer views of the node's KV pool."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release every buffer, endpoint, thread and directory entry this connector owns."""
+
+    @abstractmethod
+    def send_kv_caches_and_hidden_states(
+        self,
+        model_executable: torch.nn.Module,
+        model_input: ModelInput,
+        kv_caches: list[torch.Tensor],
+        hidden_or_intermediate_states: HiddenStates,
+    ) -> None:
+        """Publish the KV and hidden states of every request in a prefill batch.
+
+        Args:
+            model_executable: the model that produced them.
+            model_input: the batch just computed.
+            kv_caches: per-layer views `[num_blocks, 2, block_size, kv_heads, head_dim]`.
+            hidden_or_intermediate_states: `[num_tokens, hidden]` for the whole batch,
+                or IntermediateTensors sliced the same way.
+        """
+
+    @abstractmethod
+    def recv_kv_caches_and_hidden_states(
+        self,
+        model_executable: torch.nn.Module,
+        model_input: ModelInput,
+        kv_caches: list[torch.Tensor],
+    ) -> tuple[HiddenStates | None, bool, ModelInput]:
+        """Fetch the batch's KV into `kv_caches` and its hidden states, within the deadline.
+
+        Returns:
+            `(hidden_or_intermediate_states, bypass_model_exec, model_input)`. bypass is
+            True only when every request of the batch received all of its KV and hidden
+            states; then the hidden states cover the whole batch. Otherwise hidden is None
+            and the returned model_input is what must still be computed.
+        """
+
+    def set_release_callback(self, callback: Callable[[str], None]) -> None:
+        """Producer: `callback(request_id)` runs, possibly on a connector thread, once the
+        connector no longer needs that request's blocks."""
+        raise NotImplementedError(f"{type(self).__name__} does not produce KV")

@@ -1,0 +1,73 @@
+"""Configuration of the transfer plane, built once in `cli/` and passed down whole."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from engine.engine_config import EngineConfig
+
+
+class ConnectorKind(enum.StrEnum):
+    """Transports a node can use to move KV."""
+
+    UCX = "ucx"
+
+
+class NodeRole(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Everything a connector needs to know about its node.
+
+    Attributes:
+        kind: which transport.
+        role: prefill nodes produce KV, decode nodes consume it.
+        node_id: this node's name in the directory.
+        redis_url: the directory's Redis.
+        host: loopback or interface address the side channel binds to.
+        kv_deadline_s: how long a consumer waits for a request's KV before recomputing.
+        entry_ttl_s: TTL on every directory key of a request; held KV is released after it.
+    """
+
+    kind: ConnectorKind
+    role: NodeRole
+    node_id: str
+    redis_url: str
+    host: str = "127.0.0.1"
+    kv_deadline_s: float = 10.0
+    entry_ttl_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.kv_deadline_s <= 0:
+            raise ValueError(f"kv_deadline_s must be positive, got {self.kv_deadline_s}")
+        if self.entry_ttl_s < self.kv_deadline_s:
+            raise ValueError("entry_ttl_s must be at least kv_deadline_s")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """One prefill or decode node process: its engine, its connector, where it listens.
+
+    Attributes:
+        engine: model and KV pool.
+        connector: transport and directory settings (carries node_id, role, redis_url).
+        work_port: zmq port taking work from routers; 0 picks a free one.
+        heartbeat_ttl_s: the node's directory entry expires this long after its last heartbeat.
+    """
+
+    engine: EngineConfig
+    connector: ConnectorConfig
+    work_port: int = 0
+    heartbeat_ttl_s: float = 5.0
+
+    @property
+    def node_id(self) -> str:
+        return self.connector.node_id
+
+    @property
+    def host(self) -> str:
+        return self.connector.host

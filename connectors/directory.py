@@ -1,0 +1,473 @@
+"""The Redis-backed directory: where each request's KV lives, and which nodes are alive.
+
+Lifecycle of a request's entry (a Redis hash; every key has a TTL):
+
+    absent --create_pending--> PENDING --publish_ready--> READY --transition--> CONSUMED
+                                  |                          |
+                                  +------> FAILED | EXPIRED <+
+
+A producer marks a request PENDING when it schedules it and READY, with the
+KVLocation, once its KV is in place (publish_ready also accepts an absent entry).
+The consumer waits for READY with `wait_for`, pulls the KV and moves the entry to
+CONSUMED; either side may move it to FAILED, a janitor to EXPIRED. CONSUMED, FAILED
+and EXPIRED are terminal. Each change is one Lua script (compare-and-set) that also
+refreshes the TTLs and appends the new state to the request's event stream, which
+`wait_for` blocks on. Whatever nobody cleans up vanishes after entry_ttl_s.
+
+Nodes register a NodeInfo under a key that lives node_ttl_s; a `Heartbeat` thread
+refreshes it every node_ttl_s/3, so a dead node leaves `live_nodes` within node_ttl_s.
+`next_epoch` gives each incarnation of a node a higher epoch, and writes from an
+older incarnation are refused (StaleNodeError).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import math
+import re
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from connectors.config import NodeRole
+from connectors.wire import KVLocation, NodeInfo, WireError, decode, encode
+
+logger = logging.getLogger(__name__)
+
+_COMMAND_TIMEOUT_S = 5.0  # socket timeout of ordinary commands
+_BLOCK_SLICE_S = 5.0  # longest single blocking read; longer waits loop
+_MAX_CONNECTIONS = 64
+_MAX_BLOCKING_CONNECTIONS = 256  # one per concurrent wait_for
+_EVENTS_MAXLEN = 16  # an entry changes state at most 3 times
+_EPOCH_TTL_FACTOR = 10  # an epoch counter outlives every record that names an older epoch
+_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
+class TransferState(enum.StrEnum):
+    PENDING = "pending"
+    READY = "ready"
+    CONSUMED = "consumed"
+    FAILED = "failed"
+    EXPIRED = "expired"
+
+
+TERMINAL_STATES = frozenset({TransferState.CONSUMED, TransferState.FAILED, TransferState.EXPIRED})
+LEGAL_TRANSITIONS: dict[TransferState, frozenset[TransferState]] = {
+    TransferState.PENDING: frozenset({TransferState.READY, TransferState.FAILED, TransferState.EXPIRED}),
+    TransferState.READY: frozenset({TransferState.CONSUMED, TransferState.FAILED, TransferState.EXPIRED}),
+    **{state: frozenset() for state in TERMINAL_STATES},
+}
+
+
+@dataclass(frozen=True)
+class DirectoryEntry:
+    """One request's entry; `location` is set once it has been READY."""
+
+    request_id: str
+    state: TransferState
+    producer: str
+    location: KVLocation | None
+    reason: str
+
+
+class DirectoryError(RuntimeError):
+    """The directory could not be reached, or holds a record it cannot read.
+
+    Attributes:
+        reason: what went wrong.
+        request_id: the request concerned; None for registry operations.
+        peer: the Redis URL, password masked.
+    """
+
+    def __init__(self, reason: str, *, request_id: str | None = None, peer: str):
+        about = f" request {request_id}" if request_id is not None else ""
+        super().__init__(f"directory {peer}{about}: {reason}")
+        self.reason = reason
+        self.request_id = request_id
+        self.peer = peer
+
+
+class StaleNodeError(DirectoryError):
+    """A node wrote its NodeInfo with an epoch older than its node id's latest one."""
+
+
+# KEYS[1]: the entry hash, KEYS[2]: its event stream. emit() records a state change.
+_LUA_EMIT = f"""
+local function emit(state, ttl)
+  redis.call('PEXPIRE', KEYS[1], ttl)
+  redis.call('XADD', KEYS[2], 'MAXLEN', '{_EVENTS_MAXLEN}', '*', 'state', state)
+  redis.call('PEXPIRE', KEYS[2], ttl)
+end
+"""
+_LUA_CREATE = _LUA_EMIT + """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'pending', 'producer', ARGV[1], 'reason', '')
+emit('pending', ARGV[2])
+return 1
+"""
+_LUA_PUBLISH = _LUA_EMIT + """
+local cur = redis.call('HGET', KEYS[1], 'state')
+if cur and cur ~= 'pending' then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'ready', 'producer', ARGV[1], 'location', ARGV[2], 'reason', '')
+emit('ready', ARGV[3])
+return 1
+"""
+_LUA_TRANSITION = _LUA_EMIT + """
+local cur = redis.call('HGET', KEYS[1], 'state')
+if not cur then return 0 end
+for i = 4, #ARGV do  -- ARGV: to, ttl_ms, reason, allowed_from...
+  if ARGV[i] == cur then
+    redis.call('HSET', KEYS[1], 'state', ARGV[1], 'reason', ARGV[3])
+    emit(ARGV[1], ARGV[2])
+    return 1
+  end
+end
+return 0
+"""
+# KEYS: node record, epoch counter. ARGV: record, epoch, node_ttl_ms, epoch_ttl_ms.
+_LUA_PUT_NODE = """
+local latest = tonumber(redis.call('GET', KEYS[2]) or '0')
+if tonumber(ARGV[2]) < latest then return {0, latest} end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+return {1, latest}
+"""
+
+
+def _masked(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def _ms(seconds: float) -> int:
+    return max(1, math.ceil(seconds * 1000))
+
+
+class KVDirectory:
+    """Client of the directory; thread-safe, one per process is enough.
+
+    Every method raises DirectoryError when Redis cannot be reached.
+
+    Args:
+        redis_url: `redis://[:password@]host:port/db`.
+        entry_ttl_s: TTL of a request's keys, refreshed on every transition.
+        node_ttl_s: TTL of a node's registration, refreshed by each heartbeat.
+        namespace: prefix of every key, so deployments can share one Redis.
+    Raises:
+        ValueError: a non-positive TTL, or a namespace outside [A-Za-z0-9_.-].
+    """
+
+    def __init__(self, redis_url: str, *, entry_ttl_s: float = 60.0, node_ttl_s: float = 5.0,
+                 namespace: str = "kvwire"):  # fmt: skip
+        if entry_ttl_s <= 0 or node_ttl_s <= 0:
+            raise ValueError(f"TTLs must be positive, got entry {entry_ttl_s}, node {node_ttl_s}")
+        if not _NAMESPACE_RE.fullmatch(namespace):
+            raise ValueError(f"namespace {namespace!r} must match {_NAMESPACE_RE.pattern}")
+        self.entry_ttl_s, self.node_ttl_s, self.namespace = entry_ttl_s, node_ttl_s, namespace
+        self.peer = _masked(redis_url)
+        self._epoch_ttl_ms = _ms(_EPOCH_TTL_FACTOR * max(entry_ttl_s, node_ttl_s))
+        # One retry without backoff replaces a pooled connection broken by a server restart,
+        # yet fails fast while the server is down.
+        common = dict(retry=Retry(NoBackoff(), 1), socket_connect_timeout=_COMMAND_TIMEOUT_S)
+        self._pool = redis.ConnectionPool.from_url(
+            redis_url, max_connections=_MAX_CONNECTIONS, socket_timeout=_COMMAND_TIMEOUT_S, **common)
+        # Blocking reads hold a connection for their whole wait: a pool of their own, whose
+        # socket timeout exceeds the longest block.
+        self._blocking_pool = redis.ConnectionPool.from_url(
+            redis_url, max_connections=_MAX_BLOCKING_CONNECTIONS,
+            socket_timeout=_BLOCK_SLICE_S + _COMMAND_TIMEOUT_S, **common)  # fmt: skip
+        self._redis = redis.Redis(connection_pool=self._pool)
+        self._blocking = redis.Redis(connection_pool=self._blocking_pool)
+        self._create = self._redis.register_script(_LUA_CREATE)
+        self._publish = self._redis.register_script(_LUA_PUBLISH)
+        self._transition = self._redis.register_script(_LUA_TRANSITION)
+        self._put_node = self._redis.register_script(_LUA_PUT_NODE)
+
+    def _entry_keys(self, request_id: str) -> list[str]:
+        return [f"{self.namespace}:req:{request_id}", f"{self.namespace}:ev:{request_id}"]
+
+    def _node_keys(self, node_id: str) -> list[str]:
+        return [f"{self.namespace}:node:{node_id}", f"{self.namespace}:epoch:{node_id}"]
+
+    @contextlib.contextmanager
+    def _errors(self, what: str, request_id: str | None = None) -> Iterator[None]:
+        try:
+            yield
+        except redis.RedisError as exc:
+            reason = f"{what}: {type(exc).__name__}: {exc}"
+            raise DirectoryError(reason, request_id=request_id, peer=self.peer) from exc
+
+    # --- request entries -------------------------------------------------------------------
+
+    def create_pending(self, request_id: str, producer: str) -> bool:
+        """Create the request's entry in PENDING unless it exists.
+
+        Returns:
+            True if created; False if an entry (in any state) was already there.
+        """
+        with self._errors("create_pending", request_id):
+            ok = self._create(keys=self._entry_keys(request_id), args=[producer, _ms(self.entry_ttl_s)])
+        logger.debug("request_id=%s create_pending producer=%s ok=%s", request_id, producer, bool(ok))
+        return bool(ok)
+
+    def publish_ready(self, location: KVLocation) -> bool:
+        """Move the request to READY (from PENDING or absent), storing where its KV lives.
+
+        Returns:
+            True if published; False if the entry is in any state but PENDING.
+        """
+        rid, args = location.request_id, [location.producer, encode(location), _ms(self.entry_ttl_s)]
+        with self._errors("publish_ready", rid):
+            ok = self._publish(keys=self._entry_keys(rid), args=args)
+        logger.debug("request_id=%s publish_ready producer=%s ok=%s", rid, location.producer, bool(ok))
+        return bool(ok)
+
+    def transition(self, request_id: str, allowed_from: Iterable[TransferState], to: TransferState,
+                   reason: str = "") -> bool:  # fmt: skip
+        """Compare-and-set: move the entry to `to` if its state is one of `allowed_from`.
+
+        Args:
+            allowed_from: states the entry may be in; every edge from them to `to` must be legal.
+            to: the new state; READY only through `publish_ready`, which stores the location.
+            reason: why (a failure's cause), stored with the entry.
+        Returns:
+            True if the state changed; False if the entry is absent or in another state.
+        Raises:
+            ValueError: `allowed_from` is empty, an edge is illegal, or `to` is READY.
+        """
+        sources, to = sorted({TransferState(s) for s in allowed_from}), TransferState(to)
+        if not sources:
+            raise ValueError(f"request {request_id}: allowed_from is empty")
+        if to is TransferState.READY:
+            raise ValueError(f"request {request_id}: use publish_ready to reach READY")
+        for src in sources:
+            if to not in LEGAL_TRANSITIONS[src]:
+                raise ValueError(f"request {request_id}: illegal transition {src} -> {to}")
+        with self._errors("transition", request_id):
+            ok = self._transition(keys=self._entry_keys(request_id),
+                                  args=[to, _ms(self.entry_ttl_s), reason, *sources])  # fmt: skip
+        logger.debug("request_id=%s transition %s -> %s ok=%s reason=%r", request_id, sources, to, bool(ok), reason)
+        return bool(ok)
+
+    def get(self, request_id: str) -> DirectoryEntry | None:
+        """The request's entry; None if absent (never created, deleted or expired).
+
+        Raises:
+            DirectoryError: also when the stored record is unreadable.
+        """
+        with self._errors("get", request_id):
+            fields = self._redis.hgetall(self._entry_keys(request_id)[0])
+        return self._parse_entry(request_id, fields)
+
+    def _parse_entry(self, request_id: str, fields: dict[bytes, bytes]) -> DirectoryEntry | None:
+        if not fields:
+            return None
+        try:
+            raw_location = fields.get(b"location")
+            return DirectoryEntry(
+                request_id=request_id,
+                state=TransferState(fields[b"state"].decode()),
+                producer=fields.get(b"producer", b"").decode(),
+                location=decode(raw_location, expect=KVLocation) if raw_location else None,  # type: ignore[arg-type]
+                reason=fields.get(b"reason", b"").decode(),
+            )
+        except (WireError, ValueError, KeyError) as exc:
+            raise DirectoryError(f"unreadable entry: {exc!r}", request_id=request_id, peer=self.peer) from exc
+
+    def wait_for(self, request_id: str, states: Iterable[TransferState], deadline: float) -> DirectoryEntry | None:
+        """Block until the entry is in one of `states` or terminal, or until the deadline.
+
+        Args:
+            states: the states awaited.
+            deadline: a `time.monotonic()` value; one already past means "look once".
+        Returns:
+            The entry once its state is in `states` or terminal (the caller tells which);
+            None if the deadline passes first.
+        """
+        wanted = frozenset(TransferState(s) for s in states) | TERMINAL_STATES
+        while True:
+            entry, last_event = self._snapshot(request_id)
+            if entry is not None and entry.state in wanted:
+                return entry
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            self._wait_event(request_id, last_event, min(remaining, _BLOCK_SLICE_S))
+
+    def _snapshot(self, request_id: str) -> tuple[DirectoryEntry | None, bytes]:
+        """The entry and the id of its latest event, read in one MULTI."""
+        entry_key, events_key = self._entry_keys(request_id)
+        with self._errors("wait_for", request_id):
+            pipe = self._redis.pipeline(transaction=True)
+            fields, last = pipe.hgetall(entry_key).xrevrange(events_key, count=1).execute()
+        return self._parse_entry(request_id, fields), (last[0][0] if last else b"0-0")
+
+    def _wait_event(self, request_id: str, after: bytes, timeout_s: float) -> None:
+        """Block until the request has an event newer than `after`, or timeout_s passes.
+
+        A stream, not a list popped with BLPOP: reading leaves each event for every other
+        waiter (a producer awaiting CONSUMED must not swallow the READY its consumer awaits),
+        and an event added since the snapshot is newer than `after`, so none is missed.
+        """
+        events_key = self._entry_keys(request_id)[1]
+        with self._errors("wait_for", request_id):
+            self._blocking.xread({events_key: after}, count=_EVENTS_MAXLEN, block=_ms(timeout_s))
+
+    def delete(self, request_id: str) -> None:
+        """Remove every key of the request."""
+        with self._errors("delete", request_id):
+            self._redis.delete(*self._entry_keys(request_id))
+
+    def request_ids(self) -> list[str]:
+        """Ids of the request entries still present, sorted (a SCAN; for tests and status)."""
+        prefix = f"{self.namespace}:req:"
+        with self._errors("request_ids"):
+            keys = list(self._redis.scan_iter(match=prefix + "*", count=500))
+        return sorted(k.decode()[len(prefix):] for k in keys)
+
+    # --- node registry -----------------------------------------------------------------------
+
+    def next_epoch(self, node_id: str) -> int:
+        """A new epoch for this incarnation of `node_id`, higher than every earlier one."""
+        epoch_key = self._node_keys(node_id)[1]
+        with self._errors(f"next_epoch of node {node_id}"):
+            epoch, _ = self._redis.pipeline(transaction=True).incr(epoch_key).pexpire(
+                epoch_key, self._epoch_ttl_ms).execute()  # fmt: skip
+        return int(epoch)
+
+    def register_node(self, info: NodeInfo) -> None:
+        """Publish the node's NodeInfo for node_ttl_s.
+
+        Raises:
+            StaleNodeError: a newer incarnation of the node holds a higher epoch.
+        """
+        self._write_node(info)
+        logger.info("node %s registered: role=%s epoch=%d", info.node_id, info.role, info.epoch)
+
+    def heartbeat(self, info: NodeInfo) -> None:
+        """Refresh the node's registration, with its current load, for another node_ttl_s.
+
+        Raises:
+            StaleNodeError: a newer incarnation of the node holds a higher epoch.
+        """
+        self._write_node(info)
+
+    def _write_node(self, info: NodeInfo) -> None:
+        args = [encode(info), info.epoch, _ms(self.node_ttl_s), self._epoch_ttl_ms]
+        with self._errors(f"write node {info.node_id}"):
+            ok, latest = self._put_node(keys=self._node_keys(info.node_id), args=args)
+        if not ok:
+            reason = f"node {info.node_id} epoch {info.epoch} is older than its latest epoch {latest}"
+            raise StaleNodeError(reason, peer=self.peer)
+
+    def deregister_node(self, node_id: str) -> None:
+        """Remove the node's registration (its epoch counter stays)."""
+        with self._errors(f"deregister node {node_id}"):
+            self._redis.delete(self._node_keys(node_id)[0])
+        logger.info("node %s deregistered", node_id)
+
+    def get_node(self, node_id: str) -> NodeInfo | None:
+        """The node's NodeInfo; None if it is not registered or its TTL ran out.
+
+        Raises:
+            DirectoryError: also when the stored record is unreadable.
+        """
+        with self._errors(f"get node {node_id}"):
+            raw = self._redis.get(self._node_keys(node_id)[0])
+        try:
+            return None if raw is None else decode(raw, expect=NodeInfo)  # type: ignore[return-value]
+        except WireError as exc:
+            raise DirectoryError(f"unreadable record of node {node_id}: {exc}", peer=self.peer) from exc
+
+    def live_nodes(self, role: NodeRole | None = None) -> list[NodeInfo]:
+        """Registered nodes, of `role` if given, sorted by node_id; unreadable records are skipped."""
+        with self._errors("live_nodes"):
+            keys = list(self._redis.scan_iter(match=f"{self.namespace}:node:*", count=500))
+            raws = self._redis.mget(keys) if keys else []
+        nodes = []
+        for key, raw in zip(keys, raws):
+            try:
+                info = decode(raw, expect=NodeInfo) if raw is not None else None  # None: expired since SCAN
+            except WireError as exc:
+                logger.warning("skipping unreadable node record %s: %s", key.decode(errors="replace"), exc)
+                continue
+            if info is not None and (role is None or info.role == role):
+                nodes.append(info)
+        return sorted(nodes, key=lambda n: n.node_id)
+
+    def close(self) -> None:
+        """Close every pooled connection; the directory is not to be used afterwards."""
+        self._pool.disconnect()
+        self._blocking_pool.disconnect()
+
+
+class Heartbeat:
+    """Keeps a node registered: registers on `start()`, refreshes every node_ttl_s/3 until `stop()`.
+
+    Args:
+        directory: where to register.
+        info_fn: the node's current NodeInfo (its load fields change between beats).
+        interval_s: time between beats; node_ttl_s/3 by default.
+    """
+
+    def __init__(self, directory: KVDirectory, info_fn: Callable[[], NodeInfo], *,
+                 interval_s: float | None = None):  # fmt: skip
+        self._directory = directory
+        self._info_fn = info_fn
+        self._interval_s = interval_s if interval_s is not None else directory.node_ttl_s / 3
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._node_id: str | None = None
+
+    def start(self) -> None:
+        """Register the node now, then keep refreshing it from a daemon thread.
+
+        Raises:
+            DirectoryError: the first registration failed (later failures are only logged).
+            RuntimeError: already started.
+        """
+        if self._thread is not None:
+            raise RuntimeError(f"heartbeat of node {self._node_id} already started")
+        info = self._info_fn()
+        self._directory.register_node(info)
+        self._node_id = info.node_id
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{info.node_id}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self._interval_s):
+            try:
+                self._directory.heartbeat(self._info_fn())
+            except Exception:  # noqa: BLE001 - the beat must outlive any single failure
+                logger.exception("heartbeat of node %s failed; retrying in %.2fs", self._node_id, self._interval_s)
+
+    def stop(self, *, deregister: bool = True, timeout_s: float = 5.0) -> None:
+        """Stop beating and, by default, remove the node's registration at once.
+
+        Args:
+            deregister: remove the registration now rather than let it expire.
+            timeout_s: how long to wait for a beat in progress.
+        Raises:
+            DirectoryError: deregistration failed.
+        """
+        if self._thread is None:
+            return
+        self._stopping.set()
+        self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():
+            logger.warning("heartbeat thread of node %s still busy after %.1fs", self._node_id, timeout_s)
+        self._thread = None
+        if deregister and self._node_id is not None:
+            self._directory.deregister_node(self._node_id)

@@ -1,0 +1,121 @@
+"""The connector contract on top of the directory; transports supply only the byte movers.
+
+Lifecycle: `__init__` opens the directory and takes this node incarnation's epoch;
+`register_kv_caches` sees the pool and, by role, starts the transport's transfer
+server (prefill) or builds its puller (decode); the contract's send / recv calls
+then run through `KVSender` / `KVReceiver`; `close()` stops the transport, releases
+held blocks and closes the directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import abstractmethod
+from typing import Callable
+
+import torch
+
+from connectors.base import HiddenStates, KVConnectorBase, TransferError
+from connectors.config import ConnectorConfig, NodeRole
+from connectors.directory import KVDirectory
+from connectors.held import HeldTable
+from connectors.hidden import dtype_of, join_requests
+from connectors.kv_region import KVRegion
+from connectors.receiver import KVReceiver, Puller, Received
+from connectors.sender import KVSender, TransferServer
+from connectors.wire import KVLayout
+from engine.model_input import ModelInput
+
+log = logging.getLogger(__name__)
+
+
+class DirectoryConnector(KVConnectorBase):
+    def __init__(self, rank: int, local_rank: int, config: ConnectorConfig):
+        self.rank = rank
+        self.local_rank = local_rank
+        self.config = config
+        self.directory = KVDirectory(config.redis_url, entry_ttl_s=config.entry_ttl_s)
+        self.epoch = self.directory.next_epoch(config.node_id)
+        self._release_cb: Callable[[str], None] = lambda rid: None
+        self._sender: KVSender | None = None
+        self._receiver: KVReceiver | None = None
+        self._server: TransferServer | None = None
+        self._puller: Puller | None = None
+        self._stats: dict[str, Received] = {}
+
+    # --- transport hooks -------------------------------------------------------------
+
+    @abstractmethod
+    def _make_server(self, region: KVRegion, held: HeldTable, on_expired: Callable[[str], None]) -> TransferServer:
+        """Start the producer-side transfer server."""
+
+    @abstractmethod
+    def _make_puller(self, region: KVRegion) -> Puller:
+        """Build the consumer-side puller."""
+
+    # --- contract --------------------------------------------------------------------
+
+    def set_release_callback(self, callback: Callable[[str], None]) -> None:
+        self._release_cb = callback
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        region = KVRegion.from_kv_caches(kv_caches)
+        layout = _layout_of(kv_caches)
+        if self.config.role == NodeRole.PREFILL:
+            held = HeldTable(lambda rid: self._release_cb(rid))
+            sender_box: list[KVSender] = []
+            self._server = self._make_server(region, held, lambda rid: sender_box[0].on_expired(rid))
+            self._sender = KVSender(self.config, self.directory, layout, held, self._server, self.epoch)
+            sender_box.append(self._sender)
+        else:
+            self._puller = self._make_puller(region)
+            self._receiver = KVReceiver(self.config, self.directory, layout, self._puller, kv_caches[0].device)
+
+    @property
+    def transport_ready(self) -> bool:
+        return self._sender is not None or self._receiver is not None
+
+    def send_kv_caches_and_hidden_states(self, model_executable, model_input: ModelInput,
+                                         kv_caches: list[torch.Tensor], hidden_or_intermediate_states: HiddenStates) -> None:
+        if self._sender is None:
+            raise RuntimeError(f"node {self.config.node_id} is not a producer, or register_kv_caches was not called")
+        self._sender.publish(model_input, hidden_or_intermediate_states)
+
+    def recv_kv_caches_and_hidden_states(self, model_executable, model_input: ModelInput,
+                                         kv_caches: list[torch.Tensor]) -> tuple[HiddenStates | None, bool, ModelInput]:
+        if self._receiver is None:
+            raise RuntimeError(f"node {self.config.node_id} is not a consumer, or register_kv_caches was not called")
+        deadline = time.monotonic() + self.config.kv_deadline_s
+        received: list[Received] = []
+        for seq in model_input.sequences:
+            try:
+                got = self._receiver.receive(seq, deadline)
+            except TransferError as exc:
+                log.warning("%s", exc)
+                self._stats.pop(seq.request_id, None)
+                return None, False, model_input
+            self._stats[seq.request_id] = got
+            received.append(got)
+        if not received:
+            return None, False, model_input
+        hidden = join_requests([r.hidden for r in received], received[0].descs, received[0].intermediate)
+        return hidden, True, model_input
+
+    def take_transfer_stats(self, request_id: str) -> Received | None:
+        """Consumer: what the last successful pull of this request moved, once."""
+        return self._stats.pop(request_id, None)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self._puller is not None:
+            self._puller.close()
+        self.directory.close()
+
+
+def _layout_of(kv_caches: list[torch.Tensor]) -> KVLayout:
+    _, two, block_size, heads, head_dim = kv_caches[0].shape
+    assert two == 2, "per-layer views are [num_blocks, 2, block_size, kv_heads, head_dim]"
+    return KVLayout(num_layers=len(kv_caches), num_kv_heads=heads, head_dim=head_dim,
+                    block_size=block_size, dtype=dtype_of(kv_caches[0]))

@@ -1,0 +1,78 @@
+"""The producer's table of published requests whose KV blocks it holds until pulled.
+
+A request enters when its prefill is published, leaves when a consumer's pull
+completes or fails, or when its hold deadline passes with no pull in flight. The
+release callback fires exactly once per request, whichever way it leaves.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from connectors.wire import KVLocation
+
+
+@dataclass
+class HeldRequest:
+    location: KVLocation
+    hidden: list[torch.Tensor]  # contiguous, in location.hidden order
+    deadline: float  # time.monotonic() after which an idle request is released
+    in_flight: bool = False
+    published_at: float = field(default_factory=time.monotonic)
+
+
+class HeldTable:
+    """Thread-safe: the engine thread adds, the transfer server takes and finishes."""
+
+    def __init__(self, on_release: Callable[[str], None]):
+        self._items: dict[str, HeldRequest] = {}
+        self._lock = threading.Lock()
+        self._on_release = on_release
+
+    def add(self, held: HeldRequest) -> None:
+        with self._lock:
+            assert held.location.request_id not in self._items, "request published twice"
+            self._items[held.location.request_id] = held
+
+    def begin_pull(self, request_id: str) -> HeldRequest | None:
+        """Mark a request in flight; None if unknown, released or already being pulled."""
+        with self._lock:
+            held = self._items.get(request_id)
+            if held is None or held.in_flight:
+                return None
+            held.in_flight = True
+            return held
+
+    def release(self, request_id: str) -> bool:
+        """Drop a request and fire the callback; False if it was not held."""
+        with self._lock:
+            held = self._items.pop(request_id, None)
+        if held is None:
+            return False
+        self._on_release(request_id)
+        return True
+
+    def expire_due(self, now: float) -> list[str]:
+        """Release every idle request whose deadline has passed; return their ids."""
+        with self._lock:
+            due = [rid for rid, h in self._items.items() if not h.in_flight and h.deadline <= now]
+        return [rid for rid in due if self.release(rid)]
+
+    def next_deadline(self) -> float | None:
+        with self._lock:
+            return min((h.deadline for h in self._items.values() if not h.in_flight), default=None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+    def release_all(self) -> None:
+        with self._lock:
+            ids = list(self._items)
+        for rid in ids:
+            self.release(rid)

@@ -1,0 +1,82 @@
+"""The KV pool seen as bytes: which pieces of memory hold a given list of blocks.
+
+A pool is one or more *planes*, each `[num_blocks, plane_block_nbytes]` uint8 with
+contiguous rows. kvwire's block-major pool is a single plane (a block holds every
+layer's K and V), so a run of consecutive blocks is one piece; a vLLM-style pool
+(one tensor per layer) has one plane per layer, so the same run is one piece per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def plan_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:
+    """Split a block-to-block copy into maximal runs consecutive on both sides.
+
+    Returns:
+        `(src_start, dst_start, num_blocks)` triples covering the lists in order.
+    Raises:
+        ValueError: the lists differ in length.
+    """
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_blocks, dst_blocks):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor as a flat uint8 view of the same memory."""
+    assert t.is_contiguous(), "only contiguous tensors travel as raw buffers"
+    return t.reshape(-1).view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class KVRegion:
+    planes: tuple[torch.Tensor, ...]  # each [num_blocks, plane_block_nbytes] uint8
+
+    @classmethod
+    def from_kv_caches(cls, kv_caches: list[torch.Tensor]) -> KVRegion:
+        """Recover the planes behind the contract's per-layer views.
+
+        Per-layer views of one block-major tensor give one plane; separate contiguous
+        per-layer tensors give one plane per layer.
+        """
+        if not kv_caches:
+            raise ValueError("no KV caches to register")
+        base = kv_caches[0]._base
+        if base is not None and all(kv._base is base for kv in kv_caches) and _block_major(base, kv_caches):
+            return cls((base.view(base.shape[0], -1).view(torch.uint8),))
+        if all(kv.is_contiguous() for kv in kv_caches):
+            return cls(tuple(kv.view(kv.shape[0], -1).view(torch.uint8) for kv in kv_caches))
+        raise ValueError("KV caches are neither block-major views of one pool nor contiguous tensors")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.planes[0].shape[0]
+
+    @property
+    def block_nbytes(self) -> int:
+        return sum(p.shape[1] for p in self.planes)
+
+    def pieces(self, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """Flat uint8 views, plane by plane, of each `(first_block, num_blocks)` run."""
+        return [plane[start:start + n].view(-1) for plane in self.planes for start, n in runs]
+
+
+def _block_major(base: torch.Tensor, kv_caches: list[torch.Tensor]) -> bool:
+    return (
+        base.is_contiguous()
+        and base.dim() >= 2
+        and base.shape[1] == len(kv_caches)
+        and all(kv.shape[0] == base.shape[0] for kv in kv_caches)
+    )

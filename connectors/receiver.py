@@ -1,0 +1,103 @@
+"""Consumer role, transport-agnostic: find a request's KV in the directory and pull it.
+
+For each request of a prompt batch: wait (bounded) for its directory entry to be
+READY, check the producer's layout matches ours, let the transport pull the blocks
+and hidden states, then mark the entry CONSUMED and delete it. Any failure marks the
+entry FAILED (so a late producer releases its blocks at once) and raises
+TransferError; the caller recomputes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from connectors.base import TransferError
+from connectors.config import ConnectorConfig
+from connectors.directory import DirectoryError, KVDirectory, TransferState
+from connectors.hidden import empty_like_descs
+from connectors.wire import KVLayout, KVLocation, TensorDesc
+from engine.model_input import SequenceInput
+
+log = logging.getLogger(__name__)
+
+
+class Puller(Protocol):
+    def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Received:
+    hidden: list[torch.Tensor]
+    descs: list[TensorDesc]
+    intermediate: bool
+    kv_bytes: int
+    transfer_s: float
+    producer: str
+
+
+class KVReceiver:
+    def __init__(self, config: ConnectorConfig, directory: KVDirectory, layout: KVLayout,
+                 puller: Puller, device: torch.device | str):
+        self._config = config
+        self._directory = directory
+        self._layout = layout
+        self._puller = puller
+        self._device = device
+
+    def receive(self, seq: SequenceInput, deadline: float) -> Received:
+        """Pull one request's KV into `seq.block_ids`. Raises TransferError."""
+        try:
+            return self._receive(seq, deadline)
+        except (TransferError, DirectoryError) as exc:
+            self._mark_failed(seq.request_id, str(exc))
+            if isinstance(exc, TransferError):
+                raise
+            raise TransferError(seq.request_id, "directory", str(exc)) from exc
+
+    def _receive(self, seq: SequenceInput, deadline: float) -> Received:
+        rid = seq.request_id
+        entry = self._directory.wait_for(rid, {TransferState.READY}, deadline)
+        if entry is None:
+            raise TransferError(rid, "unknown producer", "KV not ready before the deadline")
+        if entry.state != TransferState.READY or entry.location is None:
+            raise TransferError(rid, entry.producer, f"entry is {entry.state}: {entry.reason}")
+        loc = entry.location
+        self._check(seq, loc)
+        n_blocks = len(loc.block_ids)
+        hidden = empty_like_descs(loc.hidden, self._device)
+        start = time.monotonic()
+        nbytes = self._puller.pull(loc, list(seq.block_ids[:n_blocks]), hidden, deadline)
+        elapsed = time.monotonic() - start
+        self._directory.transition(rid, {TransferState.READY}, TransferState.CONSUMED)
+        self._directory.delete(rid)
+        return Received(hidden, loc.hidden, loc.intermediate, nbytes, elapsed, loc.producer)
+
+    def _check(self, seq: SequenceInput, loc: KVLocation) -> None:
+        def bad(reason: str) -> TransferError:
+            return TransferError(seq.request_id, loc.producer, reason)
+
+        if loc.layout != self._layout:
+            raise bad(f"producer layout {loc.layout} does not match ours {self._layout}")
+        if seq.start_pos != 0 or loc.num_tokens != seq.num_tokens:
+            raise bad(f"producer has {loc.num_tokens} prompt tokens, we need {seq.num_tokens}")
+        n_blocks = math.ceil(loc.num_tokens / self._layout.block_size)
+        if len(loc.block_ids) != n_blocks or len(seq.block_ids) < n_blocks:
+            raise bad(f"block count mismatch: producer {len(loc.block_ids)}, needed {n_blocks}, ours {len(seq.block_ids)}")
+        if any(d.shape[:1] != (seq.num_tokens,) for d in loc.hidden):
+            raise bad("hidden states do not cover the prompt")
+
+    def _mark_failed(self, request_id: str, reason: str) -> None:
+        log.warning("request %s: transfer failed, recomputing: %s", request_id, reason)
+        try:
+            self._directory.create_pending(request_id, producer="unknown")
+            self._directory.transition(request_id, {TransferState.PENDING, TransferState.READY},
+                                       TransferState.FAILED, reason[:500])
+        except DirectoryError as exc:
+            log.warning("request %s: cannot mark failed: %s", request_id, exc)

@@ -1,0 +1,81 @@
+"""Producer role, transport-agnostic: hold a prefilled request's KV and advertise it.
+
+After a prefill forward, each request's blocks and hidden states enter the held
+table and its location is published READY in the directory. The transport's
+transfer server serves pulls; the held table releases the blocks (through the
+node's callback) when a pull finishes, fails, or never comes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Protocol
+
+import torch
+
+from connectors.config import ConnectorConfig
+from connectors.directory import DirectoryError, KVDirectory, TransferState
+from connectors.held import HeldRequest, HeldTable
+from connectors.hidden import split_request
+from connectors.types import IntermediateTensors
+from connectors.wire import KVLayout, KVLocation
+from engine.model_input import ModelInput
+
+log = logging.getLogger(__name__)
+
+
+class TransferServer(Protocol):
+    side_channel: str
+    transport_address: bytes
+
+    def wake(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class KVSender:
+    def __init__(self, config: ConnectorConfig, directory: KVDirectory, layout: KVLayout,
+                 held: HeldTable, server: TransferServer, epoch: int):
+        self._config = config
+        self._directory = directory
+        self._layout = layout
+        self._held = held
+        self._server = server
+        self._epoch = epoch
+
+    def publish(self, model_input: ModelInput, hidden: torch.Tensor | IntermediateTensors) -> None:
+        """Hold and advertise every request of a computed prompt batch."""
+        for seq, rows in zip(model_input.sequences, model_input.token_slices()):
+            if seq.start_pos != 0:
+                raise ValueError(f"request {seq.request_id}: only whole prompts can be published")
+            descs, tensors, intermediate = split_request(hidden, rows)
+            n_blocks = math.ceil(seq.end_pos / self._layout.block_size)
+            loc = KVLocation(
+                request_id=seq.request_id, producer=self._config.node_id, producer_epoch=self._epoch,
+                kind=self._config.kind, side_channel=self._server.side_channel,
+                transport_address=self._server.transport_address, layout=self._layout,
+                block_ids=list(seq.block_ids[:n_blocks]), num_tokens=seq.end_pos,
+                hidden=descs, intermediate=intermediate)
+            deadline = time.monotonic() + self._config.kv_deadline_s
+            self._held.add(HeldRequest(loc, tensors, deadline))
+            self._advertise(loc)
+        self._server.wake()
+
+    def on_expired(self, request_id: str) -> None:
+        """Called by the server when a held request was never pulled."""
+        try:
+            self._directory.transition(request_id, {TransferState.PENDING, TransferState.READY},
+                                       TransferState.EXPIRED, "not pulled before the hold deadline")
+        except DirectoryError as exc:
+            log.warning("request %s: cannot mark expired: %s", request_id, exc)
+
+    def _advertise(self, loc: KVLocation) -> None:
+        try:
+            published = self._directory.publish_ready(loc)
+        except DirectoryError as exc:
+            log.error("request %s: directory unavailable, KV not advertised: %s", loc.request_id, exc)
+            published = False
+        if not published:
+            log.info("request %s: consumer already gave up; releasing its KV", loc.request_id)
+            self._held.release(loc.request_id)

@@ -1,0 +1,210 @@
+"""Every message that crosses a process boundary, as tagged msgspec structs.
+
+Peers' bytes are data, never code: `decode` accepts only the structs listed in
+`Message`, checks the wire version, and raises `WireError` on anything else.
+Tensors never travel inside these messages; they move as raw buffers over the
+transport, described here by `TensorDesc`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from connectors.config import ConnectorKind, NodeRole
+
+WIRE_VERSION = 1
+MAX_MESSAGE_BYTES = 16 << 20  # no control message is legitimately larger
+
+
+class WireError(ValueError):
+    """A peer sent bytes that are not a valid message of this wire version."""
+
+
+class DType(enum.StrEnum):
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+
+class TensorDesc(msgspec.Struct, frozen=True, array_like=True):
+    """A tensor that travels as a raw buffer: its name, dtype and shape."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+
+
+class _Msg(msgspec.Struct, frozen=True, tag=True, tag_field="type", kw_only=True):
+    pass
+
+
+# --- directory records (stored in Redis as msgpack) ---------------------------------
+
+
+class KVLayout(_Msg, tag="layout"):
+    """Shape of one node's KV pool; both sides of a transfer must agree on it."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: DType
+
+
+class KVLocation(_Msg, tag="location"):
+    """Where one request's KV and hidden states live on its producer."""
+
+    request_id: str
+    producer: str
+    producer_epoch: int
+    kind: ConnectorKind
+    side_channel: str  # zmq endpoint of the producer's transfer server
+    transport_address: bytes  # e.g. the producer's UCX worker address
+    layout: KVLayout
+    block_ids: list[int]
+    num_tokens: int
+    hidden: list[TensorDesc]
+    intermediate: bool = False  # hidden holds IntermediateTensors, not one tensor
+
+
+class NodeInfo(_Msg, tag="node"):
+    """A live node's entry in the directory registry (refreshed by heartbeats)."""
+
+    node_id: str
+    role: NodeRole
+    epoch: int
+    work_address: str  # zmq endpoint that takes PrefillWork / DecodeWork
+    connector: ConnectorKind
+    free_blocks: int
+    total_blocks: int
+
+
+# --- transfer side channel ---------------------------------------------------------------
+
+
+class PullRequest(_Msg, tag="pull"):
+    """Consumer → producer: send request_id's KV into these blocks of mine."""
+
+    request_id: str
+    transfer_id: int  # unique per consumer; the transport derives its tags from it
+    consumer: str
+    transport_address: bytes
+    dst_block_ids: list[int]
+
+
+class PullReply(_Msg, tag="pull_reply"):
+    """Producer → consumer: the pull finished (ok) or was refused (reason)."""
+
+    request_id: str
+    transfer_id: int
+    ok: bool
+    reason: str = ""
+
+
+# --- work: router → nodes, decode node → router -------------------------------------------
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+class PrefillWork(_Msg, tag="prefill"):
+    request_id: str
+    prompt_token_ids: list[int]
+
+
+class DecodeWork(_Msg, tag="decode"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    prefill_node: str
+    reply_to: str  # router's zmq endpoint for TokenChunk messages
+
+
+class DecodeStats(msgspec.Struct, frozen=True, kw_only=True):
+    bypassed: bool
+    kv_bytes: int
+    transfer_ms: float
+    ttft_ms: float
+    prefill_node: str
+    decode_node: str
+
+
+class TokenChunk(_Msg, tag="tokens"):
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    stats: DecodeStats | None = None
+
+
+class ErrorKind(enum.StrEnum):
+    INVALID_REQUEST = "invalid_request"  # the request can never be served as sent
+    INTERNAL = "internal"  # the node failed; the request itself may be fine
+
+
+class WorkError(_Msg, tag="error"):
+    request_id: str
+    node: str
+    reason: str
+    kind: ErrorKind = ErrorKind.INTERNAL
+
+
+Message = (
+    KVLayout | KVLocation | NodeInfo | PullRequest | PullReply
+    | PrefillWork | DecodeWork | TokenChunk | WorkError
+)
+
+
+class Envelope(msgspec.Struct, frozen=True, array_like=True):
+    version: int
+    body: Message
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Envelope)
+_version_probe = msgspec.msgpack.Decoder(tuple)
+
+
+def encode(msg: Message) -> bytes:
+    """Serialise one message with the current wire version."""
+    return _encoder.encode(Envelope(WIRE_VERSION, msg))
+
+
+def decode(data: bytes | memoryview, expect: type | tuple[type, ...] | None = None) -> Message:
+    """Parse one message.
+
+    Args:
+        data: bytes received from a peer.
+        expect: the message types acceptable here; others are rejected.
+    Returns:
+        The message.
+    Raises:
+        WireError: wrong version, malformed, oversized or unexpected message.
+    """
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        env = _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise WireError(_explain(data, exc)) from None
+    if env.version != WIRE_VERSION:
+        raise WireError(f"wire version {env.version!r} is not {WIRE_VERSION}")
+    if expect is not None and not isinstance(env.body, expect):
+        raise WireError(f"unexpected message type {type(env.body).__name__}")
+    return env.body
+
+
+def _explain(data: bytes | memoryview, exc: Exception) -> str:
+    try:
+        version = _version_probe.decode(data)[0]
+    except Exception:  # noqa: BLE001 - any failure means "not even an envelope"
+        return f"malformed message: {exc}"
+    if version != WIRE_VERSION:
+        return f"wire version {version!r} is not {WIRE_VERSION}"
+    return f"malformed message: {exc}"

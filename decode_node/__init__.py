@@ -1,0 +1,1 @@
+"""The decode node: receives prompts' KV, skips their forward, and generates tokens."""

@@ -1,0 +1,127 @@
+"""Decode node main loop.
+
+Lifecycle of a request here: a `DecodeWork` arrives on the zmq work socket and is
+validated (an invalid one is answered with `WorkError` at once); the engine admits it
+when its blocks fit, and the runner asks the connector for its KV and hidden states:
+if they arrive within the KV deadline the prompt's forward is skipped (bypassed),
+otherwise the prompt is recomputed here, so no request is lost to a failed
+transfer. Each engine step streams the new tokens to the router as `TokenChunk`s;
+the last one carries the finish reason and the transfer statistics. Finished
+requests free their blocks at once.
+
+The KV wait happens inside the engine step, so while a new request waits for its
+prefill, running requests pause (bounded by the KV deadline).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import zmq
+
+from connectors.wire import DecodeStats, DecodeWork, ErrorKind, TokenChunk, WireError, WorkError, decode, encode
+from engine.llm_engine import InvalidRequest, LLMEngine, StepOutput
+from engine.node_runtime import NodeRuntime
+from engine.wakeup import Wakeup
+
+log = logging.getLogger(__name__)
+
+
+class DecodeNode:
+    def __init__(self, rt: NodeRuntime):
+        self.rt = rt
+        self.engine = LLMEngine(rt.runner, rt.allocator, rt.max_model_len, rt.model.config.eos_token_id)
+        self._reply_to: dict[str, str] = {}
+        self._prefill_node: dict[str, str] = {}
+        self._replies: dict[str, zmq.Socket] = {}
+        self._wakeup = Wakeup()
+        self.rejected_messages = 0
+
+    def serve(self, stop: threading.Event) -> None:
+        """Run until `stop` is set (call `wake()` after setting it)."""
+        poller = zmq.Poller()
+        poller.register(self.rt.work_socket, zmq.POLLIN)
+        poller.register(self._wakeup.fd, zmq.POLLIN)
+        while not stop.is_set():
+            if not self.engine.has_unfinished():
+                poller.poll()
+                self._wakeup.drain()
+            while self.rt.work_socket.poll(0):
+                self._accept(self.rt.work_socket.recv(copy=False))
+            if self.engine.has_unfinished():
+                self._step()
+
+    def wake(self) -> None:
+        self._wakeup.wake()
+
+    def close(self) -> None:
+        for sock in self._replies.values():
+            sock.close(0)
+        self._wakeup.close()
+
+    def _accept(self, frame: zmq.Frame) -> None:
+        try:
+            work = decode(frame.buffer, expect=DecodeWork)
+        except WireError as exc:
+            self.rejected_messages += 1
+            log.warning("work socket: rejected message: %s", exc)
+            return
+        try:
+            self.engine.add_request(work.request_id, work.prompt_token_ids, work.sampling)
+        except InvalidRequest as exc:
+            self._send(work.reply_to, WorkError(request_id=work.request_id, node=self.rt.config.node_id,
+                                                reason=str(exc), kind=ErrorKind.INVALID_REQUEST))
+            return
+        self._reply_to[work.request_id] = work.reply_to
+        self._prefill_node[work.request_id] = work.prefill_node
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - fail the requests, keep the node
+            log.exception("engine step failed")
+            for seq in [*self.engine.running, *self.engine.waiting]:
+                self._fail(seq.request_id, f"engine step failed: {exc}")
+                self.engine.abort(seq.request_id)
+            return
+        for out in outputs:
+            self._emit(out)
+
+    def _emit(self, out: StepOutput) -> None:
+        seq = out.sequence
+        rid = seq.request_id
+        stats = self._stats(out) if seq.finished else None
+        chunk = TokenChunk(request_id=rid, token_ids=out.new_token_ids, finished=seq.finished,
+                           finish_reason=str(seq.finish_reason) if seq.finished else None, stats=stats)
+        reply_to = self._reply_to[rid] if not seq.finished else self._reply_to.pop(rid)
+        if seq.finished:
+            self._prefill_node.pop(rid, None)
+        self._send(reply_to, chunk)
+
+    def _stats(self, out: StepOutput) -> DecodeStats:
+        seq = out.sequence
+        got = self.rt.connector.take_transfer_stats(seq.request_id)
+        ttft = seq.metrics.ttft or 0.0
+        return DecodeStats(
+            bypassed=seq.bypassed, kv_bytes=got.kv_bytes if got else 0,
+            transfer_ms=got.transfer_s * 1000 if got else 0.0, ttft_ms=ttft * 1000,
+            prefill_node=got.producer if got else self._prefill_node.get(seq.request_id, ""),
+            decode_node=self.rt.config.node_id)
+
+    def _fail(self, rid: str, reason: str) -> None:
+        reply_to = self._reply_to.pop(rid, None)
+        self._prefill_node.pop(rid, None)
+        if reply_to:
+            self._send(reply_to, WorkError(request_id=rid, node=self.rt.config.node_id, reason=reason))
+
+    def _send(self, address: str, msg) -> None:
+        sock = self._replies.get(address)
+        if sock is None:
+            sock = zmq.Context.instance().socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.SNDHWM, 100000)
+            sock.connect(address)
+            self._replies[address] = sock
+        sock.send(encode(msg))

@@ -1,0 +1,31 @@
+"""How a process's engine is sized: the checkpoint, the KV pool, the device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Attributes:
+    model_dir: Hugging Face-format checkpoint directory.
+    block_size: tokens per KV block.
+    num_blocks: KV blocks in the pool (allocated once at start).
+    max_model_len: longest prompt + completion accepted; 0 means the model's limit.
+    device: torch device of the model and pool.
+    """
+
+    model_dir: Path
+    block_size: int = 16
+    num_blocks: int = 512
+    max_model_len: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")

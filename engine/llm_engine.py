@@ -1,0 +1,145 @@
+"""Continuous batching over the model runner.
+
+Lifecycle of a request: `add_request` validates it and puts it in the waiting queue;
+`step()` admits waiting requests while their blocks fit (blocks for the prompt plus
+max_tokens are reserved up front, so a running request never runs out), computes
+each admitted prompt (or receives its KV through the connector) and samples its
+first token, then runs one decode step over every running request. A finished or
+aborted request frees its blocks at once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from connectors.wire import SamplingParams
+from engine.block_allocator import BlockAllocator
+from engine.model_input import ModelInput, SequenceInput
+from engine.runner import ModelRunner
+from engine.sampler import make_generator, sample
+from engine.sequence import FinishReason, Sequence
+
+
+class InvalidRequest(ValueError):
+    def __init__(self, request_id: str, reason: str):
+        super().__init__(f"request {request_id}: {reason}")
+        self.request_id = request_id
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    sequence: Sequence
+    new_token_ids: list[int]
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, allocator: BlockAllocator, max_model_len: int,
+                 eos_token_id: int | None = None):
+        self.runner = runner
+        self.allocator = allocator
+        self.block_size = runner.pool.layout.block_size
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request. Raises InvalidRequest when it can never run."""
+        self.validate(request_id, prompt_ids, params)
+        seq = Sequence(request_id, list(prompt_ids), params, make_generator(params.seed))
+        self.waiting.append(seq)
+        return seq
+
+    def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        vocab = self.runner.model.config.vocab_size
+        if not prompt_ids:
+            raise InvalidRequest(request_id, "empty prompt")
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequest(request_id, f"token ids must be in [0, {vocab})")
+        if params.max_tokens < 1:
+            raise InvalidRequest(request_id, "max_tokens must be at least 1")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(request_id, f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) "
+                                             f"exceeds the context length {self.max_model_len}")
+        if self._blocks_needed(len(prompt_ids), params) > self.allocator.num_blocks:
+            raise InvalidRequest(request_id, "request needs more KV blocks than the pool has")
+
+    def abort(self, request_id: str) -> None:
+        for seq in [*self.waiting, *self.running]:
+            if seq.request_id == request_id:
+                seq.finish_reason = FinishReason.ABORT
+        self.waiting = deque(s for s in self.waiting if not s.finished)
+        self._reap()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[StepOutput]:
+        """Admit what fits, then decode one token for every running request."""
+        outputs: dict[str, StepOutput] = {}
+        for seq in self._admit():
+            outputs[seq.request_id] = StepOutput(seq, [self._prefill(seq)])
+        decoding = [s for s in self.running if not s.finished]
+        if decoding:
+            for seq, token in zip(decoding, self._decode(decoding)):
+                outputs.setdefault(seq.request_id, StepOutput(seq, [])).new_token_ids.append(token)
+        self._reap()
+        return list(outputs.values())
+
+    def _blocks_needed(self, prompt_len: int, params: SamplingParams) -> int:
+        return math.ceil(min(prompt_len + params.max_tokens, self.max_model_len) / self.block_size)
+
+    def _admit(self) -> list[Sequence]:
+        admitted = []
+        while self.waiting:
+            seq = self.waiting[0]
+            need = self._blocks_needed(len(seq.prompt_ids), seq.params)
+            if need > self.allocator.num_free:
+                break
+            self.waiting.popleft()
+            seq.block_ids = self.allocator.allocate(need)
+            seq.metrics.mark_scheduled(time.monotonic())
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def _prefill(self, seq: Sequence) -> int:
+        batch = ModelInput([SequenceInput(seq.request_id, seq.prompt_ids, 0, seq.block_ids)], is_prompt=True)
+        result = self.runner.run_prompt(batch)
+        seq.bypassed = result.bypassed
+        seq.metrics.model_forward_time += result.forward_s
+        token = self._sample(seq, self.runner.logits(result.last_hidden)[0])
+        seq.metrics.mark_first_token(time.monotonic())
+        return token
+
+    def _decode(self, seqs: list[Sequence]) -> list[int]:
+        batch = ModelInput(
+            [SequenceInput(s.request_id, [s.last_token], s.num_tokens - 1, s.block_ids) for s in seqs],
+            is_prompt=False)
+        start = time.monotonic()
+        logits = self.runner.logits(self.runner.run_decode(batch))
+        elapsed = time.monotonic() - start
+        tokens = []
+        for i, seq in enumerate(seqs):
+            seq.metrics.model_forward_time += elapsed
+            tokens.append(self._sample(seq, logits[i]))
+        return tokens
+
+    def _sample(self, seq: Sequence, logits) -> int:
+        token = sample(logits, seq.params, seq.generator)
+        seq.output_ids.append(token)
+        if self.eos_token_id is not None and token == self.eos_token_id:
+            seq.finish_reason = FinishReason.STOP
+        elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = FinishReason.LENGTH
+        return token
+
+    def _reap(self) -> None:
+        for seq in [s for s in self.running if s.finished]:
+            self.allocator.free(seq.block_ids)
+            seq.block_ids = []
+            seq.metrics.finished_time = time.monotonic()
+        self.running = [s for s in self.running if not s.finished]

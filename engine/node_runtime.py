@@ -1,0 +1,109 @@
+"""What a prefill or decode node is made of: engine parts, connector, directory entry.
+
+Lifecycle: `NodeRuntime.start(config)` loads the model, allocates the KV pool once,
+builds the connector and hands it the pool, binds the zmq work socket, and registers
+the node in the directory with a heartbeat. `close()` deregisters, stops the
+heartbeat, closes the connector and the socket.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import zmq
+
+from connectors.config import NodeConfig, NodeRole
+from connectors.directory import Heartbeat, KVDirectory
+from connectors.directory_connector import DirectoryConnector
+from connectors.factory import create_connector
+from connectors.wire import NodeInfo
+from engine.block_allocator import BlockAllocator
+from engine.config import kv_layout
+from engine.kv_cache import KVPool
+from engine.loader import load_model
+from engine.model import LlamaForCausalLM
+from engine.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeRuntime:
+    config: NodeConfig
+    model: LlamaForCausalLM
+    pool: KVPool
+    allocator: BlockAllocator
+    connector: DirectoryConnector
+    runner: ModelRunner
+    work_socket: zmq.Socket
+    work_address: str
+    directory: KVDirectory
+    heartbeat: Heartbeat
+
+    @classmethod
+    def start(cls, config: NodeConfig) -> NodeRuntime:
+        eng = config.engine
+        model = load_model(eng.model_dir, eng.device)
+        pool = KVPool.allocate(kv_layout(model.config, eng.block_size), eng.num_blocks, eng.device)
+        allocator = BlockAllocator(eng.num_blocks)
+        connector = create_connector(0, 0, config.connector)
+        runner = ModelRunner(model, pool, connector, config.connector.role)
+        sock = zmq.Context.instance().socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        if config.work_port:
+            sock.bind(f"tcp://{config.host}:{config.work_port}")
+            address = f"tcp://{config.host}:{config.work_port}"
+        else:
+            address = f"tcp://{config.host}:{sock.bind_to_random_port(f'tcp://{config.host}')}"
+        directory = KVDirectory(config.connector.redis_url, entry_ttl_s=config.connector.entry_ttl_s,
+                                node_ttl_s=config.heartbeat_ttl_s)
+        rt = cls(config, model, pool, allocator, connector, runner, sock, address, directory, None)  # type: ignore[arg-type]
+        rt.heartbeat = Heartbeat(directory, rt.node_info)
+        rt.heartbeat.start()
+        log.info("node %s (%s, epoch %d) serving on %s", config.node_id, config.connector.role,
+                 connector.epoch, address)
+        return rt
+
+    @property
+    def max_model_len(self) -> int:
+        limit = self.model.config.max_position_embeddings
+        return min(self.config.engine.max_model_len or limit, limit)
+
+    def node_info(self) -> NodeInfo:
+        return NodeInfo(node_id=self.config.node_id, role=NodeRole(self.config.connector.role),
+                        epoch=self.connector.epoch, work_address=self.work_address,
+                        connector=self.config.connector.kind, free_blocks=self.allocator.num_free,
+                        total_blocks=self.allocator.num_blocks)
+
+    def close(self) -> None:
+        self.heartbeat.stop()
+        try:
+            self.directory.deregister_node(self.config.node_id)
+        except Exception as exc:  # noqa: BLE001 - shutting down; the entry's TTL cleans up
+            log.warning("could not deregister %s: %s", self.config.node_id, exc)
+        self.connector.close()
+        self.directory.close()
+        self.work_socket.close(0)
+
+
+def serve_until_signalled(rt: NodeRuntime, node) -> None:
+    """Run `node.serve` on this thread until SIGTERM or SIGINT, then close everything."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        log.info("node %s: signal %d, shutting down", rt.config.node_id, signum)
+        stop.set()
+        node.wake()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        node.serve(stop)
+    finally:
+        node.close()
+        rt.close()

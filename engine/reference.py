@@ -1,0 +1,32 @@
+"""Single-process generation: the same engine with no connector, the reference outputs
+that the disaggregated path must reproduce token for token."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+from connectors.wire import SamplingParams
+from engine.block_allocator import BlockAllocator
+from engine.config import kv_layout
+from engine.kv_cache import KVPool
+from engine.llm_engine import LLMEngine
+from engine.loader import load_model
+from engine.runner import ModelRunner
+
+
+def generate(model_dir: Path, prompts: list[list[int]], params: SamplingParams, *,
+             block_size: int = 16, num_blocks: int = 1024, device: str = "cpu") -> list[list[int]]:
+    """Generate completions for token-id prompts in one process, all batched together.
+
+    Returns:
+        The sampled token ids of each prompt, in order.
+    """
+    model = load_model(model_dir, device)
+    pool = KVPool.allocate(kv_layout(model.config, block_size), num_blocks, device)
+    engine = LLMEngine(ModelRunner(model, pool), BlockAllocator(num_blocks),
+                       model.config.max_position_embeddings, model.config.eos_token_id)
+    seqs = [engine.add_request(f"ref-{uuid.uuid4().hex[:8]}-{i}", p, params) for i, p in enumerate(prompts)]
+    while engine.has_unfinished():
+        engine.step()
+    return [s.output_ids for s in seqs]

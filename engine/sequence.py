@@ -1,0 +1,43 @@
+"""One request as the engine tracks it: prompt, sampled tokens, blocks, RNG, metrics."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from connectors.types import RequestMetrics
+from connectors.wire import SamplingParams
+
+
+class FinishReason(enum.StrEnum):
+    LENGTH = "length"  # max_tokens reached
+    STOP = "stop"  # end-of-sequence token
+    ABORT = "abort"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    bypassed: bool = False
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]

@@ -1,0 +1,1 @@
+"""The prefill node: computes prompts and hands their KV to the transfer plane."""

@@ -1,0 +1,143 @@
+"""Prefill node main loop.
+
+Lifecycle of a request here: a `PrefillWork` arrives on the zmq work socket and is
+marked PENDING in the directory; it waits until its prompt's blocks fit in the pool
+(bounded by the KV deadline: after that the decode node recomputes anyway, so the
+work is dropped); the prompt is computed and the connector publishes its KV and
+hidden states READY; the blocks stay allocated until the connector's release
+callback says the decode node pulled them, refused them, or never came.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import zmq
+
+from connectors.directory import DirectoryError, TransferState
+from connectors.wire import PrefillWork, WireError, decode
+from engine.model_input import ModelInput, SequenceInput
+from engine.node_runtime import NodeRuntime
+from engine.wakeup import Wakeup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    work: PrefillWork
+    arrived: float
+
+
+class PrefillNode:
+    def __init__(self, rt: NodeRuntime):
+        self.rt = rt
+        self._pending: deque[_Pending] = deque()
+        self._held_blocks: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
+        self._wakeup = Wakeup()
+        self.rejected_messages = 0
+        rt.connector.set_release_callback(self._on_release)
+
+    def serve(self, stop: threading.Event) -> None:
+        """Run until `stop` is set (call `wake()` after setting it)."""
+        poller = zmq.Poller()
+        poller.register(self.rt.work_socket, zmq.POLLIN)
+        poller.register(self._wakeup.fd, zmq.POLLIN)
+        while not stop.is_set():
+            poller.poll(self._poll_timeout_ms())
+            self._wakeup.drain()
+            while self.rt.work_socket.poll(0):
+                self._accept(self.rt.work_socket.recv(copy=False))
+            self._run_pending()
+
+    def wake(self) -> None:
+        self._wakeup.wake()
+
+    def close(self) -> None:
+        self._wakeup.close()
+
+    @property
+    def held_requests(self) -> int:
+        with self._lock:
+            return len(self._held_blocks)
+
+    def _poll_timeout_ms(self) -> int | None:
+        if not self._pending:
+            return None
+        due = self._pending[0].arrived + self.rt.config.connector.kv_deadline_s
+        return max(0, int((due - time.monotonic()) * 1000) + 1)
+
+    def _accept(self, frame: zmq.Frame) -> None:
+        try:
+            work = decode(frame.buffer, expect=PrefillWork)
+        except WireError as exc:
+            self.rejected_messages += 1
+            log.warning("work socket: rejected message: %s", exc)
+            return
+        try:
+            self.rt.directory.create_pending(work.request_id, self.rt.config.node_id)
+        except DirectoryError as exc:
+            log.warning("request %s: cannot mark pending: %s", work.request_id, exc)
+        reason = self._invalid(work)
+        if reason:
+            log.warning("request %s: %s", work.request_id, reason)
+            self._mark_failed(work.request_id, reason)
+            return
+        self._pending.append(_Pending(work, time.monotonic()))
+
+    def _run_pending(self) -> None:
+        deadline_s = self.rt.config.connector.kv_deadline_s
+        while self._pending:
+            item = self._pending[0]
+            if time.monotonic() - item.arrived > deadline_s:
+                self._pending.popleft()
+                log.warning("request %s: no free KV blocks within the deadline; dropped", item.work.request_id)
+                continue
+            need = math.ceil(len(item.work.prompt_token_ids) / self.rt.pool.layout.block_size)
+            if need > self.rt.allocator.num_free:
+                return  # a release will wake us
+            self._pending.popleft()
+            self._prefill(item.work, need)
+
+    def _prefill(self, work: PrefillWork, need: int) -> None:
+        rid = work.request_id
+        blocks = self.rt.allocator.allocate(need)
+        with self._lock:
+            self._held_blocks[rid] = blocks
+        try:
+            self.rt.runner.run_prompt(ModelInput([SequenceInput(rid, work.prompt_token_ids, 0, blocks)]))
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the node
+            log.exception("request %s: prefill failed", rid)
+            self._mark_failed(rid, f"prefill failed: {exc}")
+            self._on_release(rid)
+
+    def _invalid(self, work: PrefillWork) -> str:
+        vocab = self.rt.model.config.vocab_size
+        if not work.prompt_token_ids:
+            return "empty prompt"
+        if len(work.prompt_token_ids) > self.rt.max_model_len:
+            return f"prompt of {len(work.prompt_token_ids)} tokens exceeds {self.rt.max_model_len}"
+        if any(not 0 <= t < vocab for t in work.prompt_token_ids):
+            return f"token ids must be in [0, {vocab})"
+        if math.ceil(len(work.prompt_token_ids) / self.rt.pool.layout.block_size) > self.rt.allocator.num_blocks:
+            return "prompt needs more KV blocks than the pool has"
+        return ""
+
+    def _mark_failed(self, rid: str, reason: str) -> None:
+        try:
+            self.rt.directory.transition(rid, {TransferState.PENDING}, TransferState.FAILED, reason)
+        except DirectoryError as exc:
+            log.warning("request %s: cannot mark failed: %s", rid, exc)
+
+    def _on_release(self, rid: str) -> None:
+        with self._lock:
+            blocks = self._held_blocks.pop(rid, None)
+        if blocks is not None:
+            self.rt.allocator.free(blocks)
+            self.wake()

@@ -1,0 +1,174 @@
+"""The router's HTTP API: POST /v1/completions, GET /v1/models, GET /healthz.
+
+Lifecycle: `create_app(config)` builds the app; on startup it opens the directory
+and the dispatcher, on shutdown it closes them. Each completion is tokenized here,
+dispatched to one prefill and one decode node, and answered whole or streamed as
+server-sent events, with a `kvwire` object telling how its KV travelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from connectors.config import NodeRole
+from connectors.directory import KVDirectory
+from connectors.wire import ErrorKind, SamplingParams, TokenChunk, WorkError
+from engine.loader import load_config
+from engine.tokenizer import load_tokenizer
+from router.config import RouterConfig
+from router.dispatch import Dispatcher
+from router.schemas import APIError, CompletionRequest, parse_request
+
+
+class Completion:
+    """One request's accumulating result."""
+
+    def __init__(self, request_id: str, req: CompletionRequest, prompt_ids: list[int], tokenizer, started: float):
+        self.request_id = request_id
+        self.req = req
+        self.prompt_ids = prompt_ids
+        self.tokenizer = tokenizer
+        self.started = started
+        self.token_ids: list[int] = []
+        self.first_token_at: float | None = None
+        self.final: TokenChunk | None = None
+
+    def add(self, chunk: TokenChunk) -> str:
+        """Record a chunk; return the new text it adds."""
+        if self.first_token_at is None and chunk.token_ids:
+            self.first_token_at = time.monotonic()
+        before = self.tokenizer.decode(self.token_ids)
+        self.token_ids.extend(chunk.token_ids)
+        if chunk.finished:
+            self.final = chunk
+        return self.tokenizer.decode(self.token_ids)[len(before):]
+
+    def kvwire(self) -> dict:
+        stats = self.final.stats if self.final else None
+        ttft = (self.first_token_at - self.started) * 1000 if self.first_token_at else None
+        out = {"bypassed": False, "kv_bytes": 0, "transfer_ms": 0.0, "ttft_ms": ttft,
+               "prefill_node": None, "decode_node": None}
+        if stats is not None:
+            out.update(bypassed=stats.bypassed, kv_bytes=stats.kv_bytes, transfer_ms=stats.transfer_ms,
+                       prefill_node=stats.prefill_node, decode_node=stats.decode_node,
+                       decode_ttft_ms=stats.ttft_ms)
+        return out
+
+    def choice(self, text: str, finished: bool) -> dict:
+        c = {"index": 0, "text": text, "logprobs": None,
+             "finish_reason": self.final.finish_reason if finished and self.final else None}
+        if self.req.return_token_ids:
+            c["token_ids"] = list(self.token_ids) if finished else None
+        return c
+
+    def body(self, model: str, choice: dict, final: bool) -> dict:
+        out = {"id": self.request_id, "object": "text_completion", "created": int(time.time()),
+               "model": model, "choices": [choice]}
+        if final:
+            n = len(self.token_ids)
+            out["usage"] = {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n,
+                            "total_tokens": len(self.prompt_ids) + n}
+            out["kvwire"] = self.kvwire()
+        return out
+
+
+def create_app(config: RouterConfig) -> FastAPI:
+    tokenizer = load_tokenizer(config.model_dir)
+    model_config = load_config(config.model_dir)
+    max_len = model_config.max_position_embeddings
+    state: dict = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state["directory"] = KVDirectory(config.redis_url)
+        state["dispatcher"] = Dispatcher(state["directory"], config.host)
+        state["dispatcher"].start()
+        yield
+        await state["dispatcher"].close()
+        state["directory"].close()
+
+    app = FastAPI(title="kvwire router", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.get("/healthz")
+    async def healthz():
+        d: Dispatcher = state["dispatcher"]
+        counts = {r.value: len(await asyncio.to_thread(d.live_nodes, r)) for r in NodeRole}
+        ok = all(counts.values())
+        return JSONResponse({"status": "ok" if ok else "degraded", "nodes": counts}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model",
+                                            "owned_by": "kvwire", "max_model_len": max_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        started = time.monotonic()
+        req = parse_request(await request.body(), max_len)
+        prompt_ids = tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        _check_prompt(prompt_ids, req, max_len, model_config.vocab_size)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        sampling = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+        dispatcher: Dispatcher = state["dispatcher"]
+        _, queue = await dispatcher.submit(rid, prompt_ids, sampling)
+        comp = Completion(rid, req, prompt_ids, tokenizer, started)
+        deadline = started + config.request_timeout_s
+        if req.stream:
+            return StreamingResponse(_stream(comp, queue, deadline, dispatcher, config.served_model_name),
+                                     media_type="text/event-stream")
+        try:
+            async for _ in _chunks(comp, queue, deadline):
+                pass
+        finally:
+            dispatcher.forget(rid)
+        choice = comp.choice(tokenizer.decode(comp.token_ids), finished=True)
+        return comp.body(config.served_model_name, choice, final=True)
+
+    return app
+
+
+def _check_prompt(prompt_ids: list[int], req: CompletionRequest, max_len: int, vocab: int) -> None:
+    if not prompt_ids:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if any(not 0 <= t < vocab for t in prompt_ids):
+        raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt")
+    if len(prompt_ids) + req.max_tokens > max_len:
+        raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({req.max_tokens}) "
+                            f"exceeds the model's context length {max_len}", param="prompt")
+
+
+async def _chunks(comp: Completion, queue: asyncio.Queue, deadline: float):
+    """Yield the text each chunk adds until the final one. Raises APIError on failure or timeout."""
+    while comp.final is None:
+        try:
+            msg = await asyncio.wait_for(queue.get(), timeout=max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise APIError(504, f"request {comp.request_id} timed out", type_="timeout") from None
+        if isinstance(msg, WorkError):
+            if msg.kind == ErrorKind.INVALID_REQUEST:
+                raise APIError(400, msg.reason)
+            raise APIError(500, f"node {msg.node}: {msg.reason}", type_="server_error")
+        yield comp.add(msg)
+
+
+async def _stream(comp: Completion, queue: asyncio.Queue, deadline: float, dispatcher: Dispatcher, model: str):
+    try:
+        async for delta in _chunks(comp, queue, deadline):
+            final = comp.final is not None
+            yield f"data: {json.dumps(comp.body(model, comp.choice(delta, final), final))}\n\n"
+    except APIError as exc:
+        yield f"data: {json.dumps(exc.body())}\n\n"
+    finally:
+        dispatcher.forget(comp.request_id)
+    yield "data: [DONE]\n\n"

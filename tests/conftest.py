@@ -1,0 +1,28 @@
+"""Fixtures shared by the whole suite."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+import redis
+
+from cli.redis_server import LocalRedis
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[LocalRedis]:
+    """One private redis-server for the session (tests that crash a server start their own)."""
+    with LocalRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: LocalRedis) -> str:
+    """The session server's URL, its database emptied before the test."""
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+    return redis_server.url
