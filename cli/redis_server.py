@@ -123,7 +123,7 @@ class _Server:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # signals to the test's group do not reach it; we clean up
-            preexec_fn=None,
+            preexec_fn=_parent_death_signal(),
         )
         self.settled = threading.Event()  # set once it is ready or its output ended
         self.ready = False
@@ -268,7 +268,10 @@ class LocalRedis:
         ]  # fmt: skip
         if self.password:
             args += ["--requirepass", self.password]
-        server = self._server = _Server(args)
+        try:
+            server = self._server = _Server(args)
+        except OSError as exc:
+            raise LocalRedisError(f"cannot run {args[0]}: {exc}", port=self._port) from exc
         if not server.settled.wait(timeout=max(0.0, deadline - time.monotonic())) or not server.ready:
             server.terminate(signal.SIGKILL, self._stop_timeout_s)
             self._server = None

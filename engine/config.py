@@ -100,9 +100,9 @@ class ModelConfig:
         for flag in _UNSUPPORTED_TRUE:
             if d.get(flag):
                 raise ValueError(f"{flag}=true is not supported")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"rope scaling {rope!r} is not supported")
+        for rope in (d.get("rope_scaling") or {}, d.get("rope_parameters") or {}):
+            if rope.get("rope_type", rope.get("type", "default")) != "default":
+                raise ValueError(f"rope scaling {rope!r} is not supported")
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads")
         missing = [k for k in required if k not in d]

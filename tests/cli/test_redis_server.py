@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -129,7 +130,12 @@ def test_stop_escalates_to_sigkill() -> None:
     assert not is_alive(pid) and time.monotonic() - start < 2
 
 
-def test_start_fails_cleanly_without_a_binary(tmp_path: Path) -> None:
+def test_missing_binary_is_a_local_redis_error(tmp_path: Path) -> None:
+    with pytest.raises(LocalRedisError, match="cannot run"):
+        LocalRedis(binary=tmp_path / "absent").start()
+
+
+def test_start_fails_cleanly_with_a_broken_binary(tmp_path: Path) -> None:
     fake = tmp_path / "redis-server"
     fake.write_text("#!/bin/sh\necho 'FATAL: broken build'\nexit 1\n")
     fake.chmod(0o755)
@@ -139,26 +145,30 @@ def test_start_fails_cleanly_without_a_binary(tmp_path: Path) -> None:
     assert server.pid is None and server._dir is None
 
 
-@pytest.mark.parametrize("ending", ["os._exit(0)", "os.kill(os.getpid(), signal.SIGKILL)", "pass"],
+@pytest.mark.parametrize(("ending", "cleans_up"), [("os._exit(0)", False),
+                                                   ("os.kill(os.getpid(), signal.SIGKILL)", False),
+                                                   ("pass", True)],
                          ids=["exit-without-atexit", "sigkill", "atexit"])  # fmt: skip
-def test_server_dies_with_its_parent(ending: str) -> None:
+def test_server_dies_with_its_parent(ending: str, cleans_up: bool) -> None:
     script = textwrap.dedent(f"""
         import os, signal, sys
         from cli.redis_server import LocalRedis
         server = LocalRedis().start()
-        print(server.pid, flush=True)
+        print(server.pid, server._dir, flush=True)
         sys.stdin.readline()
         {ending}
     """)
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    pid, workdir = parent.stdout.readline().split()
     try:
-        pid = int(parent.stdout.readline())
-        assert is_alive(pid)
+        assert is_alive(int(pid))
         parent.stdin.write("\n")
         parent.stdin.flush()
         parent.wait(timeout=10)
-        assert wait_exit(pid, timeout_s=5), f"redis-server {pid} outlived its parent"
+        assert wait_exit(int(pid), timeout_s=5), f"redis-server {pid} outlived its parent"
+        assert Path(workdir).exists() is not cleans_up  # only atexit gets to remove the dir
     finally:
         parent.kill()
         parent.wait()
+        shutil.rmtree(workdir, ignore_errors=True)

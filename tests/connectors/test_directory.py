@@ -292,7 +292,7 @@ def test_wait_for_times_out(directory: KVDirectory, exists: bool) -> None:
         directory.create_pending("r1", "p")
     start = time.monotonic()
     assert directory.wait_for("r1", [S.READY], start + 0.3) is None
-    assert 0.3 <= time.monotonic() - start < 0.5
+    assert 0.3 <= time.monotonic() - start < 0.6
 
 
 def test_wait_for_deadline_in_the_past_looks_once(directory: KVDirectory) -> None:
