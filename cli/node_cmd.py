@@ -14,6 +14,9 @@ NodeId = Annotated[str | None, typer.Option("--node-id", help="Name in the direc
 Port = Annotated[int, typer.Option("--port", min=0, max=65535, help="zmq work port; 0 picks a free one.")]
 MaxLen = Annotated[int, typer.Option("--max-model-len", min=0, help="Longest prompt + completion; 0: the model's.")]
 Device = Annotated[str, typer.Option("--device", help="torch device, e.g. cpu or cuda:0.")]
+Threads = Annotated[int, typer.Option("--torch-threads", min=0,
+                                      help="torch intra-op threads; 0: torch's default. 1 avoids oversubscribing "
+                                           "cores shared with other nodes.")]
 
 
 def _run(role: NodeRole, **kw) -> None:
@@ -29,7 +32,7 @@ def _run(role: NodeRole, **kw) -> None:
 def prefill(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port: Port = 0,
             node_id: NodeId = None, connector: Connector = ConnectorKind.UCX, block_size: BlockSize = 16,
             num_blocks: NumBlocks = 1024, kv_deadline: KVDeadline = 10.0, max_model_len: MaxLen = 0,
-            device: Device = "cpu", log_level: LogLevel = "INFO") -> None:
+            device: Device = "cpu", torch_threads: Threads = 1, log_level: LogLevel = "INFO") -> None:
     """Run a prefill node: compute prompts and publish their KV."""
     _run(NodeRole.PREFILL, **locals())
 
@@ -37,6 +40,6 @@ def prefill(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port
 def decode(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port: Port = 0,
            node_id: NodeId = None, connector: Connector = ConnectorKind.UCX, block_size: BlockSize = 16,
            num_blocks: NumBlocks = 1024, kv_deadline: KVDeadline = 10.0, max_model_len: MaxLen = 0,
-           device: Device = "cpu", log_level: LogLevel = "INFO") -> None:
+           device: Device = "cpu", torch_threads: Threads = 1, log_level: LogLevel = "INFO") -> None:
     """Run a decode node: receive prompts' KV and generate tokens."""
     _run(NodeRole.DECODE, **locals())

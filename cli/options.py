@@ -38,13 +38,13 @@ def default_node_id(role: NodeRole) -> str:
 
 def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port: int, node_id: str | None,
                 connector: ConnectorKind, block_size: int, num_blocks: int, kv_deadline: float,
-                max_model_len: int, device: str) -> NodeConfig:
+                max_model_len: int, device: str, torch_threads: int) -> NodeConfig:
     """Build a node's one config object from its command-line options."""
     if not (model / "config.json").is_file():
         raise typer.BadParameter(f"{model} has no config.json (create one with `kvwire init-model`)", param_hint="--model")
     return NodeConfig(
         engine=EngineConfig(model_dir=model, block_size=block_size, num_blocks=num_blocks,
-                            max_model_len=max_model_len, device=device),
+                            max_model_len=max_model_len, device=device, torch_threads=torch_threads),
         connector=ConnectorConfig(kind=connector, role=role, node_id=node_id or default_node_id(role),
                                   redis_url=redis_url, host=host, kv_deadline_s=kv_deadline,
                                   entry_ttl_s=max(60.0, kv_deadline * 2)),

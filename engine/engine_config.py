@@ -14,6 +14,9 @@ class EngineConfig:
     num_blocks: KV blocks in the pool (allocated once at start).
     max_model_len: longest prompt + completion accepted; 0 means the model's limit.
     device: torch device of the model and pool.
+    torch_threads: intra-op threads; 0 keeps torch's default. Nodes sharing a host's cores
+        must not oversubscribe them: OpenMP threads spinning in barriers while the other
+        process runs made a 2-core demo 40x slower, so nodes default to 1.
     """
 
     model_dir: Path
@@ -21,11 +24,14 @@ class EngineConfig:
     num_blocks: int = 512
     max_model_len: int = 0
     device: str = "cpu"
+    torch_threads: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
+        if self.torch_threads < 0:
+            raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
 import zmq
 
 from connectors.config import NodeConfig, NodeRole
@@ -44,6 +45,8 @@ class NodeRuntime:
     @classmethod
     def start(cls, config: NodeConfig) -> NodeRuntime:
         eng = config.engine
+        if eng.torch_threads:
+            torch.set_num_threads(eng.torch_threads)
         model = load_model(eng.model_dir, eng.device)
         pool = KVPool.allocate(kv_layout(model.config, eng.block_size), eng.num_blocks, eng.device)
         allocator = BlockAllocator(eng.num_blocks)

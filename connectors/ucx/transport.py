@@ -12,9 +12,15 @@ consumer's engine thread).
 
 from __future__ import annotations
 
+import os
+
 import torch
-import ucxx._lib.libucxx as ucx
-from ucxx._lib.arr import Array
+
+# ucxx sets UCX_MEMTYPE_CACHE, which UCX 1.21 no longer knows and warns about at every start.
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+import ucxx._lib.libucxx as ucx  # noqa: E402
+from ucxx._lib.arr import Array  # noqa: E402
 
 SEGMENT_BITS = 24  # low tag bits: piece index within one transfer
 MAX_PIECES = 1 << SEGMENT_BITS
