@@ -122,7 +122,7 @@ class DecodeWork(_Msg, tag="decode"):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    prefill_node: str
+    prefill_node: str  # "" when no prefill node was available: decode computes the prompt itself
     reply_to: str  # router's zmq endpoint for TokenChunk messages
 
 

@@ -69,7 +69,8 @@ class DecodeNode:
             log.warning("work socket: rejected message: %s", exc)
             return
         try:
-            self.engine.add_request(work.request_id, work.prompt_token_ids, work.sampling)
+            self.engine.add_request(work.request_id, work.prompt_token_ids, work.sampling,
+                                    receive_kv=bool(work.prefill_node))
         except InvalidRequest as exc:
             self._send(work.reply_to, WorkError(request_id=work.request_id, node=self.rt.config.node_id,
                                                 reason=str(exc), kind=ErrorKind.INVALID_REQUEST))

@@ -93,21 +93,8 @@ class ModelConfig:
             ValueError: a missing field, or a feature this engine does not implement
                 (biases, rope scaling, an activation other than silu, another model type).
         """
-        if d.get("model_type", "llama") != "llama":
-            raise ValueError(f"model_type {d.get('model_type')!r} is not 'llama'")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {d.get('hidden_act')!r} is not supported (only silu)")
-        for flag in _UNSUPPORTED_TRUE:
-            if d.get(flag):
-                raise ValueError(f"{flag}=true is not supported")
-        for rope in (d.get("rope_scaling") or {}, d.get("rope_parameters") or {}):
-            if rope.get("rope_type", rope.get("type", "default")) != "default":
-                raise ValueError(f"rope scaling {rope!r} is not supported")
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads")
-        missing = [k for k in required if k not in d]
-        if missing:
-            raise ValueError(f"config.json lacks {missing}")
+        _check_supported(d)
+        rope = d.get("rope_parameters") or {}
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -160,6 +147,25 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def _check_supported(d: dict[str, Any]) -> None:
+    """Raises ValueError for an HF config this engine cannot run, or one lacking a field."""
+    if d.get("model_type", "llama") != "llama":
+        raise ValueError(f"model_type {d.get('model_type')!r} is not 'llama'")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {d.get('hidden_act')!r} is not supported (only silu)")
+    for flag in _UNSUPPORTED_TRUE:
+        if d.get(flag):
+            raise ValueError(f"{flag}=true is not supported")
+    for rope in (d.get("rope_scaling") or {}, d.get("rope_parameters") or {}):
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"rope scaling {rope!r} is not supported")
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads")
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise ValueError(f"config.json lacks {missing}")
 
 
 def _single_id(value: int | list[int] | None) -> int | None:

@@ -143,6 +143,7 @@ def write_checkpoint(out_dir: Path, config: ModelConfig, seed: int) -> ModelConf
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
-    save_file(random_tensors(config, seed), str(out_dir / "model.safetensors"),
-              metadata={"format": "pt", "kvwire_seed": str(seed)})
+    # one metadata entry only: safetensors writes a map's entries in hash order, so
+    # more than one would make the file's bytes vary from run to run
+    save_file(random_tensors(config, seed), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return config

@@ -46,10 +46,16 @@ class LLMEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        """Queue a request. Raises InvalidRequest when it can never run."""
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    receive_kv: bool = True) -> Sequence:
+        """Queue a request. Raises InvalidRequest when it can never run.
+
+        Args:
+            receive_kv: whether a decode-role runner should ask the connector for the
+                prompt's KV (False when no prefill node is computing it).
+        """
         self.validate(request_id, prompt_ids, params)
-        seq = Sequence(request_id, list(prompt_ids), params, make_generator(params.seed))
+        seq = Sequence(request_id, list(prompt_ids), params, make_generator(params.seed), receive_kv=receive_kv)
         self.waiting.append(seq)
         return seq
 
@@ -108,7 +114,7 @@ class LLMEngine:
 
     def _prefill(self, seq: Sequence) -> int:
         batch = ModelInput([SequenceInput(seq.request_id, seq.prompt_ids, 0, seq.block_ids)], is_prompt=True)
-        result = self.runner.run_prompt(batch)
+        result = self.runner.run_prompt(batch, receive_kv=seq.receive_kv)
         seq.bypassed = result.bypassed
         seq.metrics.model_forward_time += result.forward_s
         token = self._sample(seq, self.runner.logits(result.last_hidden)[0])

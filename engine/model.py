@@ -22,7 +22,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.kv_cache import TORCH_DTYPES
-from engine.model_input import ModelInput
+from engine.model_input import ModelInput, SequenceInput
 from engine.ops import batch_invariant_linear, rms_norm, silu_mul
 
 
@@ -45,43 +45,53 @@ class AttentionMetadata(NamedTuple):
 
 
 def build_attention_metadata(
-    model_input: ModelInput, block_size: int, max_positions: int, device: torch.device
+    model_input: ModelInput, block_size: int, num_blocks: int, max_positions: int, device: torch.device
 ) -> AttentionMetadata:
     """Turn block tables into per-token write slots and per-sequence read slots.
 
     Args:
         model_input: the batch.
         block_size: tokens per KV block.
+        num_blocks: blocks in the pool.
         max_positions: positions the model supports.
         device: where the index tensors live.
     Returns:
         The metadata.
     Raises:
-        ValueError: a sequence has no tokens, or outruns its block table or the model's positions.
+        ValueError: a sequence has no tokens, outruns its block table or the model's
+            positions, or names a block outside the pool.
     """
     positions, seqs = [], []
     write_blocks, write_slots = [], []
     for seq, rows in zip(model_input.sequences, model_input.token_slices()):
-        if seq.num_tokens == 0:
-            raise ValueError(f"{seq.request_id}: no tokens to compute")
-        if seq.start_pos < 0 or seq.end_pos > max_positions:
-            raise ValueError(f"{seq.request_id}: positions {seq.start_pos}..{seq.end_pos} "
-                             f"outside 0..{max_positions}")
-        if seq.end_pos > len(seq.block_ids) * block_size:
-            raise ValueError(f"{seq.request_id}: {len(seq.block_ids)} blocks of {block_size} "
-                             f"cannot hold {seq.end_pos} tokens")
+        _check_sequence(seq, block_size, num_blocks, max_positions)
         table = torch.tensor(seq.block_ids, dtype=torch.long, device=device)
         kv_pos = torch.arange(seq.end_pos, device=device)  # [kv_len]
         q_pos = kv_pos[seq.start_pos:]  # [num_q]
         # a lone query is the newest position and sees everything before it
         mask = kv_pos[None, :] <= q_pos[:, None] if seq.num_tokens > 1 else None  # [num_q, kv_len]
-        blocks, slots = table[kv_pos // block_size], kv_pos % block_size
+        blocks, slots = table[kv_pos // block_size], kv_pos % block_size  # [kv_len] each
         seqs.append(SeqAttention(rows, blocks, slots, mask))
         positions.append(q_pos)
         write_blocks.append(blocks[seq.start_pos:])
         write_slots.append(slots[seq.start_pos:])
     return AttentionMetadata(
         _cat_long(positions, device), _cat_long(write_blocks, device), _cat_long(write_slots, device), seqs)
+
+
+def _check_sequence(seq: SequenceInput, block_size: int, num_blocks: int, max_positions: int) -> None:
+    if seq.num_tokens == 0:
+        raise ValueError(f"{seq.request_id}: no tokens to compute")
+    if seq.start_pos < 0 or seq.end_pos > max_positions:
+        raise ValueError(f"{seq.request_id}: positions {seq.start_pos}..{seq.end_pos} "
+                         f"outside 0..{max_positions}")
+    used = -(-seq.end_pos // block_size)
+    if used > len(seq.block_ids):
+        raise ValueError(f"{seq.request_id}: {len(seq.block_ids)} blocks of {block_size} "
+                         f"cannot hold {seq.end_pos} tokens")
+    bad = [b for b in seq.block_ids[:used] if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"{seq.request_id}: blocks {bad[:8]} outside a pool of {num_blocks}")
 
 
 def _cat_long(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -138,7 +148,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        """x: `[N, hidden]`; cos, sin: `[N, head_dim]`; kv_cache: `[blocks, 2, block_size, kv_heads, head_dim]`."""
+        """x: `[N, hidden]`; cos, sin: `[N, head_dim]`;
+        kv_cache: `[num_blocks, 2, block_size, kv_heads, head_dim]`. Returns `[N, hidden]`."""
         n = x.shape[0]
         q = batch_invariant_linear(x, self.q_proj.weight).view(n, self.num_heads, self.head_dim)
         k = batch_invariant_linear(x, self.k_proj.weight).view(n, self.num_kv_heads, self.head_dim)
@@ -248,8 +259,9 @@ class LlamaForCausalLM(nn.Module):
         token_ids = torch.tensor(ids, dtype=torch.long, device=device)  # [N]
         if ids and not 0 <= min(ids) <= max(ids) < cfg.vocab_size:
             raise ValueError(f"token ids must lie in [0, {cfg.vocab_size})")
+        num_blocks, _, block_size = kv_caches[0].shape[:3]
         meta = build_attention_metadata(
-            model_input, kv_caches[0].shape[2], cfg.max_position_embeddings, device)
+            model_input, block_size, num_blocks, cfg.max_position_embeddings, device)
         x = F.embedding(token_ids, self.model.embed_tokens.weight)  # [N, hidden]
         cos = self.rope_cos[meta.positions].to(x.dtype)  # [N, head_dim]
         sin = self.rope_sin[meta.positions].to(x.dtype)

@@ -40,11 +40,11 @@ class ModelRunner:
             connector.register_kv_caches(self.kv_caches)
 
     @torch.inference_mode()
-    def run_prompt(self, model_input: ModelInput) -> PromptResult:
+    def run_prompt(self, model_input: ModelInput, receive_kv: bool = True) -> PromptResult:
         assert model_input.is_prompt
         hidden, bypassed = None, False
         start = time.monotonic()
-        if self.connector is not None and self.role == NodeRole.DECODE:
+        if self.connector is not None and self.role == NodeRole.DECODE and receive_kv:
             hidden, bypassed, model_input = self.connector.recv_kv_caches_and_hidden_states(
                 self.model, model_input, self.kv_caches)
         if not bypassed:

@@ -27,6 +27,7 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    receive_kv: bool = True  # ask the connector for the prompt's KV before computing it
     bypassed: bool = False
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
 

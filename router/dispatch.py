@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Route:
-    prefill: NodeInfo
+    prefill: NodeInfo | None  # None: no live prefill node, decode computes the prompt
     decode: NodeInfo
 
 
@@ -63,24 +63,33 @@ class Dispatcher:
             raise APIError(503, f"directory unavailable: {exc}", type_="service_unavailable") from None
 
     def pick(self) -> Route:
-        """Choose the prefill and decode node with the most free blocks (round robin on ties)."""
-        chosen = []
-        for role in (NodeRole.PREFILL, NodeRole.DECODE):
-            nodes = self.live_nodes(role)
-            if not nodes:
-                raise APIError(503, f"no live {role} node", type_="service_unavailable")
-            turn = next(self._rr)
-            chosen.append(max(enumerate(nodes), key=lambda p: (p[1].free_blocks, (p[0] + turn) % len(nodes)))[1])
-        return Route(*chosen)
+        """Choose the prefill and decode node with the most free blocks (round robin on ties).
+
+        Without a live decode node nothing can be served (503); without a live prefill
+        node the decode node computes the prompt itself.
+        """
+        decode = self._least_loaded(self.live_nodes(NodeRole.DECODE))
+        if decode is None:
+            raise APIError(503, "no live decode node", type_="service_unavailable")
+        return Route(self._least_loaded(self.live_nodes(NodeRole.PREFILL)), decode)
+
+    def _least_loaded(self, nodes: list[NodeInfo]) -> NodeInfo | None:
+        if not nodes:
+            return None
+        turn = next(self._rr)
+        return max(enumerate(nodes), key=lambda p: (p[1].free_blocks, (p[0] + turn) % len(nodes)))[1]
 
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> tuple[Route, asyncio.Queue]:
         route = await asyncio.to_thread(self.pick)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        await self._push(route.prefill, PrefillWork(request_id=request_id, prompt_token_ids=prompt_ids))
+        if route.prefill is not None:
+            await self._push(route.prefill, PrefillWork(request_id=request_id, prompt_token_ids=prompt_ids))
+        else:
+            log.warning("request %s: no live prefill node; decode computes the prompt", request_id)
         await self._push(route.decode, DecodeWork(request_id=request_id, prompt_token_ids=prompt_ids,
-                                                  sampling=sampling, prefill_node=route.prefill.node_id,
-                                                  reply_to=self.reply_to))
+                                                  sampling=sampling, reply_to=self.reply_to,
+                                                  prefill_node=route.prefill.node_id if route.prefill else ""))
         return route, queue
 
     def forget(self, request_id: str) -> None:

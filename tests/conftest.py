@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -26,3 +27,13 @@ def redis_url(redis_server: LocalRedis) -> str:
     finally:
         client.close()
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A random tiny checkpoint, written once per session."""
+    from engine.init_model import write_random_checkpoint
+
+    path = tmp_path_factory.mktemp("models") / "tiny"
+    write_random_checkpoint(path, "tiny", 0)
+    return path

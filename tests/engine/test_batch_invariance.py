@@ -45,7 +45,8 @@ def test_prompt_step_is_batch_invariant(make_runner) -> None:
     ref = alone.forward(SequenceInput("t", TARGET, 0, alone.blocks_for(len(TARGET))))
     for num_others in (1, 3, 5):
         runner = make_runner(num_blocks=128, block_size=4)
-        others = [SequenceInput(f"o{i}", p, 0, runner.blocks_for(len(p))) for i, p in enumerate(OTHERS[:num_others])]
+        others = [SequenceInput(f"o{i}", p, 0, runner.blocks_for(len(p)))
+                  for i, p in enumerate(OTHERS[:num_others])]
         target = SequenceInput("t", TARGET, 0, runner.blocks_for(len(TARGET)))
         hidden = runner.forward(*others[:1], target, *others[1:])
         start = len(OTHERS[0])

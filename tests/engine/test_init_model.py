@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 from safetensors.torch import load_file
 
@@ -25,7 +26,8 @@ def test_same_seed_same_bytes(tiny_dir: Path, tmp_path: Path) -> None:
     a = load_file(str(tiny_dir / "model.safetensors"))
     b = load_file(str(tmp_path / "other" / "model.safetensors"))
     assert a.keys() == b.keys()
-    assert not (a["model.layers.0.self_attn.q_proj.weight"] == b["model.layers.0.self_attn.q_proj.weight"]).all()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(a[name], b[name])
 
 
 def test_unknown_preset_lists_presets(tmp_path: Path) -> None:

@@ -71,6 +71,8 @@ def test_mixed_prompt_and_decode_batch(make_runner) -> None:
 def test_bad_inputs_raise(runner) -> None:
     with pytest.raises(ValueError, match="cannot hold"):
         runner.forward(SequenceInput("short", SEQ[:9], 0, [0, 1]))  # 8 slots for 9 tokens
+    with pytest.raises(ValueError, match="outside a pool of 64"):
+        runner.forward(SequenceInput("pool", SEQ[:9], 0, [0, 1, 64]))
     with pytest.raises(ValueError, match="token ids"):
         runner.forward(SequenceInput("vocab", [0, 5000], 0, [0]))
     with pytest.raises(ValueError, match="KV caches"):

@@ -1,0 +1,119 @@
+"""End to end: real redis-server, prefill node, decode node and router processes, KV over UCX."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from cli.local_cluster import ClusterSpec, LocalCluster
+from connectors.wire import SamplingParams
+from engine.reference import generate
+from tests.integration.cluster import complete, complete_all, wait_pools_full_and_directory_empty
+
+pytestmark = pytest.mark.slow
+BS = 16
+# 1 token, 1 block exactly, k blocks exactly, k blocks + 1, odd sizes, and one over 1,000 tokens
+PROMPTS = [[72], list(range(40, 40 + BS)), list(range(3 * BS)), list(range(2 * BS + 1)),
+           [ord(c) for c in "Hello, disaggregated world"], list(range(100, 200)) * 11, [7, 8, 9], list(range(250, 5, -3))]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    spec = ClusterSpec(model_dir=tiny_model, block_size=BS, num_blocks=512,
+                       log_dir=tmp_path_factory.mktemp("cluster-logs"))
+    with LocalCluster(spec) as c:
+        yield c
+
+
+def test_outputs_equal_single_process_and_prompts_are_bypassed(cluster, tiny_model):
+    assert len(PROMPTS[5]) > 1000
+    expected = generate(tiny_model, PROMPTS, SamplingParams(max_tokens=12, temperature=0.0), block_size=BS)
+    results = complete_all(cluster.url, PROMPTS, max_tokens=12)
+    for prompt, want, got in zip(PROMPTS, expected, results):
+        kv = got["kvwire"]
+        assert got["choices"][0]["token_ids"] == want, f"prompt of {len(prompt)} tokens"
+        assert kv["bypassed"] is True
+        assert kv["kv_bytes"] > 0 and kv["transfer_ms"] > 0
+        assert kv["prefill_node"] == "prefill-0" and kv["decode_node"] == "decode-0"
+        assert got["usage"]["prompt_tokens"] == len(prompt)
+    pools, leftover = wait_pools_full_and_directory_empty(cluster.redis_url)
+    assert set(pools) == {"prefill-0", "decode-0"}
+    assert all(free == total for free, total in pools.values()), pools
+    assert leftover == []
+
+
+def test_seeded_sampling_matches_single_process(cluster, tiny_model):
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=1234)
+    expected = generate(tiny_model, [PROMPTS[4]], params, block_size=BS)[0]
+    got = complete(cluster.url, PROMPTS[4], max_tokens=10, temperature=0.9, seed=1234)
+    assert got["choices"][0]["token_ids"] == expected
+    assert got["kvwire"]["bypassed"] is True
+
+
+def test_streaming_sends_the_same_text(cluster):
+    whole = complete(cluster.url, "stream me", max_tokens=8)
+    body = {"prompt": "stream me", "max_tokens": 8, "temperature": 0, "stream": True}
+    events = []
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert chunks[-1]["kvwire"]["bypassed"] is True
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_models_and_health(cluster):
+    assert httpx.get(f"{cluster.url}/healthz").json()["nodes"] == {"prefill": 1, "decode": 1}
+    models = httpx.get(f"{cluster.url}/v1/models").json()
+    assert models["data"][0]["id"] == "tiny"
+
+
+@pytest.mark.parametrize("body, param", [
+    (b"{not json", None),
+    (json.dumps({"prompt": ""}).encode(), "prompt"),
+    (json.dumps({"prompt": "x", "max_tokens": -1}).encode(), "max_tokens"),
+    (json.dumps({"prompt": "x", "max_tokens": 10**9}).encode(), "max_tokens"),
+    (json.dumps({"prompt": "x", "max_tokens": "many"}).encode(), None),
+    (json.dumps({"prompt": [1, 2, 10**6]}).encode(), "prompt"),
+    (json.dumps({"prompt": "x" * 5000}).encode(), "prompt"),
+    (json.dumps({"max_tokens": 3}).encode(), None),
+])
+def test_bad_requests_get_openai_errors(cluster, body, param):
+    resp = httpx.post(f"{cluster.url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == 400
+    err = resp.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if param:
+        assert err["param"] == param
+
+
+def test_prefill_killed_requests_recompute_with_identical_output(tiny_model, tmp_path):
+    deadline_s = 2.0
+    spec = ClusterSpec(model_dir=tiny_model, block_size=BS, num_blocks=256, kv_deadline_s=deadline_s,
+                       log_dir=tmp_path / "logs")
+    prompts = [PROMPTS[3], PROMPTS[4]]
+    expected = generate(tiny_model, prompts, SamplingParams(max_tokens=8, temperature=0.0), block_size=BS)
+    with LocalCluster(spec) as cluster:
+        cluster.stop_process("prefill", signal.SIGKILL)  # still registered until its heartbeat expires
+        start = time.monotonic()
+        results = complete_all(cluster.url, prompts, max_tokens=8)
+        elapsed = time.monotonic() - start
+        for want, got in zip(expected, results):
+            assert got["choices"][0]["token_ids"] == want
+            assert got["kvwire"]["bypassed"] is False
+        assert elapsed < deadline_s + 8.0  # the deadline plus recompute, not a hang
+        # failed transfers stay marked FAILED until their TTL, so a late producer lets go at once
+        pools, _ = wait_pools_full_and_directory_empty(cluster.redis_url, expect_empty=False)
+        assert pools.get("decode-0") == (256, 256)
+        # once the dead node's registration expires the router sends work to decode alone
+        time.sleep(6.0)
+        start = time.monotonic()
+        got = complete(cluster.url, prompts[0], max_tokens=8)
+        assert got["choices"][0]["token_ids"] == expected[0] and got["kvwire"]["bypassed"] is False
+        assert time.monotonic() - start < deadline_s
