@@ -86,6 +86,16 @@ class KVConnectorBase(ABC):
             and the returned model_input is what must still be computed.
         """
 
+    def expect(self, request_id: str, on_ready: Callable[[str], None]) -> None:
+        """Consumer: a request whose KV will be received has arrived.
+
+        `on_ready(request_id)` fires, possibly on a connector thread, once its KV can be
+        pulled at once or will never come; the node admits the request then, so running
+        requests do not wait for it. The KV deadline counts from this call. The default
+        fires at once.
+        """
+        on_ready(request_id)
+
     def set_release_callback(self, callback: Callable[[str], None]) -> None:
         """Producer: `callback(request_id)` runs, possibly on a connector thread, once the
         connector no longer needs that request's blocks."""

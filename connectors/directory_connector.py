@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 import time
 from abc import abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
 
 from connectors.base import HiddenStates, KVConnectorBase, TransferError
 from connectors.config import ConnectorConfig, NodeRole
-from connectors.directory import KVDirectory
+from connectors.directory import KVDirectory, TransferState
 from connectors.held import HeldTable
 from connectors.hidden import dtype_of, join_requests
 from connectors.kv_region import KVRegion
@@ -28,6 +29,8 @@ from connectors.wire import KVLayout
 from engine.model_input import ModelInput
 
 log = logging.getLogger(__name__)
+
+WATCHERS = 128  # requests a consumer can be waiting on at once without delaying each other
 
 
 class DirectoryConnector(KVConnectorBase):
@@ -43,6 +46,8 @@ class DirectoryConnector(KVConnectorBase):
         self._server: TransferServer | None = None
         self._puller: Puller | None = None
         self._stats: dict[str, Received] = {}
+        self._deadlines: dict[str, float] = {}
+        self._watchers = ThreadPoolExecutor(max_workers=WATCHERS, thread_name_prefix="kv-watch")
 
     # --- transport hooks -------------------------------------------------------------
 
@@ -76,6 +81,18 @@ class DirectoryConnector(KVConnectorBase):
     def transport_ready(self) -> bool:
         return self._sender is not None or self._receiver is not None
 
+    def expect(self, request_id: str, on_ready: Callable[[str], None]) -> None:
+        deadline = time.monotonic() + self.config.kv_deadline_s
+        self._deadlines[request_id] = deadline
+        self._watchers.submit(self._watch, request_id, deadline, on_ready)
+
+    def _watch(self, request_id: str, deadline: float, on_ready: Callable[[str], None]) -> None:
+        try:
+            self.directory.wait_for(request_id, {TransferState.READY}, deadline)
+        except Exception as exc:  # noqa: BLE001 - recv will retry and decide
+            log.warning("request %s: watching the directory failed: %s", request_id, exc)
+        on_ready(request_id)
+
     def send_kv_caches_and_hidden_states(self, model_executable, model_input: ModelInput,
                                          kv_caches: list[torch.Tensor], hidden_or_intermediate_states: HiddenStates) -> None:
         if self._sender is None:
@@ -86,11 +103,12 @@ class DirectoryConnector(KVConnectorBase):
                                          kv_caches: list[torch.Tensor]) -> tuple[HiddenStates | None, bool, ModelInput]:
         if self._receiver is None:
             raise RuntimeError(f"node {self.config.node_id} is not a consumer, or register_kv_caches was not called")
-        deadline = time.monotonic() + self.config.kv_deadline_s
+        default_deadline = time.monotonic() + self.config.kv_deadline_s
+        deadlines = {s.request_id: self._deadlines.pop(s.request_id, default_deadline) for s in model_input.sequences}
         received: list[Received] = []
         for seq in model_input.sequences:
             try:
-                got = self._receiver.receive(seq, deadline)
+                got = self._receiver.receive(seq, deadlines[seq.request_id])
             except TransferError as exc:
                 log.warning("%s", exc)
                 self._stats.pop(seq.request_id, None)
@@ -107,6 +125,7 @@ class DirectoryConnector(KVConnectorBase):
         return self._stats.pop(request_id, None)
 
     def close(self) -> None:
+        self._watchers.shutdown(wait=False, cancel_futures=True)
         if self._server is not None:
             self._server.close()
         if self._puller is not None:

@@ -1,23 +1,22 @@
 """Decode node main loop.
 
 Lifecycle of a request here: a `DecodeWork` arrives on the zmq work socket and is
-validated (an invalid one is answered with `WorkError` at once); the engine admits it
-when its blocks fit, and the runner asks the connector for its KV and hidden states:
-if they arrive within the KV deadline the prompt's forward is skipped (bypassed),
-otherwise the prompt is recomputed here, so no request is lost to a failed
-transfer. Each engine step streams the new tokens to the router as `TokenChunk`s;
-the last one carries the finish reason and the transfer statistics. Finished
-requests free their blocks at once.
-
-The KV wait happens inside the engine step, so while a new request waits for its
-prefill, running requests pause (bounded by the KV deadline).
+validated (an invalid one is answered with `WorkError` at once); it then waits,
+outside the engine, until the connector says its KV is ready to pull or can no longer
+come (`connector.expect`), so running requests keep decoding meanwhile. The engine
+admits it when its blocks fit, and the runner asks the connector for its KV and
+hidden states: if they arrive within the KV deadline the prompt's forward is skipped
+(bypassed), otherwise the prompt is recomputed here, so no request is lost to a
+failed transfer. Each engine step streams the new tokens to the router as
+`TokenChunk`s; the last one carries the finish reason and the transfer statistics.
+Finished requests free their blocks at once.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
-import time
 
 import zmq
 
@@ -36,6 +35,8 @@ class DecodeNode:
         self._reply_to: dict[str, str] = {}
         self._prefill_node: dict[str, str] = {}
         self._replies: dict[str, zmq.Socket] = {}
+        self._awaiting_kv: dict[str, DecodeWork] = {}
+        self._kv_ready: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._wakeup = Wakeup()
         self.rejected_messages = 0
 
@@ -45,11 +46,12 @@ class DecodeNode:
         poller.register(self.rt.work_socket, zmq.POLLIN)
         poller.register(self._wakeup.fd, zmq.POLLIN)
         while not stop.is_set():
-            if not self.engine.has_unfinished():
+            if not self.engine.has_unfinished() and self._kv_ready.empty():
                 poller.poll()
                 self._wakeup.drain()
             while self.rt.work_socket.poll(0):
                 self._accept(self.rt.work_socket.recv(copy=False))
+            self._admit_ready()
             if self.engine.has_unfinished():
                 self._step()
 
@@ -68,15 +70,30 @@ class DecodeNode:
             self.rejected_messages += 1
             log.warning("work socket: rejected message: %s", exc)
             return
+        rid = work.request_id
         try:
-            self.engine.add_request(work.request_id, work.prompt_token_ids, work.sampling,
-                                    receive_kv=bool(work.prefill_node))
+            self.engine.validate(rid, work.prompt_token_ids, work.sampling)
         except InvalidRequest as exc:
-            self._send(work.reply_to, WorkError(request_id=work.request_id, node=self.rt.config.node_id,
+            self._send(work.reply_to, WorkError(request_id=rid, node=self.rt.config.node_id,
                                                 reason=str(exc), kind=ErrorKind.INVALID_REQUEST))
             return
-        self._reply_to[work.request_id] = work.reply_to
-        self._prefill_node[work.request_id] = work.prefill_node
+        self._reply_to[rid] = work.reply_to
+        self._prefill_node[rid] = work.prefill_node
+        if not work.prefill_node:
+            self.engine.add_request(rid, work.prompt_token_ids, work.sampling, receive_kv=False)
+            return
+        self._awaiting_kv[rid] = work
+        self.rt.connector.expect(rid, self._on_kv_ready)
+
+    def _on_kv_ready(self, request_id: str) -> None:
+        self._kv_ready.put(request_id)
+        self.wake()
+
+    def _admit_ready(self) -> None:
+        while not self._kv_ready.empty():
+            work = self._awaiting_kv.pop(self._kv_ready.get(), None)
+            if work is not None:
+                self.engine.add_request(work.request_id, work.prompt_token_ids, work.sampling)
 
     def _step(self) -> None:
         try:

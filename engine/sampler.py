@@ -28,13 +28,11 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def check_params(params: SamplingParams) -> None:
-    """Raises ValueError for a negative temperature, a top_p outside (0, 1] or max_tokens < 1."""
+    """Raises ValueError for a negative temperature or a top_p outside (0, 1]."""
     if params.temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {params.temperature}")
     if not 0 < params.top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-    if params.max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
