@@ -15,9 +15,10 @@ refreshes the TTLs and appends the new state to the request's event stream, whic
 `wait_for` blocks on. Whatever nobody cleans up vanishes after entry_ttl_s.
 
 Nodes register a NodeInfo under a key that lives node_ttl_s; a `Heartbeat` thread
-refreshes it every node_ttl_s/3, so a dead node leaves `live_nodes` within node_ttl_s.
+(connectors/heartbeat.py) refreshes it every node_ttl_s/3, so a dead node leaves `live_nodes` within node_ttl_s.
 `next_epoch` gives each incarnation of a node a higher epoch, and writes from an
-older incarnation are refused (StaleNodeError).
+older incarnation are refused (StaleNodeError). Consumer nodes also publish the
+transport address they receive KV at (`publish_endpoint`).
 """
 
 from __future__ import annotations
@@ -27,11 +28,10 @@ import enum
 import logging
 import math
 import re
-import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import redis
 from redis.backoff import NoBackoff
@@ -406,68 +406,23 @@ class KVDirectory:
                 nodes.append(info)
         return sorted(nodes, key=lambda n: n.node_id)
 
+    # --- transport endpoints ------------------------------------------------------------
+
+    def publish_endpoint(self, node_id: str, address: bytes) -> None:
+        """Record the transport address a consumer node receives KV at (TTL entry_ttl_s).
+
+        Producers send only to the address a node published here, never to one taken
+        from a message: UCX aborts the whole process on a malformed worker address.
+        """
+        with self._errors(f"publish endpoint of {node_id}"):
+            self._redis.set(f"{self.namespace}:endpoint:{node_id}", address, px=_ms(self.entry_ttl_s))
+
+    def get_endpoint(self, node_id: str) -> bytes | None:
+        """The transport address `node_id` published; None if none is live."""
+        with self._errors(f"get endpoint of {node_id}"):
+            return self._redis.get(f"{self.namespace}:endpoint:{node_id}")
+
     def close(self) -> None:
         """Close every pooled connection; the directory is not to be used afterwards."""
         self._pool.disconnect()
         self._blocking_pool.disconnect()
-
-
-class Heartbeat:
-    """Keeps a node registered: registers on `start()`, refreshes every node_ttl_s/3 until `stop()`.
-
-    Args:
-        directory: where to register.
-        info_fn: the node's current NodeInfo (its load fields change between beats).
-        interval_s: time between beats; node_ttl_s/3 by default.
-    """
-
-    def __init__(self, directory: KVDirectory, info_fn: Callable[[], NodeInfo], *,
-                 interval_s: float | None = None):  # fmt: skip
-        self._directory = directory
-        self._info_fn = info_fn
-        self._interval_s = interval_s if interval_s is not None else directory.node_ttl_s / 3
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._node_id: str | None = None
-
-    def start(self) -> None:
-        """Register the node now, then keep refreshing it from a daemon thread.
-
-        Raises:
-            DirectoryError: the first registration failed (later failures are only logged).
-            RuntimeError: already started.
-        """
-        if self._thread is not None:
-            raise RuntimeError(f"heartbeat of node {self._node_id} already started")
-        info = self._info_fn()
-        self._directory.register_node(info)
-        self._node_id = info.node_id
-        self._stopping.clear()
-        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{info.node_id}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stopping.wait(self._interval_s):
-            try:
-                self._directory.heartbeat(self._info_fn())
-            except Exception:  # noqa: BLE001 - the beat must outlive any single failure
-                logger.exception("heartbeat of node %s failed; retrying in %.2fs", self._node_id, self._interval_s)
-
-    def stop(self, *, deregister: bool = True, timeout_s: float = 5.0) -> None:
-        """Stop beating and, by default, remove the node's registration at once.
-
-        Args:
-            deregister: remove the registration now rather than let it expire.
-            timeout_s: how long to wait for a beat in progress.
-        Raises:
-            DirectoryError: deregistration failed.
-        """
-        if self._thread is None:
-            return
-        self._stopping.set()
-        self._thread.join(timeout=timeout_s)
-        if self._thread.is_alive():
-            logger.warning("heartbeat thread of node %s still busy after %.1fs", self._node_id, timeout_s)
-        self._thread = None
-        if deregister and self._node_id is not None:
-            self._directory.deregister_node(self._node_id)

@@ -19,7 +19,7 @@ import torch
 
 from connectors.base import HiddenStates, KVConnectorBase, TransferError
 from connectors.config import ConnectorConfig, NodeRole
-from connectors.directory import KVDirectory, TransferState
+from connectors.directory import DirectoryError, KVDirectory, TransferState
 from connectors.held import HeldTable
 from connectors.hidden import dtype_of, join_requests
 from connectors.kv_region import KVRegion
@@ -47,6 +47,7 @@ class DirectoryConnector(KVConnectorBase):
         self._puller: Puller | None = None
         self._stats: dict[str, Received] = {}
         self._deadlines: dict[str, float] = {}
+        self._endpoint_published = 0.0
         self._watchers = ThreadPoolExecutor(max_workers=WATCHERS, thread_name_prefix="kv-watch")
 
     # --- transport hooks -------------------------------------------------------------
@@ -75,6 +76,7 @@ class DirectoryConnector(KVConnectorBase):
             sender_box.append(self._sender)
         else:
             self._puller = self._make_puller(region)
+            self._publish_endpoint()
             self._receiver = KVReceiver(self.config, self.directory, layout, self._puller, kv_caches[0].device)
 
     @property
@@ -103,6 +105,8 @@ class DirectoryConnector(KVConnectorBase):
                                          kv_caches: list[torch.Tensor]) -> tuple[HiddenStates | None, bool, ModelInput]:
         if self._receiver is None:
             raise RuntimeError(f"node {self.config.node_id} is not a consumer, or register_kv_caches was not called")
+        if time.monotonic() - self._endpoint_published > self.config.entry_ttl_s / 3:
+            self._publish_endpoint()
         default_deadline = time.monotonic() + self.config.kv_deadline_s
         deadlines = {s.request_id: self._deadlines.pop(s.request_id, default_deadline) for s in model_input.sequences}
         received: list[Received] = []
@@ -119,6 +123,14 @@ class DirectoryConnector(KVConnectorBase):
             return None, False, model_input
         hidden = join_requests([r.hidden for r in received], received[0].descs, received[0].intermediate)
         return hidden, True, model_input
+
+    def _publish_endpoint(self) -> None:
+        """Tell producers where this consumer receives KV (refreshed well within its TTL)."""
+        try:
+            self.directory.publish_endpoint(self.config.node_id, self._puller.transport_address)
+            self._endpoint_published = time.monotonic()
+        except DirectoryError as exc:
+            log.warning("node %s: cannot publish its transport endpoint: %s", self.config.node_id, exc)
 
     def take_transfer_stats(self, request_id: str) -> Received | None:
         """Consumer: what the last successful pull of this request moved, once."""

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 
 class Puller(Protocol):
+    transport_address: bytes  # published in the directory; producers send only there
+
     def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int: ...
     def close(self) -> None: ...
 

@@ -15,7 +15,8 @@ import torch
 import zmq
 
 from connectors.config import NodeConfig, NodeRole
-from connectors.directory import Heartbeat, KVDirectory
+from connectors.directory import KVDirectory
+from connectors.heartbeat import Heartbeat
 from connectors.directory_connector import DirectoryConnector
 from connectors.factory import create_connector
 from connectors.wire import NodeInfo

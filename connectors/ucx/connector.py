@@ -13,7 +13,8 @@ from connectors.ucx.server import UCXTransferServer
 
 class UCXConnector(DirectoryConnector):
     def _make_server(self, region: KVRegion, held: HeldTable, on_expired: Callable[[str], None]) -> UCXTransferServer:
-        server = UCXTransferServer(self.config.host, region, held, self.config.kv_deadline_s, on_expired)
+        server = UCXTransferServer(self.config.host, region, held, self.config.kv_deadline_s,
+                                   self.directory.get_endpoint, on_expired)
         server.start()
         return server
 

@@ -33,6 +33,10 @@ class UCXPuller:
         self._sockets: dict[str, zmq.Socket] = {}
         self._transfer_ids = itertools.count(1)
 
+    @property
+    def transport_address(self) -> bytes:
+        return self._transport.address
+
     def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
         """Receive `loc`'s blocks into `dst_blocks` and its hidden tensors into `hidden`.
 

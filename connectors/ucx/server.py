@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import zmq
 
@@ -40,8 +41,18 @@ class _Outgoing:
 
 class UCXTransferServer:
     def __init__(self, host: str, region: KVRegion, held: HeldTable, send_deadline_s: float,
-                 on_expired=None):
+                 trusted_endpoint: Callable[[str], bytes | None], on_expired: Callable[[str], None] | None = None):
+        """Args:
+        host: address the side channel binds.
+        region: the pool's bytes.
+        held: requests whose KV is waiting to be pulled.
+        send_deadline_s: how long one pull's sends may take.
+        trusted_endpoint: the transport address a consumer node published in the directory;
+            pulls naming any other address are refused (UCX aborts on a malformed one).
+        on_expired: called for a held request released at its hold deadline.
+        """
         self._region = region
+        self._trusted_endpoint = trusted_endpoint
         self._held = held
         self._send_deadline_s = send_deadline_s
         self._on_expired = on_expired or (lambda rid: None)
@@ -134,6 +145,9 @@ class UCXTransferServer:
             self._reply(identity, msg, False, "request unknown, released or already being pulled")
             return
         src = held.location.block_ids
+        if not self._is_trusted(msg):
+            self._fail(identity, msg, f"transport address of {msg.consumer!r} is not the one it published")
+            return
         if len(msg.dst_block_ids) != len(src):
             self._fail(identity, msg, f"{len(msg.dst_block_ids)} destination blocks for {len(src)} source blocks")
             return
@@ -149,6 +163,13 @@ class UCXTransferServer:
             return
         deadline = time.monotonic() + self._send_deadline_s
         self._outgoing.append(_Outgoing(identity, msg, held, reqs, deadline))
+
+    def _is_trusted(self, msg: PullRequest) -> bool:
+        try:
+            return self._trusted_endpoint(msg.consumer) == msg.transport_address
+        except Exception as exc:  # noqa: BLE001 - no directory, no trust
+            log.warning("request %s: cannot look up consumer %s: %s", msg.request_id, msg.consumer, exc)
+            return False
 
     def _finish_outgoing(self) -> None:
         now = time.monotonic()

@@ -16,11 +16,11 @@ from connectors.directory import (
     LEGAL_TRANSITIONS,
     TERMINAL_STATES,
     DirectoryError,
-    Heartbeat,
     KVDirectory,
     StaleNodeError,
     TransferState,
 )
+from connectors.heartbeat import Heartbeat
 from connectors.wire import DType, KVLayout, KVLocation, NodeInfo, TensorDesc
 
 S = TransferState

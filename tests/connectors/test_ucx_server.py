@@ -1,0 +1,82 @@
+"""The producer's transfer server keeps serving through malformed and hostile pulls."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from connectors.held import HeldRequest, HeldTable
+from connectors.kv_region import KVRegion
+from connectors.config import ConnectorKind
+from connectors.ucx.server import UCXTransferServer
+from connectors.wire import KVLocation, PullReply, PullRequest, WIRE_VERSION, decode, encode
+from engine.kv_cache import KVPool
+from tests.connectors import peer
+
+
+@pytest.fixture
+def server():
+    pool = KVPool.allocate(peer.layout(), 8)
+    released: list[str] = []
+    held = HeldTable(released.append)
+    endpoints = {"c": b"x"}  # what the directory would say each consumer published
+    srv = UCXTransferServer("127.0.0.1", KVRegion.from_kv_caches(pool.kv_caches), held, 5.0, endpoints.get)
+    srv.start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(srv.side_channel)
+    yield srv, held, released, sock
+    sock.close(0)
+    srv.close()
+
+
+def _pull(rid: str, dst: list[int]) -> bytes:
+    return encode(PullRequest(request_id=rid, transfer_id=1, consumer="c", transport_address=b"x", dst_block_ids=dst))
+
+
+def _hold(held: HeldTable, rid: str, blocks: list[int]) -> None:
+    loc = KVLocation(request_id=rid, producer="p", producer_epoch=1, kind=ConnectorKind.UCX, side_channel="",
+                     transport_address=b"", layout=peer.layout(), block_ids=blocks, num_tokens=4, hidden=[])
+    held.add(HeldRequest(loc, [], deadline=1e18))
+
+
+def _reply(sock) -> PullReply:
+    assert sock.poll(5000), "no reply"
+    return decode(sock.recv(), expect=PullReply)
+
+
+def test_garbage_is_dropped_and_counted_then_server_answers(server):
+    srv, held, released, sock = server
+    junk = [b"", b"\xff" * 40, _pull("a", [1])[:-2], msgspec.msgpack.encode([WIRE_VERSION + 1, {"type": "pull"}]),
+            encode(PullReply(request_id="x", transfer_id=1, ok=True))]
+    for j in junk:
+        sock.send(j)
+    sock.send(_pull("unknown", [1]))
+    reply = _reply(sock)
+    assert reply.request_id == "unknown" and not reply.ok and "unknown" in reply.reason
+    assert srv.rejected_messages == len(junk)
+
+
+def test_block_count_mismatch_is_refused_and_blocks_released(server):
+    _, held, released, sock = server
+    _hold(held, "r", [0, 1])
+    sock.send(_pull("r", [5]))
+    reply = _reply(sock)
+    assert not reply.ok and "destination blocks" in reply.reason
+    assert released == ["r"] and len(held) == 0
+
+
+def test_address_the_consumer_did_not_publish_is_refused(server):
+    _, held, released, sock = server
+    _hold(held, "r2", [3])
+    # b"\xff..." is no UCX worker address: connecting to it would abort the process
+    sock.send(encode(PullRequest(request_id="r2", transfer_id=1, consumer="c", transport_address=b"\xff" * 64,
+                                 dst_block_ids=[4])))
+    reply = _reply(sock)
+    assert not reply.ok and "not the one it published" in reply.reason
+    assert released == ["r2"]
+    sock.send(encode(PullRequest(request_id="r2", transfer_id=2, consumer="nobody", transport_address=b"x",
+                                 dst_block_ids=[4])))
+    assert not _reply(sock).ok
