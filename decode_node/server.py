@@ -20,7 +20,7 @@ import threading
 
 import zmq
 
-from connectors.wire import DecodeStats, DecodeWork, ErrorKind, TokenChunk, WireError, WorkError, decode, encode
+from connectors.wire import DecodeStats, DecodeWork, ErrorKind, TokenChunk, WorkError, encode
 from engine.llm_engine import InvalidRequest, LLMEngine, StepOutput
 from engine.node_runtime import NodeRuntime
 from engine.wakeup import Wakeup
@@ -38,7 +38,6 @@ class DecodeNode:
         self._awaiting_kv: dict[str, DecodeWork] = {}
         self._kv_ready: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._wakeup = Wakeup()
-        self.rejected_messages = 0
 
     def serve(self, stop: threading.Event) -> None:
         """Run until `stop` is set (call `wake()` after setting it)."""
@@ -50,7 +49,9 @@ class DecodeNode:
                 poller.poll()
                 self._wakeup.drain()
             while self.rt.work_socket.poll(0):
-                self._accept(self.rt.work_socket.recv(copy=False))
+                work = self.rt.read_work(DecodeWork)
+                if work is not None:
+                    self._accept(work)
             self._admit_ready()
             if self.engine.has_unfinished():
                 self._step()
@@ -63,13 +64,7 @@ class DecodeNode:
             sock.close(0)
         self._wakeup.close()
 
-    def _accept(self, frame: zmq.Frame) -> None:
-        try:
-            work = decode(frame.buffer, expect=DecodeWork)
-        except WireError as exc:
-            self.rejected_messages += 1
-            log.warning("work socket: rejected message: %s", exc)
-            return
+    def _accept(self, work: DecodeWork) -> None:
         rid = work.request_id
         try:
             self.engine.validate(rid, work.prompt_token_ids, work.sampling)

@@ -21,6 +21,7 @@ from engine.model_input import ModelInput, SequenceInput
 from engine.runner import ModelRunner
 from engine.sampler import make_generator, sample
 from engine.sequence import FinishReason, Sequence
+from engine.validation import prompt_problem
 
 
 class InvalidRequest(ValueError):
@@ -60,16 +61,11 @@ class LLMEngine:
         return seq
 
     def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        vocab = self.runner.model.config.vocab_size
-        if not prompt_ids:
-            raise InvalidRequest(request_id, "empty prompt")
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise InvalidRequest(request_id, f"token ids must be in [0, {vocab})")
         if params.max_tokens < 1:
             raise InvalidRequest(request_id, "max_tokens must be at least 1")
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequest(request_id, f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) "
-                                             f"exceeds the context length {self.max_model_len}")
+        problem = prompt_problem(prompt_ids, self.runner.model.config.vocab_size, self.max_model_len, params.max_tokens)
+        if problem:
+            raise InvalidRequest(request_id, problem)
         if self._blocks_needed(len(prompt_ids), params) > self.allocator.num_blocks:
             raise InvalidRequest(request_id, "request needs more KV blocks than the pool has")
 

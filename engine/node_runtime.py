@@ -19,7 +19,7 @@ from connectors.directory import KVDirectory
 from connectors.heartbeat import Heartbeat
 from connectors.directory_connector import DirectoryConnector
 from connectors.factory import create_connector
-from connectors.wire import NodeInfo
+from connectors.wire import NodeInfo, WireError, decode
 from engine.block_allocator import BlockAllocator
 from engine.config import kv_layout
 from engine.kv_cache import KVPool
@@ -42,6 +42,7 @@ class NodeRuntime:
     work_address: str
     directory: KVDirectory
     heartbeat: Heartbeat
+    rejected_messages: int = 0
 
     @classmethod
     def start(cls, config: NodeConfig) -> NodeRuntime:
@@ -69,6 +70,16 @@ class NodeRuntime:
         log.info("node %s (%s, epoch %d) serving on %s", config.node_id, config.connector.role,
                  connector.epoch, address)
         return rt
+
+    def read_work(self, expect: type) -> object | None:
+        """The next message on the work socket if it is an `expect`; malformed ones are logged and counted."""
+        frame = self.work_socket.recv(copy=False)
+        try:
+            return decode(frame.buffer, expect=expect)
+        except WireError as exc:
+            self.rejected_messages += 1
+            log.warning("node %s: rejected a message on the work socket: %s", self.config.node_id, exc)
+            return None
 
     @property
     def max_model_len(self) -> int:

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import zmq
 
 from connectors.directory import DirectoryError, TransferState
-from connectors.wire import PrefillWork, WireError, decode
+from connectors.wire import PrefillWork
 from engine.model_input import ModelInput, SequenceInput
 from engine.node_runtime import NodeRuntime
+from engine.validation import prompt_problem
 from engine.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,6 @@ class PrefillNode:
         self._held_blocks: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self._wakeup = Wakeup()
-        self.rejected_messages = 0
         rt.connector.set_release_callback(self._on_release)
 
     def serve(self, stop: threading.Event) -> None:
@@ -53,7 +53,9 @@ class PrefillNode:
             poller.poll(self._poll_timeout_ms())
             self._wakeup.drain()
             while self.rt.work_socket.poll(0):
-                self._accept(self.rt.work_socket.recv(copy=False))
+                work = self.rt.read_work(PrefillWork)
+                if work is not None:
+                    self._accept(work)
             self._run_pending()
 
     def wake(self) -> None:
@@ -73,13 +75,7 @@ class PrefillNode:
         due = self._pending[0].arrived + self.rt.config.connector.kv_deadline_s
         return max(0, int((due - time.monotonic()) * 1000) + 1)
 
-    def _accept(self, frame: zmq.Frame) -> None:
-        try:
-            work = decode(frame.buffer, expect=PrefillWork)
-        except WireError as exc:
-            self.rejected_messages += 1
-            log.warning("work socket: rejected message: %s", exc)
-            return
+    def _accept(self, work: PrefillWork) -> None:
         try:
             self.rt.directory.create_pending(work.request_id, self.rt.config.node_id)
         except DirectoryError as exc:
@@ -118,13 +114,9 @@ class PrefillNode:
             self._on_release(rid)
 
     def _invalid(self, work: PrefillWork) -> str:
-        vocab = self.rt.model.config.vocab_size
-        if not work.prompt_token_ids:
-            return "empty prompt"
-        if len(work.prompt_token_ids) > self.rt.max_model_len:
-            return f"prompt of {len(work.prompt_token_ids)} tokens exceeds {self.rt.max_model_len}"
-        if any(not 0 <= t < vocab for t in work.prompt_token_ids):
-            return f"token ids must be in [0, {vocab})"
+        problem = prompt_problem(work.prompt_token_ids, self.rt.model.config.vocab_size, self.rt.max_model_len)
+        if problem:
+            return problem
         if math.ceil(len(work.prompt_token_ids) / self.rt.pool.layout.block_size) > self.rt.allocator.num_blocks:
             return "prompt needs more KV blocks than the pool has"
         return ""

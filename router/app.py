@@ -22,6 +22,7 @@ from connectors.directory import KVDirectory
 from connectors.wire import ErrorKind, SamplingParams, TokenChunk, WorkError
 from engine.loader import load_config
 from engine.tokenizer import load_tokenizer
+from engine.validation import prompt_problem
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.schemas import APIError, CompletionRequest, parse_request
@@ -139,13 +140,9 @@ def create_app(config: RouterConfig) -> FastAPI:
 
 
 def _check_prompt(prompt_ids: list[int], req: CompletionRequest, max_len: int, vocab: int) -> None:
-    if not prompt_ids:
-        raise APIError(400, "prompt must not be empty", param="prompt")
-    if any(not 0 <= t < vocab for t in prompt_ids):
-        raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt")
-    if len(prompt_ids) + req.max_tokens > max_len:
-        raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({req.max_tokens}) "
-                            f"exceeds the model's context length {max_len}", param="prompt")
+    problem = prompt_problem(prompt_ids, vocab, max_len, req.max_tokens)
+    if problem:
+        raise APIError(400, problem, param="prompt")
 
 
 async def _chunks(comp: Completion, queue: asyncio.Queue, deadline: float):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-import torch
 import zmq
 
 from connectors.held import HeldRequest, HeldTable

@@ -117,3 +117,30 @@ def test_prefill_killed_requests_recompute_with_identical_output(tiny_model, tmp
         got = complete(cluster.url, prompts[0], max_tokens=8)
         assert got["choices"][0]["token_ids"] == expected[0] and got["kvwire"]["bypassed"] is False
         assert time.monotonic() - start < deadline_s
+
+
+def test_nodes_reject_malformed_work_and_keep_serving(cluster):
+    import msgspec
+    import zmq
+
+    from connectors.directory import KVDirectory
+    from connectors.wire import WIRE_VERSION, PrefillWork, encode
+
+    directory = KVDirectory(cluster.redis_url)
+    nodes = directory.live_nodes()
+    directory.close()
+    junk = [b"", b"\x00" * 100, b"\x93\x01", msgspec.msgpack.encode([WIRE_VERSION + 7, {"type": "prefill"}]),
+            msgspec.msgpack.encode([WIRE_VERSION, {"type": "prefill", "request_id": 5}]),
+            encode(PrefillWork(request_id="bad-empty", prompt_token_ids=[])),
+            encode(PrefillWork(request_id="bad-vocab", prompt_token_ids=[10**6]))]
+    ctx = zmq.Context.instance()
+    for node in nodes:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(node.work_address)
+        for j in junk:
+            sock.send(j)
+        sock.close()
+    got = complete(cluster.url, "still serving", max_tokens=4)
+    assert got["kvwire"]["bypassed"] is True
+    assert all(p.poll() is None for p in cluster.procs.values())
