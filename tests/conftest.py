@@ -30,8 +30,8 @@ def redis_url(redis_server: LocalRedis) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
-    """A random tiny checkpoint, written once per session."""
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A random tiny checkpoint (seed 0), written once per session."""
     from engine.init_model import write_random_checkpoint
 
     path = tmp_path_factory.mktemp("models") / "tiny"

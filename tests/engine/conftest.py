@@ -9,7 +9,6 @@ import torch
 
 from engine.block_allocator import BlockAllocator
 from engine.config import kv_layout
-from engine.init_model import write_random_checkpoint
 from engine.kv_cache import KVPool
 from engine.loader import load_model
 from engine.model import LlamaForCausalLM
@@ -51,10 +50,9 @@ class PagedRunner:
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny")
-    write_random_checkpoint(path, "tiny", TINY_SEED)
-    return path
+def tiny_dir(tiny_model_dir: Path) -> Path:
+    """The suite's tiny checkpoint (tests/conftest.py), written with seed TINY_SEED."""
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="session")

@@ -22,16 +22,16 @@ PROMPTS = [[72], list(range(40, 40 + BS)), list(range(3 * BS)), list(range(2 * B
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model, tmp_path_factory):
-    spec = ClusterSpec(model_dir=tiny_model, block_size=BS, num_blocks=512,
+def cluster(tiny_model_dir, tmp_path_factory):
+    spec = ClusterSpec(model_dir=tiny_model_dir, block_size=BS, num_blocks=512,
                        log_dir=tmp_path_factory.mktemp("cluster-logs"))
     with LocalCluster(spec) as c:
         yield c
 
 
-def test_outputs_equal_single_process_and_prompts_are_bypassed(cluster, tiny_model):
+def test_outputs_equal_single_process_and_prompts_are_bypassed(cluster, tiny_model_dir):
     assert len(PROMPTS[5]) > 1000
-    expected = generate(tiny_model, PROMPTS, SamplingParams(max_tokens=12, temperature=0.0), block_size=BS)
+    expected = generate(tiny_model_dir, PROMPTS, SamplingParams(max_tokens=12, temperature=0.0), block_size=BS)
     results = complete_all(cluster.url, PROMPTS, max_tokens=12)
     for prompt, want, got in zip(PROMPTS, expected, results):
         kv = got["kvwire"]
@@ -46,9 +46,9 @@ def test_outputs_equal_single_process_and_prompts_are_bypassed(cluster, tiny_mod
     assert leftover == []
 
 
-def test_seeded_sampling_matches_single_process(cluster, tiny_model):
+def test_seeded_sampling_matches_single_process(cluster, tiny_model_dir):
     params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=1234)
-    expected = generate(tiny_model, [PROMPTS[4]], params, block_size=BS)[0]
+    expected = generate(tiny_model_dir, [PROMPTS[4]], params, block_size=BS)[0]
     got = complete(cluster.url, PROMPTS[4], max_tokens=10, temperature=0.9, seed=1234)
     assert got["choices"][0]["token_ids"] == expected
     assert got["kvwire"]["bypassed"] is True
@@ -93,12 +93,12 @@ def test_bad_requests_get_openai_errors(cluster, body, param):
         assert err["param"] == param
 
 
-def test_prefill_killed_requests_recompute_with_identical_output(tiny_model, tmp_path):
+def test_prefill_killed_requests_recompute_with_identical_output(tiny_model_dir, tmp_path):
     deadline_s = 2.0
-    spec = ClusterSpec(model_dir=tiny_model, block_size=BS, num_blocks=256, kv_deadline_s=deadline_s,
+    spec = ClusterSpec(model_dir=tiny_model_dir, block_size=BS, num_blocks=256, kv_deadline_s=deadline_s,
                        log_dir=tmp_path / "logs")
     prompts = [PROMPTS[3], PROMPTS[4]]
-    expected = generate(tiny_model, prompts, SamplingParams(max_tokens=8, temperature=0.0), block_size=BS)
+    expected = generate(tiny_model_dir, prompts, SamplingParams(max_tokens=8, temperature=0.0), block_size=BS)
     with LocalCluster(spec) as cluster:
         cluster.stop_process("prefill", signal.SIGKILL)  # still registered until its heartbeat expires
         start = time.monotonic()
