@@ -70,18 +70,16 @@ class DirectoryConnector(KVConnectorBase):
         layout = _layout_of(kv_caches)
         if self.config.role == NodeRole.PREFILL:
             held = HeldTable(lambda rid: self._release_cb(rid))
-            sender_box: list[KVSender] = []
-            self._server = self._make_server(region, held, lambda rid: sender_box[0].on_expired(rid))
+            self._server = self._make_server(region, held, self._on_expired)
             self._sender = KVSender(self.config, self.directory, layout, held, self._server, self.epoch)
-            sender_box.append(self._sender)
         else:
             self._puller = self._make_puller(region)
             self._publish_endpoint()
             self._receiver = KVReceiver(self.config, self.directory, layout, self._puller, kv_caches[0].device)
 
-    @property
-    def transport_ready(self) -> bool:
-        return self._sender is not None or self._receiver is not None
+    def _on_expired(self, request_id: str) -> None:
+        if self._sender is not None:
+            self._sender.on_expired(request_id)
 
     def expect(self, request_id: str, on_ready: Callable[[str], None]) -> None:
         deadline = time.monotonic() + self.config.kv_deadline_s

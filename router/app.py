@@ -1,7 +1,7 @@
 """The router's HTTP API: POST /v1/completions, GET /v1/models, GET /healthz.
 
-Lifecycle: `create_app(config)` builds the app; on startup it opens the directory
-and the dispatcher, on shutdown it closes them. Each completion is tokenized here,
+Lifecycle: `create_app(config)` builds the app around one `Router`; on startup it
+opens the directory and the dispatcher, on shutdown it closes them. Each completion is tokenized here,
 dispatched to one prefill and one decode node, and answered whole or streamed as
 server-sent events, with a `kvwire` object telling how its KV travelled.
 """
@@ -80,62 +80,68 @@ class Completion:
         return out
 
 
-def create_app(config: RouterConfig) -> FastAPI:
-    tokenizer = load_tokenizer(config.model_dir)
-    model_config = load_config(config.model_dir)
-    max_len = model_config.max_position_embeddings
-    state: dict = {}
+class Router:
+    """The route handlers, over one tokenizer, one directory client and one dispatcher."""
+
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model_dir)
+        self.model_config = load_config(config.model_dir)
+        self.max_len = self.model_config.max_position_embeddings
+        self.directory: KVDirectory | None = None
+        self.dispatcher: Dispatcher | None = None
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        state["directory"] = KVDirectory(config.redis_url)
-        state["dispatcher"] = Dispatcher(state["directory"], config.host)
-        state["dispatcher"].start()
+    async def lifespan(self, app: FastAPI):
+        self.directory = KVDirectory(self.config.redis_url)
+        self.dispatcher = Dispatcher(self.directory, self.config.host)
+        self.dispatcher.start()
         yield
-        await state["dispatcher"].close()
-        state["directory"].close()
+        await self.dispatcher.close()
+        self.directory.close()
 
-    app = FastAPI(title="kvwire router", lifespan=lifespan)
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.get("/healthz")
-    async def healthz():
-        d: Dispatcher = state["dispatcher"]
-        counts = {r.value: len(await asyncio.to_thread(d.live_nodes, r)) for r in NodeRole}
+    async def healthz(self):
+        counts = {r.value: len(await asyncio.to_thread(self.dispatcher.live_nodes, r)) for r in NodeRole}
         ok = all(counts.values())
         return JSONResponse({"status": "ok" if ok else "degraded", "nodes": counts}, status_code=200 if ok else 503)
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model",
-                                            "owned_by": "kvwire", "max_model_len": max_len}]}
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.config.served_model_name, "object": "model",
+                                            "owned_by": "kvwire", "max_model_len": self.max_len}]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def completions(self, request: Request):
         started = time.monotonic()
-        req = parse_request(await request.body(), max_len)
-        prompt_ids = tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
-        _check_prompt(prompt_ids, req, max_len, model_config.vocab_size)
+        req = parse_request(await request.body(), self.max_len)
+        prompt_ids = self.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        _check_prompt(prompt_ids, req, self.max_len, self.model_config.vocab_size)
         rid = f"cmpl-{uuid.uuid4().hex}"
         sampling = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
-        dispatcher: Dispatcher = state["dispatcher"]
-        _, queue = await dispatcher.submit(rid, prompt_ids, sampling)
-        comp = Completion(rid, req, prompt_ids, tokenizer, started)
-        deadline = started + config.request_timeout_s
+        _, queue = await self.dispatcher.submit(rid, prompt_ids, sampling)
+        comp = Completion(rid, req, prompt_ids, self.tokenizer, started)
+        deadline = started + self.config.request_timeout_s
+        model = self.config.served_model_name
         if req.stream:
-            return StreamingResponse(_stream(comp, queue, deadline, dispatcher, config.served_model_name),
+            return StreamingResponse(_stream(comp, queue, deadline, self.dispatcher, model),
                                      media_type="text/event-stream")
         try:
             async for _ in _chunks(comp, queue, deadline):
                 pass
         finally:
-            dispatcher.forget(rid)
-        choice = comp.choice(tokenizer.decode(comp.token_ids), finished=True)
-        return comp.body(config.served_model_name, choice, final=True)
+            self.dispatcher.forget(rid)
+        return comp.body(model, comp.choice(self.tokenizer.decode(comp.token_ids), finished=True), final=True)
 
+
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def create_app(config: RouterConfig) -> FastAPI:
+    router = Router(config)
+    app = FastAPI(title="kvwire router", lifespan=router.lifespan)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_api_route("/healthz", router.healthz, methods=["GET"])
+    app.add_api_route("/v1/models", router.models, methods=["GET"])
+    app.add_api_route("/v1/completions", router.completions, methods=["POST"])
     return app
 
 
