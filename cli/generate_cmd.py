@@ -11,9 +11,10 @@ import typer
 
 def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")],
              url: Annotated[str, typer.Option("--url", help="Router base URL.")] = "http://127.0.0.1:8000",
-             max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 32,
-             temperature: Annotated[float, typer.Option("--temperature", min=0.0)] = 0.0,
-             seed: Annotated[int | None, typer.Option("--seed")] = None,
+             max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens to generate.")] = 32,
+             temperature: Annotated[float, typer.Option("--temperature", min=0.0,
+                                                        help="0 is greedy.")] = 0.0,
+             seed: Annotated[int | None, typer.Option("--seed", help="Seed of the sampler.")] = None,
              stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print tokens as they come.")] = False,
              timeout: Annotated[float, typer.Option("--timeout", help="Seconds.")] = 120.0) -> None:
     """Send one completion request and print the text and the transfer statistics."""

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from connectors.types import ModelRunnerOutput
 from connectors.wire import SamplingParams
 from engine.block_allocator import BlockAllocator
 from engine.model_input import ModelInput, SequenceInput
@@ -82,11 +83,16 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Admit what fits, then decode one token for every running request."""
         outputs: dict[str, StepOutput] = {}
-        for seq in self._admit():
+        start = time.monotonic()
+        admitted = self._admit()
+        for seq in admitted:
+            seq.metrics.scheduler_time += time.monotonic() - start
             outputs[seq.request_id] = StepOutput(seq, [self._prefill(seq)])
         decoding = [s for s in self.running if not s.finished]
         if decoding:
-            for seq, token in zip(decoding, self._decode(decoding)):
+            result = self._decode(decoding)
+            for seq in decoding:
+                token = result.sampled_token_ids[result.req_id_to_index[seq.request_id]][0]
                 outputs.setdefault(seq.request_id, StepOutput(seq, [])).new_token_ids.append(token)
         self._reap()
         return list(outputs.values())
@@ -110,25 +116,29 @@ class LLMEngine:
 
     def _prefill(self, seq: Sequence) -> int:
         batch = ModelInput([SequenceInput(seq.request_id, seq.prompt_ids, 0, seq.block_ids)], is_prompt=True)
+        start = time.monotonic()
         result = self.runner.run_prompt(batch, receive_kv=seq.receive_kv)
         seq.bypassed = result.bypassed
         seq.metrics.model_forward_time += result.forward_s
         token = self._sample(seq, self.runner.logits(result.last_hidden)[0])
+        seq.metrics.model_execute_time += time.monotonic() - start
         seq.metrics.mark_first_token(time.monotonic())
         return token
 
-    def _decode(self, seqs: list[Sequence]) -> list[int]:
+    def _decode(self, seqs: list[Sequence]) -> ModelRunnerOutput:
         batch = ModelInput(
             [SequenceInput(s.request_id, [s.last_token], s.num_tokens - 1, s.block_ids) for s in seqs],
             is_prompt=False)
         start = time.monotonic()
-        logits = self.runner.logits(self.runner.run_decode(batch))
-        elapsed = time.monotonic() - start
-        tokens = []
-        for i, seq in enumerate(seqs):
-            seq.metrics.model_forward_time += elapsed
-            tokens.append(self._sample(seq, logits[i]))
-        return tokens
+        hidden = self.runner.run_decode(batch)  # [B, hidden]
+        forward = time.monotonic() - start
+        logits = self.runner.logits(hidden)  # [B, vocab]
+        tokens = [self._sample(seq, logits[i]) for i, seq in enumerate(seqs)]
+        execute = time.monotonic() - start
+        for seq in seqs:
+            seq.metrics.model_forward_time += forward
+            seq.metrics.model_execute_time += execute
+        return ModelRunnerOutput.from_tokens(batch.request_ids, tokens)
 
     def _sample(self, seq: Sequence, logits) -> int:
         token = sample(logits, seq.params, seq.generator)

@@ -59,6 +59,10 @@ def test_blocks_return_to_the_pool_and_admission_waits_for_room(model):
     _run(eng)
     assert a.finished and b.finished and len(b.output_ids) == 4
     assert eng.allocator.num_free == 6
+    m = b.metrics
+    assert m.time_in_queue > 0 and m.ttft >= m.time_in_queue  # b waited for a's blocks
+    assert m.finished_time >= m.first_token_time >= m.first_scheduled_time >= m.arrival_time
+    assert m.model_execute_time >= m.model_forward_time > 0
 
 
 def test_abort_frees_blocks_at_once(model):
