@@ -24,7 +24,8 @@ from connectors.held import HeldTable
 from connectors.hidden import dtype_of, join_requests
 from connectors.kv_region import KVRegion
 from connectors.receiver import KVReceiver, Puller, Received
-from connectors.sender import KVSender, TransferServer
+from connectors.sender import KVSender
+from connectors.transfer_server import SendEngine, TransferServer
 from connectors.wire import KVLayout
 from engine.model_input import ModelInput
 
@@ -53,8 +54,8 @@ class DirectoryConnector(KVConnectorBase):
     # --- transport hooks -------------------------------------------------------------
 
     @abstractmethod
-    def _make_server(self, region: KVRegion, held: HeldTable, on_expired: Callable[[str], None]) -> TransferServer:
-        """Start the producer-side transfer server."""
+    def _make_send_engine(self, region: KVRegion) -> SendEngine:
+        """The transport's producer half, run by the transfer server."""
 
     @abstractmethod
     def _make_puller(self, region: KVRegion) -> Puller:
@@ -70,7 +71,9 @@ class DirectoryConnector(KVConnectorBase):
         layout = _layout_of(kv_caches)
         if self.config.role == NodeRole.PREFILL:
             held = HeldTable(lambda rid: self._release_cb(rid))
-            self._server = self._make_server(region, held, self._on_expired)
+            self._server = TransferServer(self.config.host, region, held, self._make_send_engine(region),
+                                          self.config.kv_deadline_s, self.directory.get_endpoint, self._on_expired)
+            self._server.start()
             self._sender = KVSender(self.config, self.directory, layout, held, self._server, self.epoch)
         else:
             self._puller = self._make_puller(region)

@@ -11,27 +11,18 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Protocol
-
 import torch
 
 from connectors.config import ConnectorConfig
 from connectors.directory import DirectoryError, KVDirectory, TransferState
 from connectors.held import HeldRequest, HeldTable
 from connectors.hidden import split_request
+from connectors.transfer_server import TransferServer
 from connectors.types import IntermediateTensors
 from connectors.wire import KVLayout, KVLocation
 from engine.model_input import ModelInput
 
 log = logging.getLogger(__name__)
-
-
-class TransferServer(Protocol):
-    side_channel: str
-    transport_address: bytes
-
-    def wake(self) -> None: ...
-    def close(self) -> None: ...
 
 
 class KVSender:

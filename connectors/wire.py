@@ -95,12 +95,23 @@ class PullRequest(_Msg, tag="pull"):
 
 
 class PullReply(_Msg, tag="pull_reply"):
-    """Producer → consumer: the pull finished (ok) or was refused (reason)."""
+    """Producer → consumer: the pull finished (ok) or was refused (reason).
+
+    For transports where the consumer reads the producer's memory itself (shared
+    memory), ok means "granted: read now", and the consumer answers `PullDone`.
+    """
 
     request_id: str
     transfer_id: int
     ok: bool
     reason: str = ""
+
+
+class PullDone(_Msg, tag="pull_done"):
+    """Consumer → producer: I have read what a granted pull allowed; release it."""
+
+    request_id: str
+    transfer_id: int
 
 
 # --- work: router → nodes, decode node → router -------------------------------------------
@@ -156,7 +167,7 @@ class WorkError(_Msg, tag="error"):
 
 
 Message = (
-    KVLayout | KVLocation | NodeInfo | PullRequest | PullReply
+    KVLayout | KVLocation | NodeInfo | PullRequest | PullReply | PullDone
     | PrefillWork | DecodeWork | TokenChunk | WorkError
 )
 

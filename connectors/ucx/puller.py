@@ -1,7 +1,7 @@
 """The consumer's side of a UCX transfer: pull one request's KV into my blocks.
 
 Posts a tagged receive for every piece straight into the destination blocks and
-hidden-state tensors, asks the producer (zmq side channel) to send, and waits on
+hidden-state tensors, asks the producer over the side channel to send, and waits on
 both the UCX worker's event fd and the reply socket until the receives complete and
 the producer confirms, or the deadline passes. On any failure the receives still
 posted are cancelled, so no late write can land in blocks that get reused.
@@ -10,18 +10,14 @@ posted are cancelled, so no late write can land in blocks that get reused.
 from __future__ import annotations
 
 import itertools
-import logging
-import time
 
 import torch
-import zmq
 
 from connectors.base import TransferError
 from connectors.kv_region import KVRegion, plan_runs
+from connectors.side_channel import SideChannelClient
 from connectors.ucx.transport import MAX_PIECES, UCXTransport, all_done, check_errors
-from connectors.wire import KVLocation, PullReply, PullRequest, WireError, decode, encode
-
-log = logging.getLogger(__name__)
+from connectors.wire import KVLocation, PullRequest
 
 
 class UCXPuller:
@@ -29,8 +25,7 @@ class UCXPuller:
         self._node_id = node_id
         self._region = region
         self._transport = UCXTransport()
-        self._ctx = zmq.Context.instance()
-        self._sockets: dict[str, zmq.Socket] = {}
+        self._channel = SideChannelClient()
         self._transfer_ids = itertools.count(1)
 
     @property
@@ -52,70 +47,26 @@ class UCXPuller:
         transfer_id = next(self._transfer_ids)
         reqs = self._transport.post_recvs(pieces, transfer_id)
         try:
-            sock = self._socket(loc.side_channel)
-            sock.send(encode(PullRequest(
+            self._channel.send(loc.side_channel, PullRequest(
                 request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
-                transport_address=self._transport.address, dst_block_ids=dst_blocks)))
-            self._wait(loc, sock, reqs, transfer_id, deadline)
-        except BaseException:
+                transport_address=self._transport.address, dst_block_ids=dst_blocks))
+            self._channel.wait(loc, transfer_id, deadline, fds=[self._transport.event_fd],
+                               progress=self._transport.progress, can_block=self._transport.arm,
+                               done=lambda: all_done(reqs))
+            check_errors(reqs)
+        except BaseException as exc:
             self._abandon(loc.side_channel, reqs)
-            raise
+            if isinstance(exc, (TransferError, KeyboardInterrupt)):
+                raise
+            raise TransferError(loc.request_id, loc.producer, f"receive failed: {exc}") from exc
         return sum(p.numel() * p.element_size() for p in pieces)
 
     def close(self) -> None:
-        for sock in self._sockets.values():
-            sock.close(0)
-        self._sockets.clear()
+        self._channel.close()
         self._transport.close()
-
-    def _wait(self, loc: KVLocation, sock: zmq.Socket, reqs: list, transfer_id: int, deadline: float) -> None:
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._transport.event_fd, zmq.POLLIN)
-        confirmed = False
-        while True:
-            self._transport.progress()
-            while sock.poll(0):
-                confirmed |= self._read_reply(loc, sock, transfer_id)
-            if confirmed and all_done(reqs):
-                try:
-                    check_errors(reqs)
-                except Exception as exc:  # noqa: BLE001 - UCX raises its own error types
-                    raise TransferError(loc.request_id, loc.producer, f"receive failed: {exc}") from exc
-                return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TransferError(loc.request_id, loc.producer, "transfer did not complete before the deadline")
-            if self._transport.arm():
-                poller.poll(int(remaining * 1000) + 1)
-
-    def _read_reply(self, loc: KVLocation, sock: zmq.Socket, transfer_id: int) -> bool:
-        try:
-            reply = decode(sock.recv(copy=False).buffer, expect=PullReply)
-        except WireError as exc:
-            log.warning("request %s: bad reply from producer %s: %s", loc.request_id, loc.producer, exc)
-            return False
-        if reply.transfer_id != transfer_id:
-            return False  # a late reply to an abandoned transfer
-        if not reply.ok:
-            raise TransferError(loc.request_id, loc.producer, f"producer refused: {reply.reason}")
-        return True
 
     def _abandon(self, side_channel: str, reqs: list) -> None:
         if not all_done(reqs):
             self._transport.cancel_all()
             self._transport.progress()
-            # A socket with an unanswered request may receive a stale reply; start afresh.
-            sock = self._sockets.pop(side_channel, None)
-            if sock is not None:
-                sock.close(0)
-
-    def _socket(self, side_channel: str) -> zmq.Socket:
-        sock = self._sockets.get(side_channel)
-        if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-            sock.connect(side_channel)
-            self._sockets[side_channel] = sock
-        return sock
+            self._channel.drop(side_channel)

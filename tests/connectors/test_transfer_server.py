@@ -1,4 +1,4 @@
-"""The producer's transfer server keeps serving through malformed and hostile pulls."""
+"""The producer's transfer server (with UCX's send engine) keeps serving through malformed and hostile pulls."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import zmq
 from connectors.held import HeldRequest, HeldTable
 from connectors.kv_region import KVRegion
 from connectors.config import ConnectorKind
-from connectors.ucx.server import UCXTransferServer
-from connectors.wire import KVLocation, PullReply, PullRequest, WIRE_VERSION, decode, encode
+from connectors.transfer_server import TransferServer
+from connectors.ucx.server import UCXSendEngine
+from connectors.wire import WIRE_VERSION, KVLocation, PullDone, PullReply, PullRequest, decode, encode
 from engine.kv_cache import KVPool
 from tests.connectors import peer
 
@@ -21,7 +22,8 @@ def server():
     released: list[str] = []
     held = HeldTable(released.append)
     endpoints = {"c": b"x"}  # what the directory would say each consumer published
-    srv = UCXTransferServer("127.0.0.1", KVRegion.from_kv_caches(pool.kv_caches), held, 5.0, endpoints.get)
+    srv = TransferServer("127.0.0.1", KVRegion.from_kv_caches(pool.kv_caches), held, UCXSendEngine(), 5.0,
+                         endpoints.get)
     srv.start()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -49,7 +51,8 @@ def _reply(sock) -> PullReply:
 def test_garbage_is_dropped_and_counted_then_server_answers(server):
     srv, held, released, sock = server
     junk = [b"", b"\xff" * 40, _pull("a", [1])[:-2], msgspec.msgpack.encode([WIRE_VERSION + 1, {"type": "pull"}]),
-            encode(PullReply(request_id="x", transfer_id=1, ok=True))]
+            encode(PullReply(request_id="x", transfer_id=1, ok=True)),
+            encode(PullDone(request_id="x", transfer_id=1))]  # done with a pull nobody granted
     for j in junk:
         sock.send(j)
     sock.send(_pull("unknown", [1]))

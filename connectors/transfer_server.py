@@ -1,0 +1,237 @@
+"""The producer's transfer server, transport-independent: answers pulls from consumers.
+
+Lifecycle: `start()` binds a zmq ROUTER side channel and starts one thread that owns
+the transport's send engine. For each `PullRequest` it checks the request is held
+and not already in flight, that the consumer's transport address is the one that
+consumer published in the directory, and that the block counts match; it then
+plans the pieces (one per run of blocks consecutive on both sides, per plane, then
+each hidden tensor) and hands a `SendJob` to the engine. When the engine finishes
+the job the server replies `PullReply` and releases the request's blocks. A job past
+its deadline is abandoned and released. Requests nobody pulls are released at their
+hold deadline. Malformed messages are logged with the peer, counted and dropped.
+`close()` stops the thread, the engine, and releases everything still held.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import zmq
+
+from connectors.held import HeldRequest, HeldTable
+from connectors.kv_region import KVRegion, plan_runs
+from connectors.wire import PullDone, PullReply, PullRequest, WireError, decode, encode
+from engine.wakeup import Wakeup
+
+log = logging.getLogger(__name__)
+
+IDLE_WAKE_S = 1.0  # upper bound between hold-deadline checks
+
+
+@dataclass(eq=False)
+class SendJob:
+    """One granted pull: move `pieces` to the consumer named in `msg`."""
+
+    identity: bytes  # the consumer's zmq identity on the side channel
+    msg: PullRequest
+    held: HeldRequest
+    pieces: list[torch.Tensor]
+    deadline: float
+    replied: bool = False  # a grant was already sent (consumer-driven transports)
+    state: object = field(default=None)  # the engine's own per-job data
+
+
+class SendEngine(ABC):
+    """A transport's producer half. Runs on the server thread unless it says otherwise."""
+
+    transport_address: bytes = b""
+
+    def bind(self, server: TransferServer) -> None:
+        self.server = server
+
+    def fds(self) -> list[int]:
+        """File descriptors the server loop should wake on (e.g. UCX's event fd)."""
+        return []
+
+    def progress(self) -> None:
+        """Called every loop turn: advance transfers, call `server.finish` for done ones."""
+
+    def can_block(self) -> bool:
+        """False when progress must run again before the loop may sleep."""
+        return True
+
+    @abstractmethod
+    def start(self, job: SendJob) -> None:
+        """Begin the job; `server.finish(job, error)` must follow exactly once (any thread)."""
+
+    def abandon(self, job: SendJob) -> None:
+        """The job missed its deadline; stop touching its pieces if the transport can."""
+
+    def close(self) -> None:
+        pass
+
+
+class TransferServer:
+    def __init__(self, host: str, region: KVRegion, held: HeldTable, engine: SendEngine, send_deadline_s: float,
+                 trusted_endpoint: Callable[[str], bytes | None], on_expired: Callable[[str], None] | None = None):
+        """Args:
+        host: address the side channel binds.
+        region: the pool's bytes.
+        held: requests whose KV is waiting to be pulled.
+        engine: the transport's send engine.
+        send_deadline_s: how long one pull may take once granted.
+        trusted_endpoint: the transport address a consumer published in the directory;
+            pulls naming any other address are refused (UCX aborts on a malformed one).
+        on_expired: called for a held request released at its hold deadline.
+        """
+        self._region, self._held, self._engine = region, held, engine
+        self._send_deadline_s = send_deadline_s
+        self._trusted_endpoint = trusted_endpoint
+        self._on_expired = on_expired or (lambda rid: None)
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        self.side_channel = f"tcp://{host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
+        self._wakeup = Wakeup()
+        self._stop = threading.Event()
+        self._jobs: dict[tuple[str, int], SendJob] = {}
+        self._finished: queue.SimpleQueue[tuple[SendJob, BaseException | None]] = queue.SimpleQueue()
+        self.rejected_messages = 0
+        engine.bind(self)
+        self.transport_address = engine.transport_address
+        self._thread = threading.Thread(target=self._run, name="kv-transfer-server", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wakeup.wake()
+
+    def finish(self, job: SendJob, error: BaseException | None) -> None:
+        """The engine is done with `job` (error None on success). Thread-safe."""
+        self._finished.put((job, error))
+        self._wakeup.wake()
+
+    def grant(self, job: SendJob) -> None:
+        """Consumer-driven transports: tell the consumer to read now; `finish` follows its PullDone."""
+        job.replied = True
+        self._reply(job.identity, job.msg, True)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.wake()
+        self._thread.join(timeout=5)
+        self._sock.close(0)
+        self._engine.close()
+        self._wakeup.close()
+        self._held.release_all()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for fd in [self._sock, self._wakeup.fd, *self._engine.fds()]:
+            poller.register(fd, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                self._step()
+            except Exception:  # noqa: BLE001 - the server must outlive any one bad transfer
+                log.exception("transfer server step failed")
+            if self._engine.can_block() and self._finished.empty():
+                poller.poll(self._timeout_ms())
+                self._wakeup.drain()
+
+    def _step(self) -> None:
+        self._engine.progress()
+        while self._sock.poll(0):
+            self._handle(self._sock.recv_multipart(copy=False))
+        while not self._finished.empty():
+            self._complete(*self._finished.get())
+        now = time.monotonic()
+        for job in [j for j in self._jobs.values() if j.deadline <= now]:
+            log.warning("request %s: pull by %s missed its deadline", job.msg.request_id, job.msg.consumer)
+            self._engine.abandon(job)
+            self._complete(job, TimeoutError("pull missed its deadline"))
+        for rid in self._held.expire_due(now):
+            log.info("request %s: KV not pulled before its hold deadline; released", rid)
+            self._on_expired(rid)
+
+    def _timeout_ms(self) -> int:
+        now = time.monotonic()
+        wake = min([now + IDLE_WAKE_S, *(j.deadline for j in self._jobs.values())])
+        nxt = self._held.next_deadline()
+        if nxt is not None:
+            wake = min(wake, nxt)
+        return max(0, int((wake - now) * 1000) + 1)
+
+    def _handle(self, frames: list) -> None:
+        if len(frames) != 2:
+            self._reject(frames[0].bytes if frames else b"?", f"{len(frames)} frames")
+            return
+        identity, payload = frames[0].bytes, frames[1].buffer
+        try:
+            msg = decode(payload, expect=(PullRequest, PullDone))
+        except WireError as exc:
+            self._reject(identity, str(exc))
+            return
+        if isinstance(msg, PullDone):
+            job = self._jobs.get((msg.request_id, msg.transfer_id))
+            if job is None or job.identity != identity or not job.replied:
+                self._reject(identity, f"PullDone for no granted pull of {msg.request_id}")
+                return
+            self._complete(job, None)
+            return
+        self._start_pull(identity, msg)
+
+    def _reject(self, identity: bytes, reason: str) -> None:
+        self.rejected_messages += 1
+        log.warning("side channel: rejected message from peer %s: %s", identity.hex(), reason)
+
+    def _start_pull(self, identity: bytes, msg: PullRequest) -> None:
+        held = self._held.begin_pull(msg.request_id)
+        if held is None:
+            self._reply(identity, msg, False, "request unknown, released or already being pulled")
+            return
+        reason = self._refusal(msg, held)
+        if reason:
+            log.warning("request %s: pull from %s refused: %s", msg.request_id, msg.consumer, reason)
+            self._reply(identity, msg, False, reason)
+            self._held.release(msg.request_id)
+            return
+        runs = plan_runs(held.location.block_ids, msg.dst_block_ids)
+        pieces = self._region.pieces([(s, n) for s, _, n in runs]) + held.hidden
+        job = SendJob(identity, msg, held, pieces, time.monotonic() + self._send_deadline_s)
+        self._jobs[(msg.request_id, msg.transfer_id)] = job
+        try:
+            self._engine.start(job)
+        except Exception as exc:  # noqa: BLE001 - a bad peer must not kill the server
+            self._complete(job, exc)
+
+    def _refusal(self, msg: PullRequest, held: HeldRequest) -> str:
+        try:
+            trusted = self._trusted_endpoint(msg.consumer) == msg.transport_address
+        except Exception as exc:  # noqa: BLE001 - no directory, no trust
+            return f"cannot look up consumer {msg.consumer}: {exc}"
+        if not trusted:
+            return f"transport address of {msg.consumer!r} is not the one it published"
+        if len(msg.dst_block_ids) != len(held.location.block_ids):
+            return f"{len(msg.dst_block_ids)} destination blocks for {len(held.location.block_ids)} source blocks"
+        return ""
+
+    def _complete(self, job: SendJob, error: BaseException | None) -> None:
+        if self._jobs.pop((job.msg.request_id, job.msg.transfer_id), None) is None:
+            return  # finished already (e.g. abandoned, then the engine reported)
+        if error is not None:
+            log.warning("request %s: send to %s failed: %s", job.msg.request_id, job.msg.consumer, error)
+        if not job.replied:
+            self._reply(job.identity, job.msg, error is None, "" if error is None else f"send failed: {error}")
+        self._held.release(job.msg.request_id)
+
+    def _reply(self, identity: bytes, msg: PullRequest, ok: bool, reason: str = "") -> None:
+        reply = PullReply(request_id=msg.request_id, transfer_id=msg.transfer_id, ok=ok, reason=reason)
+        self._sock.send_multipart([identity, encode(reply)])
