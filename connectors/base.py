@@ -1,7 +1,8 @@
 """The connector contract every transport implements (vLLM's classic KV connector).
 
 Lifecycle: a node builds one connector from its config (`factory.create_connector`),
-hands it the KV pool once (`register_kv_caches`), then calls
+lets it allocate the KV pool (`allocate_kv_pool`) and hands it the pool's per-layer
+views once (`register_kv_caches`), then calls
 `send_kv_caches_and_hidden_states` after each prefill forward (prefill role) or
 `recv_kv_caches_and_hidden_states` before each prompt forward (decode role), and
 finally `close()`. A prefill node also calls `set_release_callback` to learn when
@@ -19,6 +20,8 @@ from connectors.types import IntermediateTensors
 
 if TYPE_CHECKING:
     from connectors.config import ConnectorConfig
+    from connectors.wire import KVLayout
+    from engine.kv_cache import KVPool
     from engine.model_input import ModelInput
 
 HiddenStates = torch.Tensor | IntermediateTensors
@@ -44,6 +47,16 @@ class KVConnectorBase(ABC):
         local_rank: rank on this host (picks the device).
         config: the node's connector configuration.
         """
+
+    def allocate_kv_pool(self, layout: KVLayout, num_blocks: int, device: str | torch.device) -> KVPool:
+        """Allocate the node's KV pool (once, before `register_kv_caches`).
+
+        Transports whose peers read the pool directly (shared memory, CUDA IPC) override
+        this to place it where peers can map it.
+        """
+        from engine.kv_cache import KVPool
+
+        return KVPool.allocate(layout, num_blocks, device)
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Called once with the per-layer views of the node's KV pool."""

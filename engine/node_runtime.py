@@ -50,9 +50,9 @@ class NodeRuntime:
         if eng.torch_threads:
             torch.set_num_threads(eng.torch_threads)
         model = load_model(eng.model_dir, eng.device)
-        pool = KVPool.allocate(kv_layout(model.config, eng.block_size), eng.num_blocks, eng.device)
-        allocator = BlockAllocator(eng.num_blocks)
         connector = create_connector(0, 0, config.connector)
+        pool = connector.allocate_kv_pool(kv_layout(model.config, eng.block_size), eng.num_blocks, eng.device)
+        allocator = BlockAllocator(eng.num_blocks)
         runner = ModelRunner(model, pool, connector, config.connector.role)
         sock = zmq.Context.instance().socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)

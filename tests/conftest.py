@@ -37,3 +37,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("models") / "tiny"
     write_random_checkpoint(path, "tiny", 0)
     return path
+
+
+def pytest_addoption(parser):
+    parser.addoption("--connector", action="append", default=None,
+                     help="Run connector tests for this connector only (repeatable); all registered ones by default.")
+
+
+def pytest_generate_tests(metafunc):
+    if "connector_kind" in metafunc.fixturenames:
+        from connectors.config import ConnectorKind
+        from connectors.factory import available_connectors
+
+        chosen = metafunc.config.getoption("--connector") or available_connectors()
+        metafunc.parametrize("connector_kind", [ConnectorKind(c) for c in chosen], ids=str)

@@ -1,7 +1,12 @@
-"""A producer process for connector tests: fills its pool, publishes requests, serves pulls."""
+"""A producer process for connector tests: fills its pool, publishes requests, serves pulls.
+
+Any connector kind: the conformance suite runs the same producer against each.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import zlib
 
@@ -11,7 +16,7 @@ from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 from connectors.factory import create_connector
 from connectors.types import IntermediateTensors
 from connectors.wire import DType, KVLayout
-from engine.kv_cache import TORCH_DTYPES, KVPool
+from engine.kv_cache import TORCH_DTYPES
 from engine.model_input import ModelInput, SequenceInput
 
 HIDDEN = 24
@@ -32,18 +37,31 @@ def request_hidden(rid: str, tokens: int, intermediate: bool):
     gen = torch.Generator().manual_seed(zlib.crc32(rid.encode()) + 1)
     h = torch.randn(tokens, HIDDEN, generator=gen)
     if intermediate:
-        return IntermediateTensors({"hidden_states": h, "residual": h * 2})
+        return IntermediateTensors({"hidden_states": h, "residual": (h * 2).to(torch.bfloat16)})
     return h
 
 
-def produce(redis_url: str, lay: KVLayout, requests: list[tuple[str, int, list[int]]], intermediate: bool,
-            deadline_s: float, results) -> None:
+def config(kind: ConnectorKind, role: NodeRole, node_id: str, redis_url: str, deadline_s: float) -> ConnectorConfig:
+    return ConnectorConfig(kind=kind, role=role, node_id=node_id, redis_url=redis_url, kv_deadline_s=deadline_s)
+
+
+def _die_on_first_send(conn) -> None:
+    """Make this process SIGKILL itself right after its transport starts the first pull."""
+    engine = conn._server._engine  # test-only reach into the server
+    start = engine.start
+
+    def start_then_die(job):
+        start(job)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    engine.start = start_then_die
+
+
+def produce(redis_url: str, kind: ConnectorKind, lay: KVLayout, requests: list[tuple[str, int, list[int]]],
+            intermediate: bool, deadline_s: float, results, num_blocks: int = 64, die_mid_transfer: bool = False) -> None:
     """Publish each (request_id, num_tokens, src_blocks); report released ids when all are released."""
-    torch.manual_seed(0)
-    config = ConnectorConfig(kind=ConnectorKind.UCX, role=NodeRole.PREFILL, node_id="producer-test",
-                             redis_url=redis_url, kv_deadline_s=deadline_s)
-    conn = create_connector(0, 0, config)
-    pool = KVPool.allocate(lay, 64)
+    conn = create_connector(0, 0, config(kind, NodeRole.PREFILL, "producer-test", redis_url, deadline_s))
+    pool = conn.allocate_kv_pool(lay, num_blocks, "cpu")
     released, done = [], threading.Event()
 
     def on_release(rid: str) -> None:
@@ -53,11 +71,12 @@ def produce(redis_url: str, lay: KVLayout, requests: list[tuple[str, int, list[i
 
     conn.set_release_callback(on_release)
     conn.register_kv_caches(pool.kv_caches)
+    if die_mid_transfer:
+        _die_on_first_send(conn)
     for rid, tokens, blocks in requests:
         pool.data[blocks] = request_kv(rid, lay, len(blocks))
-        hidden = request_hidden(rid, tokens, intermediate)
         conn.send_kv_caches_and_hidden_states(None, ModelInput([SequenceInput(rid, [0] * tokens, 0, blocks)]),
-                                              pool.kv_caches, hidden)
+                                              pool.kv_caches, request_hidden(rid, tokens, intermediate))
     results.put(("published", len(requests)))
     done.wait(deadline_s * 3 + 10)
     results.put(("released", sorted(released)))
