@@ -422,6 +422,22 @@ class KVDirectory:
         with self._errors(f"get endpoint of {node_id}"):
             return self._redis.get(f"{self.namespace}:endpoint:{node_id}")
 
+    def record_transfer(self, node_id: str, transport: str, nbytes: int) -> None:
+        """Count a completed transfer into `node_id`, per transport (a hash with the node's TTL x 10)."""
+        key = f"{self.namespace}:transfers:{node_id}"
+        with self._errors(f"record transfer into {node_id}"):
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.hincrby(key, f"{transport}:count", 1)
+            pipe.hincrby(key, f"{transport}:bytes", nbytes)
+            pipe.pexpire(key, self._epoch_ttl_ms)
+            pipe.execute()
+
+    def transfers(self, node_id: str) -> dict[str, int]:
+        """`{"<transport>:count": n, "<transport>:bytes": b}` recorded for `node_id`."""
+        with self._errors(f"transfers of {node_id}"):
+            raw = self._redis.hgetall(f"{self.namespace}:transfers:{node_id}")
+        return {k.decode(): int(v) for k, v in raw.items()}
+
     def close(self) -> None:
         """Close every pooled connection; the directory is not to be used afterwards."""
         self._pool.disconnect()

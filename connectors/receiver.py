@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 
 class Puller(Protocol):
+    """A transport's consumer half. One that picks among transports per pull (auto) also
+    sets `last_transport` to the kind it used."""
+
     transport_address: bytes  # published in the directory; producers send only there
 
     def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int: ...
@@ -42,6 +45,7 @@ class Received:
     kv_bytes: int
     transfer_s: float
     producer: str
+    transport: str  # the connector kind that moved the bytes
 
 
 class KVReceiver:
@@ -77,9 +81,10 @@ class KVReceiver:
         start = time.monotonic()
         nbytes = self._puller.pull(loc, list(seq.block_ids[:n_blocks]), hidden, deadline)
         elapsed = time.monotonic() - start
-        self._directory.transition(rid, {TransferState.READY}, TransferState.CONSUMED)
-        self._directory.delete(rid)
-        return Received(hidden, loc.hidden, loc.intermediate, nbytes, elapsed, loc.producer)
+        transport = str(getattr(self._puller, "last_transport", loc.kind))
+        self._mark_consumed(rid, transport, nbytes)
+        log.info("request %s: %d bytes from %s over %s in %.2f ms", rid, nbytes, loc.producer, transport, elapsed * 1e3)
+        return Received(hidden, loc.hidden, loc.intermediate, nbytes, elapsed, loc.producer, transport)
 
     def _check(self, seq: SequenceInput, loc: KVLocation) -> None:
         def bad(reason: str) -> TransferError:
@@ -94,6 +99,15 @@ class KVReceiver:
             raise bad(f"block count mismatch: producer {len(loc.block_ids)}, needed {n_blocks}, ours {len(seq.block_ids)}")
         if any(d.shape[:1] != (seq.num_tokens,) for d in loc.hidden):
             raise bad("hidden states do not cover the prompt")
+
+    def _mark_consumed(self, request_id: str, transport: str, nbytes: int) -> None:
+        """The KV is in our blocks; directory trouble now must not force a recompute."""
+        try:
+            self._directory.transition(request_id, {TransferState.READY}, TransferState.CONSUMED)
+            self._directory.delete(request_id)
+            self._directory.record_transfer(self._config.node_id, transport, nbytes)
+        except DirectoryError as exc:
+            log.warning("request %s: received, but the directory could not be updated: %s", request_id, exc)
 
     def _mark_failed(self, request_id: str, reason: str) -> None:
         log.warning("request %s: transfer failed, recomputing: %s", request_id, reason)

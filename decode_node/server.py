@@ -118,7 +118,7 @@ class DecodeNode:
         got = self.rt.connector.take_transfer_stats(seq.request_id)
         ttft = seq.metrics.ttft or 0.0
         return DecodeStats(
-            bypassed=seq.bypassed, kv_bytes=got.kv_bytes if got else 0,
+            bypassed=seq.bypassed, transport=got.transport if got else "", kv_bytes=got.kv_bytes if got else 0,
             transfer_ms=got.transfer_s * 1000 if got else 0.0, ttft_ms=ttft * 1000,
             prefill_node=got.producer if got else self._prefill_node.get(seq.request_id, ""),
             decode_node=self.rt.config.node_id)

@@ -54,10 +54,10 @@ class Completion:
     def kvwire(self) -> dict:
         stats = self.final.stats if self.final else None
         ttft = (self.first_token_at - self.started) * 1000 if self.first_token_at else None
-        out = {"bypassed": False, "kv_bytes": 0, "transfer_ms": 0.0, "ttft_ms": ttft,
+        out = {"bypassed": False, "transport": None, "kv_bytes": 0, "transfer_ms": 0.0, "ttft_ms": ttft,
                "prefill_node": None, "decode_node": None}
         if stats is not None:
-            out.update(bypassed=stats.bypassed, kv_bytes=stats.kv_bytes, transfer_ms=stats.transfer_ms,
+            out.update(bypassed=stats.bypassed, transport=stats.transport or None, kv_bytes=stats.kv_bytes, transfer_ms=stats.transfer_ms,
                        prefill_node=stats.prefill_node, decode_node=stats.decode_node,
                        decode_ttft_ms=stats.ttft_ms)
         return out

@@ -144,3 +144,15 @@ def test_nodes_reject_malformed_work_and_keep_serving(cluster):
     got = complete(cluster.url, "still serving", max_tokens=4)
     assert got["kvwire"]["bypassed"] is True
     assert all(p.poll() is None for p in cluster.procs.values())
+
+
+def test_transport_is_reported_in_response_and_directory(cluster):
+    from connectors.directory import KVDirectory
+
+    directory = KVDirectory(cluster.redis_url)
+    before = directory.transfers("decode-0").get("ucx:count", 0)
+    got = complete(cluster.url, "which wire?", max_tokens=2)
+    assert got["kvwire"]["transport"] == "ucx"
+    after = directory.transfers("decode-0")
+    directory.close()
+    assert after["ucx:count"] == before + 1 and after["ucx:bytes"] >= got["kvwire"]["kv_bytes"]
