@@ -46,6 +46,8 @@ class ClusterSpec:
     block_size: int = 16
     log_dir: Path | None = None  # children's output; inherited from this process when None
     log_level: str = "INFO"
+    prefill_device: str = "cpu"
+    decode_device: str = "cpu"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -107,7 +109,7 @@ class LocalCluster:
         return [role, "--model", str(s.model_dir), "--redis-url", self.redis_url, "--host", s.host,
                 "--node-id", f"{role}-0", "--connector", str(s.connector), "--block-size", str(s.block_size),
                 "--num-blocks", str(s.num_blocks), "--kv-deadline", str(s.kv_deadline_s),
-                "--log-level", s.log_level]
+                "--device", s.prefill_device if role == "prefill" else s.decode_device, "--log-level", s.log_level]
 
     def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         """Start `python -m cli.main ARGS` as a child named `name`."""

@@ -58,10 +58,11 @@ def _die_on_first_send(conn) -> None:
 
 
 def produce(redis_url: str, kind: ConnectorKind, lay: KVLayout, requests: list[tuple[str, int, list[int]]],
-            intermediate: bool, deadline_s: float, results, num_blocks: int = 64, die_mid_transfer: bool = False) -> None:
+            intermediate: bool, deadline_s: float, results, num_blocks: int = 64, die_mid_transfer: bool = False,
+            device: str = "cpu") -> None:
     """Publish each (request_id, num_tokens, src_blocks); report released ids when all are released."""
     conn = create_connector(0, 0, config(kind, NodeRole.PREFILL, "producer-test", redis_url, deadline_s))
-    pool = conn.allocate_kv_pool(lay, num_blocks, "cpu")
+    pool = conn.allocate_kv_pool(lay, num_blocks, device)
     released, done = [], threading.Event()
 
     def on_release(rid: str) -> None:
@@ -74,9 +75,12 @@ def produce(redis_url: str, kind: ConnectorKind, lay: KVLayout, requests: list[t
     if die_mid_transfer:
         _die_on_first_send(conn)
     for rid, tokens, blocks in requests:
-        pool.data[blocks] = request_kv(rid, lay, len(blocks))
+        pool.data[blocks] = request_kv(rid, lay, len(blocks)).to(device)
+        hidden = request_hidden(rid, tokens, intermediate)
+        hidden = hidden.to(device) if isinstance(hidden, torch.Tensor) else \
+            IntermediateTensors({k: v.to(device) for k, v in hidden.items()})
         conn.send_kv_caches_and_hidden_states(None, ModelInput([SequenceInput(rid, [0] * tokens, 0, blocks)]),
-                                              pool.kv_caches, request_hidden(rid, tokens, intermediate))
+                                              pool.kv_caches, hidden)
     results.put(("published", len(requests)))
     done.wait(deadline_s * 3 + 10)
     results.put(("released", sorted(released)))

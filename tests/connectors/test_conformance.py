@@ -23,17 +23,22 @@ from tests.connectors import peer
 CTX = mp.get_context("spawn")
 
 
-def _consumer(kind: ConnectorKind, redis_url: str, lay, num_blocks: int = 64, deadline_s: float = 10.0):
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _consumer(kind: ConnectorKind, redis_url: str, lay, num_blocks: int = 64, deadline_s: float = 10.0,
+              device: str = "cpu"):
     conn = create_connector(0, 0, peer.config(kind, NodeRole.DECODE, "consumer-test", redis_url, deadline_s))
-    pool = conn.allocate_kv_pool(lay, num_blocks, "cpu")
+    pool = conn.allocate_kv_pool(lay, num_blocks, device)
     conn.register_kv_caches(pool.kv_caches)
     return conn, pool
 
 
-def _producer(kind, redis_url, lay, requests, *, intermediate=False, deadline_s=10.0, num_blocks=64, die=False):
+def _producer(kind, redis_url, lay, requests, *, intermediate=False, deadline_s=10.0, num_blocks=64, die=False,
+              device="cpu"):
     results = CTX.Queue()
     proc = CTX.Process(target=peer.produce, args=(redis_url, kind, lay, requests, intermediate, deadline_s, results),
-                       kwargs={"num_blocks": num_blocks, "die_mid_transfer": die})
+                       kwargs={"num_blocks": num_blocks, "die_mid_transfer": die, "device": device})
     proc.start()
     assert results.get(timeout=60) == ("published", len(requests))
     return proc, results
@@ -49,22 +54,37 @@ def _scattered(rng: random.Random, pool_blocks: int, counts: list[int]) -> list[
 
 
 def _check(pool, lay, rid, dst, n_blocks, hidden, tokens, intermediate=False):
-    assert torch.equal(pool.data[dst], peer.request_kv(rid, lay, n_blocks)), f"KV of {rid} differs"
+    assert torch.equal(pool.data[dst].cpu(), peer.request_kv(rid, lay, n_blocks)), f"KV of {rid} differs"
     want = peer.request_hidden(rid, tokens, intermediate)
-    assert (hidden == want) if intermediate else torch.equal(hidden, want)
+    assert (hidden == want) if intermediate else torch.equal(hidden.cpu(), want)
 
 
+def _devices(kind: ConnectorKind, device: str) -> tuple[str, str]:
+    """(producer, consumer) devices; CUDA runs skip where the GPUs are missing."""
+    if device == "cpu":
+        return "cpu", "cpu"
+    if GPUS < 1:
+        pytest.skip("no CUDA device: the CUDA run of the conformance suite needs one")
+    if kind.value == "nccl":
+        if GPUS < 2:
+            pytest.skip("NCCL needs its two ranks on two CUDA devices")
+        return "cuda:0", "cuda:1"
+    return "cuda:0", f"cuda:{min(1, GPUS - 1)}"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("dtype, block_size, layers", [
     (DType.FLOAT32, 16, 1), (DType.FLOAT16, 1, 64), (DType.BFLOAT16, 64, 8), (DType.FLOAT32, 1, 3)])
-def test_round_trip_is_byte_exact(connector_kind, redis_url, dtype, block_size, layers):
+def test_round_trip_is_byte_exact(connector_kind, redis_url, dtype, block_size, layers, device):
+    producer_device, consumer_device = _devices(connector_kind, device)
     lay = peer.layout(dtype, layers, block_size)
     tokens = [1, block_size, 2 * block_size + 1, 5 * block_size - 1]
     counts = [-(-t // block_size) for t in tokens]
     rng = random.Random(7)
     src, dst = _scattered(rng, 64, counts), _scattered(rng, 64, counts)  # different ids on each side
     requests = [(f"r{i}-{t}", t, s) for i, (t, s) in enumerate(zip(tokens, src))]
-    proc, results = _producer(connector_kind, redis_url, lay, requests)
-    conn, pool = _consumer(connector_kind, redis_url, lay)
+    proc, results = _producer(connector_kind, redis_url, lay, requests, device=producer_device)
+    conn, pool = _consumer(connector_kind, redis_url, lay, device=consumer_device)
     try:
         for (rid, t, s), d in zip(requests, dst):
             mi = ModelInput([SequenceInput(rid, [0] * t, 0, d)])
