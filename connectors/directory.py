@@ -408,19 +408,19 @@ class KVDirectory:
 
     # --- transport endpoints ------------------------------------------------------------
 
-    def publish_endpoint(self, node_id: str, address: bytes) -> None:
-        """Record the transport address a consumer node receives KV at (TTL entry_ttl_s).
+    def publish_endpoint(self, node_id: str, kind: str, address: bytes) -> None:
+        """Record the address a consumer node receives KV at over transport `kind` (TTL entry_ttl_s).
 
         Producers send only to the address a node published here, never to one taken
         from a message: UCX aborts the whole process on a malformed worker address.
         """
-        with self._errors(f"publish endpoint of {node_id}"):
-            self._redis.set(f"{self.namespace}:endpoint:{node_id}", address, px=_ms(self.entry_ttl_s))
+        with self._errors(f"publish {kind} endpoint of {node_id}"):
+            self._redis.set(f"{self.namespace}:endpoint:{node_id}:{kind}", address, px=_ms(self.entry_ttl_s))
 
-    def get_endpoint(self, node_id: str) -> bytes | None:
-        """The transport address `node_id` published; None if none is live."""
-        with self._errors(f"get endpoint of {node_id}"):
-            return self._redis.get(f"{self.namespace}:endpoint:{node_id}")
+    def get_endpoint(self, node_id: str, kind: str) -> bytes | None:
+        """The address `node_id` published for transport `kind`; None if none is live."""
+        with self._errors(f"get {kind} endpoint of {node_id}"):
+            return self._redis.get(f"{self.namespace}:endpoint:{node_id}:{kind}")
 
     def record_transfer(self, node_id: str, transport: str, nbytes: int) -> None:
         """Count a completed transfer into `node_id`, per transport (a hash with the node's TTL x 10)."""

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from connectors.base import HiddenStates, KVConnectorBase, TransferError
-from connectors.config import ConnectorConfig, NodeRole
+from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 from connectors.directory import DirectoryError, KVDirectory, TransferState
 from connectors.held import HeldTable
 from connectors.hidden import dtype_of, join_requests
@@ -44,7 +44,7 @@ class DirectoryConnector(KVConnectorBase):
         self._release_cb: Callable[[str], None] = lambda rid: None
         self._sender: KVSender | None = None
         self._receiver: KVReceiver | None = None
-        self._server: TransferServer | None = None
+        self._servers: dict[ConnectorKind, TransferServer] = {}
         self._puller: Puller | None = None
         self._stats: dict[str, Received] = {}
         self._deadlines: dict[str, float] = {}
@@ -56,6 +56,10 @@ class DirectoryConnector(KVConnectorBase):
     @abstractmethod
     def _make_send_engine(self, region: KVRegion) -> SendEngine:
         """The transport's producer half, run by the transfer server."""
+
+    def _make_send_engines(self, region: KVRegion) -> dict[ConnectorKind, SendEngine]:
+        """Every transport this producer serves over, preferred first (one by default)."""
+        return {self.config.kind: self._make_send_engine(region)}
 
     @abstractmethod
     def _make_puller(self, region: KVRegion) -> Puller:
@@ -71,14 +75,22 @@ class DirectoryConnector(KVConnectorBase):
         layout = _layout_of(kv_caches)
         if self.config.role == NodeRole.PREFILL:
             held = HeldTable(lambda rid: self._release_cb(rid))
-            self._server = TransferServer(self.config.host, region, held, self._make_send_engine(region),
-                                          self.config.kv_deadline_s, self.directory.get_endpoint, self._on_expired)
-            self._server.start()
-            self._sender = KVSender(self.config, self.directory, layout, held, self._server, self.epoch)
+            self._servers = {kind: self._serve(kind, engine, region, held)
+                             for kind, engine in self._make_send_engines(region).items()}
+            self._sender = KVSender(self.config, self.directory, layout, held, self._servers, self.epoch)
         else:
             self._puller = self._make_puller(region)
             self._publish_endpoint()
             self._receiver = KVReceiver(self.config, self.directory, layout, self._puller, kv_caches[0].device)
+
+    def _serve(self, kind: ConnectorKind, engine: SendEngine, region: KVRegion, held: HeldTable) -> TransferServer:
+        def trusted(consumer: str) -> bytes | None:
+            return self.directory.get_endpoint(consumer, str(kind))
+
+        server = TransferServer(self.config.host, region, held, engine, self.config.kv_deadline_s, trusted,
+                                self._on_expired)
+        server.start()
+        return server
 
     def _on_expired(self, request_id: str) -> None:
         if self._sender is not None:
@@ -127,8 +139,10 @@ class DirectoryConnector(KVConnectorBase):
 
     def _publish_endpoint(self) -> None:
         """Tell producers where this consumer receives KV (refreshed well within its TTL)."""
+        addresses = getattr(self._puller, "transport_addresses", None) or {self.config.kind: self._puller.transport_address}
         try:
-            self.directory.publish_endpoint(self.config.node_id, self._puller.transport_address)
+            for kind, address in addresses.items():
+                self.directory.publish_endpoint(self.config.node_id, str(kind), address)
             self._endpoint_published = time.monotonic()
         except DirectoryError as exc:
             log.warning("node %s: cannot publish its transport endpoint: %s", self.config.node_id, exc)
@@ -139,8 +153,8 @@ class DirectoryConnector(KVConnectorBase):
 
     def close(self) -> None:
         self._watchers.shutdown(wait=False, cancel_futures=True)
-        if self._server is not None:
-            self._server.close()
+        for server in self._servers.values():
+            server.close()
         if self._puller is not None:
             self._puller.close()
         self.directory.close()

@@ -13,13 +13,14 @@ import math
 import time
 import torch
 
-from connectors.config import ConnectorConfig
+from connectors.config import ConnectorConfig, ConnectorKind
 from connectors.directory import DirectoryError, KVDirectory, TransferState
 from connectors.held import HeldRequest, HeldTable
 from connectors.hidden import split_request
+from connectors.host import host_identity
 from connectors.transfer_server import TransferServer
 from connectors.types import IntermediateTensors
-from connectors.wire import KVLayout, KVLocation
+from connectors.wire import KVLayout, KVLocation, TransportOffer
 from engine.model_input import ModelInput
 
 log = logging.getLogger(__name__)
@@ -27,12 +28,17 @@ log = logging.getLogger(__name__)
 
 class KVSender:
     def __init__(self, config: ConnectorConfig, directory: KVDirectory, layout: KVLayout,
-                 held: HeldTable, server: TransferServer, epoch: int):
+                 held: HeldTable, servers: dict[ConnectorKind, TransferServer], epoch: int):
+        """Args:
+        servers: one transfer server per transport this node serves its KV over, the
+            preferred first; they share `held`, so only one can grant a request's pull.
+        """
         self._config = config
         self._directory = directory
         self._layout = layout
         self._held = held
-        self._server = server
+        self._servers = servers
+        self._offers = [TransportOffer(k, s.side_channel, s.transport_address) for k, s in servers.items()]
         self._epoch = epoch
 
     def publish(self, model_input: ModelInput, hidden: torch.Tensor | IntermediateTensors) -> None:
@@ -42,16 +48,18 @@ class KVSender:
                 raise ValueError(f"request {seq.request_id}: only whole prompts can be published")
             descs, tensors, intermediate = split_request(hidden, rows)
             n_blocks = math.ceil(seq.end_pos / self._layout.block_size)
+            first = self._offers[0]
             loc = KVLocation(
                 request_id=seq.request_id, producer=self._config.node_id, producer_epoch=self._epoch,
-                kind=self._config.kind, side_channel=self._server.side_channel,
-                transport_address=self._server.transport_address, layout=self._layout,
+                kind=self._config.kind, side_channel=first.side_channel,
+                transport_address=first.transport_address, layout=self._layout,
                 block_ids=list(seq.block_ids[:n_blocks]), num_tokens=seq.end_pos,
-                hidden=descs, intermediate=intermediate)
+                hidden=descs, intermediate=intermediate, offers=self._offers, host=host_identity())
             deadline = time.monotonic() + self._config.kv_deadline_s
             self._held.add(HeldRequest(loc, tensors, deadline))
             self._advertise(loc)
-        self._server.wake()
+        for server in self._servers.values():
+            server.wake()
 
     def on_expired(self, request_id: str) -> None:
         """Called by the server when a held request was never pulled."""

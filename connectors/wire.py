@@ -53,6 +53,14 @@ class KVLayout(_Msg, tag="layout"):
     dtype: DType
 
 
+class TransportOffer(msgspec.Struct, frozen=True, array_like=True):
+    """One way to pull a request's KV from its producer."""
+
+    kind: ConnectorKind
+    side_channel: str  # zmq endpoint of the producer's transfer server for this transport
+    transport_address: bytes
+
+
 class KVLocation(_Msg, tag="location"):
     """Where one request's KV and hidden states live on its producer."""
 
@@ -67,6 +75,8 @@ class KVLocation(_Msg, tag="location"):
     num_tokens: int
     hidden: list[TensorDesc]
     intermediate: bool = False  # hidden holds IntermediateTensors, not one tensor
+    offers: list[TransportOffer] = []  # every transport the producer serves this KV over (auto)
+    host: str = ""  # the producer's host identity (hostname and boot id)
 
 
 class NodeInfo(_Msg, tag="node"):

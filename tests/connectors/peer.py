@@ -46,15 +46,15 @@ def config(kind: ConnectorKind, role: NodeRole, node_id: str, redis_url: str, de
 
 
 def _die_on_first_send(conn) -> None:
-    """Make this process SIGKILL itself right after its transport starts the first pull."""
-    engine = conn._server._engine  # test-only reach into the server
-    start = engine.start
+    """Make this process SIGKILL itself right after any of its transports starts the first pull."""
+    for server in conn._servers.values():  # test-only reach into the servers
+        engine = server._engine
 
-    def start_then_die(job):
-        start(job)
-        os.kill(os.getpid(), signal.SIGKILL)
+        def start_then_die(job, start=engine.start):
+            start(job)
+            os.kill(os.getpid(), signal.SIGKILL)
 
-    engine.start = start_then_die
+        engine.start = start_then_die
 
 
 def produce(redis_url: str, kind: ConnectorKind, lay: KVLayout, requests: list[tuple[str, int, list[int]]],
