@@ -53,13 +53,15 @@ def _ask(url: str, prompt: str, params: SamplingParams) -> dict:
 
 
 def _table(rows: list[Row]) -> str:
-    head = f"{'#':>2} {'prompt tok':>10} {'out tok':>7} {'bypassed':>8} {'KV bytes':>10} {'xfer ms':>8} {'GB/s':>6} {'TTFT ms':>8}  match"
+    head = (f"{'#':>2} {'prompt tok':>10} {'out tok':>7} {'bypassed':>8} {'wire':>5} {'KV bytes':>10} {'xfer ms':>8} "
+            f"{'GB/s':>6} {'TTFT ms':>8}  match")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(rows):
         k = r.kvwire or {}
         gbps = k.get("kv_bytes", 0) / (k["transfer_ms"] * 1e6) if k.get("transfer_ms") else 0.0
         ttft = k.get("ttft_ms") or 0.0
         lines.append(f"{i:>2} {r.prompt_tokens:>10} {len(r.got or []):>7} {str(k.get('bypassed', '-')):>8} "
+                     f"{k.get('transport') or '-':>5} "
                      f"{k.get('kv_bytes', 0):>10} {k.get('transfer_ms', 0.0):>8.2f} {gbps:>6.2f} {ttft:>8.1f}  "
                      f"{'yes' if r.ok else 'NO ' + (r.error or '')}")
     return "\n".join(lines)
