@@ -59,9 +59,9 @@ def _die_on_first_send(conn) -> None:
 
 def produce(redis_url: str, kind: ConnectorKind, lay: KVLayout, requests: list[tuple[str, int, list[int]]],
             intermediate: bool, deadline_s: float, results, num_blocks: int = 64, die_mid_transfer: bool = False,
-            device: str = "cpu") -> None:
+            device: str = "cpu", node_id: str = "producer-test") -> None:
     """Publish each (request_id, num_tokens, src_blocks); report released ids when all are released."""
-    conn = create_connector(0, 0, config(kind, NodeRole.PREFILL, "producer-test", redis_url, deadline_s))
+    conn = create_connector(0, 0, config(kind, NodeRole.PREFILL, node_id, redis_url, deadline_s))
     pool = conn.allocate_kv_pool(lay, num_blocks, device)
     released, done = [], threading.Event()
 

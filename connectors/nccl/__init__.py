@@ -1,0 +1,1 @@
+"""KV transfer over torch.distributed point-to-point: NCCL for CUDA pools, Gloo for CPU pools."""
