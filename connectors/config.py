@@ -12,6 +12,10 @@ class ConnectorKind(enum.StrEnum):
     """Transports a node can use to move KV."""
 
     UCX = "ucx"
+    AUTO = "auto"  # shared memory with peers on this host, UCX with the others
+    TCP = "tcp"
+    SHM = "shm"
+    NCCL = "nccl"
 
 
 class NodeRole(enum.StrEnum):

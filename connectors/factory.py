@@ -45,3 +45,7 @@ def connector_class(name: str) -> type[KVConnectorBase]:
 
 
 register_connector(ConnectorKind.UCX, "connectors.ucx.connector", "UCXConnector")
+register_connector(ConnectorKind.TCP, "connectors.tcp.connector", "TCPConnector")
+register_connector(ConnectorKind.SHM, "connectors.shm.connector", "SHMConnector")
+register_connector(ConnectorKind.NCCL, "connectors.nccl.connector", "NCCLConnector")
+register_connector(ConnectorKind.AUTO, "connectors.auto.connector", "AutoConnector")

@@ -18,9 +18,10 @@ from typing import Protocol
 import torch
 
 from connectors.base import TransferError
-from connectors.config import ConnectorConfig
+from connectors.config import ConnectorConfig, ConnectorKind
 from connectors.directory import DirectoryError, KVDirectory, TransferState
 from connectors.hidden import empty_like_descs
+from connectors.offers import narrow
 from connectors.wire import KVLayout, KVLocation, TensorDesc
 from engine.model_input import SequenceInput
 
@@ -76,6 +77,8 @@ class KVReceiver:
             raise TransferError(rid, entry.producer, f"entry is {entry.state}: {entry.reason}")
         loc = entry.location
         self._check(seq, loc)
+        if self._config.kind != ConnectorKind.AUTO:  # an auto puller picks per pull itself
+            loc = narrow(loc, [self._config.kind])
         n_blocks = len(loc.block_ids)
         hidden = empty_like_descs(loc.hidden, self._device)
         start = time.monotonic()

@@ -124,6 +124,46 @@ class PullDone(_Msg, tag="pull_done"):
     transfer_id: int
 
 
+# --- shared-memory transport: the producer's Unix socket (connectors/shm) -------------------
+
+
+class ShmHello(_Msg, tag="shm_hello"):
+    """Consumer → producer, first message on the producer's Unix socket."""
+
+    consumer: str
+    transport_address: bytes  # the one the consumer published: binds this connection to its pulls
+
+
+class CudaIpcHandle(msgspec.Struct, frozen=True, array_like=True):
+    """What `UntypedStorage._share_cuda_()` returns, as plain data (never pickled)."""
+
+    device: int
+    handle: bytes
+    size_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+class ShmSegment(_Msg, tag="shm_segment"):
+    """Producer → consumer, answer to `ShmHello`: the KV pool to map.
+
+    A host pool comes as a read-only memfd attached to this message (SCM_RIGHTS), a
+    CUDA pool as its IPC handle. Over the same socket the consumer then sends
+    `PullDone` after reading a granted pull, and the producer confirms with `PullReply`
+    (ok: the blocks were held throughout the read; the hidden states ride along as a
+    memfd).
+    """
+
+    producer: str
+    epoch: int
+    num_blocks: int
+    block_nbytes: int
+    cuda: CudaIpcHandle | None = None
+
+
 # --- work: router → nodes, decode node → router -------------------------------------------
 
 
@@ -178,7 +218,7 @@ class WorkError(_Msg, tag="error"):
 
 
 Message = (
-    KVLayout | KVLocation | NodeInfo | PullRequest | PullReply | PullDone
+    KVLayout | KVLocation | NodeInfo | PullRequest | PullReply | PullDone | ShmHello | ShmSegment
     | PrefillWork | DecodeWork | TokenChunk | WorkError
 )
 

@@ -1,0 +1,1 @@
+"""`--connector auto`: shared memory with peers on the same host, UCX with the rest."""

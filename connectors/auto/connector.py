@@ -1,0 +1,25 @@
+"""The auto connector: a producer serves its pool over shared memory and UCX at once.
+
+Its pool lives in a shared-memory segment (so same-host consumers can read it) that
+UCX serves as well; each transport gets its own transfer server, sharing the held
+table, and every published location offers both plus the producer's host identity.
+A consumer pulls over shared memory from producers on its host and over UCX from the
+rest, and reports which transport each transfer used.
+"""
+
+from __future__ import annotations
+
+from connectors.auto.puller import AutoPuller
+from connectors.config import ConnectorKind
+from connectors.kv_region import KVRegion
+from connectors.shm.connector import SHMConnector
+from connectors.transfer_server import SendEngine
+from connectors.ucx.server import UCXSendEngine
+
+
+class AutoConnector(SHMConnector):
+    def _make_send_engines(self, region: KVRegion) -> dict[ConnectorKind, SendEngine]:
+        return {ConnectorKind.SHM: self._make_send_engine(region), ConnectorKind.UCX: UCXSendEngine()}
+
+    def _make_puller(self, region: KVRegion) -> AutoPuller:
+        return AutoPuller(self.config.node_id, region)

@@ -1,0 +1,44 @@
+"""The auto consumer: per pull, shared memory if the producer is on this host, UCX otherwise."""
+
+from __future__ import annotations
+
+import torch
+
+from connectors.config import ConnectorKind
+from connectors.host import host_identity
+from connectors.kv_region import KVRegion
+from connectors.offers import narrow
+from connectors.shm.puller import SHMPuller
+from connectors.ucx.puller import UCXPuller
+from connectors.wire import KVLocation
+
+
+class AutoPuller:
+    def __init__(self, node_id: str, region: KVRegion):
+        self._pullers = {ConnectorKind.SHM: SHMPuller(node_id, region), ConnectorKind.UCX: UCXPuller(node_id, region)}
+        self.last_transport: ConnectorKind | None = None
+
+    @property
+    def transport_addresses(self) -> dict[ConnectorKind, bytes]:
+        """Published in the directory, one per transport."""
+        return {kind: p.transport_address for kind, p in self._pullers.items()}
+
+    @property
+    def transport_address(self) -> bytes:
+        return self._pullers[ConnectorKind.UCX].transport_address
+
+    def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
+        """Pull over shared memory when the producer shares our host and offers it, else over UCX.
+
+        Raises:
+            TransferError: as the chosen transport's puller does, or no common transport.
+        """
+        same_host = bool(loc.host) and loc.host == host_identity()
+        prefer = [ConnectorKind.SHM, ConnectorKind.UCX] if same_host else [ConnectorKind.UCX]
+        chosen = narrow(loc, prefer)
+        self.last_transport = chosen.kind
+        return self._pullers[chosen.kind].pull(chosen, dst_blocks, hidden, deadline)
+
+    def close(self) -> None:
+        for puller in self._pullers.values():
+            puller.close()

@@ -1,0 +1,211 @@
+"""The consumer's side of a shared-memory transfer: copy the producer's blocks into mine.
+
+Per producer incarnation the puller keeps one mapping: a connection to the producer's
+Unix socket (its transport address) and the producer's pool mapped read-only (host)
+or opened by IPC handle (CUDA). A new epoch of that producer, or any failure, drops the
+mapping; the next pull maps again. A mapping keeps the producer's memory alive, so
+every pull first drops the mappings of producers that have gone (their socket hung up).
+
+One pull: map (if needed) → `PullRequest` on the side channel → wait for the grant →
+copy each run of blocks consecutive on both sides with one `copy_` (the only copy of
+those bytes) → `PullDone` on the Unix socket → wait for the producer's `PullReply`.
+Only an ok there makes the read count: it says the producer still held the blocks when
+the read ended (a producer that passed its deadline may already have reused them), and
+it carries the hidden states in a sealed memfd. Every wait ends at the pull's deadline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from connectors.base import TransferError
+from connectors.config import ConnectorKind
+from connectors.host import host_identity
+from connectors.kv_region import KVRegion, plan_runs
+from connectors.shm.channel import close_fds, connect, hung_up, recv_msg, send_msg
+from connectors.shm.cuda_ipc import map_cuda, synchronize
+from connectors.shm.segment import map_host, unpack_tensors
+from connectors.side_channel import SideChannelClient
+from connectors.wire import KVLocation, PullDone, PullReply, PullRequest, ShmHello, ShmSegment
+
+
+@dataclass(eq=False)
+class _Mapping:
+    epoch: int
+    address: bytes
+    sock: socket.socket
+    blocks: torch.Tensor  # the producer's pool, [num_blocks, block_nbytes] uint8; never written
+
+
+class SHMPuller:
+    def __init__(self, node_id: str, region: KVRegion):
+        """Args:
+            node_id: this consumer's node id.
+            region: this node's pool; must be block-major (one plane).
+        Raises:
+            ValueError: the pool is not one block-major plane.
+        """
+        if len(region.planes) != 1:
+            raise ValueError(f"node {node_id}: shared memory needs a block-major KV pool (one plane)")
+        self._node_id = node_id
+        self._dst = region.planes[0]
+        self.transport_address = f"shm:{node_id}:{os.getpid()}:{secrets.token_hex(16)}".encode()
+        self._maps: dict[str, _Mapping] = {}
+        self._channel = SideChannelClient()
+        self._transfer_ids = itertools.count(1)
+
+    def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
+        """Copy `loc`'s blocks into `dst_blocks` and its hidden states into `hidden`.
+
+        Returns:
+            Bytes received.
+        Raises:
+            TransferError: refused, not confirmed, or not complete by `deadline`.
+        """
+        try:
+            return self._pull(_shm_offer(loc), dst_blocks, hidden, deadline)
+        except BaseException as exc:
+            self._forget(loc.producer)
+            if isinstance(exc, (TransferError, KeyboardInterrupt)):
+                raise
+            raise TransferError(loc.request_id, loc.producer, f"shared-memory read failed: {exc}") from exc
+
+    def close(self) -> None:
+        for producer in list(self._maps):
+            self._forget(producer)
+        self._channel.close()
+
+    def _pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
+        self._reap()
+        mapping = self._mapping(loc, deadline)
+        runs = plan_runs(loc.block_ids, dst_blocks)
+        self._check_ranges(loc, mapping, runs)
+        transfer_id = next(self._transfer_ids)
+        self._channel.send(loc.side_channel, PullRequest(
+            request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
+            transport_address=self.transport_address, dst_block_ids=dst_blocks))
+        self._channel.wait(loc, transfer_id, deadline)  # ok here means "granted: read now"
+        for src, dst, n in runs:
+            self._dst[dst:dst + n].copy_(mapping.blocks[src:src + n])
+        synchronize([self._dst, mapping.blocks])
+        hidden_bytes = self._confirm(mapping, loc, transfer_id, hidden, deadline)
+        return len(dst_blocks) * self._dst.shape[1] + hidden_bytes
+
+    def _confirm(self, mapping: _Mapping, loc: KVLocation, transfer_id: int, hidden: list[torch.Tensor],
+                 deadline: float) -> int:
+        mapping.sock.settimeout(_remaining(loc, deadline))
+        send_msg(mapping.sock, PullDone(request_id=loc.request_id, transfer_id=transfer_id))
+        try:
+            reply, fds = recv_msg(mapping.sock, expect=PullReply)
+        except TimeoutError:
+            raise TransferError(loc.request_id, loc.producer, "read not confirmed before the deadline") from None
+        try:
+            if (reply.request_id, reply.transfer_id) != (loc.request_id, transfer_id):
+                raise TransferError(loc.request_id, loc.producer, f"confirmation of another pull: {reply}")
+            if not reply.ok:
+                raise TransferError(loc.request_id, loc.producer, f"producer did not confirm the read: {reply.reason}")
+            return self._take_hidden(loc, fds, hidden)
+        finally:
+            close_fds(fds)
+
+    @staticmethod
+    def _take_hidden(loc: KVLocation, fds: list[int], hidden: list[torch.Tensor]) -> int:
+        if sum(t.numel() for t in hidden) == 0:
+            if fds:
+                raise TransferError(loc.request_id, loc.producer, "hidden states sent for a request without any")
+            return 0
+        if len(fds) != 1:
+            raise TransferError(loc.request_id, loc.producer, f"{len(fds)} hidden-state memfds, expected 1")
+        return unpack_tensors(fds[0], hidden)
+
+    def _check_ranges(self, loc: KVLocation, mapping: _Mapping, runs: list[tuple[int, int, int]]) -> None:
+        src_blocks, dst_blocks = mapping.blocks.shape[0], self._dst.shape[0]
+        for src, dst, n in runs:
+            if src < 0 or dst < 0 or src + n > src_blocks or dst + n > dst_blocks:
+                raise TransferError(loc.request_id, loc.producer,
+                                    f"blocks {src}+{n} → {dst}+{n} outside pools of {src_blocks} / {dst_blocks}")
+
+    # --- mappings, one per producer incarnation ----------------------------------------
+
+    def _mapping(self, loc: KVLocation, deadline: float) -> _Mapping:
+        mapping = self._maps.get(loc.producer)
+        if mapping is not None and (mapping.epoch, mapping.address) == (loc.producer_epoch, loc.transport_address):
+            return mapping
+        self._forget(loc.producer)
+        mapping = self._open(loc, deadline)
+        self._maps[loc.producer] = mapping
+        return mapping
+
+    def _open(self, loc: KVLocation, deadline: float) -> _Mapping:
+        path = loc.transport_address.decode("utf-8", errors="strict")
+        if not path.startswith("/") or "\0" in path:
+            raise TransferError(loc.request_id, loc.producer, f"not a Unix socket path: {path!r}")
+        sock = connect(path, _remaining(loc, deadline))
+        try:
+            send_msg(sock, ShmHello(consumer=self._node_id, transport_address=self.transport_address))
+            sock.settimeout(_remaining(loc, deadline))
+            segment, fds = recv_msg(sock, expect=ShmSegment)
+            try:
+                blocks = self._map(loc, segment, fds)
+            finally:
+                close_fds(fds)
+        except BaseException:
+            sock.close()
+            raise
+        return _Mapping(loc.producer_epoch, loc.transport_address, sock, blocks)
+
+    def _map(self, loc: KVLocation, segment: ShmSegment, fds: list[int]) -> torch.Tensor:
+        def bad(reason: str) -> TransferError:
+            return TransferError(loc.request_id, loc.producer, reason)
+
+        if (segment.producer, segment.epoch) != (loc.producer, loc.producer_epoch):
+            raise bad(f"socket belongs to {segment.producer} epoch {segment.epoch}, not epoch {loc.producer_epoch}")
+        if segment.block_nbytes != self._dst.shape[1]:
+            raise bad(f"producer blocks hold {segment.block_nbytes} bytes, ours {self._dst.shape[1]}")
+        if segment.cuda is not None:
+            return map_cuda(segment)
+        if len(fds) != 1:
+            raise bad(f"{len(fds)} descriptors with the pool, expected 1")
+        return map_host(segment, fds[0])
+
+    def _reap(self) -> None:
+        """Drop the mappings of producers whose socket hung up (they exited or crashed)."""
+        for producer, mapping in list(self._maps.items()):
+            if hung_up(mapping.sock):
+                self._forget(producer)
+
+    def _forget(self, producer: str) -> None:
+        mapping = self._maps.pop(producer, None)
+        if mapping is not None:
+            mapping.sock.close()  # the pool is unmapped once `mapping.blocks` is collected
+
+
+def _shm_offer(loc: KVLocation) -> KVLocation:
+    """`loc` with the side channel and address of its shared-memory offer, checked to be on our host.
+
+    Raises:
+        TransferError: the producer runs on another host, or offers no shared memory.
+    """
+    if loc.host and loc.host != host_identity():
+        raise TransferError(loc.request_id, loc.producer, f"producer is on host {loc.host}: shared memory needs one host")
+    offer = next((o for o in loc.offers if o.kind == ConnectorKind.SHM), None)
+    if offer is not None:
+        return msgspec.structs.replace(loc, side_channel=offer.side_channel, transport_address=offer.transport_address)
+    if loc.offers or loc.kind != ConnectorKind.SHM:
+        raise TransferError(loc.request_id, loc.producer, "the producer offers no shared-memory transfer")
+    return loc
+
+
+def _remaining(loc: KVLocation, deadline: float) -> float:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TransferError(loc.request_id, loc.producer, "transfer did not complete before the deadline")
+    return remaining

@@ -1,0 +1,318 @@
+"""Shared-memory transport specifics: privacy, cleanup after close and after a crash, consumers that vanish.
+
+The round trips themselves are the conformance suite's (`--connector shm`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import gc
+import json
+import multiprocessing as mp
+import os
+import queue
+import signal
+import stat
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from connectors.config import ConnectorKind, NodeRole
+from connectors.directory import KVDirectory
+from connectors.factory import create_connector
+from connectors.shm.channel import close_fds, connect, node_prefix, recv_msg, remove_stale, send_msg, socket_dir
+from connectors.wire import KVLocation, PullDone, PullReply, PullRequest, ShmHello, ShmSegment, decode, encode
+from engine.model_input import ModelInput, SequenceInput
+from tests.connectors import peer
+
+CTX = mp.get_context("spawn")
+NODE = "shm-test-producer"
+SYSTEM_PYTHON = Path("/usr/bin/python3")
+
+
+def _config(role: NodeRole, node_id: str, redis_url: str, deadline_s: float):
+    return peer.config(ConnectorKind.SHM, role, node_id, redis_url, deadline_s)
+
+
+@contextmanager
+def _producer(redis_url: str, node_id: str = NODE, deadline_s: float = 5.0):
+    conn = create_connector(0, 0, _config(NodeRole.PREFILL, node_id, redis_url, deadline_s))
+    pool = conn.allocate_kv_pool(peer.layout(), 16, "cpu")
+    released: queue.SimpleQueue[str] = queue.SimpleQueue()
+    conn.set_release_callback(released.put)
+    conn.register_kv_caches(pool.kv_caches)
+    try:
+        yield conn, pool, released
+    finally:
+        conn.close()
+
+
+@contextmanager
+def _consumer(redis_url: str, deadline_s: float = 5.0):
+    conn = create_connector(0, 0, _config(NodeRole.DECODE, "shm-test-consumer", redis_url, deadline_s))
+    pool = conn.allocate_kv_pool(peer.layout(), 16, "cpu")
+    conn.register_kv_caches(pool.kv_caches)
+    try:
+        yield conn, pool
+    finally:
+        conn.close()
+
+
+def _publish(conn, pool, rid: str, blocks: list[int], tokens: int) -> None:
+    pool.data[blocks] = peer.request_kv(rid, pool.layout, len(blocks))
+    conn.send_kv_caches_and_hidden_states(None, ModelInput([SequenceInput(rid, [0] * tokens, 0, blocks)]),
+                                          pool.kv_caches, peer.request_hidden(rid, tokens, False))
+
+
+def _pull_and_check(conn, pool, rid: str, dst: list[int], tokens: int) -> None:
+    mi = ModelInput([SequenceInput(rid, [0] * tokens, 0, dst)])
+    hidden, bypass, _ = conn.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)
+    assert bypass, f"{rid} was not received"
+    assert torch.equal(pool.data[dst], peer.request_kv(rid, pool.layout, len(dst)))
+    assert torch.equal(hidden, peer.request_hidden(rid, tokens, False))
+
+
+def _engine(conn):
+    return conn._servers[ConnectorKind.SHM]._engine  # test-only reach into the transfer server
+
+
+def _node_sockets(node_id: str) -> list[str]:
+    prefix = node_prefix(node_id) + "."
+    return sorted(p.name for p in socket_dir().iterdir() if p.name.startswith(prefix))
+
+
+def _dev_shm() -> set[str]:
+    """/dev/shm's files, less POSIX semaphores (multiprocessing's, ours and other test runs')."""
+    return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.")}
+
+
+def _memfds() -> list[str]:
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return [link for link in links if "memfd:kvwire" in link]
+
+
+def _location(redis_url: str, rid: str) -> KVLocation:
+    directory = KVDirectory(redis_url)
+    try:
+        return directory.get(rid).location
+    finally:
+        directory.close()
+
+
+# --- privacy -------------------------------------------------------------------------------
+
+
+def test_socket_directory_socket_and_pool_descriptor_are_private(redis_url):
+    with _producer(redis_url) as (conn, _, _):
+        path = _engine(conn).path
+        dir_stat, sock_stat = os.lstat(path.parent), os.lstat(path)
+        assert stat.S_ISDIR(dir_stat.st_mode) and stat.S_IMODE(dir_stat.st_mode) == 0o700
+        assert dir_stat.st_uid == os.getuid()
+        assert stat.S_ISSOCK(sock_stat.st_mode) and stat.S_IMODE(sock_stat.st_mode) == 0o600
+        msg, fds = conn._segment.export()
+        assert os.fstat(fds[0]).st_nlink == 0, "the pool has no name anywhere"
+        assert os.readlink(f"/proc/self/fd/{fds[0]}").startswith(f"/memfd:kvwire-{NODE}-")
+        assert fcntl.fcntl(fds[0], fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY, "consumers get a read-only fd"
+        assert fcntl.fcntl(fds[0], fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK, "consumers cannot shrink it"
+        assert not [n for n in _dev_shm() if "kvwire" in n]
+
+
+def test_a_socket_directory_others_can_enter_is_refused(tmp_path):
+    (tmp_path / f"kvwire-{os.getuid()}").mkdir(mode=0o755)
+    os.chmod(tmp_path / f"kvwire-{os.getuid()}", 0o755)
+    with pytest.raises(PermissionError, match="0700"):
+        socket_dir(tmp_path)
+
+
+_PROBE = """
+import json, os, socket, sys
+out = {}
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+try:
+    s.connect(sys.argv[1]); out["connect"] = "connected"
+except OSError as e:
+    out["connect"] = type(e).__name__
+try:
+    open(sys.argv[2], "rb").close(); out["pool"] = "opened"
+except OSError as e:
+    out["pool"] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not SYSTEM_PYTHON.exists(),
+                    reason="switching to another user needs root and a system python3")
+def test_another_user_can_neither_connect_nor_open_the_pool(redis_url):
+    with _producer(redis_url) as (conn, _, _):
+        args = [str(SYSTEM_PYTHON), "-c", _PROBE, str(_engine(conn).path), f"/proc/{os.getpid()}/fd/{conn._segment._fd}"]
+        done = subprocess.run(args, user=65534, group=65534, extra_groups=[], capture_output=True, timeout=30,
+                              cwd="/", env={})
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == {"connect": "PermissionError", "pool": "PermissionError"}
+
+
+# --- cleanup ---------------------------------------------------------------------------------
+
+
+def test_close_leaves_no_socket_no_descriptor_and_no_mapping(redis_url):
+    shm_before = _dev_shm()
+    with _consumer(redis_url) as (consumer, cpool):
+        with _producer(redis_url) as (producer, pool, released):
+            path = _engine(producer).path
+            _publish(producer, pool, "c1", [3, 4, 9], 10)
+            _pull_and_check(consumer, cpool, "c1", [7, 1, 2], 10)
+            assert released.get(timeout=5) == "c1"
+            del pool
+        assert not path.exists() and _node_sockets(NODE) == []
+    del producer, consumer
+    gc.collect()
+    assert _memfds() == [], "descriptors left open"
+    assert "memfd:kvwire" not in Path("/proc/self/maps").read_text(), "a mapping outlived its connectors"
+    assert _dev_shm() == shm_before
+
+
+def _produce_and_wait(redis_url: str, node_id: str, results) -> None:
+    conn = create_connector(0, 0, _config(NodeRole.PREFILL, node_id, redis_url, 30.0))
+    pool = conn.allocate_kv_pool(peer.layout(), 16, "cpu")
+    conn.register_kv_caches(pool.kv_caches)
+    _publish(conn, pool, "crash-1", [2, 5], 6)
+    results.put(str(_engine(conn).path))
+    threading.Event().wait(120)  # a victim: the test SIGKILLs it long before this
+
+
+def test_sigkilled_producer_leaves_only_a_socket_the_next_incarnation_removes(redis_url):
+    shm_before = _dev_shm()
+    results = CTX.Queue()
+    proc = CTX.Process(target=_produce_and_wait, args=(redis_url, NODE, results))
+    proc.start()
+    try:
+        stale = Path(results.get(timeout=60))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(30)
+    finally:
+        proc.kill()
+    assert stale.exists(), "a SIGKILLed producer cannot remove its socket"
+    assert _dev_shm() == shm_before, "the memfd pool leaves nothing in /dev/shm"
+    with _consumer(redis_url) as (consumer, cpool):
+        with _producer(redis_url) as (producer, pool, _):
+            assert not stale.exists(), "the next incarnation removes the dead one's socket"
+            assert _node_sockets(NODE) == [_engine(producer).path.name]
+            _publish(producer, pool, "after-crash", [0, 1], 8)
+            _pull_and_check(consumer, cpool, "after-crash", [5, 6], 8)
+    assert _node_sockets(NODE) == []
+
+
+def test_consumer_unmaps_a_producer_that_died(redis_url):
+    doomed = "shm-test-doomed"
+    results = CTX.Queue()
+    proc = CTX.Process(target=_produce_and_wait, args=(redis_url, doomed, results))
+    proc.start()
+    try:
+        results.get(timeout=60)
+        with _consumer(redis_url) as (consumer, cpool):
+            _pull_and_check(consumer, cpool, "crash-1", [9, 3], 6)
+            assert doomed in consumer._puller._maps
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(30)
+            with _producer(redis_url) as (producer, pool, _):
+                _publish(producer, pool, "next", [0], 2)
+                _pull_and_check(consumer, cpool, "next", [1], 2)
+            assert doomed not in consumer._puller._maps, "a dead producer's mapping is dropped at the next pull"
+            gc.collect()
+            assert f"memfd:kvwire-{doomed}-" not in Path("/proc/self/maps").read_text()
+    finally:
+        proc.kill()
+        remove_stale(socket_dir(), doomed)
+
+
+def test_a_new_producer_epoch_is_mapped_afresh(redis_url):
+    with _consumer(redis_url) as (consumer, cpool):
+        for epoch_run in range(2):
+            with _producer(redis_url) as (producer, pool, _):
+                rid = f"epoch-run-{epoch_run}"
+                _publish(producer, pool, rid, [4], 3)
+                _pull_and_check(consumer, cpool, rid, [8], 3)
+                assert consumer._puller._maps[NODE].epoch == producer.epoch
+
+
+# --- consumers that vanish or stall after the grant ------------------------------------------
+
+
+def _grab(redis_url: str, consumer: str, loc: KVLocation):
+    """Map the pool and get a pull granted, by hand. Returns (unix socket, zmq socket)."""
+    address = f"raw:{consumer}".encode()
+    directory = KVDirectory(redis_url)
+    directory.publish_endpoint(consumer, str(ConnectorKind.SHM), address)
+    directory.close()
+    sock = connect(loc.transport_address.decode(), 5.0)
+    send_msg(sock, ShmHello(consumer=consumer, transport_address=address))
+    _, fds = recv_msg(sock, ShmSegment)
+    close_fds(fds)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(loc.side_channel)
+    dealer.send(encode(PullRequest(request_id=loc.request_id, transfer_id=1, consumer=consumer,
+                                   transport_address=address, dst_block_ids=list(loc.block_ids))))
+    assert dealer.poll(5000), "no grant"
+    reply = decode(dealer.recv(), expect=PullReply)
+    assert reply.ok, reply.reason
+    return sock, dealer
+
+
+def _grab_then_die(redis_url: str, rid: str, go, results) -> None:
+    results.put("ready")  # imports done: the grab below is quick, well within the hold deadline
+    assert go.wait(60)
+    _grab(redis_url, "doomed-consumer", _location(redis_url, rid))
+    results.put("granted")
+    results.close()
+    results.join_thread()  # the message is in the pipe before we die
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_consumer_killed_after_the_grant_does_not_leak_the_blocks(redis_url):
+    deadline_s = 10.0
+    with _producer(redis_url, deadline_s=deadline_s) as (producer, pool, released):
+        go, results = CTX.Event(), CTX.Queue()
+        proc = CTX.Process(target=_grab_then_die, args=(redis_url, "orphan", go, results))
+        proc.start()
+        try:
+            assert results.get(timeout=60) == "ready"
+            _publish(producer, pool, "orphan", [6, 7], 5)
+            go.set()
+            assert results.get(timeout=30) == "granted"
+            granted_at = time.monotonic()
+            assert released.get(timeout=deadline_s + 2) == "orphan"
+            assert time.monotonic() - granted_at < deadline_s / 2, "released when the consumer's socket closed"
+        finally:
+            proc.join(30)
+            proc.kill()
+        assert proc.exitcode == -signal.SIGKILL
+
+
+def test_a_read_confirmed_after_the_deadline_is_refused(redis_url):
+    deadline_s = 1.0
+    with _producer(redis_url, deadline_s=deadline_s) as (producer, pool, released):
+        _publish(producer, pool, "slow", [1, 2], 6)
+        sock, dealer = _grab(redis_url, "slow-consumer", _location(redis_url, "slow"))
+        try:
+            granted_at = time.monotonic()
+            assert released.get(timeout=deadline_s + 2) == "slow", "blocks released at the job's deadline"
+            assert time.monotonic() - granted_at >= deadline_s - 0.2
+            send_msg(sock, PullDone(request_id="slow", transfer_id=1))
+            sock.settimeout(5.0)
+            reply, fds = recv_msg(sock, PullReply)
+            assert (reply.ok, fds) == (False, []) and "deadline" in reply.reason
+        finally:
+            sock.close()
+            dealer.close(0)
