@@ -68,7 +68,7 @@ def _table(rows: list[Row]) -> str:
 
 
 def demo(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a tiny random one by default.")] = None,
-         connector: Connector = ConnectorKind.UCX,
+         connector: Connector = ConnectorKind.AUTO,
          max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens to generate per prompt.")] = 24,
          log_level: LogLevel = "WARNING") -> None:
     """Serve a few prompts through prefill → KV transfer → decode and compare with one process."""

@@ -37,7 +37,7 @@ class ClusterError(RuntimeError):
 @dataclass(frozen=True)
 class ClusterSpec:
     model_dir: Path
-    connector: ConnectorKind = ConnectorKind.UCX
+    connector: ConnectorKind = ConnectorKind.AUTO
     host: str = "127.0.0.1"
     port: int = 0  # router HTTP port; 0 picks a free one
     redis_url: str | None = None

@@ -30,7 +30,7 @@ def _run(role: NodeRole, **kw) -> None:
 
 
 def prefill(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port: Port = 0,
-            node_id: NodeId = None, connector: Connector = ConnectorKind.UCX, block_size: BlockSize = 16,
+            node_id: NodeId = None, connector: Connector = ConnectorKind.AUTO, block_size: BlockSize = 16,
             num_blocks: NumBlocks = 1024, kv_deadline: KVDeadline = 10.0, max_model_len: MaxLen = 0,
             device: Device = "cpu", torch_threads: Threads = 1, log_level: LogLevel = "INFO") -> None:
     """Run a prefill node: compute prompts and publish their KV."""
@@ -38,7 +38,7 @@ def prefill(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port
 
 
 def decode(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port: Port = 0,
-           node_id: NodeId = None, connector: Connector = ConnectorKind.UCX, block_size: BlockSize = 16,
+           node_id: NodeId = None, connector: Connector = ConnectorKind.AUTO, block_size: BlockSize = 16,
            num_blocks: NumBlocks = 1024, kv_deadline: KVDeadline = 10.0, max_model_len: MaxLen = 0,
            device: Device = "cpu", torch_threads: Threads = 1, log_level: LogLevel = "INFO") -> None:
     """Run a decode node: receive prompts' KV and generate tokens."""

@@ -20,7 +20,8 @@ RedisUrl = Annotated[str, typer.Option("--redis-url", help="Redis URL of the dir
 OptionalRedisUrl = Annotated[str | None, typer.Option(
     "--redis-url", help="Use this Redis instead of starting a private one.", envvar="KVWIRE_REDIS_URL")]
 Host = Annotated[str, typer.Option("--host", help="Address to bind; loopback unless told otherwise.")]
-Connector = Annotated[ConnectorKind, typer.Option("--connector", help="KV transport.")]
+Connector = Annotated[ConnectorKind, typer.Option(
+    "--connector", help="KV transport: auto (shared memory on one host, UCX across hosts), ucx, shm, nccl or tcp.")]
 BlockSize = Annotated[int, typer.Option("--block-size", min=1, help="Tokens per KV block.")]
 NumBlocks = Annotated[int, typer.Option("--num-blocks", min=1, help="KV blocks in the pool.")]
 KVDeadline = Annotated[float, typer.Option("--kv-deadline", min=0.01,

@@ -18,7 +18,7 @@ from connectors.config import ConnectorKind
 def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a tiny random one by default.")] = None,
        host: Host = "127.0.0.1",
        port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Router HTTP port.")] = 8000,
-       redis_url: OptionalRedisUrl = None, connector: Connector = ConnectorKind.UCX,
+       redis_url: OptionalRedisUrl = None, connector: Connector = ConnectorKind.AUTO,
        kv_deadline: KVDeadline = 10.0, log_level: LogLevel = "WARNING") -> None:
     """Start Redis, a prefill node, a decode node and the router; stop them all on Ctrl-C."""
     setup_logging(log_level)

@@ -1,4 +1,6 @@
-"""End to end: real redis-server, prefill node, decode node and router processes, KV over UCX."""
+"""End to end: real redis-server, prefill node, decode node and router processes, KV over UCX.
+
+(Every other connector runs the same cluster in test_every_connector.py.)"""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import httpx
 import pytest
 
 from cli.local_cluster import ClusterSpec, LocalCluster
+from connectors.config import ConnectorKind
 from connectors.wire import SamplingParams
 from engine.reference import generate
 from tests.integration.cluster import complete, complete_all, wait_pools_full_and_directory_empty
@@ -23,7 +26,7 @@ PROMPTS = [[72], list(range(40, 40 + BS)), list(range(3 * BS)), list(range(2 * B
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
-    spec = ClusterSpec(model_dir=tiny_model_dir, block_size=BS, num_blocks=512,
+    spec = ClusterSpec(model_dir=tiny_model_dir, connector=ConnectorKind.UCX, block_size=BS, num_blocks=512,
                        log_dir=tmp_path_factory.mktemp("cluster-logs"))
     with LocalCluster(spec) as c:
         yield c
@@ -95,7 +98,8 @@ def test_bad_requests_get_openai_errors(cluster, body, param):
 
 def test_prefill_killed_requests_recompute_with_identical_output(tiny_model_dir, tmp_path):
     deadline_s = 2.0
-    spec = ClusterSpec(model_dir=tiny_model_dir, block_size=BS, num_blocks=256, kv_deadline_s=deadline_s,
+    spec = ClusterSpec(model_dir=tiny_model_dir, connector=ConnectorKind.UCX, block_size=BS, num_blocks=256,
+                       kv_deadline_s=deadline_s,
                        log_dir=tmp_path / "logs")
     prompts = [PROMPTS[3], PROMPTS[4]]
     expected = generate(tiny_model_dir, prompts, SamplingParams(max_tokens=8, temperature=0.0), block_size=BS)
