@@ -13,6 +13,12 @@ from connectors.ucx.puller import UCXPuller
 from connectors.wire import KVLocation
 
 
+def preference(loc: KVLocation) -> list[ConnectorKind]:
+    """Transports to try for `loc`, best first: shared memory only with a producer on this host."""
+    same_host = bool(loc.host) and loc.host == host_identity()
+    return [ConnectorKind.SHM, ConnectorKind.UCX] if same_host else [ConnectorKind.UCX]
+
+
 class AutoPuller:
     def __init__(self, node_id: str, region: KVRegion):
         self._pullers = {ConnectorKind.SHM: SHMPuller(node_id, region), ConnectorKind.UCX: UCXPuller(node_id, region)}
@@ -33,9 +39,7 @@ class AutoPuller:
         Raises:
             TransferError: as the chosen transport's puller does, or no common transport.
         """
-        same_host = bool(loc.host) and loc.host == host_identity()
-        prefer = [ConnectorKind.SHM, ConnectorKind.UCX] if same_host else [ConnectorKind.UCX]
-        chosen = narrow(loc, prefer)
+        chosen = narrow(loc, preference(loc))
         self.last_transport = chosen.kind
         return self._pullers[chosen.kind].pull(chosen, dst_blocks, hidden, deadline)
 
