@@ -38,6 +38,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from connectors.config import NodeRole
+from connectors.directory_scripts import EVENTS_MAXLEN, LUA_CREATE, LUA_PUBLISH, LUA_PUT_NODE, LUA_TRANSITION
 from connectors.wire import KVLocation, NodeInfo, WireError, decode, encode
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,6 @@ _COMMAND_TIMEOUT_S = 5.0  # socket timeout of ordinary commands
 _BLOCK_SLICE_S = 5.0  # longest single blocking read; longer waits loop
 _MAX_CONNECTIONS = 64
 _MAX_BLOCKING_CONNECTIONS = 256  # one per concurrent wait_for
-_EVENTS_MAXLEN = 16  # an entry changes state at most 3 times
 _EPOCH_TTL_FACTOR = 10  # an epoch counter outlives every record that names an older epoch
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]+")
 
@@ -99,49 +99,6 @@ class StaleNodeError(DirectoryError):
     """A node wrote its NodeInfo with an epoch older than its node id's latest one."""
 
 
-# KEYS[1]: the entry hash, KEYS[2]: its event stream. emit() records a state change.
-_LUA_EMIT = f"""
-local function emit(state, ttl)
-  redis.call('PEXPIRE', KEYS[1], ttl)
-  redis.call('XADD', KEYS[2], 'MAXLEN', '{_EVENTS_MAXLEN}', '*', 'state', state)
-  redis.call('PEXPIRE', KEYS[2], ttl)
-end
-"""
-_LUA_CREATE = _LUA_EMIT + """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'pending', 'producer', ARGV[1], 'reason', '')
-emit('pending', ARGV[2])
-return 1
-"""
-_LUA_PUBLISH = _LUA_EMIT + """
-local cur = redis.call('HGET', KEYS[1], 'state')
-if cur and cur ~= 'pending' then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'ready', 'producer', ARGV[1], 'location', ARGV[2], 'reason', '')
-emit('ready', ARGV[3])
-return 1
-"""
-_LUA_TRANSITION = _LUA_EMIT + """
-local cur = redis.call('HGET', KEYS[1], 'state')
-if not cur then return 0 end
-for i = 4, #ARGV do  -- ARGV: to, ttl_ms, reason, allowed_from...
-  if ARGV[i] == cur then
-    redis.call('HSET', KEYS[1], 'state', ARGV[1], 'reason', ARGV[3])
-    emit(ARGV[1], ARGV[2])
-    return 1
-  end
-end
-return 0
-"""
-# KEYS: node record, epoch counter. ARGV: record, epoch, node_ttl_ms, epoch_ttl_ms.
-_LUA_PUT_NODE = """
-local latest = tonumber(redis.call('GET', KEYS[2]) or '0')
-if tonumber(ARGV[2]) < latest then return {0, latest} end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
-return {1, latest}
-"""
-
-
 def _masked(url: str) -> str:
     parts = urllib.parse.urlsplit(url)
     if parts.password is None:
@@ -189,10 +146,10 @@ class KVDirectory:
             socket_timeout=_BLOCK_SLICE_S + _COMMAND_TIMEOUT_S, **common)  # fmt: skip
         self._redis = redis.Redis(connection_pool=self._pool)
         self._blocking = redis.Redis(connection_pool=self._blocking_pool)
-        self._create = self._redis.register_script(_LUA_CREATE)
-        self._publish = self._redis.register_script(_LUA_PUBLISH)
-        self._transition = self._redis.register_script(_LUA_TRANSITION)
-        self._put_node = self._redis.register_script(_LUA_PUT_NODE)
+        self._create = self._redis.register_script(LUA_CREATE)
+        self._publish = self._redis.register_script(LUA_PUBLISH)
+        self._transition = self._redis.register_script(LUA_TRANSITION)
+        self._put_node = self._redis.register_script(LUA_PUT_NODE)
 
     def _entry_keys(self, request_id: str) -> list[str]:
         return [f"{self.namespace}:req:{request_id}", f"{self.namespace}:ev:{request_id}"]
@@ -322,7 +279,7 @@ class KVDirectory:
         """
         events_key = self._entry_keys(request_id)[1]
         with self._errors("wait_for", request_id):
-            self._blocking.xread({events_key: after}, count=_EVENTS_MAXLEN, block=_ms(timeout_s))
+            self._blocking.xread({events_key: after}, count=EVENTS_MAXLEN, block=_ms(timeout_s))
 
     def delete(self, request_id: str) -> None:
         """Remove every key of the request."""

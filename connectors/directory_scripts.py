@@ -1,0 +1,45 @@
+"""The directory's compare-and-set steps, each one Lua script run atomically by Redis."""
+
+EVENTS_MAXLEN = 16  # an entry changes state at most 3 times
+
+# KEYS[1]: the entry hash, KEYS[2]: its event stream. emit() records a state change.
+LUA_EMIT = f"""
+local function emit(state, ttl)
+  redis.call('PEXPIRE', KEYS[1], ttl)
+  redis.call('XADD', KEYS[2], 'MAXLEN', '{EVENTS_MAXLEN}', '*', 'state', state)
+  redis.call('PEXPIRE', KEYS[2], ttl)
+end
+"""
+LUA_CREATE = LUA_EMIT + """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'pending', 'producer', ARGV[1], 'reason', '')
+emit('pending', ARGV[2])
+return 1
+"""
+LUA_PUBLISH = LUA_EMIT + """
+local cur = redis.call('HGET', KEYS[1], 'state')
+if cur and cur ~= 'pending' then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'ready', 'producer', ARGV[1], 'location', ARGV[2], 'reason', '')
+emit('ready', ARGV[3])
+return 1
+"""
+LUA_TRANSITION = LUA_EMIT + """
+local cur = redis.call('HGET', KEYS[1], 'state')
+if not cur then return 0 end
+for i = 4, #ARGV do  -- ARGV: to, ttl_ms, reason, allowed_from...
+  if ARGV[i] == cur then
+    redis.call('HSET', KEYS[1], 'state', ARGV[1], 'reason', ARGV[3])
+    emit(ARGV[1], ARGV[2])
+    return 1
+  end
+end
+return 0
+"""
+# KEYS: node record, epoch counter. ARGV: record, epoch, node_ttl_ms, epoch_ttl_ms.
+LUA_PUT_NODE = """
+local latest = tonumber(redis.call('GET', KEYS[2]) or '0')
+if tonumber(ARGV[2]) < latest then return {0, latest} end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+return {1, latest}
+"""
