@@ -80,3 +80,19 @@ def _block_major(base: torch.Tensor, kv_caches: list[torch.Tensor]) -> bool:
         and base.shape[1] == len(kv_caches)
         and all(kv.shape[0] == base.shape[0] for kv in kv_caches)
     )
+
+
+def consumer_pieces(region: KVRegion, src_blocks: list[int], dst_blocks: list[int], hidden: list[torch.Tensor],
+                    request_id: str, producer: str, max_pieces: int | None = None) -> list[torch.Tensor]:
+    """Where a pull lands on the consumer: its block runs, then the hidden tensors, in the order producers send.
+
+    Raises:
+        TransferError: more pieces than the transport can tag.
+    """
+    from connectors.base import TransferError
+
+    runs = plan_runs(src_blocks, dst_blocks)
+    pieces = region.pieces([(d, n) for _, d, n in runs]) + hidden
+    if max_pieces is not None and len(pieces) > max_pieces:
+        raise TransferError(request_id, producer, f"{len(pieces)} pieces exceed {max_pieces}")
+    return pieces

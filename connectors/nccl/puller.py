@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from connectors.base import TransferError
-from connectors.kv_region import KVRegion, plan_runs
+from connectors.kv_region import KVRegion, consumer_pieces
 from connectors.nccl.pairs import (CONSUMER, MAX_PIECES, GroupFactory, PairGroup, connect_store, consumer_key,
                                    detached, open_key, pair_prefix)
 from connectors.side_channel import SideChannelClient
@@ -81,10 +81,8 @@ class NCCLPuller:
         Raises:
             TransferError: refused, failed, or not complete by `deadline`.
         """
-        runs = plan_runs(loc.block_ids, dst_blocks)
-        pieces = self._region.pieces([(d, n) for _, d, n in runs]) + hidden
-        if len(pieces) > MAX_PIECES:
-            raise TransferError(loc.request_id, loc.producer, f"{len(pieces)} pieces exceed {MAX_PIECES}")
+        pieces = consumer_pieces(self._region, loc.block_ids, dst_blocks, hidden, loc.request_id, loc.producer,
+                                 MAX_PIECES)
         transfer_id = next(self._transfer_ids)
         link = self._link_for(loc, transfer_id, deadline)
         rx = _Receive(self._factory, link, pair_prefix(self._key, link.opened), pieces, transfer_id, deadline,

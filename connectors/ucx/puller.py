@@ -14,7 +14,7 @@ import itertools
 import torch
 
 from connectors.base import TransferError
-from connectors.kv_region import KVRegion, plan_runs
+from connectors.kv_region import KVRegion, consumer_pieces
 from connectors.side_channel import SideChannelClient
 from connectors.ucx.transport import MAX_PIECES, UCXTransport, all_done, check_errors
 from connectors.wire import KVLocation, PullRequest
@@ -40,10 +40,8 @@ class UCXPuller:
         Raises:
             TransferError: refused, failed, or not complete by `deadline`.
         """
-        runs = plan_runs(loc.block_ids, dst_blocks)
-        pieces = self._region.pieces([(d, n) for _, d, n in runs]) + hidden
-        if len(pieces) > MAX_PIECES:
-            raise TransferError(loc.request_id, loc.producer, f"{len(pieces)} pieces exceed {MAX_PIECES}")
+        pieces = consumer_pieces(self._region, loc.block_ids, dst_blocks, hidden, loc.request_id, loc.producer,
+                                 MAX_PIECES)
         transfer_id = next(self._transfer_ids)
         reqs = self._transport.post_recvs(pieces, transfer_id)
         try:
