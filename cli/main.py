@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from cli.bench_cmd import app as bench_app
 from cli.demo_cmd import demo
 from cli.generate_cmd import generate
 from cli.model_cmd import init_model
@@ -20,6 +21,7 @@ app.command()(router)
 app.command()(up)
 app.command()(demo)
 app.command()(generate)
+app.add_typer(bench_app, name="bench")
 
 if __name__ == "__main__":
     app()

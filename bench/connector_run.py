@@ -1,0 +1,96 @@
+"""A connector moving the benchmark's work between two real processes.
+
+The producer process owns a prefill-role connector over a pool filled with random
+bytes; for each trial the bench process asks it to publish the request, then times
+its own decode-role connector's `recv_kv_caches_and_hidden_states` — from the call
+to the moment the blocks hold every byte and the connector says so — and checks the
+received blocks' crc32 against the producer's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import time
+
+import torch
+
+from bench.workload import Workload, checksum, fill_random
+from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
+from connectors.factory import create_connector
+from engine.model_input import ModelInput, SequenceInput
+
+HIDDEN_WIDTH = 1  # the bench measures KV; hidden states ride along at one value per token
+
+
+def _config(kind: ConnectorKind, role: NodeRole, redis_url: str) -> ConnectorConfig:
+    return ConnectorConfig(kind=kind, role=role, node_id=f"bench-{role}", redis_url=redis_url,
+                           kv_deadline_s=120.0, entry_ttl_s=240.0)
+
+
+def _request(work: Workload, rid: str, side: int) -> ModelInput:
+    return ModelInput([SequenceInput(rid, [0] * work.tokens, 0, work.block_ids(side))])
+
+
+def _producer(kind: ConnectorKind, redis_url: str, work: Workload, pipe) -> None:
+    torch.set_num_threads(1)
+    conn = create_connector(0, 0, _config(kind, NodeRole.PREFILL, redis_url))
+    pool = conn.allocate_kv_pool(work.layout, work.pool_blocks, "cpu")
+    fill_random(pool.data)
+    conn.set_release_callback(lambda rid: None)
+    conn.register_kv_caches(pool.kv_caches)
+    hidden = torch.zeros(work.tokens, HIDDEN_WIDTH)
+    pipe.send(checksum(pool.blocks_as_bytes(), work.block_ids(0)))
+    while (rid := pipe.recv()) is not None:
+        conn.send_kv_caches_and_hidden_states(None, _request(work, rid, 0), pool.kv_caches, hidden)
+        pipe.send(rid)
+    conn.close()
+
+
+@contextlib.contextmanager
+def _env(extra: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, redis_url: str,
+                  env: dict[str, str] | None = None) -> tuple[list[float], bool]:
+    """Seconds of each measured trial, and whether every trial's bytes matched."""
+    ctx = mp.get_context("spawn")
+    with _env(env or {}):
+        here, there = ctx.Pipe()
+        proc = ctx.Process(target=_producer, args=(kind, redis_url, work, there))
+        proc.start()
+        conn = create_connector(0, 0, _config(kind, NodeRole.DECODE, redis_url))
+    try:
+        want = here.recv() if here.poll(120) else None
+        pool = conn.allocate_kv_pool(work.layout, work.pool_blocks, "cpu")
+        conn.register_kv_caches(pool.kv_caches)
+        plane, dst = pool.blocks_as_bytes(), work.block_ids(1)
+        times, verified = [], want is not None
+        for i in range(warmup + runs):
+            plane[dst] = 0
+            rid = f"bench-{kind}-{work.tokens}-{work.placement}-{i}"
+            here.send(rid)
+            assert here.poll(120) and here.recv() == rid, "producer did not publish"
+            start = time.perf_counter()
+            _, bypass, _ = conn.recv_kv_caches_and_hidden_states(None, _request(work, rid, 1), pool.kv_caches)
+            elapsed = time.perf_counter() - start
+            verified &= bypass and checksum(plane, dst) == want
+            if i >= warmup:
+                times.append(elapsed)
+        here.send(None)
+        return times, verified
+    finally:
+        conn.close()
+        proc.join(30)
+        proc.kill()

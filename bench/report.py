@@ -1,0 +1,44 @@
+"""Rows of a transfer benchmark, printed as a table or as JSON."""
+
+from __future__ import annotations
+
+import statistics
+
+import msgspec
+
+
+class Row(msgspec.Struct, frozen=True):
+    method: str  # a connector's name (ucx-tcp: UCX_TLS=tcp), limit-memcpy or limit-tcp
+    tokens: int
+    layout: str  # scattered or contiguous
+    pool: str  # whose pool layout: kvwire (block-major)
+    bytes: int
+    runs: int
+    gbps_median: float
+    gbps_min: float
+    gbps_max: float
+    ms_median: float
+    verified: bool
+
+
+def make_row(method: str, tokens: int, layout: str, nbytes: int, seconds: list[float], verified: bool) -> Row:
+    gbps = [nbytes / s / 1e9 for s in seconds]
+    return Row(method=method, tokens=tokens, layout=layout, pool="kvwire", bytes=nbytes, runs=len(seconds),
+               gbps_median=round(statistics.median(gbps), 3), gbps_min=round(min(gbps), 3),
+               gbps_max=round(max(gbps), 3), ms_median=round(statistics.median(seconds) * 1e3, 2),
+               verified=verified)
+
+
+def table(rows: list[Row]) -> str:
+    head = (f"{'method':<13} {'tokens':>6} {'layout':<10} {'pool':<6} {'MiB':>7} {'GB/s med':>8} "
+            f"{'min':>6} {'max':>6} {'ms med':>8}  verified")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.method:<13} {r.tokens:>6} {r.layout:<10} {r.pool:<6} {r.bytes / 2**20:>7.1f} "
+                     f"{r.gbps_median:>8.2f} {r.gbps_min:>6.2f} {r.gbps_max:>6.2f} {r.ms_median:>8.2f}  "
+                     f"{'yes' if r.verified else 'NO'}")
+    return "\n".join(lines)
+
+
+def to_json(rows: list[Row]) -> bytes:
+    return msgspec.json.format(msgspec.json.encode(rows), indent=2)

@@ -1,0 +1,55 @@
+"""`kvwire bench ...`: benchmarks of the transfer plane."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from bench.transfer import Method
+from bench.workload import Placement
+from cli.options import OptionalRedisUrl
+
+app = typer.Typer(help="Benchmarks of the transfer plane.", no_args_is_help=True)
+
+
+def _csv(value: str, kind: type) -> list:
+    try:
+        return [kind(v.strip()) for v in value.split(",") if v.strip()]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+@app.command()
+def transfer(
+    tokens: Annotated[str, typer.Option("--tokens", help="Request sizes in tokens, comma-separated.")] = "128,2048,16384",
+    methods: Annotated[str, typer.Option("--methods", help=f"Comma-separated, of: {', '.join(Method)}.")] =
+        "limit-memcpy,limit-tcp,ucx,ucx-tcp,shm,tcp,nccl",
+    placements: Annotated[str, typer.Option("--layouts", help="scattered and/or contiguous.")] = "scattered,contiguous",
+    runs: Annotated[int, typer.Option("--runs", min=1, help="Measured runs per figure (the median is reported).")] = 5,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Unmeasured runs first.")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON instead of a table.")] = False,
+    redis_url: OptionalRedisUrl = None,
+) -> None:
+    """Move one Llama-3-8B-shaped request's KV (32 layers, 8 KV heads, head dim 128, bf16, block size 16)
+    between two processes with each method, next to the machine's limits; bytes verified every run."""
+    from tqdm import tqdm
+
+    from bench.report import table, to_json
+    from bench.transfer import bench_transfer
+    from cli.redis_server import LocalRedis
+
+    sizes = _csv(tokens, int)
+    chosen, where = _csv(methods, Method), _csv(placements, Placement)
+    with LocalRedis() as redis:
+        with tqdm(total=len(sizes) * len(chosen) * len(where), desc="bench transfer", file=sys.stderr) as bar:
+            def on_row(row):
+                bar.set_postfix_str(f"{row.method} {row.tokens} {row.layout}: {row.gbps_median:.2f} GB/s")
+                bar.update()
+
+            rows = bench_transfer(chosen, sizes, where, runs, warmup, redis_url or redis.url, on_row)
+    typer.echo(to_json(rows).decode() if as_json else table(rows))
+    if not all(r.verified for r in rows):
+        typer.echo("some transfers did not verify", err=True)
+        raise typer.Exit(1)
