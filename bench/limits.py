@@ -14,8 +14,7 @@ import torch
 
 from bench.workload import Workload, checksum, fill_random
 from connectors.kv_region import plan_runs
-
-IOV_MAX = 1024
+from connectors.tcp.stream import ByteStream, Staging, byte_parts
 
 
 def _planes(work: Workload) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,15 +42,15 @@ def limit_memcpy(work: Workload, runs: int, warmup: int) -> tuple[list[float], b
     return times, checksum(src, s_ids) == checksum(dst, d_ids)
 
 
-def _pieces(plane: torch.Tensor, runs: list[tuple[int, int]]) -> list[memoryview]:
-    return [memoryview(plane[s:s + n].view(-1).numpy()) for s, n in runs]
+def _stream(plane: torch.Tensor, runs: list[tuple[int, int]], outbound: bool) -> ByteStream:
+    """The runs' bytes as the TCP connector's own scatter/gather cursor (host memory: no staging)."""
+    return ByteStream(byte_parts([plane[s:s + n].view(-1) for s, n in runs]), outbound, Staging())
 
 
 def _tcp_sender(work: Workload, port_q, trials: int) -> None:
     torch.set_num_threads(1)
     src, _ = _planes(work)
     runs_ = [(s, n) for s, _, n in plan_runs(work.block_ids(0), work.block_ids(1))]
-    views = _pieces(src, runs_)
     with socket.create_server(("127.0.0.1", 0)) as srv:
         port_q.put((srv.getsockname()[1], checksum(src, work.block_ids(0))))
         conn, _ = srv.accept()
@@ -59,38 +58,17 @@ def _tcp_sender(work: Workload, port_q, trials: int) -> None:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for _ in range(trials):
                 conn.recv(1)  # "go"
-                _sendmsg_all(conn, views)
+                stream = _stream(src, runs_, outbound=True)
+                while not stream.done:
+                    stream.advance(conn.sendmsg(stream.batch()))
 
 
-def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
-    i, off = 0, 0
-    while i < len(views):
-        batch = [views[i][off:]] + views[i + 1:i + IOV_MAX]
-        sent = sock.sendmsg(batch)
-        while sent:
-            left = len(views[i]) - off
-            if sent >= left:
-                sent -= left
-                i, off = i + 1, 0
-            else:
-                off += sent
-                sent = 0
-
-
-def _recv_all(sock: socket.socket, views: list[memoryview]) -> None:
-    i, off = 0, 0
-    while i < len(views):
-        got = sock.recvmsg_into([views[i][off:]] + views[i + 1:i + IOV_MAX])[0]
+def _recv_all(sock: socket.socket, stream: ByteStream) -> None:
+    while not stream.done:
+        got = sock.recvmsg_into(stream.batch())[0]
         if got == 0:
             raise ConnectionError("sender closed early")
-        while got:
-            left = len(views[i]) - off
-            if got >= left:
-                got -= left
-                i, off = i + 1, 0
-            else:
-                off += got
-                got = 0
+        stream.advance(got)
 
 
 def limit_tcp(work: Workload, runs: int, warmup: int) -> tuple[list[float], bool]:
@@ -103,13 +81,12 @@ def limit_tcp(work: Workload, runs: int, warmup: int) -> tuple[list[float], bool
         port, want = port_q.get(timeout=120)
         _, dst = _planes(work)
         runs_ = [(d, n) for _, d, n in plan_runs(work.block_ids(0), work.block_ids(1))]
-        views = _pieces(dst, runs_)
         times = []
         with socket.create_connection(("127.0.0.1", port)) as sock:
             for i in range(warmup + runs):
                 start = time.perf_counter()
                 sock.send(b"g")
-                _recv_all(sock, views)
+                _recv_all(sock, _stream(dst, runs_, outbound=False))
                 if i >= warmup:
                     times.append(time.perf_counter() - start)
         return times, checksum(dst, work.block_ids(1)) == want
