@@ -16,9 +16,12 @@ import time
 
 import torch
 
-from bench.workload import Workload, checksum, fill_random
+from bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
+from connectors.base import KVConnectorBase
 from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 from connectors.factory import create_connector
+from connectors.kv_region import KVRegion
+from connectors.wire import PoolLayout
 from engine.model_input import ModelInput, SequenceInput
 
 HIDDEN_WIDTH = 1  # the bench measures KV; hidden states ride along at one value per token
@@ -33,23 +36,32 @@ def _request(work: Workload, rid: str, side: int) -> ModelInput:
     return ModelInput([SequenceInput(rid, [0] * work.tokens, 0, work.block_ids(side))])
 
 
+def _pool(conn: KVConnectorBase, work: Workload) -> tuple[list[torch.Tensor], KVRegion]:
+    """kvwire's pool comes from the connector (shm places it in shared memory); vLLM's the bench allocates."""
+    if work.pool == PoolLayout.KVWIRE:
+        kv_caches = conn.allocate_kv_pool(work.layout, work.pool_blocks, "cpu").kv_caches
+    else:
+        kv_caches = allocate_pool(work)
+    return kv_caches, KVRegion.from_kv_caches(kv_caches)
+
+
 def _producer(kind: ConnectorKind, redis_url: str, work: Workload, pipe) -> None:
     torch.set_num_threads(1)
     conn = create_connector(0, 0, _config(kind, NodeRole.PREFILL, redis_url))
-    pool = conn.allocate_kv_pool(work.layout, work.pool_blocks, "cpu")
-    fill_random(pool.data)
+    kv_caches, region = _pool(conn, work)
+    fill_random(region)
     conn.set_release_callback(lambda rid: None)
-    conn.register_kv_caches(pool.kv_caches)
+    conn.register_kv_caches(kv_caches)
     hidden = torch.zeros(work.tokens, HIDDEN_WIDTH)
-    pipe.send(checksum(pool.blocks_as_bytes(), work.block_ids(0)))
+    pipe.send(checksum(region, work.block_ids(0)))
     while (rid := pipe.recv()) is not None:
-        conn.send_kv_caches_and_hidden_states(None, _request(work, rid, 0), pool.kv_caches, hidden)
+        conn.send_kv_caches_and_hidden_states(None, _request(work, rid, 0), kv_caches, hidden)
         pipe.send(rid)
     conn.close()
 
 
 @contextlib.contextmanager
-def _env(extra: dict[str, str]):
+def scoped_env(extra: dict[str, str]):
     saved = {k: os.environ.get(k) for k in extra}
     os.environ.update(extra)
     try:
@@ -66,26 +78,26 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
                   env: dict[str, str] | None = None) -> tuple[list[float], bool]:
     """Seconds of each measured trial, and whether every trial's bytes matched."""
     ctx = mp.get_context("spawn")
-    with _env(env or {}):
+    with scoped_env(env or {}):
         here, there = ctx.Pipe()
         proc = ctx.Process(target=_producer, args=(kind, redis_url, work, there))
         proc.start()
         conn = create_connector(0, 0, _config(kind, NodeRole.DECODE, redis_url))
     try:
         want = here.recv() if here.poll(120) else None
-        pool = conn.allocate_kv_pool(work.layout, work.pool_blocks, "cpu")
-        conn.register_kv_caches(pool.kv_caches)
-        plane, dst = pool.blocks_as_bytes(), work.block_ids(1)
+        kv_caches, region = _pool(conn, work)
+        conn.register_kv_caches(kv_caches)
+        dst = work.block_ids(1)
         times, verified = [], want is not None
         for i in range(warmup + runs):
-            plane[dst] = 0
-            rid = f"bench-{kind}-{work.tokens}-{work.placement}-{i}"
+            zero_blocks(region, dst)
+            rid = f"bench-{kind}-{work.tokens}-{work.placement}-{work.pool}-{i}"
             here.send(rid)
             assert here.poll(120) and here.recv() == rid, "producer did not publish"
             start = time.perf_counter()
-            _, bypass, _ = conn.recv_kv_caches_and_hidden_states(None, _request(work, rid, 1), pool.kv_caches)
+            _, bypass, _ = conn.recv_kv_caches_and_hidden_states(None, _request(work, rid, 1), kv_caches)
             elapsed = time.perf_counter() - start
-            verified &= bypass and checksum(plane, dst) == want
+            verified &= bypass and checksum(region, dst) == want
             if i >= warmup:
                 times.append(elapsed)
         here.send(None)

@@ -1,7 +1,8 @@
 """The machine's limits on the same work: one process copying, and raw TCP with iovecs.
 
-Both move exactly the pieces a connector moves between kvwire's block-major pools: one
-piece per run of blocks consecutive on both sides.
+Both move exactly the pieces a connector moves between the same pools: one piece per
+run of blocks consecutive on both sides, per plane (one plane in kvwire's pool, a K
+and a V plane per layer in vLLM's).
 """
 
 from __future__ import annotations
@@ -12,45 +13,41 @@ import time
 
 import torch
 
-from bench.workload import Workload, checksum, fill_random
-from connectors.kv_region import plan_runs
+from bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
+from connectors.kv_region import KVRegion
 from connectors.tcp.stream import ByteStream, Staging, byte_parts
 
 
-def _planes(work: Workload) -> tuple[torch.Tensor, torch.Tensor]:
-    from engine.kv_cache import KVPool
-
-    src = KVPool.allocate(work.layout, work.pool_blocks)
-    fill_random(src.data)
-    dst = KVPool.allocate(work.layout, work.pool_blocks)
-    return src.blocks_as_bytes(), dst.blocks_as_bytes()
+def _region(work: Workload, filled: bool) -> KVRegion:
+    region = KVRegion.from_kv_caches(allocate_pool(work))
+    if filled:
+        fill_random(region)
+    return region
 
 
 def limit_memcpy(work: Workload, runs: int, warmup: int) -> tuple[list[float], bool]:
-    """Single-process gather → scatter of the request's blocks, one copy per byte."""
-    src, dst = _planes(work)
-    s_ids, d_ids = work.block_ids(0), work.block_ids(1)
-    runs_ = plan_runs(s_ids, d_ids)
+    """Single-process gather → scatter of the request's pieces, one copy per byte."""
+    src, dst = _region(work, True), _region(work, False)
+    pairs = list(zip(src.pieces(work.runs(0)), dst.pieces(work.runs(1))))
     times = []
     for i in range(warmup + runs):
-        dst.zero_()
+        zero_blocks(dst, work.block_ids(1))
         start = time.perf_counter()
-        for s, d, n in runs_:
-            dst[d:d + n].copy_(src[s:s + n])
+        for s, d in pairs:
+            d.copy_(s)
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    return times, checksum(src, s_ids) == checksum(dst, d_ids)
+    return times, checksum(src, work.block_ids(0)) == checksum(dst, work.block_ids(1))
 
 
-def _stream(plane: torch.Tensor, runs: list[tuple[int, int]], outbound: bool) -> ByteStream:
+def _stream(region: KVRegion, runs: list[tuple[int, int]], outbound: bool) -> ByteStream:
     """The runs' bytes as the TCP connector's own scatter/gather cursor (host memory: no staging)."""
-    return ByteStream(byte_parts([plane[s:s + n].view(-1) for s, n in runs]), outbound, Staging())
+    return ByteStream(byte_parts(region.pieces(runs)), outbound, Staging())
 
 
 def _tcp_sender(work: Workload, port_q, trials: int) -> None:
     torch.set_num_threads(1)
-    src, _ = _planes(work)
-    runs_ = [(s, n) for s, _, n in plan_runs(work.block_ids(0), work.block_ids(1))]
+    src = _region(work, True)
     with socket.create_server(("127.0.0.1", 0)) as srv:
         port_q.put((srv.getsockname()[1], checksum(src, work.block_ids(0))))
         conn, _ = srv.accept()
@@ -58,7 +55,7 @@ def _tcp_sender(work: Workload, port_q, trials: int) -> None:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for _ in range(trials):
                 conn.recv(1)  # "go"
-                stream = _stream(src, runs_, outbound=True)
+                stream = _stream(src, work.runs(0), outbound=True)
                 while not stream.done:
                     stream.advance(conn.sendmsg(stream.batch()))
 
@@ -79,14 +76,14 @@ def limit_tcp(work: Workload, runs: int, warmup: int) -> tuple[list[float], bool
     proc.start()
     try:
         port, want = port_q.get(timeout=120)
-        _, dst = _planes(work)
-        runs_ = [(d, n) for _, d, n in plan_runs(work.block_ids(0), work.block_ids(1))]
+        dst = _region(work, False)
         times = []
         with socket.create_connection(("127.0.0.1", port)) as sock:
             for i in range(warmup + runs):
+                zero_blocks(dst, work.block_ids(1))
                 start = time.perf_counter()
                 sock.send(b"g")
-                _recv_all(sock, _stream(dst, runs_, outbound=False))
+                _recv_all(sock, _stream(dst, work.runs(1), outbound=False))
                 if i >= warmup:
                     times.append(time.perf_counter() - start)
         return times, checksum(dst, work.block_ids(1)) == want

@@ -6,12 +6,14 @@ import statistics
 
 import msgspec
 
+from bench.workload import Workload
+
 
 class Row(msgspec.Struct, frozen=True):
-    method: str  # a connector's name (ucx-tcp: UCX_TLS=tcp), limit-memcpy or limit-tcp
+    method: str  # a connector's name, limit-memcpy, limit-tcp or nixl (-tcp suffix: UCX_TLS=tcp)
     tokens: int
     layout: str  # scattered or contiguous
-    pool: str  # whose pool layout: kvwire (block-major)
+    pool: str  # whose pool layout: kvwire (block-major) or vllm (per-layer K and V)
     bytes: int
     runs: int
     gbps_median: float
@@ -21,9 +23,11 @@ class Row(msgspec.Struct, frozen=True):
     verified: bool
 
 
-def make_row(method: str, tokens: int, layout: str, nbytes: int, seconds: list[float], verified: bool) -> Row:
+def make_row(method: str, work: Workload, seconds: list[float], verified: bool) -> Row:
+    nbytes = work.nbytes
     gbps = [nbytes / s / 1e9 for s in seconds]
-    return Row(method=method, tokens=tokens, layout=layout, pool="kvwire", bytes=nbytes, runs=len(seconds),
+    return Row(method=method, tokens=work.tokens, layout=str(work.placement), pool=str(work.pool), bytes=nbytes,
+               runs=len(seconds),
                gbps_median=round(statistics.median(gbps), 3), gbps_min=round(min(gbps), 3),
                gbps_max=round(max(gbps), 3), ms_median=round(statistics.median(seconds) * 1e3, 2),
                verified=verified)

@@ -1,4 +1,4 @@
-"""`kvwire bench transfer`: every method on the same work, sizes × placements."""
+"""`kvwire bench transfer`: every method on the same work, sizes × placements × pool layouts."""
 
 from __future__ import annotations
 
@@ -7,14 +7,21 @@ from typing import Callable
 
 from bench.connector_run import run_connector
 from bench.limits import limit_memcpy, limit_tcp
+from bench.nixl_run import NixlOp, run_nixl
 from bench.report import Row, make_row
 from bench.workload import Placement, Workload
 from connectors.config import ConnectorKind
+from connectors.wire import PoolLayout
+
+# UCX over TCP only, and over the loopback device: on these machines traffic must stay on loopback
+TCP_ONLY = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 
 
 class Method(enum.StrEnum):
     LIMIT_MEMCPY = "limit-memcpy"
     LIMIT_TCP = "limit-tcp"
+    NIXL = "nixl"  # NIXL, UCX backend, UCX's default transports
+    NIXL_TCP = "nixl-tcp"  # NIXL with UCX_TLS=tcp
     UCX = "ucx"
     UCX_TCP = "ucx-tcp"  # UCX restricted to TCP (UCX_TLS=tcp)
     SHM = "shm"
@@ -23,29 +30,52 @@ class Method(enum.StrEnum):
     AUTO = "auto"
 
 
+# NIXL's faster operation on each transport here (measured both ways; see docs/BENCHMARKS.md)
+NIXL_OPS = {Method.NIXL: NixlOp.READ, Method.NIXL_TCP: NixlOp.WRITE}
+
+# kvwire connectors whose peers map the pool need it allocated by the connector: kvwire's layout only
+KVWIRE_POOL_ONLY = {Method.SHM, Method.AUTO}
+
+
+def supports(method: Method, pool: PoolLayout) -> bool:
+    return pool == PoolLayout.KVWIRE or method not in KVWIRE_POOL_ONLY
+
+
 def measure(method: Method, work: Workload, runs: int, warmup: int, redis_url: str) -> tuple[list[float], bool]:
     """Seconds per measured run of `method` on `work`, and whether the bytes were verified."""
     if method == Method.LIMIT_MEMCPY:
         return limit_memcpy(work, runs, warmup)
     if method == Method.LIMIT_TCP:
         return limit_tcp(work, runs, warmup)
+    if method in NIXL_OPS:
+        return run_nixl(work, runs, warmup, NIXL_OPS[method], TCP_ONLY if method == Method.NIXL_TCP else None)
     if method == Method.UCX_TCP:
-        return run_connector(ConnectorKind.UCX, work, runs, warmup, redis_url, env={"UCX_TLS": "tcp"})
+        return run_connector(ConnectorKind.UCX, work, runs, warmup, redis_url, env=TCP_ONLY)
     return run_connector(ConnectorKind(method.value), work, runs, warmup, redis_url)
 
 
-def bench_transfer(methods: list[Method], tokens: list[int], placements: list[Placement], runs: int, warmup: int,
-                   redis_url: str, on_row: Callable[[Row], None] = lambda r: None) -> list[Row]:
-    """Run every (tokens, placement, method) combination; `on_row` sees each row as it is made."""
+def bench_transfer(methods: list[Method], tokens: list[int], placements: list[Placement], pools: list[PoolLayout],
+                   runs: int, warmup: int, redis_url: str, on_row: Callable[[Row], None] = lambda r: None
+                   ) -> list[Row]:
+    """Run every supported (tokens, placement, pool, method) combination; `on_row` sees each row as it is made."""
+    import torch
+
+    torch.set_num_threads(1)  # this process is the consumer; idle OpenMP workers spinning would steal a core
     rows = []
     for n in tokens:
         for placement in placements:
-            work = Workload(n, placement)
-            nbytes = work.num_blocks * work.layout.num_layers * 2 * work.layout.block_size \
-                * work.layout.num_kv_heads * work.layout.head_dim * 2  # bfloat16
-            for method in methods:
-                seconds, verified = measure(method, work, runs, warmup, redis_url)
-                row = make_row(method.value, n, placement.value, nbytes, seconds, verified)
-                rows.append(row)
-                on_row(row)
+            for pool in pools:
+                work = Workload(n, placement, pool)
+                for method in methods:
+                    if not supports(method, pool):
+                        continue
+                    seconds, verified = measure(method, work, runs, warmup, redis_url)
+                    row = make_row(method.value, work, seconds, verified)
+                    rows.append(row)
+                    on_row(row)
     return rows
+
+
+def combinations(methods: list[Method], tokens: list[int], placements: list[Placement],
+                 pools: list[PoolLayout]) -> int:
+    return len(tokens) * len(placements) * sum(supports(m, p) for m in methods for p in pools)

@@ -1,4 +1,9 @@
-"""The work every method in a transfer benchmark moves: one request's KV, shaped like Llama-3-8B."""
+"""The work every method in a transfer benchmark moves: one request's KV, shaped like Llama-3-8B.
+
+A workload names the request size, where its blocks sit (scattered or contiguous) and
+whose pool layout holds them (kvwire's block-major pool, or vLLM's per-layer K and V
+tensors). Every method moves exactly the pieces `KVRegion` makes of it.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,12 @@ import random
 import zlib
 from dataclasses import dataclass
 
+import msgspec
+import numpy as np
 import torch
 
-from connectors.wire import DType, KVLayout
+from connectors.kv_region import KVRegion, plan_runs
+from connectors.wire import DType, KVLayout, PoolLayout
 
 LLAMA3_8B = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=DType.BFLOAT16)
 
@@ -23,6 +31,7 @@ class Placement(enum.StrEnum):
 class Workload:
     tokens: int
     placement: Placement
+    pool: PoolLayout = PoolLayout.KVWIRE
     layout: KVLayout = LLAMA3_8B
     seed: int = 0
 
@@ -35,22 +44,55 @@ class Workload:
         """Each side's pool: twice the request, so scattered ids have room to scatter."""
         return 2 * self.num_blocks
 
+    @property
+    def nbytes(self) -> int:
+        L = self.layout
+        return self.num_blocks * L.num_layers * 2 * L.block_size * L.num_kv_heads * L.head_dim * 2  # bfloat16
+
     def block_ids(self, side: int) -> list[int]:
         """Block ids on side 0 (sender) or 1 (receiver)."""
         if self.placement == Placement.CONTIGUOUS:
             return list(range(self.num_blocks))
         return random.Random(self.seed * 2 + side).sample(range(self.pool_blocks), self.num_blocks)
 
-
-def fill_random(pool_data: torch.Tensor, seed: int = 1) -> None:
-    """Random bytes in a whole pool (any dtype), so verification means something."""
-    flat = pool_data.view(-1).view(torch.int16)
-    flat.random_(generator=torch.Generator().manual_seed(seed))
+    def runs(self, side: int) -> list[tuple[int, int]]:
+        """`(first_block, num_blocks)` of each run consecutive on both sides, as seen from `side`."""
+        return [(r[side], r[2]) for r in plan_runs(self.block_ids(0), self.block_ids(1))]
 
 
-def checksum(plane: torch.Tensor, block_ids: list[int]) -> int:
-    """crc32 of the listed blocks' bytes, in list order. plane: [num_blocks, block_nbytes] uint8."""
+def allocate_pool(work: Workload) -> list[torch.Tensor]:
+    """A zeroed pool in the workload's layout, as the per-layer tensors the connector contract takes."""
+    from engine.kv_cache import TORCH_DTYPES, KVPool
+
+    layout = msgspec.structs.replace(work.layout, pool=work.pool)
+    if work.pool == PoolLayout.KVWIRE:
+        return KVPool.allocate(layout, work.pool_blocks).kv_caches
+    shape = (2, work.pool_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    return [torch.zeros(shape, dtype=TORCH_DTYPES[layout.dtype]) for _ in range(layout.num_layers)]
+
+
+def fill_random(region: KVRegion, seed: int = 1) -> None:
+    """Random bytes in every plane of a pool, so verification means something."""
+    gen = torch.Generator().manual_seed(seed)
+    for plane in region.planes:
+        plane.view(-1).view(torch.int16).random_(generator=gen)
+
+
+def zero_blocks(region: KVRegion, block_ids: list[int]) -> None:
+    for plane in region.planes:
+        plane[block_ids] = 0
+
+
+def checksum(region: KVRegion, block_ids: list[int]) -> int:
+    """crc32 of the listed blocks' bytes, plane by plane, in list order."""
     crc = 0
-    for b in block_ids:
-        crc = zlib.crc32(plane[b].numpy(), crc)
+    for plane in region.planes:
+        for b in block_ids:
+            crc = zlib.crc32(plane[b].numpy(), crc)
     return crc
+
+
+def piece_table(region: KVRegion, runs: list[tuple[int, int]]) -> np.ndarray:
+    """The pieces of `runs` as rows `[address, nbytes, 0]` (uint64): NIXL's descriptor form."""
+    pieces = region.pieces(runs)
+    return np.array([[p.data_ptr(), p.numel(), 0] for p in pieces], dtype=np.uint64).reshape(-1, 3)

@@ -10,6 +10,7 @@ import typer
 from bench.transfer import Method
 from bench.workload import Placement
 from cli.options import OptionalRedisUrl
+from connectors.wire import PoolLayout
 
 app = typer.Typer(help="Benchmarks of the transfer plane.", no_args_is_help=True)
 
@@ -25,11 +26,15 @@ def _csv(value: str, kind: type) -> list:
 def transfer(
     tokens: Annotated[str, typer.Option("--tokens", help="Request sizes in tokens, comma-separated.")] = "128,2048,16384",
     methods: Annotated[str, typer.Option("--methods", help=f"Comma-separated, of: {', '.join(Method)}.")] =
-        "limit-memcpy,limit-tcp,ucx,ucx-tcp,shm,tcp,nccl",
+        "limit-memcpy,limit-tcp,nixl,nixl-tcp,ucx,ucx-tcp,shm,tcp,nccl,auto",
     placements: Annotated[str, typer.Option("--layouts", help="scattered and/or contiguous.")] = "scattered,contiguous",
+    pools: Annotated[str, typer.Option("--pools", help="Whose pool layout: kvwire (block-major) and/or vllm "
+                                       "(per-layer K and V; shm and auto need kvwire's and are left out).")] =
+        "kvwire,vllm",
     runs: Annotated[int, typer.Option("--runs", min=1, help="Measured runs per figure (the median is reported).")] = 5,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Unmeasured runs first.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON instead of a table.")] = False,
+    plot: Annotated[str | None, typer.Option("--plot", help="Also draw GB/s against size to this PNG file.")] = None,
     redis_url: OptionalRedisUrl = None,
 ) -> None:
     """Move one Llama-3-8B-shaped request's KV (32 layers, 8 KV heads, head dim 128, bf16, block size 16)
@@ -37,19 +42,24 @@ def transfer(
     from tqdm import tqdm
 
     from bench.report import table, to_json
-    from bench.transfer import bench_transfer
+    from bench.transfer import bench_transfer, combinations
     from cli.redis_server import LocalRedis
 
     sizes = _csv(tokens, int)
-    chosen, where = _csv(methods, Method), _csv(placements, Placement)
+    chosen, where, whose = _csv(methods, Method), _csv(placements, Placement), _csv(pools, PoolLayout)
     with LocalRedis() as redis:
-        with tqdm(total=len(sizes) * len(chosen) * len(where), desc="bench transfer", file=sys.stderr) as bar:
+        with tqdm(total=combinations(chosen, sizes, where, whose), desc="bench transfer", file=sys.stderr) as bar:
             def on_row(row):
-                bar.set_postfix_str(f"{row.method} {row.tokens} {row.layout}: {row.gbps_median:.2f} GB/s")
+                bar.set_postfix_str(f"{row.method} {row.tokens} {row.layout} {row.pool}: {row.gbps_median:.2f} GB/s")
                 bar.update()
 
-            rows = bench_transfer(chosen, sizes, where, runs, warmup, redis_url or redis.url, on_row)
+            rows = bench_transfer(chosen, sizes, where, whose, runs, warmup, redis_url or redis.url, on_row)
     typer.echo(to_json(rows).decode() if as_json else table(rows))
+    if plot:
+        from bench.plot import plot_rows
+
+        plot_rows(rows, plot)
+        typer.echo(f"plot written to {plot}", err=True)
     if not all(r.verified for r in rows):
         typer.echo("some transfers did not verify", err=True)
         raise typer.Exit(1)

@@ -21,12 +21,11 @@ from connectors.base import HiddenStates, KVConnectorBase, TransferError
 from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 from connectors.directory import DirectoryError, KVDirectory, TransferState
 from connectors.held import HeldTable
-from connectors.hidden import dtype_of, join_requests
+from connectors.hidden import join_requests
 from connectors.kv_region import KVRegion
 from connectors.receiver import KVReceiver, Puller, Received
 from connectors.sender import KVSender
 from connectors.transfer_server import SendEngine, TransferServer
-from connectors.wire import KVLayout
 from engine.model_input import ModelInput
 
 log = logging.getLogger(__name__)
@@ -72,7 +71,7 @@ class DirectoryConnector(KVConnectorBase):
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         region = KVRegion.from_kv_caches(kv_caches)
-        layout = _layout_of(kv_caches)
+        layout = region.layout
         if self.config.role == NodeRole.PREFILL:
             held = HeldTable(lambda rid: self._release_cb(rid))
             self._servers = {kind: self._serve(kind, engine, region, held)
@@ -158,10 +157,3 @@ class DirectoryConnector(KVConnectorBase):
         if self._puller is not None:
             self._puller.close()
         self.directory.close()
-
-
-def _layout_of(kv_caches: list[torch.Tensor]) -> KVLayout:
-    _, two, block_size, heads, head_dim = kv_caches[0].shape
-    assert two == 2, "per-layer views are [num_blocks, 2, block_size, kv_heads, head_dim]"
-    return KVLayout(num_layers=len(kv_caches), num_kv_heads=heads, head_dim=head_dim,
-                    block_size=block_size, dtype=dtype_of(kv_caches[0]))

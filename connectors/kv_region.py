@@ -2,8 +2,9 @@
 
 A pool is one or more *planes*, each `[num_blocks, plane_block_nbytes]` uint8 with
 contiguous rows. kvwire's block-major pool is a single plane (a block holds every
-layer's K and V), so a run of consecutive blocks is one piece; a vLLM-style pool
-(one tensor per layer) has one plane per layer, so the same run is one piece per layer.
+layer's K and V), so a run of consecutive blocks is one piece; vLLM's pool (one tensor
+`[2, num_blocks, block_size, kv_heads, head_dim]` per layer) has a K plane and a V plane
+per layer, so the same run is 2 x num_layers pieces.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from connectors.wire import KVLayout, PoolLayout
 
 
 def plan_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:
@@ -43,22 +46,35 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class KVRegion:
     planes: tuple[torch.Tensor, ...]  # each [num_blocks, plane_block_nbytes] uint8
+    layout: KVLayout
 
     @classmethod
     def from_kv_caches(cls, kv_caches: list[torch.Tensor]) -> KVRegion:
-        """Recover the planes behind the contract's per-layer views.
+        """Recover the planes behind the contract's per-layer tensors.
 
-        Per-layer views of one block-major tensor give one plane; separate contiguous
-        per-layer tensors give one plane per layer.
+        Per-layer views `[num_blocks, 2, ...]` of one block-major tensor (kvwire's pool)
+        give one plane; separate contiguous per-layer tensors `[2, num_blocks, ...]`
+        (vLLM's pool) give a K and a V plane per layer.
         """
+        from connectors.hidden import dtype_of
+
         if not kv_caches:
             raise ValueError("no KV caches to register")
         base = kv_caches[0]._base
         if base is not None and all(kv._base is base for kv in kv_caches) and _block_major(base, kv_caches):
-            return cls((base.view(base.shape[0], -1).view(torch.uint8),))
-        if all(kv.is_contiguous() for kv in kv_caches):
-            return cls(tuple(kv.view(kv.shape[0], -1).view(torch.uint8) for kv in kv_caches))
-        raise ValueError("KV caches are neither block-major views of one pool nor contiguous tensors")
+            planes, pool, shape = (base.view(base.shape[0], -1).view(torch.uint8),), PoolLayout.KVWIRE, base.shape[3:]
+        elif all(kv.is_contiguous() and kv.dim() == 5 and kv.shape[0] == 2 for kv in kv_caches):
+            planes = tuple(kv[half].view(kv.shape[1], -1).view(torch.uint8) for kv in kv_caches for half in (0, 1))
+            pool, shape = PoolLayout.VLLM, kv_caches[0].shape[2:]
+        else:
+            raise ValueError("KV caches are neither block-major views of one pool (kvwire) nor contiguous "
+                             "per-layer [2, num_blocks, block_size, kv_heads, head_dim] tensors (vLLM)")
+        if len({p.shape for p in planes}) != 1 and pool == PoolLayout.VLLM:
+            raise ValueError(f"per-layer KV tensors differ in shape: {sorted({tuple(kv.shape) for kv in kv_caches})}")
+        block_size, heads, head_dim = shape
+        layout = KVLayout(num_layers=len(kv_caches), num_kv_heads=heads, head_dim=head_dim, block_size=block_size,
+                          dtype=dtype_of(kv_caches[0]), pool=pool)
+        return cls(planes, layout)
 
     @property
     def num_blocks(self) -> int:
@@ -76,7 +92,7 @@ class KVRegion:
 def _block_major(base: torch.Tensor, kv_caches: list[torch.Tensor]) -> bool:
     return (
         base.is_contiguous()
-        and base.dim() >= 2
+        and base.dim() == 6
         and base.shape[1] == len(kv_caches)
         and all(kv.shape[0] == base.shape[0] for kv in kv_caches)
     )

@@ -28,6 +28,13 @@ class DType(enum.StrEnum):
     BFLOAT16 = "bfloat16"
 
 
+class PoolLayout(enum.StrEnum):
+    """How a node's KV pool sits in memory; both sides of a transfer must agree."""
+
+    KVWIRE = "kvwire"  # one tensor [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]: a block is one piece
+    VLLM = "vllm"  # per layer [2, num_blocks, block_size, kv_heads, head_dim]: a block is 2 x num_layers pieces
+
+
 class TensorDesc(msgspec.Struct, frozen=True, array_like=True):
     """A tensor that travels as a raw buffer: its name, dtype and shape."""
 
@@ -51,6 +58,7 @@ class KVLayout(_Msg, tag="layout"):
     head_dim: int
     block_size: int
     dtype: DType
+    pool: PoolLayout = PoolLayout.KVWIRE
 
 
 class TransportOffer(msgspec.Struct, frozen=True, array_like=True):

@@ -48,8 +48,9 @@ class UCXPuller:
             self._channel.send(loc.side_channel, PullRequest(
                 request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
                 transport_address=self._transport.address, dst_block_ids=dst_blocks))
-            self._channel.wait(loc, transfer_id, deadline, fds=[self._transport.event_fd],
-                               progress=self._transport.progress, can_block=self._transport.arm,
+            self._channel.wait(loc, transfer_id, deadline, 
+                               progress=self._transport.progress,
+                               can_block=lambda: all_done(reqs),  # spin while receiving
                                done=lambda: all_done(reqs))
             check_errors(reqs)
         except BaseException as exc:

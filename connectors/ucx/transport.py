@@ -26,21 +26,28 @@ SEGMENT_BITS = 24  # low tag bits: piece index within one transfer
 MAX_PIECES = 1 << SEGMENT_BITS
 
 
+def _config() -> dict[str, str]:
+    """UCX settings kvwire picks unless the environment sets them (UCX_<NAME> wins)."""
+    # The sender pushes each piece once the receiver's buffer is known. Over TCP this ran 2.5-3.3 GB/s
+    # against 0.9 for UCX's default (the receiver pulling fragments); over CMA both ran alike.
+    ours = {"RNDV_SCHEME": "put_zcopy"}
+    return {k: v for k, v in ours.items() if f"UCX_{k}" not in os.environ}
+
+
 def tag_for(transfer_id: int, piece: int) -> ucx.UCXXTag:
     return ucx.UCXXTag((transfer_id << SEGMENT_BITS) | piece)
 
 
 def as_array(t: torch.Tensor) -> Array:
     """A contiguous tensor as a UCX buffer: host memory via numpy, CUDA via __cuda_array_interface__."""
-    flat = t.reshape(-1).view(torch.uint8)
+    flat = t if t.dtype == torch.uint8 and t.dim() == 1 else t.reshape(-1).view(torch.uint8)  # pieces already are
     return Array(flat.numpy() if flat.device.type == "cpu" else flat)
 
 
 class UCXTransport:
     def __init__(self) -> None:
-        self._ctx = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+        self._ctx = ucx.UCXContext(config_dict=_config(), feature_flags=(ucx.Feature.TAG,))
         self._worker = ucx.UCXWorker(self._ctx)
-        self._worker.init_blocking_progress_mode()
         self._endpoints: dict[bytes, ucx.UCXEndpoint] = {}
         self.address: bytes = self._worker.address.tobytes()
 

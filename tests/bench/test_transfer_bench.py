@@ -1,4 +1,4 @@
-"""`kvwire bench transfer` at a tiny size: every row verified, limits and a connector side by side."""
+"""`kvwire bench transfer` at a tiny size: every row verified, limits, NIXL and connectors side by side."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ import sys
 
 import pytest
 
-from bench.transfer import Method, bench_transfer
-from bench.workload import Placement, Workload
+from bench.transfer import Method, bench_transfer, combinations
+from bench.workload import Placement, Workload, allocate_pool, piece_table
+from connectors.kv_region import KVRegion
+from connectors.wire import PoolLayout
 
 pytestmark = pytest.mark.slow
+KVWIRE, VLLM = PoolLayout.KVWIRE, PoolLayout.VLLM
 
 
 def test_workload_places_blocks_as_asked():
@@ -19,22 +22,42 @@ def test_workload_places_blocks_as_asked():
     assert scattered.num_blocks == 128 and scattered.pool_blocks == 256
     assert scattered.block_ids(0) != scattered.block_ids(1) and len(set(scattered.block_ids(1))) == 128
     assert contiguous.block_ids(0) == contiguous.block_ids(1) == list(range(128))
+    assert contiguous.runs(0) == contiguous.runs(1) == [(0, 128)]
 
 
-def test_rows_are_verified_for_limits_and_a_connector(redis_url):
-    rows = bench_transfer([Method.LIMIT_MEMCPY, Method.LIMIT_TCP, Method.TCP], [32], [Placement.SCATTERED],
-                          runs=2, warmup=0, redis_url=redis_url)
-    assert [r.method for r in rows] == ["limit-memcpy", "limit-tcp", "tcp"]
+def test_vllm_pool_moves_64_pieces_per_block_and_kvwire_one_per_run():
+    for pool, per_block in ((KVWIRE, 1), (VLLM, 64)):
+        work = Workload(48, Placement.SCATTERED, pool)  # 3 blocks
+        region = KVRegion.from_kv_caches(allocate_pool(work))
+        table = piece_table(region, work.runs(0))
+        assert region.layout.pool == pool
+        assert int(table[:, 1].sum()) == work.nbytes
+        if len(work.runs(0)) == 3:  # nothing merged
+            assert table.shape == (3 * per_block, 3)
+            assert set(table[:, 1].tolist()) == {work.nbytes // (3 * per_block)}  # 2 MiB or 32 KiB pieces
+
+
+def test_rows_are_verified_for_limits_nixl_and_connectors_in_both_pools(redis_url):
+    methods = [Method.LIMIT_MEMCPY, Method.LIMIT_TCP, Method.NIXL, Method.TCP, Method.SHM]
+    rows = bench_transfer(methods, [32], [Placement.SCATTERED], [KVWIRE, VLLM], runs=2, warmup=0,
+                          redis_url=redis_url)
+    assert [(r.method, r.pool) for r in rows] == [(m.value, "kvwire") for m in methods] + \
+        [(m.value, "vllm") for m in methods if m != Method.SHM]  # shm needs its own (kvwire) pool
+    assert len(rows) == combinations(methods, [32], [Placement.SCATTERED], [KVWIRE, VLLM])
     for r in rows:
         assert r.verified and r.runs == 2 and r.bytes == 2 * 2 * 1024 * 1024  # 2 blocks of 2 MiB
         assert 0 < r.gbps_min <= r.gbps_median <= r.gbps_max
 
 
-def test_cli_prints_json_rows():
-    done = subprocess.run([sys.executable, "-m", "cli.main", "bench", "transfer", "--tokens", "16", "--methods",
-                           "limit-memcpy,ucx", "--layouts", "contiguous", "--runs", "1", "--warmup", "0", "--json"],
-                          capture_output=True, text=True, timeout=180)
+def test_cli_prints_json_rows_and_draws_the_plot(tmp_path):
+    png = tmp_path / "transfer.png"
+    done = subprocess.run([sys.executable, "-m", "cli.main", "bench", "transfer", "--tokens", "16,32", "--methods",
+                           "limit-memcpy,ucx,nixl-tcp", "--layouts", "contiguous", "--pools", "kvwire", "--runs", "1",
+                           "--warmup", "0", "--json", "--plot", str(png)],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(done.stdout)
-    assert {r["method"] for r in rows} == {"limit-memcpy", "ucx"}
+    assert {(r["method"], r["tokens"]) for r in rows} == {(m, t) for m in ("limit-memcpy", "ucx", "nixl-tcp")
+                                                          for t in (16, 32)}
     assert all(r["verified"] and r["layout"] == "contiguous" and r["pool"] == "kvwire" for r in rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -1,8 +1,9 @@
+import msgspec
 import pytest
 import torch
 
 from connectors.kv_region import KVRegion, plan_runs
-from connectors.wire import DType, KVLayout
+from connectors.wire import DType, KVLayout, PoolLayout
 from engine.kv_cache import KVPool
 
 
@@ -25,8 +26,26 @@ def test_block_major_pool_is_one_plane_and_pieces_cover_blocks():
     assert pieces[0].data_ptr() == pool.data[5].data_ptr()  # a view, not a copy
 
 
-def test_per_layer_pools_give_one_plane_per_layer():
-    caches = [torch.zeros(8, 2, 4, 2, 4) for _ in range(3)]
+def test_vllm_per_layer_pool_gives_a_k_and_a_v_plane_per_layer():
+    caches = [torch.zeros(2, 8, 4, 2, 4, dtype=torch.bfloat16) for _ in range(3)]  # [2, blocks, bs, heads, dim]
     region = KVRegion.from_kv_caches(caches)
-    assert len(region.planes) == 3
-    assert len(region.pieces([(0, 2), (6, 1)])) == 6
+    assert len(region.planes) == 6 and region.layout.pool == PoolLayout.VLLM
+    assert region.layout == KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=4, dtype=DType.BFLOAT16,
+                                      pool=PoolLayout.VLLM)
+    pieces = region.pieces([(0, 2), (6, 1)])
+    assert len(pieces) == 12
+    caches[1][1, 6].fill_(1.0)  # layer 1's V of block 6
+    assert pieces[3 * 2 + 1].view(torch.bfloat16).eq(1.0).all()  # plane 3 = layer 1 V, second run
+    assert sum(p.view(torch.bfloat16).sum().item() for p in pieces) == 4 * 2 * 4
+
+
+def test_kvwire_pool_layout_is_reported_and_differs_from_vllm():
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=DType.FLOAT32)
+    region = KVRegion.from_kv_caches(KVPool.allocate(layout, 4).kv_caches)
+    assert region.layout == layout and region.layout.pool == PoolLayout.KVWIRE
+    assert region.layout != KVLayout(**{**msgspec.structs.asdict(layout), "pool": PoolLayout.VLLM})
+
+
+def test_other_tensor_shapes_are_refused():
+    with pytest.raises(ValueError, match="neither"):
+        KVRegion.from_kv_caches([torch.zeros(8, 2, 4, 2, 4)])  # per-layer but not vLLM's [2, blocks, ...]
