@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Annotated
 
@@ -47,7 +48,7 @@ def transfer(
 
     sizes = _csv(tokens, int)
     chosen, where, whose = _csv(methods, Method), _csv(placements, Placement), _csv(pools, PoolLayout)
-    with LocalRedis() as redis:
+    with LocalRedis() if redis_url is None else contextlib.nullcontext() as redis:
         with tqdm(total=combinations(chosen, sizes, where, whose), desc="bench transfer", file=sys.stderr) as bar:
             def on_row(row):
                 bar.set_postfix_str(f"{row.method} {row.tokens} {row.layout} {row.pool}: {row.gbps_median:.2f} GB/s")
@@ -62,4 +63,32 @@ def transfer(
         typer.echo(f"plot written to {plot}", err=True)
     if not all(r.verified for r in rows):
         typer.echo("some transfers did not verify", err=True)
+        raise typer.Exit(1)
+
+
+@app.command()
+def directory(
+    requests: Annotated[int, typer.Option("--requests", min=1, help="Requests whose directory life is measured.")]
+        = 20000,
+    batch: Annotated[int, typer.Option("--batch", min=1, help="Requests per pipelined round trip.")] = 256,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    redis_url: OptionalRedisUrl = None,
+) -> None:
+    """Directory throughput (pipelined publish + lookup + CAS + delete) and one request's round-trip latency
+    against a real redis-server (a private one unless --redis-url)."""
+    import msgspec
+
+    from bench.directory import bench_directory
+    from cli.redis_server import LocalRedis
+
+    with LocalRedis() if redis_url is None else contextlib.nullcontext() as redis:
+        result = bench_directory(redis_url or redis.url, requests, batch)
+    if as_json:
+        typer.echo(msgspec.json.format(msgspec.json.encode(result), indent=2).decode())
+    else:
+        typer.echo(f"pipelined ({batch} requests per round trip): {result.ops_per_s:,.0f} ops/s "
+                   f"({result.requests_per_s:,.0f} requests/s, 4 ops each)\n"
+                   f"one request's round trip (publish, lookup, CAS, delete): p50 {result.roundtrip_p50_ms:.3f} ms, "
+                   f"p99 {result.roundtrip_p99_ms:.3f} ms\nverified: {'yes' if result.verified else 'NO'}")
+    if not result.verified:
         raise typer.Exit(1)

@@ -1,0 +1,50 @@
+"""Many requests' directory steps in one Redis round trip (a pipeline, not a transaction).
+
+Each queued step runs the same compare-and-set script `KVDirectory` runs for one
+request, so the state machine and its checks are unchanged; only the round trips are
+shared. Used where a node handles many requests at once, and by `kvwire bench directory`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from connectors.directory import DirectoryEntry, KVDirectory, TransferState, _ms
+from connectors.wire import KVLocation, encode
+
+
+class DirectoryBatch:
+    def __init__(self, directory: KVDirectory):
+        self._dir = directory
+        self._pipe = directory._redis.pipeline(transaction=False)
+        self._parsers: list = []  # one per queued step: raw reply -> result
+
+    def publish_ready(self, location: KVLocation) -> DirectoryBatch:
+        d, rid = self._dir, location.request_id
+        d._publish(keys=d._entry_keys(rid), args=[location.producer, encode(location), _ms(d.entry_ttl_s)],
+                   client=self._pipe)
+        self._parsers.append(bool)
+        return self
+
+    def get(self, request_id: str) -> DirectoryBatch:
+        self._pipe.hgetall(self._dir._entry_keys(request_id)[0])
+        self._parsers.append(lambda fields: self._dir._parse_entry(request_id, fields))
+        return self
+
+    def transition(self, request_id: str, allowed_from: Iterable[TransferState], to: TransferState) -> DirectoryBatch:
+        d, sources = self._dir, sorted({TransferState(s) for s in allowed_from})
+        d._transition(keys=d._entry_keys(request_id), args=[to, _ms(d.entry_ttl_s), "", *sources], client=self._pipe)
+        self._parsers.append(bool)
+        return self
+
+    def delete(self, request_id: str) -> DirectoryBatch:
+        self._pipe.delete(*self._dir._entry_keys(request_id))
+        self._parsers.append(lambda n: None)
+        return self
+
+    def execute(self) -> list[bool | DirectoryEntry | None]:
+        """Send every queued step; their results in order. Raises DirectoryError."""
+        with self._dir._errors("batch"):
+            raw = self._pipe.execute()
+        parsers, self._parsers = self._parsers, []
+        return [parse(r) for parse, r in zip(parsers, raw)]

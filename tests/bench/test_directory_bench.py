@@ -1,0 +1,24 @@
+"""`kvwire bench directory` at a small size: real redis-server, every step verified."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from bench.directory import bench_directory
+
+
+def test_bench_counts_verified_operations(redis_url):
+    result = bench_directory(redis_url, requests=600, batch=100)
+    assert result.verified and result.requests == 600
+    assert abs(result.ops_per_s - 4 * result.requests_per_s) <= 4  # four steps per request
+    assert 0 < result.roundtrip_p50_ms <= result.roundtrip_p99_ms
+
+
+def test_cli_prints_json():
+    done = subprocess.run([sys.executable, "-m", "cli.main", "bench", "directory", "--requests", "300", "--batch",
+                           "50", "--json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout)
+    assert out["verified"] and out["requests"] == 300 and out["ops_per_s"] > 0

@@ -1,0 +1,26 @@
+"""Pipelined directory steps keep the state machine's compare-and-set semantics (real redis-server)."""
+
+from __future__ import annotations
+
+from bench.directory import _location
+from connectors.directory import KVDirectory, TransferState
+from connectors.directory_batch import DirectoryBatch
+
+
+def test_batch_runs_the_same_checks_as_single_steps(redis_url):
+    d = KVDirectory(redis_url, namespace="batch-test")
+    try:
+        d.create_pending("done", "p")
+        d.transition("done", {TransferState.PENDING}, TransferState.FAILED, "gone")
+        out = (DirectoryBatch(d).publish_ready(_location("a")).publish_ready(_location("done"))
+               .get("a").get("missing")
+               .transition("a", {TransferState.READY}, TransferState.CONSUMED)
+               .transition("a", {TransferState.READY}, TransferState.CONSUMED)  # no longer READY
+               .delete("a").execute())
+        published_a, published_done, got_a, got_missing, cas1, cas2, deleted = out
+        assert published_a and not published_done  # a FAILED entry cannot become READY
+        assert got_a.state == TransferState.READY and got_a.location == _location("a") and got_missing is None
+        assert cas1 and not cas2 and deleted is None
+        assert d.get("a") is None and d.get("done").state == TransferState.FAILED
+    finally:
+        d.close()
