@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from bench.transfer import Method
 from bench.workload import Placement
-from cli.options import OptionalRedisUrl
+from cli.options import Connector, OptionalRedisUrl
+from connectors.config import ConnectorKind
 from connectors.wire import PoolLayout
 
 app = typer.Typer(help="Benchmarks of the transfer plane.", no_args_is_help=True)
@@ -92,3 +94,42 @@ def directory(
                    f"p99 {result.roundtrip_p99_ms:.3f} ms\nverified: {'yes' if result.verified else 'NO'}")
     if not result.verified:
         raise typer.Exit(1)
+
+
+@app.command()
+def e2e(
+    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; the tiny random one by default.")] = None,
+    connector: Connector = ConnectorKind.AUTO,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Sequential passes over the prompt mix per mode.")]
+        = 5,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=2, help="Tokens generated per request.")] = 16,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """The demo's prompt mix through the router, disaggregated then single-node (prefill stopped):
+    TTFT, time per output token, throughput, and the TTFT gap against the transfer time."""
+    import msgspec
+
+    from bench.e2e import bench_e2e
+    from cli.paths import default_model_dir
+
+    result = bench_e2e(model or default_model_dir(), connector, rounds, max_tokens)
+    if as_json:
+        typer.echo(msgspec.json.format(msgspec.json.encode(result), indent=2).decode())
+    else:
+        typer.echo(_e2e_table(result))
+    if not result.outputs_equal:
+        typer.echo("outputs differ between the two modes", err=True)
+        raise typer.Exit(1)
+
+
+def _e2e_table(result) -> str:
+    head = (f"{'mode':<14} {'requests':>8} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'req/s':>7} {'tok/s':>8} "
+            f"{'xfer p50':>9} {'bypassed':>8}")
+    lines = [head, "-" * len(head)]
+    for m in result.modes:
+        lines.append(f"{m.mode:<14} {m.requests:>8} {m.ttft_ms_p50:>9.2f} {m.ttft_ms_p99:>8.2f} {m.tpot_ms_p50:>9.3f} "
+                     f"{m.throughput_rps:>7.2f} {m.throughput_tok_s:>8.1f} {m.transfer_ms_p50:>9.2f} {m.bypassed:>8}")
+    lines.append(f"TTFT gap (disaggregated - single-node, median over prompts): {result.ttft_gap_ms_p50:.2f} ms; "
+                 f"allowed: median transfer + 2 ms = {result.allowed_gap_ms:.2f} ms; "
+                 f"outputs equal: {'yes' if result.outputs_equal else 'NO'}")
+    return "\n".join(lines)

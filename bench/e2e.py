@@ -1,0 +1,111 @@
+"""`kvwire bench e2e`: the same prompt mix through the router, disaggregated and single-node.
+
+Lifecycle: starts a local cluster (private Redis, prefill, decode, router; real
+processes), sends the mix one request at a time for `rounds` rounds (TTFT and time per
+output token), then all of it at once (throughput); then stops the prefill node, which
+deregisters, so the router sends every request to the decode node alone (single-node
+mode: the same decode process computes the prompt itself), and repeats. Every output
+is checked equal across the two modes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import signal
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+
+from cli.demo_cmd import PROMPTS
+from cli.local_cluster import ClusterSpec, LocalCluster
+from connectors.config import ConnectorKind
+
+
+class ModeResult(msgspec.Struct, frozen=True):
+    mode: str  # disaggregated or single-node
+    requests: int
+    ttft_ms_p50: float  # at the router, sequential requests
+    ttft_ms_p99: float
+    tpot_ms_p50: float  # time per output token after the first, at the client
+    throughput_rps: float  # all prompts at once
+    throughput_tok_s: float
+    transfer_ms_p50: float  # 0 in single-node mode
+    bypassed: int  # requests whose prompt forward the decode node skipped
+
+
+class E2EResult(msgspec.Struct, frozen=True):
+    modes: list[ModeResult]
+    ttft_gap_ms_p50: float  # median over prompts of (disaggregated - single-node) median TTFT
+    allowed_gap_ms: float  # median transfer time + 2 ms
+    outputs_equal: bool
+
+
+class _Sample(msgspec.Struct):
+    prompt: int
+    ttft_ms: float
+    tpot_ms: float
+    transfer_ms: float
+    bypassed: bool
+    tokens: list[int]
+
+
+def _ask(client: httpx.Client, url: str, i: int, max_tokens: int) -> _Sample:
+    start = time.perf_counter()
+    resp = client.post(f"{url}/v1/completions", json={"prompt": PROMPTS[i], "max_tokens": max_tokens,
+                                                      "temperature": 0.0, "return_token_ids": True})
+    total_ms = (time.perf_counter() - start) * 1e3
+    resp.raise_for_status()
+    data = resp.json()
+    k, tokens = data["kvwire"], data["choices"][0]["token_ids"]
+    tpot = (total_ms - k["ttft_ms"]) / max(1, len(tokens) - 1)
+    return _Sample(i, k["ttft_ms"], tpot, k.get("transfer_ms") or 0.0, bool(k["bypassed"]), tokens)
+
+
+def _run_mode(url: str, mode: str, rounds: int, max_tokens: int) -> tuple[ModeResult, list[_Sample]]:
+    with httpx.Client(timeout=120.0) as client:
+        samples = [_ask(client, url, i, max_tokens) for _ in range(rounds) for i in range(len(PROMPTS))]
+        start = time.perf_counter()
+        with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            burst = list(pool.map(lambda i: _ask(client, url, i, max_tokens), range(len(PROMPTS))))
+        elapsed = time.perf_counter() - start
+    ttft = sorted(s.ttft_ms for s in samples)
+    return ModeResult(
+        mode=mode, requests=len(samples) + len(burst), ttft_ms_p50=round(statistics.median(ttft), 2),
+        ttft_ms_p99=round(ttft[int(0.99 * (len(ttft) - 1))], 2),
+        tpot_ms_p50=round(statistics.median(s.tpot_ms for s in samples), 3),
+        throughput_rps=round(len(burst) / elapsed, 2),
+        throughput_tok_s=round(sum(len(s.tokens) for s in burst) / elapsed, 1),
+        transfer_ms_p50=round(statistics.median(s.transfer_ms for s in samples), 2),
+        bypassed=sum(s.bypassed for s in samples + burst)), samples + burst
+
+
+def _per_prompt_median_ttft(samples: list[_Sample]) -> list[float]:
+    return [statistics.median(s.ttft_ms for s in samples if s.prompt == i) for i in range(len(PROMPTS))]
+
+
+def _wait_single_node(cluster: LocalCluster) -> None:
+    """Stop the prefill node and wait until the router sees no live prefill node."""
+    cluster.stop_process("prefill", signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if client.get(f"{cluster.url}/healthz").json()["nodes"].get("prefill") == 0:
+                return
+            time.sleep(0.1)
+    raise RuntimeError("the router still sees a prefill node 30 s after it was stopped")
+
+
+def bench_e2e(model_dir: Path, connector: ConnectorKind, rounds: int, max_tokens: int) -> E2EResult:
+    with LocalCluster(ClusterSpec(model_dir=model_dir, connector=connector, log_level="ERROR")) as cluster:
+        _run_mode(cluster.url, "warm-up", 1, max_tokens)
+        disagg, d_samples = _run_mode(cluster.url, "disaggregated", rounds, max_tokens)
+        _wait_single_node(cluster)
+        single, s_samples = _run_mode(cluster.url, "single-node", rounds, max_tokens)
+    gaps = [d - s for d, s in zip(_per_prompt_median_ttft(d_samples), _per_prompt_median_ttft(s_samples))]
+    by_prompt = {s.prompt: s.tokens for s in s_samples}
+    return E2EResult(modes=[disagg, single], ttft_gap_ms_p50=round(statistics.median(gaps), 2),
+                     allowed_gap_ms=round(disagg.transfer_ms_p50 + 2.0, 2),
+                     outputs_equal=all(s.tokens == by_prompt[s.prompt] for s in d_samples + s_samples))

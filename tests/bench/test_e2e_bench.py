@@ -1,0 +1,23 @@
+"""`kvwire bench e2e` at a small size: a real cluster, both modes, outputs equal across them."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.e2e import bench_e2e
+from cli.demo_cmd import PROMPTS
+from connectors.config import ConnectorKind
+
+pytestmark = pytest.mark.slow
+
+
+def test_both_modes_serve_the_mix_and_agree(tiny_model_dir):
+    result = bench_e2e(tiny_model_dir, ConnectorKind.TCP, rounds=1, max_tokens=4)
+    disagg, single = result.modes
+    assert (disagg.mode, single.mode) == ("disaggregated", "single-node")
+    assert disagg.requests == single.requests == 2 * len(PROMPTS)  # one sequential pass + one burst
+    assert disagg.bypassed == disagg.requests and single.bypassed == 0  # KV moved / prompt recomputed
+    assert disagg.transfer_ms_p50 > 0 and single.transfer_ms_p50 == 0
+    assert result.outputs_equal
+    for m in result.modes:
+        assert 0 < m.ttft_ms_p50 <= m.ttft_ms_p99 and m.throughput_tok_s > 0 and m.tpot_ms_p50 > 0
