@@ -38,6 +38,10 @@ def transfer(
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Unmeasured runs first.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON instead of a table.")] = False,
     plot: Annotated[str | None, typer.Option("--plot", help="Also draw GB/s against size to this PNG file.")] = None,
+    layerwise: Annotated[bool, typer.Option("--layerwise", help="Instead: stream layer by layer behind a "
+                                            "simulated prefill and report how much of the transfer it hides.")] = False,
+    compute_ms: Annotated[float | None, typer.Option("--compute-ms-per-layer", min=0.0, help="With --layerwise: "
+                                                     "compute per layer; default one layer's transfer time.")] = None,
     redis_url: OptionalRedisUrl = None,
 ) -> None:
     """Move one Llama-3-8B-shaped request's KV (32 layers, 8 KV heads, head dim 128, bf16, block size 16)
@@ -50,6 +54,9 @@ def transfer(
 
     sizes = _csv(tokens, int)
     chosen, where, whose = _csv(methods, Method), _csv(placements, Placement), _csv(pools, PoolLayout)
+    if layerwise:
+        _layerwise(sizes, where, whose, runs, warmup, compute_ms, as_json)
+        return
     with LocalRedis() if redis_url is None else contextlib.nullcontext() as redis:
         with tqdm(total=combinations(chosen, sizes, where, whose), desc="bench transfer", file=sys.stderr) as bar:
             def on_row(row):
@@ -133,3 +140,25 @@ def _e2e_table(result) -> str:
                  f"allowed: median transfer + 2 ms = {result.allowed_gap_ms:.2f} ms; "
                  f"outputs equal: {'yes' if result.outputs_equal else 'NO'}")
     return "\n".join(lines)
+
+
+def _layerwise(sizes: list[int], where: list[Placement], whose: list[PoolLayout], runs: int, warmup: int,
+               compute_ms: float | None, as_json: bool) -> None:
+    import msgspec
+
+    from bench.layerwise import bench_layerwise
+    from bench.workload import Workload
+
+    results = [bench_layerwise(Workload(n, p, pool), runs, warmup, compute_ms)
+               for n in sizes for p in where for pool in whose]
+    if as_json:
+        typer.echo(msgspec.json.format(msgspec.json.encode(results), indent=2).decode())
+    else:
+        head = (f"{'tokens':>6} {'pool':<6} {'xfer ms':>8} {'layer ms':>9} {'compute/layer':>13} {'tail ms':>8} "
+                f"{'tail/layer':>10} {'hidden':>7}  verified")
+        typer.echo("\n".join([head, "-" * len(head)] + [
+            f"{r.tokens:>6} {r.pool:<6} {r.transfer_ms:>8.2f} {r.layer_transfer_ms:>9.3f} {r.compute_ms_per_layer:>13.3f} "
+            f"{r.tail_ms:>8.3f} {r.tail_over_layer:>10.2f} {r.hidden_fraction:>7.1%}  {'yes' if r.verified else 'NO'}"
+            for r in results]))
+    if not all(r.verified for r in results):
+        raise typer.Exit(1)
