@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from bench.memory import PeakTracker
 from bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
 from connectors.base import KVConnectorBase
 from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
@@ -25,6 +26,7 @@ from connectors.wire import PoolLayout
 from engine.model_input import ModelInput, SequenceInput
 
 HIDDEN_WIDTH = 1  # the bench measures KV; hidden states ride along at one value per token
+MEASURE = "!measure"  # tells the producer the measured trials start (not a request id: those start "bench-")
 
 
 def _config(kind: ConnectorKind, role: NodeRole, redis_url: str) -> ConnectorConfig:
@@ -54,9 +56,14 @@ def _producer(kind: ConnectorKind, redis_url: str, work: Workload, pipe) -> None
     conn.register_kv_caches(kv_caches)
     hidden = torch.zeros(work.tokens, HIDDEN_WIDTH)
     pipe.send(checksum(region, work.block_ids(0)))
+    peak = PeakTracker()
     while (rid := pipe.recv()) is not None:
+        if rid == MEASURE:
+            peak.start()
+            continue
         conn.send_kv_caches_and_hidden_states(None, _request(work, rid, 0), kv_caches, hidden)
         pipe.send(rid)
+    pipe.send(peak.extra_bytes())
     conn.close()
 
 
@@ -75,8 +82,9 @@ def scoped_env(extra: dict[str, str]):
 
 
 def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, redis_url: str,
-                  env: dict[str, str] | None = None) -> tuple[list[float], bool]:
-    """Seconds of each measured trial, and whether every trial's bytes matched."""
+                  env: dict[str, str] | None = None) -> tuple[list[float], bool, int]:
+    """Seconds of each measured trial, whether every trial's bytes matched, and the peak memory either
+    process used during the measured trials beyond what it held before them (pools included there)."""
     ctx = mp.get_context("spawn")
     with scoped_env(env or {}):
         here, there = ctx.Pipe()
@@ -88,8 +96,11 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
         kv_caches, region = _pool(conn, work)
         conn.register_kv_caches(kv_caches)
         dst = work.block_ids(1)
-        times, verified = [], want is not None
+        times, verified, peak = [], want is not None, PeakTracker()
         for i in range(warmup + runs):
+            if i == warmup:
+                here.send(MEASURE)
+                peak.start()
             zero_blocks(region, dst)
             rid = f"bench-{kind}-{work.tokens}-{work.placement}-{work.pool}-{i}"
             here.send(rid)
@@ -101,7 +112,8 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
             if i >= warmup:
                 times.append(elapsed)
         here.send(None)
-        return times, verified
+        extra = max(peak.extra_bytes(), here.recv() if here.poll(60) else 0)
+        return times, verified, extra
     finally:
         conn.close()
         proc.join(30)

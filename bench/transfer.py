@@ -41,14 +41,17 @@ def supports(method: Method, pool: PoolLayout) -> bool:
     return pool == PoolLayout.KVWIRE or method not in KVWIRE_POOL_ONLY
 
 
-def measure(method: Method, work: Workload, runs: int, warmup: int, redis_url: str) -> tuple[list[float], bool]:
-    """Seconds per measured run of `method` on `work`, and whether the bytes were verified."""
+def measure(method: Method, work: Workload, runs: int, warmup: int, redis_url: str
+            ) -> tuple[list[float], bool, int | None]:
+    """Seconds per measured run of `method` on `work`, whether the bytes were verified, and (connectors
+    only) the peak extra memory of either process during the measured runs."""
     if method == Method.LIMIT_MEMCPY:
-        return limit_memcpy(work, runs, warmup)
+        return *limit_memcpy(work, runs, warmup), None
     if method == Method.LIMIT_TCP:
-        return limit_tcp(work, runs, warmup)
+        return *limit_tcp(work, runs, warmup), None
     if method in NIXL_OPS:
-        return run_nixl(work, runs, warmup, NIXL_OPS[method], TCP_ONLY if method == Method.NIXL_TCP else None)
+        env = TCP_ONLY if method == Method.NIXL_TCP else None
+        return *run_nixl(work, runs, warmup, NIXL_OPS[method], env), None
     if method == Method.UCX_TCP:
         return run_connector(ConnectorKind.UCX, work, runs, warmup, redis_url, env=TCP_ONLY)
     return run_connector(ConnectorKind(method.value), work, runs, warmup, redis_url)
@@ -69,8 +72,8 @@ def bench_transfer(methods: list[Method], tokens: list[int], placements: list[Pl
                 for method in methods:
                     if not supports(method, pool):
                         continue
-                    seconds, verified = measure(method, work, runs, warmup, redis_url)
-                    row = make_row(method.value, work, seconds, verified)
+                    seconds, verified, extra = measure(method, work, runs, warmup, redis_url)
+                    row = make_row(method.value, work, seconds, verified, extra)
                     rows.append(row)
                     on_row(row)
     return rows
