@@ -5,7 +5,8 @@ prefill node, decode node and router as child processes of this one, and returns
 once the router's /healthz sees both nodes live; `stop()` (also on exit of the
 `with` block) sends SIGTERM to every child, SIGKILL to any still alive after a grace
 period, and stops Redis, so nothing is left behind. Children are started with
-PR_SET_PDEATHSIG where the OS has it, so they die with this process too.
+PR_SET_PDEATHSIG where the OS has it, so they die with this process too. Each node
+also serves /healthz, /readyz and /metrics on a free port of its own (`ops_urls`).
 """
 
 from __future__ import annotations
@@ -72,10 +73,17 @@ class LocalCluster:
     redis_url: str = ""
     port: int = 0
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    http_ports: dict[str, int] = field(default_factory=dict)  # node role -> its ops endpoint's port
 
     @property
     def url(self) -> str:
         return f"http://{self.spec.host}:{self.port}"
+
+    @property
+    def ops_urls(self) -> dict[str, str]:
+        """Base URL serving /healthz, /readyz and /metrics of "router", "prefill" and "decode"."""
+        nodes = {role: f"http://{self.spec.host}:{port}" for role, port in self.http_ports.items()}
+        return {"router": self.url, **nodes}
 
     def __enter__(self) -> LocalCluster:
         return self.start()
@@ -99,6 +107,7 @@ class LocalCluster:
             self.redis_url = self.redis.url
         self.port = self.spec.port or free_port(self.spec.host)
         for role in ("prefill", "decode"):
+            self.http_ports[role] = free_port(self.spec.host)
             self.spawn(role, self._node_args(role))
         self.spawn("router", ["router", "--model", str(self.spec.model_dir), "--redis-url", self.redis_url,
                               "--host", self.spec.host, "--port", str(self.port), "--log-level", self.spec.log_level])
@@ -109,7 +118,8 @@ class LocalCluster:
         return [role, "--model", str(s.model_dir), "--redis-url", self.redis_url, "--host", s.host,
                 "--node-id", f"{role}-0", "--connector", str(s.connector), "--block-size", str(s.block_size),
                 "--num-blocks", str(s.num_blocks), "--kv-deadline", str(s.kv_deadline_s),
-                "--device", s.prefill_device if role == "prefill" else s.decode_device, "--log-level", s.log_level]
+                "--device", s.prefill_device if role == "prefill" else s.decode_device, "--log-level", s.log_level,
+                "--http-port", str(self.http_ports[role])]
 
     def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         """Start `python -m cli.main ARGS` as a child named `name`."""

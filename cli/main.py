@@ -10,6 +10,7 @@ from cli.generate_cmd import generate
 from cli.model_cmd import init_model
 from cli.node_cmd import decode, prefill
 from cli.router_cmd import router
+from cli.status_cmd import status
 from cli.up_cmd import up
 
 app = typer.Typer(help="kvwire: disaggregated prefill/decode with KV transfer over UCX.",
@@ -21,6 +22,7 @@ app.command()(router)
 app.command()(up)
 app.command()(demo)
 app.command()(generate)
+app.command()(status)
 app.add_typer(bench_app, name="bench")
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from cli.options import (BlockSize, Connector, Host, KVDeadline, LogLevel, ModelDir, NumBlocks, RedisUrl,
+from cli.options import (BlockSize, Connector, Host, HttpPort, KVDeadline, LogLevel, ModelDir, NumBlocks, RedisUrl,
                          node_config, setup_logging)
 from connectors.config import ConnectorKind, NodeRole
 
@@ -32,7 +32,8 @@ def _run(role: NodeRole, **kw) -> None:
 def prefill(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port: Port = 0,
             node_id: NodeId = None, connector: Connector = ConnectorKind.AUTO, block_size: BlockSize = 16,
             num_blocks: NumBlocks = 1024, kv_deadline: KVDeadline = 10.0, max_model_len: MaxLen = 0,
-            device: Device = "cpu", torch_threads: Threads = 1, log_level: LogLevel = "INFO") -> None:
+            device: Device = "cpu", torch_threads: Threads = 1, http_port: HttpPort = 0,
+            log_level: LogLevel = "INFO") -> None:
     """Run a prefill node: compute prompts and publish their KV."""
     _run(NodeRole.PREFILL, **locals())
 
@@ -40,6 +41,7 @@ def prefill(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port
 def decode(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port: Port = 0,
            node_id: NodeId = None, connector: Connector = ConnectorKind.AUTO, block_size: BlockSize = 16,
            num_blocks: NumBlocks = 1024, kv_deadline: KVDeadline = 10.0, max_model_len: MaxLen = 0,
-           device: Device = "cpu", torch_threads: Threads = 1, log_level: LogLevel = "INFO") -> None:
+           device: Device = "cpu", torch_threads: Threads = 1, http_port: HttpPort = 0,
+           log_level: LogLevel = "INFO") -> None:
     """Run a decode node: receive prompts' KV and generate tokens."""
     _run(NodeRole.DECODE, **locals())

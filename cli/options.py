@@ -26,6 +26,8 @@ BlockSize = Annotated[int, typer.Option("--block-size", min=1, help="Tokens per 
 NumBlocks = Annotated[int, typer.Option("--num-blocks", min=1, help="KV blocks in the pool.")]
 KVDeadline = Annotated[float, typer.Option("--kv-deadline", min=0.01,
                                            help="Seconds a decode node waits for KV before recomputing.")]
+HttpPort = Annotated[int, typer.Option("--http-port", min=0, max=65535,
+                                        help="Serve GET /healthz, /readyz and /metrics on this port; 0: off.")]
 LogLevel = Annotated[str, typer.Option("--log-level", help="DEBUG, INFO, WARNING or ERROR.")]
 
 
@@ -39,7 +41,7 @@ def default_node_id(role: NodeRole) -> str:
 
 def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port: int, node_id: str | None,
                 connector: ConnectorKind, block_size: int, num_blocks: int, kv_deadline: float,
-                max_model_len: int, device: str, torch_threads: int) -> NodeConfig:
+                max_model_len: int, device: str, torch_threads: int, http_port: int = 0) -> NodeConfig:
     """Build a node's one config object from its command-line options."""
     if not (model / "config.json").is_file():
         raise typer.BadParameter(f"{model} has no config.json (create one with `kvwire init-model`)", param_hint="--model")
@@ -49,4 +51,4 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
         connector=ConnectorConfig(kind=connector, role=role, node_id=node_id or default_node_id(role),
                                   redis_url=redis_url, host=host, kv_deadline_s=kv_deadline,
                                   entry_ttl_s=max(60.0, kv_deadline * 2)),
-        work_port=port)
+        work_port=port, http_port=http_port)

@@ -15,7 +15,7 @@ def router(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1",
            request_timeout: Annotated[float, typer.Option("--request-timeout", min=0.1,
                                                           help="Seconds before a request gets a 504.")] = 120.0,
            log_level: LogLevel = "INFO") -> None:
-    """Serve POST /v1/completions, GET /v1/models and GET /healthz."""
+    """Serve POST /v1/completions and GET /v1/models, /healthz, /readyz and /metrics."""
     import uvicorn
 
     from router.app import create_app

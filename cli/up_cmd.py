@@ -30,6 +30,8 @@ def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a
     with LocalCluster(spec) as cluster:
         typer.echo(f"kvwire is up: {cluster.url}  (model {spec.model_dir}, connector {connector}, "
                    f"redis {cluster.redis_url})")
+        typer.echo("ops endpoints (/healthz /readyz /metrics): "
+                   + "  ".join(f"{name} {url}" for name, url in cluster.ops_urls.items()))
         typer.echo(f"try: kvwire generate 'Hello' --url {cluster.url}    Ctrl-C stops everything.")
         while not stop.wait(1.0):
             dead = {n: p.returncode for n, p in cluster.procs.items() if p.poll() is not None}

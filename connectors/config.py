@@ -61,12 +61,14 @@ class NodeConfig:
         connector: transport and directory settings (carries node_id, role, redis_url).
         work_port: zmq port taking work from routers; 0 picks a free one.
         heartbeat_ttl_s: the node's directory entry expires this long after its last heartbeat.
+        http_port: port of the node's /healthz, /readyz and /metrics endpoint; 0: none.
     """
 
     engine: EngineConfig
     connector: ConnectorConfig
     work_port: int = 0
     heartbeat_ttl_s: float = 5.0
+    http_port: int = 0
 
     @property
     def node_id(self) -> str:

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 import math
 import re
 import time
 import urllib.parse
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 import redis
 from redis.backoff import NoBackoff
@@ -40,6 +41,8 @@ from redis.retry import Retry
 from connectors.config import NodeRole
 from connectors.directory_scripts import EVENTS_MAXLEN, LUA_CREATE, LUA_PUBLISH, LUA_PUT_NODE, LUA_TRANSITION
 from connectors.wire import KVLocation, NodeInfo, WireError, decode, encode
+from observability.labels import DirectoryOp
+from observability.metrics import Metrics, process_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +81,11 @@ class DirectoryEntry:
     reason: str
 
 
+class AgedEntry(NamedTuple):
+    entry: DirectoryEntry
+    age_s: float  # since the entry was created, by the Redis server's clock
+
+
 class DirectoryError(RuntimeError):
     """The directory could not be reached, or holds a record it cannot read.
 
@@ -111,6 +119,20 @@ def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
 
 
+def _timed(op: DirectoryOp):
+    """Record the method's duration in kvwire_directory_op_seconds{op}, failures included."""
+    def wrap(method):
+        @functools.wraps(method)
+        def timed(self: KVDirectory, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._op_seconds.labels(str(op)).observe(time.perf_counter() - start)
+        return timed
+    return wrap
+
+
 class KVDirectory:
     """Client of the directory; thread-safe, one per process is enough.
 
@@ -121,18 +143,20 @@ class KVDirectory:
         entry_ttl_s: TTL of a request's keys, refreshed on every transition.
         node_ttl_s: TTL of a node's registration, refreshed by each heartbeat.
         namespace: prefix of every key, so deployments can share one Redis.
+        metrics: where operation latencies go; this process's metrics by default.
     Raises:
         ValueError: a non-positive TTL, or a namespace outside [A-Za-z0-9_.-].
     """
 
     def __init__(self, redis_url: str, *, entry_ttl_s: float = 60.0, node_ttl_s: float = 5.0,
-                 namespace: str = "kvwire"):  # fmt: skip
+                 namespace: str = "kvwire", metrics: Metrics | None = None):  # fmt: skip
         if entry_ttl_s <= 0 or node_ttl_s <= 0:
             raise ValueError(f"TTLs must be positive, got entry {entry_ttl_s}, node {node_ttl_s}")
         if not _NAMESPACE_RE.fullmatch(namespace):
             raise ValueError(f"namespace {namespace!r} must match {_NAMESPACE_RE.pattern}")
         self.entry_ttl_s, self.node_ttl_s, self.namespace = entry_ttl_s, node_ttl_s, namespace
         self.peer = _masked(redis_url)
+        self._op_seconds = (metrics or process_metrics()).directory_op_seconds
         self._epoch_ttl_ms = _ms(_EPOCH_TTL_FACTOR * max(entry_ttl_s, node_ttl_s))
         # One retry without backoff replaces a pooled connection broken by a server restart,
         # yet fails fast while the server is down.
@@ -167,6 +191,7 @@ class KVDirectory:
 
     # --- request entries -------------------------------------------------------------------
 
+    @_timed(DirectoryOp.CREATE_PENDING)
     def create_pending(self, request_id: str, producer: str) -> bool:
         """Create the request's entry in PENDING unless it exists.
 
@@ -178,6 +203,7 @@ class KVDirectory:
         logger.debug("request_id=%s create_pending producer=%s ok=%s", request_id, producer, bool(ok))
         return bool(ok)
 
+    @_timed(DirectoryOp.PUBLISH_READY)
     def publish_ready(self, location: KVLocation) -> bool:
         """Move the request to READY (from PENDING or absent), storing where its KV lives.
 
@@ -190,6 +216,7 @@ class KVDirectory:
         logger.debug("request_id=%s publish_ready producer=%s ok=%s", rid, location.producer, bool(ok))
         return bool(ok)
 
+    @_timed(DirectoryOp.TRANSITION)
     def transition(self, request_id: str, allowed_from: Iterable[TransferState], to: TransferState,
                    reason: str = "") -> bool:  # fmt: skip
         """Compare-and-set: move the entry to `to` if its state is one of `allowed_from`.
@@ -217,6 +244,7 @@ class KVDirectory:
         logger.debug("request_id=%s transition %s -> %s ok=%s reason=%r", request_id, sources, to, bool(ok), reason)
         return bool(ok)
 
+    @_timed(DirectoryOp.GET)
     def get(self, request_id: str) -> DirectoryEntry | None:
         """The request's entry; None if absent (never created, deleted or expired).
 
@@ -242,6 +270,7 @@ class KVDirectory:
         except (WireError, ValueError, KeyError) as exc:
             raise DirectoryError(f"unreadable entry: {exc!r}", request_id=request_id, peer=self.peer) from exc
 
+    @_timed(DirectoryOp.WAIT_FOR)
     def wait_for(self, request_id: str, states: Iterable[TransferState], deadline: float) -> DirectoryEntry | None:
         """Block until the entry is in one of `states` or terminal, or until the deadline.
 
@@ -281,6 +310,7 @@ class KVDirectory:
         with self._errors("wait_for", request_id):
             self._blocking.xread({events_key: after}, count=EVENTS_MAXLEN, block=_ms(timeout_s))
 
+    @_timed(DirectoryOp.DELETE)
     def delete(self, request_id: str) -> None:
         """Remove every key of the request."""
         with self._errors("delete", request_id):
@@ -292,6 +322,31 @@ class KVDirectory:
         with self._errors("request_ids"):
             keys = list(self._redis.scan_iter(match=prefix + "*", count=500))
         return sorted(k.decode()[len(prefix):] for k in keys)
+
+    def entries_with_age(self) -> list[AgedEntry]:
+        """Every request entry still present, sorted by request id, with its age (read-only; for status).
+
+        Unreadable entries, and entries gone since they were listed, are skipped.
+        """
+        ids = self.request_ids()
+        with self._errors("entries_with_age"):
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.time()
+            for rid in ids:
+                entry_key, events_key = self._entry_keys(rid)
+                pipe.hgetall(entry_key).xrange(events_key, count=1)  # the first event's id is its creation time
+            (sec, usec), *replies = pipe.execute()
+        now_ms, aged = sec * 1000 + usec / 1000, []
+        for rid, fields, first in zip(ids, replies[0::2], replies[1::2]):
+            try:
+                entry = self._parse_entry(rid, fields)
+            except DirectoryError as exc:
+                logger.warning("%s", exc)
+                continue
+            created_ms = int(first[0][0].split(b"-")[0]) if first else now_ms
+            if entry is not None:
+                aged.append(AgedEntry(entry, max(0.0, (now_ms - created_ms) / 1000)))
+        return aged
 
     # --- node registry -----------------------------------------------------------------------
 
@@ -320,6 +375,7 @@ class KVDirectory:
         """
         self._write_node(info)
 
+    @_timed(DirectoryOp.WRITE_NODE)
     def _write_node(self, info: NodeInfo) -> None:
         args = [encode(info), info.epoch, _ms(self.node_ttl_s), self._epoch_ttl_ms]
         with self._errors(f"write node {info.node_id}"):
@@ -347,6 +403,7 @@ class KVDirectory:
         except WireError as exc:
             raise DirectoryError(f"unreadable record of node {node_id}: {exc}", peer=self.peer) from exc
 
+    @_timed(DirectoryOp.LIVE_NODES)
     def live_nodes(self, role: NodeRole | None = None) -> list[NodeInfo]:
         """Registered nodes, of `role` if given, sorted by node_id; unreadable records are skipped."""
         with self._errors("live_nodes"):
@@ -374,11 +431,13 @@ class KVDirectory:
         with self._errors(f"publish {kind} endpoint of {node_id}"):
             self._redis.set(f"{self.namespace}:endpoint:{node_id}:{kind}", address, px=_ms(self.entry_ttl_s))
 
+    @_timed(DirectoryOp.GET_ENDPOINT)
     def get_endpoint(self, node_id: str, kind: str) -> bytes | None:
         """The address `node_id` published for transport `kind`; None if none is live."""
         with self._errors(f"get {kind} endpoint of {node_id}"):
             return self._redis.get(f"{self.namespace}:endpoint:{node_id}:{kind}")
 
+    @_timed(DirectoryOp.RECORD_TRANSFER)
     def record_transfer(self, node_id: str, transport: str, nbytes: int) -> None:
         """Count a completed transfer into `node_id`, per transport (a hash with the node's TTL x 10)."""
         key = f"{self.namespace}:transfers:{node_id}"

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
+
+import msgspec
 
 from connectors.directory import KVDirectory
 from connectors.wire import NodeInfo
@@ -45,7 +48,7 @@ class Heartbeat:
         """
         if self._thread is not None:
             raise RuntimeError(f"heartbeat of node {self._node_id} already started")
-        info = self._info_fn()
+        info = self._stamped()
         self._directory.register_node(info)
         self._node_id = info.node_id
         self._stopping.clear()
@@ -55,9 +58,13 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stopping.wait(self._interval_s):
             try:
-                self._directory.heartbeat(self._info_fn())
+                self._directory.heartbeat(self._stamped())
             except Exception:  # noqa: BLE001 - the beat must outlive any single failure
                 logger.exception("heartbeat of node %s failed; retrying in %.2fs", self._node_id, self._interval_s)
+
+    def _stamped(self) -> NodeInfo:
+        """The node's NodeInfo, stamped with this beat's time (`kvwire status` shows its age)."""
+        return msgspec.structs.replace(self._info_fn(), heartbeat_at=time.time())
 
     def stop(self, *, deregister: bool = True, timeout_s: float = 5.0) -> None:
         """Stop beating and, by default, remove the node's registration at once.

@@ -4,7 +4,8 @@ For each request of a prompt batch: wait (bounded) for its directory entry to be
 READY, check the producer's layout matches ours, let the transport pull the blocks
 and hidden states, then mark the entry CONSUMED and delete it. Any failure marks the
 entry FAILED (so a late producer releases its blocks at once) and raises
-TransferError; the caller recomputes.
+TransferError; the caller recomputes. Bytes and time of each pull, and each failure
+by reason, go to the process's metrics.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from connectors.hidden import empty_like_descs
 from connectors.offers import narrow
 from connectors.wire import KVLayout, KVLocation, TensorDesc
 from engine.model_input import SequenceInput
+from observability.labels import TransferFailure
+from observability.metrics import Metrics, process_metrics
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,20 @@ class Puller(Protocol):
 
     def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int: ...
     def close(self) -> None: ...
+
+
+class ReceiveError(TransferError):
+    """A TransferError the receiver itself found, with its kind for kvwire_kv_transfers_failed_total."""
+
+    def __init__(self, request_id: str, peer: str, reason: str, failure: TransferFailure):
+        super().__init__(request_id, peer, reason)
+        self.failure = failure
+
+
+def _failure(exc: Exception) -> TransferFailure:
+    if isinstance(exc, ReceiveError):
+        return exc.failure
+    return TransferFailure.DIRECTORY if isinstance(exc, DirectoryError) else TransferFailure.TRANSPORT
 
 
 @dataclass(frozen=True)
@@ -51,8 +68,9 @@ class Received:
 
 class KVReceiver:
     def __init__(self, config: ConnectorConfig, directory: KVDirectory, layout: KVLayout,
-                 puller: Puller, device: torch.device | str):
+                 puller: Puller, device: torch.device | str, metrics: Metrics | None = None):
         self._config = config
+        self._metrics = metrics or process_metrics()
         self._directory = directory
         self._layout = layout
         self._puller = puller
@@ -63,6 +81,7 @@ class KVReceiver:
         try:
             return self._receive(seq, deadline)
         except (TransferError, DirectoryError) as exc:
+            self._metrics.kv_transfers_failed.labels(str(_failure(exc))).inc()
             self._mark_failed(seq.request_id, str(exc))
             if isinstance(exc, TransferError):
                 raise
@@ -72,9 +91,9 @@ class KVReceiver:
         rid = seq.request_id
         entry = self._directory.wait_for(rid, {TransferState.READY}, deadline)
         if entry is None:
-            raise TransferError(rid, "unknown producer", "KV not ready before the deadline")
+            raise ReceiveError(rid, "unknown producer", "KV not ready before the deadline", TransferFailure.DEADLINE)
         if entry.state != TransferState.READY or entry.location is None:
-            raise TransferError(rid, entry.producer, f"entry is {entry.state}: {entry.reason}")
+            raise ReceiveError(rid, entry.producer, f"entry is {entry.state}: {entry.reason}", TransferFailure.PRODUCER)
         loc = entry.location
         self._check(seq, loc)
         if self._config.kind != ConnectorKind.AUTO:  # an auto puller picks per pull itself
@@ -85,13 +104,14 @@ class KVReceiver:
         nbytes = self._puller.pull(loc, list(seq.block_ids[:n_blocks]), hidden, deadline)
         elapsed = time.monotonic() - start
         transport = str(getattr(self._puller, "last_transport", loc.kind))
+        self._metrics.observe_transfer(transport, nbytes, elapsed)
         self._mark_consumed(rid, transport, nbytes)
         log.info("request %s: %d bytes from %s over %s in %.2f ms", rid, nbytes, loc.producer, transport, elapsed * 1e3)
         return Received(hidden, loc.hidden, loc.intermediate, nbytes, elapsed, loc.producer, transport)
 
     def _check(self, seq: SequenceInput, loc: KVLocation) -> None:
         def bad(reason: str) -> TransferError:
-            return TransferError(seq.request_id, loc.producer, reason)
+            return ReceiveError(seq.request_id, loc.producer, reason, TransferFailure.MISMATCH)
 
         if loc.layout != self._layout:
             raise bad(f"producer layout {loc.layout} does not match ours {self._layout}")

@@ -97,6 +97,10 @@ class NodeInfo(_Msg, tag="node"):
     connector: ConnectorKind
     free_blocks: int
     total_blocks: int
+    # Added after WIRE_VERSION 1 shipped; defaults keep older records readable.
+    queue_depth: int = 0  # requests waiting (prefill: for blocks; decode: for KV or blocks)
+    running: int = 0  # requests in progress (prefill: KV held for a pull; decode: generating)
+    heartbeat_at: float = 0.0  # wall-clock time (time.time()) of the beat that wrote this; 0: unknown
 
 
 # --- transfer side channel ---------------------------------------------------------------

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from connectors.config import NodeConfig, NodeRole
 from decode_node.server import DecodeNode
-from engine.node_runtime import NodeRuntime, serve_until_signalled
+from engine.node_runtime import run_node
 
 
 def run(config: NodeConfig) -> None:
     assert config.connector.role == NodeRole.DECODE
-    rt = NodeRuntime.start(config)
-    serve_until_signalled(rt, DecodeNode(rt))
+    run_node(config, DecodeNode)

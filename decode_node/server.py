@@ -9,7 +9,9 @@ hidden states: if they arrive within the KV deadline the prompt's forward is ski
 (bypassed), otherwise the prompt is recomputed here, so no request is lost to a
 failed transfer. Each engine step streams the new tokens to the router as
 `TokenChunk`s; the last one carries the finish reason and the transfer statistics.
-Finished requests free their blocks at once.
+Finished requests free their blocks at once. Metrics: the pool's used / free blocks
+and the three queues (awaiting KV, waiting for blocks, running) are read at each
+scrape; TTFT, time per output token and recomputes are recorded as requests finish.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import zmq
 
 from connectors.wire import DecodeStats, DecodeWork, ErrorKind, TokenChunk, WorkError, encode
 from engine.llm_engine import InvalidRequest, LLMEngine, StepOutput
-from engine.node_runtime import NodeRuntime
+from engine.node_runtime import NodeLoad, NodeRuntime
+from engine.sequence import Sequence
 from engine.wakeup import Wakeup
+from observability.labels import Queue, RecomputeReason
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,16 @@ class DecodeNode:
         self._awaiting_kv: dict[str, DecodeWork] = {}
         self._kv_ready: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._wakeup = Wakeup()
+        self._watch()
+
+    def _watch(self) -> None:
+        """Hand the node's load to its heartbeat and its gauges (both read it from other threads)."""
+        self.rt.load = lambda: NodeLoad(len(self._awaiting_kv) + len(self.engine.waiting), len(self.engine.running))
+        m, alloc = self.rt.metrics, self.rt.allocator
+        m.watch_blocks(lambda: alloc.num_free, alloc.num_blocks)
+        m.watch_queue(Queue.DECODE_AWAITING_KV, lambda: len(self._awaiting_kv))
+        m.watch_queue(Queue.DECODE_WAITING, lambda: len(self.engine.waiting))
+        m.watch_queue(Queue.DECODE_RUNNING, lambda: len(self.engine.running))
 
     def serve(self, stop: threading.Event) -> None:
         """Run until `stop` is set (call `wake()` after setting it)."""
@@ -115,6 +129,7 @@ class DecodeNode:
 
     def _stats(self, out: StepOutput) -> DecodeStats:
         seq = out.sequence
+        self._observe(seq)
         got = self.rt.connector.take_transfer_stats(seq.request_id)
         ttft = seq.metrics.ttft or 0.0
         return DecodeStats(
@@ -122,6 +137,17 @@ class DecodeNode:
             transfer_ms=got.transfer_s * 1000 if got else 0.0, ttft_ms=ttft * 1000,
             prefill_node=got.producer if got else self._prefill_node.get(seq.request_id, ""),
             decode_node=self.rt.config.node_id)
+
+    def _observe(self, seq: Sequence) -> None:
+        """Record a finished request's TTFT, time per output token, and whether its prompt was recomputed."""
+        m, t = self.rt.metrics, seq.metrics
+        if t.ttft is not None:
+            m.ttft_seconds.observe(t.ttft)
+        if len(seq.output_ids) > 1 and t.first_token_time is not None and t.finished_time is not None:
+            m.tpot_seconds.observe((t.finished_time - t.first_token_time) / (len(seq.output_ids) - 1))
+        if not seq.bypassed:
+            asked = bool(self._prefill_node.get(seq.request_id))
+            m.recomputes.labels(str(RecomputeReason.KV_NOT_RECEIVED if asked else RecomputeReason.NO_PREFILL_NODE)).inc()
 
     def _fail(self, rid: str, reason: str) -> None:
         reply_to = self._reply_to.pop(rid, None)

@@ -3,13 +3,15 @@
 Lifecycle: `NodeRuntime.start(config)` loads the model, allocates the KV pool once,
 builds the connector and hands it the pool, binds the zmq work socket, and registers
 the node in the directory with a heartbeat. `close()` deregisters, stops the
-heartbeat, closes the connector and the socket.
+heartbeat, closes the connector and the socket. The node built on it reports its
+queues through `load` (heartbeats carry them) and its metrics into `metrics`.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
 import torch
 import zmq
@@ -26,8 +28,15 @@ from engine.kv_cache import KVPool
 from engine.loader import load_model
 from engine.model import LlamaForCausalLM
 from engine.runner import ModelRunner
+from observability.metrics import Metrics, process_metrics
+from observability.ops_server import OpsServer
 
 log = logging.getLogger(__name__)
+
+
+class NodeLoad(NamedTuple):
+    queue_depth: int  # requests waiting
+    running: int  # requests in progress
 
 
 @dataclass
@@ -43,6 +52,8 @@ class NodeRuntime:
     directory: KVDirectory
     heartbeat: Heartbeat
     rejected_messages: int = 0
+    metrics: Metrics = field(default_factory=process_metrics)
+    load: Callable[[], NodeLoad] = lambda: NodeLoad(0, 0)  # set by the node built on this runtime
 
     @classmethod
     def start(cls, config: NodeConfig) -> NodeRuntime:
@@ -87,10 +98,20 @@ class NodeRuntime:
         return min(self.config.engine.max_model_len or limit, limit)
 
     def node_info(self) -> NodeInfo:
+        load = self.load()
         return NodeInfo(node_id=self.config.node_id, role=NodeRole(self.config.connector.role),
                         epoch=self.connector.epoch, work_address=self.work_address,
                         connector=self.config.connector.kind, free_blocks=self.allocator.num_free,
-                        total_blocks=self.allocator.num_blocks)
+                        total_blocks=self.allocator.num_blocks, queue_depth=load.queue_depth, running=load.running)
+
+    def is_ready(self) -> bool:
+        """Whether the directory lists this incarnation (its transport is up once `start` has returned).
+
+        Raises:
+            DirectoryError: the directory cannot be reached.
+        """
+        info = self.directory.get_node(self.config.node_id)
+        return info is not None and info.epoch == self.connector.epoch
 
     def close(self) -> None:
         self.heartbeat.stop()
@@ -122,3 +143,16 @@ def serve_until_signalled(rt: NodeRuntime, node) -> None:
     finally:
         node.close()
         rt.close()
+
+
+def run_node(config: NodeConfig, make_node: Callable[[NodeRuntime], object]) -> None:
+    """Run a node process: its ops endpoint (when config.http_port is set), runtime and node, until signalled.
+
+    The ops endpoint answers /healthz from the start, while the model loads; /readyz
+    turns 200 once the node is built and the directory lists it.
+    """
+    with OpsServer(config.host, config.http_port or None, process_metrics()) as ops:
+        rt = NodeRuntime.start(config)
+        node = make_node(rt)
+        ops.set_ready_check(rt.is_ready)
+        serve_until_signalled(rt, node)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from connectors.config import NodeConfig, NodeRole
-from engine.node_runtime import NodeRuntime, serve_until_signalled
+from engine.node_runtime import run_node
 from prefill_node.server import PrefillNode
 
 
 def run(config: NodeConfig) -> None:
     assert config.connector.role == NodeRole.PREFILL
-    rt = NodeRuntime.start(config)
-    serve_until_signalled(rt, PrefillNode(rt))
+    run_node(config, PrefillNode)

@@ -5,7 +5,8 @@ marked PENDING in the directory; it waits until its prompt's blocks fit in the p
 (bounded by the KV deadline: after that the decode node recomputes anyway, so the
 work is dropped); the prompt is computed and the connector publishes its KV and
 hidden states READY; the blocks stay allocated until the connector's release
-callback says the decode node pulled them, refused them, or never came.
+callback says the decode node pulled them, refused them, or never came. Metrics: the
+pool's used / free blocks and the pending and held queues, read at each scrape.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import zmq
 from connectors.directory import DirectoryError, TransferState
 from connectors.wire import PrefillWork
 from engine.model_input import ModelInput, SequenceInput
-from engine.node_runtime import NodeRuntime
+from engine.node_runtime import NodeLoad, NodeRuntime
 from engine.validation import prompt_problem
 from engine.wakeup import Wakeup
+from observability.labels import Queue
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,10 @@ class PrefillNode:
         self._lock = threading.Lock()
         self._wakeup = Wakeup()
         rt.connector.set_release_callback(self._on_release)
+        rt.load = lambda: NodeLoad(len(self._pending), self.held_requests)
+        rt.metrics.watch_blocks(lambda: rt.allocator.num_free, rt.allocator.num_blocks)
+        rt.metrics.watch_queue(Queue.PREFILL_PENDING, lambda: len(self._pending))
+        rt.metrics.watch_queue(Queue.PREFILL_HELD, lambda: self.held_requests)
 
     def serve(self, stop: threading.Event) -> None:
         """Run until `stop` is set (call `wake()` after setting it)."""

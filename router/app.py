@@ -1,9 +1,11 @@
-"""The router's HTTP API: POST /v1/completions, GET /v1/models, GET /healthz.
+"""The router's HTTP API: POST /v1/completions, GET /v1/models, /healthz, /readyz, /metrics.
 
 Lifecycle: `create_app(config)` builds the app around one `Router`; on startup it
 opens the directory and the dispatcher, on shutdown it closes them. Each completion is tokenized here,
 dispatched to one prefill and one decode node, and answered whole or streamed as
-server-sent events, with a `kvwire` object telling how its KV travelled.
+server-sent events, with a `kvwire` object telling how its KV travelled. Each answer
+counts in kvwire_requests_total{status}; each successful one's time to its first
+token, from the router's point of view, in kvwire_ttft_seconds.
 """
 
 from __future__ import annotations
@@ -13,16 +15,19 @@ import contextlib
 import json
 import time
 import uuid
+from typing import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from connectors.config import NodeRole
-from connectors.directory import KVDirectory
+from connectors.directory import DirectoryError, KVDirectory
 from connectors.wire import ErrorKind, SamplingParams, TokenChunk, WorkError
 from engine.loader import load_config
 from engine.tokenizer import load_tokenizer
 from engine.validation import prompt_problem
+from observability.labels import RequestStatus
+from observability.metrics import CONTENT_TYPE, Metrics, process_metrics
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.schemas import APIError, CompletionRequest, parse_request
@@ -83,8 +88,9 @@ class Completion:
 class Router:
     """The route handlers, over one tokenizer, one directory client and one dispatcher."""
 
-    def __init__(self, config: RouterConfig):
+    def __init__(self, config: RouterConfig, metrics: Metrics):
         self.config = config
+        self.metrics = metrics
         self.tokenizer = load_tokenizer(config.model_dir)
         self.model_config = load_config(config.model_dir)
         self.max_len = self.model_config.max_position_embeddings
@@ -93,7 +99,7 @@ class Router:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):
-        self.directory = KVDirectory(self.config.redis_url)
+        self.directory = KVDirectory(self.config.redis_url, metrics=self.metrics)
         self.dispatcher = Dispatcher(self.directory, self.config.host)
         self.dispatcher.start()
         yield
@@ -105,12 +111,39 @@ class Router:
         ok = all(counts.values())
         return JSONResponse({"status": "ok" if ok else "degraded", "nodes": counts}, status_code=200 if ok else 503)
 
+    async def readyz(self):
+        """200 when the directory answers and lists at least one live decode node; 503 otherwise."""
+        try:
+            decode_nodes = await asyncio.to_thread(self.directory.live_nodes, NodeRole.DECODE)
+        except DirectoryError as exc:
+            return JSONResponse({"ready": False, "reason": str(exc)}, status_code=503)
+        ready = bool(decode_nodes)
+        return JSONResponse({"ready": ready, "decode_nodes": len(decode_nodes)}, status_code=200 if ready else 503)
+
+    async def metrics_text(self):
+        return Response(content=self.metrics.exposition(), media_type=CONTENT_TYPE)
+
     async def models(self):
         return {"object": "list", "data": [{"id": self.config.served_model_name, "object": "model",
                                             "owned_by": "kvwire", "max_model_len": self.max_len}]}
 
     async def completions(self, request: Request):
         started = time.monotonic()
+        try:
+            return await self._complete(request, started)
+        except APIError as exc:
+            self.metrics.requests.labels(str(_status(exc))).inc()
+            raise
+        except Exception:
+            self.metrics.requests.labels(str(RequestStatus.ERROR)).inc()
+            raise
+
+    def _answered(self, comp: Completion, status: RequestStatus) -> None:
+        self.metrics.requests.labels(str(status)).inc()
+        if status == RequestStatus.OK and comp.first_token_at is not None:
+            self.metrics.ttft_seconds.observe(comp.first_token_at - comp.started)
+
+    async def _complete(self, request: Request, started: float):
         req = parse_request(await request.body(), self.max_len)
         prompt_ids = self.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
         _check_prompt(prompt_ids, req, self.max_len, self.model_config.vocab_size)
@@ -121,13 +154,14 @@ class Router:
         deadline = started + self.config.request_timeout_s
         model = self.config.served_model_name
         if req.stream:
-            return StreamingResponse(_stream(comp, queue, deadline, self.dispatcher, model),
+            return StreamingResponse(_stream(comp, queue, deadline, self.dispatcher, model, self._answered),
                                      media_type="text/event-stream")
         try:
             async for _ in _chunks(comp, queue, deadline):
                 pass
         finally:
             self.dispatcher.forget(rid)
+        self._answered(comp, RequestStatus.OK)
         return comp.body(model, comp.choice(self.tokenizer.decode(comp.token_ids), finished=True), final=True)
 
 
@@ -135,14 +169,22 @@ async def _api_error(request: Request, exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
-def create_app(config: RouterConfig) -> FastAPI:
-    router = Router(config)
+def create_app(config: RouterConfig, metrics: Metrics | None = None) -> FastAPI:
+    """The router's app; its metrics go to `metrics`, this process's by default."""
+    router = Router(config, metrics or process_metrics())
     app = FastAPI(title="kvwire router", lifespan=router.lifespan)
     app.add_exception_handler(APIError, _api_error)
     app.add_api_route("/healthz", router.healthz, methods=["GET"])
+    app.add_api_route("/readyz", router.readyz, methods=["GET"])
+    app.add_api_route("/metrics", router.metrics_text, methods=["GET"])
     app.add_api_route("/v1/models", router.models, methods=["GET"])
     app.add_api_route("/v1/completions", router.completions, methods=["POST"])
     return app
+
+
+def _status(exc: APIError) -> RequestStatus:
+    return {400: RequestStatus.INVALID, 503: RequestStatus.UNAVAILABLE, 504: RequestStatus.TIMEOUT}.get(
+        exc.status, RequestStatus.ERROR)
 
 
 def _check_prompt(prompt_ids: list[int], req: CompletionRequest, max_len: int, vocab: int) -> None:
@@ -165,12 +207,15 @@ async def _chunks(comp: Completion, queue: asyncio.Queue, deadline: float):
         yield comp.add(msg)
 
 
-async def _stream(comp: Completion, queue: asyncio.Queue, deadline: float, dispatcher: Dispatcher, model: str):
+async def _stream(comp: Completion, queue: asyncio.Queue, deadline: float, dispatcher: Dispatcher, model: str,
+                  answered: Callable[[Completion, RequestStatus], None]):
     try:
         async for delta in _chunks(comp, queue, deadline):
             final = comp.final is not None
             yield f"data: {json.dumps(comp.body(model, comp.choice(delta, final), final))}\n\n"
+        answered(comp, RequestStatus.OK)
     except APIError as exc:
+        answered(comp, _status(exc))
         yield f"data: {json.dumps(exc.body())}\n\n"
     finally:
         dispatcher.forget(comp.request_id)

@@ -1,0 +1,1 @@
+"""Operations: Prometheus metrics, the nodes' health/readiness/metrics endpoint, `kvwire status`."""

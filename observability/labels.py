@@ -1,0 +1,62 @@
+"""The closed sets of label values the metrics use (observability/metrics.py)."""
+
+from __future__ import annotations
+
+import enum
+
+
+class TransferFailure(enum.StrEnum):
+    """Why a decode node's pull of one request's KV failed (it then recomputes)."""
+
+    DEADLINE = "deadline"  # the KV was not READY before the KV deadline
+    PRODUCER = "producer"  # the producer marked the entry FAILED, or it EXPIRED
+    MISMATCH = "mismatch"  # layout, token count or block count differ from ours
+    TRANSPORT = "transport"  # the transport failed while moving the bytes
+    DIRECTORY = "directory"  # Redis could not be reached or held an unreadable record
+
+
+class RecomputeReason(enum.StrEnum):
+    """Why a decode node computed a prompt itself instead of receiving its KV."""
+
+    NO_PREFILL_NODE = "no_prefill_node"  # the router found no live prefill node
+    KV_NOT_RECEIVED = "kv_not_received"  # a prefill node was asked, its KV did not arrive
+
+
+class RequestStatus(enum.StrEnum):
+    """How the router answered a completion request."""
+
+    OK = "ok"
+    INVALID = "invalid"  # 400
+    UNAVAILABLE = "unavailable"  # 503: no directory or no live decode node
+    TIMEOUT = "timeout"  # 504
+    ERROR = "error"  # 500 and anything unexpected
+
+
+class BlockState(enum.StrEnum):
+    USED = "used"
+    FREE = "free"
+
+
+class Queue(enum.StrEnum):
+    """A node's queues, for kvwire_queue_depth."""
+
+    PREFILL_PENDING = "prefill_pending"  # prefill: waiting for free blocks to compute
+    PREFILL_HELD = "prefill_held"  # prefill: computed, blocks held until pulled
+    DECODE_AWAITING_KV = "decode_awaiting_kv"  # decode: waiting for the KV to be READY
+    DECODE_WAITING = "decode_waiting"  # decode: in the engine, waiting for blocks
+    DECODE_RUNNING = "decode_running"  # decode: generating tokens
+
+
+class DirectoryOp(enum.StrEnum):
+    """Timed directory operations, for kvwire_directory_op_seconds."""
+
+    CREATE_PENDING = "create_pending"
+    PUBLISH_READY = "publish_ready"
+    TRANSITION = "transition"
+    GET = "get"
+    WAIT_FOR = "wait_for"  # includes the time spent waiting for the state
+    DELETE = "delete"
+    WRITE_NODE = "write_node"  # register or heartbeat
+    LIVE_NODES = "live_nodes"
+    GET_ENDPOINT = "get_endpoint"
+    RECORD_TRANSFER = "record_transfer"

@@ -1,0 +1,82 @@
+"""Every Prometheus metric kvwire exports, in one registry per `Metrics` object.
+
+A process uses one `Metrics`, `process_metrics()`, which the node's or router's
+/metrics endpoint serves; it is not prometheus_client's global default registry, so
+components under test can be handed a fresh `Metrics()` of their own and read it alone.
+Label values come from the enums of observability/labels.py, so every series is a
+closed set; the enum-labelled counters start at 0 for every value.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from observability.labels import BlockState, Queue, RecomputeReason, RequestStatus, TransferFailure
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+_FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    """kvwire's metrics over one CollectorRegistry (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.kv_transfer_bytes = Counter("kvwire_kv_transfer_bytes", "KV and hidden-state bytes received, per connector",
+                                         ["connector"], registry=r)
+        self.kv_transfer_seconds = Histogram("kvwire_kv_transfer_seconds", "Time to pull one request's KV, per connector",
+                                             ["connector"], buckets=_FAST_BUCKETS, registry=r)
+        self.kv_transfers_failed = Counter("kvwire_kv_transfers_failed", "KV pulls that failed, by reason",
+                                           ["reason"], registry=r)
+        self.recomputes = Counter("kvwire_recomputes", "Prompts a decode node computed itself, by reason",
+                                  ["reason"], registry=r)
+        self.directory_op_seconds = Histogram("kvwire_directory_op_seconds", "Latency of directory (Redis) operations",
+                                              ["op"], buckets=_FAST_BUCKETS, registry=r)
+        self.kv_blocks = Gauge("kvwire_kv_blocks", "KV blocks of this node's pool, used or free", ["state"], registry=r)
+        self.queue_depth = Gauge("kvwire_queue_depth", "Requests in each of this node's queues", ["queue"], registry=r)
+        self.ttft_seconds = Histogram("kvwire_ttft_seconds", "Time to first token (arrival here to first token)",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot_seconds = Histogram("kvwire_time_per_output_token_seconds",
+                                      "Mean time per output token after the first, per request",
+                                      buckets=_TOKEN_BUCKETS, registry=r)
+        self.requests = Counter("kvwire_requests", "Completion requests answered by the router, by status",
+                                ["status"], registry=r)
+        for counter, labels in ((self.kv_transfers_failed, TransferFailure), (self.recomputes, RecomputeReason),
+                                (self.requests, RequestStatus)):
+            for value in labels:
+                counter.labels(str(value))
+
+    def exposition(self) -> bytes:
+        """The registry in the Prometheus text format (serve with CONTENT_TYPE)."""
+        return generate_latest(self.registry)
+
+    def observe_transfer(self, connector: str, nbytes: int, seconds: float) -> None:
+        self.kv_transfer_bytes.labels(connector).inc(nbytes)
+        self.kv_transfer_seconds.labels(connector).observe(seconds)
+
+    def watch_blocks(self, num_free: Callable[[], int], num_total: int) -> None:
+        """Report the pool's used and free blocks, read from `num_free` at each scrape."""
+        self.kv_blocks.labels(str(BlockState.FREE)).set_function(num_free)
+        self.kv_blocks.labels(str(BlockState.USED)).set_function(lambda: num_total - num_free())
+
+    def watch_queue(self, queue: Queue, depth: Callable[[], int]) -> None:
+        """Report `queue`'s depth, read from `depth` at each scrape."""
+        self.queue_depth.labels(str(queue)).set_function(depth)
+
+
+_process_metrics: Metrics | None = None
+_lock = threading.Lock()
+
+
+def process_metrics() -> Metrics:
+    """This process's `Metrics`, created on first use."""
+    global _process_metrics
+    with _lock:
+        if _process_metrics is None:
+            _process_metrics = Metrics()
+        return _process_metrics

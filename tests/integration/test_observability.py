@@ -1,0 +1,75 @@
+"""Metrics, readiness and `kvwire status` against a real local cluster (the one `kvwire up` starts), over TCP."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import msgspec
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cli.local_cluster import ClusterSpec, LocalCluster
+from connectors.config import ConnectorKind, NodeRole
+from observability.status import ClusterStatus
+from tests.integration.cluster import complete_all
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    spec = ClusterSpec(model_dir=tiny_model_dir, connector=ConnectorKind.TCP, num_blocks=256,
+                       log_dir=tmp_path_factory.mktemp("observability-logs"))
+    with LocalCluster(spec) as c:
+        results = complete_all(c.url, ["metrics one", [5, 6, 7, 8, 9] * 7], max_tokens=6)
+        assert all(r["kvwire"]["bypassed"] for r in results)
+        yield c
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """{(sample name, labels): value} of the process's /metrics."""
+    resp = httpx.get(f"{url}/metrics", timeout=10)
+    assert resp.status_code == 200
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(resp.text) for s in family.samples}
+
+
+def one(samples: dict, name: str, **labels) -> float:
+    return samples[(name, frozenset(labels.items()))]
+
+
+def test_every_process_is_ready(cluster):
+    assert set(cluster.ops_urls) == {"router", "prefill", "decode"}
+    for name, url in cluster.ops_urls.items():
+        assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200, name
+    for role in ("prefill", "decode"):
+        assert httpx.get(f"{cluster.ops_urls[role]}/healthz", timeout=10).status_code == 200
+
+
+def test_counters_moved_where_the_events_happened(cluster):
+    router, decode, prefill = (scrape(cluster.ops_urls[n]) for n in ("router", "decode", "prefill"))
+    assert one(router, "kvwire_requests_total", status="ok") >= 2
+    assert one(router, "kvwire_ttft_seconds_count") >= 2
+    assert one(decode, "kvwire_kv_transfer_bytes_total", connector="tcp") > 0
+    assert one(decode, "kvwire_kv_transfer_seconds_count", connector="tcp") >= 2
+    assert one(decode, "kvwire_ttft_seconds_count") >= 2
+    assert one(decode, "kvwire_recomputes_total", reason="kv_not_received") == 0
+    assert one(decode, "kvwire_directory_op_seconds_count", op="wait_for") >= 2
+    assert one(prefill, "kvwire_directory_op_seconds_count", op="publish_ready") >= 2
+    for samples in (decode, prefill):
+        used, free = one(samples, "kvwire_kv_blocks", state="used"), one(samples, "kvwire_kv_blocks", state="free")
+        assert used >= 0 and free > 0 and used + free == 256
+    assert ("kvwire_queue_depth", frozenset({("queue", "decode_running")})) in decode
+    assert ("kvwire_queue_depth", frozenset({("queue", "prefill_pending")})) in prefill
+
+
+def test_status_json_lists_both_nodes_with_a_recent_heartbeat(cluster):
+    done = subprocess.run([sys.executable, "-m", "cli.main", "status", "--json", "--redis-url", cluster.redis_url],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    status = msgspec.json.decode(done.stdout, type=ClusterStatus)
+    assert {(n.node_id, n.role) for n in status.nodes} == {("prefill-0", NodeRole.PREFILL), ("decode-0", NodeRole.DECODE)}
+    assert all(n.heartbeat_age_s is not None and n.heartbeat_age_s < 5 for n in status.nodes)
+    assert all(n.connector == ConnectorKind.TCP and n.total_blocks == 256 for n in status.nodes)

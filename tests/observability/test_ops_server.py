@@ -1,0 +1,48 @@
+"""The nodes' /healthz, /readyz and /metrics endpoint, in process."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from observability.metrics import Metrics
+from observability.ops_server import OpsServer
+
+
+@pytest.fixture
+def ops():
+    m = Metrics()
+    m.requests.labels("ok").inc(3)
+    with OpsServer("127.0.0.1", 0, m) as server:
+        yield server
+
+
+def _get(ops: OpsServer, path: str) -> httpx.Response:
+    return httpx.get(f"http://127.0.0.1:{ops.port}{path}", timeout=5)
+
+
+def test_healthz_answers_at_once_and_readyz_waits_for_the_check(ops):
+    assert _get(ops, "/healthz").status_code == 200
+    assert _get(ops, "/readyz").status_code == 503
+    ops.set_ready_check(lambda: True)
+    assert _get(ops, "/readyz").status_code == 200
+
+
+def test_a_failing_ready_check_is_not_ready(ops):
+    def boom() -> bool:
+        raise ConnectionError("redis down")
+
+    ops.set_ready_check(boom)
+    assert _get(ops, "/readyz").status_code == 503
+
+
+def test_metrics_in_prometheus_text_format(ops):
+    resp = _get(ops, "/metrics")
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    assert 'kvwire_requests_total{status="ok"} 3.0' in resp.text
+    assert _get(ops, "/nope").status_code == 404
+
+
+def test_port_none_serves_nothing():
+    with OpsServer("127.0.0.1", None, Metrics()) as server:
+        assert server.port is None

@@ -1,0 +1,69 @@
+"""`kvwire status`'s structs, table and JSON, and reading them from a real directory."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from connectors.config import ConnectorKind, NodeRole
+from connectors.directory import KVDirectory, TransferState
+from observability.status import ClusterStatus, NodeStatus, TransferStatus, read_status, render, to_json
+from tests.connectors.test_directory import node
+
+
+def _status(transfers: bool = True) -> ClusterStatus:
+    nodes = [NodeStatus(node_id="decode-0", role=NodeRole.DECODE, address="tcp://127.0.0.1:5001",
+                        connector=ConnectorKind.TCP, epoch=3, queue_depth=2, running=5, free_blocks=100,
+                        total_blocks=512, heartbeat_age_s=1.25),
+             NodeStatus(node_id="prefill-0", role=NodeRole.PREFILL, address="tcp://127.0.0.1:5002",
+                        connector=ConnectorKind.AUTO, epoch=1, queue_depth=0, running=1, free_blocks=500,
+                        total_blocks=512, heartbeat_age_s=None)]
+    xfers = [TransferStatus(request_id="cmpl-1", state=TransferState.READY, producer="prefill-0", age_s=0.5),
+             TransferStatus(request_id="cmpl-2", state=TransferState.FAILED, producer="prefill-0", age_s=12.0,
+                            reason="prefill failed")]
+    return ClusterStatus(directory="redis://127.0.0.1:6379/0", nodes=nodes, transfers=xfers if transfers else [])
+
+
+def test_table_has_a_row_per_node_and_transfer_in_aligned_columns():
+    lines = render(_status()).splitlines()
+    header = next(line for line in lines if line.startswith("NODE"))
+    decode = next(line for line in lines if line.startswith("decode-0"))
+    assert header.split() == ["NODE", "ROLE", "ADDRESS", "CONNECTOR", "EPOCH", "QUEUED", "RUNNING", "FREE",
+                              "BLOCKS", "HEARTBEAT"]
+    assert decode.split() == ["decode-0", "decode", "tcp://127.0.0.1:5001", "tcp", "3", "2", "5", "100/512", "1.2s"]
+    assert header.index("ROLE") == decode.index(" decode ") + 1 and header.index("HEARTBEAT") == decode.index("1.2s")
+    assert next(line for line in lines if line.startswith("prefill-0")).split()[-1] == "-"
+    failed = next(line for line in lines if line.startswith("cmpl-2"))
+    assert failed.split()[:4] == ["cmpl-2", "failed", "prefill-0", "12.0s"] and failed.endswith("prefill failed")
+    assert "nodes (2 live)" in lines and "transfers (2 in the directory)" in lines
+
+
+def test_empty_sections_say_none():
+    text = render(ClusterStatus(directory="redis://x", nodes=[], transfers=[]))
+    assert text.count("(none)") == 2
+
+
+def test_json_round_trips():
+    status = _status()
+    assert msgspec.json.decode(to_json(status), type=ClusterStatus) == status
+
+
+def test_read_status_from_the_directory(redis_url):
+    directory = KVDirectory(redis_url)
+    try:
+        now = time.time()
+        directory.register_node(msgspec.structs.replace(node("decode-0", NodeRole.DECODE, epoch=2),
+                                                        queue_depth=4, running=1, heartbeat_at=now - 1.5))
+        directory.register_node(node("prefill-0", NodeRole.PREFILL))  # an older node: no heartbeat time
+        directory.create_pending("cmpl-9", "prefill-0")
+        status = read_status(directory, now=now)
+    finally:
+        directory.close()
+    decode, prefill = status.nodes
+    assert (decode.node_id, decode.role, decode.epoch, decode.queue_depth, decode.running) == (
+        "decode-0", NodeRole.DECODE, 2, 4, 1)
+    assert abs(decode.heartbeat_age_s - 1.5) < 1e-6 and prefill.heartbeat_age_s is None
+    [xfer] = status.transfers
+    assert (xfer.request_id, xfer.state, xfer.producer) == ("cmpl-9", TransferState.PENDING, "prefill-0")
+    assert 0 <= xfer.age_s < 5

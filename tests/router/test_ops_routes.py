@@ -1,0 +1,49 @@
+"""The router's /readyz and /metrics, in process against a real directory."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from connectors.config import NodeRole
+from connectors.directory import KVDirectory
+from observability.metrics import Metrics
+from router.app import create_app
+from router.config import RouterConfig
+from tests.connectors.test_directory import node
+
+
+@pytest.fixture
+def client(tiny_model_dir, redis_url):
+    metrics = Metrics()
+    with TestClient(create_app(RouterConfig(model_dir=tiny_model_dir, redis_url=redis_url), metrics)) as c:
+        yield c
+
+
+def test_readyz_needs_a_live_decode_node(client, redis_url):
+    resp = client.get("/readyz")
+    assert resp.status_code == 503 and resp.json() == {"ready": False, "decode_nodes": 0}
+    directory = KVDirectory(redis_url)
+    try:
+        directory.register_node(node("prefill-0", NodeRole.PREFILL))
+        assert client.get("/readyz").status_code == 503
+        directory.register_node(node("decode-0", NodeRole.DECODE))
+        assert client.get("/readyz").json() == {"ready": True, "decode_nodes": 1}
+    finally:
+        directory.close()
+
+
+def test_readyz_is_503_without_the_directory(tiny_model_dir):
+    config = RouterConfig(model_dir=tiny_model_dir, redis_url="redis://127.0.0.1:1/0")
+    with TestClient(create_app(config, Metrics())) as c:
+        resp = c.get("/readyz")
+    assert resp.status_code == 503 and "127.0.0.1:1" in resp.json()["reason"]
+
+
+def test_metrics_count_answers_by_status(client):
+    assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0}).status_code == 400
+    assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 503  # no nodes
+    text = client.get("/metrics").text
+    assert 'kvwire_requests_total{status="invalid"} 1.0' in text
+    assert 'kvwire_requests_total{status="unavailable"} 1.0' in text
+    assert 'kvwire_requests_total{status="ok"} 0.0' in text
