@@ -46,6 +46,7 @@ class ClusterSpec:
     num_blocks: int = 1024
     block_size: int = 16
     log_dir: Path | None = None  # children's output; inherited from this process when None
+    auth_secret_file: Path | None = None  # every child seals its control messages with this secret
     log_level: str = "INFO"
     prefill_device: str = "cpu"
     decode_device: str = "cpu"
@@ -110,8 +111,13 @@ class LocalCluster:
             self.http_ports[role] = free_port(self.spec.host)
             self.spawn(role, self._node_args(role))
         self.spawn("router", ["router", "--model", str(self.spec.model_dir), "--redis-url", self.redis_url,
-                              "--host", self.spec.host, "--port", str(self.port), "--log-level", self.spec.log_level])
+                              "--host", self.spec.host, "--port", str(self.port), "--log-level", self.spec.log_level,
+                              *self._auth_args()])
         self.wait_ready()
+
+    def _auth_args(self) -> list[str]:
+        path = self.spec.auth_secret_file
+        return [] if path is None else ["--auth-secret-file", str(path)]
 
     def _node_args(self, role: str) -> list[str]:
         s = self.spec
@@ -119,7 +125,7 @@ class LocalCluster:
                 "--node-id", f"{role}-0", "--connector", str(s.connector), "--block-size", str(s.block_size),
                 "--num-blocks", str(s.num_blocks), "--kv-deadline", str(s.kv_deadline_s),
                 "--device", s.prefill_device if role == "prefill" else s.decode_device, "--log-level", s.log_level,
-                "--http-port", str(self.http_ports[role])]
+                "--http-port", str(self.http_ports[role]), *self._auth_args()]
 
     def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         """Start `python -m cli.main ARGS` as a child named `name`."""

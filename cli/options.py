@@ -29,6 +29,22 @@ KVDeadline = Annotated[float, typer.Option("--kv-deadline", min=0.01,
 HttpPort = Annotated[int, typer.Option("--http-port", min=0, max=65535,
                                         help="Serve GET /healthz, /readyz and /metrics on this port; 0: off.")]
 LogLevel = Annotated[str, typer.Option("--log-level", help="DEBUG, INFO, WARNING or ERROR.")]
+AuthSecretFile = Annotated[Path | None, typer.Option(
+    "--auth-secret-file", envvar="KVWIRE_AUTH_SECRET_FILE",
+    help="File holding a shared secret (16+ bytes): control messages between the router and nodes are sealed "
+         "with HMAC-SHA256 and unsealed ones dropped. Every process of a cluster needs the same one.")]
+
+
+def auth_secret(path: Path | None) -> bytes | None:
+    """The secret in `path` (None: authentication off). Raises typer.BadParameter."""
+    if path is None:
+        return None
+    from connectors.auth import read_secret_file
+
+    try:
+        return read_secret_file(path)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--auth-secret-file") from None
 
 
 def setup_logging(level: str) -> None:
@@ -41,7 +57,8 @@ def default_node_id(role: NodeRole) -> str:
 
 def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port: int, node_id: str | None,
                 connector: ConnectorKind, block_size: int, num_blocks: int, kv_deadline: float,
-                max_model_len: int, device: str, torch_threads: int, http_port: int = 0) -> NodeConfig:
+                max_model_len: int, device: str, torch_threads: int, http_port: int = 0,
+                auth_secret_file: Path | None = None) -> NodeConfig:
     """Build a node's one config object from its command-line options."""
     if not (model / "config.json").is_file():
         raise typer.BadParameter(f"{model} has no config.json (create one with `kvwire init-model`)", param_hint="--model")
@@ -51,4 +68,4 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
         connector=ConnectorConfig(kind=connector, role=role, node_id=node_id or default_node_id(role),
                                   redis_url=redis_url, host=host, kv_deadline_s=kv_deadline,
                                   entry_ttl_s=max(60.0, kv_deadline * 2)),
-        work_port=port, http_port=http_port)
+        work_port=port, http_port=http_port, auth_secret=auth_secret(auth_secret_file))

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from cli.options import Host, LogLevel, ModelDir, RedisUrl, setup_logging
+from cli.options import AuthSecretFile, Host, LogLevel, ModelDir, RedisUrl, auth_secret, setup_logging
 from router.config import RouterConfig
 
 
@@ -14,12 +14,15 @@ def router(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1",
            port: Annotated[int, typer.Option("--port", min=1, max=65535, help="HTTP port.")] = 8000,
            request_timeout: Annotated[float, typer.Option("--request-timeout", min=0.1,
                                                           help="Seconds before a request gets a 504.")] = 120.0,
-           log_level: LogLevel = "INFO") -> None:
+           auth_secret_file: AuthSecretFile = None, log_level: LogLevel = "INFO") -> None:
     """Serve POST /v1/completions and GET /v1/models, /healthz, /readyz and /metrics."""
     import uvicorn
 
+    from connectors import auth
     from router.app import create_app
 
     setup_logging(log_level)
-    config = RouterConfig(model_dir=model, redis_url=redis_url, host=host, port=port, request_timeout_s=request_timeout)
+    config = RouterConfig(model_dir=model, redis_url=redis_url, host=host, port=port, request_timeout_s=request_timeout,
+                          auth_secret=auth_secret(auth_secret_file))
+    auth.install(config.auth_secret)  # before any socket opens
     uvicorn.run(create_app(config), host=host, port=port, log_level=log_level.lower(), access_log=False)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.engine_config import EngineConfig
 
@@ -62,6 +62,8 @@ class NodeConfig:
         work_port: zmq port taking work from routers; 0 picks a free one.
         heartbeat_ttl_s: the node's directory entry expires this long after its last heartbeat.
         http_port: port of the node's /healthz, /readyz and /metrics endpoint; 0: none.
+        auth_secret: shared secret sealing control messages (connectors/auth.py); None: no authentication.
+        drain_timeout_s: on SIGTERM, how long the node may take to finish what it holds before it exits.
     """
 
     engine: EngineConfig
@@ -69,6 +71,12 @@ class NodeConfig:
     work_port: int = 0
     heartbeat_ttl_s: float = 5.0
     http_port: int = 0
+    auth_secret: bytes | None = field(default=None, repr=False)
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must not be negative, got {self.drain_timeout_s}")
 
     @property
     def node_id(self) -> str:

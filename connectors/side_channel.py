@@ -15,7 +15,7 @@ from typing import Callable
 import zmq
 
 from connectors.base import TransferError
-from connectors.wire import KVLocation, Message, PullReply, WireError, decode, encode
+from connectors.wire import KVLocation, Message, PullReply, WireError, pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class SideChannelClient:
         self._sockets: dict[str, zmq.Socket] = {}
 
     def send(self, endpoint: str, msg: Message) -> None:
-        self._socket(endpoint).send(encode(msg))
+        self._socket(endpoint).send(pack(msg))
 
     def wait(self, loc: KVLocation, transfer_id: int, deadline: float, *, fds: list[int] = (),
              progress: Callable[[], None] = lambda: None, can_block: Callable[[], bool] = lambda: True,
@@ -65,7 +65,7 @@ class SideChannelClient:
 
     def _read_reply(self, loc: KVLocation, sock: zmq.Socket, transfer_id: int) -> bool:
         try:
-            reply = decode(sock.recv(copy=False).buffer, expect=PullReply)
+            reply = unpack(sock.recv(copy=False).buffer, expect=PullReply)
         except WireError as exc:
             log.warning("request %s: bad reply from producer %s: %s", loc.request_id, loc.producer, exc)
             return False

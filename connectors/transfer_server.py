@@ -27,7 +27,7 @@ import zmq
 
 from connectors.held import HeldRequest, HeldTable
 from connectors.kv_region import KVRegion, plan_runs
-from connectors.wire import PullDone, PullReply, PullRequest, WireError, decode, encode
+from connectors.wire import PullDone, PullReply, PullRequest, WireError, pack, unpack
 from engine.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class TransferServer:
             return
         identity, payload = frames[0].bytes, frames[1].buffer
         try:
-            msg = decode(payload, expect=(PullRequest, PullDone))
+            msg = unpack(payload, expect=(PullRequest, PullDone))
         except WireError as exc:
             self._reject(identity, str(exc))
             return
@@ -234,4 +234,4 @@ class TransferServer:
 
     def _reply(self, identity: bytes, msg: PullRequest, ok: bool, reason: str = "") -> None:
         reply = PullReply(request_id=msg.request_id, transfer_id=msg.transfer_id, ok=ok, reason=reason)
-        self._sock.send_multipart([identity, encode(reply)])
+        self._sock.send_multipart([identity, pack(reply)])

@@ -101,6 +101,7 @@ class NodeInfo(_Msg, tag="node"):
     queue_depth: int = 0  # requests waiting (prefill: for blocks; decode: for KV or blocks)
     running: int = 0  # requests in progress (prefill: KV held for a pull; decode: generating)
     heartbeat_at: float = 0.0  # wall-clock time (time.time()) of the beat that wrote this; 0: unknown
+    draining: bool = False  # shutting down: finishing what it holds, taking no new work (routers skip it)
 
 
 # --- transfer side channel ---------------------------------------------------------------
@@ -220,6 +221,7 @@ class TokenChunk(_Msg, tag="tokens"):
 class ErrorKind(enum.StrEnum):
     INVALID_REQUEST = "invalid_request"  # the request can never be served as sent
     INTERNAL = "internal"  # the node failed; the request itself may be fine
+    DRAINING = "draining"  # the node is shutting down and no other node of its role could take the request
 
 
 class WorkError(_Msg, tag="error"):
@@ -272,6 +274,24 @@ def decode(data: bytes | memoryview, expect: type | tuple[type, ...] | None = No
     if expect is not None and not isinstance(env.body, expect):
         raise WireError(f"unexpected message type {type(env.body).__name__}")
     return env.body
+
+
+def pack(msg: Message) -> bytes:
+    """A control message for another process: encoded, and sealed when an auth secret is installed."""
+    from connectors.auth import seal
+
+    return seal(encode(msg))
+
+
+def unpack(data: bytes | memoryview, expect: type | tuple[type, ...] | None = None) -> Message:
+    """A control message from another process: its seal checked (when configured), then decoded.
+
+    Raises:
+        WireError: unauthenticated (AuthError), or not a valid message of the expected types.
+    """
+    from connectors.auth import unseal
+
+    return decode(unseal(data), expect=expect)
 
 
 def _explain(data: bytes | memoryview, exc: Exception) -> str:

@@ -9,7 +9,10 @@ hidden states: if they arrive within the KV deadline the prompt's forward is ski
 (bypassed), otherwise the prompt is recomputed here, so no request is lost to a
 failed transfer. Each engine step streams the new tokens to the router as
 `TokenChunk`s; the last one carries the finish reason and the transfer statistics.
-Finished requests free their blocks at once. Metrics: the pool's used / free blocks
+Finished requests free their blocks at once. On SIGTERM the node drains (engine/drain.py):
+it finishes every request it holds, forwards work still arriving to another decode
+node (or answers it `WorkError` DRAINING when there is none), and fails whatever is
+left when the grace period ends. Metrics: the pool's used / free blocks
 and the three queues (awaiting KV, waiting for blocks, running) are read at each
 scrape; TTFT, time per output token and recomputes are recorded as requests finish.
 """
@@ -22,7 +25,8 @@ import threading
 
 import zmq
 
-from connectors.wire import DecodeStats, DecodeWork, ErrorKind, TokenChunk, WorkError, encode
+from connectors.wire import DecodeStats, DecodeWork, ErrorKind, TokenChunk, WorkError, pack
+from engine.drain import Drain
 from engine.llm_engine import InvalidRequest, LLMEngine, StepOutput
 from engine.node_runtime import NodeLoad, NodeRuntime
 from engine.sequence import Sequence
@@ -42,6 +46,7 @@ class DecodeNode:
         self._awaiting_kv: dict[str, DecodeWork] = {}
         self._kv_ready: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._wakeup = Wakeup()
+        self._drain = Drain(rt)
         self._watch()
 
     def _watch(self) -> None:
@@ -54,13 +59,21 @@ class DecodeNode:
         m.watch_queue(Queue.DECODE_RUNNING, lambda: len(self.engine.running))
 
     def serve(self, stop: threading.Event) -> None:
-        """Run until `stop` is set (call `wake()` after setting it)."""
+        """Serve until `stop` is set (call `wake()` after setting it), then drain and return.
+
+        Draining finishes every request held; what is left when config.drain_timeout_s
+        has passed is failed (the router answers it with an error) and its blocks freed.
+        """
         poller = zmq.Poller()
         poller.register(self.rt.work_socket, zmq.POLLIN)
         poller.register(self._wakeup.fd, zmq.POLLIN)
-        while not stop.is_set():
+        while True:
+            if stop.is_set():
+                self._drain.begin()
+            if self._drain.active and (self._idle() or self._drain.expired()):
+                break
             if not self.engine.has_unfinished() and self._kv_ready.empty():
-                poller.poll()
+                poller.poll(self._drain.remaining_ms())
                 self._wakeup.drain()
             while self.rt.work_socket.poll(0):
                 work = self.rt.read_work(DecodeWork)
@@ -69,16 +82,42 @@ class DecodeNode:
             self._admit_ready()
             if self.engine.has_unfinished():
                 self._step()
+        self._give_up()
 
     def wake(self) -> None:
         self._wakeup.wake()
 
     def close(self) -> None:
         for sock in self._replies.values():
-            sock.close(0)
+            sock.close()  # with its linger: the last chunks still reach the router as the process exits
+        self._drain.close()
         self._wakeup.close()
 
+    def _idle(self) -> bool:
+        return not self.engine.has_unfinished() and not self._awaiting_kv and self._kv_ready.empty()
+
+    def _give_up(self) -> None:
+        """The drain's grace period ended: fail every request still held and free its blocks."""
+        node = self.rt.config.node_id
+        left = [*self._awaiting_kv, *(s.request_id for s in [*self.engine.running, *self.engine.waiting])]
+        if left:
+            log.warning("node %s: drain timed out with %d requests unfinished; failing them", node, len(left))
+        for rid in left:
+            self._fail(rid, f"decode node {node} shut down before the request finished")
+            self.engine.abort(rid)
+        self._awaiting_kv.clear()
+
+    def _turn_away(self, work: DecodeWork) -> None:
+        """Work that arrived while draining: to another decode node, else back to the router as DRAINING."""
+        if self._drain.forward(work) is None:
+            node = self.rt.config.node_id
+            self._send(work.reply_to, WorkError(request_id=work.request_id, node=node, kind=ErrorKind.DRAINING,
+                                                reason=f"decode node {node} is shutting down; no other is live"))
+
     def _accept(self, work: DecodeWork) -> None:
+        if self._drain.active:
+            self._turn_away(work)
+            return
         rid = work.request_id
         try:
             self.engine.validate(rid, work.prompt_token_ids, work.sampling)
@@ -163,4 +202,4 @@ class DecodeNode:
             sock.setsockopt(zmq.SNDHWM, 100000)
             sock.connect(address)
             self._replies[address] = sock
-        sock.send(encode(msg))
+        sock.send(pack(msg))

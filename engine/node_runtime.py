@@ -21,13 +21,16 @@ from connectors.directory import KVDirectory
 from connectors.heartbeat import Heartbeat
 from connectors.directory_connector import DirectoryConnector
 from connectors.factory import create_connector
-from connectors.wire import NodeInfo, WireError, decode
+from connectors import auth
+from connectors.auth import AuthError
+from connectors.wire import NodeInfo, WireError, unpack
 from engine.block_allocator import BlockAllocator
 from engine.config import kv_layout
 from engine.kv_cache import KVPool
 from engine.loader import load_model
 from engine.model import LlamaForCausalLM
 from engine.runner import ModelRunner
+from observability.labels import RejectReason
 from observability.metrics import Metrics, process_metrics
 from observability.ops_server import OpsServer
 
@@ -86,9 +89,11 @@ class NodeRuntime:
         """The next message on the work socket if it is an `expect`; malformed ones are logged and counted."""
         frame = self.work_socket.recv(copy=False)
         try:
-            return decode(frame.buffer, expect=expect)
+            return unpack(frame.buffer, expect=expect)
         except WireError as exc:
             self.rejected_messages += 1
+            if not isinstance(exc, AuthError):  # auth counts its own rejections
+                self.metrics.messages_rejected.labels(str(RejectReason.MALFORMED)).inc()
             log.warning("node %s: rejected a message on the work socket: %s", self.config.node_id, exc)
             return None
 
@@ -151,6 +156,7 @@ def run_node(config: NodeConfig, make_node: Callable[[NodeRuntime], object]) -> 
     The ops endpoint answers /healthz from the start, while the model loads; /readyz
     turns 200 once the node is built and the directory lists it.
     """
+    auth.install(config.auth_secret)  # before any socket opens
     with OpsServer(config.host, config.http_port or None, process_metrics()) as ops:
         rt = NodeRuntime.start(config)
         node = make_node(rt)

@@ -32,6 +32,13 @@ class RequestStatus(enum.StrEnum):
     ERROR = "error"  # 500 and anything unexpected
 
 
+class RejectReason(enum.StrEnum):
+    """Why a control message from another process was dropped."""
+
+    UNAUTHENTICATED = "unauthenticated"  # no valid seal while an auth secret is configured
+    MALFORMED = "malformed"  # not a valid message of this wire version
+
+
 class BlockState(enum.StrEnum):
     USED = "used"
     FREE = "free"

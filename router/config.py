@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -14,6 +14,7 @@ class RouterConfig:
     host, port: where the HTTP API listens.
     request_timeout_s: a request with no final answer by then gets a 504.
     model_name: the id served in /v1/models; the checkpoint directory's name by default.
+    auth_secret: shared secret sealing control messages to and from nodes; None: no authentication.
     """
 
     model_dir: Path
@@ -22,6 +23,7 @@ class RouterConfig:
     port: int = 8000
     request_timeout_s: float = 120.0
     model_name: str = ""
+    auth_secret: bytes | None = field(default=None, repr=False)
 
     @property
     def served_model_name(self) -> str:

@@ -20,7 +20,7 @@ import zmq.asyncio
 from connectors.config import NodeRole
 from connectors.directory import DirectoryError, KVDirectory
 from connectors.wire import (DecodeWork, NodeInfo, PrefillWork, SamplingParams, TokenChunk, WireError,
-                             WorkError, decode, encode)
+                             WorkError, pack, unpack)
 from router.schemas import APIError
 
 log = logging.getLogger(__name__)
@@ -102,13 +102,13 @@ class Dispatcher:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(node.work_address)
             self._pushes[node.work_address] = sock
-        await sock.send(encode(msg))
+        await sock.send(pack(msg))
 
     async def _read_replies(self) -> None:
         while True:
             data = await self._pull.recv()
             try:
-                msg = decode(data, expect=(TokenChunk, WorkError))
+                msg = unpack(data, expect=(TokenChunk, WorkError))
             except WireError as exc:
                 self.rejected_messages += 1
                 log.warning("reply socket: rejected message: %s", exc)

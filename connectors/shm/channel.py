@@ -23,7 +23,7 @@ import stat
 import struct
 from pathlib import Path
 
-from connectors.wire import Message, WireError, decode, encode
+from connectors.wire import Message, WireError, pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def hung_up(sock: socket.socket) -> bool:
 
 def send_msg(sock: socket.socket, msg: Message, fds: list[int] = ()) -> None:
     """Send one message, with `fds` attached (duplicated into the peer) when given."""
-    data = encode(msg)
+    data = pack(msg)
     if fds:
         socket.send_fds(sock, [data], list(fds))
     else:
@@ -185,7 +185,7 @@ def recv_msg(sock: socket.socket, expect: type | tuple[type, ...]) -> tuple[Mess
             raise ConnectionResetError("peer closed the connection")
         if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
             raise WireError("message or its file descriptors were truncated")
-        return decode(data, expect=expect), fds
+        return unpack(data, expect=expect), fds
     except BaseException:
         close_fds(fds)
         raise
