@@ -209,11 +209,19 @@ class KVDirectory:
 
         Returns:
             True if published; False if the entry is in any state but PENDING.
+        Raises:
+            StaleNodeError: a newer incarnation of the producer has registered (its epoch is
+                higher than `location.producer_epoch`): this process is fenced off.
         """
-        rid, args = location.request_id, [location.producer, encode(location), _ms(self.entry_ttl_s)]
+        rid = location.request_id
+        args = [location.producer, encode(location), _ms(self.entry_ttl_s), location.producer_epoch]
+        keys = [*self._entry_keys(rid), self._node_keys(location.producer)[1]]
         with self._errors("publish_ready", rid):
-            ok = self._publish(keys=self._entry_keys(rid), args=args)
-        logger.debug("request_id=%s publish_ready producer=%s ok=%s", rid, location.producer, bool(ok))
+            ok = self._publish(keys=keys, args=args)
+        logger.debug("request_id=%s publish_ready producer=%s ok=%s", rid, location.producer, ok)
+        if ok == -1:
+            raise StaleNodeError(f"epoch {location.producer_epoch} of {location.producer} is stale; a newer "
+                                 "incarnation registered", request_id=rid, peer=self.peer)
         return bool(ok)
 
     @_timed(DirectoryOp.TRANSITION)

@@ -21,9 +21,10 @@ class DirectoryBatch:
 
     def publish_ready(self, location: KVLocation) -> DirectoryBatch:
         d, rid = self._dir, location.request_id
-        d._publish(keys=d._entry_keys(rid), args=[location.producer, encode(location), _ms(d.entry_ttl_s)],
+        d._publish(keys=[*d._entry_keys(rid), d._node_keys(location.producer)[1]],
+                   args=[location.producer, encode(location), _ms(d.entry_ttl_s), location.producer_epoch],
                    client=self._pipe)
-        self._parsers.append(bool)
+        self._parsers.append(lambda r: r == 1)  # -1: fenced (stale epoch), 0: not PENDING
         return self
 
     def get(self, request_id: str) -> DirectoryBatch:

@@ -16,7 +16,11 @@ redis.call('HSET', KEYS[1], 'state', 'pending', 'producer', ARGV[1], 'reason', '
 emit('pending', ARGV[2])
 return 1
 """
+# KEYS[3]: the producer's epoch counter; ARGV[4]: the epoch the location names (fencing: a
+# producer incarnation older than the latest may not publish).
 LUA_PUBLISH = LUA_EMIT + """
+local latest = tonumber(redis.call('GET', KEYS[3]) or '0')
+if tonumber(ARGV[4]) < latest then return -1 end
 local cur = redis.call('HGET', KEYS[1], 'state')
 if cur and cur ~= 'pending' then return 0 end
 redis.call('HSET', KEYS[1], 'state', 'ready', 'producer', ARGV[1], 'location', ARGV[2], 'reason', '')
