@@ -35,6 +35,7 @@ class ConnectorConfig:
         host: loopback or interface address the side channel binds to.
         kv_deadline_s: how long a consumer waits for a request's KV before recomputing.
         entry_ttl_s: TTL on every directory key of a request; held KV is released after it.
+        verify_kv: producer: publish a crc32 per layer; consumer: require and check them (a mismatch recomputes).
     """
 
     kind: ConnectorKind
@@ -44,6 +45,7 @@ class ConnectorConfig:
     host: str = "127.0.0.1"
     kv_deadline_s: float = 10.0
     entry_ttl_s: float = 60.0
+    verify_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_deadline_s <= 0:

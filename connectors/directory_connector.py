@@ -71,16 +71,15 @@ class DirectoryConnector(KVConnectorBase):
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         region = KVRegion.from_kv_caches(kv_caches)
-        layout = region.layout
         if self.config.role == NodeRole.PREFILL:
             held = HeldTable(lambda rid: self._release_cb(rid))
             self._servers = {kind: self._serve(kind, engine, region, held)
                              for kind, engine in self._make_send_engines(region).items()}
-            self._sender = KVSender(self.config, self.directory, layout, held, self._servers, self.epoch)
+            self._sender = KVSender(self.config, self.directory, region, held, self._servers, self.epoch)
         else:
             self._puller = self._make_puller(region)
             self._publish_endpoint()
-            self._receiver = KVReceiver(self.config, self.directory, layout, self._puller, kv_caches[0].device)
+            self._receiver = KVReceiver(self.config, self.directory, region, self._puller, kv_caches[0].device)
 
     def _serve(self, kind: ConnectorKind, engine: SendEngine, region: KVRegion, held: HeldTable) -> TransferServer:
         def trusted(consumer: str) -> bytes | None:

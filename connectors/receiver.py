@@ -22,8 +22,10 @@ from connectors.base import TransferError
 from connectors.config import ConnectorConfig, ConnectorKind
 from connectors.directory import DirectoryError, KVDirectory, TransferState
 from connectors.hidden import empty_like_descs
+from connectors.kv_checksum import layer_checksums
+from connectors.kv_region import KVRegion
 from connectors.offers import narrow
-from connectors.wire import KVLayout, KVLocation, TensorDesc
+from connectors.wire import KVLocation, TensorDesc
 from engine.model_input import SequenceInput
 from observability.labels import TransferFailure
 from observability.metrics import Metrics, process_metrics
@@ -67,12 +69,13 @@ class Received:
 
 
 class KVReceiver:
-    def __init__(self, config: ConnectorConfig, directory: KVDirectory, layout: KVLayout,
+    def __init__(self, config: ConnectorConfig, directory: KVDirectory, region: KVRegion,
                  puller: Puller, device: torch.device | str, metrics: Metrics | None = None):
         self._config = config
         self._metrics = metrics or process_metrics()
         self._directory = directory
-        self._layout = layout
+        self._region = region
+        self._layout = region.layout
         self._puller = puller
         self._device = device
 
@@ -104,10 +107,25 @@ class KVReceiver:
         nbytes = self._puller.pull(loc, list(seq.block_ids[:n_blocks]), hidden, deadline)
         elapsed = time.monotonic() - start
         transport = str(getattr(self._puller, "last_transport", loc.kind))
+        self._verify(seq, loc)
         self._metrics.observe_transfer(transport, nbytes, elapsed)
         self._mark_consumed(rid, transport, nbytes)
         log.info("request %s: %d bytes from %s over %s in %.2f ms", rid, nbytes, loc.producer, transport, elapsed * 1e3)
         return Received(hidden, loc.hidden, loc.intermediate, nbytes, elapsed, loc.producer, transport)
+
+    def _verify(self, seq: SequenceInput, loc: KVLocation) -> None:
+        """--verify-kv: the blocks we hold now must match the producer's per-layer checksums."""
+        if not self._config.verify_kv:
+            return
+        def bad(reason: str) -> TransferError:
+            return ReceiveError(seq.request_id, loc.producer, reason, TransferFailure.TRANSPORT)
+
+        if not loc.layer_checksums:
+            raise bad("producer published no KV checksums (run it with --verify-kv too)")
+        got = layer_checksums(self._region, list(seq.block_ids[:len(loc.block_ids)]))
+        if got != loc.layer_checksums:
+            wrong = [i for i, (a, b) in enumerate(zip(got, loc.layer_checksums)) if a != b]
+            raise bad(f"KV checksum mismatch in layers {wrong}")
 
     def _check(self, seq: SequenceInput, loc: KVLocation) -> None:
         def bad(reason: str) -> TransferError:

@@ -18,16 +18,18 @@ from connectors.directory import DirectoryError, KVDirectory, TransferState
 from connectors.held import HeldRequest, HeldTable
 from connectors.hidden import split_request
 from connectors.host import host_identity
+from connectors.kv_checksum import layer_checksums
+from connectors.kv_region import KVRegion
 from connectors.transfer_server import TransferServer
 from connectors.types import IntermediateTensors
-from connectors.wire import KVLayout, KVLocation, TransportOffer
+from connectors.wire import KVLocation, TransportOffer
 from engine.model_input import ModelInput
 
 log = logging.getLogger(__name__)
 
 
 class KVSender:
-    def __init__(self, config: ConnectorConfig, directory: KVDirectory, layout: KVLayout,
+    def __init__(self, config: ConnectorConfig, directory: KVDirectory, region: KVRegion,
                  held: HeldTable, servers: dict[ConnectorKind, TransferServer], epoch: int):
         """Args:
         servers: one transfer server per transport this node serves its KV over, the
@@ -35,7 +37,8 @@ class KVSender:
         """
         self._config = config
         self._directory = directory
-        self._layout = layout
+        self._region = region
+        self._layout = region.layout
         self._held = held
         self._servers = servers
         self._offers = [TransportOffer(k, s.side_channel, s.transport_address) for k, s in servers.items()]
@@ -54,12 +57,16 @@ class KVSender:
                 kind=self._config.kind, side_channel=first.side_channel,
                 transport_address=first.transport_address, layout=self._layout,
                 block_ids=list(seq.block_ids[:n_blocks]), num_tokens=seq.end_pos,
-                hidden=descs, intermediate=intermediate, offers=self._offers, host=host_identity())
+                hidden=descs, intermediate=intermediate, offers=self._offers, host=host_identity(),
+                layer_checksums=self._checksums(seq.block_ids[:n_blocks]))
             deadline = time.monotonic() + self._config.kv_deadline_s
             self._held.add(HeldRequest(loc, tensors, deadline))
             self._advertise(loc)
         for server in self._servers.values():
             server.wake()
+
+    def _checksums(self, blocks: list[int]) -> list[int]:
+        return layer_checksums(self._region, list(blocks)) if self._config.verify_kv else []
 
     def on_expired(self, request_id: str) -> None:
         """Called by the server when a held request was never pulled."""

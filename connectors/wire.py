@@ -85,6 +85,7 @@ class KVLocation(_Msg, tag="location"):
     intermediate: bool = False  # hidden holds IntermediateTensors, not one tensor
     offers: list[TransportOffer] = []  # every transport the producer serves this KV over (auto)
     host: str = ""  # the producer's host identity (hostname and boot id)
+    layer_checksums: list[int] = []  # crc32 per layer of the blocks, when the producer runs with --verify-kv
 
 
 class NodeInfo(_Msg, tag="node"):

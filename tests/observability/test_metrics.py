@@ -10,7 +10,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from connectors.base import TransferError
 from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 from connectors.directory import KVDirectory, TransferState
+from connectors.kv_region import KVRegion
 from connectors.receiver import KVReceiver
+from engine.kv_cache import KVPool
 from engine.model_input import SequenceInput
 from observability.labels import DirectoryOp, Queue, RecomputeReason, RequestStatus, TransferFailure
 from observability.metrics import Metrics, process_metrics
@@ -87,7 +89,8 @@ def _receiver(redis_url: str, m: Metrics) -> tuple[KVReceiver, KVDirectory]:
     config = ConnectorConfig(kind=ConnectorKind.TCP, role=NodeRole.DECODE, node_id="decode-0", redis_url=redis_url)
     directory = KVDirectory(redis_url, metrics=m)
     layout = location("x").layout
-    return KVReceiver(config, directory, layout, _NoPuller(), "cpu", metrics=m), directory
+    region = KVRegion.from_kv_caches(KVPool.allocate(layout, 8).kv_caches)
+    return KVReceiver(config, directory, region, _NoPuller(), "cpu", metrics=m), directory
 
 
 def _failed(m: Metrics, reason: TransferFailure) -> float:

@@ -1,0 +1,27 @@
+"""Optional end-to-end check of the KV bytes (`--verify-kv`): one crc32 per layer.
+
+The producer computes them over the request's blocks when it publishes; the consumer
+recomputes them over its own blocks after the pull, and a mismatch fails the transfer
+(the prompt is then recomputed). It costs a read of every byte on each side (zlib's
+crc32 runs at roughly 1-2 GB/s a core; CUDA blocks are copied to the host piece by
+piece), which is why it is off by default: the transports already check lengths and
+the directory fences stale producers.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from connectors.kv_region import KVRegion
+from connectors.layerwise import layer_pieces
+
+
+def layer_checksums(region: KVRegion, blocks: list[int]) -> list[int]:
+    """crc32 of each layer's K and V in `blocks`, in block order."""
+    sums = []
+    for layer in range(region.layout.num_layers):
+        crc = 0
+        for piece in layer_pieces(region, blocks, layer):
+            crc = zlib.crc32(piece.cpu().numpy() if piece.is_cuda else piece.numpy(), crc)
+        sums.append(crc)
+    return sums

@@ -1,0 +1,81 @@
+"""--verify-kv: per-layer checksums travel with the location; a consumer holding other bytes recomputes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from connectors.config import ConnectorKind, NodeRole
+from connectors.factory import create_connector
+from connectors.kv_checksum import layer_checksums
+from connectors.kv_region import KVRegion
+from engine.kv_cache import KVPool
+from engine.model_input import ModelInput, SequenceInput
+from tests.connectors import peer
+
+LAY = peer.layout(layers=4, block_size=4)
+
+
+@pytest.fixture
+def pair(redis_url):
+    made = []
+
+    def make(producer_verifies: bool, consumer_verifies: bool):
+        out = []
+        for role, name, verify in ((NodeRole.PREFILL, "p-verify", producer_verifies),
+                                   (NodeRole.DECODE, "c-verify", consumer_verifies)):
+            cfg = dataclasses.replace(peer.config(ConnectorKind.TCP, role, name, redis_url, 3.0), verify_kv=verify)
+            conn = create_connector(0, 0, cfg)
+            pool = conn.allocate_kv_pool(LAY, 16, "cpu")
+            conn.set_release_callback(lambda rid: None)
+            conn.register_kv_caches(pool.kv_caches)
+            made.append(conn)
+            out += [conn, pool]
+        return out
+
+    yield make
+    for conn in made:
+        conn.close()
+
+
+def _move(prod, ppool, cons, cpool, rid: str, corrupt=None):
+    ppool.data[[2, 3]] = peer.request_kv(rid, LAY, 2)
+    prod.send_kv_caches_and_hidden_states(None, ModelInput([SequenceInput(rid, [1] * 8, 0, [2, 3])]),
+                                          ppool.kv_caches, torch.zeros(8, 4))
+    if corrupt:
+        corrupt(ppool)
+    _, bypass, _ = cons.recv_kv_caches_and_hidden_states(None, ModelInput([SequenceInput(rid, [1] * 8, 0, [9, 5])]),
+                                                         cpool.kv_caches)
+    return bypass
+
+
+def test_checksums_cover_each_layer_in_block_order():
+    region = KVRegion.from_kv_caches(KVPool.allocate(LAY, 8).kv_caches)
+    region.planes[0][1].fill_(7)
+    base = layer_checksums(region, [1, 2])
+    assert len(base) == 4 and layer_checksums(region, [2, 1]) != base  # order matters
+    region.planes[0][2].view(4, -1)[3].fill_(1)  # layer 3 of block 2 only
+    changed = layer_checksums(region, [1, 2])
+    assert changed[:3] == base[:3] and changed[3] != base[3]
+
+
+def test_verified_transfer_bypasses(pair):
+    prod, ppool, cons, cpool = pair(True, True)
+    assert _move(prod, ppool, cons, cpool, "v-ok")
+    assert torch.equal(cpool.data[[9, 5]], peer.request_kv("v-ok", LAY, 2))
+
+
+def test_bytes_changed_after_publishing_are_caught_and_recomputed(pair):
+    prod, ppool, cons, cpool = pair(True, True)
+
+    def reuse_block(pool):  # the producer's block reassigned before the pull: what a stale read would see
+        pool.data[3, 1].fill_(0.5)
+
+    assert not _move(prod, ppool, cons, cpool, "v-bad", corrupt=reuse_block)
+
+
+def test_consumer_requires_checksums_from_the_producer(pair):
+    prod, ppool, cons, cpool = pair(False, True)
+    assert not _move(prod, ppool, cons, cpool, "v-missing")
