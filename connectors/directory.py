@@ -448,13 +448,17 @@ class KVDirectory:
     @_timed(DirectoryOp.RECORD_TRANSFER)
     def record_transfer(self, node_id: str, transport: str, nbytes: int) -> None:
         """Count a completed transfer into `node_id`, per transport (a hash with the node's TTL x 10)."""
-        key = f"{self.namespace}:transfers:{node_id}"
         with self._errors(f"record transfer into {node_id}"):
             pipe = self._redis.pipeline(transaction=False)
-            pipe.hincrby(key, f"{transport}:count", 1)
-            pipe.hincrby(key, f"{transport}:bytes", nbytes)
-            pipe.pexpire(key, self._epoch_ttl_ms)
+            self.queue_record_transfer(pipe, node_id, transport, nbytes)
             pipe.execute()
+
+    def queue_record_transfer(self, pipe, node_id: str, transport: str, nbytes: int) -> None:
+        """`record_transfer`'s commands, queued on `pipe` (3 replies) for the caller to execute."""
+        key = f"{self.namespace}:transfers:{node_id}"
+        pipe.hincrby(key, f"{transport}:count", 1)
+        pipe.hincrby(key, f"{transport}:bytes", nbytes)
+        pipe.pexpire(key, self._epoch_ttl_ms)
 
     def transfers(self, node_id: str) -> dict[str, int]:
         """`{"<transport>:count": n, "<transport>:bytes": b}` recorded for `node_id`."""

@@ -43,6 +43,11 @@ class DirectoryBatch:
         self._parsers.append(lambda n: None)
         return self
 
+    def record_transfer(self, node_id: str, transport: str, nbytes: int) -> DirectoryBatch:
+        self._dir.queue_record_transfer(self._pipe, node_id, transport, nbytes)
+        self._parsers += [lambda r: None] * 3
+        return self
+
     def execute(self) -> list[bool | DirectoryEntry | None]:
         """Send every queued step; their results in order. Raises DirectoryError."""
         with self._dir._errors("batch"):

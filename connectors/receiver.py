@@ -21,6 +21,7 @@ import torch
 from connectors.base import TransferError
 from connectors.config import ConnectorConfig, ConnectorKind
 from connectors.directory import DirectoryError, KVDirectory, TransferState
+from connectors.directory_batch import DirectoryBatch
 from connectors.hidden import empty_like_descs
 from connectors.kv_checksum import layer_checksums
 from connectors.kv_region import KVRegion
@@ -143,10 +144,9 @@ class KVReceiver:
 
     def _mark_consumed(self, request_id: str, transport: str, nbytes: int) -> None:
         """The KV is in our blocks; directory trouble now must not force a recompute."""
-        try:
-            self._directory.transition(request_id, {TransferState.READY}, TransferState.CONSUMED)
-            self._directory.delete(request_id)
-            self._directory.record_transfer(self._config.node_id, transport, nbytes)
+        try:  # one round trip: the first token waits on it
+            DirectoryBatch(self._directory).transition(request_id, {TransferState.READY}, TransferState.CONSUMED) \
+                .delete(request_id).record_transfer(self._config.node_id, transport, nbytes).execute()
         except DirectoryError as exc:
             log.warning("request %s: received, but the directory could not be updated: %s", request_id, exc)
 
