@@ -127,6 +127,7 @@ class DirectoryConnector(KVConnectorBase):
             except TransferError as exc:
                 log.warning("%s", exc)
                 self._stats.pop(seq.request_id, None)
+                self._endpoint_published = 0.0  # a restarted Redis forgets our endpoint: republish at the next pull
                 return None, False, model_input
             self._stats[seq.request_id] = got
             received.append(got)

@@ -48,6 +48,13 @@ class HeldTable:
             held.in_flight = True
             return held
 
+    def end_pull(self, request_id: str) -> None:
+        """A pull was refused before anything moved: the request may be pulled again (by its real consumer)."""
+        with self._lock:
+            held = self._items.get(request_id)
+            if held is not None:
+                held.in_flight = False
+
     def release(self, request_id: str) -> bool:
         """Drop a request and fire the callback; False if it was not held."""
         with self._lock:

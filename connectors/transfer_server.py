@@ -201,7 +201,7 @@ class TransferServer:
         if reason:
             log.warning("request %s: pull from %s refused: %s", msg.request_id, msg.consumer, reason)
             self._reply(identity, msg, False, reason)
-            self._held.release(msg.request_id)
+            self._held.end_pull(msg.request_id)  # a stranger must not make us drop the real consumer's KV
             return
         runs = plan_runs(held.location.block_ids, msg.dst_block_ids)
         pieces = self._region.pieces([(s, n) for s, _, n in runs]) + held.hidden

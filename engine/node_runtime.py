@@ -94,7 +94,8 @@ class NodeRuntime:
             self.rejected_messages += 1
             if not isinstance(exc, AuthError):  # auth counts its own rejections
                 self.metrics.messages_rejected.labels(str(RejectReason.MALFORMED)).inc()
-            log.warning("node %s: rejected a message on the work socket: %s", self.config.node_id, exc)
+            log.warning("node %s: rejected a message on the work socket from peer %s: %s", self.config.node_id,
+                        _peer_of(frame), exc)
             return None
 
     @property
@@ -148,6 +149,13 @@ def serve_until_signalled(rt: NodeRuntime, node) -> None:
     finally:
         node.close()
         rt.close()
+
+
+def _peer_of(frame: zmq.Frame) -> str:
+    try:
+        return frame.get("Peer-Address")  # the sender's IP (zmq metadata; tcp transports)
+    except (zmq.ZMQError, KeyError):
+        return "?"
 
 
 def run_node(config: NodeConfig, make_node: Callable[[NodeRuntime], object]) -> None:

@@ -1,0 +1,48 @@
+"""One TCP cluster for every fault test (starting one costs more than the faults do), and the totals."""
+
+from __future__ import annotations
+
+import pytest
+
+from cli.local_cluster import ClusterSpec, LocalCluster
+from connectors.config import ConnectorKind
+from tests.faults.harness import BS, KV_DEADLINE_S, Tally, live_processes, restart_node, restart_router
+
+TOTALS = Tally()
+
+
+@pytest.fixture(scope="session")
+def fault_cluster(tiny_model_dir, tmp_path_factory):
+    """prefill + decode + router over TCP (shm would collide with other runs on this host), short deadlines."""
+    logs = tmp_path_factory.mktemp("fault-logs")
+    spec = ClusterSpec(model_dir=tiny_model_dir, connector=ConnectorKind.TCP, block_size=BS, num_blocks=256,
+                       kv_deadline_s=KV_DEADLINE_S, log_dir=logs)
+    with LocalCluster(spec) as cluster:
+        restart_router(cluster)  # again, with a request timeout a test can wait out
+        yield cluster
+    print(f"\nfault cluster logs: {logs}")
+
+
+@pytest.fixture
+def cluster(fault_cluster):
+    """The shared cluster, every process running (a test that failed half-way may have left one down)."""
+    for role in ("prefill", "decode"):
+        if not live_processes(fault_cluster)[role]:
+            restart_node(fault_cluster, role)
+    if not live_processes(fault_cluster)["router"]:
+        restart_router(fault_cluster)
+    return fault_cluster
+
+
+@pytest.fixture
+def tally(request):
+    """This test's counts; printed, and added to the session's totals printed at the end."""
+    t = Tally()
+    yield t
+    print("\n" + t.line(request.node.name))
+    TOTALS.add(t)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if TOTALS.requests or TOTALS.malformed:
+        terminalreporter.write_line(TOTALS.line("tests/faults totals"))
