@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from cli.options import (AuthSecretFile, BlockSize, Connector, Host, HttpPort, KVDeadline, LogLevel, ModelDir,
+from cli.options import (AuthSecretFile, BlockSize, DrainTimeout, Connector, Host, HttpPort, KVDeadline, LogLevel, ModelDir,
                          NumBlocks, RedisUrl, VerifyKV, node_config, setup_logging)
 from connectors.config import ConnectorKind, NodeRole
 
@@ -33,7 +33,7 @@ def prefill(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port
             node_id: NodeId = None, connector: Connector = ConnectorKind.AUTO, block_size: BlockSize = 16,
             num_blocks: NumBlocks = 1024, kv_deadline: KVDeadline = 10.0, max_model_len: MaxLen = 0,
             device: Device = "cpu", torch_threads: Threads = 1, http_port: HttpPort = 0,
-            auth_secret_file: AuthSecretFile = None, verify_kv: VerifyKV = False,
+            auth_secret_file: AuthSecretFile = None, verify_kv: VerifyKV = False, drain_timeout: DrainTimeout = 30.0,
             log_level: LogLevel = "INFO") -> None:
     """Run a prefill node: compute prompts and publish their KV."""
     _run(NodeRole.PREFILL, **locals())
@@ -43,7 +43,7 @@ def decode(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port:
            node_id: NodeId = None, connector: Connector = ConnectorKind.AUTO, block_size: BlockSize = 16,
            num_blocks: NumBlocks = 1024, kv_deadline: KVDeadline = 10.0, max_model_len: MaxLen = 0,
            device: Device = "cpu", torch_threads: Threads = 1, http_port: HttpPort = 0,
-           auth_secret_file: AuthSecretFile = None, verify_kv: VerifyKV = False,
+           auth_secret_file: AuthSecretFile = None, verify_kv: VerifyKV = False, drain_timeout: DrainTimeout = 30.0,
            log_level: LogLevel = "INFO") -> None:
     """Run a decode node: receive prompts' KV and generate tokens."""
     _run(NodeRole.DECODE, **locals())

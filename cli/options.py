@@ -29,6 +29,9 @@ KVDeadline = Annotated[float, typer.Option("--kv-deadline", min=0.01,
 HttpPort = Annotated[int, typer.Option("--http-port", min=0, max=65535,
                                         help="Serve GET /healthz, /readyz and /metrics on this port; 0: off.")]
 LogLevel = Annotated[str, typer.Option("--log-level", help="DEBUG, INFO, WARNING or ERROR.")]
+DrainTimeout = Annotated[float, typer.Option(
+    "--drain-timeout", min=0, envvar="KVWIRE_DRAIN_TIMEOUT",
+    help="On SIGTERM, seconds to finish what the node holds (it takes no new work) before it exits.")]
 VerifyKV = Annotated[bool, typer.Option(
     "--verify-kv", help="Prefill: publish a crc32 per layer with each request's KV; decode: require and check them, "
                         "recomputing on a mismatch. Costs a read of every KV byte on each side.")]
@@ -61,7 +64,8 @@ def default_node_id(role: NodeRole) -> str:
 def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port: int, node_id: str | None,
                 connector: ConnectorKind, block_size: int, num_blocks: int, kv_deadline: float,
                 max_model_len: int, device: str, torch_threads: int, http_port: int = 0,
-                auth_secret_file: Path | None = None, verify_kv: bool = False) -> NodeConfig:
+                auth_secret_file: Path | None = None, verify_kv: bool = False,
+                drain_timeout: float = 30.0) -> NodeConfig:
     """Build a node's one config object from its command-line options."""
     if not (model / "config.json").is_file():
         raise typer.BadParameter(f"{model} has no config.json (create one with `kvwire init-model`)", param_hint="--model")
@@ -71,4 +75,5 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
         connector=ConnectorConfig(kind=connector, role=role, node_id=node_id or default_node_id(role),
                                   redis_url=redis_url, host=host, kv_deadline_s=kv_deadline,
                                   entry_ttl_s=max(60.0, kv_deadline * 2), verify_kv=verify_kv),
-        work_port=port, http_port=http_port, auth_secret=auth_secret(auth_secret_file))
+        work_port=port, http_port=http_port, auth_secret=auth_secret(auth_secret_file),
+        drain_timeout_s=drain_timeout)

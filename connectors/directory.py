@@ -30,7 +30,6 @@ import logging
 import math
 import re
 import time
-import urllib.parse
 from dataclasses import dataclass
 from typing import Iterable, Iterator, NamedTuple
 
@@ -38,6 +37,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from connectors import redis_url as redis_url_forms
 from connectors.config import NodeRole
 from connectors.directory_scripts import EVENTS_MAXLEN, LUA_CREATE, LUA_PUBLISH, LUA_PUT_NODE, LUA_TRANSITION
 from connectors.wire import KVLocation, NodeInfo, WireError, decode, encode
@@ -108,11 +108,7 @@ class StaleNodeError(DirectoryError):
 
 
 def _masked(url: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    return redis_url_forms.masked(url)
 
 
 def _ms(seconds: float) -> int:
@@ -139,7 +135,8 @@ class KVDirectory:
     Every method raises DirectoryError when Redis cannot be reached.
 
     Args:
-        redis_url: `redis://[:password@]host:port/db`.
+        redis_url: `redis://[[user]:password@]host:port/db`, `rediss://...` (TLS) or
+            `redis+sentinel://...` (connectors/redis_url.py; docs/redis.md).
         entry_ttl_s: TTL of a request's keys, refreshed on every transition.
         node_ttl_s: TTL of a node's registration, refreshed by each heartbeat.
         namespace: prefix of every key, so deployments can share one Redis.
@@ -161,11 +158,11 @@ class KVDirectory:
         # One retry without backoff replaces a pooled connection broken by a server restart,
         # yet fails fast while the server is down.
         common = dict(retry=Retry(NoBackoff(), 1), socket_connect_timeout=_COMMAND_TIMEOUT_S)
-        self._pool = redis.ConnectionPool.from_url(
+        self._pool = redis_url_forms.connection_pool(
             redis_url, max_connections=_MAX_CONNECTIONS, socket_timeout=_COMMAND_TIMEOUT_S, **common)
         # Blocking reads hold a connection for their whole wait: a pool of their own, whose
         # socket timeout exceeds the longest block.
-        self._blocking_pool = redis.ConnectionPool.from_url(
+        self._blocking_pool = redis_url_forms.connection_pool(
             redis_url, max_connections=_MAX_BLOCKING_CONNECTIONS,
             socket_timeout=_BLOCK_SLICE_S + _COMMAND_TIMEOUT_S, **common)  # fmt: skip
         self._redis = redis.Redis(connection_pool=self._pool)
@@ -412,8 +409,13 @@ class KVDirectory:
             raise DirectoryError(f"unreadable record of node {node_id}: {exc}", peer=self.peer) from exc
 
     @_timed(DirectoryOp.LIVE_NODES)
-    def live_nodes(self, role: NodeRole | None = None) -> list[NodeInfo]:
-        """Registered nodes, of `role` if given, sorted by node_id; unreadable records are skipped."""
+    def live_nodes(self, role: NodeRole | None = None, *, include_draining: bool = False) -> list[NodeInfo]:
+        """Registered nodes, of `role` if given, sorted by node_id; unreadable records are skipped.
+
+        Args:
+            role: only nodes of this role; every role when None.
+            include_draining: also list nodes that are shutting down (they take no new work).
+        """
         with self._errors("live_nodes"):
             keys = list(self._redis.scan_iter(match=f"{self.namespace}:node:*", count=500))
             raws = self._redis.mget(keys) if keys else []
@@ -424,7 +426,7 @@ class KVDirectory:
             except WireError as exc:
                 logger.warning("skipping unreadable node record %s: %s", key.decode(errors="replace"), exc)
                 continue
-            if info is not None and (role is None or info.role == role):
+            if info is not None and (role is None or info.role == role) and (include_draining or not info.draining):
                 nodes.append(info)
         return sorted(nodes, key=lambda n: n.node_id)
 

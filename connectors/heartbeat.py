@@ -2,8 +2,10 @@
 
 Lifecycle: `start()` registers the node at once (raising if that fails), then a daemon
 thread refreshes the registration every node_ttl_s/3, waiting on an Event between
-beats; `stop()` ends the thread and, by default, removes the registration. If the
-process dies the registration expires after node_ttl_s.
+beats; `mark_draining()` rewrites the registration at once with `draining` set, and
+every later beat keeps it (routers then skip the node); `stop()` ends the thread and,
+by default, removes the registration. If the process dies the registration expires
+after node_ttl_s.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class Heartbeat:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._node_id: str | None = None
+        self._draining = False
+        self._write_lock = threading.Lock()  # a beat stamped before mark_draining must not land after it
 
     def start(self) -> None:
         """Register the node now, then keep refreshing it from a daemon thread.
@@ -58,13 +62,29 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stopping.wait(self._interval_s):
             try:
-                self._directory.heartbeat(self._stamped())
+                with self._write_lock:
+                    self._directory.heartbeat(self._stamped())
             except Exception:  # noqa: BLE001 - the beat must outlive any single failure
                 logger.exception("heartbeat of node %s failed; retrying in %.2fs", self._node_id, self._interval_s)
 
     def _stamped(self) -> NodeInfo:
         """The node's NodeInfo, stamped with this beat's time (`kvwire status` shows its age)."""
-        return msgspec.structs.replace(self._info_fn(), heartbeat_at=time.time())
+        return msgspec.structs.replace(self._info_fn(), heartbeat_at=time.time(), draining=self._draining)
+
+    def mark_draining(self) -> None:
+        """Mark the node draining in the directory now; every later beat keeps the mark.
+
+        Raises:
+            DirectoryError: the directory could not be written (later beats retry).
+        """
+        self._draining = True
+        with self._write_lock:
+            self._directory.heartbeat(self._stamped())
+        logger.info("node %s marked draining", self._node_id)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
 
     def stop(self, *, deregister: bool = True, timeout_s: float = 5.0) -> None:
         """Stop beating and, by default, remove the node's registration at once.

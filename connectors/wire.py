@@ -223,6 +223,7 @@ class ErrorKind(enum.StrEnum):
     INVALID_REQUEST = "invalid_request"  # the request can never be served as sent
     INTERNAL = "internal"  # the node failed; the request itself may be fine
     DRAINING = "draining"  # the node is shutting down and no other node of its role could take the request
+    NODE_LOST = "node_lost"  # the decode node serving the request left the cluster (died, or a new incarnation)
 
 
 class WorkError(_Msg, tag="error"):

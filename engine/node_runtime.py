@@ -111,13 +111,13 @@ class NodeRuntime:
                         total_blocks=self.allocator.num_blocks, queue_depth=load.queue_depth, running=load.running)
 
     def is_ready(self) -> bool:
-        """Whether the directory lists this incarnation (its transport is up once `start` has returned).
+        """Whether the directory lists this incarnation, not draining (its transport is up once `start` has returned).
 
         Raises:
             DirectoryError: the directory cannot be reached.
         """
         info = self.directory.get_node(self.config.node_id)
-        return info is not None and info.epoch == self.connector.epoch
+        return info is not None and info.epoch == self.connector.epoch and not info.draining
 
     def close(self) -> None:
         self.heartbeat.stop()

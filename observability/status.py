@@ -24,6 +24,7 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     free_blocks: int
     total_blocks: int
     heartbeat_age_s: float | None  # None: the node's heartbeats carry no time (an older node)
+    draining: bool = False  # shutting down: finishing what it holds, taking no new work
 
 
 class TransferStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,7 +47,8 @@ def node_status(info: NodeInfo, now: float) -> NodeStatus:
     age = max(0.0, now - info.heartbeat_at) if info.heartbeat_at else None
     return NodeStatus(node_id=info.node_id, role=info.role, address=info.work_address, connector=info.connector,
                       epoch=info.epoch, queue_depth=info.queue_depth, running=info.running,
-                      free_blocks=info.free_blocks, total_blocks=info.total_blocks, heartbeat_age_s=age)
+                      free_blocks=info.free_blocks, total_blocks=info.total_blocks, heartbeat_age_s=age,
+                      draining=info.draining)
 
 
 def transfer_status(aged: AgedEntry) -> TransferStatus:
@@ -64,7 +66,7 @@ def read_status(directory: KVDirectory, now: float | None = None) -> ClusterStat
         DirectoryError: the directory cannot be reached.
     """
     now = time.time() if now is None else now
-    nodes = [node_status(info, now) for info in directory.live_nodes()]
+    nodes = [node_status(info, now) for info in directory.live_nodes(include_draining=True)]
     transfers = [transfer_status(aged) for aged in directory.entries_with_age()]
     return ClusterStatus(directory=directory.peer, nodes=nodes, transfers=transfers)
 
@@ -84,8 +86,9 @@ def _age(seconds: float | None) -> str:
 
 def render(status: ClusterStatus) -> str:
     """The status as two plain-text tables: live nodes, then request entries."""
-    node_rows = [[n.node_id, str(n.role), n.address, str(n.connector), str(n.epoch), str(n.queue_depth),
-                  str(n.running), f"{n.free_blocks}/{n.total_blocks}", _age(n.heartbeat_age_s)] for n in status.nodes]
+    node_rows = [[n.node_id, f"{n.role} (draining)" if n.draining else str(n.role), n.address, str(n.connector),
+                  str(n.epoch), str(n.queue_depth), str(n.running), f"{n.free_blocks}/{n.total_blocks}",
+                  _age(n.heartbeat_age_s)] for n in status.nodes]
     transfer_rows = [[t.request_id, str(t.state), t.producer, _age(t.age_s), t.reason] for t in status.transfers]
     lines = [f"directory {status.directory}", "", f"nodes ({len(status.nodes)} live)"]
     lines += _table(["NODE", "ROLE", "ADDRESS", "CONNECTOR", "EPOCH", "QUEUED", "RUNNING", "FREE BLOCKS",

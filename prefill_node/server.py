@@ -5,7 +5,11 @@ marked PENDING in the directory; it waits until its prompt's blocks fit in the p
 (bounded by the KV deadline: after that the decode node recomputes anyway, so the
 work is dropped); the prompt is computed and the connector publishes its KV and
 hidden states READY; the blocks stay allocated until the connector's release
-callback says the decode node pulled them, refused them, or never came. Metrics: the
+callback says the decode node pulled them, refused them, or never came. On SIGTERM the
+node drains (engine/drain.py): it computes the prompts it accepted and keeps their KV
+until pulled or the hold deadline passes; work still arriving goes to another prefill
+node, or, with none live, is marked FAILED so its decode node computes the prompt
+itself at once. Whatever is left when the grace period ends is failed. Metrics: the
 pool's used / free blocks and the pending and held queues, read at each scrape.
 """
 
@@ -22,6 +26,7 @@ import zmq
 
 from connectors.directory import DirectoryError, TransferState
 from connectors.wire import PrefillWork
+from engine.drain import Drain
 from engine.model_input import ModelInput, SequenceInput
 from engine.node_runtime import NodeLoad, NodeRuntime
 from engine.validation import prompt_problem
@@ -44,6 +49,7 @@ class PrefillNode:
         self._held_blocks: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self._wakeup = Wakeup()
+        self._drain = Drain(rt)
         rt.connector.set_release_callback(self._on_release)
         rt.load = lambda: NodeLoad(len(self._pending), self.held_requests)
         rt.metrics.watch_blocks(lambda: rt.allocator.num_free, rt.allocator.num_blocks)
@@ -51,11 +57,19 @@ class PrefillNode:
         rt.metrics.watch_queue(Queue.PREFILL_HELD, lambda: self.held_requests)
 
     def serve(self, stop: threading.Event) -> None:
-        """Run until `stop` is set (call `wake()` after setting it)."""
+        """Serve until `stop` is set (call `wake()` after setting it), then drain and return.
+
+        Draining computes the prompts accepted and holds their KV until pulled (or until
+        the hold deadline); what is left when config.drain_timeout_s has passed is failed.
+        """
         poller = zmq.Poller()
         poller.register(self.rt.work_socket, zmq.POLLIN)
         poller.register(self._wakeup.fd, zmq.POLLIN)
-        while not stop.is_set():
+        while True:
+            if stop.is_set():
+                self._drain.begin()
+            if self._drain.active and ((not self._pending and not self.held_requests) or self._drain.expired()):
+                break
             poller.poll(self._poll_timeout_ms())
             self._wakeup.drain()
             while self.rt.work_socket.poll(0):
@@ -63,12 +77,22 @@ class PrefillNode:
                 if work is not None:
                     self._accept(work)
             self._run_pending()
+        self._give_up()
 
     def wake(self) -> None:
         self._wakeup.wake()
 
     def close(self) -> None:
+        self._drain.close()
         self._wakeup.close()
+
+    def _give_up(self) -> None:
+        """The drain ended: fail prompts never computed (held KV is released as the connector closes)."""
+        if self._pending or self.held_requests:
+            log.warning("node %s: drain timed out with %d prompts pending, %d held", self.rt.config.node_id,
+                        len(self._pending), self.held_requests)
+        while self._pending:
+            self._mark_failed(self._pending.popleft().work.request_id, "prefill node shut down")
 
     @property
     def held_requests(self) -> int:
@@ -76,12 +100,17 @@ class PrefillNode:
             return len(self._held_blocks)
 
     def _poll_timeout_ms(self) -> int | None:
+        drain_ms = self._drain.remaining_ms()
         if not self._pending:
-            return None
+            return drain_ms
         due = self._pending[0].arrived + self.rt.config.connector.kv_deadline_s
-        return max(0, int((due - time.monotonic()) * 1000) + 1)
+        pending_ms = max(0, int((due - time.monotonic()) * 1000) + 1)
+        return pending_ms if drain_ms is None else min(pending_ms, drain_ms)
 
     def _accept(self, work: PrefillWork) -> None:
+        if self._drain.active:
+            self._turn_away(work)
+            return
         try:
             self.rt.directory.create_pending(work.request_id, self.rt.config.node_id)
         except DirectoryError as exc:
@@ -92,6 +121,16 @@ class PrefillNode:
             self._mark_failed(work.request_id, reason)
             return
         self._pending.append(_Pending(work, time.monotonic()))
+
+    def _turn_away(self, work: PrefillWork) -> None:
+        """Work that arrived while draining: to another prefill node, else failed so decode recomputes now."""
+        if self._drain.forward(work) is not None:
+            return
+        try:
+            self.rt.directory.create_pending(work.request_id, self.rt.config.node_id)
+        except DirectoryError as exc:
+            log.warning("request %s: cannot mark pending: %s", work.request_id, exc)
+        self._mark_failed(work.request_id, f"prefill node {self.rt.config.node_id} is shutting down")
 
     def _run_pending(self) -> None:
         deadline_s = self.rt.config.connector.kv_deadline_s

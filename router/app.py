@@ -203,6 +203,8 @@ async def _chunks(comp: Completion, queue: asyncio.Queue, deadline: float):
         if isinstance(msg, WorkError):
             if msg.kind == ErrorKind.INVALID_REQUEST:
                 raise APIError(400, msg.reason)
+            if msg.kind in (ErrorKind.DRAINING, ErrorKind.NODE_LOST):  # retryable: send it again
+                raise APIError(503, f"node {msg.node}: {msg.reason}", type_="service_unavailable")
             raise APIError(500, f"node {msg.node}: {msg.reason}", type_="server_error")
         yield comp.add(msg)
 

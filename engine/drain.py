@@ -1,0 +1,93 @@
+"""A node's graceful shutdown (drain), shared by the prefill and decode nodes.
+
+Lifecycle: the node's serve loop calls `begin()` once its stop event is set (SIGTERM or
+SIGINT). `begin()` marks the node draining in the directory at once (routers stop
+picking it) and starts the grace period, config.drain_timeout_s. While draining, the
+node finishes what it holds, and work that still arrives (routed just before the mark
+landed) is `forward`ed to another live node of the same role, keeping its reply
+address, so the router never notices. When the node holds nothing more, or the grace
+period ends (`expired()`), the serve loop gives up what is left, returns, and
+`run_node` deregisters the node and closes it; the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from connectors.directory import DirectoryError
+from connectors.wire import DecodeWork, NodeInfo, PrefillWork, pack
+from engine.node_runtime import NodeRuntime
+
+log = logging.getLogger(__name__)
+
+
+class Drain:
+    """Tracks one node's drain: when it began, when it must end, where new work goes meanwhile."""
+
+    def __init__(self, rt: NodeRuntime):
+        self._rt = rt
+        self._deadline: float | None = None
+        self._pushes: dict[str, zmq.Socket] = {}
+
+    @property
+    def active(self) -> bool:
+        return self._deadline is not None
+
+    def begin(self) -> None:
+        """Mark the node draining in the directory and start the grace period (idempotent)."""
+        if self._deadline is not None:
+            return
+        cfg = self._rt.config
+        self._deadline = time.monotonic() + cfg.drain_timeout_s
+        log.info("node %s draining: finishing held work within %.1fs", cfg.node_id, cfg.drain_timeout_s)
+        try:
+            self._rt.heartbeat.mark_draining()
+        except DirectoryError as exc:  # routers keep picking us until a later beat lands; we forward
+            log.warning("node %s: cannot mark itself draining: %s", cfg.node_id, exc)
+
+    def expired(self) -> bool:
+        return self._deadline is not None and time.monotonic() >= self._deadline
+
+    def remaining_ms(self) -> int | None:
+        """Milliseconds left of the grace period (a poll timeout); None when not draining."""
+        if self._deadline is None:
+            return None
+        return max(0, int((self._deadline - time.monotonic()) * 1000) + 1)
+
+    def forward(self, work: PrefillWork | DecodeWork) -> str | None:
+        """Hand work that arrived while draining to the least loaded other live node of our role.
+
+        Returns:
+            The node it went to; None if there is none (or the directory cannot say).
+        """
+        target = self._pick()
+        if target is None:
+            return None
+        sock = self._pushes.get(target.work_address)
+        if sock is None:
+            sock = zmq.Context.instance().socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)  # delivered even as this process exits
+            sock.connect(target.work_address)
+            self._pushes[target.work_address] = sock
+        sock.send(pack(work))
+        log.info("request %s: node %s is draining; forwarded to %s", work.request_id, self._rt.config.node_id,
+                 target.node_id)
+        return target.node_id
+
+    def _pick(self) -> NodeInfo | None:
+        cfg = self._rt.config
+        try:
+            nodes = self._rt.directory.live_nodes(cfg.connector.role)  # draining nodes left out
+        except DirectoryError as exc:
+            log.warning("node %s: cannot list nodes to forward to: %s", cfg.node_id, exc)
+            return None
+        others = [n for n in nodes if n.node_id != cfg.node_id]
+        return max(others, key=lambda n: n.free_blocks, default=None)
+
+    def close(self) -> None:
+        for sock in self._pushes.values():
+            sock.close()  # with its linger: forwarded work still goes out
+        self._pushes.clear()
