@@ -1,10 +1,13 @@
 """Sends work to nodes and routes their answers back to waiting HTTP requests.
 
 Lifecycle: `start()` binds the zmq PULL socket that decode nodes answer to and starts
-the task that reads it; `submit()` picks a live prefill and decode node from the
+the task that reads it and a watchdog; `submit()` picks a live prefill and decode node from the
 directory, registers a queue for the request, and pushes `PrefillWork` and
 `DecodeWork` at once (decode waits for the KV while prefill computes); the HTTP
-handler consumes the queue; `close()` stops it all.
+handler consumes the queue. The watchdog checks once a second that the decode node of
+every request in flight is still registered with the same epoch, and fails the request
+at once (503, retryable) when it is not, instead of letting it wait out its timeout.
+`close()` stops it all.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import zmq.asyncio
 
 from connectors.config import NodeRole
 from connectors.directory import DirectoryError, KVDirectory
-from connectors.wire import (DecodeWork, NodeInfo, PrefillWork, SamplingParams, TokenChunk, WireError,
+from connectors.wire import (DecodeWork, ErrorKind, NodeInfo, PrefillWork, SamplingParams, TokenChunk, WireError,
                              WorkError, pack, unpack)
 from router.schemas import APIError
 
@@ -42,16 +45,18 @@ class Dispatcher:
         self.reply_to = f"tcp://{host}:{self._pull.bind_to_random_port(f'tcp://{host}')}"
         self._pushes: dict[str, zmq.asyncio.Socket] = {}
         self._queues: dict[str, asyncio.Queue] = {}
+        self._serving: dict[str, tuple[str, int]] = {}  # request id -> (decode node id, epoch)
         self._rr = itertools.count()
-        self._reader: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self.rejected_messages = 0
 
     def start(self) -> None:
-        self._reader = asyncio.get_running_loop().create_task(self._read_replies())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read_replies()), loop.create_task(self._watch_decode_nodes())]
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in self._tasks:
+            task.cancel()
         for sock in self._pushes.values():
             sock.close(0)
         self._pull.close(0)
@@ -68,21 +73,23 @@ class Dispatcher:
         Without a live decode node nothing can be served (503); without a live prefill
         node the decode node computes the prompt itself.
         """
-        decode = self._least_loaded(self.live_nodes(NodeRole.DECODE))
+        turn = next(self._rr)  # one turn per request, shared by both picks, so ties rotate for each role
+        decode = self._least_loaded(self.live_nodes(NodeRole.DECODE), turn)
         if decode is None:
             raise APIError(503, "no live decode node", type_="service_unavailable")
-        return Route(self._least_loaded(self.live_nodes(NodeRole.PREFILL)), decode)
+        return Route(self._least_loaded(self.live_nodes(NodeRole.PREFILL), turn), decode)
 
-    def _least_loaded(self, nodes: list[NodeInfo]) -> NodeInfo | None:
+    @staticmethod
+    def _least_loaded(nodes: list[NodeInfo], turn: int) -> NodeInfo | None:
         if not nodes:
             return None
-        turn = next(self._rr)
         return max(enumerate(nodes), key=lambda p: (p[1].free_blocks, (p[0] + turn) % len(nodes)))[1]
 
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> tuple[Route, asyncio.Queue]:
         route = await asyncio.to_thread(self.pick)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
+        self._serving[request_id] = (route.decode.node_id, route.decode.epoch)
         if route.prefill is not None:
             await self._push(route.prefill, PrefillWork(request_id=request_id, prompt_token_ids=prompt_ids))
         else:
@@ -94,6 +101,25 @@ class Dispatcher:
 
     def forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        self._serving.pop(request_id, None)
+
+    async def _watch_decode_nodes(self, period_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            if not self._serving:
+                continue
+            try:  # draining nodes still finish what they hold
+                live = await asyncio.to_thread(self._directory.live_nodes, NodeRole.DECODE, include_draining=True)
+            except DirectoryError:
+                continue  # no verdict without the directory; the request timeout still applies
+            alive = {(n.node_id, n.epoch) for n in live}
+            for rid, (node, epoch) in list(self._serving.items()):
+                queue = self._queues.get(rid)
+                if (node, epoch) not in alive and queue is not None:
+                    del self._serving[rid]
+                    log.warning("request %s: decode node %s (epoch %d) left the cluster", rid, node, epoch)
+                    queue.put_nowait(WorkError(request_id=rid, node=node, kind=ErrorKind.NODE_LOST,
+                                               reason="the decode node left the cluster before finishing"))
 
     async def _push(self, node: NodeInfo, msg) -> None:
         sock = self._pushes.get(node.work_address)
