@@ -32,6 +32,7 @@ import threading
 import time
 import urllib.parse
 from pathlib import Path
+from typing import Sequence
 
 import redis
 
@@ -170,7 +171,9 @@ class LocalRedis:
     """A private redis-server bound to 127.0.0.1 (see the module docstring for its lifecycle).
 
     Args:
-        password: if set, clients must AUTH with it (requirepass).
+        password: if set, clients must AUTH with it (requirepass: the default user's password).
+        acl_users: ACL users to create, each a `user` rule line without the word `user`,
+            e.g. "kvwire on >secret ~kvwire:* +@all" (redis.io/docs/management/security/acl).
         port: a fixed port; by default a free one is picked.
         startup_timeout_s: how long `start()` waits for the server to become ready.
         stop_timeout_s: how long `stop()` waits after SIGTERM before SIGKILL.
@@ -181,12 +184,14 @@ class LocalRedis:
         self,
         *,
         password: str | None = None,
+        acl_users: Sequence[str] = (),
         port: int | None = None,
         startup_timeout_s: float = 10.0,
         stop_timeout_s: float = 5.0,
         binary: Path | None = None,
     ):
         self.password = password
+        self.acl_users = tuple(acl_users)
         self._fixed_port = port
         self._startup_timeout_s = startup_timeout_s
         self._stop_timeout_s = stop_timeout_s
@@ -209,6 +214,15 @@ class LocalRedis:
         """`redis://[:password@]127.0.0.1:port/0`."""
         auth = f":{urllib.parse.quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def url_as(self, username: str | None, password: str | None, db: int = 0) -> str:
+        """`redis://[username][:password@]127.0.0.1:port/db`: this server's URL with other credentials."""
+        user = urllib.parse.quote(username or "", safe="")
+        if password is not None:
+            auth = f"{user}:{urllib.parse.quote(password, safe='')}@"
+        else:
+            auth = f"{user}@" if user else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/{db}"
 
     @property
     def pid(self) -> int | None:
@@ -268,6 +282,8 @@ class LocalRedis:
         ]  # fmt: skip
         if self.password:
             args += ["--requirepass", self.password]
+        for rule in self.acl_users:
+            args += ["--user", *rule.split()]
         try:
             server = self._server = _Server(args)
         except OSError as exc:
