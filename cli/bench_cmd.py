@@ -162,3 +162,35 @@ def _layerwise(sizes: list[int], where: list[Placement], whose: list[PoolLayout]
             for r in results]))
     if not all(r.verified for r in results):
         raise typer.Exit(1)
+
+
+@app.command()
+def load(
+    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; the tiny random one by default.")] = None,
+    connector: Connector = ConnectorKind.AUTO,
+    requests: Annotated[int, typer.Option("--requests", min=1, help="Requests sent in the measured phase.")] = 1000,
+    concurrency: Annotated[int, typer.Option("--concurrency", min=1, help="Clients sending at once.")] = 64,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens generated per request.")] = 8,
+    seed: Annotated[int, typer.Option("--seed", help="Seeds the random prompts and their order.")] = 0,
+    kv_deadline: Annotated[float, typer.Option("--kv-deadline", min=0.1, help="The nodes' KV deadline (s): "
+                                               "KV later than this is recomputed on decode.")] = 10.0,
+    rss_tolerance_mib: Annotated[float, typer.Option("--rss-tolerance-mib", min=0.0, help="Allowed RSS growth of "
+                                                     "each process from after the warm-up to after the load.")] = 64.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Many concurrent clients through the router: throughput, TTFT and latency percentiles; every output
+    checked against one process; afterwards both KV pools full, the directory empty and RSS back near its
+    warm-up value. Exits 1 if anything was lost, errored or differed, or memory did not return."""
+    import msgspec
+
+    from bench.load import LoadConfig, bench_load, table
+    from cli.paths import default_model_dir
+
+    cfg = LoadConfig(model_dir=model or default_model_dir(), connector=connector, requests=requests,
+                     concurrency=concurrency, max_tokens=max_tokens, seed=seed, kv_deadline_s=kv_deadline,
+                     rss_tolerance_mib=rss_tolerance_mib)
+    result = bench_load(cfg)
+    typer.echo(msgspec.json.format(msgspec.json.encode(result), indent=2).decode() if as_json else table(result))
+    if not result.passed:
+        typer.echo("FAILED: requests lost, errored or mismatched, or memory did not return", err=True)
+        raise typer.Exit(1)
