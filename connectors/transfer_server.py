@@ -33,6 +33,7 @@ from engine.wakeup import Wakeup
 log = logging.getLogger(__name__)
 
 IDLE_WAKE_S = 1.0  # upper bound between hold-deadline checks
+TRUST_TTL_S = 5.0  # a consumer's verified transport address is trusted this long without a lookup
 
 
 @dataclass(eq=False)
@@ -94,6 +95,7 @@ class TransferServer:
         self._region, self._held, self._engine = region, held, engine
         self._send_deadline_s = send_deadline_s
         self._trusted_endpoint = trusted_endpoint
+        self._trusted: dict[str, tuple[bytes, float]] = {}  # consumer -> (verified address, when)
         self._on_expired = on_expired or (lambda rid: None)
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -212,12 +214,24 @@ class TransferServer:
         except Exception as exc:  # noqa: BLE001 - a bad peer must not kill the server
             self._complete(job, exc)
 
-    def _refusal(self, msg: PullRequest, held: HeldRequest) -> str:
+    def _trusts(self, consumer: str, address: bytes) -> bool:
+        """Whether `address` is what `consumer` published; a match is remembered for TRUST_TTL_S (a
+        directory round trip saved per pull), anything else is looked up."""
+        now = time.monotonic()
+        known, when = self._trusted.get(consumer, (b"", 0.0))
+        if known == address and now - when < TRUST_TTL_S:
+            return True
         try:
-            trusted = self._trusted_endpoint(msg.consumer) == msg.transport_address
+            ok = self._trusted_endpoint(consumer) == address
         except Exception as exc:  # noqa: BLE001 - no directory, no trust
-            return f"cannot look up consumer {msg.consumer}: {exc}"
-        if not trusted:
+            log.warning("cannot look up consumer %s: %s", consumer, exc)
+            return False
+        if ok:
+            self._trusted[consumer] = (address, now)
+        return ok
+
+    def _refusal(self, msg: PullRequest, held: HeldRequest) -> str:
+        if not self._trusts(msg.consumer, msg.transport_address):
             return f"transport address of {msg.consumer!r} is not the one it published"
         if len(msg.dst_block_ids) != len(held.location.block_ids):
             return f"{len(msg.dst_block_ids)} destination blocks for {len(held.location.block_ids)} source blocks"

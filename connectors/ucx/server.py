@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from connectors.transfer_server import SendEngine, SendJob
-from connectors.ucx.transport import MAX_PIECES, UCXTransport, all_done, check_errors
+from connectors.ucx.transport import MAX_PIECES, Role, UCXTransport, all_done, check_errors
 
 
 class UCXSendEngine(SendEngine):
     def __init__(self) -> None:
-        self._transport = UCXTransport()
+        self._transport = UCXTransport(Role.SENDER)
         self.transport_address = self._transport.address
         self._active: list[SendJob] = []
 

@@ -61,13 +61,15 @@ def test_garbage_is_dropped_and_counted_then_server_answers(server):
     assert srv.rejected_messages == len(junk)
 
 
-def test_block_count_mismatch_is_refused_and_blocks_released(server):
+def test_block_count_mismatch_is_refused_and_the_request_stays_pullable(server):
     _, held, released, sock = server
     _hold(held, "r", [0, 1])
     sock.send(_pull("r", [5]))
     reply = _reply(sock)
     assert not reply.ok and "destination blocks" in reply.reason
-    assert released == ["r"] and len(held) == 0
+    # a bad (or forged) pull must not make the producer drop the KV its real consumer will pull;
+    # the hold deadline still releases it if nobody does
+    assert released == [] and len(held) == 1 and held.begin_pull("r") is not None
 
 
 def test_address_the_consumer_did_not_publish_is_refused(server):
@@ -78,7 +80,7 @@ def test_address_the_consumer_did_not_publish_is_refused(server):
                                  dst_block_ids=[4])))
     reply = _reply(sock)
     assert not reply.ok and "not the one it published" in reply.reason
-    assert released == ["r2"]
+    assert released == [] and len(held) == 1  # still there for the consumer that did publish
     sock.send(encode(PullRequest(request_id="r2", transfer_id=2, consumer="nobody", transport_address=b"x",
                                  dst_block_ids=[4])))
     assert not _reply(sock).ok
