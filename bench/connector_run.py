@@ -68,9 +68,14 @@ def _producer(kind: ConnectorKind, redis_url: str, work: Workload, pipe) -> None
 
 
 @contextlib.contextmanager
-def scoped_env(extra: dict[str, str]):
+def scoped_env(extra: dict[str, str | None]):
+    """os.environ with `extra` applied (None: unset) for the block, e.g. around starting a child."""
     saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
+    for k, v in extra.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         yield
     finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import logging
 import multiprocessing as mp
+import os
 import sys
 import time
 
@@ -106,7 +107,10 @@ def run_nixl(work: Workload, runs: int, warmup: int, op: NixlOp, env: dict[str, 
     ctx = mp.get_context("spawn")
     trials = warmup + runs
     pipes = [ctx.Pipe() for _ in range(2)]
-    with scoped_env(env or {}):
+    # NIXL starts from UCX's defaults plus `env`: importing ucxx (this process's UCX connector runs) sets
+    # UCX_* variables of its own (RNDV_THRESH, MEMTYPE_CACHE, ...), and inherited they cut NIXL to a quarter.
+    clean: dict[str, str | None] = {k: None for k in os.environ if k.startswith("UCX_")}
+    with scoped_env({**clean, **(env or {})}):
         procs = [ctx.Process(target=_side, args=(work, s, op, trials, pipes[s][1]), daemon=True) for s in (0, 1)]
         for p in procs:
             p.start()
