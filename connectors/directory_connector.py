@@ -19,7 +19,7 @@ import torch
 
 from connectors.base import HiddenStates, KVConnectorBase, TransferError
 from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from connectors.directory import DirectoryError, KVDirectory, TransferState
+from connectors.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState
 from connectors.held import HeldTable
 from connectors.hidden import join_requests
 from connectors.kv_region import KVRegion
@@ -47,6 +47,7 @@ class DirectoryConnector(KVConnectorBase):
         self._puller: Puller | None = None
         self._stats: dict[str, Received] = {}
         self._deadlines: dict[str, float] = {}
+        self._ready: dict[str, DirectoryEntry] = {}  # READY entries the watchers saw, until recv takes them
         self._endpoint_published = 0.0
         self._watchers = ThreadPoolExecutor(max_workers=WATCHERS, thread_name_prefix="kv-watch")
 
@@ -101,7 +102,11 @@ class DirectoryConnector(KVConnectorBase):
 
     def _watch(self, request_id: str, deadline: float, on_ready: Callable[[str], None]) -> None:
         try:
-            self.directory.wait_for(request_id, {TransferState.READY}, deadline)
+            entry = self.directory.wait_for(request_id, {TransferState.READY}, deadline)
+            if entry is not None and entry.state == TransferState.READY:
+                if len(self._ready) > 64 * WATCHERS:  # requests aborted before recv: only a shortcut is lost
+                    self._ready.clear()
+                self._ready[request_id] = entry  # recv starts from it: one directory round trip less
         except Exception as exc:  # noqa: BLE001 - recv will retry and decide
             log.warning("request %s: watching the directory failed: %s", request_id, exc)
         on_ready(request_id)
@@ -123,7 +128,7 @@ class DirectoryConnector(KVConnectorBase):
         received: list[Received] = []
         for seq in model_input.sequences:
             try:
-                got = self._receiver.receive(seq, deadlines[seq.request_id])
+                got = self._receiver.receive(seq, deadlines[seq.request_id], self._ready.pop(seq.request_id, None))
             except TransferError as exc:
                 log.warning("%s", exc)
                 self._stats.pop(seq.request_id, None)

@@ -20,7 +20,7 @@ import torch
 
 from connectors.base import TransferError
 from connectors.config import ConnectorConfig, ConnectorKind
-from connectors.directory import DirectoryError, KVDirectory, TransferState
+from connectors.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState
 from connectors.directory_batch import DirectoryBatch
 from connectors.hidden import empty_like_descs
 from connectors.kv_checksum import layer_checksums
@@ -80,10 +80,11 @@ class KVReceiver:
         self._puller = puller
         self._device = device
 
-    def receive(self, seq: SequenceInput, deadline: float) -> Received:
-        """Pull one request's KV into `seq.block_ids`. Raises TransferError."""
+    def receive(self, seq: SequenceInput, deadline: float, ready: DirectoryEntry | None = None) -> Received:
+        """Pull one request's KV into `seq.block_ids`, starting from `ready` (its READY entry) when the
+        caller has it. Raises TransferError."""
         try:
-            return self._receive(seq, deadline)
+            return self._receive(seq, deadline, ready)
         except (TransferError, DirectoryError) as exc:
             self._metrics.kv_transfers_failed.labels(str(_failure(exc))).inc()
             self._mark_failed(seq.request_id, str(exc))
@@ -91,9 +92,9 @@ class KVReceiver:
                 raise
             raise TransferError(seq.request_id, "directory", str(exc)) from exc
 
-    def _receive(self, seq: SequenceInput, deadline: float) -> Received:
+    def _receive(self, seq: SequenceInput, deadline: float, ready: DirectoryEntry | None) -> Received:
         rid = seq.request_id
-        entry = self._directory.wait_for(rid, {TransferState.READY}, deadline)
+        entry = ready or self._directory.wait_for(rid, {TransferState.READY}, deadline)
         if entry is None:
             raise ReceiveError(rid, "unknown producer", "KV not ready before the deadline", TransferFailure.DEADLINE)
         if entry.state != TransferState.READY or entry.location is None:

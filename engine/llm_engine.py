@@ -81,14 +81,15 @@ class LLMEngine:
         return bool(self.waiting or self.running)
 
     def step(self) -> list[StepOutput]:
-        """Admit what fits, then decode one token for every running request."""
+        """Admit what fits and compute (or receive) their prompts, or else decode one token for every running
+        request. A step with prompts stops there: their first tokens go out before another forward runs."""
         outputs: dict[str, StepOutput] = {}
         start = time.monotonic()
         admitted = self._admit()
         for seq in admitted:
             seq.metrics.scheduler_time += time.monotonic() - start
             outputs[seq.request_id] = StepOutput(seq, [self._prefill(seq)])
-        decoding = [s for s in self.running if not s.finished]
+        decoding = [] if admitted else [s for s in self.running if not s.finished]
         if decoding:
             result = self._decode(decoding)
             for seq in decoding:

@@ -111,11 +111,7 @@ class PrefillNode:
         if self._drain.active:
             self._turn_away(work)
             return
-        try:
-            self.rt.directory.create_pending(work.request_id, self.rt.config.node_id)
-        except DirectoryError as exc:
-            log.warning("request %s: cannot mark pending: %s", work.request_id, exc)
-        reason = self._invalid(work)
+        reason = self._invalid(work)  # no PENDING entry first: the directory round trip would delay every prompt
         if reason:
             log.warning("request %s: %s", work.request_id, reason)
             self._mark_failed(work.request_id, reason)
@@ -126,10 +122,6 @@ class PrefillNode:
         """Work that arrived while draining: to another prefill node, else failed so decode recomputes now."""
         if self._drain.forward(work) is not None:
             return
-        try:
-            self.rt.directory.create_pending(work.request_id, self.rt.config.node_id)
-        except DirectoryError as exc:
-            log.warning("request %s: cannot mark pending: %s", work.request_id, exc)
         self._mark_failed(work.request_id, f"prefill node {self.rt.config.node_id} is shutting down")
 
     def _run_pending(self) -> None:
@@ -139,6 +131,7 @@ class PrefillNode:
             if time.monotonic() - item.arrived > deadline_s:
                 self._pending.popleft()
                 log.warning("request %s: no free KV blocks within the deadline; dropped", item.work.request_id)
+                self._mark_failed(item.work.request_id, "not computed within the KV deadline")  # decode: recompute now
                 continue
             need = math.ceil(len(item.work.prompt_token_ids) / self.rt.pool.layout.block_size)
             if need > self.rt.allocator.num_free:
@@ -167,7 +160,9 @@ class PrefillNode:
         return ""
 
     def _mark_failed(self, rid: str, reason: str) -> None:
+        """Tell the decode node waiting for `rid` to compute the prompt itself, now (unless it already gave up)."""
         try:
+            self.rt.directory.create_pending(rid, self.rt.config.node_id)
             self.rt.directory.transition(rid, {TransferState.PENDING}, TransferState.FAILED, reason)
         except DirectoryError as exc:
             log.warning("request %s: cannot mark failed: %s", rid, exc)
