@@ -111,12 +111,21 @@ class PrefillNode:
         if self._drain.active:
             self._turn_away(work)
             return
+        if self._known(work.request_id):  # a duplicate must not overwrite (and leak) the blocks already held
+            log.warning("request %s: already pending or held here; duplicate dropped", work.request_id)
+            return
         reason = self._invalid(work)  # no PENDING entry first: the directory round trip would delay every prompt
         if reason:
             log.warning("request %s: %s", work.request_id, reason)
             self._mark_failed(work.request_id, reason)
             return
         self._pending.append(_Pending(work, time.monotonic()))
+
+    def _known(self, rid: str) -> bool:
+        with self._lock:
+            if rid in self._held_blocks:
+                return True
+        return any(p.work.request_id == rid for p in self._pending)
 
     def _turn_away(self, work: PrefillWork) -> None:
         """Work that arrived while draining: to another prefill node, else failed so decode recomputes now."""

@@ -194,7 +194,11 @@ def test_sigterm_prefill_node_mid_flight_loses_no_request(cluster, expected_long
 
     assert rc == 0
     assert drained_in < DRAIN_TIMEOUT_S
-    assert seen[-1] == "gone" and "draining" in seen, seen
+    assert seen[-1] == "gone", seen
+    # the draining mark can come and go between two polls when the held KV is pulled at once; then the
+    # node's log still shows it drained (marked itself draining) rather than just stopping
+    log_text = (cluster.spec.log_dir / "prefill.log").read_text(errors="replace")
+    assert "draining" in seen or "prefill-0 draining: finishing held work" in log_text, seen
     for w, got in zip(want, results):
         assert got["choices"][0]["token_ids"] == w
     assert any(got["kvwire"]["bypassed"] for got in results)  # KV computed before or during the drain was pulled
