@@ -12,10 +12,16 @@ class Wakeup:
         os.set_blocking(self._w, False)
 
     def wake(self) -> None:
+        """Safe from any thread or signal handler, also after close() (a late signal during shutdown)."""
+        w = self._w
+        if w < 0:
+            return
         try:
-            os.write(self._w, b"x")
+            os.write(w, b"x")
         except BlockingIOError:
             pass  # the pipe is full: a wake-up is already pending
+        except OSError:
+            pass  # closed meanwhile: nobody is left to wake
 
     def drain(self) -> None:
         try:
@@ -25,5 +31,7 @@ class Wakeup:
             pass
 
     def close(self) -> None:
-        os.close(self.fd)
-        os.close(self._w)
+        w, self._w = self._w, -1
+        if w >= 0:
+            os.close(self.fd)
+            os.close(w)
