@@ -15,7 +15,7 @@ import torch
 
 from bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
 from connectors.kv_region import KVRegion
-from connectors.tcp.stream import ByteStream, Staging, byte_parts
+from connectors.tcp.stream import pump
 
 
 def _region(work: Workload, filled: bool) -> KVRegion:
@@ -40,11 +40,6 @@ def limit_memcpy(work: Workload, runs: int, warmup: int) -> tuple[list[float], b
     return times, checksum(src, work.block_ids(0)) == checksum(dst, work.block_ids(1))
 
 
-def _stream(region: KVRegion, runs: list[tuple[int, int]], outbound: bool) -> ByteStream:
-    """The runs' bytes as the TCP connector's own scatter/gather cursor (host memory: no staging)."""
-    return ByteStream(byte_parts(region.pieces(runs)), outbound, Staging())
-
-
 def _tcp_sender(work: Workload, port_q, trials: int) -> None:
     torch.set_num_threads(1)
     src = _region(work, True)
@@ -55,17 +50,7 @@ def _tcp_sender(work: Workload, port_q, trials: int) -> None:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for _ in range(trials):
                 conn.recv(1)  # "go"
-                stream = _stream(src, work.runs(0), outbound=True)
-                while not stream.done:
-                    stream.advance(conn.sendmsg(stream.batch()))
-
-
-def _recv_all(sock: socket.socket, stream: ByteStream) -> None:
-    while not stream.done:
-        got = sock.recvmsg_into(stream.batch())[0]
-        if got == 0:
-            raise ConnectionError("sender closed early")
-        stream.advance(got)
+                pump(conn, src.pieces(work.runs(0)), outbound=True)
 
 
 def limit_tcp(work: Workload, runs: int, warmup: int) -> tuple[list[float], bool]:
@@ -83,7 +68,7 @@ def limit_tcp(work: Workload, runs: int, warmup: int) -> tuple[list[float], bool
                 zero_blocks(dst, work.block_ids(1))
                 start = time.perf_counter()
                 sock.send(b"g")
-                _recv_all(sock, _stream(dst, work.runs(1), outbound=False))
+                pump(sock, dst.pieces(work.runs(1)), outbound=False)
                 if i >= warmup:
                     times.append(time.perf_counter() - start)
         return times, checksum(dst, work.block_ids(1)) == want

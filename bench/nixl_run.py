@@ -42,8 +42,7 @@ def _agent(name: str, region: KVRegion):
 
     agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
     agent.create_backend("UCX", {})
-    regs = np.array([[p.data_ptr(), p.numel(), 0] for p in region.planes], dtype=np.uint64).reshape(-1, 3)
-    agent.register_memory(regs, "DRAM")
+    agent.register_memory(piece_table(region, [(0, region.num_blocks)]), "DRAM")  # every plane, whole
     return agent
 
 

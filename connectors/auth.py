@@ -57,10 +57,6 @@ def install(secret: bytes | None) -> None:
     _secret = secret
 
 
-def enabled() -> bool:
-    return _secret is not None
-
-
 def rejected_count() -> int:
     """Messages refused for a missing or wrong seal since the process started."""
     return _rejected

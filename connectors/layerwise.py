@@ -24,7 +24,7 @@ import threading
 import torch
 
 from connectors.kv_region import KVRegion
-from connectors.tcp.stream import ByteStream, Staging, byte_parts
+from connectors.tcp.stream import pump
 from connectors.wire import PoolLayout
 
 _HEADER = struct.Struct("<4sIQ")  # magic, layer, nbytes
@@ -55,13 +55,11 @@ def _nbytes(pieces: list[torch.Tensor]) -> int:
     return sum(p.numel() for p in pieces)
 
 
-def _move(sock: socket.socket, pieces: list[torch.Tensor], outbound: bool, peer: str) -> None:
-    stream = ByteStream(byte_parts(pieces), outbound, Staging())
-    while not stream.done:
-        n = sock.sendmsg(stream.batch()) if outbound else sock.recvmsg_into(stream.batch())[0]
-        if n == 0:
-            raise LayerStreamError(peer, "peer closed the stream mid-layer")
-        stream.advance(n)
+def _move(sock: socket.socket, pieces: list[torch.Tensor], outbound: bool, peer: str, where: str) -> None:
+    try:
+        pump(sock, pieces, outbound)
+    except ConnectionError:
+        raise LayerStreamError(peer, f"peer closed the stream {where}") from None
 
 
 class LayerSender:
@@ -90,7 +88,7 @@ class LayerSender:
             while (layer := self._todo.get()) is not None:
                 pieces = layer_pieces(self._region, self._blocks, layer)
                 self._sock.sendall(_HEADER.pack(_MAGIC, layer, _nbytes(pieces)))
-                _move(self._sock, pieces, outbound=True, peer=self._peer)
+                _move(self._sock, pieces, True, self._peer, "mid-layer")
         except BaseException as exc:  # noqa: BLE001 - reported by finish()
             self._error = exc
 
@@ -108,14 +106,9 @@ class LayerReceiver:
             if magic != _MAGIC or got != layer or nbytes != _nbytes(pieces):
                 raise LayerStreamError(self._peer, f"expected layer {layer} of {_nbytes(pieces)} bytes, "
                                                    f"got header {magic!r} layer {got} of {nbytes} bytes")
-            _move(self._sock, pieces, outbound=False, peer=self._peer)
+            _move(self._sock, pieces, False, self._peer, "mid-layer")
 
     def _read_header(self) -> bytes:
-        buf = bytearray(_HEADER.size)
-        view, got = memoryview(buf), 0
-        while got < _HEADER.size:
-            n = self._sock.recv_into(view[got:])
-            if n == 0:
-                raise LayerStreamError(self._peer, "peer closed the stream between layers")
-            got += n
-        return bytes(buf)
+        header = torch.empty(_HEADER.size, dtype=torch.uint8)
+        _move(self._sock, [header], False, self._peer, "between layers")
+        return header.numpy().tobytes()

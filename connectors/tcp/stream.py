@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import socket
 
 import torch
 
@@ -141,3 +142,17 @@ class ByteStream:
 
 def _nbytes(part: Part) -> int:
     return part.nbytes if isinstance(part, memoryview) else part.numel()
+
+
+def pump(sock: socket.socket, tensors: list[torch.Tensor], outbound: bool) -> None:
+    """Blocking: send (`outbound`) or receive every byte of `tensors` through `sock`, scatter/gather.
+
+    Raises:
+        ConnectionError: the peer closed the connection before the last byte.
+    """
+    stream = ByteStream(byte_parts(tensors), outbound, Staging())
+    while not stream.done:
+        moved = sock.sendmsg(stream.batch()) if outbound else sock.recvmsg_into(stream.batch())[0]
+        if moved == 0:
+            raise ConnectionError("peer closed the connection mid-stream")
+        stream.advance(moved)
