@@ -171,6 +171,19 @@ class KVDirectory:
         self._publish = self._redis.register_script(LUA_PUBLISH)
         self._transition = self._redis.register_script(LUA_TRANSITION)
         self._put_node = self._redis.register_script(LUA_PUT_NODE)
+        self._load_scripts()
+
+    def _load_scripts(self) -> None:
+        """Load the scripts now (one round trip), so pipelined EVALSHAs find them; best effort: a server
+        that is down, or forgets them later, answers NOSCRIPT and the step is re-run (directory_batch.py)."""
+        scripts = (self._create, self._publish, self._transition, self._put_node)
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            for script in scripts:
+                pipe.script_load(script.script)
+            pipe.execute()
+        except redis.RedisError as exc:
+            logger.debug("directory %s: scripts not loaded yet: %s", self.peer, exc)
 
     def _entry_keys(self, request_id: str) -> list[str]:
         return [f"{self.namespace}:req:{request_id}", f"{self.namespace}:ev:{request_id}"]

@@ -24,3 +24,29 @@ def test_batch_runs_the_same_checks_as_single_steps(redis_url):
         assert d.get("a") is None and d.get("done").state == TransferState.FAILED
     finally:
         d.close()
+
+
+def test_batch_is_one_round_trip_and_survives_a_server_that_forgot_its_scripts(redis_url):
+    """Scripts travel as EVALSHA without redis-py's SCRIPT EXISTS round trip; after SCRIPT FLUSH (what a
+    restarted server looks like) the NOSCRIPT steps are re-run with the script loaded, in order."""
+    import redis
+
+    d = KVDirectory(redis_url, namespace="batch-noscript")
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        assert DirectoryBatch(d).publish_ready(_location("warm")).execute() == [True]  # scripts loaded once
+        before = admin.info("commandstats").get("cmdstat_script|exists", {}).get("calls", 0)
+        assert DirectoryBatch(d).publish_ready(_location("x")).get("x").execute()[0] is True
+        assert admin.info("commandstats").get("cmdstat_script|exists", {}).get("calls", 0) == before
+
+        admin.script_flush()
+        published, entry, consumed, deleted = (DirectoryBatch(d).publish_ready(_location("y")).get("y")
+                                               .transition("x", {TransferState.READY}, TransferState.CONSUMED)
+                                               .delete("warm").execute())
+        assert published and consumed and deleted is None
+        assert entry is None  # read in the batch, before the NOSCRIPT step was re-run
+        assert d.get("y").state == TransferState.READY and d.get("x").state == TransferState.CONSUMED
+        assert d.get("warm") is None
+    finally:
+        admin.close()
+        d.close()
