@@ -58,27 +58,52 @@ def measure(method: Method, work: Workload, runs: int, warmup: int, redis_url: s
 
 
 def bench_transfer(methods: list[Method], tokens: list[int], placements: list[Placement], pools: list[PoolLayout],
-                   runs: int, warmup: int, redis_url: str, on_row: Callable[[Row], None] = lambda r: None
-                   ) -> list[Row]:
-    """Run every supported (tokens, placement, pool, method) combination; `on_row` sees each row as it is made."""
+                   runs: int, warmup: int, redis_url: str, on_row: Callable[[Row], None] = lambda r: None,
+                   rounds: int = 1) -> list[Row]:
+    """Run every supported (tokens, placement, pool, method) combination, `rounds` times over.
+
+    Rounds interleave the methods: each round runs every combination for `runs` runs, and a
+    row's figures pool the runs of all rounds, so a slow spell of the machine (a shared VM's
+    neighbours) lands on every method instead of on whichever ran during it. `on_row` sees
+    each combination's row for the round just run (progress); the returned rows pool them all.
+    """
     import torch
 
     torch.set_num_threads(1)  # this process is the consumer; idle OpenMP workers spinning would steal a core
-    rows = []
-    for n in tokens:
-        for placement in placements:
-            for pool in pools:
-                work = Workload(n, placement, pool)
-                for method in methods:
-                    if not supports(method, pool):
-                        continue
-                    seconds, verified, extra = measure(method, work, runs, warmup, redis_url)
-                    row = make_row(method.value, work, seconds, verified, extra)
-                    rows.append(row)
-                    on_row(row)
-    return rows
+    combos = [(Workload(n, placement, pool), method) for n in tokens for placement in placements for pool in pools
+              for method in methods if supports(method, pool)]
+    seconds: list[list[float]] = [[] for _ in combos]
+    verified = [True] * len(combos)
+    extra: list[int | None] = [None] * len(combos)
+    for _ in range(rounds):
+        for i, (work, method) in enumerate(combos):
+            got, ok, peak = measure(method, work, runs, warmup, redis_url)
+            seconds[i] += got
+            verified[i] &= ok
+            extra[i] = peak if extra[i] is None else max(extra[i], peak or 0)
+            on_row(make_row(method.value, work, got, ok, peak))
+    return [make_row(method.value, work, seconds[i], verified[i], extra[i]) for i, (work, method) in enumerate(combos)]
 
 
 def combinations(methods: list[Method], tokens: list[int], placements: list[Placement],
                  pools: list[PoolLayout]) -> int:
     return len(tokens) * len(placements) * sum(supports(m, p) for m in methods for p in pools)
+
+
+# The issue's targets: (method, compared with, at least this ratio of their medians)
+TARGETS = [(Method.SHM, Method.LIMIT_MEMCPY, 0.8), (Method.UCX, Method.NIXL, 1.0),
+           (Method.UCX_TCP, Method.NIXL_TCP, 1.0), (Method.TCP, Method.LIMIT_TCP, 0.8)]
+
+
+def target_lines(rows: list[Row]) -> list[str]:
+    """One line per target whose two methods ran on the same work: the ratio of medians, met or missed."""
+    by_key = {(r.method, r.tokens, r.layout, r.pool): r for r in rows}
+    lines = []
+    for (tokens, layout, pool) in dict.fromkeys((r.tokens, r.layout, r.pool) for r in rows):
+        for method, versus, least in TARGETS:
+            a, b = by_key.get((method, tokens, layout, pool)), by_key.get((versus, tokens, layout, pool))
+            if a and b:
+                ratio = a.gbps_median / b.gbps_median
+                lines.append(f"{tokens:>6} {layout:<10} {pool:<6} {method:>8} / {versus:<12} {ratio:5.2f}  "
+                             f"(target >= {least}: {'met' if ratio >= least else 'missed'})")
+    return lines

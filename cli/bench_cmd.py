@@ -36,6 +36,8 @@ def transfer(
         "kvwire,vllm",
     runs: Annotated[int, typer.Option("--runs", min=1, help="Measured runs per figure (the median is reported).")] = 5,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Unmeasured runs first.")] = 1,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Passes over all methods, interleaved; each "
+                                        "figure pools the runs of every pass (evens out a noisy machine).")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON instead of a table.")] = False,
     plot: Annotated[str | None, typer.Option("--plot", help="Also draw GB/s against size to this PNG file.")] = None,
     layerwise: Annotated[bool, typer.Option("--layerwise", help="Instead: stream layer by layer behind a "
@@ -49,7 +51,7 @@ def transfer(
     from tqdm import tqdm
 
     from bench.report import table, to_json
-    from bench.transfer import bench_transfer, combinations
+    from bench.transfer import bench_transfer, combinations, target_lines
     from cli.redis_server import LocalRedis
 
     sizes = _csv(tokens, int)
@@ -58,13 +60,16 @@ def transfer(
         _layerwise(sizes, where, whose, runs, warmup, compute_ms, as_json)
         return
     with LocalRedis() if redis_url is None else contextlib.nullcontext() as redis:
-        with tqdm(total=combinations(chosen, sizes, where, whose), desc="bench transfer", file=sys.stderr) as bar:
+        total = rounds * combinations(chosen, sizes, where, whose)
+        with tqdm(total=total, desc="bench transfer", file=sys.stderr) as bar:
             def on_row(row):
                 bar.set_postfix_str(f"{row.method} {row.tokens} {row.layout} {row.pool}: {row.gbps_median:.2f} GB/s")
                 bar.update()
 
-            rows = bench_transfer(chosen, sizes, where, whose, runs, warmup, redis_url or redis.url, on_row)
+            rows = bench_transfer(chosen, sizes, where, whose, runs, warmup, redis_url or redis.url, on_row, rounds)
     typer.echo(to_json(rows).decode() if as_json else table(rows))
+    if not as_json and (targets := target_lines(rows)):
+        typer.echo("\nratios of medians (the performance issue's targets):\n" + "\n".join(targets))
     if plot:
         from bench.plot import plot_rows
 

@@ -61,3 +61,26 @@ def test_cli_prints_json_rows_and_draws_the_plot(tmp_path):
                                                           for t in (16, 32)}
     assert all(r["verified"] and r["layout"] == "contiguous" and r["pool"] == "kvwire" for r in rows)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_rounds_interleave_methods_and_pool_their_runs(redis_url):
+    seen = []
+    rows = bench_transfer([Method.LIMIT_MEMCPY, Method.LIMIT_TCP], [16], [Placement.SCATTERED], [KVWIRE], runs=2,
+                          warmup=0, redis_url=redis_url, on_row=lambda r: seen.append(r.method), rounds=3)
+    assert seen == ["limit-memcpy", "limit-tcp"] * 3  # one pass over every method per round
+    assert [(r.method, r.runs, r.verified) for r in rows] == [("limit-memcpy", 6, True), ("limit-tcp", 6, True)]
+
+
+def test_target_lines_compare_medians_of_the_same_work():
+    from bench.report import Row
+    from bench.transfer import target_lines
+
+    def row(method, gbps, tokens=2048):
+        return Row(method=method, tokens=tokens, layout="scattered", pool="kvwire", bytes=1, runs=5,
+                   gbps_median=gbps, gbps_min=gbps, gbps_max=gbps, ms_median=1.0, verified=True)
+
+    lines = target_lines([row("limit-tcp", 2.5), row("tcp", 2.0), row("nixl", 5.0), row("ucx", 4.5),
+                          row("ucx", 9.0, tokens=128)])  # no nixl at 128 tokens: no line
+    assert len(lines) == 2
+    assert "ucx / nixl" in lines[0] and "0.90" in lines[0] and "missed" in lines[0]
+    assert "tcp / limit-tcp" in lines[1] and "0.80" in lines[1] and "met" in lines[1]
