@@ -26,6 +26,7 @@ from connectors.kv_region import KVRegion
 from connectors.receiver import KVReceiver, Puller, Received
 from connectors.sender import KVSender
 from connectors.transfer_server import SendEngine, TransferServer
+from connectors.wire import PullRequest
 from engine.model_input import ModelInput
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,12 @@ class DirectoryConnector(KVConnectorBase):
         def trusted(consumer: str) -> bytes | None:
             return self.directory.get_endpoint(consumer, str(kind))
 
+        def delivered(msg: PullRequest, nbytes: int) -> None:
+            if self._sender is not None:
+                self._sender.on_delivered(msg, str(kind), nbytes)
+
         server = TransferServer(self.config.host, region, held, engine, self.config.kv_deadline_s, trusted,
-                                self._on_expired)
+                                self._on_expired, delivered)
         server.start()
         return server
 

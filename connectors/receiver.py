@@ -2,9 +2,10 @@
 
 For each request of a prompt batch: wait (bounded) for its directory entry to be
 READY, check the producer's layout matches ours, let the transport pull the blocks
-and hidden states, then mark the entry CONSUMED and delete it. Any failure marks the
-entry FAILED (so a late producer releases its blocks at once) and raises
-TransferError; the caller recomputes. Bytes and time of each pull, and each failure
+and hidden states. The producer, having confirmed the pull, marks the entry CONSUMED
+and deletes it (sender.py): no directory write on the way to the first token. Any
+failure here marks the entry FAILED (so a late producer releases its blocks at once)
+and raises TransferError; the caller recomputes. Bytes and time of each pull, and each failure
 by reason, go to the process's metrics.
 """
 
@@ -21,7 +22,6 @@ import torch
 from connectors.base import TransferError
 from connectors.config import ConnectorConfig, ConnectorKind
 from connectors.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState
-from connectors.directory_batch import DirectoryBatch
 from connectors.hidden import empty_like_descs
 from connectors.kv_checksum import layer_checksums
 from connectors.kv_region import KVRegion
@@ -110,8 +110,7 @@ class KVReceiver:
         elapsed = time.monotonic() - start
         transport = str(getattr(self._puller, "last_transport", loc.kind))
         self._verify(seq, loc)
-        self._metrics.observe_transfer(transport, nbytes, elapsed)
-        self._mark_consumed(rid, transport, nbytes)
+        self._metrics.observe_transfer(transport, nbytes, elapsed)  # the producer marks the entry CONSUMED
         log.info("request %s: %d bytes from %s over %s in %.2f ms", rid, nbytes, loc.producer, transport, elapsed * 1e3)
         return Received(hidden, loc.hidden, loc.intermediate, nbytes, elapsed, loc.producer, transport)
 
@@ -142,14 +141,6 @@ class KVReceiver:
             raise bad(f"block count mismatch: producer {len(loc.block_ids)}, needed {n_blocks}, ours {len(seq.block_ids)}")
         if any(d.shape[:1] != (seq.num_tokens,) for d in loc.hidden):
             raise bad("hidden states do not cover the prompt")
-
-    def _mark_consumed(self, request_id: str, transport: str, nbytes: int) -> None:
-        """The KV is in our blocks; directory trouble now must not force a recompute."""
-        try:  # one round trip: the first token waits on it
-            DirectoryBatch(self._directory).transition(request_id, {TransferState.READY}, TransferState.CONSUMED) \
-                .delete(request_id).record_transfer(self._config.node_id, transport, nbytes).execute()
-        except DirectoryError as exc:
-            log.warning("request %s: received, but the directory could not be updated: %s", request_id, exc)
 
     def _mark_failed(self, request_id: str, reason: str) -> None:
         log.warning("request %s: transfer failed, recomputing: %s", request_id, reason)

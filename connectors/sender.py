@@ -3,7 +3,9 @@
 After a prefill forward, each request's blocks and hidden states enter the held
 table and its location is published READY in the directory. The transport's
 transfer server serves pulls; the held table releases the blocks (through the
-node's callback) when a pull finishes, fails, or never comes.
+node's callback) when a pull finishes, fails, or never comes. A pull confirmed to its
+consumer moves the entry to CONSUMED and deletes it from here (`on_delivered`), so the
+consumer's path to its first token makes no directory write.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from connectors.config import ConnectorConfig, ConnectorKind
 from connectors.directory import DirectoryError, KVDirectory, TransferState
+from connectors.directory_batch import DirectoryBatch
 from connectors.held import HeldRequest, HeldTable
 from connectors.hidden import split_request
 from connectors.host import host_identity
@@ -22,7 +25,7 @@ from connectors.kv_checksum import layer_checksums
 from connectors.kv_region import KVRegion
 from connectors.transfer_server import TransferServer
 from connectors.types import IntermediateTensors
-from connectors.wire import KVLocation, TransportOffer
+from connectors.wire import KVLocation, PullRequest, TransportOffer
 from engine.model_input import ModelInput
 
 log = logging.getLogger(__name__)
@@ -67,6 +70,18 @@ class KVSender:
 
     def _checksums(self, blocks: list[int]) -> list[int]:
         return layer_checksums(self._region, list(blocks)) if self._config.verify_kv else []
+
+    def on_delivered(self, pull: PullRequest, transport: str, nbytes: int) -> None:
+        """Called by the server once a pull is confirmed to its consumer: the entry becomes CONSUMED and is
+        deleted, and the consumer's transfer is counted, in one round trip made here rather than on the
+        consumer's way to its first token. Trouble with the directory now costs nothing but bookkeeping."""
+        rid = pull.request_id
+        try:
+            DirectoryBatch(self._directory).transition(rid, {TransferState.READY}, TransferState.CONSUMED) \
+                .delete(rid).record_transfer(pull.consumer, transport, nbytes).execute()
+        except DirectoryError as exc:
+            log.warning("request %s: delivered to %s, but the directory could not be updated: %s",
+                        rid, pull.consumer, exc)
 
     def on_expired(self, request_id: str) -> None:
         """Called by the server when a held request was never pulled."""

@@ -81,7 +81,8 @@ class SendEngine(ABC):
 
 class TransferServer:
     def __init__(self, host: str, region: KVRegion, held: HeldTable, engine: SendEngine, send_deadline_s: float,
-                 trusted_endpoint: Callable[[str], bytes | None], on_expired: Callable[[str], None] | None = None):
+                 trusted_endpoint: Callable[[str], bytes | None], on_expired: Callable[[str], None] | None = None,
+                 on_delivered: Callable[[PullRequest, int], None] | None = None):
         """Args:
         host: address the side channel binds.
         region: the pool's bytes.
@@ -91,12 +92,15 @@ class TransferServer:
         trusted_endpoint: the transport address a consumer published in the directory;
             pulls naming any other address are refused (UCX aborts on a malformed one).
         on_expired: called for a held request released at its hold deadline.
+        on_delivered: called with the pull and its bytes once a pull is confirmed to its consumer
+            (the directory bookkeeping then happens here, off the consumer's path to its first token).
         """
         self._region, self._held, self._engine = region, held, engine
         self._send_deadline_s = send_deadline_s
         self._trusted_endpoint = trusted_endpoint
         self._trusted: dict[str, tuple[bytes, float]] = {}  # consumer -> (verified address, when)
         self._on_expired = on_expired or (lambda rid: None)
+        self._on_delivered = on_delivered or (lambda msg, nbytes: None)
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
@@ -245,6 +249,8 @@ class TransferServer:
         if not job.replied:
             self._reply(job.identity, job.msg, error is None, "" if error is None else f"send failed: {error}")
         self._held.release(job.msg.request_id)
+        if error is None:
+            self._on_delivered(job.msg, sum(p.numel() * p.element_size() for p in job.pieces))
 
     def _reply(self, identity: bytes, msg: PullRequest, ok: bool, reason: str = "") -> None:
         reply = PullReply(request_id=msg.request_id, transfer_id=msg.transfer_id, ok=ok, reason=reason)
