@@ -48,7 +48,15 @@ class KVSender:
         self._epoch = epoch
 
     def publish(self, model_input: ModelInput, hidden: torch.Tensor | IntermediateTensors) -> None:
-        """Hold and advertise every request of a computed prompt batch."""
+        """Hold and advertise every request of a computed prompt batch.
+
+        A READY entry means the bytes are in place: consumers that read the pool themselves
+        (shared memory, CUDA IPC) may read as soon as they see it, so a CUDA pool's writes are
+        synchronized first.
+        """
+        plane = self._region.planes[0]
+        if plane.is_cuda:
+            torch.cuda.synchronize(plane.device)
         for seq, rows in zip(model_input.sequences, model_input.token_slices()):
             if seq.start_pos != 0:
                 raise ValueError(f"request {seq.request_id}: only whole prompts can be published")

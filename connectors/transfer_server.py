@@ -27,7 +27,7 @@ import zmq
 
 from connectors.held import HeldRequest, HeldTable
 from connectors.kv_region import KVRegion, plan_runs
-from connectors.wire import PullDone, PullReply, PullRequest, WireError, pack, unpack
+from connectors.wire import PullReply, PullRequest, WireError, pack, unpack
 from engine.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class SendJob:
     held: HeldRequest
     pieces: list[torch.Tensor]
     deadline: float
-    replied: bool = False  # a grant was already sent (consumer-driven transports)
+    replied: bool = False  # the engine answered the consumer itself (shared memory, on its own socket)
     state: object = field(default=None)  # the engine's own per-job data
 
 
@@ -125,11 +125,6 @@ class TransferServer:
         self._finished.put((job, error))
         self._wakeup.wake()
 
-    def grant(self, job: SendJob) -> None:
-        """Consumer-driven transports: tell the consumer to read now; `finish` follows its PullDone."""
-        job.replied = True
-        self._reply(job.identity, job.msg, True)
-
     def close(self) -> None:
         self._stop.set()
         self.wake()
@@ -181,16 +176,9 @@ class TransferServer:
             return
         identity, payload = frames[0].bytes, frames[1].buffer
         try:
-            msg = unpack(payload, expect=(PullRequest, PullDone))
+            msg = unpack(payload, expect=PullRequest)
         except WireError as exc:
             self._reject(identity, str(exc))
-            return
-        if isinstance(msg, PullDone):
-            job = self._jobs.get((msg.request_id, msg.transfer_id))
-            if job is None or job.identity != identity or not job.replied:
-                self._reject(identity, f"PullDone for no granted pull of {msg.request_id}")
-                return
-            self._complete(job, None)
             return
         self._start_pull(identity, msg)
 
@@ -199,24 +187,36 @@ class TransferServer:
         log.warning("side channel: rejected message from peer %s: %s", identity.hex(), reason)
 
     def _start_pull(self, identity: bytes, msg: PullRequest) -> None:
-        held = self._held.begin_pull(msg.request_id)
-        if held is None:
-            self._reply(identity, msg, False, "request unknown, released or already being pulled")
+        job = self.claim(msg, identity)
+        if isinstance(job, str):
+            self._reply(identity, msg, False, job)
             return
-        reason = self._refusal(msg, held)
-        if reason:
-            log.warning("request %s: pull from %s refused: %s", msg.request_id, msg.consumer, reason)
-            self._reply(identity, msg, False, reason)
-            self._held.end_pull(msg.request_id)  # a stranger must not make us drop the real consumer's KV
-            return
-        runs = plan_runs(held.location.block_ids, msg.dst_block_ids)
-        pieces = self._region.pieces([(s, n) for s, _, n in runs]) + held.hidden
-        job = SendJob(identity, msg, held, pieces, time.monotonic() + self._send_deadline_s)
-        self._jobs[(msg.request_id, msg.transfer_id)] = job
         try:
             self._engine.start(job)
         except Exception as exc:  # noqa: BLE001 - a bad peer must not kill the server
             self._complete(job, exc)
+
+    def claim(self, msg: PullRequest, identity: bytes = b"") -> SendJob | str:
+        """Let `msg` pull its request, if it may: the request is then in flight until `finish`.
+
+        Server thread only. Engines that take pulls on their own channel (shared memory)
+        call this themselves and answer on that channel (`job.replied` set).
+        Returns:
+            The job, or why the pull is refused (the request stays pullable by its real consumer).
+        """
+        held = self._held.begin_pull(msg.request_id)
+        if held is None:
+            return "request unknown, released or already being pulled"
+        reason = self._refusal(msg, held)
+        if reason:
+            log.warning("request %s: pull from %s refused: %s", msg.request_id, msg.consumer, reason)
+            self._held.end_pull(msg.request_id)  # a stranger must not make us drop the real consumer's KV
+            return reason
+        runs = plan_runs(held.location.block_ids, msg.dst_block_ids)
+        pieces = self._region.pieces([(s, n) for s, _, n in runs]) + held.hidden
+        job = SendJob(identity, msg, held, pieces, time.monotonic() + self._send_deadline_s)
+        self._jobs[(msg.request_id, msg.transfer_id)] = job
+        return job
 
     def _trusts(self, consumer: str, address: bytes) -> bool:
         """Whether `address` is what `consumer` published; a match is remembered for TRUST_TTL_S (a

@@ -109,7 +109,11 @@ class NodeInfo(_Msg, tag="node"):
 
 
 class PullRequest(_Msg, tag="pull"):
-    """Consumer → producer: send request_id's KV into these blocks of mine."""
+    """Consumer → producer: send request_id's KV into these blocks of mine.
+
+    On a shared-memory producer's Unix socket it means instead: I have read request_id's
+    blocks into these of mine; confirm (connectors/shm).
+    """
 
     request_id: str
     transfer_id: int  # unique per consumer; the transport derives its tags from it
@@ -121,21 +125,14 @@ class PullRequest(_Msg, tag="pull"):
 class PullReply(_Msg, tag="pull_reply"):
     """Producer → consumer: the pull finished (ok) or was refused (reason).
 
-    For transports where the consumer reads the producer's memory itself (shared
-    memory), ok means "granted: read now", and the consumer answers `PullDone`.
+    For shared memory, where the consumer has already read the producer's pool, ok means
+    "the request was still held: your read stands".
     """
 
     request_id: str
     transfer_id: int
     ok: bool
     reason: str = ""
-
-
-class PullDone(_Msg, tag="pull_done"):
-    """Consumer → producer: I have read what a granted pull allowed; release it."""
-
-    request_id: str
-    transfer_id: int
 
 
 # --- shared-memory transport: the producer's Unix socket (connectors/shm) -------------------
@@ -165,10 +162,9 @@ class ShmSegment(_Msg, tag="shm_segment"):
     """Producer → consumer, answer to `ShmHello`: the KV pool to map.
 
     A host pool comes as a read-only memfd attached to this message (SCM_RIGHTS), a
-    CUDA pool as its IPC handle. Over the same socket the consumer then sends
-    `PullDone` after reading a granted pull, and the producer confirms with `PullReply`
-    (ok: the blocks were held throughout the read; the hidden states ride along as a
-    memfd).
+    CUDA pool as its IPC handle. Over the same socket the consumer then sends a
+    `PullRequest` after each read, and the producer confirms with `PullReply` (ok: the
+    blocks were held throughout the read; the hidden states ride along as a memfd).
     """
 
     producer: str
@@ -234,7 +230,7 @@ class WorkError(_Msg, tag="error"):
 
 
 Message = (
-    KVLayout | KVLocation | NodeInfo | PullRequest | PullReply | PullDone | ShmHello | ShmSegment
+    KVLayout | KVLocation | NodeInfo | PullRequest | PullReply | ShmHello | ShmSegment
     | PrefillWork | DecodeWork | TokenChunk | WorkError
 )
 

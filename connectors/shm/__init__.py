@@ -2,10 +2,11 @@
 
 The producer's KV pool lives in an anonymous memfd (CUDA: device memory exported by
 IPC handle); consumers receive it over the producer's private Unix socket and copy each
-run of blocks straight into their own pool, so every KV byte is copied once. The
-framework's zmq side channel grants each read (`PullReply` ok = "read now"); the Unix
-socket carries the consumer's `PullDone` and the producer's confirmation, which brings
-the hidden states along in a sealed memfd.
+run of blocks straight into their own pool, so every KV byte is copied once. A consumer
+reads as soon as the request is READY, then asks the producer over the Unix socket to
+confirm (`PullRequest`: "I read these"); the confirmation (`PullReply` ok: the request was
+still held, so its blocks were not reused during the read) brings the hidden states along
+in a sealed memfd. One round trip per pull; the zmq side channel carries nothing here.
 
 - `segment.py`: the producer's memfd pool, the consumer's read-only mapping, hidden-state memfds
 - `cuda_ipc.py`: the same for CUDA pools (untested here: no GPU)

@@ -9,9 +9,9 @@ it with the rest of that producer's mapping. torch's IPC reference counting keep
 producer's memory alive while a consumer holds it open. Unlike a memfd, a CUDA IPC
 mapping cannot be made read-only; the consumer only ever reads it.
 
-Ordering: the producer's forward writes the KV on its own stream, so the send engine
-synchronizes the device (`sync`) before granting a read, and the consumer synchronizes
-after its copies, before it tells the producer it is done.
+Ordering: the producer's forward writes the KV on its own stream, so the producer
+synchronizes the device before it publishes a request READY (connectors/sender.py), and
+the consumer synchronizes after its copies, before it asks the producer to confirm.
 """
 
 from __future__ import annotations
@@ -52,9 +52,6 @@ class CudaSegment:
         msg = ShmSegment(producer=self.producer, epoch=self.epoch, num_blocks=self.pool.num_blocks,
                          block_nbytes=self.pool.block_nbytes, cuda=ipc)
         return msg, []
-
-    def sync(self) -> None:
-        torch.cuda.synchronize(self.pool.data.device)
 
     def close(self) -> None:
         """Nothing to close: the pool is freed with its tensor."""

@@ -1,17 +1,20 @@
-"""The producer's shared-memory send engine: consumers read the pool, we only grant and confirm.
+"""The producer's shared-memory send engine: consumers read the pool, we only confirm.
 
 Lifecycle: `__init__` removes the sockets of dead incarnations of this node, listens on
 this incarnation's Unix socket (its path is our transport address) and watches it
 with an epoll set whose fd the transfer server polls, so everything below runs on the
 server thread. A consumer connects and says `ShmHello`; we answer `ShmSegment` with
-the pool's read-only memfd (or CUDA IPC handle). For each pull the server accepts,
-`start` grants it (the consumer now reads the blocks itself) and remembers the job.
-The consumer then sends `PullDone` on this socket; if the job is still granted we
+the pool's read-only memfd (or CUDA IPC handle). A consumer reads a READY request's
+blocks straight from the pool, then sends a `PullRequest` on this socket: "I read
+these; confirm". If the transfer server lets that pull claim the request (still held,
+not in flight elsewhere, the consumer's published address, matching block count), the
+blocks were held for the whole read (a held request's blocks are never reused), so we
 answer `PullReply(ok)` with the hidden states in a sealed memfd and finish the job,
-which releases the blocks. A job whose deadline passes is abandoned first: its late
-`PullDone` is answered not-ok, so the consumer discards what it read (the blocks may
-already have been reused). A consumer that disconnects finishes its granted jobs as
-failed at once. `close()` closes every connection and removes the socket file.
+which releases the blocks. Otherwise (expired, released, refused) we answer not-ok
+and the consumer discards what it read. One round trip per pull, after the read. A
+producer publishes READY only after its KV is written (CUDA: synchronized), so a
+read never races the writes. `close()` closes every connection and removes the
+socket file.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from connectors.shm.channel import (SOCKET_ROOT, close_fds, listen, peer_cred, r
                                     socket_dir, socket_path)
 from connectors.shm.segment import PoolSegment, pack_tensors
 from connectors.transfer_server import SendEngine, SendJob
-from connectors.wire import Message, PullDone, PullReply, ShmHello, WireError
+from connectors.wire import Message, PullReply, PullRequest, ShmHello, WireError
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +63,6 @@ class SHMSendEngine(SendEngine):
         self._epoll = select.epoll()
         self._epoll.register(self._listener.fileno(), select.EPOLLIN)
         self._conns: dict[int, _Conn] = {}
-        self._granted: dict[tuple[str, int], SendJob] = {}
 
     def fds(self) -> list[int]:
         return [self._epoll.fileno()]  # readable while any of our sockets is
@@ -73,14 +75,7 @@ class SHMSendEngine(SendEngine):
                 self._serve(self._conns[fd])
 
     def start(self, job: SendJob) -> None:
-        if not any(c.address == job.msg.transport_address for c in self._conns.values()):
-            raise ConnectionError(f"consumer {job.msg.consumer} has not mapped this producer's pool")
-        self._segment.sync()
-        self._granted[(job.msg.request_id, job.msg.transfer_id)] = job
-        self.server.grant(job)
-
-    def abandon(self, job: SendJob) -> None:
-        self._granted.pop((job.msg.request_id, job.msg.transfer_id), None)
+        raise ValueError("shared-memory reads are confirmed on the producer's Unix socket, not the side channel")
 
     def close(self) -> None:
         for conn in list(self._conns.values()):
@@ -109,7 +104,7 @@ class SHMSendEngine(SendEngine):
     def _serve(self, conn: _Conn) -> None:
         while conn.sock.fileno() in self._conns:
             try:
-                msg, fds = recv_msg(conn.sock, expect=(ShmHello, PullDone))
+                msg, fds = recv_msg(conn.sock, expect=(ShmHello, PullRequest))
             except BlockingIOError:
                 return
             except (OSError, WireError) as exc:
@@ -119,7 +114,7 @@ class SHMSendEngine(SendEngine):
             if isinstance(msg, ShmHello):
                 self._hello(conn, msg)
             else:
-                self._done(conn, msg)
+                self._confirm(conn, msg)
 
     def _hello(self, conn: _Conn, msg: ShmHello) -> None:
         if conn.address:
@@ -130,19 +125,24 @@ class SHMSendEngine(SendEngine):
         self._send(conn, segment, fds)
         log.debug("node %s: consumer %s (pid %d) mapped the pool", self._node_id, msg.consumer, conn.pid)
 
-    def _done(self, conn: _Conn, msg: PullDone) -> None:
-        key = (msg.request_id, msg.transfer_id)
-        job = self._granted.get(key)
-        if job is None or not conn.address or job.msg.transport_address != conn.address:
+    def _confirm(self, conn: _Conn, msg: PullRequest) -> None:
+        """The consumer has read `msg`'s blocks: ok if the pull may claim the request (so it was held throughout)."""
+        def refuse(reason: str) -> None:
             self._send(conn, PullReply(request_id=msg.request_id, transfer_id=msg.transfer_id, ok=False,
-                                       reason="no granted pull: its deadline passed, or it is not yours"))
+                                       reason=reason))
+
+        if not conn.address or msg.transport_address != conn.address:
+            refuse("the read names another consumer than the one that mapped the pool")
             return
-        del self._granted[key]
+        job = self.server.claim(msg)
+        if isinstance(job, str):
+            refuse(job)
+            return
+        job.replied = True
         try:
             fd = pack_tensors(job.held.hidden)
         except OSError as exc:
-            self._send(conn, PullReply(request_id=msg.request_id, transfer_id=msg.transfer_id, ok=False,
-                                       reason=f"cannot hand over the hidden states: {exc}"))
+            refuse(f"cannot hand over the hidden states: {exc}")
             self.server.finish(job, exc)
             return
         try:
@@ -168,9 +168,3 @@ class SHMSendEngine(SendEngine):
         self._epoll.unregister(fd)
         conn.sock.close()
         log.debug("node %s: connection of consumer %r closed: %s", self._node_id, conn.consumer, reason)
-        if not conn.address or any(c.address == conn.address for c in self._conns.values()):
-            return
-        for key, job in list(self._granted.items()):
-            if job.msg.transport_address == conn.address:
-                del self._granted[key]
-                self.server.finish(job, ConnectionError(f"consumer {conn.consumer} disconnected: {reason}"))

@@ -6,12 +6,13 @@ or opened by IPC handle (CUDA). A new epoch of that producer, or any failure, dr
 mapping; the next pull maps again. A mapping keeps the producer's memory alive, so
 every pull first drops the mappings of producers that have gone (their socket hung up).
 
-One pull: map (if needed) → `PullRequest` on the side channel → wait for the grant →
-copy each run of blocks consecutive on both sides with one `copy_` (the only copy of
-those bytes) → `PullDone` on the Unix socket → wait for the producer's `PullReply`.
-Only an ok there makes the read count: it says the producer still held the blocks when
-the read ended (a producer that passed its deadline may already have reused them), and
-it carries the hidden states in a sealed memfd. Every wait ends at the pull's deadline.
+One pull: map (if needed) → copy each run of blocks consecutive on both sides with one
+`copy_` (the only copy of those bytes), straight from the READY entry's blocks → a
+`PullRequest` on the Unix socket ("I read these; confirm") → wait for the producer's
+`PullReply`: one round trip, after the read. Only an ok there makes the read count: it
+says the pull claimed a request the producer still held, so its blocks were not reused
+during the read (one that expired or was released may have been), and it carries the
+hidden states in a sealed memfd. Every wait ends at the pull's deadline.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ from connectors.kv_region import KVRegion, plan_runs
 from connectors.shm.channel import close_fds, connect, hung_up, recv_msg, send_msg
 from connectors.shm.cuda_ipc import map_cuda, synchronize
 from connectors.shm.segment import map_host, unpack_tensors
-from connectors.side_channel import SideChannelClient
-from connectors.wire import KVLocation, PullDone, PullReply, PullRequest, ShmHello, ShmSegment
+from connectors.wire import KVLocation, PullReply, PullRequest, ShmHello, ShmSegment
 
 
 @dataclass(eq=False)
@@ -59,7 +59,6 @@ class SHMPuller:
         self._dst = region.planes[0]
         self.transport_address = f"shm:{node_id}:{os.getpid()}:{secrets.token_hex(16)}".encode()
         self._maps: dict[str, _Mapping] = {}
-        self._channel = SideChannelClient()
         self._transfer_ids = itertools.count(1)
 
     def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
@@ -81,28 +80,25 @@ class SHMPuller:
     def close(self) -> None:
         for producer in list(self._maps):
             self._forget(producer)
-        self._channel.close()
 
     def _pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
         self._reap()
         mapping = self._mapping(loc, deadline)
         runs = plan_runs(loc.block_ids, dst_blocks)
         self._check_ranges(loc, mapping, runs)
-        transfer_id = next(self._transfer_ids)
-        self._channel.send(loc.side_channel, PullRequest(
-            request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
-            transport_address=self.transport_address, dst_block_ids=dst_blocks))
-        self._channel.wait(loc, transfer_id, deadline)  # ok here means "granted: read now"
         for src, dst, n in runs:
             self._dst[dst:dst + n].copy_(mapping.blocks[src:src + n])
         synchronize([self._dst, mapping.blocks])
-        hidden_bytes = self._confirm(mapping, loc, transfer_id, hidden, deadline)
+        hidden_bytes = self._confirm(mapping, loc, dst_blocks, hidden, deadline)
         return len(dst_blocks) * self._dst.shape[1] + hidden_bytes
 
-    def _confirm(self, mapping: _Mapping, loc: KVLocation, transfer_id: int, hidden: list[torch.Tensor],
+    def _confirm(self, mapping: _Mapping, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor],
                  deadline: float) -> int:
+        transfer_id = next(self._transfer_ids)
         mapping.sock.settimeout(_remaining(loc, deadline))
-        send_msg(mapping.sock, PullDone(request_id=loc.request_id, transfer_id=transfer_id))
+        send_msg(mapping.sock, PullRequest(request_id=loc.request_id, transfer_id=transfer_id,
+                                           consumer=self._node_id, transport_address=self.transport_address,
+                                           dst_block_ids=dst_blocks))
         try:
             reply, fds = recv_msg(mapping.sock, expect=PullReply)
         except TimeoutError:

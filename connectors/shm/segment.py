@@ -42,9 +42,6 @@ class PoolSegment(Protocol):
     def export(self) -> tuple[ShmSegment, list[int]]:
         """The message and descriptors (owned by the segment) that let a consumer map the pool."""
 
-    def sync(self) -> None:
-        """Make every write made to the pool so far visible to readers."""
-
     def close(self) -> None:
         """Release what the segment holds besides the pool's memory."""
 
@@ -97,9 +94,6 @@ class HostSegment:
         msg = ShmSegment(producer=self.producer, epoch=self.epoch, num_blocks=self.pool.num_blocks,
                          block_nbytes=self.pool.block_nbytes)
         return msg, [self._ro_fd]
-
-    def sync(self) -> None:
-        """Host memory: writes are visible to readers as soon as they are made."""
 
     def close(self) -> None:
         """Close the descriptors; the pool stays mapped while its tensors live."""

@@ -46,15 +46,21 @@ def config(kind: ConnectorKind, role: NodeRole, node_id: str, redis_url: str, de
 
 
 def _die_on_first_send(conn) -> None:
-    """Make this process SIGKILL itself right after any of its transports starts the first pull."""
-    for server in conn._servers.values():  # test-only reach into the servers
-        engine = server._engine
+    """Make this process SIGKILL itself right after any of its transports starts the first pull (shared memory,
+    where the consumer reads by itself: when the first read is claimed, before it is confirmed)."""
+    from connectors.shm.engine import SHMSendEngine
 
-        def start_then_die(job, start=engine.start):
-            start(job)
+    def then_die(step):
+        def wrapped(*args, **kwargs):
+            step(*args, **kwargs)
             os.kill(os.getpid(), signal.SIGKILL)
+        return wrapped
 
-        engine.start = start_then_die
+    for server in conn._servers.values():  # test-only reach into the servers
+        if isinstance(server._engine, SHMSendEngine):
+            server.claim = then_die(server.claim)
+        else:
+            server._engine.start = then_die(server._engine.start)
 
 
 def produce(redis_url: str, kind: ConnectorKind, lay: KVLayout, requests: list[tuple[str, int, list[int]]],

@@ -11,7 +11,7 @@ from connectors.kv_region import KVRegion
 from connectors.config import ConnectorKind
 from connectors.transfer_server import TransferServer
 from connectors.ucx.server import UCXSendEngine
-from connectors.wire import WIRE_VERSION, KVLocation, PullDone, PullReply, PullRequest, decode, encode
+from connectors.wire import WIRE_VERSION, KVLocation, PullReply, PullRequest, ShmHello, decode, encode
 from engine.kv_cache import KVPool
 from tests.connectors import peer
 
@@ -52,7 +52,7 @@ def test_garbage_is_dropped_and_counted_then_server_answers(server):
     srv, held, released, sock = server
     junk = [b"", b"\xff" * 40, _pull("a", [1])[:-2], msgspec.msgpack.encode([WIRE_VERSION + 1, {"type": "pull"}]),
             encode(PullReply(request_id="x", transfer_id=1, ok=True)),
-            encode(PullDone(request_id="x", transfer_id=1))]  # done with a pull nobody granted
+            encode(ShmHello(consumer="c", transport_address=b"a"))]  # valid, but not for this socket
     for j in junk:
         sock.send(j)
     sock.send(_pull("unknown", [1]))

@@ -23,7 +23,7 @@ import pytest
 import zmq
 
 from connectors.directory import KVDirectory, TransferState
-from connectors.wire import (WIRE_VERSION, DecodeWork, KVLayout, DType, PrefillWork, PullDone, PullReply,
+from connectors.wire import (WIRE_VERSION, DecodeWork, KVLayout, DType, PrefillWork, PullReply,
                              PullRequest, SamplingParams, TokenChunk, WorkError, decode, encode)
 from tests.faults.harness import REQUEST_TIMEOUT_S, SLACK_S, body_for, is_openai_error, judge, metric, post, wait_recovered, wait_until
 from tests.faults.test_node_faults import reference
@@ -48,7 +48,6 @@ def _templates(reply_to: str, consumer_address: bytes, held_rid: str) -> list:
                    prefill_node="", reply_to=reply_to),
         PullRequest(request_id=held_rid, transfer_id=7, consumer="decode-0", transport_address=consumer_address,
                     dst_block_ids=[0]),
-        PullDone(request_id=held_rid, transfer_id=7),
         PullReply(request_id="x", transfer_id=1, ok=True),
         TokenChunk(request_id="x", token_ids=[1]),
         WorkError(request_id="x", node="n", reason="r"),
