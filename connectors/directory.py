@@ -307,7 +307,26 @@ class KVDirectory:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            self._wait_event(request_id, last_event, min(remaining, _BLOCK_SLICE_S))
+            entry = self._wait_event(request_id, last_event, min(remaining, _BLOCK_SLICE_S))
+            if entry is not None and entry.state in wanted:
+                return entry  # a READY event carries the whole entry: no second read
+
+    def _wait_event(self, request_id: str, after: bytes, timeout_s: float) -> DirectoryEntry | None:
+        """Block until the request has an event newer than `after`, or timeout_s passes.
+
+        A stream, not a list popped with BLPOP: reading leaves each event for every other
+        waiter (a producer awaiting CONSUMED must not swallow the READY its consumer awaits),
+        and an event added since the snapshot is newer than `after`, so none is missed.
+        Returns:
+            The entry, when the newest event is a READY one (it carries the location);
+            otherwise None, and the caller reads the entry again.
+        """
+        events_key = self._entry_keys(request_id)[1]
+        with self._errors("wait_for", request_id):
+            got = self._blocking.xread({events_key: after}, count=EVENTS_MAXLEN, block=_ms(timeout_s))
+        events = got[0][1] if got else []
+        newest = events[-1][1] if events else {}
+        return self._parse_entry(request_id, newest) if b"location" in newest else None
 
     def _snapshot(self, request_id: str) -> tuple[DirectoryEntry | None, bytes]:
         """The entry and the id of its latest event, read in one MULTI."""
@@ -316,17 +335,6 @@ class KVDirectory:
             pipe = self._redis.pipeline(transaction=True)
             fields, last = pipe.hgetall(entry_key).xrevrange(events_key, count=1).execute()
         return self._parse_entry(request_id, fields), (last[0][0] if last else b"0-0")
-
-    def _wait_event(self, request_id: str, after: bytes, timeout_s: float) -> None:
-        """Block until the request has an event newer than `after`, or timeout_s passes.
-
-        A stream, not a list popped with BLPOP: reading leaves each event for every other
-        waiter (a producer awaiting CONSUMED must not swallow the READY its consumer awaits),
-        and an event added since the snapshot is newer than `after`, so none is missed.
-        """
-        events_key = self._entry_keys(request_id)[1]
-        with self._errors("wait_for", request_id):
-            self._blocking.xread({events_key: after}, count=EVENTS_MAXLEN, block=_ms(timeout_s))
 
     @_timed(DirectoryOp.DELETE)
     def delete(self, request_id: str) -> None:

@@ -2,11 +2,17 @@
 
 EVENTS_MAXLEN = 16  # an entry changes state at most 3 times
 
-# KEYS[1]: the entry hash, KEYS[2]: its event stream. emit() records a state change.
+# KEYS[1]: the entry hash, KEYS[2]: its event stream. emit() records a state change; the READY
+# event also carries the producer and location, so a waiter has the whole entry without reading it.
 LUA_EMIT = f"""
-local function emit(state, ttl)
+local function emit(state, ttl, producer, location)
   redis.call('PEXPIRE', KEYS[1], ttl)
-  redis.call('XADD', KEYS[2], 'MAXLEN', '{EVENTS_MAXLEN}', '*', 'state', state)
+  if location then
+    redis.call('XADD', KEYS[2], 'MAXLEN', '{EVENTS_MAXLEN}', '*', 'state', state, 'producer', producer,
+               'location', location)
+  else
+    redis.call('XADD', KEYS[2], 'MAXLEN', '{EVENTS_MAXLEN}', '*', 'state', state)
+  end
   redis.call('PEXPIRE', KEYS[2], ttl)
 end
 """
@@ -24,7 +30,7 @@ if tonumber(ARGV[4]) < latest then return -1 end
 local cur = redis.call('HGET', KEYS[1], 'state')
 if cur and cur ~= 'pending' then return 0 end
 redis.call('HSET', KEYS[1], 'state', 'ready', 'producer', ARGV[1], 'location', ARGV[2], 'reason', '')
-emit('ready', ARGV[3])
+emit('ready', ARGV[3], ARGV[1], ARGV[2])
 return 1
 """
 LUA_TRANSITION = LUA_EMIT + """

@@ -253,6 +253,19 @@ def test_wait_for_wakes_promptly(directory: KVDirectory, redis_url: str) -> None
     assert woke - published < 0.5
 
 
+def test_a_ready_event_carries_the_entry_so_the_waiter_reads_nothing_more(directory: KVDirectory,
+                                                                           raw: redis.Redis) -> None:
+    directory.create_pending("r1", "p")
+    thread, result = run_waiter(directory, "r1", [S.READY])
+    time.sleep(0.3)
+    reads = raw.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0)
+    directory.publish_ready(location("r1"))
+    thread.join(timeout=5)
+    entry, _ = result[0]
+    assert entry.state is S.READY and entry.producer == "prefill-0" and entry.location == location("r1")
+    assert raw.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0) == reads  # no second read
+
+
 def test_every_waiter_wakes(directory: KVDirectory) -> None:
     """Consumers awaiting READY and a producer awaiting CONSUMED, all at once."""
     directory.create_pending("r1", "p")
