@@ -8,11 +8,13 @@ Lifecycle of a request's entry (a Redis hash; every key has a TTL):
 
 A producer marks a request PENDING when it schedules it and READY, with the
 KVLocation, once its KV is in place (publish_ready also accepts an absent entry).
-The consumer waits for READY with `wait_for`, pulls the KV and moves the entry to
-CONSUMED; either side may move it to FAILED, a janitor to EXPIRED. CONSUMED, FAILED
+The consumer waits for READY with `wait_for` and pulls the KV; the producer, once it
+has confirmed the pull, moves the entry to CONSUMED and deletes it; either side may
+move it to FAILED, a janitor to EXPIRED. CONSUMED, FAILED
 and EXPIRED are terminal. Each change is one Lua script (compare-and-set) that also
 refreshes the TTLs and appends the new state to the request's event stream, which
-`wait_for` blocks on. Whatever nobody cleans up vanishes after entry_ttl_s.
+`wait_for` blocks on (the READY event carries the location, so a woken waiter needs no
+second read). Whatever nobody cleans up vanishes after entry_ttl_s.
 
 Nodes register a NodeInfo under a key that lives node_ttl_s; a `Heartbeat` thread
 (connectors/heartbeat.py) refreshes it every node_ttl_s/3, so a dead node leaves `live_nodes` within node_ttl_s.

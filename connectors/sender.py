@@ -36,7 +36,7 @@ class KVSender:
                  held: HeldTable, servers: dict[ConnectorKind, TransferServer], epoch: int):
         """Args:
         servers: one transfer server per transport this node serves its KV over, the
-            preferred first; they share `held`, so only one can grant a request's pull.
+            preferred first; they share `held`, so only one of them can serve a request's pull.
         """
         self._config = config
         self._directory = directory

@@ -9,6 +9,7 @@ passes: never a sleep loop.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Callable
 
@@ -52,6 +53,8 @@ class SideChannelClient:
                 raise TransferError(loc.request_id, loc.producer, "transfer did not complete before the deadline")
             if can_block():
                 poller.poll(int(remaining * 1000) + 1)
+            else:
+                os.sched_yield()  # spinning: let this core's other threads (zmq's I/O thread) run
 
     def drop(self, endpoint: str) -> None:
         """Forget a socket that may still receive a stale reply."""

@@ -15,6 +15,7 @@ hold deadline. Malformed messages are logged with the peer, counted and dropped.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -146,6 +147,8 @@ class TransferServer:
             if self._engine.can_block() and self._finished.empty():
                 poller.poll(self._timeout_ms())
                 self._wakeup.drain()
+            else:
+                os.sched_yield()  # spinning: let this core's other threads (zmq's I/O thread) run
 
     def _step(self) -> None:
         self._engine.progress()
