@@ -41,7 +41,7 @@ def _request(work: Workload, rid: str, side: int) -> ModelInput:
 def _pool(conn: KVConnectorBase, work: Workload) -> tuple[list[torch.Tensor], KVRegion]:
     """kvwire's pool comes from the connector (shm places it in shared memory); vLLM's the bench allocates."""
     if work.pool == PoolLayout.KVWIRE:
-        kv_caches = conn.allocate_kv_pool(work.layout, work.pool_blocks, "cpu").kv_caches
+        kv_caches = conn.allocate_kv_pool(work.layout, work.pool_blocks, str(work.device)).kv_caches
     else:
         kv_caches = allocate_pool(work)
     return kv_caches, KVRegion.from_kv_caches(kv_caches)
@@ -54,7 +54,7 @@ def _producer(kind: ConnectorKind, redis_url: str, work: Workload, pipe) -> None
     fill_random(region)
     conn.set_release_callback(lambda rid: None)
     conn.register_kv_caches(kv_caches)
-    hidden = torch.zeros(work.tokens, HIDDEN_WIDTH)
+    hidden = torch.zeros(work.tokens, HIDDEN_WIDTH, device=str(work.device))
     pipe.send(checksum(region, work.block_ids(0)))
     peak = PeakTracker()
     while (rid := pipe.recv()) is not None:

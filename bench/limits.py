@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
+from bench.workload import Device, Workload, allocate_pool, checksum, fill_random, zero_blocks
 from connectors.kv_region import KVRegion
 from connectors.tcp.stream import pump
 
@@ -26,15 +26,18 @@ def _region(work: Workload, filled: bool) -> KVRegion:
 
 
 def limit_memcpy(work: Workload, runs: int, warmup: int) -> tuple[list[float], bool]:
-    """Single-process gather → scatter of the request's pieces, one copy per byte."""
+    """Single-process gather → scatter of the request's pieces, one copy per byte (on a GPU: device to device)."""
     src, dst = _region(work, True), _region(work, False)
     pairs = list(zip(src.pieces(work.runs(0)), dst.pieces(work.runs(1))))
+    sync = torch.cuda.synchronize if work.device == Device.CUDA else (lambda: None)
     times = []
     for i in range(warmup + runs):
         zero_blocks(dst, work.block_ids(1))
+        sync()
         start = time.perf_counter()
         for s, d in pairs:
             d.copy_(s)
+        sync()  # a device copy is done when the device says so
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return times, checksum(src, work.block_ids(0)) == checksum(dst, work.block_ids(1))

@@ -22,6 +22,7 @@ class Row(msgspec.Struct, frozen=True):
     ms_median: float
     verified: bool
     extra_mib: float | None = None  # connectors: peak memory either process added during the runs
+    device: str = "cpu"  # where both pools lived: cpu or cuda
 
 
 def make_row(method: str, work: Workload, seconds: list[float], verified: bool, extra: int | None = None) -> Row:
@@ -31,19 +32,26 @@ def make_row(method: str, work: Workload, seconds: list[float], verified: bool, 
                runs=len(seconds),
                gbps_median=round(statistics.median(gbps), 3), gbps_min=round(min(gbps), 3),
                gbps_max=round(max(gbps), 3), ms_median=round(statistics.median(seconds) * 1e3, 2),
-               verified=verified, extra_mib=None if extra is None else round(extra / 2**20, 1))
+               verified=verified, extra_mib=None if extra is None else round(extra / 2**20, 1),
+               device=str(work.device))
 
 
 def table(rows: list[Row]) -> str:
-    head = (f"{'method':<13} {'tokens':>6} {'layout':<10} {'pool':<6} {'MiB':>7} {'GB/s med':>8} "
+    head = (f"{'method':<13} {'tokens':>6} {'layout':<10} {'pool':<6}{' dev ' if _any_gpu(rows) else ''} "
+            f"{'MiB':>7} {'GB/s med':>8} "
             f"{'min':>6} {'max':>6} {'ms med':>8} {'+MiB':>6}  verified")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.method:<13} {r.tokens:>6} {r.layout:<10} {r.pool:<6} {r.bytes / 2**20:>7.1f} "
+        lines.append(f"{r.method:<13} {r.tokens:>6} {r.layout:<10} {r.pool:<6}"
+                     f"{f' {r.device:<4}' if _any_gpu(rows) else ''} {r.bytes / 2**20:>7.1f} "
                      f"{r.gbps_median:>8.2f} {r.gbps_min:>6.2f} {r.gbps_max:>6.2f} {r.ms_median:>8.2f} "
                      f"{'-' if r.extra_mib is None else f'{r.extra_mib:.1f}':>6}  "
                      f"{'yes' if r.verified else 'NO'}")
     return "\n".join(lines)
+
+
+def _any_gpu(rows: list[Row]) -> bool:
+    return any(r.device != "cpu" for r in rows)
 
 
 def to_json(rows: list[Row]) -> bytes:

@@ -9,7 +9,7 @@ from bench.connector_run import run_connector
 from bench.limits import limit_memcpy, limit_tcp
 from bench.nixl_run import NixlOp, run_nixl
 from bench.report import Row, make_row
-from bench.workload import Placement, Workload
+from bench.workload import Device, Placement, Workload
 from connectors.config import ConnectorKind
 from connectors.wire import PoolLayout
 
@@ -35,10 +35,14 @@ NIXL_OPS = {Method.NIXL: NixlOp.READ, Method.NIXL_TCP: NixlOp.WRITE}
 
 # kvwire connectors whose peers map the pool need it allocated by the connector: kvwire's layout only
 KVWIRE_POOL_ONLY = {Method.SHM, Method.AUTO}
+# what runs on GPU pools with one GPU: the device's own copy and the connectors that move device memory
+# between two processes on it (NCCL needs two devices; the TCP limit and NIXL are host-memory baselines here)
+ON_CUDA = {Method.LIMIT_MEMCPY, Method.UCX, Method.SHM, Method.TCP, Method.AUTO}
 
 
-def supports(method: Method, pool: PoolLayout) -> bool:
-    return pool == PoolLayout.KVWIRE or method not in KVWIRE_POOL_ONLY
+def supports(method: Method, pool: PoolLayout, device: Device = Device.CPU) -> bool:
+    return (pool == PoolLayout.KVWIRE or method not in KVWIRE_POOL_ONLY) and \
+        (device == Device.CPU or method in ON_CUDA)
 
 
 def measure(method: Method, work: Workload, runs: int, warmup: int, redis_url: str
@@ -59,7 +63,7 @@ def measure(method: Method, work: Workload, runs: int, warmup: int, redis_url: s
 
 def bench_transfer(methods: list[Method], tokens: list[int], placements: list[Placement], pools: list[PoolLayout],
                    runs: int, warmup: int, redis_url: str, on_row: Callable[[Row], None] = lambda r: None,
-                   rounds: int = 1) -> list[Row]:
+                   rounds: int = 1, device: Device = Device.CPU) -> list[Row]:
     """Run every supported (tokens, placement, pool, method) combination, `rounds` times over.
 
     Rounds interleave the methods: each round runs every combination for `runs` runs, and a
@@ -70,8 +74,8 @@ def bench_transfer(methods: list[Method], tokens: list[int], placements: list[Pl
     import torch
 
     torch.set_num_threads(1)  # this process is the consumer; idle OpenMP workers spinning would steal a core
-    combos = [(Workload(n, placement, pool), method) for n in tokens for placement in placements for pool in pools
-              for method in methods if supports(method, pool)]
+    combos = [(Workload(n, placement, pool, device=device), method) for n in tokens for placement in placements
+              for pool in pools for method in methods if supports(method, pool, device)]
     seconds: list[list[float]] = [[] for _ in combos]
     verified = [True] * len(combos)
     extra: list[int | None] = [None] * len(combos)
@@ -86,8 +90,8 @@ def bench_transfer(methods: list[Method], tokens: list[int], placements: list[Pl
 
 
 def combinations(methods: list[Method], tokens: list[int], placements: list[Placement],
-                 pools: list[PoolLayout]) -> int:
-    return len(tokens) * len(placements) * sum(supports(m, p) for m in methods for p in pools)
+                 pools: list[PoolLayout], device: Device = Device.CPU) -> int:
+    return len(tokens) * len(placements) * sum(supports(m, p, device) for m in methods for p in pools)
 
 
 # The issue's targets: (method, compared with, at least this ratio of their medians)

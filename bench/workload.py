@@ -27,6 +27,13 @@ class Placement(enum.StrEnum):
     CONTIGUOUS = "contiguous"  # blocks 0..n-1 on both sides: one run
 
 
+class Device(enum.StrEnum):
+    """Where both sides' pools live (each process uses its first device of the kind)."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
 @dataclass(frozen=True)
 class Workload:
     tokens: int
@@ -34,6 +41,7 @@ class Workload:
     pool: PoolLayout = PoolLayout.KVWIRE
     layout: KVLayout = LLAMA3_8B
     seed: int = 0
+    device: Device = Device.CPU
 
     @property
     def num_blocks(self) -> int:
@@ -66,16 +74,18 @@ def allocate_pool(work: Workload) -> list[torch.Tensor]:
 
     layout = msgspec.structs.replace(work.layout, pool=work.pool)
     if work.pool == PoolLayout.KVWIRE:
-        return KVPool.allocate(layout, work.pool_blocks).kv_caches
+        return KVPool.allocate(layout, work.pool_blocks, str(work.device)).kv_caches
     shape = (2, work.pool_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    return [torch.zeros(shape, dtype=TORCH_DTYPES[layout.dtype]) for _ in range(layout.num_layers)]
+    return [torch.zeros(shape, dtype=TORCH_DTYPES[layout.dtype], device=str(work.device))
+            for _ in range(layout.num_layers)]
 
 
 def fill_random(region: KVRegion, seed: int = 1) -> None:
     """Random bytes in every plane of a pool, so verification means something."""
     gen = torch.Generator().manual_seed(seed)
     for plane in region.planes:
-        plane.view(-1).view(torch.int16).random_(generator=gen)
+        words = torch.empty(plane.numel() // 2, dtype=torch.int16).random_(generator=gen)  # made on the host
+        plane.view(-1).view(torch.int16).copy_(words)
 
 
 def zero_blocks(region: KVRegion, block_ids: list[int]) -> None:
@@ -88,7 +98,7 @@ def checksum(region: KVRegion, block_ids: list[int]) -> int:
     crc = 0
     for plane in region.planes:
         for b in block_ids:
-            crc = zlib.crc32(plane[b].numpy(), crc)
+            crc = zlib.crc32(plane[b].cpu().numpy(), crc)
     return crc
 
 

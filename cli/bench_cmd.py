@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from bench.transfer import Method
-from bench.workload import Placement
+from bench.workload import Device, Placement
 from cli.options import Connector, OptionalRedisUrl
 from connectors.config import ConnectorKind
 from connectors.wire import PoolLayout
@@ -38,6 +38,9 @@ def transfer(
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Unmeasured runs first.")] = 1,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Passes over all methods, interleaved; each "
                                         "figure pools the runs of every pass (evens out a noisy machine).")] = 1,
+    device: Annotated[Device, typer.Option("--device", help="Where both pools live; cuda runs the methods that "
+                                           "move device memory on one GPU (limit-memcpy, ucx, shm, tcp, auto).")]
+        = Device.CPU,
     as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON instead of a table.")] = False,
     plot: Annotated[str | None, typer.Option("--plot", help="Also draw GB/s against size to this PNG file.")] = None,
     layerwise: Annotated[bool, typer.Option("--layerwise", help="Instead: stream layer by layer behind a "
@@ -56,17 +59,20 @@ def transfer(
 
     sizes = _csv(tokens, int)
     chosen, where, whose = _csv(methods, Method), _csv(placements, Placement), _csv(pools, PoolLayout)
+    if layerwise and device != Device.CPU:
+        raise typer.BadParameter("--layerwise runs on host memory only", param_hint="--device")
     if layerwise:
         _layerwise(sizes, where, whose, runs, warmup, compute_ms, as_json)
         return
     with LocalRedis() if redis_url is None else contextlib.nullcontext() as redis:
-        total = rounds * combinations(chosen, sizes, where, whose)
+        total = rounds * combinations(chosen, sizes, where, whose, device)
         with tqdm(total=total, desc="bench transfer", file=sys.stderr) as bar:
             def on_row(row):
                 bar.set_postfix_str(f"{row.method} {row.tokens} {row.layout} {row.pool}: {row.gbps_median:.2f} GB/s")
                 bar.update()
 
-            rows = bench_transfer(chosen, sizes, where, whose, runs, warmup, redis_url or redis.url, on_row, rounds)
+            rows = bench_transfer(chosen, sizes, where, whose, runs, warmup, redis_url or redis.url, on_row, rounds,
+                                  device)
     typer.echo(to_json(rows).decode() if as_json else table(rows))
     if not as_json and (targets := target_lines(rows)):
         typer.echo("\nratios of medians (the performance issue's targets):\n" + "\n".join(targets))

@@ -84,3 +84,19 @@ def test_target_lines_compare_medians_of_the_same_work():
     assert len(lines) == 2
     assert "ucx / nixl" in lines[0] and "0.90" in lines[0] and "missed" in lines[0]
     assert "tcp / limit-tcp" in lines[1] and "0.80" in lines[1] and "met" in lines[1]
+
+
+def test_gpu_runs_only_the_methods_that_move_device_memory_on_one_gpu():
+    from bench.transfer import supports
+    from bench.workload import Device
+
+    on_gpu = {m for m in Method if supports(m, KVWIRE, Device.CUDA)}
+    assert on_gpu == {Method.LIMIT_MEMCPY, Method.UCX, Method.SHM, Method.TCP, Method.AUTO}
+    assert not supports(Method.SHM, VLLM, Device.CUDA) and supports(Method.UCX, VLLM, Device.CUDA)
+    assert all(supports(m, KVWIRE) for m in Method)  # the host runs everything
+
+
+def test_cli_refuses_a_gpu_layerwise_run():
+    done = subprocess.run([sys.executable, "-m", "cli.main", "bench", "transfer", "--layerwise", "--device", "cuda"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "host memory only" in done.stderr
