@@ -61,6 +61,11 @@ def transfer(
     chosen, where, whose = _csv(methods, Method), _csv(placements, Placement), _csv(pools, PoolLayout)
     if layerwise and device != Device.CPU:
         raise typer.BadParameter("--layerwise runs on host memory only", param_hint="--device")
+    if device == Device.CUDA:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise typer.BadParameter("no CUDA device on this machine", param_hint="--device")
     if layerwise:
         _layerwise(sizes, where, whose, runs, warmup, compute_ms, as_json)
         return

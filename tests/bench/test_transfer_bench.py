@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from bench.transfer import Method, bench_transfer, combinations
 from bench.workload import Placement, Workload, allocate_pool, piece_table
@@ -100,3 +101,10 @@ def test_cli_refuses_a_gpu_layerwise_run():
     done = subprocess.run([sys.executable, "-m", "cli.main", "bench", "transfer", "--layerwise", "--device", "cuda"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "host memory only" in done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gives")
+def test_cli_says_so_when_there_is_no_gpu():
+    done = subprocess.run([sys.executable, "-m", "cli.main", "bench", "transfer", "--device", "cuda"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "no CUDA device" in done.stderr
