@@ -22,57 +22,55 @@ from connectors.directory import DirectoryEntry, DirectoryError, KVDirectory, Tr
 from connectors.wire import KVLocation, encode
 
 
+_IGNORED = (lambda reply: None, None)
+
+
 class DirectoryBatch:
     def __init__(self, directory: KVDirectory):
         self._dir = directory
         self._pipe = directory._redis.pipeline(transaction=False)
-        self._parsers: list = []  # one per queued step: raw reply -> result
-        self._retries: list[Callable[[], object] | None] = []  # per reply: re-run it alone (scripts only)
+        # one per queued reply: (raw reply -> result, re-run the step alone on NOSCRIPT: scripts only)
+        self._steps: list[tuple[Callable[[object], object], Callable[[], object] | None]] = []
 
-    def _script(self, script: Script, keys: list[str], args: list) -> None:
+    def _script(self, script: Script, keys: list[str], args: list, parse: Callable[[object], object]) -> None:
         self._pipe.evalsha(script.sha, len(keys), *keys, *args)
-        self._retries.append(lambda: script(keys=keys, args=args))  # loads the script on NOSCRIPT
+        self._steps.append((parse, lambda: script(keys=keys, args=args)))  # a plain call loads the script
 
     def publish_ready(self, location: KVLocation) -> DirectoryBatch:
         d, rid = self._dir, location.request_id
         self._script(d._publish, keys=[*d._entry_keys(rid), d._node_keys(location.producer)[1]],
-                     args=[location.producer, encode(location), _ms(d.entry_ttl_s), location.producer_epoch])
-        self._parsers.append(lambda r: r == 1)  # -1: fenced (stale epoch), 0: not PENDING
+                     args=[location.producer, encode(location), _ms(d.entry_ttl_s), location.producer_epoch],
+                     parse=lambda r: r == 1)  # -1: fenced (stale epoch), 0: not PENDING
         return self
 
     def get(self, request_id: str) -> DirectoryBatch:
         self._pipe.hgetall(self._dir._entry_keys(request_id)[0])
-        self._retries.append(None)
-        self._parsers.append(lambda fields: self._dir._parse_entry(request_id, fields))
+        self._steps.append((lambda fields: self._dir._parse_entry(request_id, fields), None))
         return self
 
     def transition(self, request_id: str, allowed_from: Iterable[TransferState], to: TransferState) -> DirectoryBatch:
         d, sources = self._dir, sorted({TransferState(s) for s in allowed_from})
-        self._script(d._transition, keys=d._entry_keys(request_id), args=[to, _ms(d.entry_ttl_s), "", *sources])
-        self._parsers.append(bool)
+        self._script(d._transition, keys=d._entry_keys(request_id), args=[to, _ms(d.entry_ttl_s), "", *sources],
+                     parse=bool)
         return self
 
     def delete(self, request_id: str) -> DirectoryBatch:
         self._pipe.delete(*self._dir._entry_keys(request_id))
-        self._retries.append(None)
-        self._parsers.append(lambda n: None)
+        self._steps.append(_IGNORED)
         return self
 
     def record_transfer(self, node_id: str, transport: str, nbytes: int) -> DirectoryBatch:
         self._dir.queue_record_transfer(self._pipe, node_id, transport, nbytes)
-        self._retries += [None] * 3
-        self._parsers += [lambda r: None] * 3
+        self._steps += [_IGNORED] * 3
         return self
 
     def execute(self) -> list[bool | DirectoryEntry | None]:
         """Send every queued step; their results in order. Raises DirectoryError."""
-        parsers, retries, self._parsers, self._retries = self._parsers, self._retries, [], []
+        steps, self._steps = self._steps, []
         with self._dir._errors("batch"):
             raw = self._pipe.execute(raise_on_error=False)
-            for i, reply in enumerate(raw):
-                if isinstance(reply, NoScriptError) and retries[i] is not None:
-                    raw[i] = retries[i]()
+            raw = [retry() if isinstance(r, NoScriptError) and retry else r for r, (_, retry) in zip(raw, steps)]
         for reply in raw:
             if isinstance(reply, Exception):
                 raise DirectoryError(f"batch step failed: {reply}", peer=self._dir.peer)
-        return [parse(r) for parse, r in zip(parsers, raw)]
+        return [parse(r) for (parse, _), r in zip(steps, raw)]
