@@ -23,6 +23,9 @@ class NodeRole(enum.StrEnum):
     DECODE = "decode"
 
 
+MAX_PULL_LANES = 16
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     """Everything a connector needs to know about its node.
@@ -36,6 +39,8 @@ class ConnectorConfig:
         kv_deadline_s: how long a consumer waits for a request's KV before recomputing.
         entry_ttl_s: TTL on every directory key of a request; held KV is released after it.
         verify_kv: producer: publish a crc32 per layer; consumer: require and check them (a mismatch recomputes).
+        pull_lanes: consumer over UCX (or auto to another host): workers, one thread each, that read one
+            pull's pieces in parallel (connectors/ucx/lanes.py); 1: the engine thread alone. Host pools only.
     """
 
     kind: ConnectorKind
@@ -46,8 +51,11 @@ class ConnectorConfig:
     kv_deadline_s: float = 10.0
     entry_ttl_s: float = 60.0
     verify_kv: bool = False
+    pull_lanes: int = 2
 
     def __post_init__(self) -> None:
+        if not 1 <= self.pull_lanes <= MAX_PULL_LANES:
+            raise ValueError(f"pull_lanes must be 1..{MAX_PULL_LANES}, got {self.pull_lanes}")
         if self.kv_deadline_s <= 0:
             raise ValueError(f"kv_deadline_s must be positive, got {self.kv_deadline_s}")
         if self.entry_ttl_s < self.kv_deadline_s:

@@ -10,6 +10,7 @@ per layer, so the same run is 2 x num_layers pieces.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -41,6 +42,30 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor as a flat uint8 view of the same memory."""
     assert t.is_contiguous(), "only contiguous tensors travel as raw buffers"
     return t.reshape(-1).view(torch.uint8)
+
+
+Part = memoryview | torch.Tensor  # a piece's bytes: host memory as a memoryview, device memory as a flat uint8 tensor
+
+
+def byte_parts(tensors: list[torch.Tensor]) -> list[Part]:
+    """The tensors' bytes: memoryviews sharing CPU tensors' memory, flat uint8 views of CUDA ones.
+
+    Raises:
+        ValueError: a tensor on a device other than the CPU or CUDA.
+    """
+    return [_flat_part(as_bytes(t)) for t in tensors]
+
+
+def part_nbytes(part: Part) -> int:
+    return part.nbytes if isinstance(part, memoryview) else part.numel()
+
+
+def _flat_part(flat: torch.Tensor) -> Part:
+    if flat.device.type == "cpu":
+        return memoryview(flat.numpy())
+    if flat.device.type == "cuda":
+        return flat
+    raise ValueError(f"kvwire cannot move tensors on {flat.device}")
 
 
 @dataclass(frozen=True)
@@ -88,6 +113,19 @@ class KVRegion:
         """Flat uint8 views, plane by plane, of each `(first_block, num_blocks)` run."""
         return [plane[start:start + n].view(-1) for plane in self.planes for start, n in runs]
 
+    def parts(self, runs: list[tuple[int, int]]) -> list[Part]:
+        """The same pieces as `pieces(runs)`, as `Part`s: on the CPU, slices of one memoryview per plane,
+        a fifth of the cost of tensor views (which is what a transport that takes buffers wants)."""
+        out: list[Part] = []
+        for flat, plane in zip(self._flat_planes, self.planes):
+            step = plane.shape[1]
+            out += [flat[start * step:(start + n) * step] for start, n in runs]
+        return out
+
+    @cached_property
+    def _flat_planes(self) -> tuple[Part, ...]:
+        return tuple(_flat_part(plane.view(-1)) for plane in self.planes)
+
 
 def _block_major(base: torch.Tensor, kv_caches: list[torch.Tensor]) -> bool:
     return (
@@ -105,10 +143,23 @@ def consumer_pieces(region: KVRegion, src_blocks: list[int], dst_blocks: list[in
     Raises:
         TransferError: more pieces than the transport can tag.
     """
+    runs = _consumer_runs(region, src_blocks, dst_blocks, len(hidden), request_id, producer, max_pieces)
+    return region.pieces(runs) + hidden
+
+
+def consumer_parts(region: KVRegion, src_blocks: list[int], dst_blocks: list[int], hidden: list[torch.Tensor],
+                   request_id: str, producer: str, max_pieces: int | None = None) -> list[Part]:
+    """`consumer_pieces` as `Part`s (for transports that take buffers)."""
+    runs = _consumer_runs(region, src_blocks, dst_blocks, len(hidden), request_id, producer, max_pieces)
+    return region.parts(runs) + byte_parts(hidden)
+
+
+def _consumer_runs(region: KVRegion, src_blocks: list[int], dst_blocks: list[int], n_hidden: int,
+                   request_id: str, producer: str, max_pieces: int | None) -> list[tuple[int, int]]:
     from connectors.base import TransferError
 
-    runs = plan_runs(src_blocks, dst_blocks)
-    pieces = region.pieces([(d, n) for _, d, n in runs]) + hidden
-    if max_pieces is not None and len(pieces) > max_pieces:
-        raise TransferError(request_id, producer, f"{len(pieces)} pieces exceed {max_pieces}")
-    return pieces
+    runs = [(d, n) for _, d, n in plan_runs(src_blocks, dst_blocks)]
+    count = len(runs) * len(region.planes) + n_hidden
+    if max_pieces is not None and count > max_pieces:
+        raise TransferError(request_id, producer, f"{count} pieces exceed {max_pieces}")
+    return runs

@@ -31,9 +31,12 @@ class SideChannelClient:
 
     def wait(self, loc: KVLocation, transfer_id: int, deadline: float, *, fds: list[int] = (),
              progress: Callable[[], None] = lambda: None, can_block: Callable[[], bool] = lambda: True,
-             done: Callable[[], bool] = lambda: True) -> None:
-        """Block until the producer's ok for `transfer_id` has come and `done()` holds.
+             done: Callable[[], bool] = lambda: True, reply_needed: bool = True) -> None:
+        """Block until `done()` holds and, if `reply_needed`, the producer's ok for `transfer_id` has come.
 
+        A transport whose bytes can only have come from the producer's own sends of this
+        transfer (UCX: tag-matched receives) passes `reply_needed=False`: its done is proof
+        enough, and the ok, when it comes, is skipped by a later wait as a stale reply.
         Raises:
             TransferError: the producer refused, or the deadline passed.
         """
@@ -46,7 +49,7 @@ class SideChannelClient:
             progress()
             while sock.poll(0):
                 confirmed |= self._read_reply(loc, sock, transfer_id)
-            if confirmed and done():
+            if (confirmed or not reply_needed) and done():
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:

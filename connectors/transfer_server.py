@@ -27,7 +27,7 @@ import torch
 import zmq
 
 from connectors.held import HeldRequest, HeldTable
-from connectors.kv_region import KVRegion, plan_runs
+from connectors.kv_region import KVRegion, Part, byte_parts, plan_runs
 from connectors.wire import PullReply, PullRequest, WireError, pack, unpack
 from engine.wakeup import Wakeup
 
@@ -39,15 +39,33 @@ TRUST_TTL_S = 5.0  # a consumer's verified transport address is trusted this lon
 
 @dataclass(eq=False)
 class SendJob:
-    """One granted pull: move `pieces` to the consumer named in `msg`."""
+    """One granted pull: move the blocks of `runs`, then the hidden tensors, to the consumer named in `msg`."""
 
     identity: bytes  # the consumer's zmq identity on the side channel
     msg: PullRequest
     held: HeldRequest
-    pieces: list[torch.Tensor]
+    region: KVRegion
+    runs: list[tuple[int, int]]  # (first source block, num_blocks), one per run consecutive on both sides
     deadline: float
     replied: bool = False  # the engine answered the consumer itself (shared memory, on its own socket)
     state: object = field(default=None)  # the engine's own per-job data
+
+    def pieces(self) -> list[torch.Tensor]:
+        """What to send, in the order the consumer receives it, as tensors."""
+        return self.region.pieces(self.runs) + self.held.hidden
+
+    def parts(self) -> list[Part]:
+        """The same, as buffers (cheaper to build on the CPU)."""
+        return self.region.parts(self.runs) + byte_parts(self.held.hidden)
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.runs) * len(self.region.planes) + len(self.held.hidden)
+
+    @property
+    def nbytes(self) -> int:
+        blocks = sum(n for _, n in self.runs)
+        return blocks * self.region.block_nbytes + sum(h.numel() * h.element_size() for h in self.held.hidden)
 
 
 class SendEngine(ABC):
@@ -215,9 +233,8 @@ class TransferServer:
             log.warning("request %s: pull from %s refused: %s", msg.request_id, msg.consumer, reason)
             self._held.end_pull(msg.request_id)  # a stranger must not make us drop the real consumer's KV
             return reason
-        runs = plan_runs(held.location.block_ids, msg.dst_block_ids)
-        pieces = self._region.pieces([(s, n) for s, _, n in runs]) + held.hidden
-        job = SendJob(identity, msg, held, pieces, time.monotonic() + self._send_deadline_s)
+        runs = [(s, n) for s, _, n in plan_runs(held.location.block_ids, msg.dst_block_ids)]
+        job = SendJob(identity, msg, held, self._region, runs, time.monotonic() + self._send_deadline_s)
         self._jobs[(msg.request_id, msg.transfer_id)] = job
         return job
 
@@ -253,7 +270,7 @@ class TransferServer:
             self._reply(job.identity, job.msg, error is None, "" if error is None else f"send failed: {error}")
         self._held.release(job.msg.request_id)
         if error is None:
-            self._on_delivered(job.msg, sum(p.numel() * p.element_size() for p in job.pieces))
+            self._on_delivered(job.msg, job.nbytes)
 
     def _reply(self, identity: bytes, msg: PullRequest, ok: bool, reason: str = "") -> None:
         reply = PullReply(request_id=msg.request_id, transfer_id=msg.transfer_id, ok=ok, reason=reason)

@@ -22,4 +22,4 @@ class AutoConnector(SHMConnector):
         return {ConnectorKind.SHM: self._make_send_engine(region), ConnectorKind.UCX: UCXSendEngine()}
 
     def _make_puller(self, region: KVRegion) -> AutoPuller:
-        return AutoPuller(self.config.node_id, region)
+        return AutoPuller(self.config.node_id, region, self.config.pull_lanes)

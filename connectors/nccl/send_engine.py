@@ -58,8 +58,8 @@ class NCCLSendEngine(SendEngine):
         self._lock = threading.Lock()
 
     def start(self, job: SendJob) -> None:
-        if len(job.pieces) > MAX_PIECES:
-            raise ValueError(f"{len(job.pieces)} pieces exceed {MAX_PIECES}")
+        if job.num_pieces > MAX_PIECES:
+            raise ValueError(f"{job.num_pieces} pieces exceed {MAX_PIECES}")
         job.state = _JobState()
         key = consumer_key(job.msg.transport_address)
         with self._lock:
@@ -137,7 +137,7 @@ class _Lane:
         error: BaseException | None = None
         try:
             group = self._group_for(job)
-            group.wait_all(group.post_sends(job.pieces, job.msg.transfer_id), job.deadline)
+            group.wait_all(group.post_sends(job.pieces(), job.msg.transfer_id), job.deadline)
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the server
             detached(exc)  # its frames would keep the sends, and with them the pair, alive
             self._discard()

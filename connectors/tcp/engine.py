@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from connectors.base import TransferError
 from connectors.tcp.frames import (ACK, DATA_MAGIC, HEADER, HELLO, HELLO_MAGIC, SOCKET_BUFFER_BYTES, encode_address,
                                    tune)
-from connectors.tcp.stream import ByteStream, Staging, byte_parts
+from connectors.tcp.stream import ByteStream, Staging
 from connectors.transfer_server import SendEngine, SendJob
 
 log = logging.getLogger(__name__)
@@ -106,9 +106,8 @@ class TCPSendEngine(SendEngine):
         conn = self._by_token.get(msg.transport_address)
         if conn is None:
             raise TransferError(msg.request_id, msg.consumer, "consumer has no TCP data connection to this producer")
-        total = sum(p.numel() * p.element_size() for p in job.pieces)
-        header = memoryview(HEADER.pack(DATA_MAGIC, msg.transfer_id, total))
-        job.state = _Sending(conn, ByteStream([header, *byte_parts(job.pieces)], outbound=True, staging=conn.staging))
+        header = memoryview(HEADER.pack(DATA_MAGIC, msg.transfer_id, job.nbytes))
+        job.state = _Sending(conn, ByteStream([header, *job.parts()], outbound=True, staging=conn.staging))
         conn.jobs.append(job)
         if len(conn.jobs) == 1:
             self._pump(conn)

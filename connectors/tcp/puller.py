@@ -61,7 +61,7 @@ class TCPPuller:
         """
         runs = plan_runs(loc.block_ids, dst_blocks)
         try:
-            parts = byte_parts(self._region.pieces([(d, n) for _, d, n in runs]) + hidden)
+            parts = self._region.parts([(d, n) for _, d, n in runs]) + byte_parts(hidden)
         except ValueError as exc:
             raise TransferError(loc.request_id, loc.producer, str(exc)) from exc
         transfer_id = next(self._transfer_ids)

@@ -18,30 +18,10 @@ import socket
 
 import torch
 
-from connectors.kv_region import as_bytes
+from connectors.kv_region import Part, byte_parts, part_nbytes
 from connectors.tcp.frames import IOV_MAX
 
 STAGING_BYTES = 8 << 20  # per connection with device parts; PCIe outruns TCP, so one buffer suffices
-
-Part = memoryview | torch.Tensor  # host bytes, or a flat uint8 CUDA tensor
-
-
-def byte_parts(tensors: list[torch.Tensor]) -> list[Part]:
-    """The tensors' bytes: memoryviews sharing CPU tensors' memory, flat uint8 views of CUDA ones.
-
-    Raises:
-        ValueError: a tensor on a device other than the CPU or CUDA.
-    """
-    parts: list[Part] = []
-    for t in tensors:
-        if t.device.type == "cpu":
-            parts.append(memoryview(as_bytes(t).numpy()))
-        elif t.device.type == "cuda":
-            parts.append(as_bytes(t))
-        else:
-            raise ValueError(f"the TCP connector cannot move tensors on {t.device}")
-    return parts
-
 
 class Staging:
     """A pinned host buffer, allocated on first use and kept for the owner's lifetime."""
@@ -69,7 +49,7 @@ class ByteStream:
         self._parts = parts
         self._outbound = outbound
         self._staging = staging
-        self._ends = list(itertools.accumulate(_nbytes(p) for p in parts))  # byte offset where each part ends
+        self._ends = list(itertools.accumulate(part_nbytes(p) for p in parts))  # byte offset where each part ends
         self._devices = [i for i, p in enumerate(parts) if isinstance(p, torch.Tensor)]
         self._chunk = 0  # device part: bytes of it in the staging buffer
         self._chunk_moved = 0  # of which the socket has moved this many
@@ -138,10 +118,6 @@ class ByteStream:
             part[self._offset:self._offset + self._chunk].copy_(self._staging.get()[0][:self._chunk])
         chunk, self._chunk, self._chunk_moved = self._chunk, 0, 0
         self._seek(self._pos + chunk)
-
-
-def _nbytes(part: Part) -> int:
-    return part.nbytes if isinstance(part, memoryview) else part.numel()
 
 
 def pump(sock: socket.socket, tensors: list[torch.Tensor], outbound: bool) -> None:

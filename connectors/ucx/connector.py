@@ -13,4 +13,4 @@ class UCXConnector(DirectoryConnector):
         return UCXSendEngine()
 
     def _make_puller(self, region: KVRegion) -> UCXPuller:
-        return UCXPuller(self.config.node_id, region)
+        return UCXPuller(self.config.node_id, region, self.config.pull_lanes)

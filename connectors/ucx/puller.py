@@ -1,10 +1,14 @@
 """The consumer's side of a UCX transfer: pull one request's KV into my blocks.
 
 Asks the producer over the side channel to send, posts a tagged receive for every
-piece straight into the destination blocks and hidden-state tensors, and polls the
-UCX worker and the reply socket until the receives complete and the producer
-confirms, or the deadline passes. On any failure the receives still
-posted are cancelled, so no late write can land in blocks that get reused.
+piece straight into the destination blocks and hidden-state tensors, spread over its
+lanes (lanes.py: one worker and thread each), and polls them and the reply socket until the receives complete, the producer refuses, or
+the deadline passes. Completed receives are the whole proof: their tags name this
+transfer, which only the producer's sends of it carry, and it posts those only for a
+request it holds, and releases the blocks only once the sends complete, after our
+reads. So the producer's ok is not awaited (it costs a zmq round trip); a later
+pull skips it as stale. On any failure the receives still posted are cancelled,
+so no late write can land in blocks that get reused.
 """
 
 from __future__ import annotations
@@ -14,23 +18,28 @@ import itertools
 import torch
 
 from connectors.base import TransferError
-from connectors.kv_region import KVRegion, consumer_pieces
+from connectors.kv_region import KVRegion, consumer_parts, part_nbytes
 from connectors.side_channel import SideChannelClient
-from connectors.ucx.transport import MAX_PIECES, Role, UCXTransport, all_done, check_errors
+from connectors.ucx.lanes import ReceiveLanes
+from connectors.ucx.transport import MAX_PIECES
 from connectors.wire import KVLocation, PullRequest
 
 
 class UCXPuller:
-    def __init__(self, node_id: str, region: KVRegion):
+    def __init__(self, node_id: str, region: KVRegion, lanes: int = 1):
+        """Args:
+        lanes: workers reading each pull, each on its own thread (host pools; a CUDA pool uses one).
+        """
         self._node_id = node_id
         self._region = region
-        self._transport = UCXTransport(Role.RECEIVER)
+        on_host = region.planes[0].device.type == "cpu"
+        self._lanes = ReceiveLanes(lanes if on_host else 1)
         self._channel = SideChannelClient()
         self._transfer_ids = itertools.count(1)
 
     @property
     def transport_address(self) -> bytes:
-        return self._transport.address
+        return self._lanes.address
 
     def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
         """Receive `loc`'s blocks into `dst_blocks` and its hidden tensors into `hidden`.
@@ -40,34 +49,30 @@ class UCXPuller:
         Raises:
             TransferError: refused, failed, or not complete by `deadline`.
         """
-        pieces = consumer_pieces(self._region, loc.block_ids, dst_blocks, hidden, loc.request_id, loc.producer,
-                                 MAX_PIECES)
+        parts = consumer_parts(self._region, loc.block_ids, dst_blocks, hidden, loc.request_id, loc.producer,
+                               MAX_PIECES)
         transfer_id = next(self._transfer_ids)
         # Ask first, then post the receives while the producer handles the request: a send that
         # arrives before its receive waits in UCX's unexpected queue (rendezvous: only its header).
         self._channel.send(loc.side_channel, PullRequest(
             request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
-            transport_address=self._transport.address, dst_block_ids=dst_blocks))
-        reqs = self._transport.post_recvs(pieces, transfer_id)
+            transport_address=self._lanes.address, dst_block_ids=dst_blocks))
+        self._lanes.post(loc.transport_address, parts, transfer_id)
         try:
-            self._channel.wait(loc, transfer_id, deadline,
-                               progress=self._transport.progress,
-                               can_block=lambda: all_done(reqs),  # spin while receiving
-                               done=lambda: all_done(reqs))
-            check_errors(reqs)
+            # Spin until done: blocking on the side channel could miss a lane finishing on its own
+            # thread (nothing would wake us; a producer's ok may have come already).
+            self._channel.wait(loc, transfer_id, deadline, progress=self._lanes.progress,
+                               can_block=lambda: False, done=self._lanes.done, reply_needed=False)
+            self._lanes.check_errors()
+            self._lanes.progress()  # flush our last acknowledgements: the producer's sends complete on them
         except BaseException as exc:
-            self._abandon(loc.side_channel, reqs)
+            self._lanes.stop(loc.transport_address)
+            self._channel.drop(loc.side_channel)
             if isinstance(exc, (TransferError, KeyboardInterrupt)):
                 raise
             raise TransferError(loc.request_id, loc.producer, f"receive failed: {exc}") from exc
-        return sum(p.numel() * p.element_size() for p in pieces)
+        return sum(map(part_nbytes, parts))
 
     def close(self) -> None:
         self._channel.close()
-        self._transport.close()
-
-    def _abandon(self, side_channel: str, reqs: list) -> None:
-        if not all_done(reqs):
-            self._transport.cancel_all()
-            self._transport.progress()
-            self._channel.drop(side_channel)
+        self._lanes.close()

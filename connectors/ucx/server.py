@@ -32,9 +32,9 @@ class UCXSendEngine(SendEngine):
         return not self._active
 
     def start(self, job: SendJob) -> None:
-        if len(job.pieces) > MAX_PIECES:
-            raise ValueError(f"{len(job.pieces)} pieces exceed {MAX_PIECES}")
-        job.state = self._transport.post_sends(job.msg.transport_address, job.pieces, job.msg.transfer_id)
+        if job.num_pieces > MAX_PIECES:
+            raise ValueError(f"{job.num_pieces} pieces exceed {MAX_PIECES}")
+        job.state = self._transport.post_sends(job.msg.transport_address, job.parts(), job.msg.transfer_id)
         self._active.append(job)
 
     def abandon(self, job: SendJob) -> None:

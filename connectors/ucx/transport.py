@@ -11,16 +11,20 @@ processes on one host (listener endpoints, or error handling on, fall back to
 loopback TCP). The price is that UCX does not notice a dead peer, so every wait
 here has a deadline and the directory's TTLs clean up after it.
 
-Not thread-safe: one thread owns a transport (the producer's server thread, or the
-consumer's engine thread).
+A consumer may read with several *lanes* (lanes.py): one transport each, each polled
+by its own thread, so that one pull's cross-memory-attach reads run on several cores.
+Its published address then packs every lane's worker address, and a producer sends
+piece i to lane i mod n.
+
+Not thread-safe: one thread at a time uses a transport (the producer's server thread,
+or, during a pull, the consumer's engine thread or that lane's thread).
 """
 
 from __future__ import annotations
 
 import enum
 import os
-
-import torch
+import struct
 
 # ucxx sets UCX_MEMTYPE_CACHE, which UCX 1.21 no longer knows and warns about at every start.
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -28,8 +32,12 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 import ucxx._lib.libucxx as ucx  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
 
+from connectors.config import MAX_PULL_LANES as MAX_LANES  # noqa: E402
+from connectors.kv_region import Part  # noqa: E402
+
 SEGMENT_BITS = 24  # low tag bits: piece index within one transfer
 MAX_PIECES = 1 << SEGMENT_BITS
+LANES_MAGIC = b"kvwire-ucx-lanes\x00"  # starts an address packing several lanes' worker addresses
 
 
 class Role(enum.Enum):
@@ -50,63 +58,91 @@ def _config(role: Role) -> dict[str, str]:
     return {k: v for k, v in ours.items() if f"UCX_{k}" not in os.environ}
 
 
-def tag_for(transfer_id: int, piece: int) -> ucx.UCXXTag:
-    return ucx.UCXXTag((transfer_id << SEGMENT_BITS) | piece)
-
-
-def as_array(t: torch.Tensor) -> Array:
-    """A contiguous tensor as a UCX buffer: host memory via numpy, CUDA via __cuda_array_interface__."""
-    flat = t if t.dtype == torch.uint8 and t.dim() == 1 else t.reshape(-1).view(torch.uint8)  # pieces already are
-    return Array(flat.numpy() if flat.device.type == "cpu" else flat)
-
-
 class UCXTransport:
     def __init__(self, role: Role) -> None:
         self._ctx = ucx.UCXContext(config_dict=_config(role), feature_flags=(ucx.Feature.TAG,))
         self._worker = ucx.UCXWorker(self._ctx)
-        self._endpoints: dict[bytes, ucx.UCXEndpoint] = {}
+        self._endpoints: dict[bytes, list[ucx.UCXEndpoint]] = {}  # a peer's (packed) address -> one per lane
         self.address: bytes = self._worker.address.tobytes()
 
     def progress(self) -> None:
         self._worker.progress()
 
-    def post_sends(self, peer: bytes, pieces: list[torch.Tensor], transfer_id: int) -> list[tuple[object, Array]]:
-        """Start one tagged send per piece to the worker at `peer`. Keep the result alive until done."""
-        ep = self._endpoint(peer)
+    def post_sends(self, peer: bytes, parts: list[Part], transfer_id: int) -> list[tuple[object, Array]]:
+        """Start one tagged send per part to the worker(s) at `peer`: part i to its lane i mod n.
+        Keep the result alive until done.
+
+        Raises:
+            ValueError: `peer` is not a well-formed address.
+        """
+        lanes = self._endpoints_for(peer)
         out = []
-        for i, piece in enumerate(pieces):
-            buf = as_array(piece)
-            out.append((ep.tag_send(buf, tag_for(transfer_id, i)), buf))
+        for lane, ep in enumerate(lanes):
+            out += self._post(ep.tag_send, parts, transfer_id, lane, len(lanes))
         return out
 
-    def post_recvs(self, pieces: list[torch.Tensor], transfer_id: int) -> list[tuple[object, Array]]:
-        """Post one tagged receive per piece, straight into the destination memory."""
-        out = []
-        for i, piece in enumerate(pieces):
-            buf = as_array(piece)
-            out.append((self._worker.tag_recv(buf, tag_for(transfer_id, i)), buf))
-        return out
+    def post_recvs(self, peer: bytes, parts: list[Part], transfer_id: int, lane: int = 0, lanes: int = 1
+                   ) -> list[tuple[object, Array]]:
+        """Post a tagged receive, straight into the destination memory, for each part of `lane` (i mod lanes).
 
-    def cancel_all(self) -> int:
-        """Cancel every request in flight on this worker (after a deadline passed)."""
-        return self._worker.cancel_inflight_requests()
+        Posted through an endpoint to the sender's worker at `peer`: receives posted on the worker
+        itself cannot be cancelled from Python, an endpoint's can (`abandon`).
+        """
+        return self._post(self._endpoints_for(peer)[0].tag_recv, parts, transfer_id, lane, lanes)
+
+    @staticmethod
+    def _post(op, parts: list[Part], transfer_id: int, lane: int, lanes: int) -> list[tuple[object, Array]]:
+        base = (transfer_id << SEGMENT_BITS) | lane
+        return [(op(buf, ucx.UCXXTag(base + k * lanes)), buf) for k, buf in enumerate(map(Array, parts[lane::lanes]))]
+
+    def abandon(self, peer: bytes) -> int:
+        """Cancel every receive posted for `peer` (after a failure): none of them can land late.
+        Returns how many were still in flight."""
+        self.forget_peer(peer)  # closing an endpoint schedules its requests for cancelling
+        cancelled = self._worker.cancel_inflight_requests()
+        self._worker.progress()
+        return cancelled
 
     def forget_peer(self, peer: bytes) -> None:
-        ep = self._endpoints.pop(peer, None)
-        if ep is not None:
+        for ep in self._endpoints.pop(peer, []):
             ep.close()
 
     def close(self) -> None:
         for peer in list(self._endpoints):
             self.forget_peer(peer)
 
-    def _endpoint(self, peer: bytes) -> ucx.UCXEndpoint:
-        ep = self._endpoints.get(peer)
-        if ep is None:
-            addr = ucx.UCXAddress.create_from_buffer(peer)
-            ep = ucx.UCXEndpoint.create_from_worker_address(self._worker, addr, False)
-            self._endpoints[peer] = ep
-        return ep
+    def _endpoints_for(self, peer: bytes) -> list[ucx.UCXEndpoint]:
+        eps = self._endpoints.get(peer)
+        if eps is None:
+            eps = [ucx.UCXEndpoint.create_from_worker_address(self._worker, ucx.UCXAddress.create_from_buffer(a), False)
+                   for a in unpack_lanes(peer)]
+            self._endpoints[peer] = eps
+        return eps
+
+
+def pack_lanes(addresses: list[bytes]) -> bytes:
+    """One address for a consumer's lanes: a lone worker address as it is, several packed."""
+    if len(addresses) == 1:
+        return addresses[0]
+    return LANES_MAGIC + b"".join(struct.pack("!I", len(a)) + a for a in addresses)
+
+
+def unpack_lanes(address: bytes) -> list[bytes]:
+    """The worker addresses `pack_lanes` packed. Raises ValueError on a malformed packing."""
+    if not address.startswith(LANES_MAGIC):
+        return [address]
+    out, pos = [], len(LANES_MAGIC)
+    while pos < len(address):
+        if pos + 4 > len(address):
+            raise ValueError("truncated lane address")
+        (n,), pos = struct.unpack_from("!I", address, pos), pos + 4
+        if n == 0 or pos + n > len(address):
+            raise ValueError("truncated lane address")
+        out.append(address[pos:pos + n])
+        pos += n
+    if not 1 <= len(out) <= MAX_LANES:
+        raise ValueError(f"{len(out)} lanes (1..{MAX_LANES} allowed)")
+    return out
 
 
 def all_done(requests: list[tuple[object, Array]]) -> bool:
