@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from cli.options import (AuthSecretFile, BlockSize, DrainTimeout, Connector, Host, HttpPort, KVDeadline, LogLevel, ModelDir,
-                         NumBlocks, RedisUrl, VerifyKV, node_config, setup_logging)
+                         NumBlocks, PullLanes, RedisUrl, VerifyKV, node_config, setup_logging)
 from connectors.config import ConnectorKind, NodeRole
 
 NodeId = Annotated[str | None, typer.Option("--node-id", help="Name in the directory; role-host-pid by default.")]
@@ -44,6 +44,6 @@ def decode(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port:
            num_blocks: NumBlocks = 1024, kv_deadline: KVDeadline = 10.0, max_model_len: MaxLen = 0,
            device: Device = "cpu", torch_threads: Threads = 1, http_port: HttpPort = 0,
            auth_secret_file: AuthSecretFile = None, verify_kv: VerifyKV = False, drain_timeout: DrainTimeout = 30.0,
-           log_level: LogLevel = "INFO") -> None:
+           pull_lanes: PullLanes = 2, log_level: LogLevel = "INFO") -> None:
     """Run a decode node: receive prompts' KV and generate tokens."""
     _run(NodeRole.DECODE, **locals())

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from connectors.config import ConnectorConfig, ConnectorKind, NodeConfig, NodeRole
+from connectors.config import MAX_PULL_LANES, ConnectorConfig, ConnectorKind, NodeConfig, NodeRole
 from engine.engine_config import EngineConfig
 
 ModelDir = Annotated[Path, typer.Option("--model", help="Hugging Face-format checkpoint directory.",
@@ -35,6 +35,10 @@ DrainTimeout = Annotated[float, typer.Option(
 VerifyKV = Annotated[bool, typer.Option(
     "--verify-kv", help="Prefill: publish a crc32 per layer with each request's KV; decode: require and check them, "
                         "recomputing on a mismatch. Costs a read of every KV byte on each side.")]
+PullLanes = Annotated[int, typer.Option(
+    "--pull-lanes", min=1, max=MAX_PULL_LANES,
+    help="Decode over UCX: workers, one thread each, that read one request's KV in parallel (host pools). "
+         "1: the engine thread alone.")]
 AuthSecretFile = Annotated[Path | None, typer.Option(
     "--auth-secret-file", envvar="KVWIRE_AUTH_SECRET_FILE",
     help="File holding a shared secret (16+ bytes): control messages between the router and nodes are sealed "
@@ -65,7 +69,7 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
                 connector: ConnectorKind, block_size: int, num_blocks: int, kv_deadline: float,
                 max_model_len: int, device: str, torch_threads: int, http_port: int = 0,
                 auth_secret_file: Path | None = None, verify_kv: bool = False,
-                drain_timeout: float = 30.0) -> NodeConfig:
+                drain_timeout: float = 30.0, pull_lanes: int = 2) -> NodeConfig:
     """Build a node's one config object from its command-line options."""
     if not (model / "config.json").is_file():
         raise typer.BadParameter(f"{model} has no config.json (create one with `kvwire init-model`)", param_hint="--model")
@@ -74,6 +78,7 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
                             max_model_len=max_model_len, device=device, torch_threads=torch_threads),
         connector=ConnectorConfig(kind=connector, role=role, node_id=node_id or default_node_id(role),
                                   redis_url=redis_url, host=host, kv_deadline_s=kv_deadline,
-                                  entry_ttl_s=max(60.0, kv_deadline * 2), verify_kv=verify_kv),
+                                  entry_ttl_s=max(60.0, kv_deadline * 2), verify_kv=verify_kv,
+                                  pull_lanes=pull_lanes),
         work_port=port, http_port=http_port, auth_secret=auth_secret(auth_secret_file),
         drain_timeout_s=drain_timeout)

@@ -1,0 +1,25 @@
+"""`kvwire decode` options reach the node's one config object."""
+
+from __future__ import annotations
+
+import pytest
+import typer
+
+from cli.options import node_config
+from connectors.config import ConnectorKind, NodeRole
+
+
+def _config(model_dir, **kw):
+    return node_config(NodeRole.DECODE, model=model_dir, redis_url="redis://127.0.0.1:1", host="127.0.0.1", port=0,
+                       node_id="d", connector=ConnectorKind.UCX, block_size=16, num_blocks=8, kv_deadline=1.0,
+                       max_model_len=0, device="cpu", torch_threads=1, **kw)
+
+
+def test_pull_lanes_reach_the_connector_config(tiny_model_dir):
+    assert _config(tiny_model_dir).connector.pull_lanes == 2
+    assert _config(tiny_model_dir, pull_lanes=5).connector.pull_lanes == 5
+
+
+def test_a_directory_without_a_checkpoint_is_refused(tmp_path):
+    with pytest.raises(typer.BadParameter, match="config.json"):
+        _config(tmp_path)
