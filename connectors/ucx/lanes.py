@@ -19,12 +19,8 @@ from __future__ import annotations
 
 import threading
 
-from ucxx._lib.arr import Array
-
 from connectors.kv_region import Part
-from connectors.ucx.transport import MAX_LANES, Role, UCXTransport, all_done, check_errors, pack_lanes
-
-Requests = list[tuple[object, Array]]
+from connectors.ucx.transport import MAX_LANES, Requests, Role, UCXTransport, all_done, check_errors, pack_lanes
 
 
 class _LaneThread:

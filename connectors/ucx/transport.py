@@ -37,6 +37,7 @@ from connectors.kv_region import Part  # noqa: E402
 
 SEGMENT_BITS = 24  # low tag bits: piece index within one transfer
 MAX_PIECES = 1 << SEGMENT_BITS
+Requests = list[tuple[object, Array]]  # posted UCX requests, each with the buffer it must keep alive
 LANES_MAGIC = b"kvwire-ucx-lanes\x00"  # starts an address packing several lanes' worker addresses
 
 
@@ -68,7 +69,7 @@ class UCXTransport:
     def progress(self) -> None:
         self._worker.progress()
 
-    def post_sends(self, peer: bytes, parts: list[Part], transfer_id: int) -> list[tuple[object, Array]]:
+    def post_sends(self, peer: bytes, parts: list[Part], transfer_id: int) -> Requests:
         """Start one tagged send per part to the worker(s) at `peer`: part i to its lane i mod n.
         Keep the result alive until done.
 
@@ -82,7 +83,7 @@ class UCXTransport:
         return out
 
     def post_recvs(self, peer: bytes, parts: list[Part], transfer_id: int, lane: int = 0, lanes: int = 1
-                   ) -> list[tuple[object, Array]]:
+                   ) -> Requests:
         """Post a tagged receive, straight into the destination memory, for each part of `lane` (i mod lanes).
 
         Posted through an endpoint to the sender's worker at `peer`: receives posted on the worker
@@ -91,7 +92,7 @@ class UCXTransport:
         return self._post(self._endpoints_for(peer)[0].tag_recv, parts, transfer_id, lane, lanes)
 
     @staticmethod
-    def _post(op, parts: list[Part], transfer_id: int, lane: int, lanes: int) -> list[tuple[object, Array]]:
+    def _post(op, parts: list[Part], transfer_id: int, lane: int, lanes: int) -> Requests:
         base = (transfer_id << SEGMENT_BITS) | lane
         return [(op(buf, ucx.UCXXTag(base + k * lanes)), buf) for k, buf in enumerate(map(Array, parts[lane::lanes]))]
 
@@ -145,12 +146,12 @@ def unpack_lanes(address: bytes) -> list[bytes]:
     return out
 
 
-def all_done(requests: list[tuple[object, Array]]) -> bool:
+def all_done(requests: Requests) -> bool:
     # newest first: while a transfer runs, its last piece is the likeliest unfinished, so a poll costs one call
     return all(req.completed for req, _ in reversed(requests))
 
 
-def check_errors(requests: list[tuple[object, Array]]) -> None:
+def check_errors(requests: Requests) -> None:
     """Raise the first UCX error among completed requests."""
     for req, _ in requests:
         req.check_error()

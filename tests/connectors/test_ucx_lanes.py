@@ -118,3 +118,14 @@ def test_lanes_cancel_what_never_came_and_serve_the_next_transfer():
     finally:
         lanes.close()
         producer.close()
+
+
+def test_importing_the_ucx_puller_first_keeps_ucx_quiet():
+    """UCX prints its warnings to stdout (a bench's --json output): the puller's modules must set kvwire's
+    UCX environment before anything imports ucxx."""
+    import subprocess
+    import sys
+
+    code = "from connectors.ucx.puller import UCXPuller; from connectors.ucx.lanes import ReceiveLanes; ReceiveLanes(2).close()"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert "WARN" not in out.stdout + out.stderr
