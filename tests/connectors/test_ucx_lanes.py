@@ -123,9 +123,11 @@ def test_lanes_cancel_what_never_came_and_serve_the_next_transfer():
 def test_importing_the_ucx_puller_first_keeps_ucx_quiet():
     """UCX prints its warnings to stdout (a bench's --json output): the puller's modules must set kvwire's
     UCX environment before anything imports ucxx."""
+    import os
     import subprocess
     import sys
 
     code = "from connectors.ucx.puller import UCXPuller; from connectors.ucx.lanes import ReceiveLanes; ReceiveLanes(2).close()"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}  # as a fresh shell has it
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True, env=env)
     assert "WARN" not in out.stdout + out.stderr
