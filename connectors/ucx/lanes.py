@@ -22,6 +22,8 @@ import threading
 from connectors.kv_region import Part
 from connectors.ucx.transport import MAX_LANES, Requests, Role, UCXTransport, all_done, check_errors, pack_lanes
 
+WAIT_SLICE_S = 0.001  # how long the caller sleeps on a busy lane thread before it looks at its side channel again
+
 
 class _LaneThread:
     """Polls one lane's worker while that lane has receives in flight; sleeps otherwise."""
@@ -47,6 +49,9 @@ class _LaneThread:
     @property
     def idle(self) -> bool:
         return self._idle.is_set()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        return self._idle.wait(timeout_s)
 
     def stop(self) -> None:
         """Return once the thread no longer touches the worker."""
@@ -92,8 +97,14 @@ class ReceiveLanes:
             thread.start(reqs)
 
     def progress(self) -> None:
-        """Lane 0 (the caller's own)."""
-        self._transports[0].progress()
+        """Poll lane 0 (the caller's own); once it is complete, wait a little for another lane instead,
+        so that the caller does not spin on a core the lane threads need."""
+        if not all_done(self._reqs[0]):
+            self._transports[0].progress()
+            return
+        busy = next((t for t in self._threads if not t.idle), None)
+        if busy is not None:
+            busy.wait_idle(WAIT_SLICE_S)
 
     def done(self) -> bool:
         return all_done(self._reqs[0]) and all(t.idle for t in self._threads)
