@@ -37,8 +37,8 @@ VerifyKV = Annotated[bool, typer.Option(
                         "recomputing on a mismatch. Costs a read of every KV byte on each side.")]
 PullLanes = Annotated[int, typer.Option(
     "--pull-lanes", min=1, max=MAX_PULL_LANES,
-    help="Decode over UCX: workers, one thread each, that read one request's KV in parallel (host pools). "
-         "1: the engine thread alone.")]
+    help="Decode: threads that move one request's KV in parallel (UCX workers, shared-memory copies; host "
+         "pools). 1: the engine thread alone.")]
 AuthSecretFile = Annotated[Path | None, typer.Option(
     "--auth-secret-file", envvar="KVWIRE_AUTH_SECRET_FILE",
     help="File holding a shared secret (16+ bytes): control messages between the router and nodes are sealed "

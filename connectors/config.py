@@ -39,8 +39,9 @@ class ConnectorConfig:
         kv_deadline_s: how long a consumer waits for a request's KV before recomputing.
         entry_ttl_s: TTL on every directory key of a request; held KV is released after it.
         verify_kv: producer: publish a crc32 per layer; consumer: require and check them (a mismatch recomputes).
-        pull_lanes: consumer over UCX (or auto to another host): workers, one thread each, that read one
-            pull's pieces in parallel (connectors/ucx/lanes.py); 1: the engine thread alone. Host pools only.
+        pull_lanes: consumer: threads that move one pull's pieces in parallel, on host pools: UCX workers
+            polled by a thread each (connectors/ucx/lanes.py), shared-memory copies (connectors/shm/copier.py);
+            1: the engine thread alone.
     """
 
     kind: ConnectorKind

@@ -20,9 +20,9 @@ def preference(loc: KVLocation) -> list[ConnectorKind]:
 
 
 class AutoPuller:
-    def __init__(self, node_id: str, region: KVRegion, ucx_lanes: int = 1):
-        self._pullers = {ConnectorKind.SHM: SHMPuller(node_id, region),
-                         ConnectorKind.UCX: UCXPuller(node_id, region, ucx_lanes)}
+    def __init__(self, node_id: str, region: KVRegion, lanes: int = 1):
+        self._pullers = {ConnectorKind.SHM: SHMPuller(node_id, region, lanes),
+                         ConnectorKind.UCX: UCXPuller(node_id, region, lanes)}
         self.last_transport: ConnectorKind | None = None
 
     @property

@@ -58,7 +58,7 @@ class SHMConnector(DirectoryConnector):
         return SHMSendEngine(self.config.node_id, self.epoch, self._segment)
 
     def _make_puller(self, region: KVRegion) -> SHMPuller:
-        return SHMPuller(self.config.node_id, region)
+        return SHMPuller(self.config.node_id, region, self.config.pull_lanes)
 
     def close(self) -> None:
         super().close()

@@ -6,8 +6,8 @@ or opened by IPC handle (CUDA). A new epoch of that producer, or any failure, dr
 mapping; the next pull maps again. A mapping keeps the producer's memory alive, so
 every pull first drops the mappings of producers that have gone (their socket hung up).
 
-One pull: map (if needed) → copy each run of blocks consecutive on both sides with one
-`copy_` (the only copy of those bytes), straight from the READY entry's blocks → a
+One pull: map (if needed) → copy each run of blocks consecutive on both sides with
+`copy_` on `lanes` threads (copier.py; the only copy of those bytes), straight from the READY entry's blocks → a
 `PullRequest` on the Unix socket ("I read these; confirm") → wait for the producer's
 `PullReply`: one round trip, after the read. Only an ok there makes the read count: it
 says the pull claimed a request the producer still held, so its blocks were not reused
@@ -32,6 +32,7 @@ from connectors.config import ConnectorKind
 from connectors.host import host_identity
 from connectors.kv_region import KVRegion, plan_runs
 from connectors.shm.channel import close_fds, connect, hung_up, recv_msg, send_msg
+from connectors.shm.copier import BlockCopier
 from connectors.shm.cuda_ipc import map_cuda, synchronize
 from connectors.shm.segment import map_host, unpack_tensors
 from connectors.wire import KVLocation, PullReply, PullRequest, ShmHello, ShmSegment
@@ -46,10 +47,11 @@ class _Mapping:
 
 
 class SHMPuller:
-    def __init__(self, node_id: str, region: KVRegion):
+    def __init__(self, node_id: str, region: KVRegion, lanes: int = 1):
         """Args:
             node_id: this consumer's node id.
             region: this node's pool; must be block-major (one plane).
+            lanes: threads copying one pull (copier.py; host pools).
         Raises:
             ValueError: the pool is not one block-major plane.
         """
@@ -60,6 +62,7 @@ class SHMPuller:
         self.transport_address = f"shm:{node_id}:{os.getpid()}:{secrets.token_hex(16)}".encode()
         self._maps: dict[str, _Mapping] = {}
         self._transfer_ids = itertools.count(1)
+        self._copier = BlockCopier(lanes)
 
     def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
         """Copy `loc`'s blocks into `dst_blocks` and its hidden states into `hidden`.
@@ -80,14 +83,14 @@ class SHMPuller:
     def close(self) -> None:
         for producer in list(self._maps):
             self._forget(producer)
+        self._copier.close()
 
     def _pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
         self._reap()
         mapping = self._mapping(loc, deadline)
         runs = plan_runs(loc.block_ids, dst_blocks)
         self._check_ranges(loc, mapping, runs)
-        for src, dst, n in runs:
-            self._dst[dst:dst + n].copy_(mapping.blocks[src:src + n])
+        self._copier.copy(self._dst, mapping.blocks, runs)
         synchronize([self._dst, mapping.blocks])
         hidden_bytes = self._confirm(mapping, loc, dst_blocks, hidden, deadline)
         return len(dst_blocks) * self._dst.shape[1] + hidden_bytes
