@@ -25,14 +25,19 @@ def split_runs(runs: list[Run], lanes: int) -> list[list[Run]]:
     return [chunks[lane::lanes] for lane in range(lanes)]
 
 
+MIN_PARALLEL_BYTES = 8 << 20  # below this a pull is copied on the calling thread: a hand-off costs more than it saves
+
+
 class BlockCopier:
-    def __init__(self, lanes: int):
+    def __init__(self, lanes: int, min_parallel_bytes: int = MIN_PARALLEL_BYTES):
         self.lanes = lanes
+        self._min_parallel_bytes = min_parallel_bytes
         self._pool = ThreadPoolExecutor(max_workers=lanes - 1, thread_name_prefix="kv-shm-copy") if lanes > 1 else None
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, runs: list[Run]) -> None:
         """dst[d:d+n] = src[s:s+n] for every (s, d, n) in `runs`; dst, src: [num_blocks, block_nbytes] uint8."""
-        if self._pool is None or dst.device.type != "cpu":
+        nbytes = sum(n for _, _, n in runs) * dst.shape[1]
+        if self._pool is None or dst.device.type != "cpu" or nbytes < self._min_parallel_bytes:
             _copy(dst, src, runs)
             return
         shares = split_runs(runs, self.lanes)

@@ -27,7 +27,7 @@ def test_every_block_lands_once_where_it_belongs(lanes, contiguous):
 
     src = torch.randint(0, 255, (64, 4096), dtype=torch.uint8)
     dst = torch.zeros_like(src)
-    copier = BlockCopier(lanes)
+    copier = BlockCopier(lanes, min_parallel_bytes=0)
     try:
         copier.copy(dst, src, runs)
     finally:
@@ -40,9 +40,35 @@ def test_every_block_lands_once_where_it_belongs(lanes, contiguous):
 def test_a_lane_that_fails_fails_the_copy_after_every_lane_stopped():
     src = torch.zeros(8, 16, dtype=torch.uint8)
     dst = torch.zeros(8, 32, dtype=torch.uint8)  # rows of another size: every copy_ raises
-    copier = BlockCopier(2)
+    copier = BlockCopier(2, min_parallel_bytes=0)
     try:
         with pytest.raises(RuntimeError):
             copier.copy(dst, src, [(0, 0, 1), (2, 2, 1), (4, 4, 1)])
     finally:
         copier.close()
+
+
+def test_small_pulls_stay_on_the_calling_thread(monkeypatch):
+    import threading
+
+    import connectors.shm.copier as copier_module
+
+    threads = set()
+    original = copier_module._copy
+
+    def spying(d, s, runs):
+        threads.add(threading.current_thread().name)
+        original(d, s, runs)
+
+    monkeypatch.setattr(copier_module, "_copy", spying)
+    src, dst = torch.ones(8, 16, dtype=torch.uint8), torch.zeros(8, 16, dtype=torch.uint8)
+    for min_bytes, want_threads in ((1 << 20, 1), (0, 2)):  # 128 bytes: below, then above the threshold
+        threads.clear()
+        dst.zero_()
+        copier = BlockCopier(2, min_parallel_bytes=min_bytes)
+        try:
+            copier.copy(dst, src, [(0, 0, 8)])
+        finally:
+            copier.close()
+        assert len(threads) == want_threads and threading.current_thread().name in threads
+        assert dst.all()
