@@ -106,6 +106,10 @@ class ReceiveLanes:
         if busy is not None:
             busy.wait_idle(WAIT_SLICE_S)
 
+    def flush(self) -> None:
+        """One more poll of lane 0 after `done`: sends our last acknowledgements (the lane threads do their own)."""
+        self._transports[0].progress()
+
     def done(self) -> bool:
         return all_done(self._reqs[0]) and all(t.idle for t in self._threads)
 

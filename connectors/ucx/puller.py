@@ -57,14 +57,14 @@ class UCXPuller:
         self._channel.send(loc.side_channel, PullRequest(
             request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
             transport_address=self._lanes.address, dst_block_ids=dst_blocks))
-        self._lanes.post(loc.transport_address, parts, transfer_id)
         try:
+            self._lanes.post(loc.transport_address, parts, transfer_id)
             # Spin until done: blocking on the side channel could miss a lane finishing on its own
             # thread (nothing would wake us; a producer's ok may have come already).
             self._channel.wait(loc, transfer_id, deadline, progress=self._lanes.progress,
                                can_block=lambda: False, done=self._lanes.done, reply_needed=False)
             self._lanes.check_errors()
-            self._lanes.progress()  # flush our last acknowledgements: the producer's sends complete on them
+            self._lanes.flush()  # the producer's sends complete on our acknowledgements
         except BaseException as exc:
             self._lanes.stop(loc.transport_address)
             self._channel.drop(loc.side_channel)
