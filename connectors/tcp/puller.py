@@ -26,10 +26,10 @@ import time
 import torch
 
 from connectors.base import TransferError
-from connectors.kv_region import KVRegion, plan_runs
+from connectors.kv_region import KVRegion, consumer_parts
 from connectors.side_channel import SideChannelClient
 from connectors.tcp.frames import ACK, DATA_MAGIC, HEADER, HELLO, HELLO_MAGIC, TOKEN_BYTES, parse_address, tune
-from connectors.tcp.stream import ByteStream, Staging, byte_parts
+from connectors.tcp.stream import ByteStream, Staging
 from connectors.wire import KVLocation, PullRequest
 
 
@@ -59,9 +59,8 @@ class TCPPuller:
         Raises:
             TransferError: refused, failed, malformed stream, or not complete by `deadline`.
         """
-        runs = plan_runs(loc.block_ids, dst_blocks)
         try:
-            parts = self._region.parts([(d, n) for _, d, n in runs]) + byte_parts(hidden)
+            parts = consumer_parts(self._region, loc.block_ids, dst_blocks, hidden, loc.request_id, loc.producer)
         except ValueError as exc:
             raise TransferError(loc.request_id, loc.producer, str(exc)) from exc
         transfer_id = next(self._transfer_ids)
