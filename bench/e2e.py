@@ -98,8 +98,10 @@ def _wait_single_node(cluster: LocalCluster) -> None:
     raise RuntimeError("the router still sees a prefill node 30 s after it was stopped")
 
 
-def bench_e2e(model_dir: Path, connector: ConnectorKind, rounds: int, max_tokens: int) -> E2EResult:
-    with LocalCluster(ClusterSpec(model_dir=model_dir, connector=connector, log_level="ERROR")) as cluster:
+def bench_e2e(model_dir: Path, connector: ConnectorKind, rounds: int, max_tokens: int,
+              layerwise: bool = False) -> E2EResult:
+    spec = ClusterSpec(model_dir=model_dir, connector=connector, log_level="ERROR", layerwise=layerwise)
+    with LocalCluster(spec) as cluster:
         _run_mode(cluster.url, "warm-up", 1, max_tokens)
         disagg, d_samples = _run_mode(cluster.url, "disaggregated", rounds, max_tokens)
         _wait_single_node(cluster)

@@ -128,16 +128,20 @@ def e2e(
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Sequential passes over the prompt mix per mode.")]
         = 5,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=2, help="Tokens generated per request.")] = 16,
+    layerwise: Annotated[bool, typer.Option("--layerwise", help="The prefill node streams KV layer by layer "
+                                            "(needs --connector tcp).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """The demo's prompt mix through the router, disaggregated then single-node (prefill stopped):
     TTFT, time per output token, throughput, and the TTFT gap against the transfer time."""
+    if layerwise and connector != ConnectorKind.TCP:
+        raise typer.BadParameter("layer-wise streaming runs over the tcp connector", param_hint="--layerwise")
     import msgspec
 
     from bench.e2e import bench_e2e
     from cli.paths import default_model_dir
 
-    result = bench_e2e(model or default_model_dir(), connector, rounds, max_tokens)
+    result = bench_e2e(model or default_model_dir(), connector, rounds, max_tokens, layerwise)
     if as_json:
         typer.echo(msgspec.json.format(msgspec.json.encode(result), indent=2).decode())
     else:

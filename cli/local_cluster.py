@@ -50,6 +50,7 @@ class ClusterSpec:
     log_level: str = "INFO"
     prefill_device: str = "cpu"
     decode_device: str = "cpu"
+    layerwise: bool = False  # the prefill node streams each prompt's KV layer by layer (tcp connector)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -125,7 +126,8 @@ class LocalCluster:
                 "--node-id", f"{role}-0", "--connector", str(s.connector), "--block-size", str(s.block_size),
                 "--num-blocks", str(s.num_blocks), "--kv-deadline", str(s.kv_deadline_s),
                 "--device", s.prefill_device if role == "prefill" else s.decode_device, "--log-level", s.log_level,
-                "--http-port", str(self.http_ports[role]), *self._auth_args()]
+                "--http-port", str(self.http_ports[role]), *self._auth_args(),
+                *(["--layerwise"] if s.layerwise and role == "prefill" else [])]
 
     def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         """Start `python -m cli.main ARGS` as a child named `name`."""

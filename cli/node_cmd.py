@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from cli.options import (AuthSecretFile, BlockSize, DrainTimeout, Connector, Host, HttpPort, KVDeadline, LogLevel, ModelDir,
-                         NumBlocks, PullLanes, RedisUrl, VerifyKV, node_config, setup_logging)
+                         Layerwise, NumBlocks, PullLanes, RedisUrl, VerifyKV, node_config, setup_logging)
 from connectors.config import ConnectorKind, NodeRole
 
 NodeId = Annotated[str | None, typer.Option("--node-id", help="Name in the directory; role-host-pid by default.")]
@@ -34,7 +34,7 @@ def prefill(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port
             num_blocks: NumBlocks = 1024, kv_deadline: KVDeadline = 10.0, max_model_len: MaxLen = 0,
             device: Device = "cpu", torch_threads: Threads = 1, http_port: HttpPort = 0,
             auth_secret_file: AuthSecretFile = None, verify_kv: VerifyKV = False, drain_timeout: DrainTimeout = 30.0,
-            log_level: LogLevel = "INFO") -> None:
+            layerwise: Layerwise = False, log_level: LogLevel = "INFO") -> None:
     """Run a prefill node: compute prompts and publish their KV."""
     _run(NodeRole.PREFILL, **locals())
 

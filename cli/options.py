@@ -39,6 +39,9 @@ PullLanes = Annotated[int, typer.Option(
     "--pull-lanes", min=1, max=MAX_PULL_LANES,
     help="Decode: threads that move one request's KV in parallel (UCX workers, shared-memory copies; host "
          "pools). 1: the engine thread alone.")]
+Layerwise = Annotated[bool, typer.Option(
+    "--layerwise", help="Prefill: publish each prompt's KV before its forward and send it layer by layer as the "
+                        "layers are computed, so the transfer hides behind compute (tcp connector only).")]
 AuthSecretFile = Annotated[Path | None, typer.Option(
     "--auth-secret-file", envvar="KVWIRE_AUTH_SECRET_FILE",
     help="File holding a shared secret (16+ bytes): control messages between the router and nodes are sealed "
@@ -69,16 +72,20 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
                 connector: ConnectorKind, block_size: int, num_blocks: int, kv_deadline: float,
                 max_model_len: int, device: str, torch_threads: int, http_port: int = 0,
                 auth_secret_file: Path | None = None, verify_kv: bool = False,
-                drain_timeout: float = 30.0, pull_lanes: int = 2) -> NodeConfig:
+                drain_timeout: float = 30.0, pull_lanes: int = 2, layerwise: bool = False) -> NodeConfig:
     """Build a node's one config object from its command-line options."""
     if not (model / "config.json").is_file():
         raise typer.BadParameter(f"{model} has no config.json (create one with `kvwire init-model`)", param_hint="--model")
+    try:
+        connector_config = ConnectorConfig(
+            kind=connector, role=role, node_id=node_id or default_node_id(role), redis_url=redis_url, host=host,
+            kv_deadline_s=kv_deadline, entry_ttl_s=max(60.0, kv_deadline * 2), verify_kv=verify_kv,
+            pull_lanes=pull_lanes, layerwise=layerwise)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     return NodeConfig(
         engine=EngineConfig(model_dir=model, block_size=block_size, num_blocks=num_blocks,
                             max_model_len=max_model_len, device=device, torch_threads=torch_threads),
-        connector=ConnectorConfig(kind=connector, role=role, node_id=node_id or default_node_id(role),
-                                  redis_url=redis_url, host=host, kv_deadline_s=kv_deadline,
-                                  entry_ttl_s=max(60.0, kv_deadline * 2), verify_kv=verify_kv,
-                                  pull_lanes=pull_lanes),
+        connector=connector_config,
         work_port=port, http_port=http_port, auth_secret=auth_secret(auth_secret_file),
         drain_timeout_s=drain_timeout)

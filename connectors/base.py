@@ -99,6 +99,25 @@ class KVConnectorBase(ABC):
             and the returned model_input is what must still be computed.
         """
 
+    def begin_layer_stream(self, model_input: ModelInput, hidden_size: int,
+                           hidden_dtype: torch.dtype) -> Callable[[int], None] | None:
+        """Producer, before a prompt batch's forward: stream its KV layer by layer?
+
+        Returns:
+            What the forward calls with each layer's index once that layer's K and V are
+            in the pool (vLLM v1's `save_kv_layer` moment); `send_kv_caches_and_hidden_states`
+            then completes the requests, `abort_layer_stream` fails them. None (the default):
+            the KV is published after the forward, whole.
+        """
+        return None
+
+    def abort_layer_stream(self, model_input: ModelInput, reason: str) -> None:
+        """Producer: the forward begun after `begin_layer_stream` failed; its consumers recompute."""
+
+    def holds(self, request_id: str) -> bool:
+        """Producer: whether the connector holds the request's blocks (the release callback will fire)."""
+        return False
+
     def expect(self, request_id: str, on_ready: Callable[[str], None]) -> None:
         """Consumer: a request whose KV will be received has arrived.
 

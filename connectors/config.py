@@ -42,6 +42,9 @@ class ConnectorConfig:
         pull_lanes: consumer: threads that move one pull's pieces in parallel, on host pools: UCX workers
             polled by a thread each (connectors/ucx/lanes.py), shared-memory copies (connectors/shm/copier.py);
             1: the engine thread alone.
+        layerwise: producer: publish each prompt's KV before its forward and send it layer by layer as
+            the layers are computed (connectors/layer_gate.py); tcp only, and not with verify_kv (the
+            checksums would come after the bytes).
     """
 
     kind: ConnectorKind
@@ -53,8 +56,13 @@ class ConnectorConfig:
     entry_ttl_s: float = 60.0
     verify_kv: bool = False
     pull_lanes: int = 2
+    layerwise: bool = False
 
     def __post_init__(self) -> None:
+        if self.layerwise and self.kind != ConnectorKind.TCP:
+            raise ValueError(f"layer-wise streaming runs over the tcp connector, not {self.kind}")
+        if self.layerwise and self.verify_kv:
+            raise ValueError("layer-wise streaming cannot publish KV checksums before the forward (verify_kv)")
         if not 1 <= self.pull_lanes <= MAX_PULL_LANES:
             raise ValueError(f"pull_lanes must be 1..{MAX_PULL_LANES}, got {self.pull_lanes}")
         if self.kv_deadline_s <= 0:

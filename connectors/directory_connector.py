@@ -122,6 +122,19 @@ class DirectoryConnector(KVConnectorBase):
             raise RuntimeError(f"node {self.config.node_id} is not a producer, or register_kv_caches was not called")
         self._sender.publish(model_input, hidden_or_intermediate_states)
 
+    def begin_layer_stream(self, model_input: ModelInput, hidden_size: int,
+                           hidden_dtype: torch.dtype) -> Callable[[int], None] | None:
+        if not self.config.layerwise or self._sender is None:
+            return None
+        return self._sender.begin_layers(model_input, hidden_size, hidden_dtype)
+
+    def abort_layer_stream(self, model_input: ModelInput, reason: str) -> None:
+        if self._sender is not None:
+            self._sender.abort_layers(model_input, reason)
+
+    def holds(self, request_id: str) -> bool:
+        return self._sender is not None and self._sender.holds(request_id)
+
     def recv_kv_caches_and_hidden_states(self, model_executable, model_input: ModelInput,
                                          kv_caches: list[torch.Tensor]) -> tuple[HiddenStates | None, bool, ModelInput]:
         if self._receiver is None:

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from connectors.layer_gate import LayerGate
 from connectors.wire import KVLocation
 
 
@@ -24,6 +25,7 @@ class HeldRequest:
     deadline: float  # time.monotonic() after which an idle request is released
     in_flight: bool = False
     published_at: float = field(default_factory=time.monotonic)
+    gate: LayerGate | None = None  # layer-wise: how much of the prefill is done (hidden filled in at the end)
 
 
 class HeldTable:
@@ -63,6 +65,20 @@ class HeldTable:
             return False
         self._on_release(request_id)
         return True
+
+    def release_if_idle(self, request_id: str) -> bool:
+        """Release a request no pull is moving; False if it is in flight (its pull's end releases it) or gone."""
+        with self._lock:
+            held = self._items.get(request_id)
+            if held is None or held.in_flight:
+                return False
+            del self._items[request_id]
+        self._on_release(request_id)
+        return True
+
+    def get(self, request_id: str) -> HeldRequest | None:
+        with self._lock:
+            return self._items.get(request_id)
 
     def expire_due(self, now: float) -> list[str]:
         """Release every idle request whose deadline has passed; return their ids."""

@@ -122,6 +122,24 @@ class KVRegion:
             out += [flat[start * step:(start + n) * step] for start, n in runs]
         return out
 
+    def layer_parts(self, runs: list[tuple[int, int]], layer: int) -> list[Part]:
+        """One layer's K and V in `runs`, as `Part`s: in vLLM's pool its K plane's runs, then its V plane's;
+        in kvwire's pool (a block's row holds every layer) one slice of each block's row."""
+        if self.layout.pool == PoolLayout.VLLM:
+            out: list[Part] = []
+            for p in (2 * layer, 2 * layer + 1):
+                flat, step = self._flat_planes[p], self.planes[p].shape[1]
+                out += [flat[start * step:(start + n) * step] for start, n in runs]
+            return out
+        flat, step = self._flat_planes[0], self.planes[0].shape[1]
+        per_layer = step // self.layout.num_layers
+        lo = layer * per_layer
+        return [flat[b * step + lo:b * step + lo + per_layer] for start, n in runs for b in range(start, start + n)]
+
+    def layer_major_parts(self, runs: list[tuple[int, int]]) -> list[Part]:
+        """Every layer's `layer_parts`, layer 0 first: the order a layer-wise stream sends (and lands) them."""
+        return [part for layer in range(self.layout.num_layers) for part in self.layer_parts(runs, layer)]
+
     @cached_property
     def _flat_planes(self) -> tuple[Part, ...]:
         return tuple(_flat_part(plane.view(-1)) for plane in self.planes)
@@ -148,10 +166,13 @@ def consumer_pieces(region: KVRegion, src_blocks: list[int], dst_blocks: list[in
 
 
 def consumer_parts(region: KVRegion, src_blocks: list[int], dst_blocks: list[int], hidden: list[torch.Tensor],
-                   request_id: str, producer: str, max_pieces: int | None = None) -> list[Part]:
-    """`consumer_pieces` as `Part`s (for transports that take buffers)."""
+                   request_id: str, producer: str, max_pieces: int | None = None,
+                   layer_major: bool = False) -> list[Part]:
+    """`consumer_pieces` as `Part`s (for transports that take buffers); `layer_major`: the blocks layer by
+    layer (`KVRegion.layer_major_parts`), as a producer streaming layer-wise sends them."""
     runs = _consumer_runs(region, src_blocks, dst_blocks, len(hidden), request_id, producer, max_pieces)
-    return region.parts(runs) + byte_parts(hidden)
+    kv = region.layer_major_parts(runs) if layer_major else region.parts(runs)
+    return kv + byte_parts(hidden)
 
 
 def _consumer_runs(region: KVRegion, src_blocks: list[int], dst_blocks: list[int], n_hidden: int,

@@ -9,9 +9,10 @@ moment decode can start). Each layer travels as a 16-byte header (magic, layer i
 byte count) and then its raw bytes; a header that does not match what the receiver
 expects ends the stream with an error, never a write into the wrong blocks.
 
-What exists is the mechanism and its benchmark (`kvwire bench transfer --layerwise`);
-the engine's forward does not call `layer_done` yet, so nodes still publish a
-request's KV after its last layer.
+This pair is the benchmark's mechanism (`kvwire bench transfer --layerwise`): one
+socket, no directory. The nodes stream layer-wise through the TCP connector instead
+(`kvwire prefill --connector tcp --layerwise`: connectors/layer_gate.py, the model's
+`on_layer` hook, and the TCP send engine's gated sends).
 """
 
 from __future__ import annotations

@@ -13,19 +13,22 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Callable
+
 import torch
 
 from connectors.config import ConnectorConfig, ConnectorKind
 from connectors.directory import DirectoryError, KVDirectory, TransferState
 from connectors.directory_batch import DirectoryBatch
 from connectors.held import HeldRequest, HeldTable
-from connectors.hidden import split_request
+from connectors.hidden import HIDDEN_KEY, dtype_of, empty_like_descs, split_request
 from connectors.host import host_identity
 from connectors.kv_checksum import layer_checksums
 from connectors.kv_region import KVRegion
+from connectors.layer_gate import LayerGate
 from connectors.transfer_server import TransferServer
 from connectors.types import IntermediateTensors
-from connectors.wire import KVLocation, PullRequest, TransportOffer
+from connectors.wire import KVLocation, PullRequest, TensorDesc, TransportOffer
 from engine.model_input import ModelInput
 
 log = logging.getLogger(__name__)
@@ -48,7 +51,7 @@ class KVSender:
         self._epoch = epoch
 
     def publish(self, model_input: ModelInput, hidden: torch.Tensor | IntermediateTensors) -> None:
-        """Hold and advertise every request of a computed prompt batch.
+        """Hold and advertise every request of a computed prompt batch (layer-wise ones: complete them).
 
         A READY entry means the bytes are in place: consumers that read the pool themselves
         (shared memory, CUDA IPC) may read as soon as they see it, so a CUDA pool's writes are
@@ -58,23 +61,77 @@ class KVSender:
         if plane.is_cuda:
             torch.cuda.synchronize(plane.device)
         for seq, rows in zip(model_input.sequences, model_input.token_slices()):
+            held = self._held.get(seq.request_id)
+            if held is not None and held.gate is not None:
+                held.hidden[0].copy_(hidden[rows])
+                held.gate.complete()
+                continue
             if seq.start_pos != 0:
                 raise ValueError(f"request {seq.request_id}: only whole prompts can be published")
             descs, tensors, intermediate = split_request(hidden, rows)
             n_blocks = math.ceil(seq.end_pos / self._layout.block_size)
-            first = self._offers[0]
-            loc = KVLocation(
-                request_id=seq.request_id, producer=self._config.node_id, producer_epoch=self._epoch,
-                kind=self._config.kind, side_channel=first.side_channel,
-                transport_address=first.transport_address, layout=self._layout,
-                block_ids=list(seq.block_ids[:n_blocks]), num_tokens=seq.end_pos,
-                hidden=descs, intermediate=intermediate, offers=self._offers, host=host_identity(),
-                layer_checksums=self._checksums(seq.block_ids[:n_blocks]))
-            deadline = time.monotonic() + self._config.kv_deadline_s
-            self._held.add(HeldRequest(loc, tensors, deadline))
+            loc = self._location(seq, descs, intermediate, self._checksums(seq.block_ids[:n_blocks]))
+            self._held.add(HeldRequest(loc, tensors, time.monotonic() + self._config.kv_deadline_s))
             self._advertise(loc)
         for server in self._servers.values():
             server.wake()
+
+    def begin_layers(self, model_input: ModelInput, hidden_size: int, hidden_dtype: torch.dtype) -> Callable[[int], None]:
+        """Layer-wise: hold and advertise every request of a prompt batch before its forward.
+
+        Returns what the forward calls after each layer's KV is written; `publish` completes the
+        requests, `abort_layers` fails them.
+        """
+        gates = []
+        for seq in model_input.sequences:
+            if seq.start_pos != 0:
+                raise ValueError(f"request {seq.request_id}: only whole prompts can stream layer by layer")
+            desc = TensorDesc(HIDDEN_KEY, dtype_of(torch.empty(0, dtype=hidden_dtype)), (seq.end_pos, hidden_size))
+            gate = LayerGate(seq.request_id, self._layout.num_layers, self._region.planes[0].device)
+            for server in self._servers.values():
+                gate.add_waker(server.wake)
+            loc = self._location(seq, [desc], False, [], layerwise=True)
+            hidden = empty_like_descs([desc], self._region.planes[0].device)
+            self._held.add(HeldRequest(loc, hidden, time.monotonic() + self._config.kv_deadline_s, gate=gate))
+            self._advertise(loc)
+            gates.append(gate)
+
+        def on_layer(layer: int) -> None:
+            for gate in gates:
+                gate.layer_done(layer)
+        return on_layer
+
+    def abort_layers(self, model_input: ModelInput, reason: str) -> None:
+        """The forward of a layer-wise batch failed: stop its sends, mark it FAILED (its consumers
+        recompute), release what no pull is moving (a pull in flight releases when it stops)."""
+        for seq in model_input.sequences:
+            held = self._held.get(seq.request_id)
+            if held is None or held.gate is None:
+                continue
+            held.gate.fail(reason)
+            try:
+                self._directory.transition(seq.request_id, {TransferState.READY}, TransferState.FAILED, reason[:500])
+            except DirectoryError as exc:
+                log.warning("request %s: cannot mark failed: %s", seq.request_id, exc)
+            self._held.release_if_idle(seq.request_id)
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the request's blocks are held here (the release callback will fire for it)."""
+        return self._held.get(request_id) is not None
+
+    def _location(self, seq, descs: list[TensorDesc], intermediate: bool, checksums: list[int],
+                  layerwise: bool = False) -> KVLocation:
+        n_blocks = math.ceil(seq.end_pos / self._layout.block_size)
+        offers = [o for o in self._offers if o.kind == ConnectorKind.TCP] if layerwise else self._offers
+        if not offers:
+            raise ValueError(f"request {seq.request_id}: layer-wise KV is served over tcp only")
+        first = offers[0]
+        return KVLocation(
+            request_id=seq.request_id, producer=self._config.node_id, producer_epoch=self._epoch,
+            kind=self._config.kind, side_channel=first.side_channel, transport_address=first.transport_address,
+            layout=self._layout, block_ids=list(seq.block_ids[:n_blocks]), num_tokens=seq.end_pos,
+            hidden=descs, intermediate=intermediate, offers=offers, host=host_identity(),
+            layer_checksums=checksums, layerwise=layerwise)
 
     def _checksums(self, blocks: list[int]) -> list[int]:
         return layer_checksums(self._region, list(blocks)) if self._config.verify_kv else []

@@ -55,8 +55,14 @@ class SendJob:
         return self.region.pieces(self.runs) + self.held.hidden
 
     def parts(self) -> list[Part]:
-        """The same, as buffers (cheaper to build on the CPU)."""
-        return self.region.parts(self.runs) + byte_parts(self.held.hidden)
+        """The same, as buffers (cheaper to build on the CPU); a layer-wise request's blocks layer by layer."""
+        kv = self.region.layer_major_parts(self.runs) if self.held.gate else self.region.parts(self.runs)
+        return kv + byte_parts(self.held.hidden)
+
+    @property
+    def layer_nbytes(self) -> int:
+        """One layer's share of the blocks' bytes (a layer-wise stream's unit)."""
+        return sum(n for _, n in self.runs) * self.region.block_nbytes // self.region.layout.num_layers
 
     @property
     def num_pieces(self) -> int:
@@ -72,6 +78,7 @@ class SendEngine(ABC):
     """A transport's producer half. Runs on the server thread unless it says otherwise."""
 
     transport_address: bytes = b""
+    streams_layers: bool = False  # sends a layer-wise request's layers as its gate opens them
 
     def bind(self, server: TransferServer) -> None:
         self.server = server
@@ -257,6 +264,10 @@ class TransferServer:
     def _refusal(self, msg: PullRequest, held: HeldRequest) -> str:
         if not self._trusts(msg.consumer, msg.transport_address):
             return f"transport address of {msg.consumer!r} is not the one it published"
+        if held.gate is not None and not (self._engine.streams_layers and msg.layer_major):
+            return "layer-wise KV needs a transport and a consumer that stream layer by layer"
+        if held.gate is not None and held.gate.failure:
+            return f"prefill failed: {held.gate.failure}"
         if len(msg.dst_block_ids) != len(held.location.block_ids):
             return f"{len(msg.dst_block_ids)} destination blocks for {len(held.location.block_ids)} source blocks"
         return ""

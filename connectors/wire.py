@@ -86,6 +86,10 @@ class KVLocation(_Msg, tag="location"):
     offers: list[TransportOffer] = []  # every transport the producer serves this KV over (auto)
     host: str = ""  # the producer's host identity (hostname and boot id)
     layer_checksums: list[int] = []  # crc32 per layer of the blocks, when the producer runs with --verify-kv
+    # Layer-wise: published before the prefill forward; the producer sends the blocks layer by layer
+    # (KVRegion.layer_major_parts) as layers are computed, then the hidden states. Consumers that do
+    # not say `layer_major` in their PullRequest are refused, never sent bytes in an order they misread.
+    layerwise: bool = False
 
 
 class NodeInfo(_Msg, tag="node"):
@@ -120,6 +124,7 @@ class PullRequest(_Msg, tag="pull"):
     consumer: str
     transport_address: bytes
     dst_block_ids: list[int]
+    layer_major: bool = False  # the consumer lands a layer-wise location's blocks layer by layer
 
 
 class PullReply(_Msg, tag="pull_reply"):

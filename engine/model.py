@@ -14,7 +14,7 @@ Parameter names mirror Hugging Face's, so a state dict loads either way.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -237,7 +237,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.no_grad()
-    def forward(self, model_input: ModelInput, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, model_input: ModelInput, kv_caches: list[torch.Tensor],
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Compute every token of the batch, writing its K/V into the paged cache.
 
         Args:
@@ -245,6 +246,8 @@ class LlamaForCausalLM(nn.Module):
                 goes to block `block_ids[p // block_size]`, slot `p % block_size`.
             kv_caches: per layer `[num_blocks, 2, block_size, num_kv_heads, head_dim]`
                 (0 = K, 1 = V), e.g. `KVPool.kv_caches`.
+            on_layer: called with each layer's index once its K/V writes are issued (layer-wise
+                KV streaming; on CUDA the callee records an event to know when they ran).
         Returns:
             Hidden states after the final RMSNorm, `[num_tokens, hidden]`.
         Raises:
@@ -265,8 +268,10 @@ class LlamaForCausalLM(nn.Module):
         x = F.embedding(token_ids, self.model.embed_tokens.weight)  # [N, hidden]
         cos = self.rope_cos[meta.positions].to(x.dtype)  # [N, head_dim]
         sin = self.rope_sin[meta.positions].to(x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             x = layer(x, cos, sin, meta, kv_cache)
+            if on_layer is not None:
+                on_layer(i)
         return self.model.norm(x)
 
     @torch.no_grad()

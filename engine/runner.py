@@ -16,7 +16,7 @@ import torch
 from connectors.base import KVConnectorBase
 from connectors.config import NodeRole
 from connectors.types import IntermediateTensors
-from engine.kv_cache import KVPool
+from engine.kv_cache import TORCH_DTYPES, KVPool
 from engine.model import LlamaForCausalLM
 from engine.model_input import ModelInput
 
@@ -48,7 +48,7 @@ class ModelRunner:
             hidden, bypassed, model_input = self.connector.recv_kv_caches_and_hidden_states(
                 self.model, model_input, self.kv_caches)
         if not bypassed:
-            hidden = self.model(model_input, self.kv_caches)
+            hidden = self._forward_prompt(model_input)
         forward_s = time.monotonic() - start
         if self.connector is not None and self.role == NodeRole.PREFILL:
             self.connector.send_kv_caches_and_hidden_states(self.model, model_input, self.kv_caches, hidden)
@@ -56,6 +56,19 @@ class ModelRunner:
             raise TypeError("a last pipeline stage returns a hidden-states tensor")
         last_rows = [s.stop - 1 for s in model_input.token_slices()]
         return PromptResult(hidden[last_rows], bypassed, forward_s)
+
+    def _forward_prompt(self, model_input: ModelInput) -> torch.Tensor:
+        """The prompt's forward; a producer streaming layer-wise hands over each layer as it is written."""
+        on_layer = None
+        if self.connector is not None and self.role == NodeRole.PREFILL:
+            cfg = self.model.config
+            on_layer = self.connector.begin_layer_stream(model_input, cfg.hidden_size, TORCH_DTYPES[cfg.dtype])
+        try:
+            return self.model(model_input, self.kv_caches, on_layer=on_layer)
+        except Exception as exc:
+            if on_layer is not None:
+                self.connector.abort_layer_stream(model_input, f"prefill forward failed: {exc}")
+            raise
 
     @torch.inference_mode()
     def run_decode(self, model_input: ModelInput) -> torch.Tensor:

@@ -4,7 +4,8 @@ Lifecycle of a request here: a `PrefillWork` arrives on the zmq work socket and 
 marked PENDING in the directory; it waits until its prompt's blocks fit in the pool
 (bounded by the KV deadline: after that the decode node recomputes anyway, so the
 work is dropped); the prompt is computed and the connector publishes its KV and
-hidden states READY; the blocks stay allocated until the connector's release
+hidden states READY (with --layerwise: READY before the forward, each layer sent as
+it is computed); the blocks stay allocated until the connector's release
 callback says the decode node pulled them, refused them, or never came. On SIGTERM the
 node drains (engine/drain.py): it computes the prompts it accepted and keeps their KV
 until pulled or the hold deadline passes; work still arriving goes to another prefill
@@ -158,7 +159,8 @@ class PrefillNode:
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the node
             log.exception("request %s: prefill failed", rid)
             self._mark_failed(rid, f"prefill failed: {exc}")
-            self._on_release(rid)
+            if not self.rt.connector.holds(rid):  # layer-wise: held already; its release frees the blocks
+                self._on_release(rid)
 
     def _invalid(self, work: PrefillWork) -> str:
         problem = prompt_problem(work.prompt_token_ids, self.rt.model.config.vocab_size, self.rt.max_model_len)

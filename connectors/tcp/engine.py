@@ -8,7 +8,11 @@ calls `progress()` each turn, which accepts connections, reads each one's HELLO
 `start(job)` queues a granted pull on the connection that presented the pull's token
 and `progress()` writes HEADER + pieces with `sendmsg` whenever the socket has room,
 calling `server.finish(job, None)` once the kernel holds the last byte (it copied
-them, so the blocks may be reused at once). A connection that errors, closes, sends
+them, so the blocks may be reused at once). A layer-wise request's stream goes no
+further than its gate allows (connectors/layer_gate.py): the header at once, then each
+layer once the prefill forward has written it, the hidden states last; a connection
+waiting on a gate is pumped again on each `progress()` (the gate wakes the server) and
+dropped if the forward fails. A connection that errors, closes, sends
 anything after its hello, or is replaced by a newer one from the same token is
 closed and its queued jobs finish with a TransferError; the next pull reconnects.
 `abandon(job)` stops writing the job at once (closing the connection if the job was
@@ -61,6 +65,16 @@ class _Conn:
 class _Sending:
     conn: _Conn
     stream: ByteStream
+    total: int  # bytes of the stream, header included
+
+    def sendable(self, job: SendJob) -> int:
+        """Bytes that may go now: all of them, or for a layer-wise request up to the end of its last
+        computed layer (the hidden states once the gate is complete)."""
+        gate = job.held.gate
+        if gate is None or gate.complete_and_ready:
+            return self.stream.remaining
+        allowed = HEADER.size + job.layer_nbytes * gate.ready_layers()
+        return max(0, allowed - (self.total - self.stream.remaining))
 
 
 class TCPSendEngine(SendEngine):
@@ -80,6 +94,9 @@ class TCPSendEngine(SendEngine):
         self._epoll.register(self._listener.fileno(), select.EPOLLIN)
         self._conns: dict[int, _Conn] = {}
         self._by_token: dict[bytes, _Conn] = {}
+        self._gated: set[_Conn] = set()  # connections whose next job waits for its prefill's next layer
+
+    streams_layers = True
 
     # --- SendEngine --------------------------------------------------------------------
 
@@ -95,6 +112,11 @@ class TCPSendEngine(SendEngine):
         now = time.monotonic()
         for conn in [c for c in self._conns.values() if c.token is None and c.deadline <= now]:
             self._drop(conn, "no hello before the handshake timeout")
+        for conn in list(self._gated):  # a gate may have opened (its waker woke the server loop)
+            self._pump(conn)
+
+    def can_block(self) -> bool:
+        return not any(c.jobs and c.jobs[0].held.gate and c.jobs[0].held.gate.needs_polling() for c in self._gated)
 
     def start(self, job: SendJob) -> None:
         """Queue `job` on its consumer's data connection and start writing it.
@@ -107,7 +129,8 @@ class TCPSendEngine(SendEngine):
         if conn is None:
             raise TransferError(msg.request_id, msg.consumer, "consumer has no TCP data connection to this producer")
         header = memoryview(HEADER.pack(DATA_MAGIC, msg.transfer_id, job.nbytes))
-        job.state = _Sending(conn, ByteStream([header, *job.parts()], outbound=True, staging=conn.staging))
+        stream = ByteStream([header, *job.parts()], outbound=True, staging=conn.staging)
+        job.state = _Sending(conn, stream, stream.remaining)
         conn.jobs.append(job)
         if len(conn.jobs) == 1:
             self._pump(conn)
@@ -214,11 +237,20 @@ class TCPSendEngine(SendEngine):
     def _pump(self, conn: _Conn) -> None:
         """Write the connection's queued jobs until the socket is full or the turn budget is spent."""
         budget = TURN_BUDGET_BYTES
+        self._gated.discard(conn)
         while conn.jobs and budget > 0:
             job = conn.jobs[0]
-            stream = job.state.stream
+            sending = job.state
+            stream = sending.stream
+            if job.held.gate is not None and job.held.gate.failure:
+                self._drop(conn, f"prefill of {job.msg.request_id} failed: {job.held.gate.failure}")
+                return
+            sendable = sending.sendable(job)
+            if sendable == 0:
+                self._gated.add(conn)  # the next layer's gate wakes the server, whose progress() pumps again
+                break
             try:
-                n = conn.sock.sendmsg(stream.batch(max_bytes=SEND_BATCH_BYTES))
+                n = conn.sock.sendmsg(stream.batch(max_bytes=min(SEND_BATCH_BYTES, sendable)))
             except BlockingIOError:
                 break
             except Exception as exc:  # noqa: BLE001 - socket or staging copy failed: fail this connection only
@@ -232,8 +264,8 @@ class TCPSendEngine(SendEngine):
         self._watch(conn)
 
     def _watch(self, conn: _Conn) -> None:
-        """Wake for writability only while the connection has something to send."""
-        events = select.EPOLLIN | (select.EPOLLOUT if conn.jobs else 0)
+        """Wake for writability only while the connection has something it may send."""
+        events = select.EPOLLIN | (select.EPOLLOUT if conn.jobs and conn not in self._gated else 0)
         self._epoll.modify(conn.sock.fileno(), events)
 
     def _drop(self, conn: _Conn, reason: str) -> None:
@@ -251,4 +283,5 @@ class TCPSendEngine(SendEngine):
         if conn.token is not None and self._by_token.get(conn.token) is conn:
             del self._by_token[conn.token]
         conn.jobs.clear()
+        self._gated.discard(conn)
         conn.sock.close()

@@ -60,7 +60,8 @@ class TCPPuller:
             TransferError: refused, failed, malformed stream, or not complete by `deadline`.
         """
         try:
-            parts = consumer_parts(self._region, loc.block_ids, dst_blocks, hidden, loc.request_id, loc.producer)
+            parts = consumer_parts(self._region, loc.block_ids, dst_blocks, hidden, loc.request_id, loc.producer,
+                                   layer_major=loc.layerwise)
         except ValueError as exc:
             raise TransferError(loc.request_id, loc.producer, str(exc)) from exc
         transfer_id = next(self._transfer_ids)
@@ -70,7 +71,7 @@ class TCPPuller:
             inbound = _Inbound(loc, sock, transfer_id, stream, deadline)
             self._channel.send(loc.side_channel, PullRequest(
                 request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
-                transport_address=self._token, dst_block_ids=dst_blocks))
+                transport_address=self._token, dst_block_ids=dst_blocks, layer_major=True))
             self._channel.wait(loc, transfer_id, deadline, fds=[sock.fileno()], progress=inbound.progress,
                                done=lambda: inbound.done)
         except BaseException as exc:

@@ -1,0 +1,146 @@
+"""Layer-wise streaming through the real connector: a producer process that hands over one layer at a time,
+a consumer pulling over TCP while the layers are still being computed, and a real redis-server."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+
+import pytest
+import torch
+
+from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
+from connectors.factory import create_connector
+from connectors.kv_region import KVRegion, plan_runs
+from connectors.layer_gate import LayerGate
+from connectors.layerwise import layer_pieces
+from connectors.wire import PoolLayout
+from engine.kv_cache import KVPool
+from engine.model_input import ModelInput, SequenceInput
+from tests.connectors import peer
+
+CTX = mp.get_context("spawn")
+LAYER_S = 0.05  # the producer's "compute" per layer
+
+
+def _config(role: NodeRole, node_id: str, redis_url: str, layerwise: bool) -> ConnectorConfig:
+    return ConnectorConfig(kind=ConnectorKind.TCP, role=role, node_id=node_id, redis_url=redis_url,
+                           kv_deadline_s=10.0, layerwise=layerwise)
+
+
+def _stream(redis_url: str, rid: str, tokens: int, blocks: list[int], fail_after: int | None, results) -> None:
+    """Publish `rid` layer-wise; write each layer's KV only just before handing that layer over."""
+    conn = create_connector(0, 0, _config(NodeRole.PREFILL, "producer-lw", redis_url, True))
+    lay = peer.layout(layers=4, block_size=4)
+    pool = conn.allocate_kv_pool(lay, 64, "cpu")
+    released = threading.Event()
+    conn.set_release_callback(lambda r: released.set())
+    conn.register_kv_caches(pool.kv_caches)
+    batch = ModelInput([SequenceInput(rid, [0] * tokens, 0, blocks)])
+    kv = peer.request_kv(rid, lay, len(blocks))  # [blocks, layers, 2, block_size, heads, head_dim]
+    on_layer = conn.begin_layer_stream(batch, peer.HIDDEN, torch.float32)
+    results.put(("published", time.monotonic()))
+    for layer in range(lay.num_layers):
+        time.sleep(LAYER_S)
+        if fail_after is not None and layer == fail_after:
+            conn.abort_layer_stream(batch, "forward failed (test)")
+            break
+        pool.data[blocks, layer] = kv[:, layer]
+        on_layer(layer)
+    else:
+        results.put(("last layer", time.monotonic()))
+        conn.send_kv_caches_and_hidden_states(None, batch, pool.kv_caches, peer.request_hidden(rid, tokens, False))
+    results.put(("released", released.wait(30)))
+    conn.close()
+
+
+def _consume(redis_url: str, lay, rid: str, tokens: int, dst: list[int]):
+    conn = create_connector(0, 0, _config(NodeRole.DECODE, "consumer-lw", redis_url, False))
+    pool = conn.allocate_kv_pool(lay, 64, "cpu")
+    conn.register_kv_caches(pool.kv_caches)
+    start = time.monotonic()
+    hidden, bypass, _ = conn.recv_kv_caches_and_hidden_states(
+        None, ModelInput([SequenceInput(rid, [0] * tokens, 0, dst)]), pool.kv_caches)
+    return conn, pool, hidden, bypass, start, time.monotonic()
+
+
+def _results(q, n: int) -> dict:
+    return dict(q.get(timeout=60) for _ in range(n))
+
+
+def test_layers_arrive_while_the_producer_computes(redis_url):
+    lay, rid, tokens = peer.layout(layers=4, block_size=4), "lw-1", 37
+    src, dst = [3, 4, 9, 10, 11, 20, 21, 30, 31, 32], [40, 41, 5, 6, 7, 8, 50, 51, 52, 53]
+    q = CTX.Queue()
+    proc = CTX.Process(target=_stream, args=(redis_url, rid, tokens, src, None, q))
+    proc.start()
+    try:
+        published = q.get(timeout=60)[1]
+        conn, pool, hidden, bypass, start, end = _consume(redis_url, lay, rid, tokens, dst)
+        got = _results(q, 2)
+        assert bypass
+        assert torch.equal(pool.data[dst], peer.request_kv(rid, lay, len(dst))), "a layer was sent before it was done"
+        assert torch.equal(hidden, peer.request_hidden(rid, tokens, False))
+        assert start < got["last layer"], "the pull should begin while layers are still being computed"
+        assert end - got["last layer"] < 2 * lay.num_layers * LAYER_S  # decode-ready soon after the last layer
+        assert published < start and got["released"], "the producer releases the blocks once they are pulled"
+        conn.close()
+    finally:
+        proc.join(30)
+
+
+def test_a_failed_forward_ends_the_stream_and_the_consumer_recomputes(redis_url):
+    lay, rid, tokens = peer.layout(layers=4, block_size=4), "lw-2", 16
+    q = CTX.Queue()
+    proc = CTX.Process(target=_stream, args=(redis_url, rid, tokens, [1, 2, 3, 4], 2, q))
+    proc.start()
+    try:
+        q.get(timeout=60)
+        conn, _, hidden, bypass, _, _ = _consume(redis_url, lay, rid, tokens, [7, 8, 9, 10])
+        assert not bypass and hidden is None
+        assert _results(q, 1)["released"], "the failed request's blocks must be released"
+        conn.close()
+    finally:
+        proc.join(30)
+
+
+@pytest.mark.parametrize("pool_layout", [PoolLayout.KVWIRE, PoolLayout.VLLM])
+def test_layer_major_parts_are_the_layers_in_order(pool_layout):
+    lay = peer.layout(layers=3, block_size=2)
+    pool = KVPool.allocate(lay, 12, "cpu") if pool_layout == PoolLayout.KVWIRE else None
+    caches = pool.kv_caches if pool else [torch.zeros(2, 12, 2, 2, 8) for _ in range(3)]
+    region = KVRegion.from_kv_caches(caches)
+    for plane in region.planes:
+        plane.copy_(torch.randint(0, 255, plane.shape, dtype=torch.uint8))
+    blocks = [2, 3, 4, 8, 1]
+    runs = [(s, n) for s, _, n in plan_runs(blocks, blocks)]
+    got = b"".join(bytes(p) for p in region.layer_major_parts(runs))
+    want = b"".join(p.numpy().tobytes() for layer in range(3) for p in layer_pieces(region, blocks, layer))
+    assert got == want
+
+
+def test_gate_opens_layer_by_layer_and_wakes():
+    woke = []
+    gate = LayerGate("r", 3, torch.device("cpu"))
+    gate.add_waker(lambda: woke.append(gate.ready_layers()))
+    assert gate.ready_layers() == 0 and not gate.complete_and_ready
+    gate.layer_done(0)
+    gate.layer_done(1)
+    assert gate.ready_layers() == 2 and woke == [1, 2]
+    with pytest.raises(AssertionError):
+        gate.layer_done(0)  # layers come in order
+    gate.layer_done(2)
+    gate.complete()
+    assert gate.complete_and_ready and gate.failure is None
+    gate.fail("too late")
+    assert gate.failure is None, "a complete gate stays complete"
+
+
+def test_layerwise_needs_tcp_and_no_checksums():
+    with pytest.raises(ValueError, match="tcp"):
+        ConnectorConfig(kind=ConnectorKind.SHM, role=NodeRole.PREFILL, node_id="p", redis_url="redis://x",
+                        layerwise=True)
+    with pytest.raises(ValueError, match="verify_kv"):
+        ConnectorConfig(kind=ConnectorKind.TCP, role=NodeRole.PREFILL, node_id="p", redis_url="redis://x",
+                        layerwise=True, verify_kv=True)

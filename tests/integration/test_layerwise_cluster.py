@@ -1,0 +1,29 @@
+"""A cluster whose prefill node streams KV layer by layer: outputs equal the single-process run, prompts bypassed,
+every block freed, the directory left empty."""
+
+from __future__ import annotations
+
+import pytest
+
+from cli.local_cluster import ClusterSpec, LocalCluster
+from connectors.config import ConnectorKind
+from connectors.wire import SamplingParams
+from engine.reference import generate
+from tests.integration.cluster import complete_all, wait_pools_full_and_directory_empty
+
+pytestmark = pytest.mark.slow
+PROMPTS = [[72], list(range(16)), list(range(33)), list(range(100, 200)) * 11]
+
+
+def test_layerwise_cluster_matches_single_process(tiny_model_dir, tmp_path):
+    expected = generate(tiny_model_dir, PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))
+    spec = ClusterSpec(model_dir=tiny_model_dir, connector=ConnectorKind.TCP, num_blocks=256, layerwise=True,
+                       log_dir=tmp_path / "logs")
+    with LocalCluster(spec) as cluster:
+        results = complete_all(cluster.url, PROMPTS, max_tokens=8)
+        for want, got in zip(expected, results):
+            assert got["choices"][0]["token_ids"] == want
+            assert got["kvwire"]["bypassed"] is True
+            assert got["kvwire"]["transport"] == "tcp"
+        pools, leftover = wait_pools_full_and_directory_empty(cluster.redis_url)
+        assert all(free == total for free, total in pools.values()) and leftover == []
