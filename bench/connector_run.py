@@ -29,16 +29,16 @@ HIDDEN_WIDTH = 1  # the bench measures KV; hidden states ride along at one value
 MEASURE = "!measure"  # tells the producer the measured trials start (not a request id: those start "bench-")
 
 
-def _config(kind: ConnectorKind, role: NodeRole, redis_url: str) -> ConnectorConfig:
+def bench_config(kind: ConnectorKind, role: NodeRole, redis_url: str, layerwise: bool = False) -> ConnectorConfig:
     return ConnectorConfig(kind=kind, role=role, node_id=f"bench-{role}", redis_url=redis_url,
-                           kv_deadline_s=120.0, entry_ttl_s=240.0)
+                           kv_deadline_s=120.0, entry_ttl_s=240.0, layerwise=layerwise)
 
 
-def _request(work: Workload, rid: str, side: int) -> ModelInput:
+def request_input(work: Workload, rid: str, side: int) -> ModelInput:
     return ModelInput([SequenceInput(rid, [0] * work.tokens, 0, work.block_ids(side))])
 
 
-def _pool(conn: KVConnectorBase, work: Workload) -> tuple[list[torch.Tensor], KVRegion]:
+def bench_pool(conn: KVConnectorBase, work: Workload) -> tuple[list[torch.Tensor], KVRegion]:
     """kvwire's pool comes from the connector (shm places it in shared memory); vLLM's the bench allocates."""
     if work.pool == PoolLayout.KVWIRE:
         kv_caches = conn.allocate_kv_pool(work.layout, work.pool_blocks, str(work.device)).kv_caches
@@ -49,8 +49,8 @@ def _pool(conn: KVConnectorBase, work: Workload) -> tuple[list[torch.Tensor], KV
 
 def _producer(kind: ConnectorKind, redis_url: str, work: Workload, pipe) -> None:
     torch.set_num_threads(1)
-    conn = create_connector(0, 0, _config(kind, NodeRole.PREFILL, redis_url))
-    kv_caches, region = _pool(conn, work)
+    conn = create_connector(0, 0, bench_config(kind, NodeRole.PREFILL, redis_url))
+    kv_caches, region = bench_pool(conn, work)
     fill_random(region)
     conn.set_release_callback(lambda rid: None)
     conn.register_kv_caches(kv_caches)
@@ -61,7 +61,7 @@ def _producer(kind: ConnectorKind, redis_url: str, work: Workload, pipe) -> None
         if rid == MEASURE:
             peak.start()
             continue
-        conn.send_kv_caches_and_hidden_states(None, _request(work, rid, 0), kv_caches, hidden)
+        conn.send_kv_caches_and_hidden_states(None, request_input(work, rid, 0), kv_caches, hidden)
         pipe.send(rid)
     pipe.send(peak.extra_bytes())
     conn.close()
@@ -95,10 +95,10 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
         here, there = ctx.Pipe()
         proc = ctx.Process(target=_producer, args=(kind, redis_url, work, there))
         proc.start()
-        conn = create_connector(0, 0, _config(kind, NodeRole.DECODE, redis_url))
+        conn = create_connector(0, 0, bench_config(kind, NodeRole.DECODE, redis_url))
     try:
         want = here.recv() if here.poll(120) else None
-        kv_caches, region = _pool(conn, work)
+        kv_caches, region = bench_pool(conn, work)
         conn.register_kv_caches(kv_caches)
         dst = work.block_ids(1)
         times, verified, peak = [], want is not None, PeakTracker()
@@ -111,7 +111,7 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
             here.send(rid)
             assert here.poll(120) and here.recv() == rid, "producer did not publish"
             start = time.perf_counter()
-            _, bypass, _ = conn.recv_kv_caches_and_hidden_states(None, _request(work, rid, 1), kv_caches)
+            _, bypass, _ = conn.recv_kv_caches_and_hidden_states(None, request_input(work, rid, 1), kv_caches)
             elapsed = time.perf_counter() - start
             verified &= bypass and checksum(region, dst) == want
             if i >= warmup:

@@ -1,33 +1,37 @@
 """`kvwire bench transfer --layerwise`: how much of the KV transfer hides behind prefill's compute.
 
-Two processes over loopback TCP (`connectors/layerwise.py`). The producer "computes"
-each layer for `compute_ms` (a sleep: on an accelerator the CPU is free while a layer
-runs) and hands it to the layer sender, which streams it while the next layer computes.
-First every layer is sent back to back with no compute (the whole transfer, and one
+The nodes' own path: two processes, each with a TCP connector (the producer's with
+`layerwise`), and a real redis-server. For each trial the producer opens the request's
+layer stream (`begin_layer_stream`: published before the forward), "computes" each layer
+for `compute_ms` (a sleep: on an accelerator the CPU is free while a layer runs), hands
+it over (`on_layer`, as the model's forward does) and completes it with the hidden
+states; the bench process pulls it with `recv_kv_caches_and_hidden_states` meanwhile.
+First, with every layer handed over before the pull starts, the whole transfer (and one
 layer's share of it); then with compute. The figure that matters: the time from the
-producer's last layer to the consumer holding every layer, against one layer's transfer.
+producer's last layer to the consumer holding every layer and the hidden states, against
+one layer's transfer.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import statistics
 import time
 
 import msgspec
 import torch
 
-from bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
-from connectors.kv_region import KVRegion
-from connectors.layerwise import LayerReceiver, LayerSender
+from bench.connector_run import HIDDEN_WIDTH, bench_config, bench_pool, request_input
+from bench.workload import Workload, checksum, fill_random, zero_blocks
+from connectors.config import ConnectorKind, NodeRole
+from connectors.factory import create_connector
 
 
 class LayerwiseResult(msgspec.Struct, frozen=True):
     tokens: int
     pool: str
     layers: int
-    transfer_ms: float  # whole request, layers back to back, median
+    transfer_ms: float  # whole request, every layer ready before the pull, median
     layer_transfer_ms: float  # transfer_ms / layers
     compute_ms_per_layer: float
     prefill_ms: float  # layers x compute
@@ -37,61 +41,73 @@ class LayerwiseResult(msgspec.Struct, frozen=True):
     verified: bool
 
 
-def _producer(work: Workload, port: int, pipe) -> None:
+def _producer(work: Workload, redis_url: str, pipe) -> None:
+    """Per trial: (request id, compute seconds per layer, wait for the go-ahead before the last handover)."""
     torch.set_num_threads(1)
-    region = KVRegion.from_kv_caches(allocate_pool(work))
+    conn = create_connector(0, 0, bench_config(ConnectorKind.TCP, NodeRole.PREFILL, redis_url, layerwise=True))
+    kv_caches, region = bench_pool(conn, work)
     fill_random(region)
+    conn.set_release_callback(lambda rid: None)
+    conn.register_kv_caches(kv_caches)
+    hidden = torch.zeros(work.tokens, HIDDEN_WIDTH)
     pipe.send(checksum(region, work.block_ids(0)))
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        while (compute_s := pipe.recv()) is not None:
-            sender = LayerSender(sock, region, work.block_ids(0), "consumer")
-            for layer in range(work.layout.num_layers):
-                if compute_s:
-                    time.sleep(compute_s)
-                sender.layer_done(layer)
-            last = time.monotonic()
-            sender.finish(120)
-            pipe.send(last)
+    while (trial := pipe.recv()) is not None:
+        rid, compute_s = trial
+        batch = request_input(work, rid, 0)
+        on_layer = conn.begin_layer_stream(batch, HIDDEN_WIDTH, hidden.dtype)
+        for layer in range(work.layout.num_layers):
+            if compute_s:
+                time.sleep(compute_s)
+            on_layer(layer)
+        last = time.monotonic()
+        conn.send_kv_caches_and_hidden_states(None, batch, kv_caches, hidden)
+        pipe.send(last)
+    conn.close()
 
 
-def _trials(work: Workload, compute_s: float, n: int, pipe, sock, region) -> tuple[list[float], list[float]]:
-    totals, tails = [], []
-    for _ in range(n):
+def _trials(work: Workload, compute_s: float, n: int, tag: str, pipe, conn, kv_caches, region) -> tuple[list[float], bool]:
+    """Seconds of each pull (compute 0: started once every layer is handed over) or of each tail (after the
+    producer's last layer); and whether every trial's bytes matched."""
+    ok, out = True, []
+    for i in range(n):
         zero_blocks(region, work.block_ids(1))
+        rid = f"bench-layerwise-{work.tokens}-{work.pool}-{tag}-{i}"
+        pipe.send((rid, compute_s))
+        last = pipe.recv() if not compute_s else None  # back to back: every layer is in before the pull
         start = time.monotonic()
-        pipe.send(compute_s)
-        LayerReceiver(sock, region, work.block_ids(1), "producer").receive_all()
+        _, bypass, _ = conn.recv_kv_caches_and_hidden_states(None, request_input(work, rid, 1), kv_caches)
         ready = time.monotonic()
-        last = pipe.recv()
-        totals.append(ready - start)
-        tails.append(ready - last)
-    return totals, tails
+        if last is None:
+            last = pipe.recv()
+        out.append(ready - start if not compute_s else ready - last)
+        ok &= bypass
+    return out, ok
 
 
-def bench_layerwise(work: Workload, runs: int, warmup: int, compute_ms: float | None) -> LayerwiseResult:
+def bench_layerwise(work: Workload, runs: int, warmup: int, compute_ms: float | None, redis_url: str) -> LayerwiseResult:
     """compute_ms None: one layer's measured transfer time (compute just covers transfer)."""
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    region = KVRegion.from_kv_caches(allocate_pool(work))
-    with socket.create_server(("127.0.0.1", 0)) as srv:
-        proc = ctx.Process(target=_producer, args=(work, srv.getsockname()[1], there), daemon=True)
-        proc.start()
-        try:
-            want = here.recv()
-            sock, _ = srv.accept()
-            with sock:
-                _trials(work, 0.0, warmup, here, sock, region)
-                totals, _ = _trials(work, 0.0, runs, here, sock, region)
-                transfer = statistics.median(totals)
-                per_layer = transfer / work.layout.num_layers
-                compute_s = per_layer if compute_ms is None else compute_ms / 1e3
-                _, tails = _trials(work, compute_s, runs, here, sock, region)
-                verified = checksum(region, work.block_ids(1)) == want
-            here.send(None)
-        finally:
-            proc.join(30)
-            proc.kill()
+    proc = ctx.Process(target=_producer, args=(work, redis_url, there), daemon=True)
+    proc.start()
+    conn = create_connector(0, 0, bench_config(ConnectorKind.TCP, NodeRole.DECODE, redis_url))
+    try:
+        want = here.recv()
+        kv_caches, region = bench_pool(conn, work)
+        conn.register_kv_caches(kv_caches)
+        args = (here, conn, kv_caches, region)
+        _trials(work, 0.0, warmup, "warm", *args)
+        totals, ok_whole = _trials(work, 0.0, runs, "whole", *args)
+        transfer = statistics.median(totals)
+        per_layer = transfer / work.layout.num_layers
+        compute_s = per_layer if compute_ms is None else compute_ms / 1e3
+        tails, ok_streamed = _trials(work, compute_s, runs, "streamed", *args)
+        verified = ok_whole and ok_streamed and checksum(region, work.block_ids(1)) == want
+        here.send(None)
+    finally:
+        conn.close()
+        proc.join(30)
+        proc.kill()
     tail = statistics.median(tails)
     return LayerwiseResult(
         tokens=work.tokens, pool=str(work.pool), layers=work.layout.num_layers, transfer_ms=round(transfer * 1e3, 2),

@@ -43,8 +43,9 @@ def transfer(
         = Device.CPU,
     as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON instead of a table.")] = False,
     plot: Annotated[str | None, typer.Option("--plot", help="Also draw GB/s against size to this PNG file.")] = None,
-    layerwise: Annotated[bool, typer.Option("--layerwise", help="Instead: stream layer by layer behind a "
-                                            "simulated prefill and report how much of the transfer it hides.")] = False,
+    layerwise: Annotated[bool, typer.Option("--layerwise", help="Instead: stream layer by layer (the tcp "
+                                            "connector, as `kvwire prefill --layerwise`) behind a simulated prefill "
+                                            "and report how much of the transfer it hides.")] = False,
     compute_ms: Annotated[float | None, typer.Option("--compute-ms-per-layer", min=0.0, help="With --layerwise: "
                                                      "compute per layer; default one layer's transfer time.")] = None,
     redis_url: OptionalRedisUrl = None,
@@ -66,10 +67,10 @@ def transfer(
 
         if not torch.cuda.is_available():
             raise typer.BadParameter("no CUDA device on this machine", param_hint="--device")
-    if layerwise:
-        _layerwise(sizes, where, whose, runs, warmup, compute_ms, as_json)
-        return
     with LocalRedis() if redis_url is None else contextlib.nullcontext() as redis:
+        if layerwise:
+            _layerwise(sizes, where, whose, runs, warmup, compute_ms, as_json, redis_url or redis.url)
+            return
         total = rounds * combinations(chosen, sizes, where, whose, device)
         with tqdm(total=total, desc="bench transfer", file=sys.stderr) as bar:
             def on_row(row):
@@ -165,13 +166,13 @@ def _e2e_table(result) -> str:
 
 
 def _layerwise(sizes: list[int], where: list[Placement], whose: list[PoolLayout], runs: int, warmup: int,
-               compute_ms: float | None, as_json: bool) -> None:
+               compute_ms: float | None, as_json: bool, redis_url: str) -> None:
     import msgspec
 
     from bench.layerwise import bench_layerwise
     from bench.workload import Workload
 
-    results = [bench_layerwise(Workload(n, p, pool), runs, warmup, compute_ms)
+    results = [bench_layerwise(Workload(n, p, pool), runs, warmup, compute_ms, redis_url)
                for n in sizes for p in where for pool in whose]
     if as_json:
         typer.echo(msgspec.json.format(msgspec.json.encode(results), indent=2).decode())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import zlib
 
 from connectors.kv_region import KVRegion
-from connectors.layerwise import layer_pieces
+from connectors.kv_region import layer_pieces
 
 
 def layer_checksums(region: KVRegion, blocks: list[int]) -> list[int]:

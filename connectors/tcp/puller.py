@@ -8,8 +8,8 @@ closed it, or bytes nobody asked for, mean reconnect). A pull sends its
 `PullRequest` on the side channel and waits on both the side channel (a refusal) and
 the data socket for the HEADER (checked: magic, transfer id, total bytes); then it
 reads the payload with blocking `recvmsg_into` calls bounded by the deadline,
-straight into the destination blocks and hidden tensors, and waits for the
-producer's ok. On any failure or at the deadline the data
+straight into the destination blocks and hidden tensors; the last byte ends the pull
+(the producer's ok, skipped as stale by a later pull, is not waited for). On any failure or at the deadline the data
 connection is closed, so no byte of that transfer can be read as part of another;
 only this thread ever writes into the blocks, and only inside `pull`. `close()`
 closes every connection and the side channel.
@@ -72,8 +72,10 @@ class TCPPuller:
             self._channel.send(loc.side_channel, PullRequest(
                 request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
                 transport_address=self._token, dst_block_ids=dst_blocks, layer_major=True))
+            # Every byte after a header naming this transfer is this transfer's (one stream, in order; the
+            # producer never refuses after the header): done is proof enough, the ok is skipped when it comes.
             self._channel.wait(loc, transfer_id, deadline, fds=[sock.fileno()], progress=inbound.progress,
-                               done=lambda: inbound.done)
+                               done=lambda: inbound.done, reply_needed=False)
         except BaseException as exc:
             self._disconnect(loc.transport_address)
             if isinstance(exc, (TransferError, KeyboardInterrupt)):

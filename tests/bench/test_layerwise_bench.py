@@ -1,4 +1,5 @@
-"""`kvwire bench transfer --layerwise` at a small size: two processes, bytes verified, figures consistent."""
+"""`kvwire bench transfer --layerwise` at a small size: two processes with TCP connectors and a real redis-server,
+bytes verified, figures consistent."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from bench.workload import Placement, Workload
 pytestmark = pytest.mark.slow
 
 
-def test_layerwise_result_is_verified_and_consistent():
-    r = bench_layerwise(Workload(64, Placement.SCATTERED), runs=2, warmup=1, compute_ms=2.0)
+def test_layerwise_result_is_verified_and_consistent(redis_url):
+    r = bench_layerwise(Workload(64, Placement.SCATTERED), runs=2, warmup=1, compute_ms=2.0, redis_url=redis_url)
     assert r.verified and r.layers == 32 and r.compute_ms_per_layer == 2.0 and r.prefill_ms == 64.0
     assert r.layer_transfer_ms == pytest.approx(r.transfer_ms / 32, abs=0.01)
     assert r.tail_ms > 0 and r.hidden_fraction == pytest.approx(1 - r.tail_ms / r.transfer_ms, abs=0.01)

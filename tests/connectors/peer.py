@@ -48,7 +48,10 @@ def config(kind: ConnectorKind, role: NodeRole, node_id: str, redis_url: str, de
 def _die_on_first_send(conn) -> None:
     """Make this process SIGKILL itself right after any of its transports starts the first pull (shared memory,
     where the consumer reads by itself: when the first read is claimed, before it is confirmed)."""
+    import connectors.tcp.engine as tcp_engine
     from connectors.shm.engine import SHMSendEngine
+
+    tcp_engine.TURN_BUDGET_BYTES = 1  # TCP's start() then writes one batch (what the socket takes), not the lot
 
     def then_die(step):
         def wrapped(*args, **kwargs):

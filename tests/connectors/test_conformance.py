@@ -157,13 +157,17 @@ def test_kv_that_never_comes_ends_at_the_deadline(connector_kind, redis_url):
 
 
 def test_sender_killed_mid_transfer_ends_in_recompute(connector_kind, redis_url):
-    lay = peer.layout(DType.FLOAT32, 32, 16)  # 64 KiB blocks: big enough to still be moving
-    requests = [("doomed", 16 * 40, list(range(0, 80, 2)))]
+    # 64 KiB blocks: big enough to still be moving. Over TCP, bytes the kernel holds still arrive after the
+    # sender dies (whole and in order: such a pull rightly succeeds), so there 1 MiB blocks, 40 MiB in all,
+    # outrun the socket buffers that the producer's first write fills.
+    block_size = 256 if connector_kind == ConnectorKind.TCP else 16
+    lay = peer.layout(DType.FLOAT32, 32, block_size)
+    requests = [("doomed", block_size * 40, list(range(0, 80, 2)))]
     deadline_s = 2.0
     proc, _ = _producer(connector_kind, redis_url, lay, requests, deadline_s=deadline_s, num_blocks=80, die=True)
     conn, pool = _consumer(connector_kind, redis_url, lay, num_blocks=80, deadline_s=deadline_s)
     try:
-        mi = ModelInput([SequenceInput("doomed", [0] * (16 * 40), 0, list(range(1, 80, 2)))])
+        mi = ModelInput([SequenceInput("doomed", [0] * (block_size * 40), 0, list(range(1, 80, 2)))])
         start = time.monotonic()
         hidden, bypass, _ = conn.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)
         assert hidden is None and bypass is False

@@ -12,15 +12,16 @@ import torch
 
 from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 from connectors.factory import create_connector
-from connectors.kv_region import KVRegion, plan_runs
+from connectors.kv_region import KVRegion, layer_pieces, plan_runs
 from connectors.layer_gate import LayerGate
-from connectors.layerwise import layer_pieces
-from connectors.wire import PoolLayout
+from bench.workload import Placement, Workload, allocate_pool
+from connectors.wire import DType, KVLayout, PoolLayout
 from engine.kv_cache import KVPool
 from engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
 CTX = mp.get_context("spawn")
+SMALL = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=4, dtype=DType.BFLOAT16)
 LAYER_S = 0.05  # the producer's "compute" per layer
 
 
@@ -103,6 +104,21 @@ def test_a_failed_forward_ends_the_stream_and_the_consumer_recomputes(redis_url)
         conn.close()
     finally:
         proc.join(30)
+
+
+@pytest.mark.parametrize("pool", list(PoolLayout))
+def test_layer_pieces_cover_exactly_that_layer(pool):
+    work = Workload(12, Placement.SCATTERED, pool, layout=SMALL)
+    region = KVRegion.from_kv_caches(kv := allocate_pool(work))
+    blocks = work.block_ids(0)
+    for layer in range(SMALL.num_layers):
+        for p in layer_pieces(region, blocks, layer):
+            p.view(torch.bfloat16).fill_(layer + 1)
+    for layer in range(SMALL.num_layers):  # the per-layer views the engine uses see only their layer's value
+        view = kv[layer][:, blocks] if pool == PoolLayout.VLLM else kv[layer][blocks]
+        assert view.eq(layer + 1).all()
+    total = sum(p.numel() for layer in range(SMALL.num_layers) for p in layer_pieces(region, blocks, layer))
+    assert total == len(blocks) * region.block_nbytes
 
 
 @pytest.mark.parametrize("pool_layout", [PoolLayout.KVWIRE, PoolLayout.VLLM])
