@@ -20,7 +20,7 @@ from connectors.types import IntermediateTensors
 
 if TYPE_CHECKING:
     from connectors.config import ConnectorConfig
-    from connectors.wire import KVLayout
+    from connectors.wire import KVLayout, KVLocation
     from engine.kv_cache import KVPool
     from engine.model_input import ModelInput
 
@@ -127,6 +127,15 @@ class KVConnectorBase(ABC):
         fires at once.
         """
         on_ready(request_id)
+
+    def set_located_callback(self, callback: Callable[[KVLocation], None]) -> None:
+        """Producer: `callback(location)` runs on the publishing thread once a request's KV can be
+        pulled, before the directory has it (the node tells the consumer directly). Default: unused."""
+
+    def kv_located(self, location: KVLocation) -> bool:
+        """Consumer: the producer says directly where an expected request's KV is (the directory's
+        READY, sooner). Returns whether it was taken; the node then admits the request. Default: no."""
+        return False
 
     def set_release_callback(self, callback: Callable[[str], None]) -> None:
         """Producer: `callback(request_id)` runs, possibly on a connector thread, once the

@@ -26,7 +26,7 @@ from connectors.kv_region import KVRegion
 from connectors.receiver import KVReceiver, Puller, Received
 from connectors.sender import KVSender
 from connectors.transfer_server import SendEngine, TransferServer
-from connectors.wire import PullRequest
+from connectors.wire import KVLocation, PullRequest
 from engine.model_input import ModelInput
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ class DirectoryConnector(KVConnectorBase):
         self.directory = KVDirectory(config.redis_url, entry_ttl_s=config.entry_ttl_s)
         self.epoch = self.directory.next_epoch(config.node_id)
         self._release_cb: Callable[[str], None] = lambda rid: None
+        self._located_cb: Callable[[KVLocation], None] = lambda loc: None
         self._sender: KVSender | None = None
         self._receiver: KVReceiver | None = None
         self._servers: dict[ConnectorKind, TransferServer] = {}
@@ -71,6 +72,18 @@ class DirectoryConnector(KVConnectorBase):
     def set_release_callback(self, callback: Callable[[str], None]) -> None:
         self._release_cb = callback
 
+    def set_located_callback(self, callback: Callable[[KVLocation], None]) -> None:
+        self._located_cb = callback
+        if self._sender is not None:
+            self._sender.on_located = callback
+
+    def kv_located(self, location: KVLocation) -> bool:
+        rid = location.request_id
+        if self._receiver is None or rid not in self._deadlines:
+            return False  # not expected here (or already received)
+        self._ready[rid] = DirectoryEntry(rid, TransferState.READY, location.producer, location, "")
+        return True
+
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         region = KVRegion.from_kv_caches(kv_caches)
         if self.config.role == NodeRole.PREFILL:
@@ -78,6 +91,7 @@ class DirectoryConnector(KVConnectorBase):
             self._servers = {kind: self._serve(kind, engine, region, held)
                              for kind, engine in self._make_send_engines(region).items()}
             self._sender = KVSender(self.config, self.directory, region, held, self._servers, self.epoch)
+            self._sender.on_located = self._located_cb
         else:
             self._puller = self._make_puller(region)
             self._publish_endpoint()
@@ -108,7 +122,7 @@ class DirectoryConnector(KVConnectorBase):
     def _watch(self, request_id: str, deadline: float, on_ready: Callable[[str], None]) -> None:
         try:
             entry = self.directory.wait_for(request_id, {TransferState.READY}, deadline)
-            if entry is not None and entry.state == TransferState.READY:
+            if entry is not None and entry.state == TransferState.READY and request_id in self._deadlines:
                 if len(self._ready) > 64 * WATCHERS:  # requests aborted before recv: only a shortcut is lost
                     self._ready.clear()
                 self._ready[request_id] = entry  # recv starts from it: one directory round trip less

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from typing import Callable
 
@@ -49,6 +50,10 @@ class KVSender:
         self._servers = servers
         self._offers = [TransportOffer(k, s.side_channel, s.transport_address) for k, s in servers.items()]
         self._epoch = epoch
+        self.on_located: Callable[[KVLocation], None] = lambda loc: None  # e.g. tell the consumer directly
+        self._lock = threading.Lock()
+        self._advertising: set[str] = set()  # requests whose READY is on its way to the directory
+        self._delivered_early: dict[str, tuple[PullRequest, str, int]] = {}  # pulled before that READY landed
 
     def publish(self, model_input: ModelInput, hidden: torch.Tensor | IntermediateTensors) -> None:
         """Hold and advertise every request of a computed prompt batch (layer-wise ones: complete them).
@@ -72,7 +77,7 @@ class KVSender:
             n_blocks = math.ceil(seq.end_pos / self._layout.block_size)
             loc = self._location(seq, descs, intermediate, self._checksums(seq.block_ids[:n_blocks]))
             self._held.add(HeldRequest(loc, tensors, time.monotonic() + self._config.kv_deadline_s))
-            self._advertise(loc)
+            self._announce(loc)
         for server in self._servers.values():
             server.wake()
 
@@ -93,7 +98,7 @@ class KVSender:
             loc = self._location(seq, [desc], False, [], layerwise=True)
             hidden = empty_like_descs([desc], self._region.planes[0].device)
             self._held.add(HeldRequest(loc, hidden, time.monotonic() + self._config.kv_deadline_s, gate=gate))
-            self._advertise(loc)
+            self._announce(loc)
             gates.append(gate)
 
         def on_layer(layer: int) -> None:
@@ -139,7 +144,16 @@ class KVSender:
     def on_delivered(self, pull: PullRequest, transport: str, nbytes: int) -> None:
         """Called by the server once a pull is confirmed to its consumer: the entry becomes CONSUMED and is
         deleted, and the consumer's transfer is counted, in one round trip made here rather than on the
-        consumer's way to its first token. Trouble with the directory now costs nothing but bookkeeping."""
+        consumer's way to its first token. Trouble with the directory now costs nothing but bookkeeping.
+        A consumer told directly may pull before the READY reaches the directory: the publishing
+        thread then does this once it has."""
+        with self._lock:
+            if pull.request_id in self._advertising:
+                self._delivered_early[pull.request_id] = (pull, transport, nbytes)
+                return
+        self._record_delivery(pull, transport, nbytes)
+
+    def _record_delivery(self, pull: PullRequest, transport: str, nbytes: int) -> None:
         rid = pull.request_id
         try:
             DirectoryBatch(self._directory).transition(rid, {TransferState.READY}, TransferState.CONSUMED) \
@@ -156,6 +170,25 @@ class KVSender:
         except DirectoryError as exc:
             log.warning("request %s: cannot mark expired: %s", request_id, exc)
 
+    def _announce(self, loc: KVLocation) -> None:
+        """Tell the consumer directly (the node's callback), then the directory; a pull delivered in between
+        is recorded once the directory has the READY."""
+        rid = loc.request_id
+        with self._lock:
+            self._advertising.add(rid)
+        try:
+            self.on_located(loc)
+        except Exception:  # noqa: BLE001 - the directory still tells the consumer
+            log.exception("request %s: telling the consumer directly failed", rid)
+        try:
+            self._advertise(loc)
+        finally:
+            with self._lock:
+                self._advertising.discard(rid)
+                early = self._delivered_early.pop(rid, None)
+        if early is not None:
+            self._record_delivery(*early)
+
     def _advertise(self, loc: KVLocation) -> None:
         try:
             published = self._directory.publish_ready(loc)
@@ -164,4 +197,4 @@ class KVSender:
             published = False
         if not published:
             log.info("request %s: consumer already gave up; releasing its KV", loc.request_id)
-            self._held.release(loc.request_id)
+            self._held.release_if_idle(loc.request_id)

@@ -192,6 +192,18 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 class PrefillWork(_Msg, tag="prefill"):
     request_id: str
     prompt_token_ids: list[int]
+    notify: str = ""  # the decode node's work endpoint: told `KVReady` directly, ahead of the directory
+
+
+class KVReady(_Msg, tag="kv_ready"):
+    """Prefill → decode, on the decode node's work socket: the KV is where `location` says.
+
+    The same location the directory's READY event carries, sent directly so the decode node
+    need not wait for the directory's round trip; the directory stays the record (and the path
+    when this message is lost or refused).
+    """
+
+    location: KVLocation
 
 
 class DecodeWork(_Msg, tag="decode"):
@@ -236,7 +248,7 @@ class WorkError(_Msg, tag="error"):
 
 Message = (
     KVLayout | KVLocation | NodeInfo | PullRequest | PullReply | ShmHello | ShmSegment
-    | PrefillWork | DecodeWork | TokenChunk | WorkError
+    | PrefillWork | KVReady | DecodeWork | TokenChunk | WorkError
 )
 
 

@@ -25,7 +25,7 @@ import threading
 
 import zmq
 
-from connectors.wire import DecodeStats, DecodeWork, ErrorKind, TokenChunk, WorkError, pack
+from connectors.wire import DecodeStats, DecodeWork, ErrorKind, KVLocation, KVReady, TokenChunk, WorkError, pack
 from engine.drain import Drain
 from engine.llm_engine import InvalidRequest, LLMEngine, StepOutput
 from engine.node_runtime import NodeLoad, NodeRuntime
@@ -76,9 +76,11 @@ class DecodeNode:
                 poller.poll(self._drain.remaining_ms())
                 self._wakeup.drain()
             while self.rt.work_socket.poll(0):
-                work = self.rt.read_work(DecodeWork)
-                if work is not None:
-                    self._accept(work)
+                msg = self.rt.read_work((DecodeWork, KVReady))
+                if isinstance(msg, KVReady):
+                    self._located(msg.location)
+                elif msg is not None:
+                    self._accept(msg)
             self._admit_ready()
             if self.engine.has_unfinished():
                 self._step()
@@ -132,6 +134,16 @@ class DecodeNode:
             return
         self._awaiting_kv[rid] = work
         self.rt.connector.expect(rid, self._on_kv_ready)
+
+    def _located(self, location: KVLocation) -> None:
+        """The prefill node says directly where a request's KV is: admit it now rather than when the
+        directory's READY reaches the watcher (which then finds it admitted)."""
+        work = self._awaiting_kv.get(location.request_id)
+        if work is None or work.prefill_node != location.producer:
+            log.info("request %s: KVReady from %s not expected here; ignored", location.request_id, location.producer)
+            return
+        if self.rt.connector.kv_located(location):
+            self._kv_ready.put(location.request_id)
 
     def _on_kv_ready(self, request_id: str) -> None:
         self._kv_ready.put(request_id)

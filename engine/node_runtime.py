@@ -85,7 +85,7 @@ class NodeRuntime:
                  connector.epoch, address)
         return rt
 
-    def read_work(self, expect: type) -> object | None:
+    def read_work(self, expect: type | tuple[type, ...]) -> object | None:
         """The next message on the work socket if it is an `expect`; malformed ones are logged and counted."""
         frame = self.work_socket.recv(copy=False)
         try:

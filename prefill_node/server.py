@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import zmq
 
 from connectors.directory import DirectoryError, TransferState
-from connectors.wire import PrefillWork
+from connectors.wire import KVLocation, KVReady, PrefillWork, pack
 from engine.drain import Drain
 from engine.model_input import ModelInput, SequenceInput
 from engine.node_runtime import NodeLoad, NodeRuntime
@@ -51,7 +51,10 @@ class PrefillNode:
         self._lock = threading.Lock()
         self._wakeup = Wakeup()
         self._drain = Drain(rt)
+        self._notify: dict[str, str] = {}  # request id -> its decode node's work endpoint (engine thread only)
+        self._pushes: dict[str, zmq.Socket] = {}
         rt.connector.set_release_callback(self._on_release)
+        rt.connector.set_located_callback(self._tell_decode)
         rt.load = lambda: NodeLoad(len(self._pending), self.held_requests)
         rt.metrics.watch_blocks(lambda: rt.allocator.num_free, rt.allocator.num_blocks)
         rt.metrics.watch_queue(Queue.PREFILL_PENDING, lambda: len(self._pending))
@@ -84,6 +87,8 @@ class PrefillNode:
         self._wakeup.wake()
 
     def close(self) -> None:
+        for sock in self._pushes.values():
+            sock.close(0)
         self._drain.close()
         self._wakeup.close()
 
@@ -154,6 +159,7 @@ class PrefillNode:
         blocks = self.rt.allocator.allocate(need)
         with self._lock:
             self._held_blocks[rid] = blocks
+        self._notify[rid] = work.notify
         try:
             self.rt.runner.run_prompt(ModelInput([SequenceInput(rid, work.prompt_token_ids, 0, blocks)]))
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the node
@@ -161,6 +167,26 @@ class PrefillNode:
             self._mark_failed(rid, f"prefill failed: {exc}")
             if not self.rt.connector.holds(rid):  # layer-wise: held already; its release frees the blocks
                 self._on_release(rid)
+        finally:
+            self._notify.pop(rid, None)
+
+    def _tell_decode(self, location: KVLocation) -> None:
+        """The connector's located callback (engine thread, while publishing): `KVReady` straight to the
+        decode node the router chose, so it need not wait for the directory's READY."""
+        address = self._notify.get(location.request_id)
+        if not address:
+            return
+        sock = self._pushes.get(address)
+        if sock is None:
+            sock = zmq.Context.instance().socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 1000)
+            sock.connect(address)
+            self._pushes[address] = sock
+        try:
+            sock.send(pack(KVReady(location=location)), zmq.NOBLOCK)
+        except zmq.Again:  # the decode node is not keeping up: it still learns from the directory
+            log.warning("request %s: decode node %s not reading; KVReady dropped", location.request_id, address)
 
     def _invalid(self, work: PrefillWork) -> str:
         problem = prompt_problem(work.prompt_token_ids, self.rt.model.config.vocab_size, self.rt.max_model_len)

@@ -91,7 +91,8 @@ class Dispatcher:
         self._queues[request_id] = queue
         self._serving[request_id] = (route.decode.node_id, route.decode.epoch)
         if route.prefill is not None:
-            await self._push(route.prefill, PrefillWork(request_id=request_id, prompt_token_ids=prompt_ids))
+            await self._push(route.prefill, PrefillWork(request_id=request_id, prompt_token_ids=prompt_ids,
+                                                        notify=route.decode.work_address))
         else:
             log.warning("request %s: no live prefill node; decode computes the prompt", request_id)
         await self._push(route.decode, DecodeWork(request_id=request_id, prompt_token_ids=prompt_ids,
