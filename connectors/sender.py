@@ -129,7 +129,8 @@ class KVSender:
         n_blocks = math.ceil(seq.end_pos / self._layout.block_size)
         offers = [o for o in self._offers if o.kind == ConnectorKind.TCP] if layerwise else self._offers
         if not offers:
-            raise ValueError(f"request {seq.request_id}: layer-wise KV is served over tcp only")
+            raise ValueError(f"request {seq.request_id}: no transport serves this KV"
+                             + (" (layer-wise KV is served over tcp only)" if layerwise else ""))
         first = offers[0]
         return KVLocation(
             request_id=seq.request_id, producer=self._config.node_id, producer_epoch=self._epoch,

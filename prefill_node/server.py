@@ -36,6 +36,8 @@ from observability.labels import Queue
 
 log = logging.getLogger(__name__)
 
+MAX_DECODE_PEERS = 64  # decode nodes this node keeps a KVReady socket open to
+
 
 @dataclass
 class _Pending:
@@ -176,17 +178,28 @@ class PrefillNode:
         address = self._notify.get(location.request_id)
         if not address:
             return
+        try:
+            self._push_socket(address).send(pack(KVReady(location=location)), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # not reading, or a bad endpoint: the decode node still learns from the directory
+            log.warning("request %s: KVReady to %s not sent: %s", location.request_id, address, exc)
+
+    def _push_socket(self, address: str) -> zmq.Socket:
         sock = self._pushes.get(address)
         if sock is None:
+            if len(self._pushes) >= MAX_DECODE_PEERS:  # decode nodes come and go: start over rather than grow
+                for old in self._pushes.values():
+                    old.close(0)
+                self._pushes.clear()
             sock = zmq.Context.instance().socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 1000)
-            sock.connect(address)
+            try:
+                sock.connect(address)
+            except zmq.ZMQError:
+                sock.close(0)
+                raise
             self._pushes[address] = sock
-        try:
-            sock.send(pack(KVReady(location=location)), zmq.NOBLOCK)
-        except zmq.Again:  # the decode node is not keeping up: it still learns from the directory
-            log.warning("request %s: decode node %s not reading; KVReady dropped", location.request_id, address)
+        return sock
 
     def _invalid(self, work: PrefillWork) -> str:
         problem = prompt_problem(work.prompt_token_ids, self.rt.model.config.vocab_size, self.rt.max_model_len)

@@ -23,7 +23,8 @@ import pytest
 import zmq
 
 from connectors.directory import KVDirectory, TransferState
-from connectors.wire import (WIRE_VERSION, DecodeWork, KVLayout, DType, PrefillWork, PullReply,
+from connectors.config import ConnectorKind
+from connectors.wire import (WIRE_VERSION, DecodeWork, KVLayout, KVLocation, KVReady, DType, PrefillWork, PullReply,
                              PullRequest, SamplingParams, TokenChunk, WorkError, decode, encode)
 from tests.faults.harness import REQUEST_TIMEOUT_S, SLACK_S, body_for, is_openai_error, judge, metric, post, wait_recovered, wait_until
 from tests.faults.test_node_faults import reference
@@ -52,6 +53,11 @@ def _templates(reply_to: str, consumer_address: bytes, held_rid: str) -> list:
         TokenChunk(request_id="x", token_ids=[1]),
         WorkError(request_id="x", node="n", reason="r"),
         KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, dtype=DType.FLOAT32),
+        KVReady(location=KVLocation(  # well formed or not, for a request nobody expects: ignored
+            request_id="fuzz-r", producer="prefill-0", producer_epoch=1, kind=ConnectorKind.TCP,
+            side_channel="tcp://127.0.0.1:1", transport_address=b"127.0.0.1:2",
+            layout=KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, dtype=DType.FLOAT32),
+            block_ids=[0], num_tokens=1, hidden=[])),
     ]
     return [[WIRE_VERSION, msgspec.to_builtins(m)] for m in msgs]
 
