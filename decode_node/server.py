@@ -3,7 +3,8 @@
 Lifecycle of a request here: a `DecodeWork` arrives on the zmq work socket and is
 validated (an invalid one is answered with `WorkError` at once); it then waits,
 outside the engine, until the connector says its KV is ready to pull or can no longer
-come (`connector.expect`), so running requests keep decoding meanwhile. The engine
+come (`connector.expect`), or the prefill node's `KVReady` names its location first
+(`connector.kv_located`), so running requests keep decoding meanwhile. The engine
 admits it when its blocks fit, and the runner asks the connector for its KV and
 hidden states: if they arrive within the KV deadline the prompt's forward is skipped
 (bypassed), otherwise the prompt is recomputed here, so no request is lost to a

@@ -5,7 +5,8 @@ marked PENDING in the directory; it waits until its prompt's blocks fit in the p
 (bounded by the KV deadline: after that the decode node recomputes anyway, so the
 work is dropped); the prompt is computed and the connector publishes its KV and
 hidden states READY (with --layerwise: READY before the forward, each layer sent as
-it is computed); the blocks stay allocated until the connector's release
+it is computed), and the same location goes straight to the decode node the router
+chose (`KVReady` on its work socket); the blocks stay allocated until the connector's release
 callback says the decode node pulled them, refused them, or never came. On SIGTERM the
 node drains (engine/drain.py): it computes the prompts it accepted and keeps their KV
 until pulled or the hold deadline passes; work still arriving goes to another prefill
