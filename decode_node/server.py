@@ -41,6 +41,7 @@ class DecodeNode:
     def __init__(self, rt: NodeRuntime):
         self.rt = rt
         self.engine = LLMEngine(rt.runner, rt.allocator, rt.max_model_len, rt.model.config.eos_token_id)
+        self.engine.on_received = self.wake  # a pull ended on the runner's pull thread
         self._reply_to: dict[str, str] = {}
         self._prefill_node: dict[str, str] = {}
         self._replies: dict[str, zmq.Socket] = {}
@@ -52,10 +53,10 @@ class DecodeNode:
 
     def _watch(self) -> None:
         """Hand the node's load to its heartbeat and its gauges (both read it from other threads)."""
-        self.rt.load = lambda: NodeLoad(len(self._awaiting_kv) + len(self.engine.waiting), len(self.engine.running))
+        self.rt.load = lambda: NodeLoad(self._awaiting() + len(self.engine.waiting), len(self.engine.running))
         m, alloc = self.rt.metrics, self.rt.allocator
         m.watch_blocks(lambda: alloc.num_free, alloc.num_blocks)
-        m.watch_queue(Queue.DECODE_AWAITING_KV, lambda: len(self._awaiting_kv))
+        m.watch_queue(Queue.DECODE_AWAITING_KV, self._awaiting)
         m.watch_queue(Queue.DECODE_WAITING, lambda: len(self.engine.waiting))
         m.watch_queue(Queue.DECODE_RUNNING, lambda: len(self.engine.running))
 
@@ -73,7 +74,7 @@ class DecodeNode:
                 self._drain.begin()
             if self._drain.active and (self._idle() or self._drain.expired()):
                 break
-            if not self.engine.has_unfinished() and self._kv_ready.empty():
+            if not self.engine.can_step() and self._kv_ready.empty():  # a pull ending wakes us
                 poller.poll(self._drain.remaining_ms())
                 self._wakeup.drain()
             while self.rt.work_socket.poll(0):
@@ -83,7 +84,7 @@ class DecodeNode:
                 elif msg is not None:
                     self._accept(msg)
             self._admit_ready()
-            if self.engine.has_unfinished():
+            if self.engine.can_step():
                 self._step()
         self._give_up()
 
@@ -96,13 +97,17 @@ class DecodeNode:
         self._drain.close()
         self._wakeup.close()
 
+    def _awaiting(self) -> int:
+        """Requests waiting for their KV: for the producer's word, or being pulled."""
+        return len(self._awaiting_kv) + len(self.engine.receiving)
+
     def _idle(self) -> bool:
         return not self.engine.has_unfinished() and not self._awaiting_kv and self._kv_ready.empty()
 
     def _give_up(self) -> None:
         """The drain's grace period ended: fail every request still held and free its blocks."""
         node = self.rt.config.node_id
-        left = [*self._awaiting_kv, *(s.request_id for s in [*self.engine.running, *self.engine.waiting])]
+        left = [*self._awaiting_kv, *(s.request_id for s in self.engine.unfinished)]
         if left:
             log.warning("node %s: drain timed out with %d requests unfinished; failing them", node, len(left))
         for rid in left:
@@ -161,7 +166,7 @@ class DecodeNode:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - fail the requests, keep the node
             log.exception("engine step failed")
-            for seq in [*self.engine.running, *self.engine.waiting]:
+            for seq in self.engine.unfinished:
                 self._fail(seq.request_id, f"engine step failed: {exc}")
                 self.engine.abort(seq.request_id)
             return

@@ -3,9 +3,13 @@
 Lifecycle of a request: `add_request` validates it and puts it in the waiting queue;
 `step()` admits waiting requests while their blocks fit (blocks for the prompt plus
 max_tokens are reserved up front, so a running request never runs out), computes
-each admitted prompt (or receives its KV through the connector) and samples its
-first token, then runs one decode step over every running request. A finished or
-aborted request frees its blocks at once.
+each admitted prompt and samples its first token, then runs one decode step over every
+running request. A prompt whose KV a prefill node computed is received instead: when
+the runner can, on its pull thread while steps go on decoding the running requests
+(`receiving`); a later step takes it once the pull has ended (bypassed, or computed
+then) and samples its first token; `on_received` (the node's wake) fires as each pull
+ends. A finished or aborted request frees its blocks at once, except while a pull may
+still be writing them: then when the pull ends.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Callable
 
 from connectors.types import ModelRunnerOutput
 from connectors.wire import SamplingParams
@@ -47,6 +53,8 @@ class LLMEngine:
         self.eos_token_id = eos_token_id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.receiving: dict[str, tuple[Sequence, Future]] = {}  # admitted, KV being pulled on the pull thread
+        self.on_received: Callable[[], None] = lambda: None  # called (on the pull thread) as each pull ends
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     receive_kv: bool = True) -> Sequence:
@@ -71,25 +79,37 @@ class LLMEngine:
             raise InvalidRequest(request_id, "request needs more KV blocks than the pool has")
 
     def abort(self, request_id: str) -> None:
-        for seq in [*self.waiting, *self.running]:
+        """Stop a request; its blocks are freed now, or when its pull ends if one is writing them."""
+        for seq in [*self.waiting, *self.running, *(s for s, _ in self.receiving.values())]:
             if seq.request_id == request_id:
                 seq.finish_reason = FinishReason.ABORT
         self.waiting = deque(s for s in self.waiting if not s.finished)
         self._reap()
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.receiving)
+
+    def can_step(self) -> bool:
+        """Whether `step()` has anything to do now (else wait for new work or `on_received`)."""
+        return bool(self.running or any(f.done() for _, f in self.receiving.values())
+                    or (self.waiting and self._fits(self.waiting[0])))
+
+    @property
+    def unfinished(self) -> list[Sequence]:
+        return [*self.running, *self.waiting, *(s for s, _ in self.receiving.values())]
 
     def step(self) -> list[StepOutput]:
         """Admit what fits and compute (or receive) their prompts, or else decode one token for every running
         request. A step with prompts stops there: their first tokens go out before another forward runs."""
         outputs: dict[str, StepOutput] = {}
         start = time.monotonic()
+        for seq, received in self._received():
+            outputs[seq.request_id] = StepOutput(seq, [self._prefill(seq, received)])
         admitted = self._admit()
         for seq in admitted:
             seq.metrics.scheduler_time += time.monotonic() - start
             outputs[seq.request_id] = StepOutput(seq, [self._prefill(seq)])
-        decoding = [] if admitted else [s for s in self.running if not s.finished]
+        decoding = [] if outputs else [s for s in self.running if not s.finished]
         if decoding:
             result = self._decode(decoding)
             for seq in decoding:
@@ -101,24 +121,49 @@ class LLMEngine:
     def _blocks_needed(self, prompt_len: int, params: SamplingParams) -> int:
         return math.ceil(min(prompt_len + params.max_tokens, self.max_model_len) / self.block_size)
 
+    def _fits(self, seq: Sequence) -> bool:
+        return self._blocks_needed(len(seq.prompt_ids), seq.params) <= self.allocator.num_free
+
     def _admit(self) -> list[Sequence]:
+        """Admit waiting requests while their blocks fit; those whose KV is pulled asynchronously start
+        their pull and wait in `receiving`. Returns the ones to compute (or receive) in this step."""
         admitted = []
-        while self.waiting:
-            seq = self.waiting[0]
-            need = self._blocks_needed(len(seq.prompt_ids), seq.params)
-            if need > self.allocator.num_free:
-                break
-            self.waiting.popleft()
-            seq.block_ids = self.allocator.allocate(need)
+        while self.waiting and self._fits(self.waiting[0]):
+            seq = self.waiting.popleft()
+            seq.block_ids = self.allocator.allocate(self._blocks_needed(len(seq.prompt_ids), seq.params))
             seq.metrics.mark_scheduled(time.monotonic())
+            if seq.receive_kv and self.runner.receives_async:
+                received = self.runner.start_receive(self._prompt_input(seq))
+                self.receiving[seq.request_id] = (seq, received)
+                received.add_done_callback(lambda _: self.on_received())
+                continue
             self.running.append(seq)
             admitted.append(seq)
         return admitted
 
-    def _prefill(self, seq: Sequence) -> int:
-        batch = ModelInput([SequenceInput(seq.request_id, seq.prompt_ids, 0, seq.block_ids)], is_prompt=True)
+    def _received(self) -> list[tuple[Sequence, Future]]:
+        """Requests whose pull has ended, now running; aborted ones are dropped and their blocks freed."""
+        done = [(rid, seq, f) for rid, (seq, f) in self.receiving.items() if f.done()]
+        out = []
+        for rid, seq, received in done:
+            del self.receiving[rid]
+            self.running.append(seq)  # an aborted one is reaped (blocks freed) at the end of the step
+            if not seq.finished:
+                out.append((seq, received))
+        return out
+
+    @staticmethod
+    def _prompt_input(seq: Sequence) -> ModelInput:
+        return ModelInput([SequenceInput(seq.request_id, seq.prompt_ids, 0, seq.block_ids)], is_prompt=True)
+
+    def _prefill(self, seq: Sequence, received: Future | None = None) -> int:
+        """Compute (or receive, or take the ended pull of) a prompt and sample its first token."""
+        batch = self._prompt_input(seq)
         start = time.monotonic()
-        result = self.runner.run_prompt(batch, receive_kv=seq.receive_kv)
+        if received is not None:
+            result = self.runner.finish_prompt(batch, received)
+        else:
+            result = self.runner.run_prompt(batch, receive_kv=seq.receive_kv)
         seq.bypassed = result.bypassed
         seq.metrics.model_forward_time += result.forward_s
         token = self._sample(seq, self.runner.logits(result.last_hidden)[0])

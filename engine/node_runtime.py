@@ -125,6 +125,7 @@ class NodeRuntime:
             self.directory.deregister_node(self.config.node_id)
         except Exception as exc:  # noqa: BLE001 - shutting down; the entry's TTL cleans up
             log.warning("could not deregister %s: %s", self.config.node_id, exc)
+        self.runner.close()
         self.connector.close()
         self.directory.close()
         self.work_socket.close(0)

@@ -2,13 +2,18 @@
 
 Prompt batches: a decode-role runner first asks the connector for the batch's KV and
 hidden states and skips the forward when it got them all (bypass); otherwise it
-computes the prompt. A prefill-role runner computes the prompt and then hands KV and
-hidden states to the connector. Decode batches never touch the connector.
+computes the prompt. It can do the asking on its pull thread (`start_receive`, one pull
+at a time) while the engine keeps decoding, then `finish_prompt` once the pull has ended.
+A prefill-role runner computes the prompt and then hands KV and hidden states to the
+connector (layer by layer during the forward, when the connector streams). Decode
+batches never touch the connector. `close()` stops the pull thread.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +24,8 @@ from connectors.types import IntermediateTensors
 from engine.kv_cache import TORCH_DTYPES, KVPool
 from engine.model import LlamaForCausalLM
 from engine.model_input import ModelInput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,39 @@ class ModelRunner:
         self.role = role
         if connector is not None:
             connector.register_kv_caches(self.kv_caches)
+        self._pulls = None
+        if connector is not None and role == NodeRole.DECODE:
+            self._pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-pull")
+
+    @property
+    def receives_async(self) -> bool:
+        """Whether prompts' KV can be received on the pull thread (`start_receive`)."""
+        return self._pulls is not None
+
+    def start_receive(self, model_input: ModelInput) -> Future:
+        """Decode role: ask the connector for the prompt batch's KV and hidden states on the pull thread
+        (pulls run one at a time, in order). The future holds the contract's
+        `(hidden, bypass, model_input)`; pass it to `finish_prompt` once done."""
+        assert self._pulls is not None and model_input.is_prompt
+        return self._pulls.submit(self.connector.recv_kv_caches_and_hidden_states, self.model, model_input,
+                                  self.kv_caches)
+
+    @torch.inference_mode()
+    def finish_prompt(self, model_input: ModelInput, received: Future) -> PromptResult:
+        """A prompt batch whose receive has ended: bypassed with its hidden states, or computed now."""
+        start = time.monotonic()
+        try:
+            hidden, bypassed, model_input = received.result()
+        except Exception:  # noqa: BLE001 - a connector bug must cost a recompute, not the request
+            log.exception("receiving the KV of %s failed; recomputing", model_input.request_ids)
+            hidden, bypassed = None, False
+        if not bypassed:
+            hidden = self._forward_prompt(model_input)
+        return self._prompt_result(model_input, hidden, bypassed, time.monotonic() - start)
+
+    def close(self) -> None:
+        if self._pulls is not None:
+            self._pulls.shutdown(wait=False, cancel_futures=True)
 
     @torch.inference_mode()
     def run_prompt(self, model_input: ModelInput, receive_kv: bool = True) -> PromptResult:
@@ -52,6 +92,10 @@ class ModelRunner:
         forward_s = time.monotonic() - start
         if self.connector is not None and self.role == NodeRole.PREFILL:
             self.connector.send_kv_caches_and_hidden_states(self.model, model_input, self.kv_caches, hidden)
+        return self._prompt_result(model_input, hidden, bypassed, forward_s)
+
+    @staticmethod
+    def _prompt_result(model_input: ModelInput, hidden, bypassed: bool, forward_s: float) -> PromptResult:
         if isinstance(hidden, IntermediateTensors):
             raise TypeError("a last pipeline stage returns a hidden-states tensor")
         last_rows = [s.stop - 1 for s in model_input.token_slices()]

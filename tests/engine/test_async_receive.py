@@ -1,0 +1,107 @@
+"""A decode-role engine pulls a prompt's KV on the runner's pull thread: running requests keep decoding
+meanwhile, the pulled request then continues exactly as if computed, and an abort mid-pull frees its blocks
+only once the pull has stopped writing them. The connector here is a stand-in that "pulls" by computing the
+prompt into the engine's own blocks when the test lets it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from connectors.base import KVConnectorBase
+from connectors.config import NodeRole
+from connectors.wire import SamplingParams
+from engine.block_allocator import BlockAllocator
+from engine.config import kv_layout
+from engine.kv_cache import KVPool
+from engine.llm_engine import LLMEngine
+from engine.loader import load_model
+from engine.runner import ModelRunner
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0)
+PROMPT_A, PROMPT_B = list(range(10, 30)), list(range(60, 97))
+
+
+class _GatedPull(KVConnectorBase):
+    def __init__(self, model):
+        self.model = model
+        self.go = threading.Event()
+        self.pulling = threading.Event()
+
+    def close(self) -> None:
+        pass
+
+    def send_kv_caches_and_hidden_states(self, *args) -> None:
+        raise AssertionError("a decode node does not send")
+
+    def recv_kv_caches_and_hidden_states(self, model_executable, model_input, kv_caches):
+        self.pulling.set()
+        assert self.go.wait(30)
+        return self.model(model_input, kv_caches), True, model_input  # as if the producer's KV had landed
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_model(tiny_model_dir)
+
+
+def _engine(model, connector=None, num_blocks=64) -> LLMEngine:
+    pool = KVPool.allocate(kv_layout(model.config, 4), num_blocks)
+    runner = ModelRunner(model, pool, connector, NodeRole.DECODE if connector else None)
+    return LLMEngine(runner, BlockAllocator(num_blocks), 256, model.config.eos_token_id)
+
+
+def _alone(model, prompt) -> list[int]:
+    eng = _engine(model)
+    seq = eng.add_request("x", prompt, PARAMS)
+    while eng.has_unfinished():
+        eng.step()
+    return seq.output_ids
+
+
+def _wait_received(eng: LLMEngine) -> None:
+    deadline = time.monotonic() + 30
+    while not all(f.done() for _, f in eng.receiving.values()):
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
+def test_running_requests_decode_while_a_prompt_is_pulled(model):
+    conn = _GatedPull(model)
+    eng = _engine(model, conn)
+    woke = []
+    eng.on_received = lambda: woke.append(1)
+    a = eng.add_request("a", PROMPT_A, PARAMS, receive_kv=False)
+    eng.step()
+    b = eng.add_request("b", PROMPT_B, PARAMS)
+    for _ in range(3):
+        eng.step()
+    assert conn.pulling.is_set() and "b" in eng.receiving
+    assert len(a.output_ids) == 4 and b.output_ids == [], "a decodes while b's KV is being pulled"
+    conn.go.set()
+    _wait_received(eng)
+    assert woke == [1] and eng.can_step()
+    while eng.has_unfinished():
+        eng.step()
+    assert b.bypassed and b.output_ids == _alone(model, PROMPT_B)
+    assert a.output_ids == _alone(model, PROMPT_A)
+    assert eng.allocator.num_free == 64
+    eng.runner.close()
+
+
+def test_an_abort_mid_pull_frees_the_blocks_once_the_pull_ends(model):
+    conn = _GatedPull(model)
+    eng = _engine(model, conn)
+    eng.add_request("c", PROMPT_B, PARAMS)
+    eng.step()
+    assert conn.pulling.wait(10)
+    eng.abort("c")
+    assert eng.allocator.num_free < 64, "the pull may still be writing those blocks"
+    assert not eng.can_step()  # nothing to do until the pull ends
+    conn.go.set()
+    _wait_received(eng)
+    outputs = eng.step()
+    assert outputs == [] and not eng.has_unfinished() and eng.allocator.num_free == 64
+    eng.runner.close()
