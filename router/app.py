@@ -149,7 +149,7 @@ class Router:
         _check_prompt(prompt_ids, req, self.max_len, self.model_config.vocab_size)
         rid = f"cmpl-{uuid.uuid4().hex}"
         sampling = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
-        _, queue = await self.dispatcher.submit(rid, prompt_ids, sampling)
+        _, queue = await self.dispatcher.submit(rid, prompt_ids, sampling, req.disaggregate)
         comp = Completion(rid, req, prompt_ids, self.tokenizer, started)
         deadline = started + self.config.request_timeout_s
         model = self.config.served_model_name

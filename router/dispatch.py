@@ -67,16 +67,19 @@ class Dispatcher:
         except DirectoryError as exc:
             raise APIError(503, f"directory unavailable: {exc}", type_="service_unavailable") from None
 
-    def pick(self) -> Route:
+    def pick(self, disaggregate: bool = True) -> Route:
         """Choose the prefill and decode node with the most free blocks (round robin on ties).
 
         Without a live decode node nothing can be served (503); without a live prefill
-        node the decode node computes the prompt itself.
+        node, or when the request asks not to be disaggregated, the decode node computes
+        the prompt itself.
         """
         turn = next(self._rr)  # one turn per request, shared by both picks, so ties rotate for each role
         decode = self._least_loaded(self.live_nodes(NodeRole.DECODE), turn)
         if decode is None:
             raise APIError(503, "no live decode node", type_="service_unavailable")
+        if not disaggregate:
+            return Route(None, decode)
         return Route(self._least_loaded(self.live_nodes(NodeRole.PREFILL), turn), decode)
 
     @staticmethod
@@ -85,15 +88,16 @@ class Dispatcher:
             return None
         return max(enumerate(nodes), key=lambda p: (p[1].free_blocks, (p[0] + turn) % len(nodes)))[1]
 
-    async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> tuple[Route, asyncio.Queue]:
-        route = await asyncio.to_thread(self.pick)
+    async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                     disaggregate: bool = True) -> tuple[Route, asyncio.Queue]:
+        route = await asyncio.to_thread(self.pick, disaggregate)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._serving[request_id] = (route.decode.node_id, route.decode.epoch)
         if route.prefill is not None:
             await self._push(route.prefill, PrefillWork(request_id=request_id, prompt_token_ids=prompt_ids,
                                                         notify=route.decode.work_address))
-        else:
+        elif disaggregate:
             log.warning("request %s: no live prefill node; decode computes the prompt", request_id)
         await self._push(route.decode, DecodeWork(request_id=request_id, prompt_token_ids=prompt_ids,
                                                   sampling=sampling, reply_to=self.reply_to,

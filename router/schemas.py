@@ -15,6 +15,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     stream: bool = False
     n: int = 1
     return_token_ids: bool = False
+    disaggregate: bool = True  # False: the decode node computes the prompt itself (no prefill node, no transfer)
 
 
 class APIError(Exception):
