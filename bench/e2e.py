@@ -20,8 +20,9 @@ import httpx
 import msgspec
 
 from cli.demo_cmd import PROMPTS
+from bench.load import scrape_samples
 from cli.local_cluster import ClusterSpec, LocalCluster
-from connectors.config import ConnectorKind
+from connectors.config import ConnectorKind, NodeRole
 
 MODES = ("disaggregated", "single-node")
 
@@ -43,6 +44,10 @@ class E2EResult(msgspec.Struct, frozen=True):
     ttft_gap_ms_p50: float  # median over prompts of (disaggregated - single-node) median TTFT
     allowed_gap_ms: float  # median transfer time + 2 ms
     outputs_equal: bool
+    # mean prompt forward over the sequential requests (kvwire_prompt_forward_seconds): the same
+    # prompts, computed by the prefill node (disaggregated) and by the decode node (single-node)
+    forward_ms_prefill_node: float
+    forward_ms_decode_node: float
 
 
 class _Sample(msgspec.Struct):
@@ -95,6 +100,21 @@ def _mode_result(mode: str, samples: list[_Sample], burst: list[_Sample], elapse
         bypassed=sum(s.bypassed for s in samples + burst))
 
 
+def _forward_totals(cluster: LocalCluster) -> dict[NodeRole, tuple[float, float]]:
+    """Each node's kvwire_prompt_forward_seconds (sum, count)."""
+    out = {}
+    for role in (NodeRole.PREFILL, NodeRole.DECODE):
+        url = cluster.ops_urls[role]
+        out[role] = (scrape_samples(url, "kvwire_prompt_forward_seconds_sum").get("", 0.0),
+                     scrape_samples(url, "kvwire_prompt_forward_seconds_count").get("", 0.0))
+    return out
+
+
+def _mean_ms(before: tuple[float, float], after: tuple[float, float]) -> float:
+    n = after[1] - before[1]
+    return round((after[0] - before[0]) / n * 1e3, 3) if n else 0.0
+
+
 def _per_prompt_median_ttft(samples: list[_Sample]) -> list[float]:
     return [statistics.median(s.ttft_ms for s in samples if s.prompt == i) for i in range(len(PROMPTS))]
 
@@ -104,7 +124,9 @@ def bench_e2e(model_dir: Path, connector: ConnectorKind, rounds: int, max_tokens
     spec = ClusterSpec(model_dir=model_dir, connector=connector, log_level="ERROR", layerwise=layerwise)
     with LocalCluster(spec) as cluster, httpx.Client(timeout=120.0) as client:
         _sequential(client, cluster.url, 1, max_tokens)  # warm-up
+        before = _forward_totals(cluster)
         samples = _sequential(client, cluster.url, rounds, max_tokens)
+        after = _forward_totals(cluster)
         bursts = {mode: _burst(client, cluster.url, max_tokens, mode) for mode in MODES}
     results = [_mode_result(m, samples[m], *bursts[m]) for m in MODES]
     d_samples, s_samples = samples[MODES[0]] + bursts[MODES[0]][0], samples[MODES[1]] + bursts[MODES[1]][0]
@@ -112,4 +134,6 @@ def bench_e2e(model_dir: Path, connector: ConnectorKind, rounds: int, max_tokens
     by_prompt = {s.prompt: s.tokens for s in s_samples}
     return E2EResult(modes=results, ttft_gap_ms_p50=round(statistics.median(gaps), 2),
                      allowed_gap_ms=round(results[0].transfer_ms_p50 + 2.0, 2),
-                     outputs_equal=all(s.tokens == by_prompt[s.prompt] for s in d_samples + s_samples))
+                     outputs_equal=all(s.tokens == by_prompt[s.prompt] for s in d_samples + s_samples),
+                     forward_ms_prefill_node=_mean_ms(before[NodeRole.PREFILL], after[NodeRole.PREFILL]),
+                     forward_ms_decode_node=_mean_ms(before[NodeRole.DECODE], after[NodeRole.DECODE]))

@@ -222,7 +222,7 @@ async def _drive(url: str, work: _Workload, order: list[int], cfg: LoadConfig) -
     return [s for s in samples if s is not None], time.perf_counter() - start
 
 
-def _samples(url: str, name: str) -> dict[str, float]:
+def scrape_samples(url: str, name: str) -> dict[str, float]:
     """{label values joined by ",": value} of one metric in a process's /metrics."""
     text = httpx.get(f"{url}/metrics", timeout=10.0).raise_for_status().text
     return {",".join(s.labels.values()): s.value for family in text_string_to_metric_families(text)
@@ -231,13 +231,13 @@ def _samples(url: str, name: str) -> dict[str, float]:
 
 def scrape_pool(url: str, node: NodeRole, total: int) -> PoolState:
     """The node's kvwire_kv_blocks{state} from its /metrics."""
-    blocks = _samples(url, "kvwire_kv_blocks")
+    blocks = scrape_samples(url, "kvwire_kv_blocks")
     return PoolState(node, total, int(blocks[BlockState.FREE]), int(blocks[BlockState.USED]))
 
 
 def _transfer_failures(cluster: LocalCluster) -> int:
     """The decode node's kvwire_kv_transfers_failed_total, every reason."""
-    return int(sum(_samples(cluster.ops_urls[NodeRole.DECODE], "kvwire_kv_transfers_failed_total").values()))
+    return int(sum(scrape_samples(cluster.ops_urls[NodeRole.DECODE], "kvwire_kv_transfers_failed_total").values()))
 
 
 def _pools(cluster: LocalCluster, total: int) -> list[PoolState]:

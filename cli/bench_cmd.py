@@ -162,6 +162,8 @@ def _e2e_table(result) -> str:
     lines.append(f"TTFT gap (disaggregated - single-node, median over prompts): {result.ttft_gap_ms_p50:.2f} ms; "
                  f"allowed: median transfer + 2 ms = {result.allowed_gap_ms:.2f} ms; "
                  f"outputs equal: {'yes' if result.outputs_equal else 'NO'}")
+    lines.append(f"prompt forward, mean over the sequential requests: prefill node {result.forward_ms_prefill_node:.2f} ms "
+                 f"(disaggregated), decode node {result.forward_ms_decode_node:.2f} ms (single-node)")
     return "\n".join(lines)
 
 

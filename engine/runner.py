@@ -24,6 +24,7 @@ from connectors.types import IntermediateTensors
 from engine.kv_cache import TORCH_DTYPES, KVPool
 from engine.model import LlamaForCausalLM
 from engine.model_input import ModelInput
+from observability.metrics import process_metrics
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +108,15 @@ class ModelRunner:
         if self.connector is not None and self.role == NodeRole.PREFILL:
             cfg = self.model.config
             on_layer = self.connector.begin_layer_stream(model_input, cfg.hidden_size, TORCH_DTYPES[cfg.dtype])
+        start = time.monotonic()
         try:
-            return self.model(model_input, self.kv_caches, on_layer=on_layer)
+            hidden = self.model(model_input, self.kv_caches, on_layer=on_layer)
         except Exception as exc:
             if on_layer is not None:
                 self.connector.abort_layer_stream(model_input, f"prefill forward failed: {exc}")
             raise
+        process_metrics().prompt_forward_seconds.observe(time.monotonic() - start)
+        return hidden
 
     @torch.inference_mode()
     def run_decode(self, model_input: ModelInput) -> torch.Tensor:

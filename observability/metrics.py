@@ -41,6 +41,9 @@ class Metrics:
         self.queue_depth = Gauge("kvwire_queue_depth", "Requests in each of this node's queues", ["queue"], registry=r)
         self.ttft_seconds = Histogram("kvwire_ttft_seconds", "Time to first token (arrival here to first token)",
                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_forward_seconds = Histogram("kvwire_prompt_forward_seconds",
+                                                "Model forward of one prompt batch computed on this node",
+                                                buckets=_FAST_BUCKETS, registry=r)
         self.tpot_seconds = Histogram("kvwire_time_per_output_token_seconds",
                                       "Mean time per output token after the first, per request",
                                       buckets=_TOKEN_BUCKETS, registry=r)

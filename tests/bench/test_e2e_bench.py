@@ -19,5 +19,6 @@ def test_both_modes_serve_the_mix_and_agree(tiny_model_dir):
     assert disagg.bypassed == disagg.requests and single.bypassed == 0  # KV moved / prompt recomputed
     assert disagg.transfer_ms_p50 > 0 and single.transfer_ms_p50 == 0
     assert result.outputs_equal
+    assert result.forward_ms_prefill_node > 0 and result.forward_ms_decode_node > 0  # each computed its mode's prompts
     for m in result.modes:
         assert 0 < m.ttft_ms_p50 <= m.ttft_ms_p99 and m.throughput_tok_s > 0 and m.tpot_ms_p50 > 0
