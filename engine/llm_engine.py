@@ -4,11 +4,12 @@ Lifecycle of a request: `add_request` validates it and puts it in the waiting qu
 `step()` admits waiting requests while their blocks fit (blocks for the prompt plus
 max_tokens are reserved up front, so a running request never runs out), computes
 each admitted prompt and samples its first token, then runs one decode step over every
-running request. A prompt whose KV a prefill node computed is received instead: when
-the runner can, on its pull thread while steps go on decoding the running requests
-(`receiving`); a later step takes it once the pull has ended (bypassed, or computed
-then) and samples its first token; `on_received` (the node's wake) fires as each pull
-ends. A finished or aborted request frees its blocks at once, except while a pull may
+running request. A prompt whose KV a prefill node computed is received instead: while
+other requests run (and the runner can), on its pull thread as steps go on decoding them
+(`receiving`), a later step taking it once the pull has ended (bypassed, or computed
+then) to sample its first token, `on_received` (the node's wake) firing as each pull
+ends; with nothing else to run, within the step (no thread hand-off on its way to the
+first token; work arriving meanwhile waits for the pull). A finished or aborted request frees its blocks at once, except while a pull may
 still be writing them: then when the pull ends.
 """
 
@@ -132,7 +133,7 @@ class LLMEngine:
             seq = self.waiting.popleft()
             seq.block_ids = self.allocator.allocate(self._blocks_needed(len(seq.prompt_ids), seq.params))
             seq.metrics.mark_scheduled(time.monotonic())
-            if seq.receive_kv and self.runner.receives_async:
+            if seq.receive_kv and self.runner.receives_async and (self.running or self.receiving):
                 received = self.runner.start_receive(self._prompt_input(seq))
                 self.receiving[seq.request_id] = (seq, received)
                 received.add_done_callback(lambda _: self.on_received())

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -27,6 +29,8 @@ from connectors.wire import (DecodeWork, ErrorKind, NodeInfo, PrefillWork, Sampl
 from router.schemas import APIError
 
 log = logging.getLogger(__name__)
+
+NODES_FRESH_S = 0.25  # picks reuse the directory's node list this long (heartbeats refresh it every few seconds)
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,8 @@ class Dispatcher:
         self._queues: dict[str, asyncio.Queue] = {}
         self._serving: dict[str, tuple[str, int]] = {}  # request id -> (decode node id, epoch)
         self._rr = itertools.count()
+        self._nodes: tuple[float, list[NodeInfo]] = (float("-inf"), [])  # (when read, live nodes of every role)
+        self._nodes_lock = threading.Lock()
         self._tasks: list[asyncio.Task] = []
         self.rejected_messages = 0
 
@@ -62,10 +68,18 @@ class Dispatcher:
         self._pull.close(0)
 
     def live_nodes(self, role: NodeRole) -> list[NodeInfo]:
-        try:
-            return self._directory.live_nodes(role)
-        except DirectoryError as exc:
-            raise APIError(503, f"directory unavailable: {exc}", type_="service_unavailable") from None
+        """Live nodes of `role`, from one directory read of every role shared by the picks of the next
+        NODES_FRESH_S (a node that just left may still be picked meanwhile, as within its heartbeat TTL:
+        a prefill node that is gone costs a recompute, a decode node that is gone a retryable 503)."""
+        with self._nodes_lock:
+            when, nodes = self._nodes
+            if time.monotonic() - when > NODES_FRESH_S:
+                try:
+                    nodes = self._directory.live_nodes()
+                except DirectoryError as exc:
+                    raise APIError(503, f"directory unavailable: {exc}", type_="service_unavailable") from None
+                self._nodes = (time.monotonic(), nodes)
+        return [n for n in nodes if n.role == role]
 
     def pick(self, disaggregate: bool = True) -> Route:
         """Choose the prefill and decode node with the most free blocks (round robin on ties).

@@ -94,14 +94,27 @@ def test_running_requests_decode_while_a_prompt_is_pulled(model):
 def test_an_abort_mid_pull_frees_the_blocks_once_the_pull_ends(model):
     conn = _GatedPull(model)
     eng = _engine(model, conn)
+    eng.add_request("a", PROMPT_A, PARAMS, receive_kv=False)
+    eng.step()
     eng.add_request("c", PROMPT_B, PARAMS)
     eng.step()
     assert conn.pulling.wait(10)
+    eng.abort("a")
     eng.abort("c")
-    assert eng.allocator.num_free < 64, "the pull may still be writing those blocks"
+    assert eng.allocator.num_free < 64, "the pull may still be writing c's blocks"
     assert not eng.can_step()  # nothing to do until the pull ends
     conn.go.set()
     _wait_received(eng)
     outputs = eng.step()
     assert outputs == [] and not eng.has_unfinished() and eng.allocator.num_free == 64
+    eng.runner.close()
+
+
+def test_with_nothing_else_running_the_pull_happens_within_the_step(model):
+    conn = _GatedPull(model)
+    conn.go.set()
+    eng = _engine(model, conn)
+    b = eng.add_request("b", PROMPT_B, PARAMS)
+    [out] = eng.step()
+    assert out.sequence is b and len(out.new_token_ids) == 1 and b.bypassed and not eng.receiving
     eng.runner.close()

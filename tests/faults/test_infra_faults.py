@@ -35,7 +35,9 @@ def test_redis_killed_and_restarted_mid_load(cluster, tiny_model_dir, tally):
     judge(during, reference(tiny_model_dir, SHORT[:1], 4) * 2, tally, deadline_s=REQUEST_TIMEOUT_S + SLACK_S)
     print(f"\nwhile Redis was down: statuses {[o.status for o in during]}")
     assert tally.lost == 0
-    assert all(o.status == 503 for o in during)  # the router cannot pick nodes without the directory
+    # Without the directory the router cannot pick nodes (503), except from the node list it read less than
+    # router.dispatch.NODES_FRESH_S before: those requests are served (judged exact above) or fail clearly.
+    assert all(o.status in (200, 503) for o in during)
     healthy = lambda: httpx.get(f"{cluster.url}/healthz", timeout=3).status_code == 200  # noqa: E731
     assert wait_until(healthy, 10, 0.25), "nodes did not re-register in the restarted Redis"
     # Over TCP a producer checks the puller's published address, which the empty Redis lost: the
