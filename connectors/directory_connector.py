@@ -10,6 +10,7 @@ held blocks and closes the directory.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from abc import abstractmethod
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,7 @@ class DirectoryConnector(KVConnectorBase):
         self._ready: dict[str, DirectoryEntry] = {}  # READY entries the watchers saw, until recv takes them
         self._endpoint_published = 0.0
         self._watchers = ThreadPoolExecutor(max_workers=WATCHERS, thread_name_prefix="kv-watch")
+        self._pulling = threading.Lock()  # a puller moves one request at a time, whichever thread asks
 
     # --- transport hooks -------------------------------------------------------------
 
@@ -155,6 +157,10 @@ class DirectoryConnector(KVConnectorBase):
             raise RuntimeError(f"node {self.config.node_id} is not a consumer, or register_kv_caches was not called")
         if time.monotonic() - self._endpoint_published > self.config.entry_ttl_s / 3:
             self._publish_endpoint()
+        with self._pulling:
+            return self._recv(model_input)
+
+    def _recv(self, model_input: ModelInput) -> tuple[HiddenStates | None, bool, ModelInput]:
         default_deadline = time.monotonic() + self.config.kv_deadline_s
         deadlines = {s.request_id: self._deadlines.pop(s.request_id, default_deadline) for s in model_input.sequences}
         received: list[Received] = []

@@ -129,11 +129,12 @@ class LLMEngine:
         """Admit waiting requests while their blocks fit; those whose KV is pulled asynchronously start
         their pull and wait in `receiving`. Returns the ones to compute (or receive) in this step."""
         admitted = []
+        inline = not self.running and not self.receiving  # the whole step's pulls on one thread, never two at once
         while self.waiting and self._fits(self.waiting[0]):
             seq = self.waiting.popleft()
             seq.block_ids = self.allocator.allocate(self._blocks_needed(len(seq.prompt_ids), seq.params))
             seq.metrics.mark_scheduled(time.monotonic())
-            if seq.receive_kv and self.runner.receives_async and (self.running or self.receiving):
+            if seq.receive_kv and self.runner.receives_async and not inline:
                 received = self.runner.start_receive(self._prompt_input(seq))
                 self.receiving[seq.request_id] = (seq, received)
                 received.add_done_callback(lambda _: self.on_received())

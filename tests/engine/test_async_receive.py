@@ -118,3 +118,40 @@ def test_with_nothing_else_running_the_pull_happens_within_the_step(model):
     [out] = eng.step()
     assert out.sequence is b and len(out.new_token_ids) == 1 and b.bypassed and not eng.receiving
     eng.runner.close()
+
+
+class _CountingPull(_GatedPull):
+    """Counts pulls running at once (a puller moves one request at a time)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.go.set()
+        self.lock, self.now, self.most = threading.Lock(), 0, 0
+
+    def recv_kv_caches_and_hidden_states(self, model_executable, model_input, kv_caches):
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        time.sleep(0.05)
+        try:
+            return super().recv_kv_caches_and_hidden_states(model_executable, model_input, kv_caches)
+        finally:
+            with self.lock:
+                self.now -= 1
+
+
+@pytest.mark.parametrize("running_first", [False, True])
+def test_a_step_never_runs_two_pulls_at_once(model, running_first):
+    conn = _CountingPull(model)
+    eng = _engine(model, conn)
+    if running_first:
+        eng.add_request("a", PROMPT_A, PARAMS, receive_kv=False)
+        eng.step()
+    seqs = [eng.add_request(f"r{i}", PROMPT_B, PARAMS) for i in range(3)]
+    while eng.has_unfinished():  # as the node does: sleep while only pulls are under way
+        if eng.can_step():
+            eng.step()
+        else:
+            time.sleep(0.001)
+    assert conn.most == 1 and all(s.bypassed for s in seqs)
+    eng.runner.close()
