@@ -10,8 +10,8 @@ from typing import Annotated
 import typer
 
 from cli.local_cluster import ClusterSpec, LocalCluster
-from cli.options import (AuthSecretFile, Connector, Host, KVDeadline, LogLevel, OptionalRedisUrl, auth_secret,
-                         setup_logging)
+from cli.options import (AuthSecretFile, Connector, Host, KVDeadline, Layerwise, LogLevel, OptionalRedisUrl,
+                         auth_secret, setup_logging)
 from cli.paths import default_model_dir
 from connectors.config import ConnectorKind
 
@@ -20,16 +20,18 @@ def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a
        host: Host = "127.0.0.1",
        port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Router HTTP port.")] = 8000,
        redis_url: OptionalRedisUrl = None, connector: Connector = ConnectorKind.AUTO,
-       kv_deadline: KVDeadline = 10.0, auth_secret_file: AuthSecretFile = None,
+       kv_deadline: KVDeadline = 10.0, auth_secret_file: AuthSecretFile = None, layerwise: Layerwise = False,
        log_level: LogLevel = "WARNING") -> None:
     """Start Redis, a prefill node, a decode node and the router; stop them all on Ctrl-C."""
+    if layerwise and connector != ConnectorKind.TCP:
+        raise typer.BadParameter("layer-wise streaming runs over the tcp connector", param_hint="--layerwise")
     setup_logging(log_level)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     spec = ClusterSpec(model_dir=model or default_model_dir(), connector=connector, host=host, port=port,
                        redis_url=redis_url, kv_deadline_s=kv_deadline, log_level=log_level,
-                       auth_secret_file=auth_secret_file)
+                       auth_secret_file=auth_secret_file, layerwise=layerwise)
     auth_secret(auth_secret_file)  # a bad file fails here, not in four children
     with LocalCluster(spec) as cluster:
         typer.echo(f"kvwire is up: {cluster.url}  (model {spec.model_dir}, connector {connector}, "

@@ -1,4 +1,4 @@
-"""`kvwire decode` options reach the node's one config object."""
+"""`kvwire prefill` / `kvwire decode` options reach the node's one config object."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from cli.options import node_config
 from connectors.config import ConnectorKind, NodeRole
 
 
-def _config(model_dir, **kw):
+def _config(model_dir, connector=ConnectorKind.UCX, **kw):
     return node_config(NodeRole.DECODE, model=model_dir, redis_url="redis://127.0.0.1:1", host="127.0.0.1", port=0,
-                       node_id="d", connector=ConnectorKind.UCX, block_size=16, num_blocks=8, kv_deadline=1.0,
+                       node_id="d", connector=connector, block_size=16, num_blocks=8, kv_deadline=1.0,
                        max_model_len=0, device="cpu", torch_threads=1, **kw)
 
 
@@ -23,3 +23,9 @@ def test_pull_lanes_reach_the_connector_config(tiny_model_dir):
 def test_a_directory_without_a_checkpoint_is_refused(tmp_path):
     with pytest.raises(typer.BadParameter, match="config.json"):
         _config(tmp_path)
+
+
+def test_layerwise_reaches_the_config_and_needs_tcp(tiny_model_dir):
+    assert _config(tiny_model_dir, connector=ConnectorKind.TCP, layerwise=True).connector.layerwise
+    with pytest.raises(typer.BadParameter, match="tcp connector"):
+        _config(tiny_model_dir, layerwise=True)  # UCX
