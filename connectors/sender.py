@@ -54,6 +54,7 @@ class KVSender:
         self._lock = threading.Lock()
         self._advertising: set[str] = set()  # requests whose READY is on its way to the directory
         self._delivered_early: dict[str, tuple[PullRequest, str, int]] = {}  # pulled before that READY landed
+        self._streaming: set[str] = set()  # layer-wise requests begun and not yet completed (engine thread)
 
     def publish(self, model_input: ModelInput, hidden: torch.Tensor | IntermediateTensors) -> None:
         """Hold and advertise every request of a computed prompt batch (layer-wise ones: complete them).
@@ -66,10 +67,8 @@ class KVSender:
         if plane.is_cuda:
             torch.cuda.synchronize(plane.device)
         for seq, rows in zip(model_input.sequences, model_input.token_slices()):
-            held = self._held.get(seq.request_id)
-            if held is not None and held.gate is not None:
-                held.hidden[0].copy_(hidden[rows])
-                held.gate.complete()
+            if seq.request_id in self._streaming:
+                self._complete_layers(seq.request_id, hidden[rows])
                 continue
             if seq.start_pos != 0:
                 raise ValueError(f"request {seq.request_id}: only whole prompts can be published")
@@ -98,6 +97,7 @@ class KVSender:
             loc = self._location(seq, [desc], False, [], layerwise=True)
             hidden = empty_like_descs([desc], self._region.planes[0].device)
             self._held.add(HeldRequest(loc, hidden, time.monotonic() + self._config.kv_deadline_s, gate=gate))
+            self._streaming.add(seq.request_id)
             self._announce(loc)
             gates.append(gate)
 
@@ -110,6 +110,7 @@ class KVSender:
         """The forward of a layer-wise batch failed: stop its sends, mark it FAILED (its consumers
         recompute), release what no pull is moving (a pull in flight releases when it stops)."""
         for seq in model_input.sequences:
+            self._streaming.discard(seq.request_id)
             held = self._held.get(seq.request_id)
             if held is None or held.gate is None:
                 continue
@@ -119,6 +120,15 @@ class KVSender:
             except DirectoryError as exc:
                 log.warning("request %s: cannot mark failed: %s", seq.request_id, exc)
             self._held.release_if_idle(seq.request_id)
+
+    def _complete_layers(self, request_id: str, hidden: torch.Tensor) -> None:
+        """The forward of a layer-wise request is done: its hidden states go in, its gate opens fully. One
+        released meanwhile (its consumer gave up, its hold expired) stays released: never published again."""
+        self._streaming.discard(request_id)
+        held = self._held.get(request_id)
+        if held is not None and held.gate is not None:
+            held.hidden[0].copy_(hidden)
+            held.gate.complete()
 
     def holds(self, request_id: str) -> bool:
         """Whether the request's blocks are held here (the release callback will fire for it)."""

@@ -160,3 +160,30 @@ def test_layerwise_needs_tcp_and_no_checksums():
     with pytest.raises(ValueError, match="verify_kv"):
         ConnectorConfig(kind=ConnectorKind.TCP, role=NodeRole.PREFILL, node_id="p", redis_url="redis://x",
                         layerwise=True, verify_kv=True)
+
+
+def test_a_layerwise_request_released_during_its_forward_is_never_published_again(redis_url):
+    from types import SimpleNamespace
+
+    from connectors.directory import KVDirectory, TransferState
+    from connectors.held import HeldTable
+    from connectors.sender import KVSender
+
+    directory = KVDirectory(redis_url)
+    region = KVRegion.from_kv_caches(KVPool.allocate(peer.layout(), 8, "cpu").kv_caches)
+    released: list[str] = []
+    held = HeldTable(released.append)
+    server = SimpleNamespace(side_channel="tcp://127.0.0.1:1", transport_address=b"127.0.0.1:2", wake=lambda: None)
+    sender = KVSender(_config(NodeRole.PREFILL, "p-lw", redis_url, True), directory, region, held,
+                      {ConnectorKind.TCP: server}, directory.next_epoch("p-lw"))
+    batch = ModelInput([SequenceInput("lw-gone", [0] * 5, 0, [2, 3])])
+    on_layer = sender.begin_layers(batch, peer.HIDDEN, torch.float32)
+    assert sender.holds("lw-gone") and directory.get("lw-gone").location.layerwise
+    held.release("lw-gone")  # as at its hold deadline, mid-forward
+    directory.transition("lw-gone", {TransferState.READY}, TransferState.EXPIRED, "test")
+    for layer in range(peer.layout().num_layers):
+        on_layer(layer)
+    sender.publish(batch, torch.zeros(5, peer.HIDDEN))
+    assert released == ["lw-gone"] and not sender.holds("lw-gone")
+    assert directory.get("lw-gone").state == TransferState.EXPIRED
+    directory.close()
