@@ -9,8 +9,9 @@ other requests run (and the runner can), on its pull thread as steps go on decod
 (`receiving`), a later step taking it once the pull has ended (bypassed, or computed
 then) to sample its first token, `on_received` (the node's wake) firing as each pull
 ends; with nothing else to run, within the step (no thread hand-off on its way to the
-first token; work arriving meanwhile waits for the pull). A finished or aborted request frees its blocks at once, except while a pull may
-still be writing them: then when the pull ends.
+first token; work arriving meanwhile waits for the pull). A finished or aborted request
+frees its blocks at once, except while a pull may still be writing them: then when the
+pull ends.
 """
 
 from __future__ import annotations
