@@ -1,7 +1,9 @@
 """A cluster whose prefill node streams KV layer by layer: outputs equal the single-process run, prompts bypassed,
-every block freed, the directory left empty."""
+every block freed, the directory left empty; and a prefill node killed mid-stream costs recomputes, never a request."""
 
 from __future__ import annotations
+
+import signal
 
 import pytest
 
@@ -9,21 +11,47 @@ from cli.local_cluster import ClusterSpec, LocalCluster
 from connectors.config import ConnectorKind
 from connectors.wire import SamplingParams
 from engine.reference import generate
+from tests.faults.harness import (BS, KV_DEADLINE_S, REQUEST_TIMEOUT_S, SLACK_S, Tally, judge, metric, restart_node,
+                                  send_all, wait_recovered, wait_until)
 from tests.integration.cluster import complete_all, wait_pools_full_and_directory_empty
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[72], list(range(16)), list(range(33)), list(range(100, 200)) * 11]
+LONG = [list(range(i, i + 250)) * 2 + [i] for i in range(4)]  # the prefill node is busy for a while
 
 
-def test_layerwise_cluster_matches_single_process(tiny_model_dir, tmp_path):
-    expected = generate(tiny_model_dir, PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))
-    spec = ClusterSpec(model_dir=tiny_model_dir, connector=ConnectorKind.TCP, num_blocks=256, layerwise=True,
-                       log_dir=tmp_path / "logs")
-    with LocalCluster(spec) as cluster:
-        results = complete_all(cluster.url, PROMPTS, max_tokens=8)
-        for want, got in zip(expected, results):
-            assert got["choices"][0]["token_ids"] == want
-            assert got["kvwire"]["bypassed"] is True
-            assert got["kvwire"]["transport"] == "tcp"
-        pools, leftover = wait_pools_full_and_directory_empty(cluster.redis_url)
-        assert all(free == total for free, total in pools.values()) and leftover == []
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    spec = ClusterSpec(model_dir=tiny_model_dir, connector=ConnectorKind.TCP, num_blocks=256, block_size=BS,
+                       kv_deadline_s=KV_DEADLINE_S, layerwise=True, log_dir=tmp_path_factory.mktemp("lw-logs"))
+    with LocalCluster(spec) as c:
+        yield c
+
+
+def test_layerwise_cluster_matches_single_process(cluster, tiny_model_dir):
+    expected = generate(tiny_model_dir, PROMPTS, SamplingParams(max_tokens=8, temperature=0.0), block_size=BS)
+    results = complete_all(cluster.url, PROMPTS, max_tokens=8)
+    for want, got in zip(expected, results):
+        assert got["choices"][0]["token_ids"] == want
+        assert got["kvwire"]["bypassed"] is True
+        assert got["kvwire"]["transport"] == "tcp"
+    pools, leftover = wait_pools_full_and_directory_empty(cluster.redis_url)
+    assert all(free == total for free, total in pools.values()) and leftover == []
+
+
+def test_prefill_killed_mid_stream_costs_recomputes_not_requests(cluster, tiny_model_dir):
+    tally = Tally()
+    expected = generate(tiny_model_dir, LONG, SamplingParams(max_tokens=8, temperature=0.0), block_size=BS)
+    futures = send_all(cluster.url, LONG, 8)
+    # layer-wise, a request is held (and its stream open) from before its forward
+    held = lambda: (metric(cluster.ops_urls["prefill"], "kvwire_queue_depth", queue="prefill_held") or 0) > 0  # noqa: E731
+    assert wait_until(held, 30, 0.01)
+    cluster.stop_process("prefill", signal.SIGKILL)
+    outcomes = [f.result() for f in futures]
+    judge(outcomes, expected, tally, deadline_s=REQUEST_TIMEOUT_S + SLACK_S)
+    bypassed = sum(o.body["kvwire"]["bypassed"] for o in outcomes if o.status == 200)
+    print(f"\nprefill killed mid-stream: {bypassed} of {len(LONG)} bypassed, the rest recomputed")
+    assert tally.completed == len(LONG) and tally.lost == 0  # exact outputs; the decode node recomputed what it lost
+    restart_node(cluster, "prefill")
+    left = wait_recovered(cluster)
+    assert left.leaked_blocks == 0 and not left.orphans, left
