@@ -29,10 +29,12 @@ def split_request(hidden: torch.Tensor | IntermediateTensors, rows: slice) -> tu
     return descs, tensors, intermediate
 
 
-def dtype_of(t: torch.Tensor) -> DType:
-    if t.dtype not in _DTYPE_NAMES:
-        raise ValueError(f"dtype {t.dtype} cannot travel; supported: {sorted(map(str, _DTYPE_NAMES))}")
-    return _DTYPE_NAMES[t.dtype]
+def dtype_of(t: torch.Tensor | torch.dtype) -> DType:
+    """The wire name of a tensor's (or a torch) dtype."""
+    dtype = t if isinstance(t, torch.dtype) else t.dtype
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype {dtype} cannot travel; supported: {sorted(map(str, _DTYPE_NAMES))}")
+    return _DTYPE_NAMES[dtype]
 
 
 def empty_like_descs(descs: list[TensorDesc], device: torch.device | str) -> list[torch.Tensor]:

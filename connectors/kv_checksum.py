@@ -13,15 +13,15 @@ from __future__ import annotations
 import zlib
 
 from connectors.kv_region import KVRegion
-from connectors.kv_region import layer_pieces
 
 
 def layer_checksums(region: KVRegion, blocks: list[int]) -> list[int]:
-    """crc32 of each layer's K and V in `blocks`, in block order."""
+    """crc32 of each layer's K and V in `blocks`, in block order (`KVRegion.layer_parts`, block by block)."""
+    runs = [(b, 1) for b in blocks]
     sums = []
     for layer in range(region.layout.num_layers):
         crc = 0
-        for piece in layer_pieces(region, blocks, layer):
-            crc = zlib.crc32(piece.cpu().numpy() if piece.is_cuda else piece.numpy(), crc)
+        for part in region.layer_parts(runs, layer):
+            crc = zlib.crc32(part if isinstance(part, memoryview) else part.cpu().numpy(), crc)
         sums.append(crc)
     return sums

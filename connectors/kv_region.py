@@ -145,16 +145,6 @@ class KVRegion:
         return tuple(_flat_part(plane.view(-1)) for plane in self.planes)
 
 
-def layer_pieces(region: KVRegion, blocks: list[int], layer: int) -> list[torch.Tensor]:
-    """Flat uint8 views of one layer's K and V in `blocks`, in block order (as `KVRegion.layer_parts`, block by
-    block): in vLLM's pool the layer's K plane's rows, then its V plane's; in kvwire's one slice per block."""
-    if region.layout.pool == PoolLayout.VLLM:
-        return [region.planes[2 * layer + half][b] for half in (0, 1) for b in blocks]
-    plane = region.planes[0]
-    per_layer = plane.shape[1] // region.layout.num_layers
-    return [plane[b, layer * per_layer:(layer + 1) * per_layer] for b in blocks]
-
-
 def _block_major(base: torch.Tensor, kv_caches: list[torch.Tensor]) -> bool:
     return (
         base.is_contiguous()

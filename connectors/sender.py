@@ -90,7 +90,7 @@ class KVSender:
         for seq in model_input.sequences:
             if seq.start_pos != 0:
                 raise ValueError(f"request {seq.request_id}: only whole prompts can stream layer by layer")
-            desc = TensorDesc(HIDDEN_KEY, dtype_of(torch.empty(0, dtype=hidden_dtype)), (seq.end_pos, hidden_size))
+            desc = TensorDesc(HIDDEN_KEY, dtype_of(hidden_dtype), (seq.end_pos, hidden_size))
             gate = LayerGate(seq.request_id, self._layout.num_layers, self._region.planes[0].device)
             for server in self._servers.values():
                 gate.add_waker(server.wake)

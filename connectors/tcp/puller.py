@@ -132,7 +132,6 @@ class _Inbound:
                 transfer, or the payload did not arrive before the deadline.
         """
         if self.done:
-            self._check_quiet()
             return
         while self._header_got < HEADER.size:
             try:
@@ -175,11 +174,6 @@ class _Inbound:
             raise self._error(f"data for transfer {transfer_id}, expected {self._transfer_id}")
         if total != self.total:
             raise self._error(f"producer sends {total} bytes, the destination holds {self.total}")
-
-    def _check_quiet(self) -> None:
-        """All bytes are in and the reply is pending: the socket must stay silent (or we would spin)."""
-        if not _idle_and_open(self._sock):
-            raise self._error("data connection closed or carried extra bytes before the producer confirmed")
 
     def _error(self, reason: str) -> TransferError:
         return TransferError(self._loc.request_id, self._loc.producer, reason)

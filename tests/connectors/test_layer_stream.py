@@ -12,7 +12,7 @@ import torch
 
 from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 from connectors.factory import create_connector
-from connectors.kv_region import KVRegion, layer_pieces, plan_runs
+from connectors.kv_region import KVRegion, plan_runs
 from connectors.layer_gate import LayerGate
 from bench.workload import Placement, Workload, allocate_pool
 from connectors.wire import DType, KVLayout, PoolLayout
@@ -107,17 +107,18 @@ def test_a_failed_forward_ends_the_stream_and_the_consumer_recomputes(redis_url)
 
 
 @pytest.mark.parametrize("pool", list(PoolLayout))
-def test_layer_pieces_cover_exactly_that_layer(pool):
+def test_layer_parts_cover_exactly_that_layer(pool):
     work = Workload(12, Placement.SCATTERED, pool, layout=SMALL)
     region = KVRegion.from_kv_caches(kv := allocate_pool(work))
     blocks = work.block_ids(0)
+    runs = [(b, 1) for b in blocks]
     for layer in range(SMALL.num_layers):
-        for p in layer_pieces(region, blocks, layer):
-            p.view(torch.bfloat16).fill_(layer + 1)
+        for p in region.layer_parts(runs, layer):
+            torch.frombuffer(p, dtype=torch.uint8).view(torch.bfloat16).fill_(layer + 1)
     for layer in range(SMALL.num_layers):  # the per-layer views the engine uses see only their layer's value
         view = kv[layer][:, blocks] if pool == PoolLayout.VLLM else kv[layer][blocks]
         assert view.eq(layer + 1).all()
-    total = sum(p.numel() for layer in range(SMALL.num_layers) for p in layer_pieces(region, blocks, layer))
+    total = sum(p.nbytes for layer in range(SMALL.num_layers) for p in region.layer_parts(runs, layer))
     assert total == len(blocks) * region.block_nbytes
 
 
@@ -132,7 +133,10 @@ def test_layer_major_parts_are_the_layers_in_order(pool_layout):
     blocks = [2, 3, 4, 8, 1]
     runs = [(s, n) for s, _, n in plan_runs(blocks, blocks)]
     got = b"".join(bytes(p) for p in region.layer_major_parts(runs))
-    want = b"".join(p.numpy().tobytes() for layer in range(3) for p in layer_pieces(region, blocks, layer))
+    # layer by layer, the engine's own per-layer view of those blocks (vLLM's: K rows, then V rows)
+    per_layer = [caches[layer][:, blocks] if pool_layout == PoolLayout.VLLM else caches[layer][blocks]
+                 for layer in range(3)]
+    want = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in per_layer)
     assert got == want
 
 
