@@ -125,6 +125,7 @@ class PullRequest(_Msg, tag="pull"):
     transport_address: bytes
     dst_block_ids: list[int]
     layer_major: bool = False  # the consumer lands a layer-wise location's blocks layer by layer
+    pack_below: int = 0  # UCX: pieces smaller than this come packed, many per message (connectors/ucx/packing.py)
 
 
 class PullReply(_Msg, tag="pull_reply"):

@@ -7,8 +7,9 @@ cross-memory attach, each progress call copies the pieces whose rendezvous arriv
 for one (4 interleaved rounds each), since one core's copy does not saturate memory.
 
 Lifecycle: `ReceiveLanes(n)` makes n transports and n - 1 lane threads, which sleep
-between pulls. `post` posts every lane's receives (piece i on lane i mod n) and wakes
-the threads; each polls its worker until its receives complete, then sleeps again.
+between pulls. `post` posts every lane's receives (message i on lane i mod n: an
+`Inbound` each, flows.py) and wakes the threads; each advances its lane's flow (polls
+its worker, unpacks what came packed) until it is done, then sleeps again.
 The caller polls lane 0 through `progress` until `done`. `stop` (after a failure)
 makes the threads let go of their workers and cancels what is still posted on
 every lane. `close` ends the threads and the transports.
@@ -20,17 +21,20 @@ from __future__ import annotations
 import threading
 
 from connectors.kv_region import Part
-from connectors.ucx.transport import MAX_LANES, Requests, Role, UCXTransport, all_done, check_errors, pack_lanes
+from connectors.ucx.flows import Inbound
+from connectors.ucx.packing import Staging
+from connectors.ucx.transport import MAX_LANES, Role, UCXTransport, pack_lanes
 
 WAIT_SLICE_S = 0.001  # how long the caller sleeps on a busy lane thread before it looks at its side channel again
+LANE_SLOTS = 4  # staging slots per lane: packs being received or unpacked at once
 
 
 class _LaneThread:
-    """Polls one lane's worker while that lane has receives in flight; sleeps otherwise."""
+    """Advances one lane's flow while it has receives in flight; sleeps otherwise."""
 
     def __init__(self, transport: UCXTransport, name: str):
         self._transport = transport
-        self._reqs: Requests = []
+        self._flow: Inbound | None = None
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
@@ -40,9 +44,9 @@ class _LaneThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def start(self, reqs: Requests) -> None:
+    def start(self, flow: Inbound) -> None:
         assert self._idle.is_set(), "a lane takes one pull at a time"
-        self._reqs, self._stop, self.error = reqs, False, None
+        self._flow, self._stop, self.error = flow, False, None
         self._idle.clear()
         self._wake.set()
 
@@ -71,8 +75,8 @@ class _LaneThread:
             if self._closed:
                 return
             try:
-                while not self._stop and not all_done(self._reqs):
-                    self._transport.progress()
+                while not self._stop and not self._flow.done():
+                    self._flow.advance()
                 self._transport.progress()  # flush our last acknowledgements
             except BaseException as exc:  # noqa: BLE001 - handed to the pulling thread
                 self.error = exc
@@ -85,22 +89,25 @@ class ReceiveLanes:
         if not 1 <= lanes <= MAX_LANES:
             raise ValueError(f"lanes must be 1..{MAX_LANES}, got {lanes}")
         self._transports = [UCXTransport(Role.RECEIVER) for _ in range(lanes)]
+        self._staging = [Staging(LANE_SLOTS) for _ in range(lanes)]
         self._threads = [_LaneThread(t, f"kv-ucx-lane-{i}") for i, t in enumerate(self._transports[1:], 1)]
-        self._reqs: list[Requests] = [[] for _ in self._transports]
+        self._flows: list[Inbound] = []
         self.address = pack_lanes([t.address for t in self._transports])
 
-    def post(self, producer: bytes, parts: list[Part], transfer_id: int) -> None:
-        """Post every lane's receives for the producer's worker at `producer`; set the lane threads polling."""
+    def post(self, producer: bytes, parts: list[Part], transfer_id: int, pack_below: int = 0) -> None:
+        """Post every lane's receives for the producer's worker at `producer` (pieces smaller than
+        `pack_below` come packed); set the lane threads going."""
         n = len(self._transports)
-        self._reqs = [t.post_recvs(producer, parts, transfer_id, lane, n) for lane, t in enumerate(self._transports)]
-        for thread, reqs in zip(self._threads, self._reqs[1:]):
-            thread.start(reqs)
+        self._flows = [Inbound(t, producer, parts, transfer_id, pack_below, s, lane, n)
+                       for lane, (t, s) in enumerate(zip(self._transports, self._staging))]
+        for thread, flow in zip(self._threads, self._flows[1:]):
+            thread.start(flow)
 
     def progress(self) -> None:
-        """Poll lane 0 (the caller's own); once it is complete, wait a little for another lane instead,
+        """Advance lane 0 (the caller's own); once it is complete, wait a little for another lane instead,
         so that the caller does not spin on a core the lane threads need."""
-        if not all_done(self._reqs[0]):
-            self._transports[0].progress()
+        if not self._flows[0].done():
+            self._flows[0].advance()
             return
         busy = next((t for t in self._threads if not t.idle), None)
         if busy is not None:
@@ -111,23 +118,25 @@ class ReceiveLanes:
         self._transports[0].progress()
 
     def done(self) -> bool:
-        return all_done(self._reqs[0]) and all(t.idle for t in self._threads)
+        return (not self._flows or self._flows[0].done()) and all(t.idle for t in self._threads)
 
     def check_errors(self) -> None:
         """Raise the first error of a lane thread or a completed receive (call once `done`)."""
         for thread in self._threads:
             if thread.error is not None:
                 raise thread.error
-        for reqs in self._reqs:
-            check_errors(reqs)
+        for flow in self._flows:
+            flow.check_errors()
 
     def stop(self, producer: bytes) -> int:
-        """After a failure: stop the lane threads, then cancel whatever is still posted on any lane.
-        Returns how many receives were cancelled."""
+        """After a failure: stop the lane threads, then cancel whatever is still posted on any lane and
+        drop the staging slots it used. Returns how many receives were cancelled."""
         for thread in self._threads:
             thread.stop()
         cancelled = sum(t.abandon(producer) for t in self._transports)
-        self._reqs = [[] for _ in self._transports]
+        for flow in self._flows:
+            flow.discard_slots()
+        self._flows = []
         return cancelled
 
     def close(self) -> None:

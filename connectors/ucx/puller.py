@@ -1,7 +1,8 @@
 """The consumer's side of a UCX transfer: pull one request's KV into my blocks.
 
 Asks the producer over the side channel to send, posts a tagged receive for every
-piece straight into the destination blocks and hidden-state tensors, spread over its
+piece straight into the destination blocks and hidden-state tensors (small pieces, on a
+host pool, come packed into staging slots and are copied out: packing.py), spread over its
 lanes (lanes.py: one worker and thread each), and polls them and the reply socket until the receives complete, the producer refuses, or
 the deadline passes. Completed receives are the whole proof: their tags name this
 transfer, which only the producer's sends of it carry, and it posts those only for a
@@ -21,6 +22,7 @@ from connectors.base import TransferError
 from connectors.kv_region import KVRegion, consumer_parts, part_nbytes
 from connectors.side_channel import SideChannelClient
 from connectors.ucx.lanes import ReceiveLanes
+from connectors.ucx.packing import PACK_BELOW
 from connectors.ucx.transport import MAX_PIECES
 from connectors.wire import KVLocation, PullRequest
 
@@ -34,6 +36,7 @@ class UCXPuller:
         self._region = region
         on_host = region.planes[0].device.type == "cpu"
         self._lanes = ReceiveLanes(lanes if on_host else 1)
+        self._pack_below = PACK_BELOW if on_host else 0  # a device pool takes every piece straight
         self._channel = SideChannelClient()
         self._transfer_ids = itertools.count(1)
 
@@ -56,9 +59,9 @@ class UCXPuller:
         # arrives before its receive waits in UCX's unexpected queue (rendezvous: only its header).
         self._channel.send(loc.side_channel, PullRequest(
             request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
-            transport_address=self._lanes.address, dst_block_ids=dst_blocks))
+            transport_address=self._lanes.address, dst_block_ids=dst_blocks, pack_below=self._pack_below))
         try:
-            self._lanes.post(loc.transport_address, parts, transfer_id)
+            self._lanes.post(loc.transport_address, parts, transfer_id, self._pack_below)
             # Spin until done: blocking on the side channel could miss a lane finishing on its own
             # thread (nothing would wake us; a producer's ok may have come already).
             self._channel.wait(loc, transfer_id, deadline, progress=self._lanes.progress,

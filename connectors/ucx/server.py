@@ -1,14 +1,23 @@
-"""The producer's UCX send engine: one tagged send per piece, progressed on the server thread."""
+"""The producer's UCX send engine: each pull an `Outbound` (flows.py), advanced on the server thread.
+
+Unpacked pieces go zero-copy, one tagged send each; small pieces, if the consumer asked,
+packed through SEND_SLOTS staging slots shared by every pull this engine serves.
+"""
 
 from __future__ import annotations
 
 from connectors.transfer_server import SendEngine, SendJob
-from connectors.ucx.transport import MAX_PIECES, Role, UCXTransport, all_done, check_errors
+from connectors.ucx.flows import Outbound
+from connectors.ucx.packing import Staging
+from connectors.ucx.transport import MAX_PIECES, Role, UCXTransport
+
+SEND_SLOTS = 16  # staging slots (of PACK_BYTES) for packed sends, all pulls together
 
 
 class UCXSendEngine(SendEngine):
     def __init__(self) -> None:
         self._transport = UCXTransport(Role.SENDER)
+        self._staging = Staging(SEND_SLOTS)
         self.transport_address = self._transport.address
         self._active: list[SendJob] = []
 
@@ -17,13 +26,18 @@ class UCXSendEngine(SendEngine):
 
     def progress(self) -> None:
         self._transport.progress()
-        for job in [j for j in self._active if all_done(j.state)]:
-            self._active.remove(job)
+        for job in list(self._active):
+            flow: Outbound = job.state
             try:
-                check_errors(job.state)
+                flow.advance()
+                if not flow.done():
+                    continue
+                flow.check_errors()
             except Exception as exc:  # noqa: BLE001 - UCX raises its own error types
+                self._drop(job)
                 self.server.finish(job, exc)
                 continue
+            self._active.remove(job)
             self.server.finish(job, None)
 
     def can_block(self) -> bool:
@@ -34,13 +48,18 @@ class UCXSendEngine(SendEngine):
     def start(self, job: SendJob) -> None:
         if job.num_pieces > MAX_PIECES:
             raise ValueError(f"{job.num_pieces} pieces exceed {MAX_PIECES}")
-        job.state = self._transport.post_sends(job.msg.transport_address, job.parts(), job.msg.transfer_id)
+        job.state = Outbound(self._transport, job.msg.transport_address, job.parts(), job.msg.transfer_id,
+                             job.msg.pack_below, self._staging)
         self._active.append(job)
 
     def abandon(self, job: SendJob) -> None:
         if job in self._active:
-            self._active.remove(job)
+            self._drop(job)
         self._transport.forget_peer(job.msg.transport_address)
+
+    def _drop(self, job: SendJob) -> None:
+        self._active.remove(job)
+        job.state.discard_slots()
 
     def close(self) -> None:
         self._transport.close()

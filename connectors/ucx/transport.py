@@ -33,10 +33,10 @@ import ucxx._lib.libucxx as ucx  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
 
 from connectors.config import MAX_PULL_LANES as MAX_LANES  # noqa: E402
-from connectors.kv_region import Part  # noqa: E402
 
-SEGMENT_BITS = 24  # low tag bits: piece index within one transfer
-MAX_PIECES = 1 << SEGMENT_BITS
+SEGMENT_BITS = 24  # low tag bits: message index within one transfer, and whether it is packed
+PACKED_BIT = 1 << (SEGMENT_BITS - 1)  # set in every tag of a packed transfer (packing.py)
+MAX_PIECES = PACKED_BIT  # messages (and pieces) one transfer may have
 Requests = list[tuple[object, Array]]  # posted UCX requests, each with the buffer it must keep alive
 LANES_MAGIC = b"kvwire-ucx-lanes\x00"  # starts an address packing several lanes' worker addresses
 
@@ -69,33 +69,6 @@ class UCXTransport:
     def progress(self) -> None:
         self._worker.progress()
 
-    def post_sends(self, peer: bytes, parts: list[Part], transfer_id: int) -> Requests:
-        """Start one tagged send per part to the worker(s) at `peer`: part i to its lane i mod n.
-        Keep the result alive until done.
-
-        Raises:
-            ValueError: `peer` is not a well-formed address.
-        """
-        lanes = self._endpoints_for(peer)
-        out = []
-        for lane, ep in enumerate(lanes):
-            out += self._post(ep.tag_send, parts, transfer_id, lane, len(lanes))
-        return out
-
-    def post_recvs(self, peer: bytes, parts: list[Part], transfer_id: int, lane: int = 0, lanes: int = 1
-                   ) -> Requests:
-        """Post a tagged receive, straight into the destination memory, for each part of `lane` (i mod lanes).
-
-        Posted through an endpoint to the sender's worker at `peer`: receives posted on the worker
-        itself cannot be cancelled from Python, an endpoint's can (`abandon`).
-        """
-        return self._post(self._endpoints_for(peer)[0].tag_recv, parts, transfer_id, lane, lanes)
-
-    @staticmethod
-    def _post(op, parts: list[Part], transfer_id: int, lane: int, lanes: int) -> Requests:
-        base = (transfer_id << SEGMENT_BITS) | lane
-        return [(op(buf, ucx.UCXXTag(base + k * lanes)), buf) for k, buf in enumerate(map(Array, parts[lane::lanes]))]
-
     def abandon(self, peer: bytes) -> int:
         """Cancel every receive posted for `peer` (after a failure): none of them can land late.
         Returns how many were still in flight."""
@@ -112,7 +85,12 @@ class UCXTransport:
         for peer in list(self._endpoints):
             self.forget_peer(peer)
 
-    def _endpoints_for(self, peer: bytes) -> list[ucx.UCXEndpoint]:
+    def endpoints_for(self, peer: bytes) -> list[ucx.UCXEndpoint]:
+        """One endpoint per lane of the worker(s) at `peer` (made once, kept until `forget_peer`).
+
+        Raises:
+            ValueError: `peer` is not a well-formed address.
+        """
         eps = self._endpoints.get(peer)
         if eps is None:
             eps = [ucx.UCXEndpoint.create_from_worker_address(self._worker, ucx.UCXAddress.create_from_buffer(a), False)
@@ -144,6 +122,11 @@ def unpack_lanes(address: bytes) -> list[bytes]:
     if not 1 <= len(out) <= MAX_LANES:
         raise ValueError(f"{len(out)} lanes (1..{MAX_LANES} allowed)")
     return out
+
+
+def tag_of(transfer_id: int, index: int, packed: bool) -> int:
+    """The tag of message `index` of a transfer (a lane's messages are those with index mod lanes = lane)."""
+    return (transfer_id << SEGMENT_BITS) | (PACKED_BIT if packed else 0) | index
 
 
 def all_done(requests: Requests) -> bool:

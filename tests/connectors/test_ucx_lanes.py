@@ -12,6 +12,8 @@ import torch
 
 from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 from connectors.factory import create_connector
+from connectors.ucx.flows import Outbound
+from connectors.ucx.packing import Staging
 from connectors.ucx.transport import LANES_MAGIC, Role, UCXTransport, pack_lanes, unpack_lanes
 from connectors.wire import DType
 from engine.model_input import ModelInput, SequenceInput
@@ -43,7 +45,7 @@ def test_a_producer_refuses_to_send_to_a_malformed_lane_address():
     sender = UCXTransport(Role.SENDER)
     try:
         with pytest.raises(ValueError):
-            sender.post_sends(LANES_MAGIC + b"\x00\x00\x00\x09abc", [memoryview(bytearray(8))], 1)
+            Outbound(sender, LANES_MAGIC + b"\x00\x00\x00\x09abc", [memoryview(bytearray(8))], 1, 0, Staging(1))
     finally:
         sender.close()
 
@@ -105,16 +107,20 @@ def test_lanes_cancel_what_never_came_and_serve_the_next_transfer():
         assert lanes.stop(producer.address) == 7
         assert lanes.done()
 
-        src = torch.randint(0, 255, (7, 1000), dtype=torch.uint8)
-        lanes.post(producer.address, parts, transfer_id=2)
-        sends = producer.post_sends(lanes.address, [memoryview(row.numpy()) for row in src], 2)
-        deadline = time.monotonic() + 10
-        while not (lanes.done() and all(r.completed for r, _ in sends)):
-            assert time.monotonic() < deadline, "transfer did not complete"
-            lanes.progress()
-            producer.progress()
-        lanes.check_errors()
-        assert torch.equal(dst, src)
+        for transfer_id, pack_below in ((2, 0), (3, 4096)):  # then packed (every piece smaller than 4096)
+            src = torch.randint(0, 255, (7, 1000), dtype=torch.uint8)
+            lanes.post(producer.address, parts, transfer_id, pack_below)
+            sends = Outbound(producer, lanes.address, [memoryview(row.numpy()) for row in src], transfer_id,
+                             pack_below, Staging(2))
+            deadline = time.monotonic() + 10
+            while not (lanes.done() and sends.done()):
+                assert time.monotonic() < deadline, "transfer did not complete"
+                lanes.progress()
+                producer.progress()
+                sends.advance()
+            lanes.check_errors()
+            sends.check_errors()
+            assert torch.equal(dst, src)
     finally:
         lanes.close()
         producer.close()

@@ -1,0 +1,129 @@
+"""One pull's UCX messages on each side: what is posted, what is in flight, what is left.
+
+Lifecycle, producer (`Outbound`, one per pull, on the server thread): built when the
+pull is granted, it posts every unpacked piece at once (zero-copy from the blocks), then
+packs (packing.py) as staging slots free up: copy the pieces in, send the slot. `advance`
+(once the engine progressed the worker) takes back the slots whose sends completed and packs the next
+ones; the pull is done when every message was sent and completed. Message i goes to
+the consumer's lane i mod n.
+
+Consumer (`Inbound`, one per lane and pull, on that lane's thread): posts a receive for
+each of its unpacked pieces straight into the destination, and for its packs as slots
+free up; `advance` copies each completed pack out to its blocks and posts the next.
+Packs are posted in the order the producer sends them, so the oldest pack in flight on
+the producer always has a receive or a free slot waiting for it: neither side can stall
+the other. After a failure, `discard_slots` drops the slots still in use, never to be
+reused (the transport's `abandon` cancels their receives).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from connectors.kv_region import Part, part_nbytes
+from connectors.ucx.packing import Message, Staging, gather, plan_messages, scatter
+# ucxx only through transport, which sets UCX's environment before importing it
+from connectors.ucx.transport import Array, Requests, UCXTransport, all_done, check_errors, tag_of, ucx
+
+_Pack = tuple[object, Array, memoryview, Message]  # a posted pack: request, its buffer, the slot, the message
+
+
+class _Flow:
+    """What both sides share: the plan, the unpacked requests, the packs waiting for a slot or in flight."""
+
+    def __init__(self, parts: list[Part], transfer_id: int, pack_below: int, staging: Staging,
+                 lane: int = 0, lanes: int = 1):
+        self._parts, self._staging = parts, staging
+        self._transfer_id, self._packed = transfer_id, pack_below > 0
+        plan = plan_messages([part_nbytes(p) for p in parts], pack_below)
+        self._mine = [(i, m) for i, m in enumerate(plan) if i % lanes == lane]
+        self._todo: deque[tuple[int, Message]] = deque((i, m) for i, m in self._mine if m.packed)
+        self._packs: list[_Pack] = []
+        self.requests: Requests = []  # unpacked pieces' requests
+
+    def done(self) -> bool:
+        return not self._todo and not self._packs and all_done(self.requests)
+
+    def check_errors(self) -> None:
+        check_errors(self.requests)
+
+    def discard_slots(self) -> None:
+        for _, _, slot, _ in self._packs:
+            self._staging.discard(slot)
+        self._packs, self._todo = [], deque()
+
+    def _tag(self, index: int) -> ucx.UCXXTag:
+        return ucx.UCXXTag(tag_of(self._transfer_id, index, self._packed))
+
+    def _reap(self) -> list[_Pack]:
+        """The packs whose requests completed (removed from those in flight); raises a failed one's error."""
+        done = [p for p in self._packs if p[0].completed]
+        for pack in done:
+            pack[0].check_error()  # raising, every slot is still in `_packs` for `discard_slots`
+        gone = {id(p) for p in done}
+        self._packs = [p for p in self._packs if id(p) not in gone]
+        return done
+
+
+class Outbound(_Flow):
+    """A producer's messages of one pull, to every lane of the consumer at `peer`.
+
+    Raises:
+        ValueError: `peer` is not a well-formed address, or `pack_below` is out of range.
+    """
+
+    def __init__(self, transport: UCXTransport, peer: bytes, parts: list[Part], transfer_id: int,
+                 pack_below: int, staging: Staging):
+        super().__init__(parts, transfer_id, pack_below, staging)
+        self._eps = transport.endpoints_for(peer)
+        n = len(self._eps)
+        for i, m in self._mine:
+            if not m.packed:
+                buf = Array(parts[m.first])
+                self.requests.append((self._eps[i % n].tag_send(buf, self._tag(i)), buf))
+        self._fill()
+
+    def advance(self) -> None:
+        """After the worker was progressed: take back the slots of completed sends, pack the next."""
+        for _, _, slot, _ in self._reap():
+            self._staging.give(slot)
+        self._fill()
+
+    def _fill(self) -> None:
+        while self._todo and (slot := self._staging.take()) is not None:
+            i, m = self._todo.popleft()
+            buf = Array(gather(self._parts, m, slot))
+            self._packs.append((self._eps[i % len(self._eps)].tag_send(buf, self._tag(i)), buf, slot, m))
+
+
+class Inbound(_Flow):
+    """One consumer lane's receives of one pull from the producer's worker at `peer`.
+
+    Posted through an endpoint to that worker: receives posted on the worker itself cannot
+    be cancelled from Python, an endpoint's can (`UCXTransport.abandon`).
+    """
+
+    def __init__(self, transport: UCXTransport, peer: bytes, parts: list[Part], transfer_id: int,
+                 pack_below: int, staging: Staging, lane: int = 0, lanes: int = 1):
+        super().__init__(parts, transfer_id, pack_below, staging, lane, lanes)
+        self._transport = transport
+        self._ep = transport.endpoints_for(peer)[0]
+        for i, m in self._mine:
+            if not m.packed:
+                buf = Array(parts[m.first])
+                self.requests.append((self._ep.tag_recv(buf, self._tag(i)), buf))
+        self._fill()
+
+    def advance(self) -> None:
+        """Progress the worker, unpack the packs that came, post the next."""
+        self._transport.progress()
+        for _, _, slot, m in self._reap():
+            scatter(slot, self._parts, m)
+            self._staging.give(slot)
+        self._fill()
+
+    def _fill(self) -> None:
+        while self._todo and (slot := self._staging.take()) is not None:
+            i, m = self._todo.popleft()
+            buf = Array(slot[:m.nbytes])
+            self._packs.append((self._ep.tag_recv(buf, self._tag(i)), buf, slot, m))
