@@ -23,6 +23,7 @@ from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 from connectors.factory import create_connector
 from connectors.kv_region import KVRegion
 from connectors.wire import PoolLayout
+from engine.gc_pauses import freeze_startup_heap
 from engine.model_input import ModelInput, SequenceInput
 
 HIDDEN_WIDTH = 1  # the bench measures KV; hidden states ride along at one value per token
@@ -55,6 +56,7 @@ def _producer(kind: ConnectorKind, redis_url: str, work: Workload, pipe) -> None
     conn.set_release_callback(lambda rid: None)
     conn.register_kv_caches(kv_caches)
     hidden = torch.zeros(work.tokens, HIDDEN_WIDTH, device=str(work.device))
+    freeze_startup_heap()  # as a node does once it has started
     pipe.send(checksum(region, work.block_ids(0)))
     peak = PeakTracker()
     while (rid := pipe.recv()) is not None:
@@ -100,6 +102,7 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
         want = here.recv() if here.poll(120) else None
         kv_caches, region = bench_pool(conn, work)
         conn.register_kv_caches(kv_caches)
+        freeze_startup_heap()
         dst = work.block_ids(1)
         times, verified, peak = [], want is not None, PeakTracker()
         for i in range(warmup + runs):

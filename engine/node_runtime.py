@@ -26,6 +26,7 @@ from connectors.auth import AuthError
 from connectors.wire import NodeInfo, WireError, unpack
 from engine.block_allocator import BlockAllocator
 from engine.config import kv_layout
+from engine.gc_pauses import freeze_startup_heap
 from engine.kv_cache import KVPool
 from engine.loader import load_model
 from engine.model import LlamaForCausalLM
@@ -169,5 +170,6 @@ def run_node(config: NodeConfig, make_node: Callable[[NodeRuntime], object]) -> 
     with OpsServer(config.host, config.http_port or None, process_metrics()) as ops:
         rt = NodeRuntime.start(config)
         node = make_node(rt)
+        freeze_startup_heap()
         ops.set_ready_check(rt.is_ready)
         serve_until_signalled(rt, node)
