@@ -1,7 +1,7 @@
 """`kvwire bench transfer --layerwise`: how much of the KV transfer hides behind prefill's compute.
 
-The nodes' own path: two processes, each with a TCP connector (the producer's with
-`layerwise`), and a real redis-server. For each trial the producer opens the request's
+The nodes' own path: two processes, each with a connector that streams layers (tcp or
+ucx; the producer's with `layerwise`), and a real redis-server. For each trial the producer opens the request's
 layer stream (`begin_layer_stream`: published before the forward), "computes" each layer
 for `compute_ms` (a sleep: on an accelerator the CPU is free while a layer runs), hands
 it over (`on_layer`, as the model's forward does) and completes it with the hidden
@@ -25,9 +25,11 @@ from bench.connector_run import HIDDEN_WIDTH, bench_config, bench_pool, request_
 from bench.workload import Workload, checksum, fill_random, zero_blocks
 from connectors.config import ConnectorKind, NodeRole
 from connectors.factory import create_connector
+from engine.gc_pauses import freeze_startup_heap
 
 
 class LayerwiseResult(msgspec.Struct, frozen=True):
+    method: str  # the connector: tcp or ucx
     tokens: int
     pool: str
     layers: int
@@ -41,15 +43,16 @@ class LayerwiseResult(msgspec.Struct, frozen=True):
     verified: bool
 
 
-def _producer(work: Workload, redis_url: str, pipe) -> None:
+def _producer(work: Workload, kind: ConnectorKind, redis_url: str, pipe) -> None:
     """Per trial: (request id, compute seconds per layer, wait for the go-ahead before the last handover)."""
     torch.set_num_threads(1)
-    conn = create_connector(0, 0, bench_config(ConnectorKind.TCP, NodeRole.PREFILL, redis_url, layerwise=True))
+    conn = create_connector(0, 0, bench_config(kind, NodeRole.PREFILL, redis_url, layerwise=True))
     kv_caches, region = bench_pool(conn, work)
     fill_random(region)
     conn.set_release_callback(lambda rid: None)
     conn.register_kv_caches(kv_caches)
     hidden = torch.zeros(work.tokens, HIDDEN_WIDTH)
+    freeze_startup_heap()  # as a node does once it has started
     pipe.send(checksum(region, work.block_ids(0)))
     while (trial := pipe.recv()) is not None:
         rid, compute_s = trial
@@ -84,17 +87,19 @@ def _trials(work: Workload, compute_s: float, n: int, tag: str, pipe, conn, kv_c
     return out, ok
 
 
-def bench_layerwise(work: Workload, runs: int, warmup: int, compute_ms: float | None, redis_url: str) -> LayerwiseResult:
+def bench_layerwise(work: Workload, kind: ConnectorKind, runs: int, warmup: int, compute_ms: float | None,
+                    redis_url: str) -> LayerwiseResult:
     """compute_ms None: one layer's measured transfer time (compute just covers transfer)."""
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=_producer, args=(work, redis_url, there), daemon=True)
+    proc = ctx.Process(target=_producer, args=(work, kind, redis_url, there), daemon=True)
     proc.start()
-    conn = create_connector(0, 0, bench_config(ConnectorKind.TCP, NodeRole.DECODE, redis_url))
+    conn = create_connector(0, 0, bench_config(kind, NodeRole.DECODE, redis_url))
     try:
         want = here.recv()
         kv_caches, region = bench_pool(conn, work)
         conn.register_kv_caches(kv_caches)
+        freeze_startup_heap()
         args = (here, conn, kv_caches, region)
         _trials(work, 0.0, warmup, "warm", *args)
         totals, ok_whole = _trials(work, 0.0, runs, "whole", *args)
@@ -110,7 +115,7 @@ def bench_layerwise(work: Workload, runs: int, warmup: int, compute_ms: float | 
         proc.kill()
     tail = statistics.median(tails)
     return LayerwiseResult(
-        tokens=work.tokens, pool=str(work.pool), layers=work.layout.num_layers, transfer_ms=round(transfer * 1e3, 2),
+        method=str(kind), tokens=work.tokens, pool=str(work.pool), layers=work.layout.num_layers, transfer_ms=round(transfer * 1e3, 2),
         layer_transfer_ms=round(per_layer * 1e3, 3), compute_ms_per_layer=round(compute_s * 1e3, 3),
         prefill_ms=round(compute_s * 1e3 * work.layout.num_layers, 2), tail_ms=round(tail * 1e3, 3),
         tail_over_layer=round(tail / per_layer, 2), hidden_fraction=round(1 - tail / transfer, 3), verified=verified)

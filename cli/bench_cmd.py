@@ -43,9 +43,10 @@ def transfer(
         = Device.CPU,
     as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON instead of a table.")] = False,
     plot: Annotated[str | None, typer.Option("--plot", help="Also draw GB/s against size to this PNG file.")] = None,
-    layerwise: Annotated[bool, typer.Option("--layerwise", help="Instead: stream layer by layer (the tcp "
-                                            "connector, as `kvwire prefill --layerwise`) behind a simulated prefill "
-                                            "and report how much of the transfer it hides.")] = False,
+    layerwise: Annotated[bool, typer.Option("--layerwise", help="Instead: stream layer by layer (the chosen "
+                                            "methods among tcp and ucx, as `kvwire prefill --layerwise`) behind a "
+                                            "simulated prefill and report how much of the transfer it hides.")]
+        = False,
     compute_ms: Annotated[float | None, typer.Option("--compute-ms-per-layer", min=0.0, help="With --layerwise: "
                                                      "compute per layer; default one layer's transfer time.")] = None,
     redis_url: OptionalRedisUrl = None,
@@ -69,7 +70,7 @@ def transfer(
             raise typer.BadParameter("no CUDA device on this machine", param_hint="--device")
     with LocalRedis() if redis_url is None else contextlib.nullcontext() as redis:
         if layerwise:
-            _layerwise(sizes, where, whose, runs, warmup, compute_ms, as_json, redis_url or redis.url)
+            _layerwise(chosen, sizes, where, whose, runs, warmup, compute_ms, as_json, redis_url or redis.url)
             return
         total = rounds * combinations(chosen, sizes, where, whose, device)
         with tqdm(total=total, desc="bench transfer", file=sys.stderr) as bar:
@@ -167,22 +168,26 @@ def _e2e_table(result) -> str:
     return "\n".join(lines)
 
 
-def _layerwise(sizes: list[int], where: list[Placement], whose: list[PoolLayout], runs: int, warmup: int,
-               compute_ms: float | None, as_json: bool, redis_url: str) -> None:
+def _layerwise(chosen: list[Method], sizes: list[int], where: list[Placement], whose: list[PoolLayout], runs: int,
+               warmup: int, compute_ms: float | None, as_json: bool, redis_url: str) -> None:
     import msgspec
 
     from bench.layerwise import bench_layerwise
     from bench.workload import Workload
+    from connectors.config import LAYERWISE_KINDS, ConnectorKind
 
-    results = [bench_layerwise(Workload(n, p, pool), runs, warmup, compute_ms, redis_url)
-               for n in sizes for p in where for pool in whose]
+    kinds = [ConnectorKind(m.value) for m in chosen if m.value in LAYERWISE_KINDS]
+    if not kinds:
+        raise typer.BadParameter(f"--layerwise streams over {', '.join(sorted(LAYERWISE_KINDS))}", param_hint="--methods")
+    results = [bench_layerwise(Workload(n, p, pool), kind, runs, warmup, compute_ms, redis_url)
+               for kind in kinds for n in sizes for p in where for pool in whose]
     if as_json:
         typer.echo(msgspec.json.format(msgspec.json.encode(results), indent=2).decode())
     else:
-        head = (f"{'tokens':>6} {'pool':<6} {'xfer ms':>8} {'layer ms':>9} {'compute/layer':>13} {'tail ms':>8} "
+        head = (f"{'method':<6} {'tokens':>6} {'pool':<6} {'xfer ms':>8} {'layer ms':>9} {'compute/layer':>13} {'tail ms':>8} "
                 f"{'tail/layer':>10} {'hidden':>7}  verified")
         typer.echo("\n".join([head, "-" * len(head)] + [
-            f"{r.tokens:>6} {r.pool:<6} {r.transfer_ms:>8.2f} {r.layer_transfer_ms:>9.3f} {r.compute_ms_per_layer:>13.3f} "
+            f"{r.method:<6} {r.tokens:>6} {r.pool:<6} {r.transfer_ms:>8.2f} {r.layer_transfer_ms:>9.3f} {r.compute_ms_per_layer:>13.3f} "
             f"{r.tail_ms:>8.3f} {r.tail_over_layer:>10.2f} {r.hidden_fraction:>7.1%}  {'yes' if r.verified else 'NO'}"
             for r in results]))
     if not all(r.verified for r in results):

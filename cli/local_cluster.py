@@ -50,7 +50,7 @@ class ClusterSpec:
     log_level: str = "INFO"
     prefill_device: str = "cpu"
     decode_device: str = "cpu"
-    layerwise: bool = False  # the prefill node streams each prompt's KV layer by layer (tcp connector)
+    layerwise: bool = False  # the prefill node streams each prompt's KV layer by layer (tcp or ucx connector)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

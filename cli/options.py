@@ -41,7 +41,7 @@ PullLanes = Annotated[int, typer.Option(
          "pools). 1: the engine thread alone.")]
 Layerwise = Annotated[bool, typer.Option(
     "--layerwise", help="Prefill: publish each prompt's KV before its forward and send it layer by layer as the "
-                        "layers are computed, so the transfer hides behind compute (tcp connector only).")]
+                        "layers are computed, so the transfer hides behind compute (tcp and ucx connectors).")]
 AuthSecretFile = Annotated[Path | None, typer.Option(
     "--auth-secret-file", envvar="KVWIRE_AUTH_SECRET_FILE",
     help="File holding a shared secret (16+ bytes): control messages between the router and nodes are sealed "

@@ -13,7 +13,7 @@ from cli.local_cluster import ClusterSpec, LocalCluster
 from cli.options import (AuthSecretFile, Connector, Host, KVDeadline, Layerwise, LogLevel, OptionalRedisUrl,
                          auth_secret, setup_logging)
 from cli.paths import default_model_dir
-from connectors.config import ConnectorKind
+from connectors.config import LAYERWISE_KINDS, ConnectorKind
 
 
 def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a tiny random one by default.")] = None,
@@ -23,8 +23,8 @@ def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a
        kv_deadline: KVDeadline = 10.0, auth_secret_file: AuthSecretFile = None, layerwise: Layerwise = False,
        log_level: LogLevel = "WARNING") -> None:
     """Start Redis, a prefill node, a decode node and the router; stop them all on Ctrl-C."""
-    if layerwise and connector != ConnectorKind.TCP:
-        raise typer.BadParameter("layer-wise streaming runs over the tcp connector", param_hint="--layerwise")
+    if layerwise and connector not in LAYERWISE_KINDS:
+        raise typer.BadParameter("layer-wise streaming runs over the tcp and ucx connectors", param_hint="--layerwise")
     setup_logging(log_level)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -24,6 +24,7 @@ class NodeRole(enum.StrEnum):
 
 
 MAX_PULL_LANES = 16
+LAYERWISE_KINDS = frozenset({ConnectorKind.TCP, ConnectorKind.UCX})  # send engines that stream layer by layer
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,8 @@ class ConnectorConfig:
             polled by a thread each (connectors/ucx/lanes.py), shared-memory copies (connectors/shm/copier.py);
             1: the engine thread alone.
         layerwise: producer: publish each prompt's KV before its forward and send it layer by layer as
-            the layers are computed (connectors/layer_gate.py); tcp only, and not with verify_kv (the
-            checksums would come after the bytes).
+            the layers are computed (connectors/layer_gate.py); tcp and ucx only, and not with verify_kv
+            (the checksums would come after the bytes).
     """
 
     kind: ConnectorKind
@@ -59,8 +60,8 @@ class ConnectorConfig:
     layerwise: bool = False
 
     def __post_init__(self) -> None:
-        if self.layerwise and self.kind != ConnectorKind.TCP:
-            raise ValueError(f"layer-wise streaming runs over the tcp connector, not {self.kind}")
+        if self.layerwise and self.kind not in LAYERWISE_KINDS:
+            raise ValueError(f"layer-wise streaming runs over the tcp and ucx connectors, not {self.kind}")
         if self.layerwise and self.verify_kv:
             raise ValueError("layer-wise streaming cannot publish KV checksums before the forward (verify_kv)")
         if not 1 <= self.pull_lanes <= MAX_PULL_LANES:

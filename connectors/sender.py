@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from connectors.config import ConnectorConfig, ConnectorKind
+from connectors.config import LAYERWISE_KINDS, ConnectorConfig, ConnectorKind
 from connectors.directory import DirectoryError, KVDirectory, TransferState
 from connectors.directory_batch import DirectoryBatch
 from connectors.held import HeldRequest, HeldTable
@@ -137,10 +137,10 @@ class KVSender:
     def _location(self, seq, descs: list[TensorDesc], intermediate: bool, checksums: list[int],
                   layerwise: bool = False) -> KVLocation:
         n_blocks = math.ceil(seq.end_pos / self._layout.block_size)
-        offers = [o for o in self._offers if o.kind == ConnectorKind.TCP] if layerwise else self._offers
+        offers = [o for o in self._offers if o.kind in LAYERWISE_KINDS] if layerwise else self._offers
         if not offers:
             raise ValueError(f"request {seq.request_id}: no transport serves this KV"
-                             + (" (layer-wise KV is served over tcp only)" if layerwise else ""))
+                             + (" (layer-wise KV is served over tcp and ucx only)" if layerwise else ""))
         first = offers[0]
         return KVLocation(
             request_id=seq.request_id, producer=self._config.node_id, producer_epoch=self._epoch,

@@ -65,6 +65,11 @@ class SendJob:
         return sum(n for _, n in self.runs) * self.region.block_nbytes // self.region.layout.num_layers
 
     @property
+    def layer_pieces(self) -> int:
+        """How many of `parts()` one layer is, for a layer-wise request (they come layer after layer)."""
+        return len(self.region.layer_parts(self.runs, 0))
+
+    @property
     def num_pieces(self) -> int:
         return len(self.runs) * len(self.region.planes) + len(self.held.hidden)
 

@@ -1,11 +1,13 @@
 """One pull's UCX messages on each side: what is posted, what is in flight, what is left.
 
 Lifecycle, producer (`Outbound`, one per pull, on the server thread): built when the
-pull is granted, it posts every unpacked piece at once (zero-copy from the blocks), then
-packs (packing.py) as staging slots free up: copy the pieces in, send the slot. `advance`
-(once the engine progressed the worker) takes back the slots whose sends completed and packs the next
-ones; the pull is done when every message was sent and completed. Message i goes to
-the consumer's lane i mod n.
+pull is granted, it posts its messages in order: an unpacked piece zero-copy from the
+blocks, a pack (packing.py) once a staging slot is free (copy the pieces in, send the
+slot). `advance` (once the engine progressed the worker) takes back the slots whose sends
+completed and posts what may go next; the pull is done when every message was sent and
+completed. Message i goes to the consumer's lane i mod n. A layer-wise request's pieces
+come layer after layer (`KVRegion.layer_major_parts`), and a message goes only once
+every layer it carries is written (its `LayerGate`), the hidden states last.
 
 Consumer (`Inbound`, one per lane and pull, on that lane's thread): posts a receive for
 each of its unpacked pieces straight into the destination, and for its packs as slots
@@ -21,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 
 from connectors.kv_region import Part, part_nbytes
+from connectors.layer_gate import LayerGate
 from connectors.ucx.packing import Message, Staging, gather, plan_messages, scatter
 # ucxx only through transport, which sets UCX's environment before importing it
 from connectors.ucx.transport import Array, Requests, UCXTransport, all_done, check_errors, tag_of, ucx
@@ -68,20 +71,30 @@ class _Flow:
 class Outbound(_Flow):
     """A producer's messages of one pull, to every lane of the consumer at `peer`.
 
+    Args:
+        gate: a layer-wise request's; its parts then hold `layer_pieces` pieces per layer, layer-major.
     Raises:
         ValueError: `peer` is not a well-formed address, or `pack_below` is out of range.
     """
 
     def __init__(self, transport: UCXTransport, peer: bytes, parts: list[Part], transfer_id: int,
-                 pack_below: int, staging: Staging):
+                 pack_below: int, staging: Staging, gate: LayerGate | None = None, layer_pieces: int = 0):
         super().__init__(parts, transfer_id, pack_below, staging)
         self._eps = transport.endpoints_for(peer)
-        n = len(self._eps)
-        for i, m in self._mine:
-            if not m.packed:
-                buf = Array(parts[m.first])
-                self.requests.append((self._eps[i % n].tag_send(buf, self._tag(i)), buf))
+        self._gate, self._layer_pieces = gate, layer_pieces
+        self._todo = deque(self._mine)  # every message, in order
         self._fill()
+
+    @property
+    def waiting_on_gate(self) -> bool:
+        """Nothing in flight, and the next message waits for a layer the forward has not written yet."""
+        gate = self._gate
+        if gate is None or not self._todo or self._packs or not all_done(self.requests) or gate.needs_polling():
+            return False
+        if gate.failure:
+            return False  # the next `advance` raises it
+        _, m = self._todo[0]
+        return m.first + m.count > self._sendable()
 
     def advance(self) -> None:
         """After the worker was progressed: take back the slots of completed sends, pack the next."""
@@ -89,11 +102,35 @@ class Outbound(_Flow):
             self._staging.give(slot)
         self._fill()
 
+    def _sendable(self) -> int:
+        """How many pieces, from the first, may go now (all but for a layer-wise request still computing).
+
+        Raises:
+            RuntimeError: the request's forward failed; what is not sent never will be.
+        """
+        gate = self._gate
+        if gate is None or gate.complete_and_ready:
+            return len(self._parts)
+        if gate.failure:
+            raise RuntimeError(f"prefill of {gate.request_id} failed: {gate.failure}")
+        return self._layer_pieces * gate.ready_layers()
+
     def _fill(self) -> None:
-        while self._todo and (slot := self._staging.take()) is not None:
-            i, m = self._todo.popleft()
-            buf = Array(gather(self._parts, m, slot))
-            self._packs.append((self._eps[i % len(self._eps)].tag_send(buf, self._tag(i)), buf, slot, m))
+        limit = self._sendable()
+        while self._todo:
+            i, m = self._todo[0]
+            if m.first + m.count > limit:
+                return
+            ep = self._eps[i % len(self._eps)]
+            if not m.packed:
+                buf = Array(self._parts[m.first])
+                self.requests.append((ep.tag_send(buf, self._tag(i)), buf))
+            elif (slot := self._staging.take()) is not None:
+                buf = Array(gather(self._parts, m, slot))
+                self._packs.append((ep.tag_send(buf, self._tag(i)), buf, slot, m))
+            else:
+                return
+            self._todo.popleft()
 
 
 class Inbound(_Flow):

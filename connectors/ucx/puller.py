@@ -53,13 +53,14 @@ class UCXPuller:
             TransferError: refused, failed, or not complete by `deadline`.
         """
         parts = consumer_parts(self._region, loc.block_ids, dst_blocks, hidden, loc.request_id, loc.producer,
-                               MAX_PIECES)
+                               MAX_PIECES, layer_major=loc.layerwise)
         transfer_id = next(self._transfer_ids)
         # Ask first, then post the receives while the producer handles the request: a send that
         # arrives before its receive waits in UCX's unexpected queue (rendezvous: only its header).
         self._channel.send(loc.side_channel, PullRequest(
             request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
-            transport_address=self._lanes.address, dst_block_ids=dst_blocks, pack_below=self._pack_below))
+            transport_address=self._lanes.address, dst_block_ids=dst_blocks, pack_below=self._pack_below,
+            layer_major=True))  # a layer-wise location's blocks land layer by layer, as it sends them
         try:
             self._lanes.post(loc.transport_address, parts, transfer_id, self._pack_below)
             # Spin until done: blocking on the side channel could miss a lane finishing on its own

@@ -1,7 +1,9 @@
 """The producer's UCX send engine: each pull an `Outbound` (flows.py), advanced on the server thread.
 
 Unpacked pieces go zero-copy, one tagged send each; small pieces, if the consumer asked,
-packed through SEND_SLOTS staging slots shared by every pull this engine serves.
+packed through SEND_SLOTS staging slots shared by every pull this engine serves. A
+layer-wise request's messages go as its prefill writes their layers: while every pull
+waits for a layer and has nothing in flight the server thread sleeps (the gate wakes it).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ SEND_SLOTS = 16  # staging slots (of PACK_BYTES) for packed sends, all pulls tog
 
 
 class UCXSendEngine(SendEngine):
+    streams_layers = True
+
     def __init__(self) -> None:
         self._transport = UCXTransport(Role.SENDER)
         self._staging = Staging(SEND_SLOTS)
@@ -43,13 +47,14 @@ class UCXSendEngine(SendEngine):
     def can_block(self) -> bool:
         # While sends are in flight the server thread spins on progress: every rendezvous step needs
         # both workers progressed, and an epoll wake-up per step cost a third of the throughput here.
-        return not self._active
+        return all(job.state.waiting_on_gate for job in self._active)
 
     def start(self, job: SendJob) -> None:
         if job.num_pieces > MAX_PIECES:
             raise ValueError(f"{job.num_pieces} pieces exceed {MAX_PIECES}")
+        gate = job.held.gate
         job.state = Outbound(self._transport, job.msg.transport_address, job.parts(), job.msg.transfer_id,
-                             job.msg.pack_below, self._staging)
+                             job.msg.pack_below, self._staging, gate, job.layer_pieces if gate else 0)
         self._active.append(job)
 
     def abandon(self, job: SendJob) -> None:

@@ -25,7 +25,8 @@ def test_a_directory_without_a_checkpoint_is_refused(tmp_path):
         _config(tmp_path)
 
 
-def test_layerwise_reaches_the_config_and_needs_tcp(tiny_model_dir):
+def test_layerwise_reaches_the_config_and_needs_tcp_or_ucx(tiny_model_dir):
     assert _config(tiny_model_dir, connector=ConnectorKind.TCP, layerwise=True).connector.layerwise
-    with pytest.raises(typer.BadParameter, match="tcp connector"):
-        _config(tiny_model_dir, layerwise=True)  # UCX
+    assert _config(tiny_model_dir, connector=ConnectorKind.UCX, layerwise=True).connector.layerwise
+    with pytest.raises(typer.BadParameter, match="tcp and ucx connectors"):
+        _config(tiny_model_dir, connector=ConnectorKind.SHM, layerwise=True)

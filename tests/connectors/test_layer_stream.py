@@ -1,5 +1,5 @@
 """Layer-wise streaming through the real connector: a producer process that hands over one layer at a time,
-a consumer pulling over TCP while the layers are still being computed, and a real redis-server."""
+a consumer pulling over TCP or UCX while the layers are still being computed, and a real redis-server."""
 
 from __future__ import annotations
 
@@ -25,14 +25,16 @@ SMALL = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=4, dtype=D
 LAYER_S = 0.05  # the producer's "compute" per layer
 
 
-def _config(role: NodeRole, node_id: str, redis_url: str, layerwise: bool) -> ConnectorConfig:
-    return ConnectorConfig(kind=ConnectorKind.TCP, role=role, node_id=node_id, redis_url=redis_url,
+def _config(role: NodeRole, node_id: str, redis_url: str, layerwise: bool,
+            kind: ConnectorKind = ConnectorKind.TCP) -> ConnectorConfig:
+    return ConnectorConfig(kind=kind, role=role, node_id=node_id, redis_url=redis_url,
                            kv_deadline_s=10.0, layerwise=layerwise)
 
 
-def _stream(redis_url: str, rid: str, tokens: int, blocks: list[int], fail_after: int | None, results) -> None:
+def _stream(redis_url: str, kind: ConnectorKind, rid: str, tokens: int, blocks: list[int], fail_after: int | None,
+            results) -> None:
     """Publish `rid` layer-wise; write each layer's KV only just before handing that layer over."""
-    conn = create_connector(0, 0, _config(NodeRole.PREFILL, "producer-lw", redis_url, True))
+    conn = create_connector(0, 0, _config(NodeRole.PREFILL, "producer-lw", redis_url, True, kind))
     lay = peer.layout(layers=4, block_size=4)
     pool = conn.allocate_kv_pool(lay, 64, "cpu")
     released = threading.Event()
@@ -56,10 +58,15 @@ def _stream(redis_url: str, rid: str, tokens: int, blocks: list[int], fail_after
     conn.close()
 
 
-def _consume(redis_url: str, lay, rid: str, tokens: int, dst: list[int]):
-    conn = create_connector(0, 0, _config(NodeRole.DECODE, "consumer-lw", redis_url, False))
+def _consumer(redis_url: str, kind: ConnectorKind, lay):
+    """Made before the producer starts its forward: the pull must not wait for the consumer's start-up."""
+    conn = create_connector(0, 0, _config(NodeRole.DECODE, "consumer-lw", redis_url, False, kind))
     pool = conn.allocate_kv_pool(lay, 64, "cpu")
     conn.register_kv_caches(pool.kv_caches)
+    return conn, pool
+
+
+def _consume(conn, pool, rid: str, tokens: int, dst: list[int]):
     start = time.monotonic()
     hidden, bypass, _ = conn.recv_kv_caches_and_hidden_states(
         None, ModelInput([SequenceInput(rid, [0] * tokens, 0, dst)]), pool.kv_caches)
@@ -70,15 +77,20 @@ def _results(q, n: int) -> dict:
     return dict(q.get(timeout=60) for _ in range(n))
 
 
-def test_layers_arrive_while_the_producer_computes(redis_url):
-    lay, rid, tokens = peer.layout(layers=4, block_size=4), "lw-1", 37
+KINDS = [ConnectorKind.TCP, ConnectorKind.UCX]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layers_arrive_while_the_producer_computes(redis_url, kind):
+    lay, rid, tokens = peer.layout(layers=4, block_size=4), f"lw-1-{kind}", 37
     src, dst = [3, 4, 9, 10, 11, 20, 21, 30, 31, 32], [40, 41, 5, 6, 7, 8, 50, 51, 52, 53]
     q = CTX.Queue()
-    proc = CTX.Process(target=_stream, args=(redis_url, rid, tokens, src, None, q))
+    conn, pool = _consumer(redis_url, kind, lay)
+    proc = CTX.Process(target=_stream, args=(redis_url, kind, rid, tokens, src, None, q))
     proc.start()
     try:
         published = q.get(timeout=60)[1]
-        conn, pool, hidden, bypass, start, end = _consume(redis_url, lay, rid, tokens, dst)
+        conn, pool, hidden, bypass, start, end = _consume(conn, pool, rid, tokens, dst)
         got = _results(q, 2)
         assert bypass
         assert torch.equal(pool.data[dst], peer.request_kv(rid, lay, len(dst))), "a layer was sent before it was done"
@@ -86,23 +98,25 @@ def test_layers_arrive_while_the_producer_computes(redis_url):
         assert start < got["last layer"], "the pull should begin while layers are still being computed"
         assert end - got["last layer"] < 2 * lay.num_layers * LAYER_S  # decode-ready soon after the last layer
         assert published < start and got["released"], "the producer releases the blocks once they are pulled"
-        conn.close()
     finally:
+        conn.close()
         proc.join(30)
 
 
-def test_a_failed_forward_ends_the_stream_and_the_consumer_recomputes(redis_url):
-    lay, rid, tokens = peer.layout(layers=4, block_size=4), "lw-2", 16
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_failed_forward_ends_the_stream_and_the_consumer_recomputes(redis_url, kind):
+    lay, rid, tokens = peer.layout(layers=4, block_size=4), f"lw-2-{kind}", 16
     q = CTX.Queue()
-    proc = CTX.Process(target=_stream, args=(redis_url, rid, tokens, [1, 2, 3, 4], 2, q))
+    conn, pool = _consumer(redis_url, kind, lay)
+    proc = CTX.Process(target=_stream, args=(redis_url, kind, rid, tokens, [1, 2, 3, 4], 2, q))
     proc.start()
     try:
         q.get(timeout=60)
-        conn, _, hidden, bypass, _, _ = _consume(redis_url, lay, rid, tokens, [7, 8, 9, 10])
+        conn, _, hidden, bypass, _, _ = _consume(conn, pool, rid, tokens, [7, 8, 9, 10])
         assert not bypass and hidden is None
         assert _results(q, 1)["released"], "the failed request's blocks must be released"
-        conn.close()
     finally:
+        conn.close()
         proc.join(30)
 
 
@@ -157,7 +171,7 @@ def test_gate_opens_layer_by_layer_and_wakes():
     assert gate.failure is None, "a complete gate stays complete"
 
 
-def test_layerwise_needs_tcp_and_no_checksums():
+def test_layerwise_needs_tcp_or_ucx_and_no_checksums():
     with pytest.raises(ValueError, match="tcp"):
         ConnectorConfig(kind=ConnectorKind.SHM, role=NodeRole.PREFILL, node_id="p", redis_url="redis://x",
                         layerwise=True)

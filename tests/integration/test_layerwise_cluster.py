@@ -20,9 +20,9 @@ PROMPTS = [[72], list(range(16)), list(range(33)), list(range(100, 200)) * 11]
 LONG = [list(range(i, i + 250)) * 2 + [i] for i in range(4)]  # the prefill node is busy for a while
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model_dir, tmp_path_factory):
-    spec = ClusterSpec(model_dir=tiny_model_dir, connector=ConnectorKind.TCP, num_blocks=256, block_size=BS,
+@pytest.fixture(scope="module", params=[ConnectorKind.TCP, ConnectorKind.UCX])
+def cluster(request, tiny_model_dir, tmp_path_factory):
+    spec = ClusterSpec(model_dir=tiny_model_dir, connector=request.param, num_blocks=256, block_size=BS,
                        kv_deadline_s=KV_DEADLINE_S, layerwise=True, log_dir=tmp_path_factory.mktemp("lw-logs"))
     with LocalCluster(spec) as c:
         yield c
@@ -34,7 +34,7 @@ def test_layerwise_cluster_matches_single_process(cluster, tiny_model_dir):
     for want, got in zip(expected, results):
         assert got["choices"][0]["token_ids"] == want
         assert got["kvwire"]["bypassed"] is True
-        assert got["kvwire"]["transport"] == "tcp"
+        assert got["kvwire"]["transport"] == cluster.spec.connector
     pools, leftover = wait_pools_full_and_directory_empty(cluster.redis_url)
     assert all(free == total for free, total in pools.values()) and leftover == []
 
