@@ -131,13 +131,15 @@ def e2e(
         = 5,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=2, help="Tokens generated per request.")] = 16,
     layerwise: Annotated[bool, typer.Option("--layerwise", help="The prefill node streams KV layer by layer "
-                                            "(needs --connector tcp).")] = False,
+                                            "(needs --connector tcp or ucx).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
-    """The demo's prompt mix through the router, disaggregated then single-node (prefill stopped):
-    TTFT, time per output token, throughput, and the TTFT gap against the transfer time."""
-    if layerwise and connector != ConnectorKind.TCP:
-        raise typer.BadParameter("layer-wise streaming runs over the tcp connector", param_hint="--layerwise")
+    """The demo's prompt mix through the router, disaggregated and single-node prompt by prompt on one
+    cluster: TTFT, time per output token, throughput, and the TTFT gap against the transfer time."""
+    from connectors.config import LAYERWISE_KINDS
+
+    if layerwise and connector not in LAYERWISE_KINDS:
+        raise typer.BadParameter("layer-wise streaming runs over the tcp and ucx connectors", param_hint="--layerwise")
     import msgspec
 
     from bench.e2e import bench_e2e
