@@ -19,10 +19,13 @@ def router(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1",
     import uvicorn
 
     from connectors import auth
+    from engine.gc_pauses import freeze_startup_heap
     from router.app import create_app
 
     setup_logging(log_level)
     config = RouterConfig(model_dir=model, redis_url=redis_url, host=host, port=port, request_timeout_s=request_timeout,
                           auth_secret=auth_secret(auth_secret_file))
     auth.install(config.auth_secret)  # before any socket opens
-    uvicorn.run(create_app(config), host=host, port=port, log_level=log_level.lower(), access_log=False)
+    app = create_app(config)
+    freeze_startup_heap()  # the router's heap holds torch and the tokenizer too (~220,000 objects)
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)

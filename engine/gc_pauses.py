@@ -7,7 +7,7 @@ it every few requests: 40-125 ms a collection, measured here in both processes o
 2,048-token pull, which then took 300 ms instead of 90. `freeze_startup_heap`, called
 once start-up is over, moves that heap to the permanent generation, which collections
 skip (vLLM's engine core does the same after start-up); whatever is allocated later is
-still collected as usual.
+still collected as usual. The router does the same before it serves (cli/router_cmd.py).
 """
 
 from __future__ import annotations
