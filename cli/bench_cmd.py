@@ -180,17 +180,18 @@ def _layerwise(chosen: list[Method], sizes: list[int], where: list[Placement], w
 
     kinds = [ConnectorKind(m.value) for m in chosen if m.value in LAYERWISE_KINDS]
     if not kinds:
-        raise typer.BadParameter(f"--layerwise streams over {', '.join(sorted(LAYERWISE_KINDS))}", param_hint="--methods")
+        raise typer.BadParameter(f"--layerwise streams over {', '.join(sorted(LAYERWISE_KINDS))}",
+                                 param_hint="--methods")
     results = [bench_layerwise(Workload(n, p, pool), kind, runs, warmup, compute_ms, redis_url)
                for kind in kinds for n in sizes for p in where for pool in whose]
     if as_json:
         typer.echo(msgspec.json.format(msgspec.json.encode(results), indent=2).decode())
     else:
-        head = (f"{'method':<6} {'tokens':>6} {'pool':<6} {'xfer ms':>8} {'layer ms':>9} {'compute/layer':>13} {'tail ms':>8} "
-                f"{'tail/layer':>10} {'hidden':>7}  verified")
+        head = (f"{'method':<6} {'tokens':>6} {'pool':<6} {'xfer ms':>8} {'layer ms':>9} {'compute/layer':>13} "
+                f"{'tail ms':>8} {'tail/layer':>10} {'hidden':>7}  verified")
         typer.echo("\n".join([head, "-" * len(head)] + [
-            f"{r.method:<6} {r.tokens:>6} {r.pool:<6} {r.transfer_ms:>8.2f} {r.layer_transfer_ms:>9.3f} {r.compute_ms_per_layer:>13.3f} "
-            f"{r.tail_ms:>8.3f} {r.tail_over_layer:>10.2f} {r.hidden_fraction:>7.1%}  {'yes' if r.verified else 'NO'}"
+            f"{r.method:<6} {r.tokens:>6} {r.pool:<6} {r.transfer_ms:>8.2f} {r.layer_transfer_ms:>9.3f} "
+            f"{r.compute_ms_per_layer:>13.3f} {r.tail_ms:>8.3f} {r.tail_over_layer:>10.2f} {r.hidden_fraction:>7.1%}  {'yes' if r.verified else 'NO'}"
             for r in results]))
     if not all(r.verified for r in results):
         raise typer.Exit(1)
