@@ -35,10 +35,10 @@ class _Flow:
     """What both sides share: the plan, the unpacked requests, the packs waiting for a slot or in flight."""
 
     def __init__(self, parts: list[Part], transfer_id: int, pack_below: int, staging: Staging,
-                 lane: int = 0, lanes: int = 1):
+                 lane: int = 0, lanes: int = 1, layer_pieces: int = 0):
         self._parts, self._staging = parts, staging
         self._transfer_id, self._packed = transfer_id, pack_below > 0
-        plan = plan_messages([part_nbytes(p) for p in parts], pack_below)
+        plan = plan_messages([part_nbytes(p) for p in parts], pack_below, layer_pieces)
         self._mine = [(i, m) for i, m in enumerate(plan) if i % lanes == lane]
         self._todo: deque[tuple[int, Message]] = deque((i, m) for i, m in self._mine if m.packed)
         self._packs: list[_Pack] = []
@@ -72,14 +72,15 @@ class Outbound(_Flow):
     """A producer's messages of one pull, to every lane of the consumer at `peer`.
 
     Args:
-        gate: a layer-wise request's; its parts then hold `layer_pieces` pieces per layer, layer-major.
+        gate: a layer-wise request's; its parts then hold `layer_pieces` pieces per layer, layer-major,
+            and no pack spans two layers.
     Raises:
         ValueError: `peer` is not a well-formed address, or `pack_below` is out of range.
     """
 
     def __init__(self, transport: UCXTransport, peer: bytes, parts: list[Part], transfer_id: int,
                  pack_below: int, staging: Staging, gate: LayerGate | None = None, layer_pieces: int = 0):
-        super().__init__(parts, transfer_id, pack_below, staging)
+        super().__init__(parts, transfer_id, pack_below, staging, layer_pieces=layer_pieces)
         self._eps = transport.endpoints_for(peer)
         self._gate, self._layer_pieces = gate, layer_pieces
         self._todo = deque(self._mine)  # every message, in order
@@ -137,12 +138,13 @@ class Inbound(_Flow):
     """One consumer lane's receives of one pull from the producer's worker at `peer`.
 
     Posted through an endpoint to that worker: receives posted on the worker itself cannot
-    be cancelled from Python, an endpoint's can (`UCXTransport.abandon`).
+    be cancelled from Python, an endpoint's can (`UCXTransport.abandon`). `layer_pieces`: a
+    layer-wise stream's pieces per layer (no pack spans two layers), as the producer has it.
     """
 
     def __init__(self, transport: UCXTransport, peer: bytes, parts: list[Part], transfer_id: int,
-                 pack_below: int, staging: Staging, lane: int = 0, lanes: int = 1):
-        super().__init__(parts, transfer_id, pack_below, staging, lane, lanes)
+                 pack_below: int, staging: Staging, lane: int = 0, lanes: int = 1, layer_pieces: int = 0):
+        super().__init__(parts, transfer_id, pack_below, staging, lane, lanes, layer_pieces)
         self._transport = transport
         self._ep = transport.endpoints_for(peer)[0]
         for i, m in self._mine:

@@ -94,11 +94,12 @@ class ReceiveLanes:
         self._flows: list[Inbound] = []
         self.address = pack_lanes([t.address for t in self._transports])
 
-    def post(self, producer: bytes, parts: list[Part], transfer_id: int, pack_below: int = 0) -> None:
+    def post(self, producer: bytes, parts: list[Part], transfer_id: int, pack_below: int = 0,
+             layer_pieces: int = 0) -> None:
         """Post every lane's receives for the producer's worker at `producer` (pieces smaller than
-        `pack_below` come packed); set the lane threads going."""
+        `pack_below` come packed, no pack across a multiple of `layer_pieces`); set the lane threads going."""
         n = len(self._transports)
-        self._flows = [Inbound(t, producer, parts, transfer_id, pack_below, s, lane, n)
+        self._flows = [Inbound(t, producer, parts, transfer_id, pack_below, s, lane, n, layer_pieces)
                        for lane, (t, s) in enumerate(zip(self._transports, self._staging))]
         for thread, flow in zip(self._threads, self._flows[1:]):
             thread.start(flow)

@@ -41,9 +41,15 @@ class Message:
     packed: bool  # through staging slots (else straight from and into the piece)
 
 
-def plan_messages(sizes: list[int], pack_below: int) -> list[Message]:
+def plan_messages(sizes: list[int], pack_below: int, boundary: int = 0) -> list[Message]:
     """The messages a transfer of pieces of `sizes` bytes is sent as, in order.
 
+    Part of the wire: producer and consumer must derive the same list (a message shorter than
+    the receive posted for it completes without error), so a change here needs a new WIRE_VERSION.
+
+    Args:
+        boundary: no pack spans a multiple of this many pieces (a layer-wise stream's layers, so
+            that each layer's last pack goes as soon as the layer is written); 0: none.
     Raises:
         ValueError: `pack_below` outside 0..PACK_BYTES (a peer's bad request).
     """
@@ -57,6 +63,9 @@ def plan_messages(sizes: list[int], pack_below: int) -> list[Message]:
             out.append(Message(start, end - start, nbytes, True))
 
     for i, size in enumerate(sizes):
+        if boundary and i and i % boundary == 0:
+            close_pack(i)
+            start, nbytes = i, 0
         if size >= pack_below:
             close_pack(i)
             out.append(Message(i, 1, size, False))

@@ -62,7 +62,8 @@ class UCXPuller:
             transport_address=self._lanes.address, dst_block_ids=dst_blocks, pack_below=self._pack_below,
             layer_major=True))  # a layer-wise location's blocks land layer by layer, as it sends them
         try:
-            self._lanes.post(loc.transport_address, parts, transfer_id, self._pack_below)
+            layer_pieces = (len(parts) - len(hidden)) // self._region.layout.num_layers if loc.layerwise else 0
+            self._lanes.post(loc.transport_address, parts, transfer_id, self._pack_below, layer_pieces)
             # Spin until done: blocking on the side channel could miss a lane finishing on its own
             # thread (nothing would wake us; a producer's ok may have come already).
             self._channel.wait(loc, transfer_id, deadline, progress=self._lanes.progress,

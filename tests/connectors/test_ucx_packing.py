@@ -31,6 +31,14 @@ def test_packs_never_exceed_a_slot_and_cover_every_piece_once():
     assert [m.nbytes for m in plan] == [sum(sizes[m.first:m.first + m.count]) for m in plan]
 
 
+def test_no_pack_spans_a_layer_boundary():
+    """A layer-wise stream: 3 pieces a layer, 2 layers, then a hidden-state piece; each layer's last pack can go
+    as soon as that layer is written."""
+    plan = plan_messages([KIB] * 7, 256 * KIB, boundary=3)
+    assert [(m.first, m.count) for m in plan] == [(0, 3), (3, 3), (6, 1)]
+    assert all(m.packed for m in plan)
+
+
 def test_without_a_threshold_every_piece_is_its_own_message():
     assert plan_messages([1, 2, 3], 0) == [Message(i, 1, s, False) for i, s in enumerate([1, 2, 3])]
 
