@@ -28,6 +28,7 @@ from connectors.ucx.packing import Message, Staging, gather, plan_messages, scat
 # ucxx only through transport, which sets UCX's environment before importing it
 from connectors.ucx.transport import Array, Requests, UCXTransport, all_done, check_errors, tag_of, ucx
 
+PULL_SLOTS = 8  # staging slots one pull's sends may hold at once: a consumer that stops reading cannot hold them all
 _Pack = tuple[object, Array, memoryview, Message]  # a posted pack: request, its buffer, the slot, the message
 
 
@@ -126,7 +127,7 @@ class Outbound(_Flow):
             if not m.packed:
                 buf = Array(self._parts[m.first])
                 self.requests.append((ep.tag_send(buf, self._tag(i)), buf))
-            elif (slot := self._staging.take()) is not None:
+            elif len(self._packs) < PULL_SLOTS and (slot := self._staging.take()) is not None:
                 buf = Array(gather(self._parts, m, slot))
                 self._packs.append((ep.tag_send(buf, self._tag(i)), buf, slot, m))
             else:

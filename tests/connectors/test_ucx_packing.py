@@ -128,3 +128,24 @@ def test_a_producer_refuses_a_threshold_out_of_range_before_sending_anything():
     finally:
         consumer.close()
         producer.close()
+
+
+def test_a_consumer_that_stops_reading_holds_only_its_share_of_the_producers_slots():
+    """The producer's slots serve every pull: one pull whose consumer never posts its receives (hung, but alive)
+    holds at most PULL_SLOTS of them until its deadline, and the next pull still finds slots."""
+    from connectors.ucx.flows import PULL_SLOTS
+
+    producer, stuck = UCXTransport(Role.SENDER), ReceiveLanes(1)
+    staging = Staging(2 * PULL_SLOTS)
+    try:
+        parts = [memoryview(bytearray(200 * KIB)) for _ in range(100)]  # 20 packs of 1 MiB at most
+        sends = Outbound(producer, stuck.address, parts, 3, 256 * KIB, staging)
+        for _ in range(50):
+            producer.progress()
+            sends.advance()
+        assert not sends.done()
+        assert [staging.take() for _ in range(PULL_SLOTS)].count(None) == 0 and staging.take() is None
+        sends.discard_slots()
+    finally:
+        stuck.close()
+        producer.close()
