@@ -1,7 +1,8 @@
 """The producer's UCX send engine: each pull an `Outbound` (flows.py), advanced on the server thread.
 
 Unpacked pieces go zero-copy, one tagged send each; small pieces, if the consumer asked,
-packed through SEND_SLOTS staging slots shared by every pull this engine serves. A
+packed through SEND_SLOTS staging slots shared by every pull this engine serves (at most
+flows.PULL_SLOTS each, so that a consumer that stops reading stalls only itself). A
 layer-wise request's messages go as its prefill writes their layers: while every pull
 waits for a layer and has nothing in flight the server thread sleeps (the gate wakes it).
 """
