@@ -41,7 +41,7 @@ class _Flow:
         self._transfer_id, self._packed = transfer_id, pack_below > 0
         plan = plan_messages([part_nbytes(p) for p in parts], pack_below, layer_pieces)
         self._mine = [(i, m) for i, m in enumerate(plan) if i % lanes == lane]
-        self._todo: deque[tuple[int, Message]] = deque((i, m) for i, m in self._mine if m.packed)
+        self._todo: deque[tuple[int, Message]] = deque()  # messages not posted yet, in order
         self._packs: list[_Pack] = []
         self.requests: Requests = []  # unpacked pieces' requests
 
@@ -84,7 +84,7 @@ class Outbound(_Flow):
         super().__init__(parts, transfer_id, pack_below, staging, layer_pieces=layer_pieces)
         self._eps = transport.endpoints_for(peer)
         self._gate, self._layer_pieces = gate, layer_pieces
-        self._todo = deque(self._mine)  # every message, in order
+        self._todo.extend(self._mine)  # every message goes in order
         self._fill()
 
     @property
@@ -148,8 +148,10 @@ class Inbound(_Flow):
         super().__init__(parts, transfer_id, pack_below, staging, lane, lanes, layer_pieces)
         self._transport = transport
         self._ep = transport.endpoints_for(peer)[0]
-        for i, m in self._mine:
-            if not m.packed:
+        for i, m in self._mine:  # every unpacked piece's receive now; packs as slots free up
+            if m.packed:
+                self._todo.append((i, m))
+            else:
                 buf = Array(parts[m.first])
                 self.requests.append((self._ep.tag_recv(buf, self._tag(i)), buf))
         self._fill()

@@ -101,7 +101,6 @@ class Staging:
 
     def discard(self, slot: memoryview) -> None:
         """Forget a slot that a failed transfer may still touch (a new one may be made in its place)."""
-        del slot
         self._live -= 1
 
 

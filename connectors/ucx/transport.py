@@ -14,7 +14,7 @@ here has a deadline and the directory's TTLs clean up after it.
 A consumer may read with several *lanes* (lanes.py): one transport each, each polled
 by its own thread, so that one pull's cross-memory-attach reads run on several cores.
 Its published address then packs every lane's worker address, and a producer sends
-piece i to lane i mod n.
+message i to lane i mod n.
 
 Not thread-safe: one thread at a time uses a transport (the producer's server thread,
 or, during a pull, the consumer's engine thread or that lane's thread).
