@@ -48,9 +48,10 @@ class DirectoryBatch:
         self._steps.append((lambda fields: self._dir._parse_entry(request_id, fields), None))
         return self
 
-    def transition(self, request_id: str, allowed_from: Iterable[TransferState], to: TransferState) -> DirectoryBatch:
+    def transition(self, request_id: str, allowed_from: Iterable[TransferState], to: TransferState,
+                   reason: str = "") -> DirectoryBatch:  # fmt: skip
         d, sources = self._dir, sorted({TransferState(s) for s in allowed_from})
-        self._script(d._transition, keys=d._entry_keys(request_id), args=[to, _ms(d.entry_ttl_s), "", *sources],
+        self._script(d._transition, keys=d._entry_keys(request_id), args=[to, _ms(d.entry_ttl_s), reason, *sources],
                      parse=bool)
         return self
 

@@ -1,8 +1,9 @@
 """The connector contract on top of the directory; transports supply only the byte movers.
 
 Lifecycle: `__init__` opens the directory and takes this node incarnation's epoch;
-`register_kv_caches` sees the pool and, by role, starts the transport's transfer
-server (prefill) or builds its puller (decode); the contract's send / recv calls
+`register_kv_caches` sees the pool and, by role, fails what earlier incarnations of
+this node left READY (connectors/incarnations.py) and starts the transport's transfer
+server (prefill), or builds its puller (decode); the contract's send / recv calls
 then run through `KVSender` / `KVReceiver`; `close()` stops the transport, releases
 held blocks and closes the directory.
 """
@@ -23,6 +24,7 @@ from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 from connectors.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState
 from connectors.held import HeldTable
 from connectors.hidden import join_requests
+from connectors.incarnations import fail_earlier_incarnations
 from connectors.kv_region import KVRegion
 from connectors.receiver import KVReceiver, Puller, Received
 from connectors.sender import KVSender
@@ -89,6 +91,7 @@ class DirectoryConnector(KVConnectorBase):
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         region = KVRegion.from_kv_caches(kv_caches)
         if self.config.role == NodeRole.PREFILL:
+            self._fail_earlier_incarnations()
             held = HeldTable(lambda rid: self._release_cb(rid))
             self._servers = {kind: self._serve(kind, engine, region, held)
                              for kind, engine in self._make_send_engines(region).items()}
@@ -98,6 +101,13 @@ class DirectoryConnector(KVConnectorBase):
             self._puller = self._make_puller(region)
             self._publish_endpoint()
             self._receiver = KVReceiver(self.config, self.directory, region, self._puller, kv_caches[0].device)
+
+    def _fail_earlier_incarnations(self) -> None:
+        try:
+            fail_earlier_incarnations(self.directory, self.config.node_id, self.epoch)
+        except DirectoryError as exc:  # not fatal: what is left expires with its TTL
+            log.warning("node %s: cannot look for entries its earlier incarnations left: %s", self.config.node_id,
+                        exc)
 
     def _serve(self, kind: ConnectorKind, engine: SendEngine, region: KVRegion, held: HeldTable) -> TransferServer:
         def trusted(consumer: str) -> bytes | None:

@@ -4,9 +4,11 @@ Lifecycle: `start()` binds the zmq PULL socket that decode nodes answer to and s
 the task that reads it and a watchdog; `submit()` picks a live prefill and decode node from the
 directory, registers a queue for the request, and pushes `PrefillWork` and
 `DecodeWork` at once (decode waits for the KV while prefill computes); the HTTP
-handler consumes the queue. The watchdog checks once a second that the decode node of
+handler consumes the queue. The watchdog checks twice a second that the decode node of
 every request in flight is still registered with the same epoch, and fails the request
-at once (503, retryable) when it is not, instead of letting it wait out its timeout.
+(503, retryable) once the node has been gone LEFT_GRACE_S, instead of letting it wait out
+its timeout. The grace lets a node that finished and then left deliver its last chunks: it
+sends them before it deregisters, but they can still be on their way when the watch looks.
 `close()` stops it all.
 """
 
@@ -31,6 +33,8 @@ from router.schemas import APIError
 log = logging.getLogger(__name__)
 
 NODES_FRESH_S = 0.25  # picks reuse the directory's node list this long (heartbeats refresh it every few seconds)
+WATCH_PERIOD_S = 0.5  # how often the watchdog reads the live decode nodes
+LEFT_GRACE_S = 1.0  # a request's decode node is missing this long before the request fails
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class Dispatcher:
         self._pushes: dict[str, zmq.asyncio.Socket] = {}
         self._queues: dict[str, asyncio.Queue] = {}
         self._serving: dict[str, tuple[str, int]] = {}  # request id -> (decode node id, epoch)
+        self._missing_since: dict[str, float] = {}  # request id -> when the watch first missed its decode node
         self._rr = itertools.count()
         self._nodes: tuple[float, list[NodeInfo]] = (float("-inf"), [])  # (when read, live nodes of every role)
         self._nodes_lock = threading.Lock()
@@ -121,8 +126,9 @@ class Dispatcher:
     def forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
         self._serving.pop(request_id, None)
+        self._missing_since.pop(request_id, None)
 
-    async def _watch_decode_nodes(self, period_s: float = 1.0) -> None:
+    async def _watch_decode_nodes(self, period_s: float = WATCH_PERIOD_S) -> None:
         while True:
             await asyncio.sleep(period_s)
             if not self._serving:
@@ -131,14 +137,22 @@ class Dispatcher:
                 live = await asyncio.to_thread(self._directory.live_nodes, NodeRole.DECODE, include_draining=True)
             except DirectoryError:
                 continue  # no verdict without the directory; the request timeout still applies
-            alive = {(n.node_id, n.epoch) for n in live}
-            for rid, (node, epoch) in list(self._serving.items()):
-                queue = self._queues.get(rid)
-                if (node, epoch) not in alive and queue is not None:
-                    del self._serving[rid]
-                    log.warning("request %s: decode node %s (epoch %d) left the cluster", rid, node, epoch)
-                    queue.put_nowait(WorkError(request_id=rid, node=node, kind=ErrorKind.NODE_LOST,
-                                               reason="the decode node left the cluster before finishing"))
+            self._fail_orphaned({(n.node_id, n.epoch) for n in live}, time.monotonic())
+
+    def _fail_orphaned(self, alive: set[tuple[str, int]], now: float) -> None:
+        """Fail each request whose decode node has been missing from `alive` for LEFT_GRACE_S."""
+        for rid, (node, epoch) in list(self._serving.items()):
+            if (node, epoch) in alive:
+                self._missing_since.pop(rid, None)
+                continue
+            since = self._missing_since.setdefault(rid, now)
+            queue = self._queues.get(rid)
+            if now - since >= LEFT_GRACE_S and queue is not None:
+                del self._serving[rid]
+                del self._missing_since[rid]
+                log.warning("request %s: decode node %s (epoch %d) left the cluster", rid, node, epoch)
+                queue.put_nowait(WorkError(request_id=rid, node=node, kind=ErrorKind.NODE_LOST,
+                                           reason="the decode node left the cluster before finishing"))
 
     async def _push(self, node: NodeInfo, msg) -> None:
         sock = self._pushes.get(node.work_address)

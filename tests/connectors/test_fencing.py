@@ -1,4 +1,5 @@
-"""Fencing: a producer incarnation older than the latest one cannot publish KV (real redis-server)."""
+"""Fencing: a producer incarnation older than the latest one cannot publish KV, and a new incarnation fails
+the READY entries its earlier ones left (real redis-server)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ import msgspec
 import pytest
 
 from bench.directory import _location
+from connectors.config import ConnectorKind, NodeRole
 from connectors.directory import KVDirectory, StaleNodeError, TransferState
 from connectors.directory_batch import DirectoryBatch
+from connectors.factory import create_connector
+from connectors.incarnations import fail_earlier_incarnations
+from tests.connectors import peer
 
 
 def test_an_old_epoch_is_fenced_off(redis_url):
@@ -27,4 +32,48 @@ def test_an_old_epoch_is_fenced_off(redis_url):
             .publish_ready(msgspec.structs.replace(_location("b-new"), producer_epoch=new)).execute()
         assert (fenced, fresh) == (False, True) and d.get("b-old") is None
     finally:
+        d.close()
+
+
+def _ready(d: KVDirectory, rid: str, producer: str, epoch: int) -> None:
+    assert d.publish_ready(msgspec.structs.replace(_location(rid), producer=producer, producer_epoch=epoch))
+
+
+def test_a_new_incarnation_fails_only_its_earlier_ones_ready_entries(redis_url):
+    d = KVDirectory(redis_url, namespace="incarnation-test")
+    try:
+        old = d.next_epoch("bench-prefill")
+        d.next_epoch("other-prefill")
+        _ready(d, "old-a", "bench-prefill", old)
+        _ready(d, "old-b", "bench-prefill", old)
+        _ready(d, "old-consumed", "bench-prefill", old)
+        d.transition("old-consumed", {TransferState.READY}, TransferState.CONSUMED)
+        _ready(d, "other", "other-prefill", 1)
+        new = d.next_epoch("bench-prefill")
+        _ready(d, "new", "bench-prefill", new)
+        assert sorted(fail_earlier_incarnations(d, "bench-prefill", new)) == ["old-a", "old-b"]
+        for rid in ("old-a", "old-b"):
+            entry = d.get(rid)
+            assert entry.state == TransferState.FAILED and f"restarted (now epoch {new})" in entry.reason
+        assert d.get("old-consumed").state == TransferState.CONSUMED
+        assert d.get("other").state == TransferState.READY and d.get("new").state == TransferState.READY
+        assert fail_earlier_incarnations(d, "bench-prefill", new) == []  # nothing left to fail
+    finally:
+        d.close()
+
+
+def test_a_restarted_prefill_connector_fails_the_entries_it_left(redis_url):
+    """The whole path: a prefill connector built for a node id whose earlier incarnation left a READY entry."""
+    d = KVDirectory(redis_url)
+    conn = None
+    try:
+        _ready(d, "left-behind", "prefill-restart", d.next_epoch("prefill-restart"))
+        conn = create_connector(0, 0, peer.config(ConnectorKind.TCP, NodeRole.PREFILL, "prefill-restart",
+                                                  redis_url, 5.0))
+        assert d.get("left-behind").state == TransferState.READY  # the pool is not registered yet
+        conn.register_kv_caches(conn.allocate_kv_pool(peer.layout(), 4, "cpu").kv_caches)
+        assert d.get("left-behind").state == TransferState.FAILED
+    finally:
+        if conn is not None:
+            conn.close()
         d.close()

@@ -1,14 +1,17 @@
-"""The router fails a request at once when its decode node leaves the cluster (real redis-server, real zmq)."""
+"""The router fails a request soon after its decode node leaves the cluster, yet lets a node that finished and
+then left deliver its last chunk (real redis-server, real zmq)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+import zmq
+
 from connectors.config import ConnectorKind, NodeRole
 from connectors.directory import KVDirectory
-from connectors.wire import ErrorKind, NodeInfo, SamplingParams, WorkError
-from router.dispatch import Dispatcher
+from connectors.wire import ErrorKind, NodeInfo, SamplingParams, TokenChunk, WorkError, pack
+from router.dispatch import LEFT_GRACE_S, WATCH_PERIOD_S, Dispatcher
 
 
 def _node(epoch: int, draining: bool = False) -> NodeInfo:
@@ -38,11 +41,43 @@ def test_request_fails_fast_when_its_decode_node_goes_and_not_while_it_drains(re
             directory.deregister_node("decode-w")
             msg, waited = await _first_error(queue, 5.0)
             assert isinstance(msg, WorkError) and msg.kind == ErrorKind.NODE_LOST and msg.node == "decode-w"
-            assert waited < 2.5
+            assert LEFT_GRACE_S <= waited < LEFT_GRACE_S + 2 * WATCH_PERIOD_S + 0.5
         finally:
             await dispatcher.close()
 
     try:
         asyncio.run(scenario())
     finally:
+        directory.close()
+
+
+def test_last_chunk_sent_before_the_node_left_still_completes_the_request(redis_url):
+    """A drained decode node sends its last chunk, then deregisters; the chunk may reach the router after the
+    watch has seen the node gone. The request must complete, not fail as lost."""
+    directory = KVDirectory(redis_url, namespace="watchdog-late", node_ttl_s=30.0)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+
+    async def scenario():
+        dispatcher = Dispatcher(directory, "127.0.0.1")
+        dispatcher.start()
+        try:
+            directory.register_node(_node(directory.next_epoch("decode-w")))
+            _, queue = await dispatcher.submit("r-late", [1, 2], SamplingParams(max_tokens=1))
+            directory.deregister_node("decode-w")
+            await asyncio.sleep(WATCH_PERIOD_S + 0.2)  # at least one watch tick has missed the node
+            push.connect(dispatcher.reply_to)
+            push.send(pack(TokenChunk(request_id="r-late", token_ids=[7], finished=True, finish_reason="length")))
+            msg = await asyncio.wait_for(queue.get(), 5.0)
+            assert isinstance(msg, TokenChunk) and msg.finished and msg.token_ids == [7]
+            dispatcher.forget("r-late")  # as the HTTP handler does once it has the final chunk
+            await asyncio.sleep(LEFT_GRACE_S + 2 * WATCH_PERIOD_S)
+            assert queue.empty()  # nothing queued behind the final chunk either
+        finally:
+            await dispatcher.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        push.close(0)
         directory.close()
