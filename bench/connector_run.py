@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from bench.cpu import CpuTally, CpuTicks
 from bench.memory import PeakTracker
 from bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
 from connectors.base import KVConnectorBase
@@ -89,9 +90,10 @@ def scoped_env(extra: dict[str, str | None]):
 
 
 def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, redis_url: str,
-                  env: dict[str, str] | None = None) -> tuple[list[float], bool, int]:
-    """Seconds of each measured trial, whether every trial's bytes matched, and the peak memory either
-    process used during the measured trials beyond what it held before them (pools included there)."""
+                  env: dict[str, str] | None = None) -> tuple[list[float], bool, int, CpuTicks]:
+    """Seconds of each measured trial, whether every trial's bytes matched, the peak memory either
+    process used during the measured trials beyond what it held before them (pools included there),
+    and the host's CPU ticks inside the measured trials."""
     ctx = mp.get_context("spawn")
     with scoped_env(env or {}):
         here, there = ctx.Pipe()
@@ -104,7 +106,7 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
         conn.register_kv_caches(kv_caches)
         freeze_startup_heap()
         dst = work.block_ids(1)
-        times, verified, peak = [], want is not None, PeakTracker()
+        times, verified, peak, cpu = [], want is not None, PeakTracker(), CpuTally()
         for i in range(warmup + runs):
             if i == warmup:
                 here.send(MEASURE)
@@ -113,15 +115,16 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
             rid = f"bench-{kind}-{work.tokens}-{work.placement}-{work.pool}-{i}"
             here.send(rid)
             assert here.poll(120) and here.recv() == rid, "producer did not publish"
-            start = time.perf_counter()
-            _, bypass, _ = conn.recv_kv_caches_and_hidden_states(None, request_input(work, rid, 1), kv_caches)
-            elapsed = time.perf_counter() - start
+            with cpu if i >= warmup else contextlib.nullcontext():
+                start = time.perf_counter()
+                _, bypass, _ = conn.recv_kv_caches_and_hidden_states(None, request_input(work, rid, 1), kv_caches)
+                elapsed = time.perf_counter() - start
             verified &= bypass and checksum(region, dst) == want
             if i >= warmup:
                 times.append(elapsed)
         here.send(None)
         extra = max(peak.extra_bytes(), here.recv() if here.poll(60) else 0)
-        return times, verified, extra
+        return times, verified, extra, cpu.ticks
     finally:
         conn.close()
         proc.join(30)

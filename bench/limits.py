@@ -7,12 +7,14 @@ and a V plane per layer in vLLM's).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import socket
 import time
 
 import torch
 
+from bench.cpu import CpuTally, CpuTicks
 from bench.workload import Device, Workload, allocate_pool, checksum, fill_random, zero_blocks
 from connectors.kv_region import KVRegion
 from connectors.tcp.stream import pump
@@ -25,22 +27,24 @@ def _region(work: Workload, filled: bool) -> KVRegion:
     return region
 
 
-def limit_memcpy(work: Workload, runs: int, warmup: int) -> tuple[list[float], bool]:
+def limit_memcpy(work: Workload, runs: int, warmup: int) -> tuple[list[float], bool, CpuTicks]:
     """Single-process gather → scatter of the request's pieces, one copy per byte (on a GPU: device to device)."""
     src, dst = _region(work, True), _region(work, False)
     pairs = list(zip(src.pieces(work.runs(0)), dst.pieces(work.runs(1))))
     sync = torch.cuda.synchronize if work.device == Device.CUDA else (lambda: None)
-    times = []
+    times, cpu = [], CpuTally()
     for i in range(warmup + runs):
         zero_blocks(dst, work.block_ids(1))
         sync()
-        start = time.perf_counter()
-        for s, d in pairs:
-            d.copy_(s)
-        sync()  # a device copy is done when the device says so
+        with cpu if i >= warmup else contextlib.nullcontext():
+            start = time.perf_counter()
+            for s, d in pairs:
+                d.copy_(s)
+            sync()  # a device copy is done when the device says so
+            elapsed = time.perf_counter() - start
         if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times, checksum(src, work.block_ids(0)) == checksum(dst, work.block_ids(1))
+            times.append(elapsed)
+    return times, checksum(src, work.block_ids(0)) == checksum(dst, work.block_ids(1)), cpu.ticks
 
 
 def _tcp_sender(work: Workload, port_q, trials: int) -> None:
@@ -56,7 +60,7 @@ def _tcp_sender(work: Workload, port_q, trials: int) -> None:
                 pump(conn, src.pieces(work.runs(0)), outbound=True)
 
 
-def limit_tcp(work: Workload, runs: int, warmup: int) -> tuple[list[float], bool]:
+def limit_tcp(work: Workload, runs: int, warmup: int) -> tuple[list[float], bool, CpuTicks]:
     """A raw TCP loopback stream between two processes, scatter/gather on both ends."""
     ctx = mp.get_context("spawn")
     port_q = ctx.Queue()
@@ -65,16 +69,18 @@ def limit_tcp(work: Workload, runs: int, warmup: int) -> tuple[list[float], bool
     try:
         port, want = port_q.get(timeout=120)
         dst = _region(work, False)
-        times = []
+        times, cpu = [], CpuTally()
         with socket.create_connection(("127.0.0.1", port)) as sock:
             for i in range(warmup + runs):
                 zero_blocks(dst, work.block_ids(1))
-                start = time.perf_counter()
-                sock.send(b"g")
-                pump(sock, dst.pieces(work.runs(1)), outbound=False)
+                with cpu if i >= warmup else contextlib.nullcontext():
+                    start = time.perf_counter()
+                    sock.send(b"g")
+                    pump(sock, dst.pieces(work.runs(1)), outbound=False)
+                    elapsed = time.perf_counter() - start
                 if i >= warmup:
-                    times.append(time.perf_counter() - start)
-        return times, checksum(dst, work.block_ids(1)) == want
+                    times.append(elapsed)
+        return times, checksum(dst, work.block_ids(1)) == want, cpu.ticks
     finally:
         proc.join(30)
         proc.kill()

@@ -16,6 +16,7 @@ libibverbs; the bench survives it).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import multiprocessing as mp
@@ -26,6 +27,7 @@ import time
 import numpy as np
 import torch
 
+from bench.cpu import CpuTally, CpuTicks
 from bench.workload import Workload, allocate_pool, checksum, fill_random, piece_table, zero_blocks
 from connectors.kv_region import KVRegion
 
@@ -54,8 +56,9 @@ def _wait(agent, handle) -> None:
     agent.release_xfer_handle(handle)
 
 
-def _side(work: Workload, side: int, op: NixlOp, trials: int, pipe) -> None:
-    """side 0 holds the source pool (producer), side 1 the destination (consumer, which times)."""
+def _side(work: Workload, side: int, op: NixlOp, trials: int, warmup: int, pipe) -> None:
+    """side 0 holds the source pool (producer), side 1 the destination (consumer, which times); the first
+    `warmup` of the `trials` are not counted."""
     sys.stdout = sys.stderr  # NIXL logs to stdout; the bench's stdout is its table or JSON
     logging.getLogger("nixl").setLevel(logging.WARNING)
     torch.set_num_threads(1)
@@ -72,22 +75,23 @@ def _side(work: Workload, side: int, op: NixlOp, trials: int, pipe) -> None:
         local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", mine, "DRAM")
         remote = agent.prep_xfer_dlist(peer, theirs, "DRAM")
         idx = np.arange(len(mine), dtype=np.int32)
-    times = []
+    times, cpu = [], CpuTally()
     for i in range(trials):
         if side == 1:
             zero_blocks(region, work.block_ids(1))
         pipe.send("ready")
         pipe.recv()
-        start = time.perf_counter()
-        if initiator:
-            handle = agent.make_prepped_xfer(op.value, local, idx, remote, idx, b"done")
-            agent.transfer(handle)
-            _wait(agent, handle)
-        else:  # the target progresses its worker (the protocol needs it) until the initiator's notification
-            _wait_notif(agent, peer)
-        times.append(time.perf_counter() - start)
+        with cpu if i >= warmup else contextlib.nullcontext():
+            start = time.perf_counter()
+            if initiator:
+                handle = agent.make_prepped_xfer(op.value, local, idx, remote, idx, b"done")
+                agent.transfer(handle)
+                _wait(agent, handle)
+            else:  # the target progresses its worker (the protocol needs it) until the initiator's notification
+                _wait_notif(agent, peer)
+            times.append(time.perf_counter() - start)
     verified = side == 0 or checksum(region, work.block_ids(1)) == want
-    pipe.send((times, verified))
+    pipe.send((times, verified, tuple(cpu.ticks)))
     pipe.recv()  # hold the registered pool until the peer is finished too
 
 
@@ -99,8 +103,9 @@ def _wait_notif(agent, peer: bytes) -> None:
 
 
 def run_nixl(work: Workload, runs: int, warmup: int, op: NixlOp, env: dict[str, str] | None = None
-             ) -> tuple[list[float], bool]:
-    """Seconds of each measured trial (the consumer's clock), and whether the last trial's bytes matched."""
+             ) -> tuple[list[float], bool, CpuTicks]:
+    """Seconds of each measured trial (the consumer's clock), whether the last trial's bytes matched, and
+    the host's CPU ticks inside the consumer's measured trials."""
     from bench.connector_run import scoped_env
 
     ctx = mp.get_context("spawn")
@@ -110,7 +115,7 @@ def run_nixl(work: Workload, runs: int, warmup: int, op: NixlOp, env: dict[str, 
     # UCX_* variables of its own (RNDV_THRESH, MEMTYPE_CACHE, ...), and inherited they cut NIXL to a quarter.
     clean: dict[str, str | None] = {k: None for k in os.environ if k.startswith("UCX_")}
     with scoped_env({**clean, **(env or {})}):
-        procs = [ctx.Process(target=_side, args=(work, s, op, trials, pipes[s][1]), daemon=True) for s in (0, 1)]
+        procs = [ctx.Process(target=_side, args=(work, s, op, trials, warmup, pipes[s][1]), daemon=True) for s in (0, 1)]
         for p in procs:
             p.start()
     ends = [pipes[s][0] for s in (0, 1)]
@@ -134,8 +139,8 @@ def run_nixl(work: Workload, runs: int, warmup: int, op: NixlOp, env: dict[str, 
         results = [_recv(e) for e in ends]
         for e in ends:
             e.send("bye")
-        times, verified = results[1]
-        return times[warmup:], verified
+        times, verified, ticks = results[1]
+        return times[warmup:], verified, CpuTicks(*ticks)
     finally:
         for p in procs:
             p.join(30)

@@ -6,6 +6,7 @@ import statistics
 
 import msgspec
 
+from bench.cpu import CpuShares
 from bench.workload import Workload
 
 
@@ -23,9 +24,11 @@ class Row(msgspec.Struct, frozen=True):
     verified: bool
     extra_mib: float | None = None  # connectors: peak memory either process added during the runs
     device: str = "cpu"  # where both pools lived: cpu or cuda
+    cpu: CpuShares | None = None  # the host's cores inside the measured runs: busy, in the kernel, stolen
 
 
-def make_row(method: str, work: Workload, seconds: list[float], verified: bool, extra: int | None = None) -> Row:
+def make_row(method: str, work: Workload, seconds: list[float], verified: bool, extra: int | None = None,
+             cpu: CpuShares | None = None) -> Row:
     nbytes = work.nbytes
     gbps = [nbytes / s / 1e9 for s in seconds]
     return Row(method=method, tokens=work.tokens, layout=str(work.placement), pool=str(work.pool), bytes=nbytes,
@@ -33,21 +36,26 @@ def make_row(method: str, work: Workload, seconds: list[float], verified: bool, 
                gbps_median=round(statistics.median(gbps), 3), gbps_min=round(min(gbps), 3),
                gbps_max=round(max(gbps), 3), ms_median=round(statistics.median(seconds) * 1e3, 2),
                verified=verified, extra_mib=None if extra is None else round(extra / 2**20, 1),
-               device=str(work.device))
+               device=str(work.device), cpu=cpu)
 
 
 def table(rows: list[Row]) -> str:
     head = (f"{'method':<13} {'tokens':>6} {'layout':<10} {'pool':<6}{' dev ' if _any_gpu(rows) else ''} "
             f"{'MiB':>7} {'GB/s med':>8} "
-            f"{'min':>6} {'max':>6} {'ms med':>8} {'+MiB':>6}  verified")
+            f"{'min':>6} {'max':>6} {'ms med':>8} {'+MiB':>6} {'cpu%':>5} {'sys%':>5}  verified")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.method:<13} {r.tokens:>6} {r.layout:<10} {r.pool:<6}"
                      f"{f' {r.device:<4}' if _any_gpu(rows) else ''} {r.bytes / 2**20:>7.1f} "
                      f"{r.gbps_median:>8.2f} {r.gbps_min:>6.2f} {r.gbps_max:>6.2f} {r.ms_median:>8.2f} "
-                     f"{'-' if r.extra_mib is None else f'{r.extra_mib:.1f}':>6}  "
+                     f"{'-' if r.extra_mib is None else f'{r.extra_mib:.1f}':>6} {_pct(r.cpu, 'busy'):>5} "
+                     f"{_pct(r.cpu, 'kernel'):>5}  "
                      f"{'yes' if r.verified else 'NO'}")
     return "\n".join(lines)
+
+
+def _pct(cpu: CpuShares | None, share: str) -> str:
+    return "-" if cpu is None else f"{100 * getattr(cpu, share):.0f}"
 
 
 def _any_gpu(rows: list[Row]) -> bool:

@@ -6,6 +6,7 @@ import enum
 from typing import Callable
 
 from bench.connector_run import run_connector
+from bench.cpu import CpuTally, CpuTicks
 from bench.limits import limit_memcpy, limit_tcp
 from bench.nixl_run import NixlOp, run_nixl
 from bench.report import Row, make_row
@@ -46,16 +47,20 @@ def supports(method: Method, pool: PoolLayout, device: Device = Device.CPU) -> b
 
 
 def measure(method: Method, work: Workload, runs: int, warmup: int, redis_url: str
-            ) -> tuple[list[float], bool, int | None]:
-    """Seconds per measured run of `method` on `work`, whether the bytes were verified, and (connectors
-    only) the peak extra memory of either process during the measured runs."""
+            ) -> tuple[list[float], bool, int | None, CpuTicks]:
+    """Seconds per measured run of `method` on `work`, whether the bytes were verified, (connectors
+    only) the peak extra memory of either process during the measured runs, and the host's CPU ticks
+    inside them (bench/cpu.py)."""
     if method == Method.LIMIT_MEMCPY:
-        return *limit_memcpy(work, runs, warmup), None
+        times, ok, cpu = limit_memcpy(work, runs, warmup)
+        return times, ok, None, cpu
     if method == Method.LIMIT_TCP:
-        return *limit_tcp(work, runs, warmup), None
+        times, ok, cpu = limit_tcp(work, runs, warmup)
+        return times, ok, None, cpu
     if method in NIXL_OPS:
         env = TCP_ONLY if method == Method.NIXL_TCP else None
-        return *run_nixl(work, runs, warmup, NIXL_OPS[method], env), None
+        times, ok, cpu = run_nixl(work, runs, warmup, NIXL_OPS[method], env)
+        return times, ok, None, cpu
     if method == Method.UCX_TCP:
         return run_connector(ConnectorKind.UCX, work, runs, warmup, redis_url, env=TCP_ONLY)
     return run_connector(ConnectorKind(method.value), work, runs, warmup, redis_url)
@@ -79,14 +84,17 @@ def bench_transfer(methods: list[Method], tokens: list[int], placements: list[Pl
     seconds: list[list[float]] = [[] for _ in combos]
     verified = [True] * len(combos)
     extra: list[int | None] = [None] * len(combos)
+    cpu = [CpuTally() for _ in combos]
     for _ in range(rounds):
         for i, (work, method) in enumerate(combos):
-            got, ok, peak = measure(method, work, runs, warmup, redis_url)
+            got, ok, peak, ticks = measure(method, work, runs, warmup, redis_url)
             seconds[i] += got
             verified[i] &= ok
             extra[i] = peak if extra[i] is None else max(extra[i], peak or 0)
-            on_row(make_row(method.value, work, got, ok, peak))
-    return [make_row(method.value, work, seconds[i], verified[i], extra[i]) for i, (work, method) in enumerate(combos)]
+            cpu[i].add(ticks)
+            on_row(make_row(method.value, work, got, ok, peak, CpuTally.of(ticks).shares()))
+    return [make_row(method.value, work, seconds[i], verified[i], extra[i], cpu[i].shares())
+            for i, (work, method) in enumerate(combos)]
 
 
 def combinations(methods: list[Method], tokens: list[int], placements: list[Placement],

@@ -61,6 +61,8 @@ def test_cli_prints_json_rows_and_draws_the_plot(tmp_path):
     assert {(r["method"], r["tokens"]) for r in rows} == {(m, t) for m in ("limit-memcpy", "ucx", "nixl-tcp")
                                                           for t in (16, 32)}
     assert all(r["verified"] and r["layout"] == "contiguous" and r["pool"] == "kvwire" for r in rows)
+    for cpu in (r["cpu"] for r in rows):  # None when the runs were too short for the host's counters to tick
+        assert cpu is None or 0 <= cpu["kernel"] <= cpu["busy"] <= 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
