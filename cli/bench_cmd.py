@@ -167,6 +167,10 @@ def _e2e_table(result) -> str:
                  f"outputs equal: {'yes' if result.outputs_equal else 'NO'}")
     lines.append(f"prompt forward, mean over the sequential requests: prefill node {result.forward_ms_prefill_node:.2f} ms "
                  f"(disaggregated), decode node {result.forward_ms_decode_node:.2f} ms (single-node)")
+    lines.append(f"means over the sequential requests: TTFT gap {result.ttft_gap_ms_mean:.2f} ms, of which the prompt "
+                 f"forward's difference {result.forward_ms_prefill_node - result.forward_ms_decode_node:.2f} ms; "
+                 f"the rest {result.gap_beside_forward_ms:.2f} ms against mean transfer + 2 ms = "
+                 f"{result.transfer_ms_mean + 2:.2f} ms")
     return "\n".join(lines)
 
 
@@ -227,3 +231,36 @@ def load(
     if not result.passed:
         typer.echo("FAILED: requests lost, errored or mismatched, or memory did not return", err=True)
         raise typer.Exit(1)
+
+
+@app.command()
+def handoff(
+    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; the tiny random one by default.")] = None,
+    tokens: Annotated[str, typer.Option("--tokens", help="Prompt lengths, comma-separated; by default those "
+                                        "of the demo's prompts, which `kvwire bench e2e` sends.")] = "",
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Measured prompts per case.")] = 40,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+) -> None:
+    """A prompt forward in the process that served the previous request against one in a process that sat
+    idle meanwhile (two engine processes, no kvwire in between): what taking turns on this host costs
+    the disaggregated prompt before any KV moves."""
+    import msgspec
+
+    import statistics
+
+    from bench.handoff import bench_handoff
+    from cli.demo_cmd import PROMPTS
+    from cli.paths import default_model_dir
+    from engine.tokenizer import load_tokenizer
+
+    model_dir = model or default_model_dir()
+    lengths = _csv(tokens, int) or [max(1, len(load_tokenizer(model_dir).encode(p))) for p in PROMPTS]
+    results = bench_handoff(model_dir, lengths, rounds)
+    if as_json:
+        typer.echo(msgspec.json.format(msgspec.json.encode(results), indent=2).decode())
+        return
+    head = f"{'tokens':>6} {'rounds':>6} {'after itself ms':>15} {'after other ms':>14} {'ratio':>6}"
+    extra = statistics.median(r.after_other_ms_p50 - r.after_itself_ms_p50 for r in results)
+    typer.echo("\n".join([head, "-" * len(head)] + [
+        f"{r.tokens:>6} {r.rounds:>6} {r.after_itself_ms_p50:>15.3f} {r.after_other_ms_p50:>14.3f} {r.ratio:>6.3f}"
+        for r in results] + [f"median over the prompts of (after other - after itself): {extra:.3f} ms"]))

@@ -20,5 +20,8 @@ def test_both_modes_serve_the_mix_and_agree(tiny_model_dir):
     assert disagg.transfer_ms_p50 > 0 and single.transfer_ms_p50 == 0
     assert result.outputs_equal
     assert result.forward_ms_prefill_node > 0 and result.forward_ms_decode_node > 0  # each computed its mode's prompts
+    assert result.transfer_ms_mean > 0
+    forward_diff = result.forward_ms_prefill_node - result.forward_ms_decode_node
+    assert result.gap_beside_forward_ms == pytest.approx(result.ttft_gap_ms_mean - forward_diff, abs=0.011)
     for m in result.modes:
         assert 0 < m.ttft_ms_p50 <= m.ttft_ms_p99 and m.throughput_tok_s > 0 and m.tpot_ms_p50 > 0
