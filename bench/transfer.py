@@ -10,6 +10,7 @@ from bench.cpu import CpuTally, CpuTicks
 from bench.limits import limit_memcpy, limit_tcp
 from bench.nixl_run import NixlOp, run_nixl
 from bench.report import Row, make_row
+from bench.ucxx_run import run_ucxx_raw
 from bench.workload import Device, Placement, Workload
 from connectors.config import ConnectorKind
 from connectors.wire import PoolLayout
@@ -25,6 +26,8 @@ class Method(enum.StrEnum):
     NIXL_TCP = "nixl-tcp"  # NIXL with UCX_TLS=tcp
     UCX = "ucx"
     UCX_TCP = "ucx-tcp"  # UCX restricted to TCP (UCX_TLS=tcp)
+    UCXX_RAW = "ucxx-raw"  # ucxx's tag send / receive of the pieces, nothing of kvwire around it (bench/ucxx_run.py)
+    UCXX_RAW_TCP = "ucxx-raw-tcp"
     SHM = "shm"
     TCP = "tcp"
     NCCL = "nccl"
@@ -60,6 +63,9 @@ def measure(method: Method, work: Workload, runs: int, warmup: int, redis_url: s
     if method in NIXL_OPS:
         env = TCP_ONLY if method == Method.NIXL_TCP else None
         times, ok, cpu = run_nixl(work, runs, warmup, NIXL_OPS[method], env)
+        return times, ok, None, cpu
+    if method in (Method.UCXX_RAW, Method.UCXX_RAW_TCP):
+        times, ok, cpu = run_ucxx_raw(work, runs, warmup, TCP_ONLY if method == Method.UCXX_RAW_TCP else None)
         return times, ok, None, cpu
     if method == Method.UCX_TCP:
         return run_connector(ConnectorKind.UCX, work, runs, warmup, redis_url, env=TCP_ONLY)

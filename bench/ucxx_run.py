@@ -1,0 +1,116 @@
+"""ucxx's own tag send / receive of the benchmark's pieces, with nothing of kvwire's control path around it.
+
+The floor under kvwire's UCX connector: the same transport settings (connectors/ucx/transport.py),
+one worker on each side, one tagged message per piece, no directory, no pull request, no lanes,
+no packing. The consumer posts a receive per piece, tells the producer to go, and times until
+every receive has completed; the producer posts a send per piece and polls until they complete.
+Comparing `ucx` with `ucxx-raw` shows what kvwire adds to ucxx; comparing `ucxx-raw` with `nixl`
+shows what ucxx's tag protocol costs against NIXL's one-sided operations.
+
+Lifecycle: `run_ucxx_raw` spawns the two sides, steps them through the trials over pipes, and
+joins them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import time
+
+from bench.cpu import CpuTally, CpuTicks
+from bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
+from connectors.kv_region import KVRegion
+
+TIMEOUT_S = 120.0
+
+
+def _side(work: Workload, side: int, trials: int, warmup: int, pipe) -> None:
+    """side 0 sends (producer), side 1 receives and times (consumer)."""
+    import torch
+
+    from connectors.ucx.transport import Array, Role, UCXTransport, tag_of, ucx
+
+    torch.set_num_threads(1)
+    region = KVRegion.from_kv_caches(allocate_pool(work))
+    if side == 0:
+        fill_random(region)
+    transport = UCXTransport(Role.SENDER if side == 0 else Role.RECEIVER)
+    pipe.send((transport.address, checksum(region, work.block_ids(0)) if side == 0 else 0))
+    peer, want = pipe.recv()
+    (ep,) = transport.endpoints_for(peer)
+    parts = region.parts(work.runs(side))
+    times, cpu = [], CpuTally()
+    for i in range(trials):
+        tags = [ucx.UCXXTag(tag_of(i + 1, j, False)) for j in range(len(parts))]
+        if side == 1:
+            zero_blocks(region, work.block_ids(1))
+            reqs = [(ep.tag_recv(buf, tag), buf) for buf, tag in zip((Array(p) for p in parts), tags)]
+            pipe.send("posted")
+            with cpu if i >= warmup else contextlib.nullcontext():
+                start = time.perf_counter()
+                pipe.send("go")
+                _poll(transport, reqs)
+                times.append(time.perf_counter() - start)
+        else:
+            pipe.recv()  # go
+            _poll(transport, [(ep.tag_send(buf, tag), buf) for buf, tag in zip((Array(p) for p in parts), tags)])
+        pipe.send("done")
+        pipe.recv()  # next
+    verified = side == 0 or checksum(region, work.block_ids(1)) == want
+    pipe.send((times[warmup:], verified, tuple(cpu.ticks)))
+    pipe.recv()  # hold the pool until the peer is finished too
+    transport.close()
+
+
+def _poll(transport, reqs) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not all(req.completed for req, _ in reversed(reqs)):
+        transport.progress()
+        if time.monotonic() > deadline:
+            raise RuntimeError("ucxx transfer did not complete")
+    for req, _ in reqs:
+        req.check_error()
+
+
+def run_ucxx_raw(work: Workload, runs: int, warmup: int, env: dict[str, str] | None = None
+                 ) -> tuple[list[float], bool, CpuTicks]:
+    """Seconds of each measured trial (the consumer's clock), whether the bytes matched after the last,
+    and the host's CPU ticks inside the measured trials."""
+    from bench.connector_run import scoped_env
+
+    ctx = mp.get_context("spawn")
+    trials = warmup + runs
+    pipes = [ctx.Pipe() for _ in range(2)]
+    with scoped_env(env or {}):
+        procs = [ctx.Process(target=_side, args=(work, s, trials, warmup, pipes[s][1]), daemon=True) for s in (0, 1)]
+        for p in procs:
+            p.start()
+    producer, consumer = (pipes[s][0] for s in (0, 1))
+
+    def recv(end):
+        deadline = time.monotonic() + TIMEOUT_S
+        while not end.poll(0.2):
+            if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
+                raise RuntimeError(f"a ucxx bench process stopped answering (exit codes {[p.exitcode for p in procs]})")
+        return end.recv()
+
+    try:
+        hello = [recv(producer), recv(consumer)]
+        producer.send((hello[1][0], 0))
+        consumer.send(hello[0])
+        for _ in range(trials):
+            recv(consumer)  # posted
+            recv(consumer)  # go: its clock runs
+            producer.send("go")
+            recv(producer), recv(consumer)  # both done
+            producer.send("next")
+            consumer.send("next")
+        recv(producer)
+        times, verified, ticks = recv(consumer)
+        for end in (producer, consumer):
+            end.send("bye")
+        return times, verified, CpuTicks(*ticks)
+    finally:
+        for p in procs:
+            p.join(30)
+            p.kill()
