@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -28,10 +27,9 @@ import numpy as np
 import torch
 
 from bench.cpu import CpuTally, CpuTicks
+from bench.sides import TIMEOUT_S, Sides
 from bench.workload import Workload, allocate_pool, checksum, fill_random, piece_table, zero_blocks
 from connectors.kv_region import KVRegion
-
-TIMEOUT_S = 120.0
 
 
 class NixlOp(enum.StrEnum):
@@ -56,7 +54,7 @@ def _wait(agent, handle) -> None:
     agent.release_xfer_handle(handle)
 
 
-def _side(work: Workload, side: int, op: NixlOp, trials: int, warmup: int, pipe) -> None:
+def _side(work: Workload, op: NixlOp, trials: int, warmup: int, side: int, pipe) -> None:
     """side 0 holds the source pool (producer), side 1 the destination (consumer, which times); the first
     `warmup` of the `trials` are not counted."""
     sys.stdout = sys.stderr  # NIXL logs to stdout; the bench's stdout is its table or JSON
@@ -106,43 +104,24 @@ def run_nixl(work: Workload, runs: int, warmup: int, op: NixlOp, env: dict[str, 
              ) -> tuple[list[float], bool, CpuTicks]:
     """Seconds of each measured trial (the consumer's clock), whether the last trial's bytes matched, and
     the host's CPU ticks inside the consumer's measured trials."""
-    from bench.connector_run import scoped_env
-
-    ctx = mp.get_context("spawn")
     trials = warmup + runs
-    pipes = [ctx.Pipe() for _ in range(2)]
     # NIXL starts from UCX's defaults plus `env`: importing ucxx (this process's UCX connector runs) sets
     # UCX_* variables of its own (RNDV_THRESH, MEMTYPE_CACHE, ...), and inherited they cut NIXL to a quarter.
     clean: dict[str, str | None] = {k: None for k in os.environ if k.startswith("UCX_")}
-    with scoped_env({**clean, **(env or {})}):
-        procs = [ctx.Process(target=_side, args=(work, s, op, trials, warmup, pipes[s][1]), daemon=True) for s in (0, 1)]
-        for p in procs:
-            p.start()
-    ends = [pipes[s][0] for s in (0, 1)]
-
-    def _recv(end):
-        deadline = time.monotonic() + TIMEOUT_S
-        while not end.poll(0.2):
-            if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
-                raise RuntimeError(f"a NIXL bench process stopped answering (exit codes {[p.exitcode for p in procs]})")
-        return end.recv()
-
+    sides = Sides(_side, (work, op, trials, warmup), {**clean, **(env or {})}, "NIXL")
     try:
-        hello = [_recv(e) for e in ends]
-        ends[0].send((hello[1][0], hello[1][1], 0))
-        ends[1].send((hello[0][0], hello[0][1], hello[0][2]))
+        hello = [sides.recv(0), sides.recv(1)]
+        sides.send(0, (hello[1][0], hello[1][1], 0))
+        sides.send(1, (hello[0][0], hello[0][1], hello[0][2]))
         for _ in range(trials):
-            for e in ends:
-                _recv(e)  # both ready
-            for e in (ends[1], ends[0]):  # consumer starts its clock first
-                e.send("go")
-        results = [_recv(e) for e in ends]
-        for e in ends:
-            e.send("bye")
+            for s in (0, 1):
+                sides.recv(s)  # both ready
+            for s in (1, 0):  # consumer starts its clock first
+                sides.send(s, "go")
+        results = [sides.recv(0), sides.recv(1)]
+        for s in (0, 1):
+            sides.send(s, "bye")
         times, verified, ticks = results[1]
         return times[warmup:], verified, CpuTicks(*ticks)
     finally:
-        for p in procs:
-            p.join(30)
-            p.kill()
-
+        sides.close()

@@ -7,24 +7,22 @@ every receive has completed; the producer posts a send per piece and polls until
 Comparing `ucx` with `ucxx-raw` shows what kvwire adds to ucxx; comparing `ucxx-raw` with `nixl`
 shows what ucxx's tag protocol costs against NIXL's one-sided operations.
 
-Lifecycle: `run_ucxx_raw` spawns the two sides, steps them through the trials over pipes, and
-joins them.
+Lifecycle: `run_ucxx_raw` spawns the two sides (bench/sides.py), steps them through the trials
+over pipes, and joins them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import time
 
 from bench.cpu import CpuTally, CpuTicks
+from bench.sides import TIMEOUT_S, Sides
 from bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
 from connectors.kv_region import KVRegion
 
-TIMEOUT_S = 120.0
 
-
-def _side(work: Workload, side: int, trials: int, warmup: int, pipe) -> None:
+def _side(work: Workload, trials: int, warmup: int, side: int, pipe) -> None:
     """side 0 sends (producer), side 1 receives and times (consumer)."""
     import torch
 
@@ -76,41 +74,23 @@ def run_ucxx_raw(work: Workload, runs: int, warmup: int, env: dict[str, str] | N
                  ) -> tuple[list[float], bool, CpuTicks]:
     """Seconds of each measured trial (the consumer's clock), whether the bytes matched after the last,
     and the host's CPU ticks inside the measured trials."""
-    from bench.connector_run import scoped_env
-
-    ctx = mp.get_context("spawn")
     trials = warmup + runs
-    pipes = [ctx.Pipe() for _ in range(2)]
-    with scoped_env(env or {}):
-        procs = [ctx.Process(target=_side, args=(work, s, trials, warmup, pipes[s][1]), daemon=True) for s in (0, 1)]
-        for p in procs:
-            p.start()
-    producer, consumer = (pipes[s][0] for s in (0, 1))
-
-    def recv(end):
-        deadline = time.monotonic() + TIMEOUT_S
-        while not end.poll(0.2):
-            if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
-                raise RuntimeError(f"a ucxx bench process stopped answering (exit codes {[p.exitcode for p in procs]})")
-        return end.recv()
-
+    sides = Sides(_side, (work, trials, warmup), env or {}, "ucxx")
     try:
-        hello = [recv(producer), recv(consumer)]
-        producer.send((hello[1][0], 0))
-        consumer.send(hello[0])
+        hello = [sides.recv(0), sides.recv(1)]
+        sides.send(0, (hello[1][0], 0))
+        sides.send(1, hello[0])
         for _ in range(trials):
-            recv(consumer)  # posted
-            recv(consumer)  # go: its clock runs
-            producer.send("go")
-            recv(producer), recv(consumer)  # both done
-            producer.send("next")
-            consumer.send("next")
-        recv(producer)
-        times, verified, ticks = recv(consumer)
-        for end in (producer, consumer):
-            end.send("bye")
+            sides.recv(1)  # posted
+            sides.recv(1)  # go: its clock runs
+            sides.send(0, "go")
+            sides.recv(0), sides.recv(1)  # both done
+            for s in (0, 1):
+                sides.send(s, "next")
+        sides.recv(0)
+        times, verified, ticks = sides.recv(1)
+        for s in (0, 1):
+            sides.send(s, "bye")
         return times, verified, CpuTicks(*ticks)
     finally:
-        for p in procs:
-            p.join(30)
-            p.kill()
+        sides.close()
