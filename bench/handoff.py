@@ -15,6 +15,7 @@ and stops them.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import random
 import statistics
@@ -85,7 +86,8 @@ def bench_handoff(model_dir: Path, tokens: list[int], rounds: int) -> list[Hando
         return [_measure(pipes, n, rounds) for n in tokens]
     finally:
         for p in pipes:
-            p.send(None)
+            with contextlib.suppress(OSError):  # a process that died has no pipe left to tell
+                p.send(None)
         for proc in procs:
             proc.join(30)
             proc.kill()
