@@ -70,6 +70,15 @@ def _engine_process(model_dir: Path, num_blocks: int, pipe) -> None:
         pipe.send(first)
 
 
+def demo_prompt_lengths(model_dir: Path) -> list[int]:
+    """The token counts of the demo's prompts (what `kvwire bench e2e` sends) under the model's tokenizer."""
+    from cli.demo_cmd import PROMPTS
+    from engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    return [max(1, len(tokenizer.encode(p))) for p in PROMPTS]
+
+
 def bench_handoff(model_dir: Path, tokens: list[int], rounds: int) -> list[HandoffResult]:
     ctx = mp.get_context("spawn")
     blocks = 2 * (max(tokens) + DECODE_STEPS) // 16 + 8

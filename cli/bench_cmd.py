@@ -248,13 +248,11 @@ def handoff(
 
     import statistics
 
-    from bench.handoff import bench_handoff
-    from cli.demo_cmd import PROMPTS
+    from bench.handoff import bench_handoff, demo_prompt_lengths
     from cli.paths import default_model_dir
-    from engine.tokenizer import load_tokenizer
 
     model_dir = model or default_model_dir()
-    lengths = _csv(tokens, int) or [max(1, len(load_tokenizer(model_dir).encode(p))) for p in PROMPTS]
+    lengths = _csv(tokens, int) or demo_prompt_lengths(model_dir)
     results = bench_handoff(model_dir, lengths, rounds)
     if as_json:
         typer.echo(msgspec.json.format(msgspec.json.encode(results), indent=2).decode())

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from bench.handoff import bench_handoff
+from bench.handoff import bench_handoff, demo_prompt_lengths
 from cli.demo_cmd import PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -22,12 +22,14 @@ def test_each_length_is_timed_after_either_process(tiny_model_dir):
         assert r.ratio == pytest.approx(r.after_other_ms_p50 / r.after_itself_ms_p50, rel=0.01)
 
 
-def test_cli_prints_json_and_defaults_to_the_demo_prompts(tiny_model_dir):
+def test_cli_prints_json(tiny_model_dir):
     done = subprocess.run([sys.executable, "-m", "cli.main", "bench", "handoff", "--model", str(tiny_model_dir),
                            "--tokens", "3", "--rounds", "1", "--json"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert [r["tokens"] for r in json.loads(done.stdout)] == [3]
-    done = subprocess.run([sys.executable, "-m", "cli.main", "bench", "handoff", "--model", str(tiny_model_dir),
-                           "--rounds", "1"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert len(done.stdout.strip().splitlines()) == 2 + len(PROMPTS) + 1  # head, rule, a row each, the median
+
+
+def test_default_lengths_are_the_demo_prompts(tiny_model_dir):
+    lengths = demo_prompt_lengths(tiny_model_dir)
+    assert len(lengths) == len(PROMPTS) and all(n >= 1 for n in lengths)
+    assert max(lengths) > 100  # the mix has a long prompt, as `bench e2e` sends
