@@ -15,6 +15,7 @@ def test_bench_counts_verified_operations(redis_url):
     assert abs(result.ops_per_s - 4 * result.requests_per_s) <= 4  # four steps per request
     assert 0 < result.roundtrip_p50_ms <= result.roundtrip_p99_ms
     assert 0 < result.ping_p50_ms <= result.ping_p99_ms and result.ping_p50_ms < result.roundtrip_p50_ms
+    assert result.ping_p50_ms < result.three_pings_p50_ms <= result.three_pings_p99_ms
 
 
 def test_cli_prints_json():
