@@ -115,7 +115,7 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
             rid = f"bench-{kind}-{work.tokens}-{work.placement}-{work.pool}-{i}"
             here.send(rid)
             assert here.poll(120) and here.recv() == rid, "producer did not publish"
-            with cpu if i >= warmup else contextlib.nullcontext():
+            with cpu.counting(i >= warmup):
                 start = time.perf_counter()
                 _, bypass, _ = conn.recv_kv_caches_and_hidden_states(None, request_input(work, rid, 1), kv_caches)
                 elapsed = time.perf_counter() - start

@@ -12,6 +12,7 @@ tally stays empty and the row shows no shares.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import msgspec
@@ -58,6 +59,10 @@ class CpuTally:
         tally = cls()
         tally.add(ticks)
         return tally
+
+    def counting(self, on: bool) -> contextlib.AbstractContextManager:
+        """This tally as a `with` block when `on` (a measured run), else a block that counts nothing (warm-up)."""
+        return self if on else contextlib.nullcontext()
 
     def __enter__(self) -> CpuTally:
         self._start = read_ticks()

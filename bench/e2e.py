@@ -53,9 +53,14 @@ class E2EResult(msgspec.Struct, frozen=True):
     transfer_ms_mean: float = 0.0
 
     @property
+    def forward_gap_ms(self) -> float:
+        """The mean prompt forward's difference between the two nodes (prefill node - decode node)."""
+        return round(self.forward_ms_prefill_node - self.forward_ms_decode_node, 3)
+
+    @property
     def gap_beside_forward_ms(self) -> float:
         """The mean TTFT gap less the mean prompt forward's difference between the two nodes."""
-        return round(self.ttft_gap_ms_mean - (self.forward_ms_prefill_node - self.forward_ms_decode_node), 2)
+        return round(self.ttft_gap_ms_mean - self.forward_gap_ms, 2)
 
 
 class _Sample(msgspec.Struct):

@@ -7,7 +7,6 @@ and a V plane per layer in vLLM's).
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import socket
 import time
@@ -36,7 +35,7 @@ def limit_memcpy(work: Workload, runs: int, warmup: int) -> tuple[list[float], b
     for i in range(warmup + runs):
         zero_blocks(dst, work.block_ids(1))
         sync()
-        with cpu if i >= warmup else contextlib.nullcontext():
+        with cpu.counting(i >= warmup):
             start = time.perf_counter()
             for s, d in pairs:
                 d.copy_(s)
@@ -73,7 +72,7 @@ def limit_tcp(work: Workload, runs: int, warmup: int) -> tuple[list[float], bool
         with socket.create_connection(("127.0.0.1", port)) as sock:
             for i in range(warmup + runs):
                 zero_blocks(dst, work.block_ids(1))
-                with cpu if i >= warmup else contextlib.nullcontext():
+                with cpu.counting(i >= warmup):
                     start = time.perf_counter()
                     sock.send(b"g")
                     pump(sock, dst.pieces(work.runs(1)), outbound=False)

@@ -16,7 +16,6 @@ libibverbs; the bench survives it).
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
 import os
@@ -79,7 +78,7 @@ def _side(work: Workload, op: NixlOp, trials: int, warmup: int, side: int, pipe)
             zero_blocks(region, work.block_ids(1))
         pipe.send("ready")
         pipe.recv()
-        with cpu if i >= warmup else contextlib.nullcontext():
+        with cpu.counting(i >= warmup):
             start = time.perf_counter()
             if initiator:
                 handle = agent.make_prepped_xfer(op.value, local, idx, remote, idx, b"done")

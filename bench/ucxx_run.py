@@ -13,7 +13,6 @@ over pipes, and joins them.
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 from bench.cpu import CpuTally, CpuTicks
@@ -44,7 +43,7 @@ def _side(work: Workload, trials: int, warmup: int, side: int, pipe) -> None:
             zero_blocks(region, work.block_ids(1))
             reqs = [(ep.tag_recv(buf, tag), buf) for buf, tag in zip((Array(p) for p in parts), tags)]
             pipe.send("posted")
-            with cpu if i >= warmup else contextlib.nullcontext():
+            with cpu.counting(i >= warmup):
                 start = time.perf_counter()
                 pipe.send("go")
                 _poll(transport, reqs)

@@ -170,7 +170,7 @@ def _e2e_table(result) -> str:
     lines.append(f"prompt forward, mean over the sequential requests: prefill node {result.forward_ms_prefill_node:.2f} ms "
                  f"(disaggregated), decode node {result.forward_ms_decode_node:.2f} ms (single-node)")
     lines.append(f"means over the sequential requests: TTFT gap {result.ttft_gap_ms_mean:.2f} ms, of which the prompt "
-                 f"forward's difference {result.forward_ms_prefill_node - result.forward_ms_decode_node:.2f} ms; "
+                 f"forward's difference {result.forward_gap_ms:.2f} ms; "
                  f"the rest {result.gap_beside_forward_ms:.2f} ms against mean transfer + 2 ms = "
                  f"{result.transfer_ms_mean + 2:.2f} ms")
     return "\n".join(lines)
