@@ -16,16 +16,16 @@ import time
 
 import torch
 
-from bench.cpu import CpuTally, CpuTicks
-from bench.memory import PeakTracker
-from bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
-from connectors.base import KVConnectorBase
-from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from connectors.factory import create_connector
-from connectors.kv_region import KVRegion
-from connectors.wire import PoolLayout
-from engine.gc_pauses import freeze_startup_heap
-from engine.model_input import ModelInput, SequenceInput
+from kvwire.bench.cpu import CpuTally, CpuTicks
+from kvwire.bench.memory import PeakTracker
+from kvwire.bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
+from kvwire.connectors.base import KVConnectorBase
+from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
+from kvwire.connectors.factory import create_connector
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.wire import PoolLayout
+from kvwire.engine.gc_pauses import freeze_startup_heap
+from kvwire.engine.model_input import ModelInput, SequenceInput
 
 HIDDEN_WIDTH = 1  # the bench measures KV; hidden states ride along at one value per token
 MEASURE = "!measure"  # tells the producer the measured trials start (not a request id: those start "bench-")

@@ -17,11 +17,11 @@ import time
 
 import msgspec
 
-from bench.workload import LLAMA3_8B
-from connectors.config import ConnectorKind
-from connectors.directory import KVDirectory, TransferState
-from connectors.directory_batch import DirectoryBatch
-from connectors.wire import KVLocation
+from kvwire.bench.workload import LLAMA3_8B
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.directory import KVDirectory, TransferState
+from kvwire.connectors.directory_batch import DirectoryBatch
+from kvwire.connectors.wire import KVLocation
 
 STEPS_PER_REQUEST = 4  # publish, lookup, state change, delete
 

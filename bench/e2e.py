@@ -19,10 +19,10 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from cli.demo_cmd import PROMPTS
-from bench.load import scrape_samples
-from cli.local_cluster import ClusterSpec, LocalCluster
-from connectors.config import ConnectorKind, NodeRole
+from kvwire.cli.demo_cmd import PROMPTS
+from kvwire.bench.load import scrape_samples
+from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.connectors.config import ConnectorKind, NodeRole
 
 MODES = ("disaggregated", "single-node")
 

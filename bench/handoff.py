@@ -40,14 +40,14 @@ def _engine_process(model_dir: Path, num_blocks: int, pipe) -> None:
 
     import torch
 
-    from connectors.wire import SamplingParams
-    from engine.block_allocator import BlockAllocator
-    from engine.config import kv_layout
-    from engine.gc_pauses import freeze_startup_heap
-    from engine.kv_cache import KVPool
-    from engine.llm_engine import LLMEngine
-    from engine.loader import load_model
-    from engine.runner import ModelRunner
+    from kvwire.connectors.wire import SamplingParams
+    from kvwire.engine.block_allocator import BlockAllocator
+    from kvwire.engine.config import kv_layout
+    from kvwire.engine.gc_pauses import freeze_startup_heap
+    from kvwire.engine.kv_cache import KVPool
+    from kvwire.engine.llm_engine import LLMEngine
+    from kvwire.engine.loader import load_model
+    from kvwire.engine.runner import ModelRunner
 
     torch.set_num_threads(1)  # as nodes run (--torch-threads 1)
     model = load_model(model_dir, "cpu")
@@ -72,8 +72,8 @@ def _engine_process(model_dir: Path, num_blocks: int, pipe) -> None:
 
 def demo_prompt_lengths(model_dir: Path) -> list[int]:
     """The token counts of the demo's prompts (what `kvwire bench e2e` sends) under the model's tokenizer."""
-    from cli.demo_cmd import PROMPTS
-    from engine.tokenizer import load_tokenizer
+    from kvwire.cli.demo_cmd import PROMPTS
+    from kvwire.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     return [max(1, len(tokenizer.encode(p))) for p in PROMPTS]

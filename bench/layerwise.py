@@ -21,11 +21,11 @@ import time
 import msgspec
 import torch
 
-from bench.connector_run import HIDDEN_WIDTH, bench_config, bench_pool, request_input
-from bench.workload import Workload, checksum, fill_random, zero_blocks
-from connectors.config import ConnectorKind, NodeRole
-from connectors.factory import create_connector
-from engine.gc_pauses import freeze_startup_heap
+from kvwire.bench.connector_run import HIDDEN_WIDTH, bench_config, bench_pool, request_input
+from kvwire.bench.workload import Workload, checksum, fill_random, zero_blocks
+from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.factory import create_connector
+from kvwire.engine.gc_pauses import freeze_startup_heap
 
 
 class LayerwiseResult(msgspec.Struct, frozen=True):

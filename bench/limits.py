@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from bench.cpu import CpuTally, CpuTicks
-from bench.workload import Device, Workload, allocate_pool, checksum, fill_random, zero_blocks
-from connectors.kv_region import KVRegion
-from connectors.tcp.stream import pump
+from kvwire.bench.cpu import CpuTally, CpuTicks
+from kvwire.bench.workload import Device, Workload, allocate_pool, checksum, fill_random, zero_blocks
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.tcp.stream import pump
 
 
 def _region(work: Workload, filled: bool) -> KVRegion:

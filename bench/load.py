@@ -25,12 +25,12 @@ import httpx
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from cli.demo_cmd import PROMPTS
-from cli.local_cluster import ClusterSpec, LocalCluster
-from connectors.config import ConnectorKind, NodeRole
-from connectors.directory import KVDirectory, TransferState
-from connectors.wire import SamplingParams
-from observability.labels import BlockState
+from kvwire.cli.demo_cmd import PROMPTS
+from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.directory import KVDirectory, TransferState
+from kvwire.connectors.wire import SamplingParams
+from kvwire.observability.labels import BlockState
 
 _MIB = 1024 * 1024
 _ASCII = string.ascii_letters + string.digits + string.punctuation + " "
@@ -166,8 +166,8 @@ def prompt_mix(cfg: LoadConfig) -> list[str]:
 
 def build_workload(cfg: LoadConfig) -> _Workload:
     """The prompt mix, its single-process reference outputs, and a seeded order of `requests` uses of it."""
-    from engine.reference import generate
-    from engine.tokenizer import load_tokenizer
+    from kvwire.engine.reference import generate
+    from kvwire.engine.tokenizer import load_tokenizer
 
     prompts = prompt_mix(cfg)
     tokenizer = load_tokenizer(cfg.model_dir)

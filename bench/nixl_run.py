@@ -25,10 +25,10 @@ import time
 import numpy as np
 import torch
 
-from bench.cpu import CpuTally, CpuTicks
-from bench.sides import TIMEOUT_S, Sides
-from bench.workload import Workload, allocate_pool, checksum, fill_random, piece_table, zero_blocks
-from connectors.kv_region import KVRegion
+from kvwire.bench.cpu import CpuTally, CpuTicks
+from kvwire.bench.sides import TIMEOUT_S, Sides
+from kvwire.bench.workload import Workload, allocate_pool, checksum, fill_random, piece_table, zero_blocks
+from kvwire.connectors.kv_region import KVRegion
 
 
 class NixlOp(enum.StrEnum):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.report import Row
+from kvwire.bench.report import Row
 
 LIMITS = ("limit-memcpy", "limit-tcp")
 

@@ -6,8 +6,8 @@ import statistics
 
 import msgspec
 
-from bench.cpu import CpuShares
-from bench.workload import Workload
+from kvwire.bench.cpu import CpuShares
+from kvwire.bench.workload import Workload
 
 
 class Row(msgspec.Struct, frozen=True):

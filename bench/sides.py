@@ -18,7 +18,7 @@ TIMEOUT_S = 120.0
 class Sides:
     def __init__(self, target: Callable, args: tuple, env: dict[str, str | None], what: str):
         """Start `target(*args, side, pipe)` for side 0 and side 1, with `env` applied (None unsets)."""
-        from bench.connector_run import scoped_env
+        from kvwire.bench.connector_run import scoped_env
 
         ctx = mp.get_context("spawn")
         pipes = [ctx.Pipe() for _ in range(2)]

@@ -5,15 +5,15 @@ from __future__ import annotations
 import enum
 from typing import Callable
 
-from bench.connector_run import run_connector
-from bench.cpu import CpuTally, CpuTicks
-from bench.limits import limit_memcpy, limit_tcp
-from bench.nixl_run import NixlOp, run_nixl
-from bench.report import Row, make_row
-from bench.ucxx_run import run_ucxx_raw
-from bench.workload import Device, Placement, Workload
-from connectors.config import ConnectorKind
-from connectors.wire import PoolLayout
+from kvwire.bench.connector_run import run_connector
+from kvwire.bench.cpu import CpuTally, CpuTicks
+from kvwire.bench.limits import limit_memcpy, limit_tcp
+from kvwire.bench.nixl_run import NixlOp, run_nixl
+from kvwire.bench.report import Row, make_row
+from kvwire.bench.ucxx_run import run_ucxx_raw
+from kvwire.bench.workload import Device, Placement, Workload
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.wire import PoolLayout
 
 # UCX over TCP only, and over the loopback device: on these machines traffic must stay on loopback
 TCP_ONLY = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}

@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import time
 
-from bench.cpu import CpuTally, CpuTicks
-from bench.sides import TIMEOUT_S, Sides
-from bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
-from connectors.kv_region import KVRegion
+from kvwire.bench.cpu import CpuTally, CpuTicks
+from kvwire.bench.sides import TIMEOUT_S, Sides
+from kvwire.bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
+from kvwire.connectors.kv_region import KVRegion
 
 
 def _side(work: Workload, trials: int, warmup: int, side: int, pipe) -> None:
     """side 0 sends (producer), side 1 receives and times (consumer)."""
     import torch
 
-    from connectors.ucx.transport import Array, Role, UCXTransport, tag_of, ucx
+    from kvwire.connectors.ucx.transport import Array, Role, UCXTransport, tag_of, ucx
 
     torch.set_num_threads(1)
     region = KVRegion.from_kv_caches(allocate_pool(work))

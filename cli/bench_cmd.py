@@ -9,11 +9,11 @@ from typing import Annotated
 
 import typer
 
-from bench.transfer import Method
-from bench.workload import Device, Placement
-from cli.options import Connector, OptionalRedisUrl
-from connectors.config import ConnectorKind
-from connectors.wire import PoolLayout
+from kvwire.bench.transfer import Method
+from kvwire.bench.workload import Device, Placement
+from kvwire.cli.options import Connector, OptionalRedisUrl
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.wire import PoolLayout
 
 app = typer.Typer(help="Benchmarks of the transfer plane.", no_args_is_help=True)
 
@@ -55,9 +55,9 @@ def transfer(
     between two processes with each method, next to the machine's limits; bytes verified every run."""
     from tqdm import tqdm
 
-    from bench.report import table, to_json
-    from bench.transfer import bench_transfer, combinations, target_lines
-    from cli.redis_server import LocalRedis
+    from kvwire.bench.report import table, to_json
+    from kvwire.bench.transfer import bench_transfer, combinations, target_lines
+    from kvwire.cli.redis_server import LocalRedis
 
     sizes = _csv(tokens, int)
     chosen, where, whose = _csv(methods, Method), _csv(placements, Placement), _csv(pools, PoolLayout)
@@ -84,7 +84,7 @@ def transfer(
     if not as_json and (targets := target_lines(rows)):
         typer.echo("\nratios of medians (the performance issue's targets):\n" + "\n".join(targets))
     if plot:
-        from bench.plot import plot_rows
+        from kvwire.bench.plot import plot_rows
 
         plot_rows(rows, plot)
         typer.echo(f"plot written to {plot}", err=True)
@@ -105,8 +105,8 @@ def directory(
     against a real redis-server (a private one unless --redis-url)."""
     import msgspec
 
-    from bench.directory import bench_directory
-    from cli.redis_server import LocalRedis
+    from kvwire.bench.directory import bench_directory
+    from kvwire.cli.redis_server import LocalRedis
 
     with LocalRedis() if redis_url is None else contextlib.nullcontext() as redis:
         result = bench_directory(redis_url or redis.url, requests, batch)
@@ -138,14 +138,14 @@ def e2e(
 ) -> None:
     """The demo's prompt mix through the router, disaggregated and single-node prompt by prompt on one
     cluster: TTFT, time per output token, throughput, and the TTFT gap against the transfer time."""
-    from connectors.config import LAYERWISE_KINDS
+    from kvwire.connectors.config import LAYERWISE_KINDS
 
     if layerwise and connector not in LAYERWISE_KINDS:
         raise typer.BadParameter("layer-wise streaming runs over the tcp and ucx connectors", param_hint="--layerwise")
     import msgspec
 
-    from bench.e2e import bench_e2e
-    from cli.paths import default_model_dir
+    from kvwire.bench.e2e import bench_e2e
+    from kvwire.cli.paths import default_model_dir
 
     result = bench_e2e(model or default_model_dir(), connector, rounds, max_tokens, layerwise)
     if as_json:
@@ -180,9 +180,9 @@ def _layerwise(chosen: list[Method], sizes: list[int], where: list[Placement], w
                warmup: int, compute_ms: float | None, as_json: bool, redis_url: str) -> None:
     import msgspec
 
-    from bench.layerwise import bench_layerwise
-    from bench.workload import Workload
-    from connectors.config import LAYERWISE_KINDS, ConnectorKind
+    from kvwire.bench.layerwise import bench_layerwise
+    from kvwire.bench.workload import Workload
+    from kvwire.connectors.config import LAYERWISE_KINDS, ConnectorKind
 
     kinds = [ConnectorKind(m.value) for m in chosen if m.value in LAYERWISE_KINDS]
     if not kinds:
@@ -222,8 +222,8 @@ def load(
     warm-up value. Exits 1 if anything was lost, errored or differed, or memory did not return."""
     import msgspec
 
-    from bench.load import LoadConfig, bench_load, table
-    from cli.paths import default_model_dir
+    from kvwire.bench.load import LoadConfig, bench_load, table
+    from kvwire.cli.paths import default_model_dir
 
     cfg = LoadConfig(model_dir=model or default_model_dir(), connector=connector, requests=requests,
                      concurrency=concurrency, max_tokens=max_tokens, seed=seed, kv_deadline_s=kv_deadline,
@@ -250,8 +250,8 @@ def handoff(
 
     import statistics
 
-    from bench.handoff import bench_handoff, demo_prompt_lengths
-    from cli.paths import default_model_dir
+    from kvwire.bench.handoff import bench_handoff, demo_prompt_lengths
+    from kvwire.cli.paths import default_model_dir
 
     model_dir = model or default_model_dir()
     lengths = _csv(tokens, int) or demo_prompt_lengths(model_dir)

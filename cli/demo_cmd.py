@@ -11,11 +11,11 @@ from typing import Annotated
 import httpx
 import typer
 
-from cli.local_cluster import ClusterSpec, LocalCluster
-from cli.options import Connector, LogLevel, setup_logging
-from cli.paths import default_model_dir
-from connectors.config import ConnectorKind
-from connectors.wire import SamplingParams
+from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.cli.options import Connector, LogLevel, setup_logging
+from kvwire.cli.paths import default_model_dir
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.wire import SamplingParams
 
 PROMPTS = [
     "a",  # one token
@@ -72,8 +72,8 @@ def demo(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint;
          max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens to generate per prompt.")] = 24,
          log_level: LogLevel = "WARNING") -> None:
     """Serve a few prompts through prefill → KV transfer → decode and compare with one process."""
-    from engine.reference import generate
-    from engine.tokenizer import load_tokenizer
+    from kvwire.engine.reference import generate
+    from kvwire.engine.tokenizer import load_tokenizer
 
     setup_logging(log_level)
     model_dir = model or default_model_dir()

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import typer
 
-from cli.bench_cmd import app as bench_app
-from cli.demo_cmd import demo
-from cli.generate_cmd import generate
-from cli.model_cmd import init_model
-from cli.node_cmd import decode, prefill
-from cli.router_cmd import router
-from cli.status_cmd import status
-from cli.up_cmd import up
+from kvwire.cli.bench_cmd import app as bench_app
+from kvwire.cli.demo_cmd import demo
+from kvwire.cli.generate_cmd import generate
+from kvwire.cli.model_cmd import init_model
+from kvwire.cli.node_cmd import decode, prefill
+from kvwire.cli.router_cmd import router
+from kvwire.cli.status_cmd import status
+from kvwire.cli.up_cmd import up
 
 app = typer.Typer(help="kvwire: disaggregated prefill/decode with KV transfer over UCX.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)

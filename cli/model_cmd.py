@@ -7,14 +7,14 @@ from typing import Annotated
 
 import typer
 
-from engine.config import PRESETS
+from kvwire.engine.config import PRESETS
 
 
 def init_model(out_dir: Annotated[Path, typer.Argument(help="Directory to write config.json and model.safetensors to.")],
                preset: Annotated[str, typer.Option("--preset", help=f"One of: {', '.join(PRESETS)}.")] = "tiny",
                seed: Annotated[int, typer.Option("--seed", help="RNG seed of the weights.")] = 0) -> None:
     """Write a random Llama checkpoint that kvwire and transformers both load."""
-    from engine.init_model import write_random_checkpoint
+    from kvwire.engine.init_model import write_random_checkpoint
 
     if preset not in PRESETS:
         raise typer.BadParameter(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}", param_hint="--preset")

@@ -6,9 +6,9 @@ from typing import Annotated
 
 import typer
 
-from cli.options import (AuthSecretFile, BlockSize, DrainTimeout, Connector, Host, HttpPort, KVDeadline, LogLevel, ModelDir,
+from kvwire.cli.options import (AuthSecretFile, BlockSize, DrainTimeout, Connector, Host, HttpPort, KVDeadline, LogLevel, ModelDir,
                          Layerwise, NumBlocks, PullLanes, RedisUrl, VerifyKV, node_config, setup_logging)
-from connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.config import ConnectorKind, NodeRole
 
 NodeId = Annotated[str | None, typer.Option("--node-id", help="Name in the directory; role-host-pid by default.")]
 Port = Annotated[int, typer.Option("--port", min=0, max=65535, help="zmq work port; 0 picks a free one.")]
@@ -23,9 +23,9 @@ def _run(role: NodeRole, **kw) -> None:
     setup_logging(kw.pop("log_level"))
     config = node_config(role, **kw)
     if role == NodeRole.PREFILL:
-        from prefill_node.main import run
+        from kvwire.prefill_node.main import run
     else:
-        from decode_node.main import run
+        from kvwire.decode_node.main import run
     run(config)
 
 

@@ -10,8 +10,8 @@ from typing import Annotated
 
 import typer
 
-from connectors.config import MAX_PULL_LANES, ConnectorConfig, ConnectorKind, NodeConfig, NodeRole
-from engine.engine_config import EngineConfig
+from kvwire.connectors.config import MAX_PULL_LANES, ConnectorConfig, ConnectorKind, NodeConfig, NodeRole
+from kvwire.engine.engine_config import EngineConfig
 
 ModelDir = Annotated[Path, typer.Option("--model", help="Hugging Face-format checkpoint directory.",
                                         envvar="KVWIRE_MODEL")]
@@ -52,7 +52,7 @@ def auth_secret(path: Path | None) -> bytes | None:
     """The secret in `path` (None: authentication off). Raises typer.BadParameter."""
     if path is None:
         return None
-    from connectors.auth import read_secret_file
+    from kvwire.connectors.auth import read_secret_file
 
     try:
         return read_secret_file(path)

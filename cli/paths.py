@@ -11,7 +11,7 @@ def default_model_dir() -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     path = cache / "kvwire" / "models" / "tiny-seed0"
     if not (path / "config.json").is_file():
-        from engine.init_model import write_random_checkpoint
+        from kvwire.engine.init_model import write_random_checkpoint
 
         write_random_checkpoint(path, "tiny", 0)
     return path

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cli.redis_server import LocalRedis, LocalRedisError, _free_port, _Server, find_redis_server
+from kvwire.cli.redis_server import LocalRedis, LocalRedisError, _free_port, _Server, find_redis_server
 
 _MONITOR_MARKER = b"+monitor master"
 

@@ -6,8 +6,8 @@ from typing import Annotated
 
 import typer
 
-from cli.options import AuthSecretFile, Host, LogLevel, ModelDir, RedisUrl, auth_secret, setup_logging
-from router.config import RouterConfig
+from kvwire.cli.options import AuthSecretFile, Host, LogLevel, ModelDir, RedisUrl, auth_secret, setup_logging
+from kvwire.router.config import RouterConfig
 
 
 def router(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1",
@@ -18,9 +18,9 @@ def router(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1",
     """Serve POST /v1/completions and GET /v1/models, /healthz, /readyz and /metrics."""
     import uvicorn
 
-    from connectors import auth
-    from engine.gc_pauses import freeze_startup_heap
-    from router.app import create_app
+    from kvwire.connectors import auth
+    from kvwire.engine.gc_pauses import freeze_startup_heap
+    from kvwire.router.app import create_app
 
     setup_logging(log_level)
     config = RouterConfig(model_dir=model, redis_url=redis_url, host=host, port=port, request_timeout_s=request_timeout,

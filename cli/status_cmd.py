@@ -6,9 +6,9 @@ from typing import Annotated
 
 import typer
 
-from cli.options import RedisUrl
-from connectors.directory import DirectoryError, KVDirectory
-from observability.status import read_status, render, to_json
+from kvwire.cli.options import RedisUrl
+from kvwire.connectors.directory import DirectoryError, KVDirectory
+from kvwire.observability.status import read_status, render, to_json
 
 
 def status(redis_url: RedisUrl,

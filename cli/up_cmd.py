@@ -9,11 +9,11 @@ from typing import Annotated
 
 import typer
 
-from cli.local_cluster import ClusterSpec, LocalCluster
-from cli.options import (AuthSecretFile, Connector, Host, KVDeadline, Layerwise, LogLevel, OptionalRedisUrl,
+from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.cli.options import (AuthSecretFile, Connector, Host, KVDeadline, Layerwise, LogLevel, OptionalRedisUrl,
                          auth_secret, setup_logging)
-from cli.paths import default_model_dir
-from connectors.config import LAYERWISE_KINDS, ConnectorKind
+from kvwire.cli.paths import default_model_dir
+from kvwire.connectors.config import LAYERWISE_KINDS, ConnectorKind
 
 
 def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a tiny random one by default.")] = None,

@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from connectors.wire import WireError
+from kvwire.connectors.wire import WireError
 
 MAGIC = b"KVA1"
 MAX_SKEW_S = 300.0
@@ -88,8 +88,8 @@ def unseal(data: bytes | memoryview) -> bytes | memoryview:
 
 
 def _reject(reason: str) -> None:
-    from observability.labels import RejectReason
-    from observability.metrics import process_metrics
+    from kvwire.observability.labels import RejectReason
+    from kvwire.observability.metrics import process_metrics
 
     global _rejected
     with _lock:

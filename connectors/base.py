@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from connectors.types import IntermediateTensors
+from kvwire.connectors.types import IntermediateTensors
 
 if TYPE_CHECKING:
-    from connectors.config import ConnectorConfig
-    from connectors.wire import KVLayout, KVLocation
-    from engine.kv_cache import KVPool
-    from engine.model_input import ModelInput
+    from kvwire.connectors.config import ConnectorConfig
+    from kvwire.connectors.wire import KVLayout, KVLocation
+    from kvwire.engine.kv_cache import KVPool
+    from kvwire.engine.model_input import ModelInput
 
 HiddenStates = torch.Tensor | IntermediateTensors
 
@@ -54,7 +54,7 @@ class KVConnectorBase(ABC):
         Transports whose peers read the pool directly (shared memory, CUDA IPC) override
         this to place it where peers can map it.
         """
-        from engine.kv_cache import KVPool
+        from kvwire.engine.kv_cache import KVPool
 
         return KVPool.allocate(layout, num_blocks, device)
 

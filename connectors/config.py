@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.engine_config import EngineConfig
+from kvwire.engine.engine_config import EngineConfig
 
 
 class ConnectorKind(enum.StrEnum):

@@ -39,12 +39,12 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from connectors import redis_url as redis_url_forms
-from connectors.config import NodeRole
-from connectors.directory_scripts import EVENTS_MAXLEN, LUA_CREATE, LUA_PUBLISH, LUA_PUT_NODE, LUA_TRANSITION
-from connectors.wire import KVLocation, NodeInfo, WireError, decode, encode
-from observability.labels import DirectoryOp
-from observability.metrics import Metrics, process_metrics
+from kvwire.connectors import redis_url as redis_url_forms
+from kvwire.connectors.config import NodeRole
+from kvwire.connectors.directory_scripts import EVENTS_MAXLEN, LUA_CREATE, LUA_PUBLISH, LUA_PUT_NODE, LUA_TRANSITION
+from kvwire.connectors.wire import KVLocation, NodeInfo, WireError, decode, encode
+from kvwire.observability.labels import DirectoryOp
+from kvwire.observability.metrics import Metrics, process_metrics
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Callable, Iterable
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
-from connectors.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState, _ms
-from connectors.wire import KVLocation, encode
+from kvwire.connectors.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState, _ms
+from kvwire.connectors.wire import KVLocation, encode
 
 
 _IGNORED = (lambda reply: None, None)

@@ -19,18 +19,18 @@ from typing import Callable
 
 import torch
 
-from connectors.base import HiddenStates, KVConnectorBase, TransferError
-from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from connectors.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState
-from connectors.held import HeldTable
-from connectors.hidden import join_requests
-from connectors.incarnations import fail_earlier_incarnations
-from connectors.kv_region import KVRegion
-from connectors.receiver import KVReceiver, Puller, Received
-from connectors.sender import KVSender
-from connectors.transfer_server import SendEngine, TransferServer
-from connectors.wire import KVLocation, PullRequest
-from engine.model_input import ModelInput
+from kvwire.connectors.base import HiddenStates, KVConnectorBase, TransferError
+from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
+from kvwire.connectors.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState
+from kvwire.connectors.held import HeldTable
+from kvwire.connectors.hidden import join_requests
+from kvwire.connectors.incarnations import fail_earlier_incarnations
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.receiver import KVReceiver, Puller, Received
+from kvwire.connectors.sender import KVSender
+from kvwire.connectors.transfer_server import SendEngine, TransferServer
+from kvwire.connectors.wire import KVLocation, PullRequest
+from kvwire.engine.model_input import ModelInput
 
 log = logging.getLogger(__name__)
 

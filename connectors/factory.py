@@ -5,10 +5,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from connectors.config import ConnectorConfig, ConnectorKind
+from kvwire.connectors.config import ConnectorConfig, ConnectorKind
 
 if TYPE_CHECKING:
-    from connectors.base import KVConnectorBase
+    from kvwire.connectors.base import KVConnectorBase
 
 _REGISTRY: dict[str, tuple[str, str]] = {}
 
@@ -44,8 +44,8 @@ def connector_class(name: str) -> type[KVConnectorBase]:
     return getattr(importlib.import_module(module), class_name)
 
 
-register_connector(ConnectorKind.UCX, "connectors.ucx.connector", "UCXConnector")
-register_connector(ConnectorKind.TCP, "connectors.tcp.connector", "TCPConnector")
-register_connector(ConnectorKind.SHM, "connectors.shm.connector", "SHMConnector")
-register_connector(ConnectorKind.NCCL, "connectors.nccl.connector", "NCCLConnector")
-register_connector(ConnectorKind.AUTO, "connectors.auto.connector", "AutoConnector")
+register_connector(ConnectorKind.UCX, "kvwire.connectors.ucx.connector", "UCXConnector")
+register_connector(ConnectorKind.TCP, "kvwire.connectors.tcp.connector", "TCPConnector")
+register_connector(ConnectorKind.SHM, "kvwire.connectors.shm.connector", "SHMConnector")
+register_connector(ConnectorKind.NCCL, "kvwire.connectors.nccl.connector", "NCCLConnector")
+register_connector(ConnectorKind.AUTO, "kvwire.connectors.auto.connector", "AutoConnector")

@@ -17,8 +17,8 @@ from typing import Callable
 
 import msgspec
 
-from connectors.directory import KVDirectory
-from connectors.wire import NodeInfo
+from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.wire import NodeInfo
 
 logger = logging.getLogger(__name__)
 

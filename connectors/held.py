@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from connectors.layer_gate import LayerGate
-from connectors.wire import KVLocation
+from kvwire.connectors.layer_gate import LayerGate
+from kvwire.connectors.wire import KVLocation
 
 
 @dataclass

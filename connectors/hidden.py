@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from connectors.types import IntermediateTensors
-from connectors.wire import DType, TensorDesc
-from engine.kv_cache import TORCH_DTYPES
+from kvwire.connectors.types import IntermediateTensors
+from kvwire.connectors.wire import DType, TensorDesc
+from kvwire.engine.kv_cache import TORCH_DTYPES
 
 HIDDEN_KEY = "hidden_states"  # the name a plain hidden-states tensor travels under
 _DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 
-from connectors.directory import KVDirectory, TransferState
-from connectors.directory_batch import DirectoryBatch
+from kvwire.connectors.directory import KVDirectory, TransferState
+from kvwire.connectors.directory_batch import DirectoryBatch
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import zlib
 
-from connectors.kv_region import KVRegion
+from kvwire.connectors.kv_region import KVRegion
 
 
 def layer_checksums(region: KVRegion, blocks: list[int]) -> list[int]:

@@ -14,7 +14,7 @@ from functools import cached_property
 
 import torch
 
-from connectors.wire import KVLayout, PoolLayout
+from kvwire.connectors.wire import KVLayout, PoolLayout
 
 
 def plan_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:
@@ -81,7 +81,7 @@ class KVRegion:
         give one plane; separate contiguous per-layer tensors `[2, num_blocks, ...]`
         (vLLM's pool) give a K and a V plane per layer.
         """
-        from connectors.hidden import dtype_of
+        from kvwire.connectors.hidden import dtype_of
 
         if not kv_caches:
             raise ValueError("no KV caches to register")
@@ -177,7 +177,7 @@ def consumer_parts(region: KVRegion, src_blocks: list[int], dst_blocks: list[int
 
 def _consumer_runs(region: KVRegion, src_blocks: list[int], dst_blocks: list[int], n_hidden: int,
                    request_id: str, producer: str, max_pieces: int | None) -> list[tuple[int, int]]:
-    from connectors.base import TransferError
+    from kvwire.connectors.base import TransferError
 
     runs = [(d, n) for _, d, n in plan_runs(src_blocks, dst_blocks)]
     count = len(runs) * len(region.planes) + n_hidden

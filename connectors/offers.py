@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
-from connectors.base import TransferError
-from connectors.config import ConnectorKind
-from connectors.wire import KVLocation
+from kvwire.connectors.base import TransferError
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.wire import KVLocation
 
 
 def narrow(loc: KVLocation, kinds: list[ConnectorKind]) -> KVLocation:

@@ -19,17 +19,17 @@ from typing import Protocol
 
 import torch
 
-from connectors.base import TransferError
-from connectors.config import ConnectorConfig, ConnectorKind
-from connectors.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState
-from connectors.hidden import empty_like_descs
-from connectors.kv_checksum import layer_checksums
-from connectors.kv_region import KVRegion
-from connectors.offers import narrow
-from connectors.wire import KVLocation, TensorDesc
-from engine.model_input import SequenceInput
-from observability.labels import TransferFailure
-from observability.metrics import Metrics, process_metrics
+from kvwire.connectors.base import TransferError
+from kvwire.connectors.config import ConnectorConfig, ConnectorKind
+from kvwire.connectors.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState
+from kvwire.connectors.hidden import empty_like_descs
+from kvwire.connectors.kv_checksum import layer_checksums
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.offers import narrow
+from kvwire.connectors.wire import KVLocation, TensorDesc
+from kvwire.engine.model_input import SequenceInput
+from kvwire.observability.labels import TransferFailure
+from kvwire.observability.metrics import Metrics, process_metrics
 
 log = logging.getLogger(__name__)
 

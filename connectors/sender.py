@@ -18,19 +18,19 @@ from typing import Callable
 
 import torch
 
-from connectors.config import LAYERWISE_KINDS, ConnectorConfig, ConnectorKind
-from connectors.directory import DirectoryError, KVDirectory, TransferState
-from connectors.directory_batch import DirectoryBatch
-from connectors.held import HeldRequest, HeldTable
-from connectors.hidden import HIDDEN_KEY, dtype_of, empty_like_descs, split_request
-from connectors.host import host_identity
-from connectors.kv_checksum import layer_checksums
-from connectors.kv_region import KVRegion
-from connectors.layer_gate import LayerGate
-from connectors.transfer_server import TransferServer
-from connectors.types import IntermediateTensors
-from connectors.wire import KVLocation, PullRequest, TensorDesc, TransportOffer
-from engine.model_input import ModelInput
+from kvwire.connectors.config import LAYERWISE_KINDS, ConnectorConfig, ConnectorKind
+from kvwire.connectors.directory import DirectoryError, KVDirectory, TransferState
+from kvwire.connectors.directory_batch import DirectoryBatch
+from kvwire.connectors.held import HeldRequest, HeldTable
+from kvwire.connectors.hidden import HIDDEN_KEY, dtype_of, empty_like_descs, split_request
+from kvwire.connectors.host import host_identity
+from kvwire.connectors.kv_checksum import layer_checksums
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.layer_gate import LayerGate
+from kvwire.connectors.transfer_server import TransferServer
+from kvwire.connectors.types import IntermediateTensors
+from kvwire.connectors.wire import KVLocation, PullRequest, TensorDesc, TransportOffer
+from kvwire.engine.model_input import ModelInput
 
 log = logging.getLogger(__name__)
 

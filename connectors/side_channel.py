@@ -15,8 +15,8 @@ from typing import Callable
 
 import zmq
 
-from connectors.base import TransferError
-from connectors.wire import KVLocation, Message, PullReply, WireError, pack, unpack
+from kvwire.connectors.base import TransferError
+from kvwire.connectors.wire import KVLocation, Message, PullReply, WireError, pack, unpack
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from typing import Callable
 import torch
 import zmq
 
-from connectors.held import HeldRequest, HeldTable
-from connectors.kv_region import KVRegion, Part, byte_parts, plan_runs
-from connectors.wire import PullReply, PullRequest, WireError, pack, unpack
-from engine.wakeup import Wakeup
+from kvwire.connectors.held import HeldRequest, HeldTable
+from kvwire.connectors.kv_region import KVRegion, Part, byte_parts, plan_runs
+from kvwire.connectors.wire import PullReply, PullRequest, WireError, pack, unpack
+from kvwire.engine.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
 

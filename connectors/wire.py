@@ -12,7 +12,7 @@ import enum
 
 import msgspec
 
-from connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.config import ConnectorKind, NodeRole
 
 WIRE_VERSION = 1
 MAX_MESSAGE_BYTES = 16 << 20  # no control message is legitimately larger
@@ -294,7 +294,7 @@ def decode(data: bytes | memoryview, expect: type | tuple[type, ...] | None = No
 
 def pack(msg: Message) -> bytes:
     """A control message for another process: encoded, and sealed when an auth secret is installed."""
-    from connectors.auth import seal
+    from kvwire.connectors.auth import seal
 
     return seal(encode(msg))
 
@@ -305,7 +305,7 @@ def unpack(data: bytes | memoryview, expect: type | tuple[type, ...] | None = No
     Raises:
         WireError: unauthenticated (AuthError), or not a valid message of the expected types.
     """
-    from connectors.auth import unseal
+    from kvwire.connectors.auth import unseal
 
     return decode(unseal(data), expect=expect)
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from connectors.config import NodeConfig, NodeRole
-from decode_node.server import DecodeNode
-from engine.node_runtime import run_node
+from kvwire.connectors.config import NodeConfig, NodeRole
+from kvwire.decode_node.server import DecodeNode
+from kvwire.engine.node_runtime import run_node
 
 
 def run(config: NodeConfig) -> None:

@@ -26,13 +26,13 @@ import threading
 
 import zmq
 
-from connectors.wire import DecodeStats, DecodeWork, ErrorKind, KVLocation, KVReady, TokenChunk, WorkError, pack
-from engine.drain import Drain
-from engine.llm_engine import InvalidRequest, LLMEngine, StepOutput
-from engine.node_runtime import NodeLoad, NodeRuntime
-from engine.sequence import Sequence
-from engine.wakeup import Wakeup
-from observability.labels import Queue, RecomputeReason
+from kvwire.connectors.wire import DecodeStats, DecodeWork, ErrorKind, KVLocation, KVReady, TokenChunk, WorkError, pack
+from kvwire.engine.drain import Drain
+from kvwire.engine.llm_engine import InvalidRequest, LLMEngine, StepOutput
+from kvwire.engine.node_runtime import NodeLoad, NodeRuntime
+from kvwire.engine.sequence import Sequence
+from kvwire.engine.wakeup import Wakeup
+from kvwire.observability.labels import Queue, RecomputeReason
 
 log = logging.getLogger(__name__)
 

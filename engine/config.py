@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from connectors.wire import DType, KVLayout
+from kvwire.connectors.wire import DType, KVLayout
 
 _UNSUPPORTED_TRUE = ("attention_bias", "mlp_bias")  # HF flags this engine does not implement
 

@@ -17,9 +17,9 @@ import time
 
 import zmq
 
-from connectors.directory import DirectoryError
-from connectors.wire import DecodeWork, NodeInfo, PrefillWork, pack
-from engine.node_runtime import NodeRuntime
+from kvwire.connectors.directory import DirectoryError
+from kvwire.connectors.wire import DecodeWork, NodeInfo, PrefillWork, pack
+from kvwire.engine.node_runtime import NodeRuntime
 
 log = logging.getLogger(__name__)
 

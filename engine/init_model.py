@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.config import PRESETS, ModelConfig
-from engine.kv_cache import TORCH_DTYPES
+from kvwire.engine.config import PRESETS, ModelConfig
+from kvwire.engine.kv_cache import TORCH_DTYPES
 
 LOGIT_STD = 2.0
 ANTI_COPY = 1.0

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from connectors.wire import DType, KVLayout
+from kvwire.connectors.wire import DType, KVLayout
 
 TORCH_DTYPES: dict[DType, torch.dtype] = {
     DType.FLOAT32: torch.float32,

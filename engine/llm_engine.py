@@ -23,14 +23,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
-from connectors.types import ModelRunnerOutput
-from connectors.wire import SamplingParams
-from engine.block_allocator import BlockAllocator
-from engine.model_input import ModelInput, SequenceInput
-from engine.runner import ModelRunner
-from engine.sampler import make_generator, sample
-from engine.sequence import FinishReason, Sequence
-from engine.validation import prompt_problem
+from kvwire.connectors.types import ModelRunnerOutput
+from kvwire.connectors.wire import SamplingParams
+from kvwire.engine.block_allocator import BlockAllocator
+from kvwire.engine.model_input import ModelInput, SequenceInput
+from kvwire.engine.runner import ModelRunner
+from kvwire.engine.sampler import make_generator, sample
+from kvwire.engine.sequence import FinishReason, Sequence
+from kvwire.engine.validation import prompt_problem
 
 
 class InvalidRequest(ValueError):

@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.kv_cache import TORCH_DTYPES
-from engine.model_input import ModelInput, SequenceInput
-from engine.ops import batch_invariant_linear, rms_norm, silu_mul
+from kvwire.engine.config import ModelConfig
+from kvwire.engine.kv_cache import TORCH_DTYPES
+from kvwire.engine.model_input import ModelInput, SequenceInput
+from kvwire.engine.ops import batch_invariant_linear, rms_norm, silu_mul
 
 
 class SeqAttention(NamedTuple):

@@ -16,24 +16,24 @@ from typing import Callable, NamedTuple
 import torch
 import zmq
 
-from connectors.config import NodeConfig, NodeRole
-from connectors.directory import KVDirectory
-from connectors.heartbeat import Heartbeat
-from connectors.directory_connector import DirectoryConnector
-from connectors.factory import create_connector
-from connectors import auth
-from connectors.auth import AuthError
-from connectors.wire import NodeInfo, WireError, unpack
-from engine.block_allocator import BlockAllocator
-from engine.config import kv_layout
-from engine.gc_pauses import freeze_startup_heap
-from engine.kv_cache import KVPool
-from engine.loader import load_model
-from engine.model import LlamaForCausalLM
-from engine.runner import ModelRunner
-from observability.labels import RejectReason
-from observability.metrics import Metrics, process_metrics
-from observability.ops_server import OpsServer
+from kvwire.connectors.config import NodeConfig, NodeRole
+from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.heartbeat import Heartbeat
+from kvwire.connectors.directory_connector import DirectoryConnector
+from kvwire.connectors.factory import create_connector
+from kvwire.connectors import auth
+from kvwire.connectors.auth import AuthError
+from kvwire.connectors.wire import NodeInfo, WireError, unpack
+from kvwire.engine.block_allocator import BlockAllocator
+from kvwire.engine.config import kv_layout
+from kvwire.engine.gc_pauses import freeze_startup_heap
+from kvwire.engine.kv_cache import KVPool
+from kvwire.engine.loader import load_model
+from kvwire.engine.model import LlamaForCausalLM
+from kvwire.engine.runner import ModelRunner
+from kvwire.observability.labels import RejectReason
+from kvwire.observability.metrics import Metrics, process_metrics
+from kvwire.observability.ops_server import OpsServer
 
 log = logging.getLogger(__name__)
 

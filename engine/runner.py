@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from connectors.base import KVConnectorBase
-from connectors.config import NodeRole
-from connectors.types import IntermediateTensors
-from engine.kv_cache import TORCH_DTYPES, KVPool
-from engine.model import LlamaForCausalLM
-from engine.model_input import ModelInput
-from observability.metrics import process_metrics
+from kvwire.connectors.base import KVConnectorBase
+from kvwire.connectors.config import NodeRole
+from kvwire.connectors.types import IntermediateTensors
+from kvwire.engine.kv_cache import TORCH_DTYPES, KVPool
+from kvwire.engine.model import LlamaForCausalLM
+from kvwire.engine.model_input import ModelInput
+from kvwire.observability.metrics import process_metrics
 
 log = logging.getLogger(__name__)
 

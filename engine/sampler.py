@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from connectors.wire import SamplingParams
+from kvwire.connectors.wire import SamplingParams
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from connectors.types import RequestMetrics
-from connectors.wire import SamplingParams
+from kvwire.connectors.types import RequestMetrics
+from kvwire.connectors.wire import SamplingParams
 
 
 class FinishReason(enum.StrEnum):

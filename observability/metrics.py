@@ -14,7 +14,7 @@ from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from observability.labels import BlockState, Queue, RecomputeReason, RejectReason, RequestStatus, TransferFailure
+from kvwire.observability.labels import BlockState, Queue, RecomputeReason, RejectReason, RequestStatus, TransferFailure
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

@@ -14,7 +14,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
-from observability.metrics import CONTENT_TYPE, Metrics
+from kvwire.observability.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger(__name__)
 

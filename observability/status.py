@@ -6,9 +6,9 @@ import time
 
 import msgspec
 
-from connectors.config import ConnectorKind, NodeRole
-from connectors.directory import AgedEntry, KVDirectory, TransferState
-from connectors.wire import NodeInfo
+from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.directory import AgedEntry, KVDirectory, TransferState
+from kvwire.connectors.wire import NodeInfo
 
 
 class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from connectors.config import NodeConfig, NodeRole
-from engine.node_runtime import run_node
-from prefill_node.server import PrefillNode
+from kvwire.connectors.config import NodeConfig, NodeRole
+from kvwire.engine.node_runtime import run_node
+from kvwire.prefill_node.server import PrefillNode
 
 
 def run(config: NodeConfig) -> None:

@@ -26,14 +26,14 @@ from dataclasses import dataclass
 
 import zmq
 
-from connectors.directory import DirectoryError, TransferState
-from connectors.wire import KVLocation, KVReady, PrefillWork, pack
-from engine.drain import Drain
-from engine.model_input import ModelInput, SequenceInput
-from engine.node_runtime import NodeLoad, NodeRuntime
-from engine.validation import prompt_problem
-from engine.wakeup import Wakeup
-from observability.labels import Queue
+from kvwire.connectors.directory import DirectoryError, TransferState
+from kvwire.connectors.wire import KVLocation, KVReady, PrefillWork, pack
+from kvwire.engine.drain import Drain
+from kvwire.engine.model_input import ModelInput, SequenceInput
+from kvwire.engine.node_runtime import NodeLoad, NodeRuntime
+from kvwire.engine.validation import prompt_problem
+from kvwire.engine.wakeup import Wakeup
+from kvwire.observability.labels import Queue
 
 log = logging.getLogger(__name__)
 

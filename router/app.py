@@ -20,17 +20,17 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from connectors.config import NodeRole
-from connectors.directory import DirectoryError, KVDirectory
-from connectors.wire import ErrorKind, SamplingParams, TokenChunk, WorkError
-from engine.loader import load_config
-from engine.tokenizer import load_tokenizer
-from engine.validation import prompt_problem
-from observability.labels import RequestStatus
-from observability.metrics import CONTENT_TYPE, Metrics, process_metrics
-from router.config import RouterConfig
-from router.dispatch import Dispatcher
-from router.schemas import APIError, CompletionRequest, parse_request
+from kvwire.connectors.config import NodeRole
+from kvwire.connectors.directory import DirectoryError, KVDirectory
+from kvwire.connectors.wire import ErrorKind, SamplingParams, TokenChunk, WorkError
+from kvwire.engine.loader import load_config
+from kvwire.engine.tokenizer import load_tokenizer
+from kvwire.engine.validation import prompt_problem
+from kvwire.observability.labels import RequestStatus
+from kvwire.observability.metrics import CONTENT_TYPE, Metrics, process_metrics
+from kvwire.router.config import RouterConfig
+from kvwire.router.dispatch import Dispatcher
+from kvwire.router.schemas import APIError, CompletionRequest, parse_request
 
 
 class Completion:

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from connectors.config import NodeRole
-from connectors.directory import DirectoryError, KVDirectory
-from connectors.wire import (DecodeWork, ErrorKind, NodeInfo, PrefillWork, SamplingParams, TokenChunk, WireError,
+from kvwire.connectors.config import NodeRole
+from kvwire.connectors.directory import DirectoryError, KVDirectory
+from kvwire.connectors.wire import (DecodeWork, ErrorKind, NodeInfo, PrefillWork, SamplingParams, TokenChunk, WireError,
                              WorkError, pack, unpack)
-from router.schemas import APIError
+from kvwire.router.schemas import APIError
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Iterator
 import pytest
 import redis
 
-from cli.redis_server import LocalRedis
+from kvwire.cli.redis_server import LocalRedis
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +32,7 @@ def redis_url(redis_server: LocalRedis) -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A random tiny checkpoint (seed 0), written once per session."""
-    from engine.init_model import write_random_checkpoint
+    from kvwire.engine.init_model import write_random_checkpoint
 
     path = tmp_path_factory.mktemp("models") / "tiny"
     write_random_checkpoint(path, "tiny", 0)
@@ -46,8 +46,8 @@ def pytest_addoption(parser):
 
 def pytest_generate_tests(metafunc):
     if "connector_kind" in metafunc.fixturenames:
-        from connectors.config import ConnectorKind
-        from connectors.factory import available_connectors
+        from kvwire.connectors.config import ConnectorKind
+        from kvwire.connectors.factory import available_connectors
 
         chosen = metafunc.config.getoption("--connector") or available_connectors()
         metafunc.parametrize("connector_kind", [ConnectorKind(c) for c in chosen], ids=str)

@@ -9,12 +9,12 @@ rest, and reports which transport each transfer used.
 
 from __future__ import annotations
 
-from connectors.auto.puller import AutoPuller
-from connectors.config import ConnectorKind
-from connectors.kv_region import KVRegion
-from connectors.shm.connector import SHMConnector
-from connectors.transfer_server import SendEngine
-from connectors.ucx.server import UCXSendEngine
+from kvwire.connectors.auto.puller import AutoPuller
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.shm.connector import SHMConnector
+from kvwire.connectors.transfer_server import SendEngine
+from kvwire.connectors.ucx.server import UCXSendEngine
 
 
 class AutoConnector(SHMConnector):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from connectors.config import ConnectorKind
-from connectors.host import host_identity
-from connectors.kv_region import KVRegion
-from connectors.offers import narrow
-from connectors.shm.puller import SHMPuller
-from connectors.ucx.puller import UCXPuller
-from connectors.wire import KVLocation
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.host import host_identity
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.offers import narrow
+from kvwire.connectors.shm.puller import SHMPuller
+from kvwire.connectors.ucx.puller import UCXPuller
+from kvwire.connectors.wire import KVLocation
 
 
 def preference(loc: KVLocation) -> list[ConnectorKind]:

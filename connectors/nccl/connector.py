@@ -7,10 +7,10 @@ transport address; see `connectors.nccl.pairs`.
 
 from __future__ import annotations
 
-from connectors.directory_connector import DirectoryConnector
-from connectors.kv_region import KVRegion
-from connectors.nccl.puller import NCCLPuller
-from connectors.nccl.send_engine import NCCLSendEngine
+from kvwire.connectors.directory_connector import DirectoryConnector
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.nccl.puller import NCCLPuller
+from kvwire.connectors.nccl.send_engine import NCCLSendEngine
 
 
 class NCCLConnector(DirectoryConnector):

@@ -28,7 +28,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from connectors.kv_region import as_bytes
+from kvwire.connectors.kv_region import as_bytes
 
 PIECE_BITS = 16  # low tag bits: piece index within one transfer
 MAX_PIECES = 1 << PIECE_BITS

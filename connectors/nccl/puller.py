@@ -26,13 +26,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from connectors.base import TransferError
-from connectors.kv_region import KVRegion, consumer_pieces
-from connectors.nccl.pairs import (CONSUMER, MAX_PIECES, GroupFactory, PairGroup, connect_store, consumer_key,
+from kvwire.connectors.base import TransferError
+from kvwire.connectors.kv_region import KVRegion, consumer_pieces
+from kvwire.connectors.nccl.pairs import (CONSUMER, MAX_PIECES, GroupFactory, PairGroup, connect_store, consumer_key,
                                    detached, open_key, pair_prefix)
-from connectors.side_channel import SideChannelClient
-from connectors.wire import KVLocation, PullRequest
-from engine.wakeup import Wakeup
+from kvwire.connectors.side_channel import SideChannelClient
+from kvwire.connectors.wire import KVLocation, PullRequest
+from kvwire.engine.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from connectors.base import TransferError
-from connectors.kv_region import KVRegion
-from connectors.nccl.pairs import (MAX_PIECES, PRODUCER, GroupFactory, PairGroup, consumer_key, detached,
+from kvwire.connectors.base import TransferError
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.nccl.pairs import (MAX_PIECES, PRODUCER, GroupFactory, PairGroup, consumer_key, detached,
                                    host_store, open_key, pair_prefix)
-from connectors.transfer_server import SendEngine, SendJob
+from kvwire.connectors.transfer_server import SendEngine, SendJob
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import stat
 import struct
 from pathlib import Path
 
-from connectors.wire import Message, WireError, pack, unpack
+from kvwire.connectors.wire import Message, WireError, pack, unpack
 
 log = logging.getLogger(__name__)
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from connectors.config import ConnectorConfig, NodeRole
-from connectors.directory_connector import DirectoryConnector
-from connectors.kv_region import KVRegion
-from connectors.shm.engine import SHMSendEngine
-from connectors.shm.puller import SHMPuller
-from connectors.shm.segment import HostSegment, PoolSegment
-from connectors.wire import KVLayout
-from engine.kv_cache import KVPool
+from kvwire.connectors.config import ConnectorConfig, NodeRole
+from kvwire.connectors.directory_connector import DirectoryConnector
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.shm.engine import SHMSendEngine
+from kvwire.connectors.shm.puller import SHMPuller
+from kvwire.connectors.shm.segment import HostSegment, PoolSegment
+from kvwire.connectors.wire import KVLayout
+from kvwire.engine.kv_cache import KVPool
 
 
 class SHMConnector(DirectoryConnector):
@@ -42,7 +42,7 @@ class SHMConnector(DirectoryConnector):
             raise RuntimeError(f"node {self.config.node_id}: the KV pool is allocated once")
         device = torch.device(device)
         if device.type == "cuda":
-            from connectors.shm.cuda_ipc import CudaSegment
+            from kvwire.connectors.shm.cuda_ipc import CudaSegment
 
             self._segment = CudaSegment.create(self.config.node_id, self.epoch, layout, num_blocks, device)
         elif device.type == "cpu":

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from connectors.kv_region import KVRegion
-from connectors.wire import CudaIpcHandle, KVLayout, ShmSegment
-from engine.kv_cache import KVPool
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.wire import CudaIpcHandle, KVLayout, ShmSegment
+from kvwire.engine.kv_cache import KVPool
 
 
 @dataclass

@@ -27,15 +27,15 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from connectors.base import TransferError
-from connectors.config import ConnectorKind
-from connectors.host import host_identity
-from connectors.kv_region import KVRegion, plan_runs
-from connectors.shm.channel import close_fds, connect, hung_up, recv_msg, send_msg
-from connectors.shm.copier import BlockCopier
-from connectors.shm.cuda_ipc import map_cuda, synchronize
-from connectors.shm.segment import map_host, unpack_tensors
-from connectors.wire import KVLocation, PullReply, PullRequest, ShmHello, ShmSegment
+from kvwire.connectors.base import TransferError
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.host import host_identity
+from kvwire.connectors.kv_region import KVRegion, plan_runs
+from kvwire.connectors.shm.channel import close_fds, connect, hung_up, recv_msg, send_msg
+from kvwire.connectors.shm.copier import BlockCopier
+from kvwire.connectors.shm.cuda_ipc import map_cuda, synchronize
+from kvwire.connectors.shm.segment import map_host, unpack_tensors
+from kvwire.connectors.wire import KVLocation, PullReply, PullRequest, ShmHello, ShmSegment
 
 
 @dataclass(eq=False)

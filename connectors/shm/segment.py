@@ -23,10 +23,10 @@ from typing import Protocol
 
 import torch
 
-from connectors.kv_region import KVRegion
-from connectors.shm.channel import node_prefix
-from connectors.wire import KVLayout, ShmSegment
-from engine.kv_cache import TORCH_DTYPES, KVPool
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.shm.channel import node_prefix
+from kvwire.connectors.wire import KVLayout, ShmSegment
+from kvwire.engine.kv_cache import TORCH_DTYPES, KVPool
 
 _SIZE_SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK  # a mapping can never outgrow its file (no SIGBUS)
 

@@ -7,10 +7,10 @@ node it builds a `TCPPuller` (random token, connections opened on first pull).
 
 from __future__ import annotations
 
-from connectors.directory_connector import DirectoryConnector
-from connectors.kv_region import KVRegion
-from connectors.tcp.engine import TCPSendEngine
-from connectors.tcp.puller import TCPPuller
+from kvwire.connectors.directory_connector import DirectoryConnector
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.tcp.engine import TCPSendEngine
+from kvwire.connectors.tcp.puller import TCPPuller
 
 
 class TCPConnector(DirectoryConnector):

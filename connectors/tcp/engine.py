@@ -30,11 +30,11 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from connectors.base import TransferError
-from connectors.tcp.frames import (ACK, DATA_MAGIC, HEADER, HELLO, HELLO_MAGIC, SOCKET_BUFFER_BYTES, encode_address,
+from kvwire.connectors.base import TransferError
+from kvwire.connectors.tcp.frames import (ACK, DATA_MAGIC, HEADER, HELLO, HELLO_MAGIC, SOCKET_BUFFER_BYTES, encode_address,
                                    tune)
-from connectors.tcp.stream import ByteStream, Staging
-from connectors.transfer_server import SendEngine, SendJob
+from kvwire.connectors.tcp.stream import ByteStream, Staging
+from kvwire.connectors.transfer_server import SendEngine, SendJob
 
 log = logging.getLogger(__name__)
 

@@ -25,12 +25,12 @@ import time
 
 import torch
 
-from connectors.base import TransferError
-from connectors.kv_region import KVRegion, consumer_parts
-from connectors.side_channel import SideChannelClient
-from connectors.tcp.frames import ACK, DATA_MAGIC, HEADER, HELLO, HELLO_MAGIC, TOKEN_BYTES, parse_address, tune
-from connectors.tcp.stream import ByteStream, Staging
-from connectors.wire import KVLocation, PullRequest
+from kvwire.connectors.base import TransferError
+from kvwire.connectors.kv_region import KVRegion, consumer_parts
+from kvwire.connectors.side_channel import SideChannelClient
+from kvwire.connectors.tcp.frames import ACK, DATA_MAGIC, HEADER, HELLO, HELLO_MAGIC, TOKEN_BYTES, parse_address, tune
+from kvwire.connectors.tcp.stream import ByteStream, Staging
+from kvwire.connectors.wire import KVLocation, PullRequest
 
 
 class TCPPuller:

@@ -18,8 +18,8 @@ import socket
 
 import torch
 
-from connectors.kv_region import Part, byte_parts, part_nbytes
-from connectors.tcp.frames import IOV_MAX
+from kvwire.connectors.kv_region import Part, byte_parts, part_nbytes
+from kvwire.connectors.tcp.frames import IOV_MAX
 
 STAGING_BYTES = 8 << 20  # per connection with device parts; PCIe outruns TCP, so one buffer suffices
 

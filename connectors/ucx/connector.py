@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from connectors.directory_connector import DirectoryConnector
-from connectors.kv_region import KVRegion
-from connectors.ucx.puller import UCXPuller
-from connectors.ucx.server import UCXSendEngine
+from kvwire.connectors.directory_connector import DirectoryConnector
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.ucx.puller import UCXPuller
+from kvwire.connectors.ucx.server import UCXSendEngine
 
 
 class UCXConnector(DirectoryConnector):

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from collections import deque
 
-from connectors.kv_region import Part, part_nbytes
-from connectors.layer_gate import LayerGate
-from connectors.ucx.packing import Message, Staging, gather, plan_messages, scatter
+from kvwire.connectors.kv_region import Part, part_nbytes
+from kvwire.connectors.layer_gate import LayerGate
+from kvwire.connectors.ucx.packing import Message, Staging, gather, plan_messages, scatter
 # ucxx only through transport, which sets UCX's environment before importing it
-from connectors.ucx.transport import Array, Requests, UCXTransport, all_done, check_errors, tag_of, ucx
+from kvwire.connectors.ucx.transport import Array, Requests, UCXTransport, all_done, check_errors, tag_of, ucx
 
 PULL_SLOTS = 8  # staging slots one pull's sends may hold at once: a consumer that stops reading cannot hold them all
 _Pack = tuple[object, Array, memoryview, Message]  # a posted pack: request, its buffer, the slot, the message

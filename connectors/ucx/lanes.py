@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import threading
 
-from connectors.kv_region import Part
-from connectors.ucx.flows import Inbound
-from connectors.ucx.packing import Staging
-from connectors.ucx.transport import MAX_LANES, Role, UCXTransport, pack_lanes
+from kvwire.connectors.kv_region import Part
+from kvwire.connectors.ucx.flows import Inbound
+from kvwire.connectors.ucx.packing import Staging
+from kvwire.connectors.ucx.transport import MAX_LANES, Role, UCXTransport, pack_lanes
 
 WAIT_SLICE_S = 0.001  # how long the caller sleeps on a busy lane thread before it looks at its side channel again
 LANE_SLOTS = 4  # staging slots per lane: packs being received or unpacked at once

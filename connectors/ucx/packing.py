@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from connectors.kv_region import Part, part_nbytes
+from kvwire.connectors.kv_region import Part, part_nbytes
 
 PACK_BYTES = 1 << 20  # one packed message at most (and a staging slot's size)
 PACK_BELOW = 256 << 10  # a consumer's threshold: pieces smaller than this travel packed

@@ -18,13 +18,13 @@ import itertools
 
 import torch
 
-from connectors.base import TransferError
-from connectors.kv_region import KVRegion, consumer_parts, part_nbytes
-from connectors.side_channel import SideChannelClient
-from connectors.ucx.lanes import ReceiveLanes
-from connectors.ucx.packing import PACK_BELOW
-from connectors.ucx.transport import MAX_PIECES
-from connectors.wire import KVLocation, PullRequest
+from kvwire.connectors.base import TransferError
+from kvwire.connectors.kv_region import KVRegion, consumer_parts, part_nbytes
+from kvwire.connectors.side_channel import SideChannelClient
+from kvwire.connectors.ucx.lanes import ReceiveLanes
+from kvwire.connectors.ucx.packing import PACK_BELOW
+from kvwire.connectors.ucx.transport import MAX_PIECES
+from kvwire.connectors.wire import KVLocation, PullRequest
 
 
 class UCXPuller:

@@ -9,10 +9,10 @@ waits for a layer and has nothing in flight the server thread sleeps (the gate w
 
 from __future__ import annotations
 
-from connectors.transfer_server import SendEngine, SendJob
-from connectors.ucx.flows import Outbound
-from connectors.ucx.packing import Staging
-from connectors.ucx.transport import MAX_PIECES, Role, UCXTransport
+from kvwire.connectors.transfer_server import SendEngine, SendJob
+from kvwire.connectors.ucx.flows import Outbound
+from kvwire.connectors.ucx.packing import Staging
+from kvwire.connectors.ucx.transport import MAX_PIECES, Role, UCXTransport
 
 SEND_SLOTS = 16  # staging slots (of PACK_BYTES) for packed sends, all pulls together
 

@@ -32,7 +32,7 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 import ucxx._lib.libucxx as ucx  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
 
-from connectors.config import MAX_PULL_LANES as MAX_LANES  # noqa: E402
+from kvwire.connectors.config import MAX_PULL_LANES as MAX_LANES  # noqa: E402
 
 SEGMENT_BITS = 24  # low tag bits: message index within one transfer, and whether it is packed
 PACKED_BIT = 1 << (SEGMENT_BITS - 1)  # set in every tag of a packed transfer (packing.py)

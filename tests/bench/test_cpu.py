@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from bench.cpu import CpuTally, CpuTicks, read_ticks
+from kvwire.bench.cpu import CpuTally, CpuTicks, read_ticks
 
 pytestmark = pytest.mark.skipif(read_ticks() is None, reason="no /proc/stat")
 

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from bench.directory import bench_directory
+from kvwire.bench.directory import bench_directory
 
 
 def test_bench_counts_verified_operations(redis_url):
@@ -19,7 +19,7 @@ def test_bench_counts_verified_operations(redis_url):
 
 
 def test_cli_prints_json():
-    done = subprocess.run([sys.executable, "-m", "cli.main", "bench", "directory", "--requests", "300", "--batch",
+    done = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "bench", "directory", "--requests", "300", "--batch",
                            "50", "--json"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.e2e import bench_e2e
-from cli.demo_cmd import PROMPTS
-from connectors.config import ConnectorKind
+from kvwire.bench.e2e import bench_e2e
+from kvwire.cli.demo_cmd import PROMPTS
+from kvwire.connectors.config import ConnectorKind
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from bench.handoff import bench_handoff, demo_prompt_lengths
-from cli.demo_cmd import PROMPTS
+from kvwire.bench.handoff import bench_handoff, demo_prompt_lengths
+from kvwire.cli.demo_cmd import PROMPTS
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def test_each_length_is_timed_after_either_process(tiny_model_dir):
 
 
 def test_cli_prints_json(tiny_model_dir):
-    done = subprocess.run([sys.executable, "-m", "cli.main", "bench", "handoff", "--model", str(tiny_model_dir),
+    done = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "bench", "handoff", "--model", str(tiny_model_dir),
                            "--tokens", "3", "--rounds", "1", "--json"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert [r["tokens"] for r in json.loads(done.stdout)] == [3]

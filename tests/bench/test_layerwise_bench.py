@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from bench.layerwise import bench_layerwise
-from bench.workload import Placement, Workload
-from connectors.config import ConnectorKind
+from kvwire.bench.layerwise import bench_layerwise
+from kvwire.bench.workload import Placement, Workload
+from kvwire.connectors.config import ConnectorKind
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ def test_layerwise_result_is_verified_and_consistent(redis_url, kind):
 
 
 def test_cli_layerwise_json():
-    done = subprocess.run([sys.executable, "-m", "cli.main", "bench", "transfer", "--layerwise", "--tokens", "32",
+    done = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "bench", "transfer", "--layerwise", "--tokens", "32",
                            "--layouts", "contiguous", "--pools", "vllm", "--methods", "ucx,nixl", "--runs", "1", "--warmup", "0", "--json"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

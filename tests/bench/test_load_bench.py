@@ -7,11 +7,11 @@ import dataclasses
 import msgspec
 import pytest
 
-from bench.load import (Drained, LoadConfig, LoadResult, Outcome, PoolState, ProcessMemory, _Sample, bench_load,
+from kvwire.bench.load import (Drained, LoadConfig, LoadResult, Outcome, PoolState, ProcessMemory, _Sample, bench_load,
                         build_workload, prompt_mix, summarize, table)
-from cli.demo_cmd import PROMPTS
-from connectors.config import ConnectorKind, NodeRole
-from connectors.wire import SamplingParams
+from kvwire.cli.demo_cmd import PROMPTS
+from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.wire import SamplingParams
 
 
 def test_prompt_mix_is_deterministic_and_varied(tmp_path):
@@ -69,8 +69,8 @@ def test_small_load_loses_nothing_and_memory_returns(tiny_model_dir):
 
 
 def test_workload_references_match_each_prompt_run_alone(tiny_model_dir):
-    from engine.reference import generate
-    from engine.tokenizer import load_tokenizer
+    from kvwire.engine.reference import generate
+    from kvwire.engine.tokenizer import load_tokenizer
 
     cfg = LoadConfig(model_dir=tiny_model_dir, requests=20, distinct_prompts=10, max_tokens=3, max_prompt_chars=50)
     work = build_workload(cfg)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.memory import PeakTracker
+from kvwire.bench.memory import PeakTracker
 
 
 def test_peak_counts_transient_memory_only():

@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from bench.transfer import Method, bench_transfer, combinations
-from bench.workload import Placement, Workload, allocate_pool, piece_table
-from connectors.kv_region import KVRegion
-from connectors.wire import PoolLayout
+from kvwire.bench.transfer import Method, bench_transfer, combinations
+from kvwire.bench.workload import Placement, Workload, allocate_pool, piece_table
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.wire import PoolLayout
 
 pytestmark = pytest.mark.slow
 KVWIRE, VLLM = PoolLayout.KVWIRE, PoolLayout.VLLM
@@ -52,7 +52,7 @@ def test_rows_are_verified_for_limits_nixl_and_connectors_in_both_pools(redis_ur
 
 def test_cli_prints_json_rows_and_draws_the_plot(tmp_path):
     png = tmp_path / "transfer.png"
-    done = subprocess.run([sys.executable, "-m", "cli.main", "bench", "transfer", "--tokens", "16,32", "--methods",
+    done = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "bench", "transfer", "--tokens", "16,32", "--methods",
                            "limit-memcpy,ucx,nixl-tcp", "--layouts", "contiguous", "--pools", "kvwire", "--runs", "1",
                            "--warmup", "0", "--json", "--plot", str(png)],
                           capture_output=True, text=True, timeout=300)
@@ -86,8 +86,8 @@ def test_rounds_interleave_methods_and_pool_their_runs(redis_url):
 
 
 def test_target_lines_compare_medians_of_the_same_work():
-    from bench.report import Row
-    from bench.transfer import target_lines
+    from kvwire.bench.report import Row
+    from kvwire.bench.transfer import target_lines
 
     def row(method, gbps, tokens=2048):
         return Row(method=method, tokens=tokens, layout="scattered", pool="kvwire", bytes=1, runs=5,
@@ -101,8 +101,8 @@ def test_target_lines_compare_medians_of_the_same_work():
 
 
 def test_gpu_runs_only_the_methods_that_move_device_memory_on_one_gpu():
-    from bench.transfer import supports
-    from bench.workload import Device
+    from kvwire.bench.transfer import supports
+    from kvwire.bench.workload import Device
 
     on_gpu = {m for m in Method if supports(m, KVWIRE, Device.CUDA)}
     assert on_gpu == {Method.LIMIT_MEMCPY, Method.UCX, Method.SHM, Method.TCP, Method.AUTO}
@@ -111,13 +111,13 @@ def test_gpu_runs_only_the_methods_that_move_device_memory_on_one_gpu():
 
 
 def test_cli_refuses_a_gpu_layerwise_run():
-    done = subprocess.run([sys.executable, "-m", "cli.main", "bench", "transfer", "--layerwise", "--device", "cuda"],
+    done = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "bench", "transfer", "--layerwise", "--device", "cuda"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "host memory only" in done.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gives")
 def test_cli_says_so_when_there_is_no_gpu():
-    done = subprocess.run([sys.executable, "-m", "cli.main", "bench", "transfer", "--device", "cuda"],
+    done = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "bench", "transfer", "--device", "cuda"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "no CUDA device" in done.stderr

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import typer
 
-from cli.options import node_config
-from connectors.config import ConnectorKind, NodeRole
+from kvwire.cli.options import node_config
+from kvwire.connectors.config import ConnectorKind, NodeRole
 
 
 def _config(model_dir, connector=ConnectorKind.UCX, **kw):

@@ -7,10 +7,10 @@ import time
 import msgspec
 from typer.testing import CliRunner
 
-from cli.main import app
-from connectors.config import NodeRole
-from connectors.directory import KVDirectory
-from observability.status import ClusterStatus
+from kvwire.cli.main import app
+from kvwire.connectors.config import NodeRole
+from kvwire.connectors.directory import KVDirectory
+from kvwire.observability.status import ClusterStatus
 from tests.connectors.test_directory import node
 
 runner = CliRunner()

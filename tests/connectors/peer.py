@@ -12,12 +12,12 @@ import zlib
 
 import torch
 
-from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from connectors.factory import create_connector
-from connectors.types import IntermediateTensors
-from connectors.wire import DType, KVLayout
-from engine.kv_cache import TORCH_DTYPES
-from engine.model_input import ModelInput, SequenceInput
+from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
+from kvwire.connectors.factory import create_connector
+from kvwire.connectors.types import IntermediateTensors
+from kvwire.connectors.wire import DType, KVLayout
+from kvwire.engine.kv_cache import TORCH_DTYPES
+from kvwire.engine.model_input import ModelInput, SequenceInput
 
 HIDDEN = 24
 
@@ -48,8 +48,8 @@ def config(kind: ConnectorKind, role: NodeRole, node_id: str, redis_url: str, de
 def _die_on_first_send(conn) -> None:
     """Make this process SIGKILL itself right after any of its transports starts the first pull (shared memory,
     where the consumer reads by itself: when the first read is claimed, before it is confirmed)."""
-    import connectors.tcp.engine as tcp_engine
-    from connectors.shm.engine import SHMSendEngine
+    import kvwire.connectors.tcp.engine as tcp_engine
+    from kvwire.connectors.shm.engine import SHMSendEngine
 
     tcp_engine.TURN_BUDGET_BYTES = 1  # TCP's start() then writes one batch (what the socket takes), not the lot
 

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from connectors import auth
-from connectors.auth import AuthError
-from connectors.wire import PullReply, WireError, encode, pack, unpack
+from kvwire.connectors import auth
+from kvwire.connectors.auth import AuthError
+from kvwire.connectors.wire import PullReply, WireError, encode, pack, unpack
 
 SECRET = b"s" * 32
 MSG = PullReply(request_id="r1", transfer_id=7, ok=True, reason="")

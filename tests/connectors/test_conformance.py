@@ -12,12 +12,12 @@ import time
 import pytest
 import torch
 
-from connectors.config import ConnectorKind, NodeRole
-from connectors.directory import KVDirectory
-from connectors.factory import create_connector
-from connectors.types import IntermediateTensors
-from connectors.wire import DType
-from engine.model_input import ModelInput, SequenceInput
+from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.factory import create_connector
+from kvwire.connectors.types import IntermediateTensors
+from kvwire.connectors.wire import DType
+from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
 CTX = mp.get_context("spawn")

@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
-from cli.redis_server import LocalRedis
-from connectors.config import ConnectorKind, NodeRole
-from connectors.directory import (
+from kvwire.cli.redis_server import LocalRedis
+from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.directory import (
     LEGAL_TRANSITIONS,
     TERMINAL_STATES,
     DirectoryError,
@@ -20,8 +20,8 @@ from connectors.directory import (
     StaleNodeError,
     TransferState,
 )
-from connectors.heartbeat import Heartbeat
-from connectors.wire import DType, KVLayout, KVLocation, NodeInfo, TensorDesc
+from kvwire.connectors.heartbeat import Heartbeat
+from kvwire.connectors.wire import DType, KVLayout, KVLocation, NodeInfo, TensorDesc
 
 S = TransferState
 EDGES = [(src, dst) for src, dsts in LEGAL_TRANSITIONS.items() for dst in dsts]
@@ -399,7 +399,7 @@ def test_heartbeat_survives_an_outage(crashable: LocalRedis, caplog: pytest.LogC
     beat = Heartbeat(directory, lambda: node("prefill-0", NodeRole.PREFILL))
     beat.start()
     try:
-        with caplog.at_level(logging.ERROR, logger="connectors.directory"):
+        with caplog.at_level(logging.ERROR, logger="kvwire.connectors.directory"):
             crashable.kill()
             time.sleep(0.3)
         assert any("heartbeat of node prefill-0 failed" in r.getMessage() for r in caplog.records)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from bench.directory import _location
-from connectors.directory import KVDirectory, TransferState
-from connectors.directory_batch import DirectoryBatch
+from kvwire.bench.directory import _location
+from kvwire.connectors.directory import KVDirectory, TransferState
+from kvwire.connectors.directory_batch import DirectoryBatch
 
 
 def test_batch_runs_the_same_checks_as_single_steps(redis_url):

@@ -18,12 +18,12 @@ import uuid
 
 import pytest
 
-from cli.redis_sentinel import LocalSentinel
-from cli.redis_server import LocalRedis
-from connectors.config import ConnectorKind, NodeRole
-from connectors.directory import DirectoryError, KVDirectory, TransferState
-from connectors.heartbeat import Heartbeat
-from connectors.wire import NodeInfo
+from kvwire.cli.redis_sentinel import LocalSentinel
+from kvwire.cli.redis_server import LocalRedis
+from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.directory import DirectoryError, KVDirectory, TransferState
+from kvwire.connectors.heartbeat import Heartbeat
+from kvwire.connectors.wire import NodeInfo
 from tests.connectors.test_directory import location
 
 DEFAULT_PW = "default-s3cret"

@@ -1,8 +1,8 @@
 import pytest
 
-from connectors.base import KVConnectorBase
-from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from connectors.factory import available_connectors, connector_class, create_connector, register_connector
+from kvwire.connectors.base import KVConnectorBase
+from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
+from kvwire.connectors.factory import available_connectors, connector_class, create_connector, register_connector
 
 
 def test_every_connector_kind_is_registered_and_lazily_importable():
@@ -18,7 +18,7 @@ def test_unknown_name_fails_loudly():
 
 def test_double_registration_is_refused():
     with pytest.raises(ValueError, match="already registered"):
-        register_connector("ucx", "connectors.ucx.connector", "UCXConnector")
+        register_connector("ucx", "kvwire.connectors.ucx.connector", "UCXConnector")
 
 
 def test_create_connector_builds_the_configured_kind(redis_url):

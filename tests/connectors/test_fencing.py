@@ -6,12 +6,12 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from bench.directory import _location
-from connectors.config import ConnectorKind, NodeRole
-from connectors.directory import KVDirectory, StaleNodeError, TransferState
-from connectors.directory_batch import DirectoryBatch
-from connectors.factory import create_connector
-from connectors.incarnations import fail_earlier_incarnations
+from kvwire.bench.directory import _location
+from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.directory import KVDirectory, StaleNodeError, TransferState
+from kvwire.connectors.directory_batch import DirectoryBatch
+from kvwire.connectors.factory import create_connector
+from kvwire.connectors.incarnations import fail_earlier_incarnations
 from tests.connectors import peer
 
 

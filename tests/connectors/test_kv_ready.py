@@ -6,15 +6,15 @@ from types import SimpleNamespace
 
 import torch
 
-from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from connectors.directory import KVDirectory, TransferState
-from connectors.factory import create_connector
-from connectors.held import HeldTable
-from connectors.kv_region import KVRegion
-from connectors.sender import KVSender
-from connectors.wire import KVLocation, PullRequest
-from engine.kv_cache import KVPool
-from engine.model_input import ModelInput, SequenceInput
+from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
+from kvwire.connectors.directory import KVDirectory, TransferState
+from kvwire.connectors.factory import create_connector
+from kvwire.connectors.held import HeldTable
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.sender import KVSender
+from kvwire.connectors.wire import KVLocation, PullRequest
+from kvwire.engine.kv_cache import KVPool
+from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
 

@@ -10,14 +10,14 @@ import time
 import pytest
 import torch
 
-from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from connectors.factory import create_connector
-from connectors.kv_region import KVRegion, plan_runs
-from connectors.layer_gate import LayerGate
-from bench.workload import Placement, Workload, allocate_pool
-from connectors.wire import DType, KVLayout, PoolLayout
-from engine.kv_cache import KVPool
-from engine.model_input import ModelInput, SequenceInput
+from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
+from kvwire.connectors.factory import create_connector
+from kvwire.connectors.kv_region import KVRegion, plan_runs
+from kvwire.connectors.layer_gate import LayerGate
+from kvwire.bench.workload import Placement, Workload, allocate_pool
+from kvwire.connectors.wire import DType, KVLayout, PoolLayout
+from kvwire.engine.kv_cache import KVPool
+from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
 CTX = mp.get_context("spawn")
@@ -183,9 +183,9 @@ def test_layerwise_needs_tcp_or_ucx_and_no_checksums():
 def test_a_layerwise_request_released_during_its_forward_is_never_published_again(redis_url):
     from types import SimpleNamespace
 
-    from connectors.directory import KVDirectory, TransferState
-    from connectors.held import HeldTable
-    from connectors.sender import KVSender
+    from kvwire.connectors.directory import KVDirectory, TransferState
+    from kvwire.connectors.held import HeldTable
+    from kvwire.connectors.sender import KVSender
 
     directory = KVDirectory(redis_url)
     region = KVRegion.from_kv_caches(KVPool.allocate(peer.layout(), 8, "cpu").kv_caches)

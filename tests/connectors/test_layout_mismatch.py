@@ -7,11 +7,11 @@ import msgspec
 import pytest
 import torch
 
-from bench.workload import Placement, Workload, allocate_pool
-from connectors.config import ConnectorKind, NodeRole
-from connectors.factory import create_connector
-from connectors.wire import DType, PoolLayout
-from engine.model_input import ModelInput, SequenceInput
+from kvwire.bench.workload import Placement, Workload, allocate_pool
+from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.factory import create_connector
+from kvwire.connectors.wire import DType, PoolLayout
+from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
 BASE = peer.layout(DType.FLOAT32, layers=3, block_size=4)

@@ -14,11 +14,11 @@ import time
 import pytest
 import torch
 
-from connectors.config import ConnectorKind, NodeRole
-from connectors.factory import create_connector
-from connectors.nccl.pairs import MAX_PIECES, Backend, backend_for, parse_address, tag_for
-from connectors.wire import DType
-from engine.model_input import ModelInput, SequenceInput
+from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.factory import create_connector
+from kvwire.connectors.nccl.pairs import MAX_PIECES, Backend, backend_for, parse_address, tag_for
+from kvwire.connectors.wire import DType
+from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
 CTX = mp.get_context("spawn")

@@ -2,12 +2,12 @@
 
 import pytest
 
-from connectors.auto.puller import preference
-from connectors.base import TransferError
-from connectors.config import ConnectorKind
-from connectors.host import host_identity
-from connectors.offers import narrow
-from connectors.wire import DType, KVLayout, KVLocation, TransportOffer
+from kvwire.connectors.auto.puller import preference
+from kvwire.connectors.base import TransferError
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.host import host_identity
+from kvwire.connectors.offers import narrow
+from kvwire.connectors.wire import DType, KVLayout, KVLocation, TransportOffer
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, dtype=DType.FLOAT32)
 

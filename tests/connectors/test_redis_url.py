@@ -6,8 +6,8 @@ import pytest
 import redis
 from redis.sentinel import SentinelConnectionPool, SentinelManagedSSLConnection
 
-from connectors.directory import KVDirectory
-from connectors.redis_url import DEFAULT_SENTINEL_PORT, connection_pool, is_sentinel_url, masked, parse_sentinel_url
+from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.redis_url import DEFAULT_SENTINEL_PORT, connection_pool, is_sentinel_url, masked, parse_sentinel_url
 
 
 @pytest.mark.parametrize("url, want", [

@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from connectors.config import ConnectorKind, NodeRole
-from connectors.directory import KVDirectory
-from connectors.factory import create_connector
-from connectors.shm.channel import close_fds, connect, node_prefix, recv_msg, remove_stale, send_msg, socket_dir
-from connectors.wire import KVLocation, PullReply, PullRequest, ShmHello, ShmSegment
-from engine.model_input import ModelInput, SequenceInput
+from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.factory import create_connector
+from kvwire.connectors.shm.channel import close_fds, connect, node_prefix, recv_msg, remove_stale, send_msg, socket_dir
+from kvwire.connectors.wire import KVLocation, PullReply, PullRequest, ShmHello, ShmSegment
+from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
 CTX = mp.get_context("spawn")

@@ -19,19 +19,19 @@ import pytest
 import torch
 import zmq
 
-from connectors.base import TransferError
-from connectors.config import ConnectorKind
-from connectors.held import HeldRequest, HeldTable
-from connectors.kv_region import KVRegion
-from connectors.tcp import engine as tcp_engine
-from connectors.tcp.engine import TCPSendEngine
-from connectors.tcp.frames import (ACK, DATA_MAGIC, HEADER, HELLO, HELLO_MAGIC, IOV_MAX, encode_address,
+from kvwire.connectors.base import TransferError
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.held import HeldRequest, HeldTable
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.tcp import engine as tcp_engine
+from kvwire.connectors.tcp.engine import TCPSendEngine
+from kvwire.connectors.tcp.frames import (ACK, DATA_MAGIC, HEADER, HELLO, HELLO_MAGIC, IOV_MAX, encode_address,
                                    parse_address)
-from connectors.tcp.puller import TCPPuller
-from connectors.tcp.stream import ByteStream, Staging, byte_parts
-from connectors.transfer_server import TransferServer
-from connectors.wire import DType, KVLocation, PullReply, PullRequest, TensorDesc, decode, encode
-from engine.kv_cache import KVPool
+from kvwire.connectors.tcp.puller import TCPPuller
+from kvwire.connectors.tcp.stream import ByteStream, Staging, byte_parts
+from kvwire.connectors.transfer_server import TransferServer
+from kvwire.connectors.wire import DType, KVLocation, PullReply, PullRequest, TensorDesc, decode, encode
+from kvwire.engine.kv_cache import KVPool
 from tests.connectors import peer
 
 LAYOUT = peer.layout(DType.FLOAT32, layers=4, block_size=16)  # 8 KiB blocks

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from connectors.types import IntermediateTensors, ModelRunnerOutput, RequestMetrics
+from kvwire.connectors.types import IntermediateTensors, ModelRunnerOutput, RequestMetrics
 
 
 def _it():

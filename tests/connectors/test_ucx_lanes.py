@@ -10,13 +10,13 @@ import time
 import pytest
 import torch
 
-from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from connectors.factory import create_connector
-from connectors.ucx.flows import Outbound
-from connectors.ucx.packing import Staging
-from connectors.ucx.transport import LANES_MAGIC, Role, UCXTransport, pack_lanes, unpack_lanes
-from connectors.wire import DType
-from engine.model_input import ModelInput, SequenceInput
+from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
+from kvwire.connectors.factory import create_connector
+from kvwire.connectors.ucx.flows import Outbound
+from kvwire.connectors.ucx.packing import Staging
+from kvwire.connectors.ucx.transport import LANES_MAGIC, Role, UCXTransport, pack_lanes, unpack_lanes
+from kvwire.connectors.wire import DType
+from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
 CTX = mp.get_context("spawn")
@@ -94,7 +94,7 @@ def test_pulls_over_any_number_of_lanes_are_byte_exact(redis_url, lanes):
 def test_lanes_cancel_what_never_came_and_serve_the_next_transfer():
     """A producer that never sends: stopping cancels every lane's receives (none can land late), the
     threads let go, and the same lanes then receive a real transfer byte for byte."""
-    from connectors.ucx.lanes import ReceiveLanes
+    from kvwire.connectors.ucx.lanes import ReceiveLanes
 
     producer = UCXTransport(Role.SENDER)
     lanes = ReceiveLanes(3)

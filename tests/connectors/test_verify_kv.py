@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from connectors.config import ConnectorKind, NodeRole
-from connectors.factory import create_connector
-from connectors.kv_checksum import layer_checksums
-from connectors.kv_region import KVRegion
-from engine.kv_cache import KVPool
-from engine.model_input import ModelInput, SequenceInput
+from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.factory import create_connector
+from kvwire.connectors.kv_checksum import layer_checksums
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.engine.kv_cache import KVPool
+from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
 LAY = peer.layout(layers=4, block_size=4)

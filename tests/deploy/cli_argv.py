@@ -21,7 +21,7 @@ Command = Any
 @functools.lru_cache(maxsize=1)
 def kvwire_group() -> Command:
     """The click group behind `kvwire` (`cli.main:app`, the console script's target)."""
-    from cli.main import app
+    from kvwire.cli.main import app
 
     return typer.main.get_command(app)
 

@@ -10,15 +10,15 @@ import time
 
 import pytest
 
-from connectors.base import KVConnectorBase
-from connectors.config import NodeRole
-from connectors.wire import SamplingParams
-from engine.block_allocator import BlockAllocator
-from engine.config import kv_layout
-from engine.kv_cache import KVPool
-from engine.llm_engine import LLMEngine
-from engine.loader import load_model
-from engine.runner import ModelRunner
+from kvwire.connectors.base import KVConnectorBase
+from kvwire.connectors.config import NodeRole
+from kvwire.connectors.wire import SamplingParams
+from kvwire.engine.block_allocator import BlockAllocator
+from kvwire.engine.config import kv_layout
+from kvwire.engine.kv_cache import KVPool
+from kvwire.engine.llm_engine import LLMEngine
+from kvwire.engine.loader import load_model
+from kvwire.engine.runner import ModelRunner
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0)
 PROMPT_A, PROMPT_B = list(range(10, 30)), list(range(60, 97))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model_input import SequenceInput
-from engine.ops import batch_invariant_linear, map_row_chunks, rms_norm
+from kvwire.engine.model_input import SequenceInput
+from kvwire.engine.ops import batch_invariant_linear, map_row_chunks, rms_norm
 
 TARGET = list(b"batch invariance is what lets two processes agree")
 OTHERS = [list(f"other sequence number {i} ".encode() * (i + 1)) for i in range(5)]  # 24 .. 120 tokens

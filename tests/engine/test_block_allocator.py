@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_allocator import BlockAllocator, OutOfBlocks
+from kvwire.engine.block_allocator import BlockAllocator, OutOfBlocks
 
 
 def test_allocate_and_free_return_to_start() -> None:

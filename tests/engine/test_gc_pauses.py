@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from engine.gc_pauses import freeze_startup_heap
+from kvwire.engine.gc_pauses import freeze_startup_heap
 
 
 class _Node:

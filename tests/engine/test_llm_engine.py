@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.wire import SamplingParams
-from engine.block_allocator import BlockAllocator
-from engine.config import kv_layout
-from engine.kv_cache import KVPool
-from engine.llm_engine import InvalidRequest, LLMEngine
-from engine.loader import load_model
-from engine.runner import ModelRunner
+from kvwire.connectors.wire import SamplingParams
+from kvwire.engine.block_allocator import BlockAllocator
+from kvwire.engine.config import kv_layout
+from kvwire.engine.kv_cache import KVPool
+from kvwire.engine.llm_engine import InvalidRequest, LLMEngine
+from kvwire.engine.loader import load_model
+from kvwire.engine.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.wire import DType
-from engine.config import PRESETS, ModelConfig, kv_layout
+from kvwire.connectors.wire import DType
+from kvwire.engine.config import PRESETS, ModelConfig, kv_layout
 
 
 def test_hf_dict_round_trip() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.wire import SamplingParams
-from engine.sampler import make_generator, sample, top_p_filter
+from kvwire.connectors.wire import SamplingParams
+from kvwire.engine.sampler import make_generator, sample, top_p_filter
 
 LOGITS = torch.tensor([1.0, 3.0, 0.5, 2.9, -1.0, 0.0])
 

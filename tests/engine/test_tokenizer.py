@@ -8,7 +8,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTok
 from tokenizers import models, pre_tokenizers, trainers
 
-from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from kvwire.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 
 def test_byte_round_trip() -> None:

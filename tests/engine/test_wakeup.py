@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import select
 
-from engine.wakeup import Wakeup
+from kvwire.engine.wakeup import Wakeup
 
 
 def test_wake_makes_the_fd_readable_and_drain_clears_it():

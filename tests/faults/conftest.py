@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cli.local_cluster import ClusterSpec, LocalCluster
-from connectors.config import ConnectorKind
+from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.connectors.config import ConnectorKind
 from tests.faults.harness import BS, KV_DEADLINE_S, Tally, live_processes, restart_node, restart_router
 
 TOTALS = Tally()

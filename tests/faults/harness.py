@@ -20,8 +20,8 @@ from typing import Callable
 import httpx
 import redis
 
-from cli.local_cluster import LocalCluster
-from connectors.directory import TERMINAL_STATES, KVDirectory
+from kvwire.cli.local_cluster import LocalCluster
+from kvwire.connectors.directory import TERMINAL_STATES, KVDirectory
 
 BS = 16
 KV_DEADLINE_S = 2.0

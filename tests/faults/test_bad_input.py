@@ -22,9 +22,9 @@ import msgspec
 import pytest
 import zmq
 
-from connectors.directory import KVDirectory, TransferState
-from connectors.config import ConnectorKind
-from connectors.wire import (WIRE_VERSION, DecodeWork, KVLayout, KVLocation, KVReady, DType, PrefillWork, PullReply,
+from kvwire.connectors.directory import KVDirectory, TransferState
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.wire import (WIRE_VERSION, DecodeWork, KVLayout, KVLocation, KVReady, DType, PrefillWork, PullReply,
                              PullRequest, SamplingParams, TokenChunk, WorkError, decode, encode)
 from tests.faults.harness import REQUEST_TIMEOUT_S, SLACK_S, body_for, is_openai_error, judge, metric, post, wait_recovered, wait_until
 from tests.faults.test_node_faults import reference

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from connectors.wire import SamplingParams
-from engine.reference import generate
+from kvwire.connectors.wire import SamplingParams
+from kvwire.engine.reference import generate
 from tests.faults.harness import (BS, KV_DEADLINE_S, REQUEST_TIMEOUT_S, SLACK_S, judge, metric, pool, post,
                                   body_for, restart_node, send_all, wait_recovered, wait_until)
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cli.local_cluster import ClusterSpec, LocalCluster
-from connectors.wire import SamplingParams
-from engine.reference import generate
+from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.connectors.wire import SamplingParams
+from kvwire.engine.reference import generate
 from tests.integration.cluster import complete_all
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

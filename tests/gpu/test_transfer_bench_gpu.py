@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.transfer import Method, bench_transfer
-from bench.workload import Device, Placement
-from connectors.wire import PoolLayout
+from kvwire.bench.transfer import Method, bench_transfer
+from kvwire.bench.workload import Device, Placement
+from kvwire.connectors.wire import PoolLayout
 
 pytestmark = pytest.mark.gpu
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

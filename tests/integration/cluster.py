@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from connectors.directory import KVDirectory
+from kvwire.connectors.directory import KVDirectory
 
 
 def complete(url: str, prompt, *, max_tokens: int = 12, temperature: float = 0.0, seed=None, timeout: float = 120.0) -> dict:

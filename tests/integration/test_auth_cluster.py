@@ -7,11 +7,11 @@ import time
 import pytest
 import zmq
 
-from cli.local_cluster import ClusterSpec, LocalCluster
-from connectors import auth
-from connectors.config import ConnectorKind, NodeRole
-from connectors.directory import KVDirectory
-from connectors.wire import PrefillWork, encode, pack
+from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.connectors import auth
+from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.wire import PrefillWork, encode, pack
 from tests.integration.cluster import complete_all
 from tests.integration.test_observability import one, scrape
 

@@ -11,10 +11,10 @@ import time
 import httpx
 import pytest
 
-from cli.local_cluster import ClusterSpec, LocalCluster
-from connectors.config import ConnectorKind
-from connectors.wire import SamplingParams
-from engine.reference import generate
+from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.wire import SamplingParams
+from kvwire.engine.reference import generate
 from tests.integration.cluster import complete, complete_all, wait_pools_full_and_directory_empty
 
 pytestmark = pytest.mark.slow
@@ -127,8 +127,8 @@ def test_nodes_reject_malformed_work_and_keep_serving(cluster):
     import msgspec
     import zmq
 
-    from connectors.directory import KVDirectory
-    from connectors.wire import WIRE_VERSION, PrefillWork, encode
+    from kvwire.connectors.directory import KVDirectory
+    from kvwire.connectors.wire import WIRE_VERSION, PrefillWork, encode
 
     directory = KVDirectory(cluster.redis_url)
     nodes = directory.live_nodes()
@@ -151,7 +151,7 @@ def test_nodes_reject_malformed_work_and_keep_serving(cluster):
 
 
 def test_transport_is_reported_in_response_and_directory(cluster):
-    from connectors.directory import KVDirectory
+    from kvwire.connectors.directory import KVDirectory
 
     directory = KVDirectory(cluster.redis_url)
     before = directory.transfers("decode-0").get("ucx:count", 0)

@@ -16,11 +16,11 @@ import msgspec
 import pytest
 import zmq
 
-from cli.local_cluster import ClusterSpec, LocalCluster, free_port
-from connectors.config import ConnectorKind
-from connectors.directory import KVDirectory
-from connectors.wire import DecodeWork, SamplingParams, TokenChunk, WorkError, pack, unpack
-from engine.reference import generate
+from kvwire.cli.local_cluster import ClusterSpec, LocalCluster, free_port
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.wire import DecodeWork, SamplingParams, TokenChunk, WorkError, pack, unpack
+from kvwire.engine.reference import generate
 from tests.integration.cluster import complete, wait_pools_full_and_directory_empty
 
 pytestmark = pytest.mark.slow

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from cli.local_cluster import ClusterSpec, LocalCluster
-from connectors.config import ConnectorKind
-from connectors.wire import SamplingParams
-from engine.reference import generate
+from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.wire import SamplingParams
+from kvwire.engine.reference import generate
 from tests.integration.cluster import complete_all, wait_pools_full_and_directory_empty
 
 pytestmark = pytest.mark.slow

@@ -7,10 +7,10 @@ import signal
 
 import pytest
 
-from cli.local_cluster import ClusterSpec, LocalCluster
-from connectors.config import ConnectorKind
-from connectors.wire import SamplingParams
-from engine.reference import generate
+from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.wire import SamplingParams
+from kvwire.engine.reference import generate
 from tests.faults.harness import (BS, KV_DEADLINE_S, REQUEST_TIMEOUT_S, SLACK_S, Tally, judge, metric, restart_node,
                                   send_all, wait_recovered, wait_until)
 from tests.integration.cluster import complete_all, wait_pools_full_and_directory_empty

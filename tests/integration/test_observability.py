@@ -10,9 +10,9 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cli.local_cluster import ClusterSpec, LocalCluster
-from connectors.config import ConnectorKind, NodeRole
-from observability.status import ClusterStatus
+from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.observability.status import ClusterStatus
 from tests.integration.cluster import complete_all
 
 pytestmark = pytest.mark.slow
@@ -66,7 +66,7 @@ def test_counters_moved_where_the_events_happened(cluster):
 
 
 def test_status_json_lists_both_nodes_with_a_recent_heartbeat(cluster):
-    done = subprocess.run([sys.executable, "-m", "cli.main", "status", "--json", "--redis-url", cluster.redis_url],
+    done = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "status", "--json", "--redis-url", cluster.redis_url],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     status = msgspec.json.decode(done.stdout, type=ClusterStatus)

@@ -7,10 +7,10 @@ import time
 import pytest
 import zmq
 
-from cli.local_cluster import ClusterSpec, LocalCluster
-from connectors.config import ConnectorKind, NodeRole
-from connectors.directory import KVDirectory
-from connectors.wire import PrefillWork, encode
+from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.wire import PrefillWork, encode
 from tests.integration.test_observability import one, scrape
 
 pytestmark = pytest.mark.slow

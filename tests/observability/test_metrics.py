@@ -7,15 +7,15 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from connectors.base import TransferError
-from connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from connectors.directory import KVDirectory, TransferState
-from connectors.kv_region import KVRegion
-from connectors.receiver import KVReceiver
-from engine.kv_cache import KVPool
-from engine.model_input import SequenceInput
-from observability.labels import DirectoryOp, Queue, RecomputeReason, RequestStatus, TransferFailure
-from observability.metrics import Metrics, process_metrics
+from kvwire.connectors.base import TransferError
+from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
+from kvwire.connectors.directory import KVDirectory, TransferState
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.receiver import KVReceiver
+from kvwire.engine.kv_cache import KVPool
+from kvwire.engine.model_input import SequenceInput
+from kvwire.observability.labels import DirectoryOp, Queue, RecomputeReason, RequestStatus, TransferFailure
+from kvwire.observability.metrics import Metrics, process_metrics
 from tests.connectors.test_directory import location
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from observability.metrics import Metrics
-from observability.ops_server import OpsServer
+from kvwire.observability.metrics import Metrics
+from kvwire.observability.ops_server import OpsServer
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ import time
 
 import msgspec
 
-from connectors.config import ConnectorKind, NodeRole
-from connectors.directory import KVDirectory, TransferState
-from observability.status import ClusterStatus, NodeStatus, TransferStatus, read_status, render, to_json
+from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.directory import KVDirectory, TransferState
+from kvwire.observability.status import ClusterStatus, NodeStatus, TransferStatus, read_status, render, to_json
 from tests.connectors.test_directory import node
 
 

@@ -8,10 +8,10 @@ import time
 
 import zmq
 
-from connectors.config import ConnectorKind, NodeRole
-from connectors.directory import KVDirectory
-from connectors.wire import ErrorKind, NodeInfo, SamplingParams, TokenChunk, WorkError, pack
-from router.dispatch import LEFT_GRACE_S, WATCH_PERIOD_S, Dispatcher
+from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.wire import ErrorKind, NodeInfo, SamplingParams, TokenChunk, WorkError, pack
+from kvwire.router.dispatch import LEFT_GRACE_S, WATCH_PERIOD_S, Dispatcher
 
 
 def _node(epoch: int, draining: bool = False) -> NodeInfo:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from connectors.config import NodeRole
-from connectors.directory import KVDirectory
-from observability.metrics import Metrics
-from router.app import create_app
-from router.config import RouterConfig
+from kvwire.connectors.config import NodeRole
+from kvwire.connectors.directory import KVDirectory
+from kvwire.observability.metrics import Metrics
+from kvwire.router.app import create_app
+from kvwire.router.config import RouterConfig
 from tests.connectors.test_directory import node
 
 

@@ -1,0 +1,97 @@
+"""What `pip install` puts on the path: one `kvwire` package, its folders as subpackages, no import cycle."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SUBPACKAGES = ("bench", "cli", "connectors", "decode_node", "engine", "node", "observability", "prefill_node",
+               "router")
+
+
+def _package_dirs() -> list[Path]:
+    return sorted(p.parent for top in SUBPACKAGES if (ROOT / top).is_dir()
+                  for p in (ROOT / top).rglob("__init__.py") if "__pycache__" not in p.parts)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(("kvwire", *(parts[:-1] if parts[-1] == "__init__" else parts)))
+
+
+def test_every_folder_with_an_init_is_an_installed_subpackage():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    wanted = {_module_name(d / "__init__.py") for d in _package_dirs()} | {"kvwire"}
+    assert listed == wanted
+
+
+def test_the_installed_package_is_kvwire_and_nothing_generic():
+    """Run from outside the checkout, so that only what is installed can be imported."""
+    code = ("import importlib.util, kvwire.connectors, kvwire.engine.model;"
+            "print([m for m in %r if importlib.util.find_spec(m) is not None])" % (SUBPACKAGES,))
+    done = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"generic top-level modules installed: {done.stdout}"
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """kvwire modules `path` imports when it runs (imports under `if TYPE_CHECKING:` left out)."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node.test)
+            for child in node.body for n in ast.walk(child)}
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("kvwire.")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvwire.") and not node.level:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the kvwire modules it imports at run time (a package's import counts as its __init__)."""
+    files = {_module_name(p): p for d in _package_dirs() for p in d.glob("*.py")}
+    return {mod: {m for m in _runtime_imports(path) if m in files and m != mod} for mod, path in files.items()}
+
+
+def test_no_module_imports_a_top_level_sibling_by_its_old_name():
+    bad = []
+    for d in _package_dirs():
+        for path in d.glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+                bad += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in SUBPACKAGES]
+    assert not bad
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[list[str]] = []
+
+    def visit(mod: str, path: list[str]) -> None:
+        state[mod] = 1
+        for dep in sorted(graph[mod]):
+            if state.get(dep) == 1:
+                cycles.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[mod] = 2
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod, [mod])
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
