@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from kvwire.cli.demo_cmd import PROMPTS
 from kvwire.bench.load import scrape_samples
+from kvwire.cli.demo_cmd import PROMPTS
 from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind, NodeRole
 

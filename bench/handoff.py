@@ -42,11 +42,11 @@ def _engine_process(model_dir: Path, num_blocks: int, pipe) -> None:
 
     from kvwire.connectors.wire import SamplingParams
     from kvwire.engine.block_allocator import BlockAllocator
-    from kvwire.engine.config import kv_layout
     from kvwire.engine.gc_pauses import freeze_startup_heap
     from kvwire.engine.kv_cache import KVPool
     from kvwire.engine.llm_engine import LLMEngine
     from kvwire.engine.loader import load_model
+    from kvwire.engine.model_config import kv_layout
     from kvwire.engine.runner import ModelRunner
 
     torch.set_num_threads(1)  # as nodes run (--torch-threads 1)

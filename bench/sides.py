@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
-from typing import Callable
+from collections.abc import Callable
 
 TIMEOUT_S = 120.0
 

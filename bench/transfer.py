@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Callable
+from collections.abc import Callable
 
 from kvwire.bench.connector_run import run_connector
 from kvwire.bench.cpu import CpuTally, CpuTicks

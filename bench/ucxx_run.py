@@ -31,7 +31,7 @@ def _side(work: Workload, trials: int, warmup: int, side: int, pipe) -> None:
     region = KVRegion.from_kv_caches(allocate_pool(work))
     if side == 0:
         fill_random(region)
-    transport = UCXTransport(Role.SENDER if side == 0 else Role.RECEIVER)
+    transport = UCXTransport(Role.PRODUCER if side == 0 else Role.CONSUMER)
     pipe.send((transport.address, checksum(region, work.block_ids(0)) if side == 0 else 0))
     peer, want = pipe.recv()
     (ep,) = transport.endpoints_for(peer)

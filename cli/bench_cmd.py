@@ -246,9 +246,9 @@ def handoff(
     """A prompt forward in the process that served the previous request against one in a process that sat
     idle meanwhile (two engine processes, no kvwire in between): what taking turns on this host costs
     the disaggregated prompt before any KV moves."""
-    import msgspec
-
     import statistics
+
+    import msgspec
 
     from kvwire.bench.handoff import bench_handoff, demo_prompt_lengths
     from kvwire.cli.paths import default_model_dir

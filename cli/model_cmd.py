@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kvwire.engine.config import PRESETS
+from kvwire.engine.model_config import PRESETS
 
 
 def init_model(out_dir: Annotated[Path, typer.Argument(help="Directory to write config.json and model.safetensors to.")],

@@ -6,8 +6,24 @@ from typing import Annotated
 
 import typer
 
-from kvwire.cli.options import (AuthSecretFile, BlockSize, DrainTimeout, Connector, Host, HttpPort, KVDeadline, LogLevel, ModelDir,
-                         Layerwise, NumBlocks, PullLanes, RedisUrl, VerifyKV, node_config, setup_logging)
+from kvwire.cli.options import (
+    AuthSecretFile,
+    BlockSize,
+    Connector,
+    DrainTimeout,
+    Host,
+    HttpPort,
+    KVDeadline,
+    Layerwise,
+    LogLevel,
+    ModelDir,
+    NumBlocks,
+    PullLanes,
+    RedisUrl,
+    VerifyKV,
+    node_config,
+    setup_logging,
+)
 from kvwire.connectors.config import ConnectorKind, NodeRole
 
 NodeId = Annotated[str | None, typer.Option("--node-id", help="Name in the directory; role-host-pid by default.")]

@@ -10,8 +10,9 @@ from typing import Annotated
 
 import typer
 
-from kvwire.connectors.config import MAX_PULL_LANES, ConnectorConfig, ConnectorKind, NodeConfig, NodeRole
+from kvwire.connectors.config import MAX_PULL_LANES, ConnectorConfig, ConnectorKind, NodeRole
 from kvwire.engine.engine_config import EngineConfig
+from kvwire.node.config import NodeConfig
 
 ModelDir = Annotated[Path, typer.Option("--model", help="Hugging Face-format checkpoint directory.",
                                         envvar="KVWIRE_MODEL")]

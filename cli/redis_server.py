@@ -31,8 +31,8 @@ import tempfile
 import threading
 import time
 import urllib.parse
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import redis
 

@@ -10,8 +10,17 @@ from typing import Annotated
 import typer
 
 from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
-from kvwire.cli.options import (AuthSecretFile, Connector, Host, KVDeadline, Layerwise, LogLevel, OptionalRedisUrl,
-                         auth_secret, setup_logging)
+from kvwire.cli.options import (
+    AuthSecretFile,
+    Connector,
+    Host,
+    KVDeadline,
+    Layerwise,
+    LogLevel,
+    OptionalRedisUrl,
+    auth_secret,
+    setup_logging,
+)
 from kvwire.cli.paths import default_model_dir
 from kvwire.connectors.config import LAYERWISE_KINDS, ConnectorKind
 

@@ -12,7 +12,8 @@ the connector no longer needs a request's blocks (pulled, refused, or expired).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 

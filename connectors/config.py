@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-
-from kvwire.engine.engine_config import EngineConfig
+from dataclasses import dataclass
 
 
 class ConnectorKind(enum.StrEnum):
@@ -70,38 +68,3 @@ class ConnectorConfig:
             raise ValueError(f"kv_deadline_s must be positive, got {self.kv_deadline_s}")
         if self.entry_ttl_s < self.kv_deadline_s:
             raise ValueError("entry_ttl_s must be at least kv_deadline_s")
-
-
-@dataclass(frozen=True)
-class NodeConfig:
-    """One prefill or decode node process: its engine, its connector, where it listens.
-
-    Attributes:
-        engine: model and KV pool.
-        connector: transport and directory settings (carries node_id, role, redis_url).
-        work_port: zmq port taking work from routers; 0 picks a free one.
-        heartbeat_ttl_s: the node's directory entry expires this long after its last heartbeat.
-        http_port: port of the node's /healthz, /readyz and /metrics endpoint; 0: none.
-        auth_secret: shared secret sealing control messages (connectors/auth.py); None: no authentication.
-        drain_timeout_s: on SIGTERM, how long the node may take to finish what it holds before it exits.
-    """
-
-    engine: EngineConfig
-    connector: ConnectorConfig
-    work_port: int = 0
-    heartbeat_ttl_s: float = 5.0
-    http_port: int = 0
-    auth_secret: bytes | None = field(default=None, repr=False)
-    drain_timeout_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s must not be negative, got {self.drain_timeout_s}")
-
-    @property
-    def node_id(self) -> str:
-        return self.connector.node_id
-
-    @property
-    def host(self) -> str:
-        return self.connector.host

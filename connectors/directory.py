@@ -20,7 +20,7 @@ Nodes register a NodeInfo under a key that lives node_ttl_s; a `Heartbeat` threa
 (connectors/heartbeat.py) refreshes it every node_ttl_s/3, so a dead node leaves `live_nodes` within node_ttl_s.
 `next_epoch` gives each incarnation of a node a higher epoch, and writes from an
 older incarnation are refused (StaleNodeError). Consumer nodes also publish the
-transport address they receive KV at (`publish_endpoint`).
+transport address they receive KV at (`publish_transport_address`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ import logging
 import math
 import re
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator, NamedTuple
+from typing import NamedTuple
 
 import redis
 from redis.backoff import NoBackoff
@@ -455,7 +456,7 @@ class KVDirectory:
 
     # --- transport endpoints ------------------------------------------------------------
 
-    def publish_endpoint(self, node_id: str, kind: str, address: bytes) -> None:
+    def publish_transport_address(self, node_id: str, kind: str, address: bytes) -> None:
         """Record the address a consumer node receives KV at over transport `kind` (TTL entry_ttl_s).
 
         Producers send only to the address a node published here, never to one taken
@@ -465,7 +466,7 @@ class KVDirectory:
             self._redis.set(f"{self.namespace}:endpoint:{node_id}:{kind}", address, px=_ms(self.entry_ttl_s))
 
     @_timed(DirectoryOp.GET_ENDPOINT)
-    def get_endpoint(self, node_id: str, kind: str) -> bytes | None:
+    def transport_address_of(self, node_id: str, kind: str) -> bytes | None:
         """The address `node_id` published for transport `kind`; None if none is live."""
         with self._errors(f"get {kind} endpoint of {node_id}"):
             return self._redis.get(f"{self.namespace}:endpoint:{node_id}:{kind}")

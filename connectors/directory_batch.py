@@ -13,14 +13,13 @@ after such a step saw the state before it; KVDirectory loads the scripts when it
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from kvwire.connectors.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState, _ms
 from kvwire.connectors.wire import KVLocation, encode
-
 
 _IGNORED = (lambda reply: None, None)
 

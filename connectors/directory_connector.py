@@ -4,7 +4,7 @@ Lifecycle: `__init__` opens the directory and takes this node incarnation's epoc
 `register_kv_caches` sees the pool and, by role, fails what earlier incarnations of
 this node left READY (connectors/incarnations.py) and starts the transport's transfer
 server (prefill), or builds its puller (decode); the contract's send / recv calls
-then run through `KVSender` / `KVReceiver`; `close()` stops the transport, releases
+then run through `KVProducer` / `KVConsumer`; `close()` stops the transport, releases
 held blocks and closes the directory.
 """
 
@@ -14,20 +14,20 @@ import logging
 import threading
 import time
 from abc import abstractmethod
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import torch
 
 from kvwire.connectors.base import HiddenStates, KVConnectorBase, TransferError
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
+from kvwire.connectors.consumer import KVConsumer, Puller, Received
 from kvwire.connectors.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState
 from kvwire.connectors.held import HeldTable
 from kvwire.connectors.hidden import join_requests
 from kvwire.connectors.incarnations import fail_earlier_incarnations
 from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.receiver import KVReceiver, Puller, Received
-from kvwire.connectors.sender import KVSender
+from kvwire.connectors.producer import KVProducer
 from kvwire.connectors.transfer_server import SendEngine, TransferServer
 from kvwire.connectors.wire import KVLocation, PullRequest
 from kvwire.engine.model_input import ModelInput
@@ -46,8 +46,8 @@ class DirectoryConnector(KVConnectorBase):
         self.epoch = self.directory.next_epoch(config.node_id)
         self._release_cb: Callable[[str], None] = lambda rid: None
         self._located_cb: Callable[[KVLocation], None] = lambda loc: None
-        self._sender: KVSender | None = None
-        self._receiver: KVReceiver | None = None
+        self._sender: KVProducer | None = None
+        self._receiver: KVConsumer | None = None
         self._servers: dict[ConnectorKind, TransferServer] = {}
         self._puller: Puller | None = None
         self._stats: dict[str, Received] = {}
@@ -95,12 +95,12 @@ class DirectoryConnector(KVConnectorBase):
             held = HeldTable(lambda rid: self._release_cb(rid))
             self._servers = {kind: self._serve(kind, engine, region, held)
                              for kind, engine in self._make_send_engines(region).items()}
-            self._sender = KVSender(self.config, self.directory, region, held, self._servers, self.epoch)
+            self._sender = KVProducer(self.config, self.directory, region, held, self._servers, self.epoch)
             self._sender.on_located = self._located_cb
         else:
             self._puller = self._make_puller(region)
             self._publish_endpoint()
-            self._receiver = KVReceiver(self.config, self.directory, region, self._puller, kv_caches[0].device)
+            self._receiver = KVConsumer(self.config, self.directory, region, self._puller, kv_caches[0].device)
 
     def _fail_earlier_incarnations(self) -> None:
         try:
@@ -111,7 +111,7 @@ class DirectoryConnector(KVConnectorBase):
 
     def _serve(self, kind: ConnectorKind, engine: SendEngine, region: KVRegion, held: HeldTable) -> TransferServer:
         def trusted(consumer: str) -> bytes | None:
-            return self.directory.get_endpoint(consumer, str(kind))
+            return self.directory.transport_address_of(consumer, str(kind))
 
         def delivered(msg: PullRequest, nbytes: int) -> None:
             if self._sender is not None:
@@ -194,7 +194,7 @@ class DirectoryConnector(KVConnectorBase):
         addresses = getattr(self._puller, "transport_addresses", None) or {self.config.kind: self._puller.transport_address}
         try:
             for kind, address in addresses.items():
-                self.directory.publish_endpoint(self.config.node_id, str(kind), address)
+                self.directory.publish_transport_address(self.config.node_id, str(kind), address)
             self._endpoint_published = time.monotonic()
         except DirectoryError as exc:
             log.warning("node %s: cannot publish its transport endpoint: %s", self.config.node_id, exc)

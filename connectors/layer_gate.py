@@ -1,7 +1,7 @@
 """How far a layer-wise request's prefill has got: what its transfer may send so far.
 
 Lifecycle: the producer opens a gate for a request before its prefill forward
-(`KVSender.begin_layers`); the forward calls `layer_done(i)` once layer i's K and V are
+(`KVProducer.begin_layers`); the forward calls `layer_done(i)` once layer i's K and V are
 in the pool, in order; `complete()` follows once the hidden states are in place, or
 `fail(reason)` if the forward stopped. The transfer server's send engine reads
 `ready_layers()` / `complete` / `failure` and sends no byte of a layer before that layer
@@ -14,7 +14,7 @@ before `layer_done` has run (an event per layer, queried without blocking): unti
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -20,8 +20,8 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import zmq
@@ -112,7 +112,7 @@ class SendEngine(ABC):
 
 class TransferServer:
     def __init__(self, host: str, region: KVRegion, held: HeldTable, engine: SendEngine, send_deadline_s: float,
-                 trusted_endpoint: Callable[[str], bytes | None], on_expired: Callable[[str], None] | None = None,
+                 trusted_address: Callable[[str], bytes | None], on_expired: Callable[[str], None] | None = None,
                  on_delivered: Callable[[PullRequest, int], None] | None = None):
         """Args:
         host: address the side channel binds.
@@ -120,7 +120,7 @@ class TransferServer:
         held: requests whose KV is waiting to be pulled.
         engine: the transport's send engine.
         send_deadline_s: how long one pull may take once granted.
-        trusted_endpoint: the transport address a consumer published in the directory;
+        trusted_address: the transport address a consumer published in the directory;
             pulls naming any other address are refused (UCX aborts on a malformed one).
         on_expired: called for a held request released at its hold deadline.
         on_delivered: called with the pull and its bytes once a pull is confirmed to its consumer
@@ -128,7 +128,7 @@ class TransferServer:
         """
         self._region, self._held, self._engine = region, held, engine
         self._send_deadline_s = send_deadline_s
-        self._trusted_endpoint = trusted_endpoint
+        self._trusted_endpoint = trusted_address
         self._trusted: dict[str, tuple[bytes, float]] = {}  # consumer -> (verified address, when)
         self._on_expired = on_expired or (lambda rid: None)
         self._on_delivered = on_delivered or (lambda msg, nbytes: None)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from kvwire.connectors.config import NodeConfig, NodeRole
+from kvwire.connectors.config import NodeRole
 from kvwire.decode_node.server import DecodeNode
-from kvwire.engine.node_runtime import run_node
+from kvwire.node.config import NodeConfig
+from kvwire.node.runtime import run_node
 
 
 def run(config: NodeConfig) -> None:

@@ -10,7 +10,7 @@ hidden states: if they arrive within the KV deadline the prompt's forward is ski
 (bypassed), otherwise the prompt is recomputed here, so no request is lost to a
 failed transfer. Each engine step streams the new tokens to the router as
 `TokenChunk`s; the last one carries the finish reason and the transfer statistics.
-Finished requests free their blocks at once. On SIGTERM the node drains (engine/drain.py):
+Finished requests free their blocks at once. On SIGTERM the node drains (node/drain.py):
 it finishes every request it holds, forwards work still arriving to another decode
 node (or answers it `WorkError` DRAINING when there is none), and fails whatever is
 left when the grace period ends. Metrics: the pool's used / free blocks
@@ -27,11 +27,11 @@ import threading
 import zmq
 
 from kvwire.connectors.wire import DecodeStats, DecodeWork, ErrorKind, KVLocation, KVReady, TokenChunk, WorkError, pack
-from kvwire.engine.drain import Drain
 from kvwire.engine.llm_engine import InvalidRequest, LLMEngine, StepOutput
-from kvwire.engine.node_runtime import NodeLoad, NodeRuntime
 from kvwire.engine.sequence import Sequence
 from kvwire.engine.wakeup import Wakeup
+from kvwire.node.drain import Drain
+from kvwire.node.runtime import NodeLoad, NodeRuntime
 from kvwire.observability.labels import Queue, RecomputeReason
 
 log = logging.getLogger(__name__)

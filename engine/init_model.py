@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kvwire.engine.config import PRESETS, ModelConfig
 from kvwire.engine.kv_cache import TORCH_DTYPES
+from kvwire.engine.model_config import PRESETS, ModelConfig
 
 LOGIT_STD = 2.0
 ANTI_COPY = 1.0

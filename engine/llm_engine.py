@@ -19,9 +19,9 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
 
 from kvwire.connectors.types import ModelRunnerOutput
 from kvwire.connectors.wire import SamplingParams

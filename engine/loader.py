@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kvwire.engine.config import ModelConfig
 from kvwire.engine.model import LlamaForCausalLM
+from kvwire.engine.model_config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers older transformers saved; recomputed here

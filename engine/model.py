@@ -14,14 +14,15 @@ Parameter names mirror Hugging Face's, so a state dict loads either way.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvwire.engine.config import ModelConfig
 from kvwire.engine.kv_cache import TORCH_DTYPES
+from kvwire.engine.model_config import ModelConfig
 from kvwire.engine.model_input import ModelInput, SequenceInput
 from kvwire.engine.ops import batch_invariant_linear, rms_norm, silu_mul
 

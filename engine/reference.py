@@ -8,10 +8,10 @@ from pathlib import Path
 
 from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.block_allocator import BlockAllocator
-from kvwire.engine.config import kv_layout
 from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.loader import load_model
+from kvwire.engine.model_config import kv_layout
 from kvwire.engine.runner import ModelRunner
 
 

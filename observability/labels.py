@@ -65,5 +65,5 @@ class DirectoryOp(enum.StrEnum):
     DELETE = "delete"
     WRITE_NODE = "write_node"  # register or heartbeat
     LIVE_NODES = "live_nodes"
-    GET_ENDPOINT = "get_endpoint"
+    GET_ENDPOINT = "transport_address_of"
     RECORD_TRANSFER = "record_transfer"

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from kvwire.connectors.config import NodeConfig, NodeRole
-from kvwire.engine.node_runtime import run_node
+from kvwire.connectors.config import NodeRole
+from kvwire.node.config import NodeConfig
+from kvwire.node.runtime import run_node
 from kvwire.prefill_node.server import PrefillNode
 
 

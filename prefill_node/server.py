@@ -8,7 +8,7 @@ hidden states READY (with --layerwise: READY before the forward, each layer sent
 it is computed), and the same location goes straight to the decode node the router
 chose (`KVReady` on its work socket); the blocks stay allocated until the connector's release
 callback says the decode node pulled them, refused them, or never came. On SIGTERM the
-node drains (engine/drain.py): it computes the prompts it accepted and keeps their KV
+node drains (node/drain.py): it computes the prompts it accepted and keeps their KV
 until pulled or the hold deadline passes; work still arriving goes to another prefill
 node, or, with none live, is marked FAILED so its decode node computes the prompt
 itself at once. Whatever is left when the grace period ends is failed. Metrics: the
@@ -28,11 +28,11 @@ import zmq
 
 from kvwire.connectors.directory import DirectoryError, TransferState
 from kvwire.connectors.wire import KVLocation, KVReady, PrefillWork, pack
-from kvwire.engine.drain import Drain
 from kvwire.engine.model_input import ModelInput, SequenceInput
-from kvwire.engine.node_runtime import NodeLoad, NodeRuntime
 from kvwire.engine.validation import prompt_problem
 from kvwire.engine.wakeup import Wakeup
+from kvwire.node.drain import Drain
+from kvwire.node.runtime import NodeLoad, NodeRuntime
 from kvwire.observability.labels import Queue
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import contextlib
 import json
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -198,7 +198,7 @@ async def _chunks(comp: Completion, queue: asyncio.Queue, deadline: float):
     while comp.final is None:
         try:
             msg = await asyncio.wait_for(queue.get(), timeout=max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise APIError(504, f"request {comp.request_id} timed out", type_="timeout") from None
         if isinstance(msg, WorkError):
             if msg.kind == ErrorKind.INVALID_REQUEST:

@@ -26,8 +26,18 @@ import zmq.asyncio
 
 from kvwire.connectors.config import NodeRole
 from kvwire.connectors.directory import DirectoryError, KVDirectory
-from kvwire.connectors.wire import (DecodeWork, ErrorKind, NodeInfo, PrefillWork, SamplingParams, TokenChunk, WireError,
-                             WorkError, pack, unpack)
+from kvwire.connectors.wire import (
+    DecodeWork,
+    ErrorKind,
+    NodeInfo,
+    PrefillWork,
+    SamplingParams,
+    TokenChunk,
+    WireError,
+    WorkError,
+    pack,
+    unpack,
+)
 from kvwire.router.schemas import APIError
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.kv_region import KVRegion
 from kvwire.connectors.shm.connector import SHMConnector
 from kvwire.connectors.transfer_server import SendEngine
-from kvwire.connectors.ucx.server import UCXSendEngine
+from kvwire.connectors.ucx.send_engine import UCXSendEngine
 
 
 class AutoConnector(SHMConnector):

@@ -20,16 +20,25 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from kvwire.connectors.base import TransferError
 from kvwire.connectors.kv_region import KVRegion, consumer_pieces
-from kvwire.connectors.nccl.pairs import (CONSUMER, MAX_PIECES, GroupFactory, PairGroup, connect_store, consumer_key,
-                                   detached, open_key, pair_prefix)
+from kvwire.connectors.nccl.pairs import (
+    CONSUMER,
+    MAX_PIECES,
+    GroupFactory,
+    PairGroup,
+    connect_store,
+    consumer_key,
+    detached,
+    open_key,
+    pair_prefix,
+)
 from kvwire.connectors.side_channel import SideChannelClient
 from kvwire.connectors.wire import KVLocation, PullRequest
 from kvwire.engine.wakeup import Wakeup

@@ -26,8 +26,17 @@ import torch.distributed as dist
 
 from kvwire.connectors.base import TransferError
 from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.nccl.pairs import (MAX_PIECES, PRODUCER, GroupFactory, PairGroup, consumer_key, detached,
-                                   host_store, open_key, pair_prefix)
+from kvwire.connectors.nccl.pairs import (
+    MAX_PIECES,
+    PRODUCER,
+    GroupFactory,
+    PairGroup,
+    consumer_key,
+    detached,
+    host_store,
+    open_key,
+    pair_prefix,
+)
 from kvwire.connectors.transfer_server import SendEngine, SendJob
 
 log = logging.getLogger(__name__)

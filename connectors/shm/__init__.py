@@ -11,6 +11,6 @@ in a sealed memfd. One round trip per pull; the zmq side channel carries nothing
 - `segment.py`: the producer's memfd pool, the consumer's read-only mapping, hidden-state memfds
 - `cuda_ipc.py`: the same for CUDA pools (untested here: no GPU)
 - `channel.py`: the private socket directory, stale-socket cleanup, one message per packet
-- `engine.py`: the producer's send engine; `puller.py`: the consumer's puller
+- `send_engine.py`: the producer's send engine; `puller.py`: the consumer's puller
 - `connector.py`: the connector that puts them together
 """

@@ -17,9 +17,9 @@ import torch
 from kvwire.connectors.config import ConnectorConfig, NodeRole
 from kvwire.connectors.directory_connector import DirectoryConnector
 from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.shm.engine import SHMSendEngine
 from kvwire.connectors.shm.puller import SHMPuller
 from kvwire.connectors.shm.segment import HostSegment, PoolSegment
+from kvwire.connectors.shm.send_engine import SHMSendEngine
 from kvwire.connectors.wire import KVLayout
 from kvwire.engine.kv_cache import KVPool
 

@@ -10,7 +10,7 @@ producer's memory alive while a consumer holds it open. Unlike a memfd, a CUDA I
 mapping cannot be made read-only; the consumer only ever reads it.
 
 Ordering: the producer's forward writes the KV on its own stream, so the producer
-synchronizes the device before it publishes a request READY (connectors/sender.py), and
+synchronizes the device before it publishes a request READY (connectors/producer.py), and
 the consumer synchronizes after its copies, before it asks the producer to confirm.
 """
 

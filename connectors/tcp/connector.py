@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from kvwire.connectors.directory_connector import DirectoryConnector
 from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.tcp.engine import TCPSendEngine
 from kvwire.connectors.tcp.puller import TCPPuller
+from kvwire.connectors.tcp.send_engine import TCPSendEngine
 
 
 class TCPConnector(DirectoryConnector):

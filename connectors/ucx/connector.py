@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvwire.connectors.directory_connector import DirectoryConnector
 from kvwire.connectors.kv_region import KVRegion
 from kvwire.connectors.ucx.puller import UCXPuller
-from kvwire.connectors.ucx.server import UCXSendEngine
+from kvwire.connectors.ucx.send_engine import UCXSendEngine
 
 
 class UCXConnector(DirectoryConnector):

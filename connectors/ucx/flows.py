@@ -1,6 +1,6 @@
 """One pull's UCX messages on each side: what is posted, what is in flight, what is left.
 
-Lifecycle, producer (`Outbound`, one per pull, on the server thread): built when the
+Lifecycle, producer (`SendFlow`, one per pull, on the server thread): built when the
 pull is granted, it posts its messages in order: an unpacked piece zero-copy from the
 blocks, a pack (packing.py) once a staging slot is free (copy the pieces in, send the
 slot). `advance` (once the engine progressed the worker) takes back the slots whose sends
@@ -9,7 +9,7 @@ completed. Message i goes to the consumer's lane i mod n. A layer-wise request's
 come layer after layer (`KVRegion.layer_major_parts`), and a message goes only once
 every layer it carries is written (its `LayerGate`), the hidden states last.
 
-Consumer (`Inbound`, one per lane and pull, on that lane's thread): posts a receive for
+Consumer (`ReceiveFlow`, one per lane and pull, on that lane's thread): posts a receive for
 each of its unpacked pieces straight into the destination, and for its packs as slots
 free up; `advance` copies each completed pack out to its blocks and posts the next.
 Packs are posted in the order the producer sends them, so the oldest pack in flight on
@@ -25,6 +25,7 @@ from collections import deque
 from kvwire.connectors.kv_region import Part, part_nbytes
 from kvwire.connectors.layer_gate import LayerGate
 from kvwire.connectors.ucx.packing import Message, Staging, gather, plan_messages, scatter
+
 # ucxx only through transport, which sets UCX's environment before importing it
 from kvwire.connectors.ucx.transport import Array, Requests, UCXTransport, all_done, check_errors, tag_of, ucx
 
@@ -69,7 +70,7 @@ class _Flow:
         return done
 
 
-class Outbound(_Flow):
+class SendFlow(_Flow):
     """A producer's messages of one pull, to every lane of the consumer at `peer`.
 
     Args:
@@ -135,7 +136,7 @@ class Outbound(_Flow):
             self._todo.popleft()
 
 
-class Inbound(_Flow):
+class ReceiveFlow(_Flow):
     """One consumer lane's receives of one pull from the producer's worker at `peer`.
 
     Posted through an endpoint to that worker: receives posted on the worker itself cannot

@@ -8,7 +8,7 @@ for one (4 interleaved rounds each), since one core's copy does not saturate mem
 
 Lifecycle: `ReceiveLanes(n)` makes n transports and n - 1 lane threads, which sleep
 between pulls. `post` posts every lane's receives (message i on lane i mod n: an
-`Inbound` each, flows.py) and wakes the threads; each advances its lane's flow (polls
+`ReceiveFlow` each, flows.py) and wakes the threads; each advances its lane's flow (polls
 its worker, unpacks what came packed) until it is done, then sleeps again.
 The caller polls lane 0 through `progress` until `done`. `stop` (after a failure)
 makes the threads let go of their workers and cancels what is still posted on
@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 
 from kvwire.connectors.kv_region import Part
-from kvwire.connectors.ucx.flows import Inbound
+from kvwire.connectors.ucx.flows import ReceiveFlow
 from kvwire.connectors.ucx.packing import Staging
 from kvwire.connectors.ucx.transport import MAX_LANES, Role, UCXTransport, pack_lanes
 
@@ -34,7 +34,7 @@ class _LaneThread:
 
     def __init__(self, transport: UCXTransport, name: str):
         self._transport = transport
-        self._flow: Inbound | None = None
+        self._flow: ReceiveFlow | None = None
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
@@ -44,7 +44,7 @@ class _LaneThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def start(self, flow: Inbound) -> None:
+    def start(self, flow: ReceiveFlow) -> None:
         assert self._idle.is_set(), "a lane takes one pull at a time"
         self._flow, self._stop, self.error = flow, False, None
         self._idle.clear()
@@ -88,10 +88,10 @@ class ReceiveLanes:
     def __init__(self, lanes: int):
         if not 1 <= lanes <= MAX_LANES:
             raise ValueError(f"lanes must be 1..{MAX_LANES}, got {lanes}")
-        self._transports = [UCXTransport(Role.RECEIVER) for _ in range(lanes)]
+        self._transports = [UCXTransport(Role.CONSUMER) for _ in range(lanes)]
         self._staging = [Staging(LANE_SLOTS) for _ in range(lanes)]
         self._threads = [_LaneThread(t, f"kv-ucx-lane-{i}") for i, t in enumerate(self._transports[1:], 1)]
-        self._flows: list[Inbound] = []
+        self._flows: list[ReceiveFlow] = []
         self.address = pack_lanes([t.address for t in self._transports])
 
     def post(self, producer: bytes, parts: list[Part], transfer_id: int, pack_below: int = 0,
@@ -99,7 +99,7 @@ class ReceiveLanes:
         """Post every lane's receives for the producer's worker at `producer` (pieces smaller than
         `pack_below` come packed, no pack across a multiple of `layer_pieces`); set the lane threads going."""
         n = len(self._transports)
-        self._flows = [Inbound(t, producer, parts, transfer_id, pack_below, s, lane, n, layer_pieces)
+        self._flows = [ReceiveFlow(t, producer, parts, transfer_id, pack_below, s, lane, n, layer_pieces)
                        for lane, (t, s) in enumerate(zip(self._transports, self._staging))]
         for thread, flow in zip(self._threads, self._flows[1:]):
             thread.start(flow)

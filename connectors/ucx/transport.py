@@ -42,15 +42,15 @@ LANES_MAGIC = b"kvwire-ucx-lanes\x00"  # starts an address packing several lanes
 
 
 class Role(enum.Enum):
-    SENDER = "sender"  # a producer's send engine
-    RECEIVER = "receiver"  # a consumer's puller
+    PRODUCER = "producer"  # a producer's send engine
+    CONSUMER = "consumer"  # a consumer's puller
 
 
 # Rendezvous scheme per side, measured on one host with a 2,048-token request (256 MiB, 128 pieces):
 # a sender set to put_zcopy with a receiver set to get_zcopy ran UCX-over-TCP in ~90 ms against
 # ~105 (put/put) and ~260 (get/put, and UCX's defaults), and shared memory / CMA in ~57 ms, as fast
 # as any other pairing. The environment (UCX_RNDV_SCHEME) still wins.
-_RNDV_SCHEME = {Role.SENDER: "put_zcopy", Role.RECEIVER: "get_zcopy"}
+_RNDV_SCHEME = {Role.PRODUCER: "put_zcopy", Role.CONSUMER: "get_zcopy"}
 
 
 def _config(role: Role) -> dict[str, str]:

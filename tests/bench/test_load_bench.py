@@ -7,8 +7,20 @@ import dataclasses
 import msgspec
 import pytest
 
-from kvwire.bench.load import (Drained, LoadConfig, LoadResult, Outcome, PoolState, ProcessMemory, _Sample, bench_load,
-                        build_workload, prompt_mix, summarize, table)
+from kvwire.bench.load import (
+    Drained,
+    LoadConfig,
+    LoadResult,
+    Outcome,
+    PoolState,
+    ProcessMemory,
+    _Sample,
+    bench_load,
+    build_workload,
+    prompt_mix,
+    summarize,
+    table,
+)
 from kvwire.cli.demo_cmd import PROMPTS
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.wire import SamplingParams

@@ -48,8 +48,8 @@ def config(kind: ConnectorKind, role: NodeRole, node_id: str, redis_url: str, de
 def _die_on_first_send(conn) -> None:
     """Make this process SIGKILL itself right after any of its transports starts the first pull (shared memory,
     where the consumer reads by itself: when the first read is claimed, before it is confirmed)."""
-    import kvwire.connectors.tcp.engine as tcp_engine
-    from kvwire.connectors.shm.engine import SHMSendEngine
+    import kvwire.connectors.tcp.send_engine as tcp_engine
+    from kvwire.connectors.shm.send_engine import SHMSendEngine
 
     tcp_engine.TURN_BUDGET_BYTES = 1  # TCP's start() then writes one batch (what the socket takes), not the lot
 

@@ -61,8 +61,8 @@ def exercise(url: str) -> None:
         assert directory.get_node(node_id).draining
         beat.stop()
         assert directory.get_node(node_id) is None
-        directory.publish_endpoint(node_id, "tcp", b"addr")
-        assert directory.get_endpoint(node_id, "tcp") == b"addr"
+        directory.publish_transport_address(node_id, "tcp", b"addr")
+        assert directory.transport_address_of(node_id, "tcp") == b"addr"
         directory.record_transfer(node_id, "tcp", 10)
         assert directory.transfers(node_id) == {"tcp:count": 1, "tcp:bytes": 10}
     finally:

@@ -11,7 +11,7 @@ from kvwire.connectors.directory import KVDirectory, TransferState
 from kvwire.connectors.factory import create_connector
 from kvwire.connectors.held import HeldTable
 from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.sender import KVSender
+from kvwire.connectors.producer import KVProducer
 from kvwire.connectors.wire import KVLocation, PullRequest
 from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.model_input import ModelInput, SequenceInput
@@ -29,7 +29,7 @@ def test_a_pull_delivered_before_the_ready_lands_is_recorded_after_it(redis_url)
     region = KVRegion.from_kv_caches(KVPool.allocate(peer.layout(), 8, "cpu").kv_caches)
     released = []
     server = SimpleNamespace(side_channel="tcp://127.0.0.1:1", transport_address=b"127.0.0.1:2", wake=lambda: None)
-    sender = KVSender(_config(NodeRole.PREFILL, "p-ready", redis_url), directory, region,
+    sender = KVProducer(_config(NodeRole.PREFILL, "p-ready", redis_url), directory, region,
                       HeldTable(released.append), {ConnectorKind.TCP: server}, directory.next_epoch("p-ready"))
     seen: list[KVLocation] = []
 

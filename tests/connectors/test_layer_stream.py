@@ -10,11 +10,11 @@ import time
 import pytest
 import torch
 
+from kvwire.bench.workload import Placement, Workload, allocate_pool
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 from kvwire.connectors.factory import create_connector
 from kvwire.connectors.kv_region import KVRegion, plan_runs
 from kvwire.connectors.layer_gate import LayerGate
-from kvwire.bench.workload import Placement, Workload, allocate_pool
 from kvwire.connectors.wire import DType, KVLayout, PoolLayout
 from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.model_input import ModelInput, SequenceInput
@@ -185,14 +185,14 @@ def test_a_layerwise_request_released_during_its_forward_is_never_published_agai
 
     from kvwire.connectors.directory import KVDirectory, TransferState
     from kvwire.connectors.held import HeldTable
-    from kvwire.connectors.sender import KVSender
+    from kvwire.connectors.producer import KVProducer
 
     directory = KVDirectory(redis_url)
     region = KVRegion.from_kv_caches(KVPool.allocate(peer.layout(), 8, "cpu").kv_caches)
     released: list[str] = []
     held = HeldTable(released.append)
     server = SimpleNamespace(side_channel="tcp://127.0.0.1:1", transport_address=b"127.0.0.1:2", wake=lambda: None)
-    sender = KVSender(_config(NodeRole.PREFILL, "p-lw", redis_url, True), directory, region, held,
+    sender = KVProducer(_config(NodeRole.PREFILL, "p-lw", redis_url, True), directory, region, held,
                       {ConnectorKind.TCP: server}, directory.next_epoch("p-lw"))
     batch = ModelInput([SequenceInput("lw-gone", [0] * 5, 0, [2, 3])])
     on_layer = sender.begin_layers(batch, peer.HIDDEN, torch.float32)

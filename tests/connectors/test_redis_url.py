@@ -7,7 +7,13 @@ import redis
 from redis.sentinel import SentinelConnectionPool, SentinelManagedSSLConnection
 
 from kvwire.connectors.directory import KVDirectory
-from kvwire.connectors.redis_url import DEFAULT_SENTINEL_PORT, connection_pool, is_sentinel_url, masked, parse_sentinel_url
+from kvwire.connectors.redis_url import (
+    DEFAULT_SENTINEL_PORT,
+    connection_pool,
+    is_sentinel_url,
+    masked,
+    parse_sentinel_url,
+)
 
 
 @pytest.mark.parametrize("url, want", [

@@ -23,11 +23,19 @@ from kvwire.connectors.base import TransferError
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.held import HeldRequest, HeldTable
 from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.tcp import engine as tcp_engine
-from kvwire.connectors.tcp.engine import TCPSendEngine
-from kvwire.connectors.tcp.frames import (ACK, DATA_MAGIC, HEADER, HELLO, HELLO_MAGIC, IOV_MAX, encode_address,
-                                   parse_address)
+from kvwire.connectors.tcp import send_engine as tcp_engine
+from kvwire.connectors.tcp.frames import (
+    ACK,
+    DATA_MAGIC,
+    HEADER,
+    HELLO,
+    HELLO_MAGIC,
+    IOV_MAX,
+    encode_address,
+    parse_address,
+)
 from kvwire.connectors.tcp.puller import TCPPuller
+from kvwire.connectors.tcp.send_engine import TCPSendEngine
 from kvwire.connectors.tcp.stream import ByteStream, Staging, byte_parts
 from kvwire.connectors.transfer_server import TransferServer
 from kvwire.connectors.wire import DType, KVLocation, PullReply, PullRequest, TensorDesc, decode, encode

@@ -6,11 +6,11 @@ import msgspec
 import pytest
 import zmq
 
+from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.held import HeldRequest, HeldTable
 from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.transfer_server import TransferServer
-from kvwire.connectors.ucx.server import UCXSendEngine
+from kvwire.connectors.ucx.send_engine import UCXSendEngine
 from kvwire.connectors.wire import WIRE_VERSION, KVLocation, PullReply, PullRequest, ShmHello, decode, encode
 from kvwire.engine.kv_cache import KVPool
 from tests.connectors import peer

@@ -12,7 +12,7 @@ import torch
 
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 from kvwire.connectors.factory import create_connector
-from kvwire.connectors.ucx.flows import Outbound
+from kvwire.connectors.ucx.flows import SendFlow
 from kvwire.connectors.ucx.packing import Staging
 from kvwire.connectors.ucx.transport import LANES_MAGIC, Role, UCXTransport, pack_lanes, unpack_lanes
 from kvwire.connectors.wire import DType
@@ -42,10 +42,10 @@ def test_malformed_lane_addresses_are_refused(bad):
 
 
 def test_a_producer_refuses_to_send_to_a_malformed_lane_address():
-    sender = UCXTransport(Role.SENDER)
+    sender = UCXTransport(Role.PRODUCER)
     try:
         with pytest.raises(ValueError):
-            Outbound(sender, LANES_MAGIC + b"\x00\x00\x00\x09abc", [memoryview(bytearray(8))], 1, 0, Staging(1))
+            SendFlow(sender, LANES_MAGIC + b"\x00\x00\x00\x09abc", [memoryview(bytearray(8))], 1, 0, Staging(1))
     finally:
         sender.close()
 
@@ -96,7 +96,7 @@ def test_lanes_cancel_what_never_came_and_serve_the_next_transfer():
     threads let go, and the same lanes then receive a real transfer byte for byte."""
     from kvwire.connectors.ucx.lanes import ReceiveLanes
 
-    producer = UCXTransport(Role.SENDER)
+    producer = UCXTransport(Role.PRODUCER)
     lanes = ReceiveLanes(3)
     try:
         dst = torch.zeros(7, 1000, dtype=torch.uint8)
@@ -110,7 +110,7 @@ def test_lanes_cancel_what_never_came_and_serve_the_next_transfer():
         for transfer_id, pack_below in ((2, 0), (3, 4096)):  # then packed (every piece smaller than 4096)
             src = torch.randint(0, 255, (7, 1000), dtype=torch.uint8)
             lanes.post(producer.address, parts, transfer_id, pack_below)
-            sends = Outbound(producer, lanes.address, [memoryview(row.numpy()) for row in src], transfer_id,
+            sends = SendFlow(producer, lanes.address, [memoryview(row.numpy()) for row in src], transfer_id,
                              pack_below, Staging(2))
             deadline = time.monotonic() + 10
             while not (lanes.done() and sends.done()):

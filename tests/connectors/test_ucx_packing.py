@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from kvwire.connectors.ucx.flows import Outbound
+from kvwire.connectors.ucx.flows import SendFlow
 from kvwire.connectors.ucx.lanes import ReceiveLanes
 from kvwire.connectors.ucx.packing import PACK_BYTES, Message, Staging, gather, plan_messages, scatter
 from kvwire.connectors.ucx.transport import Role, UCXTransport
@@ -70,7 +70,7 @@ def test_gather_then_scatter_moves_every_byte():
     assert [bytes(d) for d in dst] == [bytes(s) for s in src]
 
 
-def _run(lanes: ReceiveLanes, producer: UCXTransport, sends: Outbound, timeout_s: float = 10.0) -> bool:
+def _run(lanes: ReceiveLanes, producer: UCXTransport, sends: SendFlow, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while not (lanes.done() and sends.done()):
         if time.monotonic() > deadline:
@@ -87,11 +87,11 @@ def test_a_transfer_of_large_and_small_pieces_lands_byte_exact(lanes):
     sizes = [300 * KIB, *[40 * KIB] * 60, 500 * KIB, 7, 260 * KIB, *[100 * KIB] * 20]
     src = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
     dst = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
-    producer, consumer = UCXTransport(Role.SENDER), ReceiveLanes(lanes)
+    producer, consumer = UCXTransport(Role.PRODUCER), ReceiveLanes(lanes)
     try:
         consumer.post(producer.address, [memoryview(t.numpy()) for t in dst], 5, 256 * KIB)
         staging = Staging(2)
-        sends = Outbound(producer, consumer.address, [memoryview(t.numpy()) for t in src], 5, 256 * KIB, staging)
+        sends = SendFlow(producer, consumer.address, [memoryview(t.numpy()) for t in src], 5, 256 * KIB, staging)
         assert _run(consumer, producer, sends), "transfer did not complete"
         consumer.check_errors()
         sends.check_errors()
@@ -107,11 +107,11 @@ def test_per_piece_sends_never_land_in_packed_receives():
     packed receives must not take them (a smaller message fits a larger buffer, and would land in the
     wrong place); the pull stalls and is cancelled, and nothing was written."""
     dst = [torch.zeros(1000, dtype=torch.uint8) for _ in range(4)]
-    producer, consumer = UCXTransport(Role.SENDER), ReceiveLanes(1)
+    producer, consumer = UCXTransport(Role.PRODUCER), ReceiveLanes(1)
     try:
         consumer.post(producer.address, [memoryview(t.numpy()) for t in dst], 9, 4096)
         src = [torch.full((1000,), 7, dtype=torch.uint8) for _ in range(4)]
-        sends = Outbound(producer, consumer.address, [memoryview(t.numpy()) for t in src], 9, 0, Staging(1))
+        sends = SendFlow(producer, consumer.address, [memoryview(t.numpy()) for t in src], 9, 0, Staging(1))
         assert not _run(consumer, producer, sends, timeout_s=0.5)
         assert consumer.stop(producer.address) == 1  # the one packed receive
         assert all(not t.any() for t in dst)
@@ -121,10 +121,10 @@ def test_per_piece_sends_never_land_in_packed_receives():
 
 
 def test_a_producer_refuses_a_threshold_out_of_range_before_sending_anything():
-    producer, consumer = UCXTransport(Role.SENDER), ReceiveLanes(1)
+    producer, consumer = UCXTransport(Role.PRODUCER), ReceiveLanes(1)
     try:
         with pytest.raises(ValueError, match="pack_below"):
-            Outbound(producer, consumer.address, [memoryview(bytearray(8))], 1, PACK_BYTES + 1, Staging(1))
+            SendFlow(producer, consumer.address, [memoryview(bytearray(8))], 1, PACK_BYTES + 1, Staging(1))
     finally:
         consumer.close()
         producer.close()
@@ -135,11 +135,11 @@ def test_a_consumer_that_stops_reading_holds_only_its_share_of_the_producers_slo
     holds at most PULL_SLOTS of them until its deadline, and the next pull still finds slots."""
     from kvwire.connectors.ucx.flows import PULL_SLOTS
 
-    producer, stuck = UCXTransport(Role.SENDER), ReceiveLanes(1)
+    producer, stuck = UCXTransport(Role.PRODUCER), ReceiveLanes(1)
     staging = Staging(2 * PULL_SLOTS)
     try:
         parts = [memoryview(bytearray(200 * KIB)) for _ in range(100)]  # 20 packs of 1 MiB at most
-        sends = Outbound(producer, stuck.address, parts, 3, 256 * KIB, staging)
+        sends = SendFlow(producer, stuck.address, parts, 3, 256 * KIB, staging)
         for _ in range(50):
             producer.progress()
             sends.advance()

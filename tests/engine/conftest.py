@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kvwire.engine.block_allocator import BlockAllocator
-from kvwire.engine.config import kv_layout
 from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.loader import load_model
 from kvwire.engine.model import LlamaForCausalLM
+from kvwire.engine.model_config import kv_layout
 from kvwire.engine.model_input import ModelInput, SequenceInput
 
 TINY_SEED = 0

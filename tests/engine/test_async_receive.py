@@ -14,10 +14,10 @@ from kvwire.connectors.base import KVConnectorBase
 from kvwire.connectors.config import NodeRole
 from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.block_allocator import BlockAllocator
-from kvwire.engine.config import kv_layout
 from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.loader import load_model
+from kvwire.engine.model_config import kv_layout
 from kvwire.engine.runner import ModelRunner
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0)

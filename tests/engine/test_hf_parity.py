@@ -8,9 +8,9 @@ import pytest
 import torch
 import transformers
 
-from kvwire.engine.config import PRESETS
 from kvwire.engine.init_model import write_checkpoint
 from kvwire.engine.loader import load_model
+from kvwire.engine.model_config import PRESETS
 from kvwire.engine.model_input import SequenceInput
 
 PROMPT = list(b"The quick brown fox jumps over the lazy dog, twice.")

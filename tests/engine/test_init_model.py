@@ -9,8 +9,8 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from kvwire.engine.config import PRESETS
 from kvwire.engine.init_model import EMITTED_BYTES, write_random_checkpoint
+from kvwire.engine.model_config import PRESETS
 
 PROMPTS = ["Hello, world", "The quick brown fox", "abc", "1234567890", "kvwire",
            "Once upon a time", "x", "disaggregated prefill"]

@@ -6,10 +6,10 @@ import pytest
 
 from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.block_allocator import BlockAllocator
-from kvwire.engine.config import kv_layout
 from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.llm_engine import InvalidRequest, LLMEngine
 from kvwire.engine.loader import load_model
+from kvwire.engine.model_config import kv_layout
 from kvwire.engine.runner import ModelRunner
 
 

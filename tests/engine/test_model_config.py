@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvwire.connectors.wire import DType
-from kvwire.engine.config import PRESETS, ModelConfig, kv_layout
+from kvwire.engine.model_config import PRESETS, ModelConfig, kv_layout
 
 
 def test_hf_dict_round_trip() -> None:

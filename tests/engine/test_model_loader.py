@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvwire.engine.config import PRESETS
 from kvwire.engine.init_model import random_tensors, write_checkpoint
 from kvwire.engine.loader import INDEX_FILE, load_model
+from kvwire.engine.model_config import PRESETS
 
 
 def _rewrite(src: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> Path:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import httpx
 import redis

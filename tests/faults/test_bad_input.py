@@ -22,11 +22,35 @@ import msgspec
 import pytest
 import zmq
 
-from kvwire.connectors.directory import KVDirectory, TransferState
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.wire import (WIRE_VERSION, DecodeWork, KVLayout, KVLocation, KVReady, DType, PrefillWork, PullReply,
-                             PullRequest, SamplingParams, TokenChunk, WorkError, decode, encode)
-from tests.faults.harness import REQUEST_TIMEOUT_S, SLACK_S, body_for, is_openai_error, judge, metric, post, wait_recovered, wait_until
+from kvwire.connectors.directory import KVDirectory, TransferState
+from kvwire.connectors.wire import (
+    WIRE_VERSION,
+    DecodeWork,
+    DType,
+    KVLayout,
+    KVLocation,
+    KVReady,
+    PrefillWork,
+    PullReply,
+    PullRequest,
+    SamplingParams,
+    TokenChunk,
+    WorkError,
+    decode,
+    encode,
+)
+from tests.faults.harness import (
+    REQUEST_TIMEOUT_S,
+    SLACK_S,
+    body_for,
+    is_openai_error,
+    judge,
+    metric,
+    post,
+    wait_recovered,
+    wait_until,
+)
 from tests.faults.test_node_faults import reference
 
 pytestmark = pytest.mark.slow
@@ -120,7 +144,7 @@ def test_malformed_control_messages_are_rejected_and_nodes_keep_serving(cluster,
     ctx = zmq.Context.instance()
     directory = KVDirectory(cluster.redis_url)
     nodes = {n.role.value: n for n in directory.live_nodes()}
-    consumer_address = directory.get_endpoint("decode-0", "tcp")
+    consumer_address = directory.transport_address_of("decode-0", "tcp")
     assert consumer_address, "the decode node publishes its TCP address"
     replies = ctx.socket(zmq.PULL)  # where the decode node answers the work it refuses
     reply_to = f"tcp://127.0.0.1:{replies.bind_to_random_port('tcp://127.0.0.1')}"

@@ -8,8 +8,18 @@ import time
 import httpx
 import pytest
 
-from tests.faults.harness import (REQUEST_TIMEOUT_S, SLACK_S, body_for, judge, metric, post, restart_router,
-                                  send_all, wait_recovered, wait_until)
+from tests.faults.harness import (
+    REQUEST_TIMEOUT_S,
+    SLACK_S,
+    body_for,
+    judge,
+    metric,
+    post,
+    restart_router,
+    send_all,
+    wait_recovered,
+    wait_until,
+)
 from tests.faults.test_node_faults import MEDIUM, SHORT, assert_recovered_and_serving, reference
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,21 @@ import pytest
 
 from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.reference import generate
-from tests.faults.harness import (BS, KV_DEADLINE_S, REQUEST_TIMEOUT_S, SLACK_S, judge, metric, pool, post,
-                                  body_for, restart_node, send_all, wait_recovered, wait_until)
+from tests.faults.harness import (
+    BS,
+    KV_DEADLINE_S,
+    REQUEST_TIMEOUT_S,
+    SLACK_S,
+    body_for,
+    judge,
+    metric,
+    pool,
+    post,
+    restart_node,
+    send_all,
+    wait_recovered,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -43,7 +43,7 @@ def test_another_process_reads_the_pool_itself_by_ipc_handle():
     segment.pool.data.copy_(torch.randn(segment.pool.data.shape, device="cuda:0").to(torch.bfloat16))
     msg, fds = segment.export()
     assert fds == [] and msg.cuda is not None and msg.block_nbytes == pool.shape[1]
-    torch.cuda.synchronize(segment.pool.data.device)  # what a producer does before READY (sender.py)
+    torch.cuda.synchronize(segment.pool.data.device)  # what a producer does before READY (producer.py)
     requests, replies = CTX.Queue(), CTX.Queue()
     proc = CTX.Process(target=_read_by_handle, args=(encode(msg), [3, 5], requests, replies))
     proc.start()

@@ -11,8 +11,19 @@ from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.reference import generate
-from tests.faults.harness import (BS, KV_DEADLINE_S, REQUEST_TIMEOUT_S, SLACK_S, Tally, judge, metric, restart_node,
-                                  send_all, wait_recovered, wait_until)
+from tests.faults.harness import (
+    BS,
+    KV_DEADLINE_S,
+    REQUEST_TIMEOUT_S,
+    SLACK_S,
+    Tally,
+    judge,
+    metric,
+    restart_node,
+    send_all,
+    wait_recovered,
+    wait_until,
+)
 from tests.integration.cluster import complete_all, wait_pools_full_and_directory_empty
 
 pytestmark = pytest.mark.slow

@@ -9,9 +9,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvwire.connectors.base import TransferError
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
+from kvwire.connectors.consumer import KVConsumer
 from kvwire.connectors.directory import KVDirectory, TransferState
 from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.receiver import KVReceiver
 from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.model_input import SequenceInput
 from kvwire.observability.labels import DirectoryOp, Queue, RecomputeReason, RequestStatus, TransferFailure
@@ -85,12 +85,12 @@ class _NoPuller:
         pass
 
 
-def _receiver(redis_url: str, m: Metrics) -> tuple[KVReceiver, KVDirectory]:
+def _receiver(redis_url: str, m: Metrics) -> tuple[KVConsumer, KVDirectory]:
     config = ConnectorConfig(kind=ConnectorKind.TCP, role=NodeRole.DECODE, node_id="decode-0", redis_url=redis_url)
     directory = KVDirectory(redis_url, metrics=m)
     layout = location("x").layout
     region = KVRegion.from_kv_caches(KVPool.allocate(layout, 8).kv_caches)
-    return KVReceiver(config, directory, region, _NoPuller(), "cpu", metrics=m), directory
+    return KVConsumer(config, directory, region, _NoPuller(), "cpu", metrics=m), directory
 
 
 def _failed(m: Metrics, reason: TransferFailure) -> float:

@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -35,7 +35,7 @@ from kvwire.engine.model_input import ModelInput
 log = logging.getLogger(__name__)
 
 
-class KVSender:
+class KVProducer:
     def __init__(self, config: ConnectorConfig, directory: KVDirectory, region: KVRegion,
                  held: HeldTable, servers: dict[ConnectorKind, TransferServer], epoch: int):
         """Args:

@@ -19,7 +19,7 @@ import zmq
 
 from kvwire.connectors.directory import DirectoryError
 from kvwire.connectors.wire import DecodeWork, NodeInfo, PrefillWork, pack
-from kvwire.engine.node_runtime import NodeRuntime
+from kvwire.node.runtime import NodeRuntime
 
 log = logging.getLogger(__name__)
 

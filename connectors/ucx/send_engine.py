@@ -1,4 +1,4 @@
-"""The producer's UCX send engine: each pull an `Outbound` (flows.py), advanced on the server thread.
+"""The producer's UCX send engine: each pull an `SendFlow` (flows.py), advanced on the server thread.
 
 Unpacked pieces go zero-copy, one tagged send each; small pieces, if the consumer asked,
 packed through SEND_SLOTS staging slots shared by every pull this engine serves (at most
@@ -10,7 +10,7 @@ waits for a layer and has nothing in flight the server thread sleeps (the gate w
 from __future__ import annotations
 
 from kvwire.connectors.transfer_server import SendEngine, SendJob
-from kvwire.connectors.ucx.flows import Outbound
+from kvwire.connectors.ucx.flows import SendFlow
 from kvwire.connectors.ucx.packing import Staging
 from kvwire.connectors.ucx.transport import MAX_PIECES, Role, UCXTransport
 
@@ -21,7 +21,7 @@ class UCXSendEngine(SendEngine):
     streams_layers = True
 
     def __init__(self) -> None:
-        self._transport = UCXTransport(Role.SENDER)
+        self._transport = UCXTransport(Role.PRODUCER)
         self._staging = Staging(SEND_SLOTS)
         self.transport_address = self._transport.address
         self._active: list[SendJob] = []
@@ -32,7 +32,7 @@ class UCXSendEngine(SendEngine):
     def progress(self) -> None:
         self._transport.progress()
         for job in list(self._active):
-            flow: Outbound = job.state
+            flow: SendFlow = job.state
             try:
                 flow.advance()
                 if not flow.done():
@@ -54,7 +54,7 @@ class UCXSendEngine(SendEngine):
         if job.num_pieces > MAX_PIECES:
             raise ValueError(f"{job.num_pieces} pieces exceed {MAX_PIECES}")
         gate = job.held.gate
-        job.state = Outbound(self._transport, job.msg.transport_address, job.parts(), job.msg.transfer_id,
+        job.state = SendFlow(self._transport, job.msg.transport_address, job.parts(), job.msg.transfer_id,
                              job.msg.pack_below, self._staging, gate, job.layer_pieces if gate else 0)
         self._active.append(job)
 

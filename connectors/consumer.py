@@ -3,7 +3,7 @@
 For each request of a prompt batch: wait (bounded) for its directory entry to be
 READY, check the producer's layout matches ours, let the transport pull the blocks
 and hidden states. The producer, having confirmed the pull, marks the entry CONSUMED
-and deletes it (sender.py): no directory write on the way to the first token. Any
+and deletes it (producer.py): no directory write on the way to the first token. Any
 failure here marks the entry FAILED (so a late producer releases its blocks at once)
 and raises TransferError; the caller recomputes. Bytes and time of each pull, and each failure
 by reason, go to the process's metrics.
@@ -69,7 +69,7 @@ class Received:
     transport: str  # the connector kind that moved the bytes
 
 
-class KVReceiver:
+class KVConsumer:
     def __init__(self, config: ConnectorConfig, directory: KVDirectory, region: KVRegion,
                  puller: Puller, device: torch.device | str, metrics: Metrics | None = None):
         self._config = config

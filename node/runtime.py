@@ -10,27 +10,29 @@ queues through `load` (heartbeats carry them) and its metrics into `metrics`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import zmq
 
-from kvwire.connectors.config import NodeConfig, NodeRole
-from kvwire.connectors.directory import KVDirectory
-from kvwire.connectors.heartbeat import Heartbeat
-from kvwire.connectors.directory_connector import DirectoryConnector
-from kvwire.connectors.factory import create_connector
 from kvwire.connectors import auth
 from kvwire.connectors.auth import AuthError
+from kvwire.connectors.config import NodeRole
+from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.directory_connector import DirectoryConnector
+from kvwire.connectors.factory import create_connector
+from kvwire.connectors.heartbeat import Heartbeat
 from kvwire.connectors.wire import NodeInfo, WireError, unpack
 from kvwire.engine.block_allocator import BlockAllocator
-from kvwire.engine.config import kv_layout
 from kvwire.engine.gc_pauses import freeze_startup_heap
 from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.loader import load_model
 from kvwire.engine.model import LlamaForCausalLM
+from kvwire.engine.model_config import kv_layout
 from kvwire.engine.runner import ModelRunner
+from kvwire.node.config import NodeConfig
 from kvwire.observability.labels import RejectReason
 from kvwire.observability.metrics import Metrics, process_metrics
 from kvwire.observability.ops_server import OpsServer

@@ -26,8 +26,17 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvwire.connectors.shm.channel import (SOCKET_ROOT, close_fds, listen, peer_cred, recv_msg, remove_stale, send_msg,
-                                    socket_dir, socket_path)
+from kvwire.connectors.shm.channel import (
+    SOCKET_ROOT,
+    close_fds,
+    listen,
+    peer_cred,
+    recv_msg,
+    remove_stale,
+    send_msg,
+    socket_dir,
+    socket_path,
+)
 from kvwire.connectors.shm.segment import PoolSegment, pack_tensors
 from kvwire.connectors.transfer_server import SendEngine, SendJob
 from kvwire.connectors.wire import Message, PullReply, PullRequest, ShmHello, WireError

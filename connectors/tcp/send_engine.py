@@ -31,8 +31,16 @@ import time
 from dataclasses import dataclass, field
 
 from kvwire.connectors.base import TransferError
-from kvwire.connectors.tcp.frames import (ACK, DATA_MAGIC, HEADER, HELLO, HELLO_MAGIC, SOCKET_BUFFER_BYTES, encode_address,
-                                   tune)
+from kvwire.connectors.tcp.frames import (
+    ACK,
+    DATA_MAGIC,
+    HEADER,
+    HELLO,
+    HELLO_MAGIC,
+    SOCKET_BUFFER_BYTES,
+    encode_address,
+    tune,
+)
 from kvwire.connectors.tcp.stream import ByteStream, Staging
 from kvwire.connectors.transfer_server import SendEngine, SendJob
 
