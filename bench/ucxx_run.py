@@ -1,6 +1,6 @@
 """ucxx's own tag send / receive of the benchmark's pieces, with nothing of kvwire's control path around it.
 
-The floor under kvwire's UCX connector: the same transport settings (connectors/ucx/transport.py),
+The floor under kvwire's UCX connector: the same transport settings (connectors/ucx/worker.py),
 one worker on each side, one tagged message per piece, no directory, no pull request, no lanes,
 no packing. The consumer posts a receive per piece, tells the producer to go, and times until
 every receive has completed; the producer posts a send per piece and polls until they complete.
@@ -25,13 +25,13 @@ def _side(work: Workload, trials: int, warmup: int, side: int, pipe) -> None:
     """side 0 sends (producer), side 1 receives and times (consumer)."""
     import torch
 
-    from kvwire.connectors.ucx.transport import Array, Role, UCXTransport, tag_of, ucx
+    from kvwire.connectors.ucx.worker import Array, Role, UCXWorker, tag_of, ucx
 
     torch.set_num_threads(1)
     region = KVRegion.from_kv_caches(allocate_pool(work))
     if side == 0:
         fill_random(region)
-    transport = UCXTransport(Role.PRODUCER if side == 0 else Role.CONSUMER)
+    transport = UCXWorker(Role.PRODUCER if side == 0 else Role.CONSUMER)
     pipe.send((transport.address, checksum(region, work.block_ids(0)) if side == 0 else 0))
     peer, want = pipe.recv()
     (ep,) = transport.endpoints_for(peer)

@@ -44,8 +44,8 @@ def connector_class(name: str) -> type[KVConnectorBase]:
     return getattr(importlib.import_module(module), class_name)
 
 
-register_connector(ConnectorKind.UCX, "kvwire.connectors.ucx.connector", "UCXConnector")
-register_connector(ConnectorKind.TCP, "kvwire.connectors.tcp.connector", "TCPConnector")
-register_connector(ConnectorKind.SHM, "kvwire.connectors.shm.connector", "SHMConnector")
-register_connector(ConnectorKind.NCCL, "kvwire.connectors.nccl.connector", "NCCLConnector")
-register_connector(ConnectorKind.AUTO, "kvwire.connectors.auto.connector", "AutoConnector")
+register_connector(ConnectorKind.UCX, "kvwire.connectors.ucx.transport", "UCXConnector")
+register_connector(ConnectorKind.TCP, "kvwire.connectors.tcp.transport", "TCPConnector")
+register_connector(ConnectorKind.SHM, "kvwire.connectors.shm.transport", "SHMConnector")
+register_connector(ConnectorKind.NCCL, "kvwire.connectors.nccl.transport", "NCCLConnector")
+register_connector(ConnectorKind.AUTO, "kvwire.connectors.auto.transport", "AutoConnector")

@@ -27,7 +27,7 @@ from kvwire.connectors.layer_gate import LayerGate
 from kvwire.connectors.ucx.packing import Message, Staging, gather, plan_messages, scatter
 
 # ucxx only through transport, which sets UCX's environment before importing it
-from kvwire.connectors.ucx.transport import Array, Requests, UCXTransport, all_done, check_errors, tag_of, ucx
+from kvwire.connectors.ucx.worker import Array, Requests, UCXWorker, all_done, check_errors, tag_of, ucx
 
 PULL_SLOTS = 8  # staging slots one pull's sends may hold at once: a consumer that stops reading cannot hold them all
 _Pack = tuple[object, Array, memoryview, Message]  # a posted pack: request, its buffer, the slot, the message
@@ -80,7 +80,7 @@ class SendFlow(_Flow):
         ValueError: `peer` is not a well-formed address, or `pack_below` is out of range.
     """
 
-    def __init__(self, transport: UCXTransport, peer: bytes, parts: list[Part], transfer_id: int,
+    def __init__(self, transport: UCXWorker, peer: bytes, parts: list[Part], transfer_id: int,
                  pack_below: int, staging: Staging, gate: LayerGate | None = None, layer_pieces: int = 0):
         super().__init__(parts, transfer_id, pack_below, staging, layer_pieces=layer_pieces)
         self._eps = transport.endpoints_for(peer)
@@ -140,11 +140,11 @@ class ReceiveFlow(_Flow):
     """One consumer lane's receives of one pull from the producer's worker at `peer`.
 
     Posted through an endpoint to that worker: receives posted on the worker itself cannot
-    be cancelled from Python, an endpoint's can (`UCXTransport.abandon`). `layer_pieces`: a
+    be cancelled from Python, an endpoint's can (`UCXWorker.abandon`). `layer_pieces`: a
     layer-wise stream's pieces per layer (no pack spans two layers), as the producer has it.
     """
 
-    def __init__(self, transport: UCXTransport, peer: bytes, parts: list[Part], transfer_id: int,
+    def __init__(self, transport: UCXWorker, peer: bytes, parts: list[Part], transfer_id: int,
                  pack_below: int, staging: Staging, lane: int = 0, lanes: int = 1, layer_pieces: int = 0):
         super().__init__(parts, transfer_id, pack_below, staging, lane, lanes, layer_pieces)
         self._transport = transport

@@ -23,7 +23,7 @@ import threading
 from kvwire.connectors.kv_region import Part
 from kvwire.connectors.ucx.flows import ReceiveFlow
 from kvwire.connectors.ucx.packing import Staging
-from kvwire.connectors.ucx.transport import MAX_LANES, Role, UCXTransport, pack_lanes
+from kvwire.connectors.ucx.worker import MAX_LANES, Role, UCXWorker, pack_lanes
 
 WAIT_SLICE_S = 0.001  # how long the caller sleeps on a busy lane thread before it looks at its side channel again
 LANE_SLOTS = 4  # staging slots per lane: packs being received or unpacked at once
@@ -32,7 +32,7 @@ LANE_SLOTS = 4  # staging slots per lane: packs being received or unpacked at on
 class _LaneThread:
     """Advances one lane's flow while it has receives in flight; sleeps otherwise."""
 
-    def __init__(self, transport: UCXTransport, name: str):
+    def __init__(self, transport: UCXWorker, name: str):
         self._transport = transport
         self._flow: ReceiveFlow | None = None
         self._wake = threading.Event()
@@ -88,7 +88,7 @@ class ReceiveLanes:
     def __init__(self, lanes: int):
         if not 1 <= lanes <= MAX_LANES:
             raise ValueError(f"lanes must be 1..{MAX_LANES}, got {lanes}")
-        self._transports = [UCXTransport(Role.CONSUMER) for _ in range(lanes)]
+        self._transports = [UCXWorker(Role.CONSUMER) for _ in range(lanes)]
         self._staging = [Staging(LANE_SLOTS) for _ in range(lanes)]
         self._threads = [_LaneThread(t, f"kv-ucx-lane-{i}") for i, t in enumerate(self._transports[1:], 1)]
         self._flows: list[ReceiveFlow] = []

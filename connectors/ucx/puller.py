@@ -23,7 +23,7 @@ from kvwire.connectors.kv_region import KVRegion, consumer_parts, part_nbytes
 from kvwire.connectors.side_channel import SideChannelClient
 from kvwire.connectors.ucx.lanes import ReceiveLanes
 from kvwire.connectors.ucx.packing import PACK_BELOW
-from kvwire.connectors.ucx.transport import MAX_PIECES
+from kvwire.connectors.ucx.worker import MAX_PIECES
 from kvwire.connectors.wire import KVLocation, PullRequest
 
 

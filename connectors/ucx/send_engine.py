@@ -12,7 +12,7 @@ from __future__ import annotations
 from kvwire.connectors.transfer_server import SendEngine, SendJob
 from kvwire.connectors.ucx.flows import SendFlow
 from kvwire.connectors.ucx.packing import Staging
-from kvwire.connectors.ucx.transport import MAX_PIECES, Role, UCXTransport
+from kvwire.connectors.ucx.worker import MAX_PIECES, Role, UCXWorker
 
 SEND_SLOTS = 16  # staging slots (of PACK_BYTES) for packed sends, all pulls together
 
@@ -21,7 +21,7 @@ class UCXSendEngine(SendEngine):
     streams_layers = True
 
     def __init__(self) -> None:
-        self._transport = UCXTransport(Role.PRODUCER)
+        self._transport = UCXWorker(Role.PRODUCER)
         self._staging = Staging(SEND_SLOTS)
         self.transport_address = self._transport.address
         self._active: list[SendJob] = []

@@ -1,140 +1,16 @@
-"""One UCX context and worker per role (sender, receiver), polled while a transfer is in flight.
-
-Polling, not epoll wake-ups: every rendezvous step needs both workers progressed, and a
-wake-up per step cost a third of the throughput here. Between transfers nothing polls
-(the owner blocks on its zmq sockets instead); the worker is created without UCX's
-wake-up feature, which is why it has no event fd to wait on.
-
-Endpoints are made from the peer's *worker address* with endpoint error handling
-off: that is what lets UCX pick shared memory and cross-memory attach between two
-processes on one host (listener endpoints, or error handling on, fall back to
-loopback TCP). The price is that UCX does not notice a dead peer, so every wait
-here has a deadline and the directory's TTLs clean up after it.
-
-A consumer may read with several *lanes* (lanes.py): one transport each, each polled
-by its own thread, so that one pull's cross-memory-attach reads run on several cores.
-Its published address then packs every lane's worker address, and a producer sends
-message i to lane i mod n.
-
-Not thread-safe: one thread at a time uses a transport (the producer's server thread,
-or, during a pull, the consumer's engine thread or that lane's thread).
-"""
+"""KV connector over UCX: the directory protocol with UCX tag messages moving the bytes."""
 
 from __future__ import annotations
 
-import enum
-import os
-import struct
-
-# ucxx sets UCX_MEMTYPE_CACHE, which UCX 1.21 no longer knows and warns about at every start.
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-
-import ucxx._lib.libucxx as ucx  # noqa: E402
-from ucxx._lib.arr import Array  # noqa: E402
-
-from kvwire.connectors.config import MAX_PULL_LANES as MAX_LANES  # noqa: E402
-
-SEGMENT_BITS = 24  # low tag bits: message index within one transfer, and whether it is packed
-PACKED_BIT = 1 << (SEGMENT_BITS - 1)  # set in every tag of a packed transfer (packing.py)
-MAX_PIECES = PACKED_BIT  # messages (and pieces) one transfer may have
-Requests = list[tuple[object, Array]]  # posted UCX requests, each with the buffer it must keep alive
-LANES_MAGIC = b"kvwire-ucx-lanes\x00"  # starts an address packing several lanes' worker addresses
+from kvwire.connectors.directory_connector import DirectoryConnector
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.ucx.puller import UCXPuller
+from kvwire.connectors.ucx.send_engine import UCXSendEngine
 
 
-class Role(enum.Enum):
-    PRODUCER = "producer"  # a producer's send engine
-    CONSUMER = "consumer"  # a consumer's puller
+class UCXConnector(DirectoryConnector):
+    def _make_send_engine(self, region: KVRegion) -> UCXSendEngine:
+        return UCXSendEngine()
 
-
-# Rendezvous scheme per side, measured on one host with a 2,048-token request (256 MiB, 128 pieces):
-# a sender set to put_zcopy with a receiver set to get_zcopy ran UCX-over-TCP in ~90 ms against
-# ~105 (put/put) and ~260 (get/put, and UCX's defaults), and shared memory / CMA in ~57 ms, as fast
-# as any other pairing. The environment (UCX_RNDV_SCHEME) still wins.
-_RNDV_SCHEME = {Role.PRODUCER: "put_zcopy", Role.CONSUMER: "get_zcopy"}
-
-
-def _config(role: Role) -> dict[str, str]:
-    """UCX settings kvwire picks unless the environment sets them (UCX_<NAME> wins)."""
-    ours = {"RNDV_SCHEME": _RNDV_SCHEME[role]}
-    return {k: v for k, v in ours.items() if f"UCX_{k}" not in os.environ}
-
-
-class UCXTransport:
-    def __init__(self, role: Role) -> None:
-        self._ctx = ucx.UCXContext(config_dict=_config(role), feature_flags=(ucx.Feature.TAG,))
-        self._worker = ucx.UCXWorker(self._ctx)
-        self._endpoints: dict[bytes, list[ucx.UCXEndpoint]] = {}  # a peer's (packed) address -> one per lane
-        self.address: bytes = self._worker.address.tobytes()
-
-    def progress(self) -> None:
-        self._worker.progress()
-
-    def abandon(self, peer: bytes) -> int:
-        """Cancel every receive posted for `peer` (after a failure): none of them can land late.
-        Returns how many were still in flight."""
-        self.forget_peer(peer)  # closing an endpoint schedules its requests for cancelling
-        cancelled = self._worker.cancel_inflight_requests()
-        self._worker.progress()
-        return cancelled
-
-    def forget_peer(self, peer: bytes) -> None:
-        for ep in self._endpoints.pop(peer, []):
-            ep.close()
-
-    def close(self) -> None:
-        for peer in list(self._endpoints):
-            self.forget_peer(peer)
-
-    def endpoints_for(self, peer: bytes) -> list[ucx.UCXEndpoint]:
-        """One endpoint per lane of the worker(s) at `peer` (made once, kept until `forget_peer`).
-
-        Raises:
-            ValueError: `peer` is not a well-formed address.
-        """
-        eps = self._endpoints.get(peer)
-        if eps is None:
-            eps = [ucx.UCXEndpoint.create_from_worker_address(self._worker, ucx.UCXAddress.create_from_buffer(a), False)
-                   for a in unpack_lanes(peer)]
-            self._endpoints[peer] = eps
-        return eps
-
-
-def pack_lanes(addresses: list[bytes]) -> bytes:
-    """One address for a consumer's lanes: a lone worker address as it is, several packed."""
-    if len(addresses) == 1:
-        return addresses[0]
-    return LANES_MAGIC + b"".join(struct.pack("!I", len(a)) + a for a in addresses)
-
-
-def unpack_lanes(address: bytes) -> list[bytes]:
-    """The worker addresses `pack_lanes` packed. Raises ValueError on a malformed packing."""
-    if not address.startswith(LANES_MAGIC):
-        return [address]
-    out, pos = [], len(LANES_MAGIC)
-    while pos < len(address):
-        if pos + 4 > len(address):
-            raise ValueError("truncated lane address")
-        (n,), pos = struct.unpack_from("!I", address, pos), pos + 4
-        if n == 0 or pos + n > len(address):
-            raise ValueError("truncated lane address")
-        out.append(address[pos:pos + n])
-        pos += n
-    if not 1 <= len(out) <= MAX_LANES:
-        raise ValueError(f"{len(out)} lanes (1..{MAX_LANES} allowed)")
-    return out
-
-
-def tag_of(transfer_id: int, index: int, packed: bool) -> int:
-    """The tag of message `index` of a transfer (a lane's messages are those with index mod lanes = lane)."""
-    return (transfer_id << SEGMENT_BITS) | (PACKED_BIT if packed else 0) | index
-
-
-def all_done(requests: Requests) -> bool:
-    # newest first: while a transfer runs, its last piece is the likeliest unfinished, so a poll costs one call
-    return all(req.completed for req, _ in reversed(requests))
-
-
-def check_errors(requests: Requests) -> None:
-    """Raise the first UCX error among completed requests."""
-    for req, _ in requests:
-        req.check_error()
+    def _make_puller(self, region: KVRegion) -> UCXPuller:
+        return UCXPuller(self.config.node_id, region, self.config.pull_lanes)

@@ -18,7 +18,7 @@ def test_unknown_name_fails_loudly():
 
 def test_double_registration_is_refused():
     with pytest.raises(ValueError, match="already registered"):
-        register_connector("ucx", "kvwire.connectors.ucx.connector", "UCXConnector")
+        register_connector("ucx", "kvwire.connectors.ucx.transport", "UCXConnector")
 
 
 def test_create_connector_builds_the_configured_kind(redis_url):

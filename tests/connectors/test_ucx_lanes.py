@@ -14,7 +14,7 @@ from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 from kvwire.connectors.factory import create_connector
 from kvwire.connectors.ucx.flows import SendFlow
 from kvwire.connectors.ucx.packing import Staging
-from kvwire.connectors.ucx.transport import LANES_MAGIC, Role, UCXTransport, pack_lanes, unpack_lanes
+from kvwire.connectors.ucx.worker import LANES_MAGIC, Role, UCXWorker, pack_lanes, unpack_lanes
 from kvwire.connectors.wire import DType
 from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
@@ -42,7 +42,7 @@ def test_malformed_lane_addresses_are_refused(bad):
 
 
 def test_a_producer_refuses_to_send_to_a_malformed_lane_address():
-    sender = UCXTransport(Role.PRODUCER)
+    sender = UCXWorker(Role.PRODUCER)
     try:
         with pytest.raises(ValueError):
             SendFlow(sender, LANES_MAGIC + b"\x00\x00\x00\x09abc", [memoryview(bytearray(8))], 1, 0, Staging(1))
@@ -96,7 +96,7 @@ def test_lanes_cancel_what_never_came_and_serve_the_next_transfer():
     threads let go, and the same lanes then receive a real transfer byte for byte."""
     from kvwire.connectors.ucx.lanes import ReceiveLanes
 
-    producer = UCXTransport(Role.PRODUCER)
+    producer = UCXWorker(Role.PRODUCER)
     lanes = ReceiveLanes(3)
     try:
         dst = torch.zeros(7, 1000, dtype=torch.uint8)

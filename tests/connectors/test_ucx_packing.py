@@ -10,7 +10,7 @@ import torch
 from kvwire.connectors.ucx.flows import SendFlow
 from kvwire.connectors.ucx.lanes import ReceiveLanes
 from kvwire.connectors.ucx.packing import PACK_BYTES, Message, Staging, gather, plan_messages, scatter
-from kvwire.connectors.ucx.transport import Role, UCXTransport
+from kvwire.connectors.ucx.worker import Role, UCXWorker
 
 KIB = 1 << 10
 
@@ -70,7 +70,7 @@ def test_gather_then_scatter_moves_every_byte():
     assert [bytes(d) for d in dst] == [bytes(s) for s in src]
 
 
-def _run(lanes: ReceiveLanes, producer: UCXTransport, sends: SendFlow, timeout_s: float = 10.0) -> bool:
+def _run(lanes: ReceiveLanes, producer: UCXWorker, sends: SendFlow, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while not (lanes.done() and sends.done()):
         if time.monotonic() > deadline:
@@ -87,7 +87,7 @@ def test_a_transfer_of_large_and_small_pieces_lands_byte_exact(lanes):
     sizes = [300 * KIB, *[40 * KIB] * 60, 500 * KIB, 7, 260 * KIB, *[100 * KIB] * 20]
     src = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
     dst = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
-    producer, consumer = UCXTransport(Role.PRODUCER), ReceiveLanes(lanes)
+    producer, consumer = UCXWorker(Role.PRODUCER), ReceiveLanes(lanes)
     try:
         consumer.post(producer.address, [memoryview(t.numpy()) for t in dst], 5, 256 * KIB)
         staging = Staging(2)
@@ -107,7 +107,7 @@ def test_per_piece_sends_never_land_in_packed_receives():
     packed receives must not take them (a smaller message fits a larger buffer, and would land in the
     wrong place); the pull stalls and is cancelled, and nothing was written."""
     dst = [torch.zeros(1000, dtype=torch.uint8) for _ in range(4)]
-    producer, consumer = UCXTransport(Role.PRODUCER), ReceiveLanes(1)
+    producer, consumer = UCXWorker(Role.PRODUCER), ReceiveLanes(1)
     try:
         consumer.post(producer.address, [memoryview(t.numpy()) for t in dst], 9, 4096)
         src = [torch.full((1000,), 7, dtype=torch.uint8) for _ in range(4)]
@@ -121,7 +121,7 @@ def test_per_piece_sends_never_land_in_packed_receives():
 
 
 def test_a_producer_refuses_a_threshold_out_of_range_before_sending_anything():
-    producer, consumer = UCXTransport(Role.PRODUCER), ReceiveLanes(1)
+    producer, consumer = UCXWorker(Role.PRODUCER), ReceiveLanes(1)
     try:
         with pytest.raises(ValueError, match="pack_below"):
             SendFlow(producer, consumer.address, [memoryview(bytearray(8))], 1, PACK_BYTES + 1, Staging(1))
@@ -135,7 +135,7 @@ def test_a_consumer_that_stops_reading_holds_only_its_share_of_the_producers_slo
     holds at most PULL_SLOTS of them until its deadline, and the next pull still finds slots."""
     from kvwire.connectors.ucx.flows import PULL_SLOTS
 
-    producer, stuck = UCXTransport(Role.PRODUCER), ReceiveLanes(1)
+    producer, stuck = UCXWorker(Role.PRODUCER), ReceiveLanes(1)
     staging = Staging(2 * PULL_SLOTS)
     try:
         parts = [memoryview(bytearray(200 * KIB)) for _ in range(100)]  # 20 packs of 1 MiB at most

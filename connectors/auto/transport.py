@@ -12,7 +12,7 @@ from __future__ import annotations
 from kvwire.connectors.auto.puller import AutoPuller
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.shm.connector import SHMConnector
+from kvwire.connectors.shm.transport import SHMConnector
 from kvwire.connectors.transfer_server import SendEngine
 from kvwire.connectors.ucx.send_engine import UCXSendEngine
 
