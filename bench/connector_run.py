@@ -13,16 +13,16 @@ import contextlib
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Mapping
 
 import torch
 
 from kvwire.bench.cpu import CpuTally, CpuTicks
 from kvwire.bench.memory import PeakTracker
 from kvwire.bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
-from kvwire.connectors.base import KVConnectorBase
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from kvwire.connectors.factory import create_connector
 from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.standalone import open_consumer, open_producer
 from kvwire.connectors.wire import PoolLayout
 from kvwire.engine.gc_pauses import freeze_startup_heap
 from kvwire.engine.model_input import ModelInput, SequenceInput
@@ -40,22 +40,19 @@ def request_input(work: Workload, rid: str, side: int) -> ModelInput:
     return ModelInput([SequenceInput(rid, [0] * work.tokens, 0, work.block_ids(side))])
 
 
-def bench_pool(conn: KVConnectorBase, work: Workload) -> tuple[list[torch.Tensor], KVRegion]:
-    """kvwire's pool comes from the connector (shm places it in shared memory); vLLM's the bench allocates."""
+def bench_pool(work: Workload) -> dict:
+    """kvwire's pool comes from the transport (shm places a producer's in shared memory); vLLM's the bench
+    allocates. Returns open_producer / open_consumer's pool arguments."""
     if work.pool == PoolLayout.KVWIRE:
-        kv_caches = conn.allocate_kv_pool(work.layout, work.pool_blocks, str(work.device)).kv_caches
-    else:
-        kv_caches = allocate_pool(work)
-    return kv_caches, KVRegion.from_kv_caches(kv_caches)
+        return {"layout": work.layout, "num_blocks": work.pool_blocks, "device": str(work.device)}
+    return {"kv_caches": allocate_pool(work)}
 
 
 def _producer(kind: ConnectorKind, redis_url: str, work: Workload, pipe) -> None:
     torch.set_num_threads(1)
-    conn = create_connector(0, 0, bench_config(kind, NodeRole.PREFILL, redis_url))
-    kv_caches, region = bench_pool(conn, work)
+    side = open_producer(bench_config(kind, NodeRole.PREFILL, redis_url), **bench_pool(work))
+    region = KVRegion.from_kv_caches(side.kv_caches)
     fill_random(region)
-    conn.set_release_callback(lambda rid: None)
-    conn.register_kv_caches(kv_caches)
     hidden = torch.zeros(work.tokens, HIDDEN_WIDTH, device=str(work.device))
     freeze_startup_heap()  # as a node does once it has started
     pipe.send(checksum(region, work.block_ids(0)))
@@ -64,14 +61,14 @@ def _producer(kind: ConnectorKind, redis_url: str, work: Workload, pipe) -> None
         if rid == MEASURE:
             peak.start()
             continue
-        conn.send_kv_caches_and_hidden_states(None, request_input(work, rid, 0), kv_caches, hidden)
+        side.connector.send_kv_caches_and_hidden_states(None, request_input(work, rid, 0), side.kv_caches, hidden)
         pipe.send(rid)
     pipe.send(peak.extra_bytes())
-    conn.close()
+    side.close()
 
 
 @contextlib.contextmanager
-def scoped_env(extra: dict[str, str | None]):
+def scoped_env(extra: Mapping[str, str | None]):
     """os.environ with `extra` applied (None: unset) for the block, e.g. around starting a child."""
     saved = {k: os.environ.get(k) for k in extra}
     for k, v in extra.items():
@@ -99,11 +96,10 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
         here, there = ctx.Pipe()
         proc = ctx.Process(target=_producer, args=(kind, redis_url, work, there))
         proc.start()
-        conn = create_connector(0, 0, bench_config(kind, NodeRole.DECODE, redis_url))
+        side = open_consumer(bench_config(kind, NodeRole.DECODE, redis_url), **bench_pool(work))
     try:
         want = here.recv() if here.poll(120) else None
-        kv_caches, region = bench_pool(conn, work)
-        conn.register_kv_caches(kv_caches)
+        kv_caches, region = side.kv_caches, KVRegion.from_kv_caches(side.kv_caches)
         freeze_startup_heap()
         dst = work.block_ids(1)
         times, verified, peak, cpu = [], want is not None, PeakTracker(), CpuTally()
@@ -117,7 +113,8 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
             assert here.poll(120) and here.recv() == rid, "producer did not publish"
             with cpu.counting(i >= warmup):
                 start = time.perf_counter()
-                _, bypass, _ = conn.recv_kv_caches_and_hidden_states(None, request_input(work, rid, 1), kv_caches)
+                _, bypass, _ = side.connector.recv_kv_caches_and_hidden_states(None, request_input(work, rid, 1),
+                                                                               kv_caches)
                 elapsed = time.perf_counter() - start
             verified &= bypass and checksum(region, dst) == want
             if i >= warmup:
@@ -126,6 +123,6 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
         extra = max(peak.extra_bytes(), here.recv() if here.poll(60) else 0)
         return times, verified, extra, cpu.ticks
     finally:
-        conn.close()
+        side.close()
         proc.join(30)
         proc.kill()

@@ -1,13 +1,18 @@
 """`kvwire bench directory`: the directory's throughput and latency against a real redis-server.
 
-One request's directory life, as the nodes live it: the producer publishes READY with
-its location, the consumer looks it up, moves it READY -> CONSUMED (compare-and-set)
-and deletes it. Latency: that life for one request at a time, with the round trips the
-nodes make (publish; lookup; compare-and-set and delete pipelined together, as the
-producer does once a pull is confirmed), p50 / p99 over many requests, each followed by three
-bare PINGs timed the same way: the machine's floor for those three round trips, at the same
-moments. Throughput: the same four steps for
-`batch` requests at once, pipelined, counted as operations (4 per request) per second.
+One request's directory life, as the nodes live it:
+
+1. The producer publishes READY with its location.
+2. The consumer looks it up.
+3. It moves READY -> CONSUMED (compare-and-set).
+4. It deletes the entry.
+
+Latency: that life for one request at a time, with the round trips the nodes make
+(publish; lookup; compare-and-set and delete pipelined together, as the producer does
+once a pull is confirmed), p50 / p99 over many requests, each followed by three bare
+PINGs timed the same way: the machine's floor for those three round trips, at the same
+moments. Throughput: the same four steps for `batch` requests at once, pipelined,
+counted as operations (4 per request) per second.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import msgspec
 
 from kvwire.bench.workload import LLAMA3_8B
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.directory import KVDirectory, TransferState
+from kvwire.connectors.directory import DirectoryEntry, KVDirectory, TransferState
 from kvwire.connectors.directory_batch import DirectoryBatch
 from kvwire.connectors.wire import KVLocation
 
@@ -53,7 +58,7 @@ def _one_life(d: KVDirectory, rid: str) -> bool:
     ok &= entry is not None and entry.state == TransferState.READY and entry.location.request_id == rid
     consumed, _ = DirectoryBatch(d).transition(rid, {TransferState.READY}, TransferState.CONSUMED) \
         .delete(rid).execute()
-    return ok and consumed
+    return bool(ok and consumed)
 
 
 def _batch_life(d: KVDirectory, rids: list[str]) -> bool:
@@ -67,7 +72,7 @@ def _batch_life(d: KVDirectory, rids: list[str]) -> bool:
     out = b.execute()
     n = len(rids)
     looked = out[n:2 * n]
-    return all(out[:n]) and all(e is not None and e.state == TransferState.READY for e in looked) \
+    return all(out[:n]) and all(isinstance(e, DirectoryEntry) and e.state == TransferState.READY for e in looked) \
         and all(out[2 * n::2])
 
 

@@ -1,12 +1,16 @@
 """`kvwire bench e2e`: the same prompt mix through the router, disaggregated and single-node.
 
-Lifecycle: starts a local cluster (private Redis, prefill, decode, router; real
-processes) and sends the mix one request at a time for `rounds` rounds (TTFT and time
-per output token), each prompt twice in a row: disaggregated (prefill node computes,
-decode node receives the KV) and single-node (`"disaggregate": false`: the same decode
-process computes the prompt itself), the order alternating between rounds, so the
-machine's drift weighs on both modes alike. Then all of the mix at once in each mode
-(throughput). Every output is checked equal across the two modes.
+Lifecycle:
+
+1. Start a local cluster (private Redis, prefill, decode, router; real processes).
+2. Send the mix one request at a time for `rounds` rounds (TTFT and time per output
+   token), each prompt twice in a row: disaggregated (prefill node computes, decode node
+   receives the KV) and single-node (`"disaggregate": false`: the same decode process
+   computes the prompt itself), the order alternating between rounds, so the machine's
+   drift weighs on both modes alike.
+3. Send all of the mix at once in each mode (throughput).
+
+Every output is checked equal across the two modes.
 """
 
 from __future__ import annotations
@@ -143,7 +147,8 @@ def bench_e2e(model_dir: Path, connector: ConnectorKind, rounds: int, max_tokens
         bursts = {mode: _burst(client, cluster.url, max_tokens, mode) for mode in MODES}
     results = [_mode_result(m, samples[m], *bursts[m]) for m in MODES]
     d_samples, s_samples = samples[MODES[0]] + bursts[MODES[0]][0], samples[MODES[1]] + bursts[MODES[1]][0]
-    gaps = [d - s for d, s in zip(_per_prompt_median_ttft(samples[MODES[0]]), _per_prompt_median_ttft(samples[MODES[1]]))]
+    gaps = [d - s for d, s in zip(_per_prompt_median_ttft(samples[MODES[0]]),
+                                  _per_prompt_median_ttft(samples[MODES[1]]))]
     by_prompt = {s.prompt: s.tokens for s in s_samples}
     mean_ttft = {m: statistics.mean(s.ttft_ms for s in samples[m]) for m in MODES}
     return E2EResult(modes=results, ttft_gap_ms_p50=round(statistics.median(gaps), 2),

@@ -9,8 +9,11 @@ same process or by the other one, alternating. It times the prompt's engine step
 process that computes it. `kvwire bench e2e` shows the same difference between its two nodes,
 with the transfer and everything else on top.
 
-Lifecycle: `bench_handoff` spawns the two engine processes, runs the rounds over a pipe each,
-and stops them.
+Lifecycle of `bench_handoff`:
+
+1. Spawn the two engine processes.
+2. Run the rounds over a pipe each.
+3. Stop them.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ import torch
 from kvwire.bench.connector_run import HIDDEN_WIDTH, bench_config, bench_pool, request_input
 from kvwire.bench.workload import Workload, checksum, fill_random, zero_blocks
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.factory import create_connector
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.standalone import open_consumer, open_producer
 from kvwire.engine.gc_pauses import freeze_startup_heap
 
 
@@ -46,11 +47,9 @@ class LayerwiseResult(msgspec.Struct, frozen=True):
 def _producer(work: Workload, kind: ConnectorKind, redis_url: str, pipe) -> None:
     """Per trial: (request id, compute seconds per layer, wait for the go-ahead before the last handover)."""
     torch.set_num_threads(1)
-    conn = create_connector(0, 0, bench_config(kind, NodeRole.PREFILL, redis_url, layerwise=True))
-    kv_caches, region = bench_pool(conn, work)
+    side = open_producer(bench_config(kind, NodeRole.PREFILL, redis_url, layerwise=True), **bench_pool(work))
+    conn, kv_caches, region = side.connector, side.kv_caches, KVRegion.from_kv_caches(side.kv_caches)
     fill_random(region)
-    conn.set_release_callback(lambda rid: None)
-    conn.register_kv_caches(kv_caches)
     hidden = torch.zeros(work.tokens, HIDDEN_WIDTH)
     freeze_startup_heap()  # as a node does once it has started
     pipe.send(checksum(region, work.block_ids(0)))
@@ -58,6 +57,7 @@ def _producer(work: Workload, kind: ConnectorKind, redis_url: str, pipe) -> None
         rid, compute_s = trial
         batch = request_input(work, rid, 0)
         on_layer = conn.begin_layer_stream(batch, HIDDEN_WIDTH, hidden.dtype)
+        assert on_layer is not None, "a layer-wise producer streams"
         for layer in range(work.layout.num_layers):
             if compute_s:
                 time.sleep(compute_s)
@@ -65,7 +65,7 @@ def _producer(work: Workload, kind: ConnectorKind, redis_url: str, pipe) -> None
         last = time.monotonic()
         conn.send_kv_caches_and_hidden_states(None, batch, kv_caches, hidden)
         pipe.send(last)
-    conn.close()
+    side.close()
 
 
 def _trials(work: Workload, compute_s: float, n: int, tag: str, pipe, conn, kv_caches, region) -> tuple[list[float], bool]:
@@ -94,13 +94,12 @@ def bench_layerwise(work: Workload, kind: ConnectorKind, runs: int, warmup: int,
     here, there = ctx.Pipe()
     proc = ctx.Process(target=_producer, args=(work, kind, redis_url, there), daemon=True)
     proc.start()
-    conn = create_connector(0, 0, bench_config(kind, NodeRole.DECODE, redis_url))
+    side = open_consumer(bench_config(kind, NodeRole.DECODE, redis_url), **bench_pool(work))
     try:
         want = here.recv()
-        kv_caches, region = bench_pool(conn, work)
-        conn.register_kv_caches(kv_caches)
+        kv_caches, region = side.kv_caches, KVRegion.from_kv_caches(side.kv_caches)
         freeze_startup_heap()
-        args = (here, conn, kv_caches, region)
+        args = (here, side.connector, kv_caches, region)
         _trials(work, 0.0, warmup, "warm", *args)
         totals, ok_whole = _trials(work, 0.0, runs, "whole", *args)
         transfer = statistics.median(totals)
@@ -110,7 +109,7 @@ def bench_layerwise(work: Workload, kind: ConnectorKind, runs: int, warmup: int,
         verified = ok_whole and ok_streamed and checksum(region, work.block_ids(1)) == want
         here.send(None)
     finally:
-        conn.close()
+        side.close()
         proc.join(30)
         proc.kill()
     tail = statistics.median(tails)

@@ -1,14 +1,19 @@
 """`kvwire bench load`: many requests from many concurrent clients through the router.
 
-Lifecycle: tokenizes a deterministic prompt mix (the demo's prompts plus seeded random
-ASCII prompts of varied lengths) and computes every prompt's greedy output in one
-process (the reference); starts a local cluster (private Redis, prefill, decode,
-router; real processes); sends every distinct prompt once at full concurrency
-(warm-up), waits until the cluster is idle and notes each process's RSS; sends
-`requests` requests from `concurrency` clients, each request's outcome checked
-against the reference; waits (with a deadline) until both KV pools are full again and
-the directory holds no request entry, and notes each process's RSS again. The result
-passes when nothing was lost, errored or mismatched and memory came back.
+Lifecycle:
+
+1. Tokenize a deterministic prompt mix (the demo's prompts plus seeded random ASCII
+   prompts of varied lengths) and compute every prompt's greedy output in one process
+   (the reference).
+2. Start a local cluster (private Redis, prefill, decode, router; real processes).
+3. Warm up: send every distinct prompt once at full concurrency, wait until the cluster
+   is idle and note each process's RSS.
+4. Send `requests` requests from `concurrency` clients, each request's outcome checked
+   against the reference.
+5. Wait (with a deadline) until both KV pools are full again and the directory holds no
+   request entry, and note each process's RSS again.
+
+The result passes when nothing was lost, errored or mismatched and memory came back.
 """
 
 from __future__ import annotations

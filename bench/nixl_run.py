@@ -1,9 +1,10 @@
 """NIXL (UCX backend) moving the benchmark's work between two processes: the peer kvwire is measured against.
 
 Driven the way vLLM's NixlConnector drives it, tuned for this machine: progress thread
-off (on 2 cores it halves throughput), each side's pool registered once, both
-descriptor lists prepared once, and per request one `make_prepped_xfer` over exactly
-the pieces kvwire's connectors move, then `transfer` and polling until done.
+off (on a small host it competes for the cores: docs/BENCHMARKS.md), each side's pool
+registered once, both descriptor lists prepared once, and per request one
+`make_prepped_xfer` over exactly the pieces kvwire's connectors move, then `transfer`
+and polling until done.
 
 READ (the consumer pulls, as kvwire does): the consumer process times from
 `make_prepped_xfer` to DONE. WRITE (the producer pushes): the consumer process times
@@ -49,7 +50,8 @@ def _wait(agent, handle) -> None:
     deadline = time.monotonic() + TIMEOUT_S
     while (state := agent.check_xfer_state(handle)) != "DONE":
         if state == "ERR" or time.monotonic() > deadline:
-            raise RuntimeError(f"NIXL transfer ended in state {state} after {time.monotonic() - deadline + TIMEOUT_S:.1f} s")
+            raise RuntimeError(f"NIXL transfer ended in state {state} "
+                               f"after {time.monotonic() - deadline + TIMEOUT_S:.1f} s")
     agent.release_xfer_handle(handle)
 
 

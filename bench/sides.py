@@ -1,22 +1,24 @@
 """Two spawned bench processes, a producer (side 0) and a consumer (side 1), stepped over a pipe each.
 
-Used by the baselines that run both ends themselves (NIXL, bare ucxx). Lifecycle: the
-constructor starts both with `env` applied, each given its side and its end of a pipe;
-`recv` waits for a side's next message, failing as soon as either process has died or
-the deadline passed; `close` joins both (and kills what is left).
+Used by the baselines that run both ends themselves (NIXL, bare ucxx). Lifecycle:
+
+1. The constructor starts both with `env` applied, each given its side and its end of a pipe.
+2. `recv` waits for a side's next message, failing as soon as either process has died or
+   the deadline passed.
+3. `close` joins both (and kills what is left).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 TIMEOUT_S = 120.0
 
 
 class Sides:
-    def __init__(self, target: Callable, args: tuple, env: dict[str, str | None], what: str):
+    def __init__(self, target: Callable, args: tuple, env: Mapping[str, str | None], what: str):
         """Start `target(*args, side, pipe)` for side 0 and side 1, with `env` applied (None unsets)."""
         from kvwire.bench.connector_run import scoped_env
 

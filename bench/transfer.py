@@ -96,7 +96,8 @@ def bench_transfer(methods: list[Method], tokens: list[int], placements: list[Pl
             got, ok, peak, ticks = measure(method, work, runs, warmup, redis_url)
             seconds[i] += got
             verified[i] &= ok
-            extra[i] = peak if extra[i] is None else max(extra[i], peak or 0)
+            prev = extra[i]
+            extra[i] = peak if prev is None else max(prev, peak or 0)
             cpu[i].add(ticks)
             on_row(make_row(method.value, work, got, ok, peak, CpuTally.of(ticks).shares()))
     return [make_row(method.value, work, seconds[i], verified[i], extra[i], cpu[i].shares())

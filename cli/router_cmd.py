@@ -27,5 +27,5 @@ def router(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1",
                           auth_secret=auth_secret(auth_secret_file))
     auth.install(config.auth_secret)  # before any socket opens
     app = create_app(config)
-    freeze_startup_heap()  # the router's heap holds torch and the tokenizer too (~220,000 objects)
+    freeze_startup_heap()  # the router's heap holds torch and the tokenizer too
     uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 from kvwire.connectors.wire import WireError
+from kvwire.observability.labels import RejectReason
+from kvwire.observability.metrics import process_metrics
 
 MAGIC = b"KVA1"
 MAX_SKEW_S = 300.0
@@ -30,6 +32,7 @@ MIN_SECRET_BYTES = 16
 _TS = struct.Struct("<q")
 _TAG_BYTES = 32
 _HEADER = len(MAGIC) + _TS.size + _TAG_BYTES
+SEAL_BYTES = _HEADER  # what sealing adds to a message
 
 _secret: bytes | None = None
 _rejected = 0
@@ -88,9 +91,6 @@ def unseal(data: bytes | memoryview) -> bytes | memoryview:
 
 
 def _reject(reason: str) -> None:
-    from kvwire.observability.labels import RejectReason
-    from kvwire.observability.metrics import process_metrics
-
     global _rejected
     with _lock:
         _rejected += 1

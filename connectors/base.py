@@ -1,12 +1,13 @@
-"""The connector contract every transport implements (vLLM's classic KV connector).
+"""The connector contract the engine's runner calls (vLLM's classic KV connector).
 
-Lifecycle: a node builds one connector from its config (`factory.create_connector`),
-lets it allocate the KV pool (`allocate_kv_pool`) and hands it the pool's per-layer
-views once (`register_kv_caches`), then calls
-`send_kv_caches_and_hidden_states` after each prefill forward (prefill role) or
-`recv_kv_caches_and_hidden_states` before each prompt forward (decode role), and
-finally `close()`. A prefill node also calls `set_release_callback` to learn when
-the connector no longer needs a request's blocks (pulled, refused, or expired).
+1. A node builds its role (producer.py or consumer.py) over its transport and pool, and
+   the contract's face for that role (connector.py) around it.
+2. The runner hands it the pool's per-layer views once (`register_kv_caches`).
+3. Prefill: `send_kv_caches_and_hidden_states` after each prompt forward (or, when the
+   producer streams layer by layer, `begin_layer_stream` before it and
+   `abort_layer_stream` if it fails). Decode: `recv_kv_caches_and_hidden_states` before
+   each prompt forward, which is skipped when it returns bypass.
+4. `close()` stops the role's threads and transport.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from kvwire.connectors.types import IntermediateTensors
 
 if TYPE_CHECKING:
     from kvwire.connectors.config import ConnectorConfig
-    from kvwire.connectors.wire import KVLayout, KVLocation
-    from kvwire.engine.kv_cache import KVPool
     from kvwire.engine.model_input import ModelInput
 
 HiddenStates = torch.Tensor | IntermediateTensors
@@ -48,16 +47,6 @@ class KVConnectorBase(ABC):
         local_rank: rank on this host (picks the device).
         config: the node's connector configuration.
         """
-
-    def allocate_kv_pool(self, layout: KVLayout, num_blocks: int, device: str | torch.device) -> KVPool:
-        """Allocate the node's KV pool (once, before `register_kv_caches`).
-
-        Transports whose peers read the pool directly (shared memory, CUDA IPC) override
-        this to place it where peers can map it.
-        """
-        from kvwire.engine.kv_cache import KVPool
-
-        return KVPool.allocate(layout, num_blocks, device)
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Called once with the per-layer views of the node's KV pool."""
@@ -114,31 +103,3 @@ class KVConnectorBase(ABC):
 
     def abort_layer_stream(self, model_input: ModelInput, reason: str) -> None:
         """Producer: the forward begun after `begin_layer_stream` failed; its consumers recompute."""
-
-    def holds(self, request_id: str) -> bool:
-        """Producer: whether the connector holds the request's blocks (the release callback will fire)."""
-        return False
-
-    def expect(self, request_id: str, on_ready: Callable[[str], None]) -> None:
-        """Consumer: a request whose KV will be received has arrived.
-
-        `on_ready(request_id)` fires, possibly on a connector thread, once its KV can be
-        pulled at once or will never come; the node admits the request then, so running
-        requests do not wait for it. The KV deadline counts from this call. The default
-        fires at once.
-        """
-        on_ready(request_id)
-
-    def set_located_callback(self, callback: Callable[[KVLocation], None]) -> None:
-        """Producer: `callback(location)` runs on the publishing thread once a request's KV can be
-        pulled, before the directory has it (the node tells the consumer directly). Default: unused."""
-
-    def kv_located(self, location: KVLocation) -> bool:
-        """Consumer: the producer says directly where an expected request's KV is (the directory's
-        READY, sooner). Returns whether it was taken; the node then admits the request. Default: no."""
-        return False
-
-    def set_release_callback(self, callback: Callable[[str], None]) -> None:
-        """Producer: `callback(request_id)` runs, possibly on a connector thread, once the
-        connector no longer needs that request's blocks."""
-        raise NotImplementedError(f"{type(self).__name__} does not produce KV")

@@ -1,51 +1,54 @@
-"""Consumer role, transport-agnostic: find a request's KV in the directory and pull it.
+"""The consumer role, transport-agnostic: learn where a request's KV is, pull it, report what it moved.
 
-For each request of a prompt batch: wait (bounded) for its directory entry to be
-READY, check the producer's layout matches ours, let the transport pull the blocks
-and hidden states. The producer, having confirmed the pull, marks the entry CONSUMED
-and deletes it (producer.py): no directory write on the way to the first token. Any
-failure here marks the entry FAILED (so a late producer releases its blocks at once)
-and raises TransferError; the caller recomputes. Bytes and time of each pull, and each failure
-by reason, go to the process's metrics.
+A request here:
+
+1. `expect(request_id, producer)`: a request whose KV a producer is computing has arrived.
+   Its record (expected.py) gets the KV deadline, and a watcher thread waits on the
+   directory for it.
+2. The record is settled by whichever answers first: `located` (the producer's direct
+   `KVReady`), the watcher (the directory's READY, or a FAILED / EXPIRED entry), or the
+   deadline. `on_ready(request_id)`, given at construction, then fires once: the node may
+   admit the request.
+3. `receive` (the runner's pull, one at a time): check the producer's layout matches ours,
+   let the transport's puller move the blocks and hidden states into ours, write the
+   record's `stats`. A request nobody announced is looked up in the directory right there.
+   The producer, having confirmed the pull, marks the entry CONSUMED and deletes it: no
+   directory write on the way to the first token.
+4. Any failure marks the entry FAILED (a late producer then releases its blocks at once)
+   and raises TransferError: the caller recomputes. Bytes and time of each pull, and each
+   failure by reason, go to the process's metrics.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
-from kvwire.connectors.base import TransferError
-from kvwire.connectors.config import ConnectorConfig, ConnectorKind
+from kvwire.connectors.base import HiddenStates, TransferError
+from kvwire.connectors.config import ConnectorConfig
 from kvwire.connectors.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState
-from kvwire.connectors.hidden import empty_like_descs
+from kvwire.connectors.expected import ExpectedKV, Received
+from kvwire.connectors.hidden import empty_like_descs, join_requests
 from kvwire.connectors.kv_checksum import layer_checksums
 from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.offers import narrow
-from kvwire.connectors.wire import KVLocation, TensorDesc
-from kvwire.engine.model_input import SequenceInput
+from kvwire.connectors.transport import Transport
+from kvwire.connectors.wire import KVLocation
+from kvwire.engine.model_input import ModelInput, SequenceInput
 from kvwire.observability.labels import TransferFailure
 from kvwire.observability.metrics import Metrics, process_metrics
 
 log = logging.getLogger(__name__)
 
-
-class Puller(Protocol):
-    """A transport's consumer half. One that picks among transports per pull (auto) also
-    sets `last_transport` to the kind it used."""
-
-    transport_address: bytes  # published in the directory; producers send only there
-
-    def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int: ...
-    def close(self) -> None: ...
+WATCHERS = 128  # requests a consumer can be waiting on at once without delaying each other
+MAX_RECORDS = 64 * WATCHERS  # past this, records of requests never pulled (aborted) are dropped once settled
 
 
 class ReceiveError(TransferError):
-    """A TransferError the receiver itself found, with its kind for kvwire_kv_transfers_failed_total."""
+    """A TransferError the consumer itself found, with its kind for kvwire_kv_transfers_failed_total."""
 
     def __init__(self, request_id: str, peer: str, reason: str, failure: TransferFailure):
         super().__init__(request_id, peer, reason)
@@ -58,33 +61,100 @@ def _failure(exc: Exception) -> TransferFailure:
     return TransferFailure.DIRECTORY if isinstance(exc, DirectoryError) else TransferFailure.TRANSPORT
 
 
-@dataclass(frozen=True)
-class Received:
-    hidden: list[torch.Tensor]
-    descs: list[TensorDesc]
-    intermediate: bool
-    kv_bytes: int
-    transfer_s: float
-    producer: str
-    transport: str  # the connector kind that moved the bytes
-
-
 class KVConsumer:
-    def __init__(self, config: ConnectorConfig, directory: KVDirectory, region: KVRegion,
-                 puller: Puller, device: torch.device | str, metrics: Metrics | None = None):
-        self._config = config
-        self._metrics = metrics or process_metrics()
-        self._directory = directory
-        self._region = region
-        self._layout = region.layout
-        self._puller = puller
-        self._device = device
+    def __init__(self, config: ConnectorConfig, directory: KVDirectory, transport: Transport, region: KVRegion,
+                 on_ready: Callable[[str], None] = lambda request_id: None, metrics: Metrics | None = None):
+        """Build the transport's puller over `region` and publish where it receives.
 
-    def receive(self, seq: SequenceInput, deadline: float, ready: DirectoryEntry | None = None) -> Received:
-        """Pull one request's KV into `seq.block_ids`, starting from `ready` (its READY entry) when the
-        caller has it. Raises TransferError."""
+        Args:
+            config: the node's transfer-plane settings.
+            directory: where locations are looked up (the caller owns and closes it).
+            transport: makes the puller, picks an offer per pull; closed with this consumer.
+            region: the pool's bytes, where pulled KV lands.
+            on_ready: `(request_id)`, possibly on a watcher thread, once an expected request's KV can be
+                pulled at once or will never come.
+        """
+        self._config = config
+        self._directory = directory
+        self._transport = transport
+        self._region = region
+        self._on_ready = on_ready
+        self._metrics = metrics or process_metrics()
+        self._puller = transport.puller(region)
+        self._expected: dict[str, ExpectedKV] = {}  # announced, not yet pulled; guarded by _lock
+        self._lock = threading.Lock()
+        self._watchers = ThreadPoolExecutor(max_workers=WATCHERS, thread_name_prefix="kv-watch")
+        self._pulling = threading.Lock()  # the puller moves one request at a time, whichever thread asks
+        self._addresses_published = 0.0
+        self._publish_addresses()
+
+    def expect(self, request_id: str, producer: str = "") -> ExpectedKV:
+        """A request whose KV `producer` is computing has arrived; its KV deadline starts now.
+
+        Returns:
+            Its record, whose `stats` the pull fills in.
+        """
+        record = ExpectedKV(request_id, producer, time.monotonic() + self._config.kv_deadline_s, watched=True)
+        with self._lock:
+            if len(self._expected) > MAX_RECORDS:
+                self._expected = {r: e for r, e in self._expected.items() if not e.settled}
+            self._expected[request_id] = record
+        self._watchers.submit(self._watch, record)
+        return record
+
+    def located(self, location: KVLocation) -> bool:
+        """The producer says directly where an expected request's KV is (sooner than the directory).
+
+        Returns:
+            Whether it was taken: False for a request not expected here (or from another producer than
+            the one asked), or one whose KV was already located or given up on.
+        """
+        with self._lock:
+            record = self._expected.get(location.request_id)
+        if record is None or (record.producer and record.producer != location.producer):
+            log.info("request %s: KVReady from %s not expected here; ignored", location.request_id,
+                     location.producer)
+            return False
+        if not record.locate(location):
+            return False
+        self._on_ready(location.request_id)
+        return True
+
+    def forget(self, request_id: str) -> None:
+        """The node dropped the request before pulling it (aborted, failed)."""
+        with self._lock:
+            self._expected.pop(request_id, None)
+
+    def receive_batch(self, model_input: ModelInput) -> tuple[HiddenStates | None, bool, ModelInput]:
+        """The contract's receive for a prompt batch: every request's KV, or none (the caller recomputes)."""
+        if time.monotonic() - self._addresses_published > self._config.entry_ttl_s / 3:
+            self._publish_addresses()
+        with self._pulling:
+            records = [self._take(seq.request_id) for seq in model_input.sequences]
+            received: list[Received] = []
+            for seq, record in zip(model_input.sequences, records):
+                try:
+                    received.append(self.receive(seq, record))
+                except TransferError as exc:
+                    log.warning("%s", exc)
+                    self._addresses_published = 0.0  # a restarted Redis forgets our addresses: republish
+                    return None, False, model_input
+        if not received:
+            return None, False, model_input
+        return join_requests([r.hidden for r in received], received[0].descs, received[0].intermediate), True, \
+            model_input
+
+    def receive(self, seq: SequenceInput, record: ExpectedKV | None = None) -> Received:
+        """Pull one request's KV into `seq.block_ids`.
+
+        Args:
+            record: its record, if already taken from this consumer's table.
+        Raises:
+            TransferError: the KV did not come; the entry is now FAILED.
+        """
+        record = record or self._take(seq.request_id)
         try:
-            return self._receive(seq, deadline, ready)
+            return self._receive(seq, record)
         except (TransferError, DirectoryError) as exc:
             self._metrics.kv_transfers_failed.labels(str(_failure(exc))).inc()
             self._mark_failed(seq.request_id, str(exc))
@@ -92,32 +162,87 @@ class KVConsumer:
                 raise
             raise TransferError(seq.request_id, "directory", str(exc)) from exc
 
-    def _receive(self, seq: SequenceInput, deadline: float, ready: DirectoryEntry | None) -> Received:
-        rid = seq.request_id
-        entry = ready or self._directory.wait_for(rid, {TransferState.READY}, deadline)
+    def close(self) -> None:
+        self._watchers.shutdown(wait=False, cancel_futures=True)
+        self._puller.close()
+        self._transport.close()
+
+    # --- where the KV is -------------------------------------------------------------------
+
+    def _take(self, request_id: str) -> ExpectedKV:
+        with self._lock:
+            record = self._expected.pop(request_id, None)
+        return record or ExpectedKV(request_id, "", time.monotonic() + self._config.kv_deadline_s)
+
+    def _watch(self, record: ExpectedKV) -> None:
+        """A watcher thread: settle the record from the directory, then tell the node."""
+        try:
+            settled = self._settle(record)
+        except Exception as exc:  # noqa: BLE001 - the request must still be admitted (and recomputed)
+            log.warning("request %s: watching the directory failed: %s", record.request_id, exc)
+            settled = record.give_up(f"watching the directory failed: {exc}", TransferFailure.DIRECTORY)
+        if settled:
+            self._on_ready(record.request_id)
+
+    def _settle(self, record: ExpectedKV) -> bool:
+        """Wait (until the record's deadline) for the directory to say READY or terminal; returns whether that
+        settled the record. Raises DirectoryError."""
+        entry = self._directory.wait_for(record.request_id, {TransferState.READY}, record.deadline)
+        return self._settle_from(record, entry)
+
+    @staticmethod
+    def _settle_from(record: ExpectedKV, entry: DirectoryEntry | None) -> bool:
         if entry is None:
-            raise ReceiveError(rid, "unknown producer", "KV not ready before the deadline", TransferFailure.DEADLINE)
-        if entry.state != TransferState.READY or entry.location is None:
-            raise ReceiveError(rid, entry.producer, f"entry is {entry.state}: {entry.reason}", TransferFailure.PRODUCER)
-        loc = entry.location
+            return record.give_up("KV not ready before the deadline", TransferFailure.DEADLINE)
+        if entry.state == TransferState.READY and entry.location is not None:
+            return record.locate(entry.location)
+        return record.give_up(f"entry is {entry.state}: {entry.reason}", TransferFailure.PRODUCER)
+
+    # --- the pull --------------------------------------------------------------------------
+
+    def _receive(self, seq: SequenceInput, record: ExpectedKV) -> Received:
+        rid = seq.request_id
+        if not record.settled and record.watched:
+            record.wait(record.deadline - time.monotonic())
+        if not record.settled:  # nobody announced it, or the watcher is late: look here
+            self._settle(record)
+        if record.location is None:
+            raise ReceiveError(rid, record.producer or "unknown producer", record.failure, record.failure_kind)
+        loc = record.location
         self._check(seq, loc)
-        if self._config.kind != ConnectorKind.AUTO:  # an auto puller picks per pull itself
-            loc = narrow(loc, [self._config.kind])
-        n_blocks = len(loc.block_ids)
-        hidden = empty_like_descs(loc.hidden, self._device)
+        loc = self._transport.choose(loc)
+        hidden = empty_like_descs(loc.hidden, self._region.planes[0].device)
         start = time.monotonic()
-        nbytes = self._puller.pull(loc, list(seq.block_ids[:n_blocks]), hidden, deadline)
+        nbytes = self._puller.pull(loc, list(seq.block_ids[:len(loc.block_ids)]), hidden, record.deadline)
         elapsed = time.monotonic() - start
-        transport = str(getattr(self._puller, "last_transport", loc.kind))
         self._verify(seq, loc)
-        self._metrics.observe_transfer(transport, nbytes, elapsed)  # the producer marks the entry CONSUMED
-        log.info("request %s: %d bytes from %s over %s in %.2f ms", rid, nbytes, loc.producer, transport, elapsed * 1e3)
-        return Received(hidden, loc.hidden, loc.intermediate, nbytes, elapsed, loc.producer, transport)
+        self._metrics.observe_transfer(str(loc.kind), nbytes, elapsed)  # the producer marks the entry CONSUMED
+        log.info("request %s: %d bytes from %s over %s in %.2f ms", rid, nbytes, loc.producer, loc.kind,
+                 elapsed * 1e3)
+        record.stats = Received(hidden, loc.hidden, loc.intermediate, nbytes, elapsed, loc.producer, str(loc.kind))
+        return record.stats
+
+    def _check(self, seq: SequenceInput, loc: KVLocation) -> None:
+        def bad(reason: str) -> TransferError:
+            return ReceiveError(seq.request_id, loc.producer, reason, TransferFailure.MISMATCH)
+
+        layout = self._region.layout
+        if loc.layout != layout:
+            raise bad(f"producer layout {loc.layout} does not match ours {layout}")
+        if seq.start_pos != 0 or loc.num_tokens != seq.num_tokens:
+            raise bad(f"producer has {loc.num_tokens} prompt tokens, we need {seq.num_tokens}")
+        n_blocks = math.ceil(loc.num_tokens / layout.block_size)
+        if len(loc.block_ids) != n_blocks or len(seq.block_ids) < n_blocks:
+            raise bad(f"block count mismatch: producer {len(loc.block_ids)}, needed {n_blocks}, "
+                      f"ours {len(seq.block_ids)}")
+        if any(d.shape[:1] != (seq.num_tokens,) for d in loc.hidden):
+            raise bad("hidden states do not cover the prompt")
 
     def _verify(self, seq: SequenceInput, loc: KVLocation) -> None:
         """--verify-kv: the blocks we hold now must match the producer's per-layer checksums."""
         if not self._config.verify_kv:
             return
+
         def bad(reason: str) -> TransferError:
             return ReceiveError(seq.request_id, loc.producer, reason, TransferFailure.TRANSPORT)
 
@@ -128,25 +253,18 @@ class KVConsumer:
             wrong = [i for i, (a, b) in enumerate(zip(got, loc.layer_checksums)) if a != b]
             raise bad(f"KV checksum mismatch in layers {wrong}")
 
-    def _check(self, seq: SequenceInput, loc: KVLocation) -> None:
-        def bad(reason: str) -> TransferError:
-            return ReceiveError(seq.request_id, loc.producer, reason, TransferFailure.MISMATCH)
-
-        if loc.layout != self._layout:
-            raise bad(f"producer layout {loc.layout} does not match ours {self._layout}")
-        if seq.start_pos != 0 or loc.num_tokens != seq.num_tokens:
-            raise bad(f"producer has {loc.num_tokens} prompt tokens, we need {seq.num_tokens}")
-        n_blocks = math.ceil(loc.num_tokens / self._layout.block_size)
-        if len(loc.block_ids) != n_blocks or len(seq.block_ids) < n_blocks:
-            raise bad(f"block count mismatch: producer {len(loc.block_ids)}, needed {n_blocks}, ours {len(seq.block_ids)}")
-        if any(d.shape[:1] != (seq.num_tokens,) for d in loc.hidden):
-            raise bad("hidden states do not cover the prompt")
-
     def _mark_failed(self, request_id: str, reason: str) -> None:
         log.warning("request %s: transfer failed, recomputing: %s", request_id, reason)
         try:
-            self._directory.create_pending(request_id, producer="unknown")
-            self._directory.transition(request_id, {TransferState.PENDING, TransferState.READY},
-                                       TransferState.FAILED, reason[:500])
+            self._directory.fail(request_id, reason)
         except DirectoryError as exc:
             log.warning("request %s: cannot mark failed: %s", request_id, exc)
+
+    def _publish_addresses(self) -> None:
+        """Tell producers where this consumer receives KV (refreshed well within its TTL)."""
+        try:
+            for kind, address in self._transport.published_addresses(self._puller).items():
+                self._directory.publish_transport_address(self._config.node_id, str(kind), address)
+            self._addresses_published = time.monotonic()
+        except DirectoryError as exc:
+            log.warning("node %s: cannot publish its transport addresses: %s", self._config.node_id, exc)

@@ -1,26 +1,31 @@
 """The Redis-backed directory: where each request's KV lives, and which nodes are alive.
 
-Lifecycle of a request's entry (a Redis hash; every key has a TTL):
+A request's entry is a Redis hash (every key has a TTL) that passes through these states:
 
-    absent --create_pending--> PENDING --publish_ready--> READY --transition--> CONSUMED
-                                  |                          |
-                                  +------> FAILED | EXPIRED <+
+1. absent: nothing recorded yet.
+2. PENDING: the producer has scheduled the request (`create_pending`).
+3. READY: the KV is in place and the entry holds its KVLocation (`publish_ready`, which also
+   accepts an absent entry). The consumer, waiting with `wait_for`, pulls the KV.
+4. CONSUMED: the producer has confirmed the pull; it moves the entry here and deletes it.
 
-A producer marks a request PENDING when it schedules it and READY, with the
-KVLocation, once its KV is in place (publish_ready also accepts an absent entry).
-The consumer waits for READY with `wait_for` and pulls the KV; the producer, once it
-has confirmed the pull, moves the entry to CONSUMED and deletes it; either side may
-move it to FAILED, a janitor to EXPIRED. CONSUMED, FAILED
-and EXPIRED are terminal. Each change is one Lua script (compare-and-set) that also
-refreshes the TTLs and appends the new state to the request's event stream, which
-`wait_for` blocks on (the READY event carries the location, so a woken waiter needs no
-second read). Whatever nobody cleans up vanishes after entry_ttl_s.
+From PENDING or READY an entry may instead end FAILED (either side gives up, with a reason) or
+EXPIRED (a janitor). CONSUMED, FAILED and EXPIRED are terminal. Each change is one Lua script
+(compare-and-set) that also refreshes the TTLs and appends the new state to the request's event
+stream, which `wait_for` blocks on (the READY event carries the location, so a woken waiter needs
+no second read). Whatever nobody cleans up vanishes after entry_ttl_s.
 
-Nodes register a NodeInfo under a key that lives node_ttl_s; a `Heartbeat` thread
-(connectors/heartbeat.py) refreshes it every node_ttl_s/3, so a dead node leaves `live_nodes` within node_ttl_s.
-`next_epoch` gives each incarnation of a node a higher epoch, and writes from an
-older incarnation are refused (StaleNodeError). Consumer nodes also publish the
-transport address they receive KV at (`publish_transport_address`).
+A node's registration passes through these steps:
+
+1. `next_epoch`: each incarnation of a node gets a higher epoch than every earlier one.
+2. `register_node`: its NodeInfo goes under a key that lives node_ttl_s.
+3. `heartbeat`: a `Heartbeat` thread (connectors/heartbeat.py) rewrites it every node_ttl_s/3.
+   Writes from an older incarnation are refused (StaleNodeError).
+4. `deregister_node`, or the key's TTL runs out: the node leaves `live_nodes` within node_ttl_s.
+
+Consumer nodes also publish the transport address they receive KV at (`publish_transport_address`).
+
+The connection pools do not decode replies, so every reply holds bytes; redis-py's annotations
+also allow str (a client made with decode_responses=True), hence the casts to `_Fields` and bytes.
 """
 
 from __future__ import annotations
@@ -34,11 +39,12 @@ import re
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redis.typing import EncodableT
 
 from kvwire.connectors import redis_url as redis_url_forms
 from kvwire.connectors.config import NodeRole
@@ -55,6 +61,9 @@ _MAX_CONNECTIONS = 64
 _MAX_BLOCKING_CONNECTIONS = 256  # one per concurrent wait_for
 _EPOCH_TTL_FACTOR = 10  # an epoch counter outlives every record that names an older epoch
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]+")
+
+_Fields = dict[bytes, bytes]  # a hash's fields, or a stream event's
+_StreamEntry = tuple[bytes, _Fields]  # (event id, fields)
 
 
 class TransferState(enum.StrEnum):
@@ -116,6 +125,18 @@ def _masked(url: str) -> str:
 
 def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
+
+
+def _location(raw: bytes) -> KVLocation:
+    location = decode(raw, expect=KVLocation)
+    assert isinstance(location, KVLocation)  # decode rejects every other type
+    return location
+
+
+def _node_info(raw: bytes) -> NodeInfo:
+    info = decode(raw, expect=NodeInfo)
+    assert isinstance(info, NodeInfo)  # decode rejects every other type
+    return info
 
 
 def _timed(op: DirectoryOp):
@@ -227,7 +248,7 @@ class KVDirectory:
                 higher than `location.producer_epoch`): this process is fenced off.
         """
         rid = location.request_id
-        args = [location.producer, encode(location), _ms(self.entry_ttl_s), location.producer_epoch]
+        args: list[EncodableT] = [location.producer, encode(location), _ms(self.entry_ttl_s), location.producer_epoch]
         keys = [*self._entry_keys(rid), self._node_keys(location.producer)[1]]
         with self._errors("publish_ready", rid):
             ok = self._publish(keys=keys, args=args)
@@ -273,10 +294,10 @@ class KVDirectory:
             DirectoryError: also when the stored record is unreadable.
         """
         with self._errors("get", request_id):
-            fields = self._redis.hgetall(self._entry_keys(request_id)[0])
+            fields = cast(_Fields, self._redis.hgetall(self._entry_keys(request_id)[0]))
         return self._parse_entry(request_id, fields)
 
-    def _parse_entry(self, request_id: str, fields: dict[bytes, bytes]) -> DirectoryEntry | None:
+    def _parse_entry(self, request_id: str, fields: _Fields) -> DirectoryEntry | None:
         if not fields:
             return None
         try:
@@ -285,7 +306,7 @@ class KVDirectory:
                 request_id=request_id,
                 state=TransferState(fields[b"state"].decode()),
                 producer=fields.get(b"producer", b"").decode(),
-                location=decode(raw_location, expect=KVLocation) if raw_location else None,  # type: ignore[arg-type]
+                location=_location(raw_location) if raw_location else None,
                 reason=fields.get(b"reason", b"").decode(),
             )
         except (WireError, ValueError, KeyError) as exc:
@@ -326,7 +347,8 @@ class KVDirectory:
         """
         events_key = self._entry_keys(request_id)[1]
         with self._errors("wait_for", request_id):
-            got = self._blocking.xread({events_key: after}, count=EVENTS_MAXLEN, block=_ms(timeout_s))
+            reply = self._blocking.xread({events_key: after}, count=EVENTS_MAXLEN, block=_ms(timeout_s))
+        got = cast(list[tuple[bytes, list[_StreamEntry]]], reply)  # RESP2: [[stream key, [(id, fields), ...]]]
         events = got[0][1] if got else []
         newest = events[-1][1] if events else {}
         return self._parse_entry(request_id, newest) if b"location" in newest else None
@@ -336,7 +358,9 @@ class KVDirectory:
         entry_key, events_key = self._entry_keys(request_id)
         with self._errors("wait_for", request_id):
             pipe = self._redis.pipeline(transaction=True)
-            fields, last = pipe.hgetall(entry_key).xrevrange(events_key, count=1).execute()
+            pipe.hgetall(entry_key)
+            pipe.xrevrange(events_key, count=1)
+            fields, last = pipe.execute()
         return self._parse_entry(request_id, fields), (last[0][0] if last else b"0-0")
 
     @_timed(DirectoryOp.DELETE)
@@ -363,7 +387,8 @@ class KVDirectory:
             pipe.time()
             for rid in ids:
                 entry_key, events_key = self._entry_keys(rid)
-                pipe.hgetall(entry_key).xrange(events_key, count=1)  # the first event's id is its creation time
+                pipe.hgetall(entry_key)
+                pipe.xrange(events_key, count=1)  # the first event's id is its creation time
             (sec, usec), *replies = pipe.execute()
         now_ms, aged = sec * 1000 + usec / 1000, []
         for rid, fields, first in zip(ids, replies[0::2], replies[1::2]):
@@ -383,8 +408,10 @@ class KVDirectory:
         """A new epoch for this incarnation of `node_id`, higher than every earlier one."""
         epoch_key = self._node_keys(node_id)[1]
         with self._errors(f"next_epoch of node {node_id}"):
-            epoch, _ = self._redis.pipeline(transaction=True).incr(epoch_key).pexpire(
-                epoch_key, self._epoch_ttl_ms).execute()  # fmt: skip
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.incr(epoch_key)
+            pipe.pexpire(epoch_key, self._epoch_ttl_ms)
+            epoch, _ = pipe.execute()
         return int(epoch)
 
     def register_node(self, info: NodeInfo) -> None:
@@ -406,7 +433,7 @@ class KVDirectory:
 
     @_timed(DirectoryOp.WRITE_NODE)
     def _write_node(self, info: NodeInfo) -> None:
-        args = [encode(info), info.epoch, _ms(self.node_ttl_s), self._epoch_ttl_ms]
+        args: list[EncodableT] = [encode(info), info.epoch, _ms(self.node_ttl_s), self._epoch_ttl_ms]
         with self._errors(f"write node {info.node_id}"):
             ok, latest = self._put_node(keys=self._node_keys(info.node_id), args=args)
         if not ok:
@@ -426,9 +453,9 @@ class KVDirectory:
             DirectoryError: also when the stored record is unreadable.
         """
         with self._errors(f"get node {node_id}"):
-            raw = self._redis.get(self._node_keys(node_id)[0])
+            raw = cast(bytes | None, self._redis.get(self._node_keys(node_id)[0]))
         try:
-            return None if raw is None else decode(raw, expect=NodeInfo)  # type: ignore[return-value]
+            return None if raw is None else _node_info(raw)
         except WireError as exc:
             raise DirectoryError(f"unreadable record of node {node_id}: {exc}", peer=self.peer) from exc
 
@@ -442,11 +469,11 @@ class KVDirectory:
         """
         with self._errors("live_nodes"):
             keys = list(self._redis.scan_iter(match=f"{self.namespace}:node:*", count=500))
-            raws = self._redis.mget(keys) if keys else []
-        nodes = []
+            raws = cast(list[bytes | None], self._redis.mget(keys)) if keys else []
+        nodes: list[NodeInfo] = []
         for key, raw in zip(keys, raws):
             try:
-                info = decode(raw, expect=NodeInfo) if raw is not None else None  # None: expired since SCAN
+                info = _node_info(raw) if raw is not None else None  # None: expired since SCAN
             except WireError as exc:
                 logger.warning("skipping unreadable node record %s: %s", key.decode(errors="replace"), exc)
                 continue
@@ -454,7 +481,7 @@ class KVDirectory:
                 nodes.append(info)
         return sorted(nodes, key=lambda n: n.node_id)
 
-    # --- transport endpoints ------------------------------------------------------------
+    # --- transport addresses ------------------------------------------------------------
 
     def publish_transport_address(self, node_id: str, kind: str, address: bytes) -> None:
         """Record the address a consumer node receives KV at over transport `kind` (TTL entry_ttl_s).
@@ -462,14 +489,14 @@ class KVDirectory:
         Producers send only to the address a node published here, never to one taken
         from a message: UCX aborts the whole process on a malformed worker address.
         """
-        with self._errors(f"publish {kind} endpoint of {node_id}"):
+        with self._errors(f"publish {kind} transport address of {node_id}"):
             self._redis.set(f"{self.namespace}:endpoint:{node_id}:{kind}", address, px=_ms(self.entry_ttl_s))
 
     @_timed(DirectoryOp.GET_ENDPOINT)
     def transport_address_of(self, node_id: str, kind: str) -> bytes | None:
         """The address `node_id` published for transport `kind`; None if none is live."""
-        with self._errors(f"get {kind} endpoint of {node_id}"):
-            return self._redis.get(f"{self.namespace}:endpoint:{node_id}:{kind}")
+        with self._errors(f"get {kind} transport address of {node_id}"):
+            return cast(bytes | None, self._redis.get(f"{self.namespace}:endpoint:{node_id}:{kind}"))
 
     @_timed(DirectoryOp.RECORD_TRANSFER)
     def record_transfer(self, node_id: str, transport: str, nbytes: int) -> None:
@@ -479,7 +506,7 @@ class KVDirectory:
             self.queue_record_transfer(pipe, node_id, transport, nbytes)
             pipe.execute()
 
-    def queue_record_transfer(self, pipe, node_id: str, transport: str, nbytes: int) -> None:
+    def queue_record_transfer(self, pipe: redis.client.Pipeline, node_id: str, transport: str, nbytes: int) -> None:
         """`record_transfer`'s commands, queued on `pipe` (3 replies) for the caller to execute."""
         key = f"{self.namespace}:transfers:{node_id}"
         pipe.hincrby(key, f"{transport}:count", 1)
@@ -489,10 +516,29 @@ class KVDirectory:
     def transfers(self, node_id: str) -> dict[str, int]:
         """`{"<transport>:count": n, "<transport>:bytes": b}` recorded for `node_id`."""
         with self._errors(f"transfers of {node_id}"):
-            raw = self._redis.hgetall(f"{self.namespace}:transfers:{node_id}")
+            raw = cast(_Fields, self._redis.hgetall(f"{self.namespace}:transfers:{node_id}"))
         return {k.decode(): int(v) for k, v in raw.items()}
 
     def close(self) -> None:
         """Close every pooled connection; the directory is not to be used afterwards."""
         self._pool.disconnect()
         self._blocking_pool.disconnect()
+
+    # --- failing a request (every party that gives up on one goes through here) -------------
+
+    def fail(self, request_id: str, reason: str, *, producer: str = "unknown",
+             allowed_from: Iterable[TransferState] = (TransferState.PENDING, TransferState.READY)) -> bool:
+        """Mark the request FAILED: its consumer recomputes the prompt now, its producer releases the KV.
+
+        An absent entry is created PENDING first, so a consumer that has not looked yet finds it FAILED.
+        Args:
+            reason: why, stored with the entry (truncated to 500 characters).
+            producer: the producer to record on an entry created here.
+            allowed_from: the states it may be failed from.
+        Returns:
+            True if the entry is now FAILED because of this call.
+        Raises:
+            DirectoryError: the directory cannot be reached.
+        """
+        self.create_pending(request_id, producer)
+        return self.transition(request_id, allowed_from, TransferState.FAILED, reason[:500])

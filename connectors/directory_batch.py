@@ -5,23 +5,28 @@ request, so the state machine and its checks are unchanged; only the round trips
 shared. Used where a node handles many requests at once, and by `kvwire bench directory`.
 
 Scripts are queued as plain EVALSHA: redis-py's own pipelined scripts cost an extra
-SCRIPT EXISTS round trip on every execute (0.4 ms a batch here). A server that does not
-know a script (restarted, flushed) answers NOSCRIPT for that step alone; such steps are
-re-run one by one with the script loaded, after the rest of the batch (so a read queued
-after such a step saw the state before it; KVDirectory loads the scripts when it starts).
+SCRIPT EXISTS round trip on every execute, the very cost a batch exists to save
+(docs/BENCHMARKS.md). A server that does not know a script (restarted, flushed) answers
+NOSCRIPT for that step alone; such steps are re-run one by one with the script loaded,
+after the rest of the batch (so a read queued after such a step saw the state before it;
+KVDirectory loads the scripts when it starts).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
+from redis.typing import EncodableT
 
 from kvwire.connectors.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState, _ms
 from kvwire.connectors.wire import KVLocation, encode
 
-_IGNORED = (lambda reply: None, None)
+StepResult = bool | DirectoryEntry | None
+_Parse = Callable[[Any], StepResult]  # a step's raw reply (as redis-py parsed it) -> its result
+_IGNORED: tuple[_Parse, None] = (lambda reply: None, None)
 
 
 class DirectoryBatch:
@@ -29,9 +34,9 @@ class DirectoryBatch:
         self._dir = directory
         self._pipe = directory._redis.pipeline(transaction=False)
         # one per queued reply: (raw reply -> result, re-run the step alone on NOSCRIPT: scripts only)
-        self._steps: list[tuple[Callable[[object], object], Callable[[], object] | None]] = []
+        self._steps: list[tuple[_Parse, Callable[[], object] | None]] = []
 
-    def _script(self, script: Script, keys: list[str], args: list, parse: Callable[[object], object]) -> None:
+    def _script(self, script: Script, keys: list[str], args: list[EncodableT], parse: _Parse) -> None:
         self._pipe.evalsha(script.sha, len(keys), *keys, *args)
         self._steps.append((parse, lambda: script(keys=keys, args=args)))  # a plain call loads the script
 
@@ -64,7 +69,7 @@ class DirectoryBatch:
         self._steps += [_IGNORED] * 3
         return self
 
-    def execute(self) -> list[bool | DirectoryEntry | None]:
+    def execute(self) -> list[StepResult]:
         """Send every queued step; their results in order. Raises DirectoryError."""
         steps, self._steps = self._steps, []
         with self._dir._errors("batch"):

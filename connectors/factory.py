@@ -1,4 +1,4 @@
-"""Builds a connector from its name, importing only the chosen transport."""
+"""Builds a transport from its name, importing only the chosen one."""
 
 from __future__ import annotations
 
@@ -8,44 +8,51 @@ from typing import TYPE_CHECKING
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind
 
 if TYPE_CHECKING:
-    from kvwire.connectors.base import KVConnectorBase
+    from kvwire.connectors.transport import Transport
 
-_REGISTRY: dict[str, tuple[str, str]] = {}
-
-
-def register_connector(name: str, module: str, class_name: str) -> None:
-    if name in _REGISTRY:
-        raise ValueError(f"connector {name!r} is already registered")
-    _REGISTRY[name] = (module, class_name)
+_REGISTRY: dict[ConnectorKind, tuple[str, str]] = {}
 
 
-def available_connectors() -> list[str]:
+def register_transport(kind: ConnectorKind, module: str, class_name: str) -> None:
+    """Make `kind` name the class `class_name` of `module`, imported when first used.
+
+    Raises:
+        ValueError: `kind` is already registered.
+    """
+    if kind in _REGISTRY:
+        raise ValueError(f"transport {kind!r} is already registered")
+    _REGISTRY[kind] = (module, class_name)
+
+
+def available_transports() -> list[ConnectorKind]:
     return sorted(_REGISTRY)
 
 
-def create_connector(rank: int, local_rank: int, config: ConnectorConfig) -> KVConnectorBase:
-    """Instantiate the connector named by `config.kind`.
+def transport_class(kind: ConnectorKind | str) -> type[Transport]:
+    """Import and return the transport registered under `kind`.
 
     Raises:
-        KeyError: no connector of that name is registered.
+        KeyError: no transport of that name is registered.
     """
-    return connector_class(str(config.kind))(rank, local_rank, config)
-
-
-def connector_class(name: str) -> type[KVConnectorBase]:
-    """Import and return the class registered under `name`.
-
-    Raises:
-        KeyError: no connector of that name is registered.
-    """
-    if name not in _REGISTRY:
-        raise KeyError(f"Unsupported connector: {name!r} (available: {', '.join(available_connectors())})")
-    module, class_name = _REGISTRY[name]
+    try:
+        module, class_name = _REGISTRY[ConnectorKind(kind)]
+    except (KeyError, ValueError):
+        names = ", ".join(map(str, available_transports()))
+        raise KeyError(f"Unsupported transport: {str(kind)!r} (available: {names})") from None
     return getattr(importlib.import_module(module), class_name)
 
 
-register_connector(ConnectorKind.UCX, "kvwire.connectors.ucx.transport", "UCXConnector")
-register_connector(ConnectorKind.TCP, "kvwire.connectors.tcp.transport", "TCPConnector")
-register_connector(ConnectorKind.SHM, "kvwire.connectors.shm.transport", "SHMConnector")
-register_connector(ConnectorKind.NCCL, "kvwire.connectors.nccl.transport", "NCCLConnector")
-register_connector(ConnectorKind.AUTO, "kvwire.connectors.auto.transport", "AutoConnector")
+def create_transport(config: ConnectorConfig, epoch: int) -> Transport:
+    """The transport `config.kind` names, for the node incarnation `epoch`.
+
+    Raises:
+        KeyError: no transport of that name is registered.
+    """
+    return transport_class(config.kind)(config, epoch)
+
+
+register_transport(ConnectorKind.UCX, "kvwire.connectors.ucx.transport", "UCXTransport")
+register_transport(ConnectorKind.TCP, "kvwire.connectors.tcp.transport", "TCPTransport")
+register_transport(ConnectorKind.SHM, "kvwire.connectors.shm.transport", "SHMTransport")
+register_transport(ConnectorKind.NCCL, "kvwire.connectors.nccl.transport", "NCCLTransport")
+register_transport(ConnectorKind.AUTO, "kvwire.connectors.auto.transport", "AutoTransport")

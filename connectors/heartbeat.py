@@ -1,11 +1,15 @@
 """Keeps a node registered in the directory while it runs.
 
-Lifecycle: `start()` registers the node at once (raising if that fails), then a daemon
-thread refreshes the registration every node_ttl_s/3, waiting on an Event between
-beats; `mark_draining()` rewrites the registration at once with `draining` set, and
-every later beat keeps it (routers then skip the node); `stop()` ends the thread and,
-by default, removes the registration. If the process dies the registration expires
-after node_ttl_s.
+Lifecycle of a node's registration:
+
+1. `start()` registers the node at once, raising if that fails.
+2. A daemon thread refreshes the registration every node_ttl_s/3, waiting on an Event
+   between beats.
+3. `mark_draining()` (optional) rewrites the registration at once with `draining` set;
+   every later beat keeps it, and routers skip the node.
+4. `stop()` ends the thread and, by default, removes the registration.
+
+If the process dies, the registration expires after node_ttl_s.
 """
 
 from __future__ import annotations

@@ -1,8 +1,14 @@
 """The producer's table of published requests whose KV blocks it holds until pulled.
 
-A request enters when its prefill is published, leaves when a consumer's pull
-completes or fails, or when its hold deadline passes with no pull in flight. The
-release callback fires exactly once per request, whichever way it leaves.
+The table is the one owner of those blocks between publish and release:
+
+1. `add`: the request's prefill is published (layer-wise: before its forward).
+2. `begin_pull`: a consumer's pull claims it (`end_pull` hands it back if refused).
+3. `release`: the pull completed or failed; or `expire_due`: its hold deadline passed with
+   no pull in flight; or `release_if_idle`: nobody will pull it.
+
+The release callback, given at construction, fires exactly once per request with the
+block ids it held, whichever way it leaves.
 """
 
 from __future__ import annotations
@@ -31,7 +37,10 @@ class HeldRequest:
 class HeldTable:
     """Thread-safe: the engine thread adds, the transfer server takes and finishes."""
 
-    def __init__(self, on_release: Callable[[str], None]):
+    def __init__(self, on_release: Callable[[str, list[int]], None]):
+        """Args:
+        on_release: `(request_id, block_ids)` once the request's blocks are no longer needed.
+        """
         self._items: dict[str, HeldRequest] = {}
         self._lock = threading.Lock()
         self._on_release = on_release
@@ -63,7 +72,7 @@ class HeldTable:
             held = self._items.pop(request_id, None)
         if held is None:
             return False
-        self._on_release(request_id)
+        self._on_release(request_id, held.location.block_ids)
         return True
 
     def release_if_idle(self, request_id: str) -> bool:
@@ -73,7 +82,7 @@ class HeldTable:
             if held is None or held.in_flight:
                 return False
             del self._items[request_id]
-        self._on_release(request_id)
+        self._on_release(request_id, held.location.block_ids)
         return True
 
     def get(self, request_id: str) -> HeldRequest | None:

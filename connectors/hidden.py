@@ -12,7 +12,8 @@ HIDDEN_KEY = "hidden_states"  # the name a plain hidden-states tensor travels un
 _DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
-def split_request(hidden: torch.Tensor | IntermediateTensors, rows: slice) -> tuple[list[TensorDesc], list[torch.Tensor], bool]:
+def split_request(hidden: torch.Tensor | IntermediateTensors,
+                  rows: slice) -> tuple[list[TensorDesc], list[torch.Tensor], bool]:
     """One request's rows of the batch's hidden states, as contiguous tensors.
 
     Returns:

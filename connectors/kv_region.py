@@ -62,7 +62,7 @@ def part_nbytes(part: Part) -> int:
 
 def _flat_part(flat: torch.Tensor) -> Part:
     if flat.device.type == "cpu":
-        return memoryview(flat.numpy())
+        return flat.numpy().data  # memoryview(flat.numpy()), as numpy types it for Python 3.11
     if flat.device.type == "cuda":
         return flat
     raise ValueError(f"kvwire cannot move tensors on {flat.device}")
@@ -86,6 +86,7 @@ class KVRegion:
         if not kv_caches:
             raise ValueError("no KV caches to register")
         base = kv_caches[0]._base
+        planes: tuple[torch.Tensor, ...]
         if base is not None and all(kv._base is base for kv in kv_caches) and _block_major(base, kv_caches):
             planes, pool, shape = (base.view(base.shape[0], -1).view(torch.uint8),), PoolLayout.KVWIRE, base.shape[3:]
         elif all(kv.is_contiguous() and kv.dim() == 5 and kv.shape[0] == 2 for kv in kv_caches):
@@ -115,7 +116,7 @@ class KVRegion:
 
     def parts(self, runs: list[tuple[int, int]]) -> list[Part]:
         """The same pieces as `pieces(runs)`, as `Part`s: on the CPU, slices of one memoryview per plane,
-        a fifth of the cost of tensor views (which is what a transport that takes buffers wants)."""
+        much cheaper to make than tensor views (docs/BENCHMARKS.md); what a transport that takes buffers wants."""
         out: list[Part] = []
         for flat, plane in zip(self._flat_planes, self.planes):
             step = plane.shape[1]

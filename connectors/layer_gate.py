@@ -1,14 +1,19 @@
 """How far a layer-wise request's prefill has got: what its transfer may send so far.
 
-Lifecycle: the producer opens a gate for a request before its prefill forward
-(`KVProducer.begin_layers`); the forward calls `layer_done(i)` once layer i's K and V are
-in the pool, in order; `complete()` follows once the hidden states are in place, or
-`fail(reason)` if the forward stopped. The transfer server's send engine reads
-`ready_layers()` / `complete` / `failure` and sends no byte of a layer before that layer
-is done. Every change calls the waker (the server's `wake`), so a send that waits for the
-next layer needs no polling. A CUDA pool's layer counts as done once the work queued
-before `layer_done` has run (an event per layer, queried without blocking): until then
-`needs_polling()` tells the server loop not to sleep.
+Lifecycle of a gate:
+
+1. Open: the producer opens a gate for a request before its prefill forward
+   (`KVProducer.begin_layers`).
+2. Layers done: the forward calls `layer_done(i)` once layer i's K and V are in the pool,
+   in order.
+3. Complete: `complete()` once the hidden states are in place; or failed: `fail(reason)` if
+   the forward stopped.
+
+The transfer server's send engine reads `ready_layers()` / `complete_and_ready` / `failure`
+and sends no byte of a layer before that layer is done. Every change calls the waker (the
+server's `wake`), so a send that waits for the next layer needs no polling. A CUDA pool's
+layer counts as done once the work queued before `layer_done` has run (an event per layer,
+queried without blocking): until then `needs_polling()` tells the server loop not to sleep.
 """
 
 from __future__ import annotations

@@ -1,11 +1,20 @@
-"""Producer role, transport-agnostic: hold a prefilled request's KV and advertise it.
+"""The producer role, transport-agnostic: hold a computed prompt's KV and serve pulls of it.
 
-After a prefill forward, each request's blocks and hidden states enter the held
-table and its location is published READY in the directory. The transport's
-transfer server serves pulls; the held table releases the blocks (through the
-node's callback) when a pull finishes, fails, or never comes. A pull confirmed to its
-consumer moves the entry to CONSUMED and deletes it from here (`on_delivered`), so the
-consumer's path to its first token makes no directory write.
+A request here:
+
+1. `publish` (after its prompt's forward) or `begin_layers` (before it, layer-wise): its
+   blocks and hidden states enter the held table, the one owner of those blocks.
+2. Its location goes straight to the consumer waiting for it (`KVReady` to the
+   `consumer_endpoint` the sequence names), then to the directory as READY.
+3. A consumer pulls it through one of the transfer servers (one per transport this
+   producer serves over, sharing the held table). A pull confirmed to its consumer moves
+   the entry to CONSUMED and deletes it, here, off the consumer's way to its first token.
+4. The held table releases the blocks (`on_release(request_id, block_ids)`, given at
+   construction) when the pull ends, when nobody will pull (the consumer gave up; the
+   layer-wise forward failed), or at the hold deadline (the entry becomes EXPIRED).
+
+A prompt this producer will not compute is `fail`ed: its consumer recomputes at once.
+When it starts, a producer fails the READY entries its earlier incarnations left.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import zmq
 
 from kvwire.connectors.config import LAYERWISE_KINDS, ConnectorConfig, ConnectorKind
 from kvwire.connectors.directory import DirectoryError, KVDirectory, TransferState
@@ -24,40 +34,60 @@ from kvwire.connectors.directory_batch import DirectoryBatch
 from kvwire.connectors.held import HeldRequest, HeldTable
 from kvwire.connectors.hidden import HIDDEN_KEY, dtype_of, empty_like_descs, split_request
 from kvwire.connectors.host import host_identity
+from kvwire.connectors.incarnations import fail_earlier_incarnations
 from kvwire.connectors.kv_checksum import layer_checksums
 from kvwire.connectors.kv_region import KVRegion
 from kvwire.connectors.layer_gate import LayerGate
-from kvwire.connectors.transfer_server import TransferServer
+from kvwire.connectors.sockets import PushSockets
+from kvwire.connectors.transfer_server import SendEngine, TransferServer
+from kvwire.connectors.transport import Transport
 from kvwire.connectors.types import IntermediateTensors
-from kvwire.connectors.wire import KVLocation, PullRequest, TensorDesc, TransportOffer
-from kvwire.engine.model_input import ModelInput
+from kvwire.connectors.wire import KVLocation, KVReady, PullRequest, TensorDesc, TransportOffer
+from kvwire.engine.model_input import ModelInput, SequenceInput
 
 log = logging.getLogger(__name__)
 
 
 class KVProducer:
-    def __init__(self, config: ConnectorConfig, directory: KVDirectory, region: KVRegion,
-                 held: HeldTable, servers: dict[ConnectorKind, TransferServer], epoch: int):
-        """Args:
-        servers: one transfer server per transport this node serves its KV over, the
-            preferred first; they share `held`, so only one of them can serve a request's pull.
+    def __init__(self, config: ConnectorConfig, directory: KVDirectory, epoch: int, transport: Transport,
+                 region: KVRegion, on_release: Callable[[str, list[int]], None]):
+        """Start serving `region` over each send engine.
+
+        Args:
+            config: the node's transfer-plane settings.
+            directory: where locations are published (the caller owns and closes it).
+            epoch: this incarnation's epoch (fences off older ones).
+            transport: makes the send engines (one per transport served over); closed with this producer.
+            region: the pool's bytes (from `transport.producer_pool`, where the transport needs it there).
+            on_release: `(request_id, block_ids)` once a published request's blocks are free again.
         """
         self._config = config
         self._directory = directory
+        self._epoch = epoch
         self._region = region
         self._layout = region.layout
-        self._held = held
-        self._servers = servers
-        self._offers = [TransportOffer(k, s.side_channel, s.transport_address) for k, s in servers.items()]
-        self._epoch = epoch
-        self.on_located: Callable[[KVLocation], None] = lambda loc: None  # e.g. tell the consumer directly
+        self._held = HeldTable(on_release)
+        self._fail_earlier_incarnations()
+        self._transport = transport
+        self._servers = {kind: self._serve(kind, engine) for kind, engine in transport.send_engines(region).items()}
+        self._offers = [TransportOffer(k, s.side_channel, s.transport_address) for k, s in self._servers.items()]
+        self._consumers = PushSockets()  # engine thread only: KVReady to decode nodes' work endpoints
         self._lock = threading.Lock()
         self._advertising: set[str] = set()  # requests whose READY is on its way to the directory
-        self._delivered_early: dict[str, tuple[PullRequest, str, int]] = {}  # pulled before that READY landed
+        self._delivered_early: dict[str, tuple[PullRequest, ConnectorKind, int]] = {}  # pulled before READY landed
         self._streaming: set[str] = set()  # layer-wise requests begun and not yet completed (engine thread)
 
+    @property
+    def held_requests(self) -> int:
+        """Requests whose blocks are held here until pulled, refused or expired."""
+        return len(self._held)
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the request's blocks are held here (`on_release` will fire for them)."""
+        return self._held.get(request_id) is not None
+
     def publish(self, model_input: ModelInput, hidden: torch.Tensor | IntermediateTensors) -> None:
-        """Hold and advertise every request of a computed prompt batch (layer-wise ones: complete them).
+        """Hold and announce every request of a computed prompt batch (layer-wise ones: complete them).
 
         A READY entry means the bytes are in place: consumers that read the pool themselves
         (shared memory, CUDA IPC) may read as soon as they see it, so a CUDA pool's writes are
@@ -73,18 +103,19 @@ class KVProducer:
             if seq.start_pos != 0:
                 raise ValueError(f"request {seq.request_id}: only whole prompts can be published")
             descs, tensors, intermediate = split_request(hidden, rows)
-            n_blocks = math.ceil(seq.end_pos / self._layout.block_size)
-            loc = self._location(seq, descs, intermediate, self._checksums(seq.block_ids[:n_blocks]))
+            loc = self._location(seq, descs, intermediate, self._checksums(self._blocks_of(seq)))
             self._held.add(HeldRequest(loc, tensors, time.monotonic() + self._config.kv_deadline_s))
-            self._announce(loc)
+            self._announce(loc, seq.consumer_endpoint)
         for server in self._servers.values():
             server.wake()
 
-    def begin_layers(self, model_input: ModelInput, hidden_size: int, hidden_dtype: torch.dtype) -> Callable[[int], None]:
-        """Layer-wise: hold and advertise every request of a prompt batch before its forward.
+    def begin_layers(self, model_input: ModelInput, hidden_size: int,
+                     hidden_dtype: torch.dtype) -> Callable[[int], None]:
+        """Layer-wise: hold and announce every request of a prompt batch before its forward.
 
-        Returns what the forward calls after each layer's KV is written; `publish` completes the
-        requests, `abort_layers` fails them.
+        Returns:
+            What the forward calls after each layer's KV is written; `publish` completes the
+            requests, `abort_layers` fails them.
         """
         gates = []
         for seq in model_input.sequences:
@@ -98,7 +129,7 @@ class KVProducer:
             hidden = empty_like_descs([desc], self._region.planes[0].device)
             self._held.add(HeldRequest(loc, hidden, time.monotonic() + self._config.kv_deadline_s, gate=gate))
             self._streaming.add(seq.request_id)
-            self._announce(loc)
+            self._announce(loc, seq.consumer_endpoint)
             gates.append(gate)
 
         def on_layer(layer: int) -> None:
@@ -107,36 +138,69 @@ class KVProducer:
         return on_layer
 
     def abort_layers(self, model_input: ModelInput, reason: str) -> None:
-        """The forward of a layer-wise batch failed: stop its sends, mark it FAILED (its consumers
-        recompute), release what no pull is moving (a pull in flight releases when it stops)."""
+        """The forward of a layer-wise batch failed: stop its sends, fail it (its consumers recompute),
+        release what no pull is moving (a pull in flight releases when it stops)."""
         for seq in model_input.sequences:
             self._streaming.discard(seq.request_id)
             held = self._held.get(seq.request_id)
             if held is None or held.gate is None:
                 continue
             held.gate.fail(reason)
-            try:
-                self._directory.transition(seq.request_id, {TransferState.READY}, TransferState.FAILED, reason[:500])
-            except DirectoryError as exc:
-                log.warning("request %s: cannot mark failed: %s", seq.request_id, exc)
+            self.fail(seq.request_id, reason, allowed_from=(TransferState.READY,))
             self._held.release_if_idle(seq.request_id)
 
-    def _complete_layers(self, request_id: str, hidden: torch.Tensor) -> None:
+    def fail(self, request_id: str, reason: str,
+             allowed_from: tuple[TransferState, ...] = (TransferState.PENDING,)) -> None:
+        """A prompt this producer will not serve: FAILED in the directory, so its consumer recomputes now
+        (unless it already gave up). Trouble with the directory is logged: the consumer's deadline still holds."""
+        try:
+            self._directory.fail(request_id, reason, producer=self._config.node_id, allowed_from=allowed_from)
+        except DirectoryError as exc:
+            log.warning("request %s: cannot mark failed: %s", request_id, exc)
+
+    def close(self) -> None:
+        """Stop every transfer server (releasing what is still held), the sockets to consumers, the transport."""
+        for server in self._servers.values():
+            server.close()
+        self._consumers.close()
+        self._transport.close()
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _fail_earlier_incarnations(self) -> None:
+        try:
+            fail_earlier_incarnations(self._directory, self._config.node_id, self._epoch)
+        except DirectoryError as exc:  # not fatal: what is left expires with its TTL
+            log.warning("node %s: cannot look for entries its earlier incarnations left: %s",
+                        self._config.node_id, exc)
+
+    def _serve(self, kind: ConnectorKind, engine: SendEngine) -> TransferServer:
+        def trusted(consumer: str) -> bytes | None:
+            return self._directory.transport_address_of(consumer, str(kind))
+
+        def delivered(msg: PullRequest, nbytes: int) -> None:
+            self._on_delivered(msg, kind, nbytes)
+
+        server = TransferServer(self._config.host, self._region, self._held, engine, self._config.kv_deadline_s,
+                                trusted, self._on_expired, delivered)
+        server.start()
+        return server
+
+    def _complete_layers(self, request_id: str, hidden: torch.Tensor | IntermediateTensors) -> None:
         """The forward of a layer-wise request is done: its hidden states go in, its gate opens fully. One
         released meanwhile (its consumer gave up, its hold expired) stays released: never published again."""
         self._streaming.discard(request_id)
         held = self._held.get(request_id)
         if held is not None and held.gate is not None:
+            assert isinstance(hidden, torch.Tensor), "layer-wise KV is published by a last pipeline stage"
             held.hidden[0].copy_(hidden)
             held.gate.complete()
 
-    def holds(self, request_id: str) -> bool:
-        """Whether the request's blocks are held here (the release callback will fire for it)."""
-        return self._held.get(request_id) is not None
+    def _blocks_of(self, seq: SequenceInput) -> list[int]:
+        return list(seq.block_ids[:math.ceil(seq.end_pos / self._layout.block_size)])
 
-    def _location(self, seq, descs: list[TensorDesc], intermediate: bool, checksums: list[int],
+    def _location(self, seq: SequenceInput, descs: list[TensorDesc], intermediate: bool, checksums: list[int],
                   layerwise: bool = False) -> KVLocation:
-        n_blocks = math.ceil(seq.end_pos / self._layout.block_size)
         offers = [o for o in self._offers if o.kind in LAYERWISE_KINDS] if layerwise else self._offers
         if not offers:
             raise ValueError(f"request {seq.request_id}: no transport serves this KV"
@@ -145,52 +209,21 @@ class KVProducer:
         return KVLocation(
             request_id=seq.request_id, producer=self._config.node_id, producer_epoch=self._epoch,
             kind=self._config.kind, side_channel=first.side_channel, transport_address=first.transport_address,
-            layout=self._layout, block_ids=list(seq.block_ids[:n_blocks]), num_tokens=seq.end_pos,
+            layout=self._layout, block_ids=self._blocks_of(seq), num_tokens=seq.end_pos,
             hidden=descs, intermediate=intermediate, offers=offers, host=host_identity(),
             layer_checksums=checksums, layerwise=layerwise)
 
     def _checksums(self, blocks: list[int]) -> list[int]:
-        return layer_checksums(self._region, list(blocks)) if self._config.verify_kv else []
+        return layer_checksums(self._region, blocks) if self._config.verify_kv else []
 
-    def on_delivered(self, pull: PullRequest, transport: str, nbytes: int) -> None:
-        """Called by the server once a pull is confirmed to its consumer: the entry becomes CONSUMED and is
-        deleted, and the consumer's transfer is counted, in one round trip made here rather than on the
-        consumer's way to its first token. Trouble with the directory now costs nothing but bookkeeping.
-        A consumer told directly may pull before the READY reaches the directory: the publishing
-        thread then does this once it has."""
-        with self._lock:
-            if pull.request_id in self._advertising:
-                self._delivered_early[pull.request_id] = (pull, transport, nbytes)
-                return
-        self._record_delivery(pull, transport, nbytes)
-
-    def _record_delivery(self, pull: PullRequest, transport: str, nbytes: int) -> None:
-        rid = pull.request_id
-        try:
-            DirectoryBatch(self._directory).transition(rid, {TransferState.READY}, TransferState.CONSUMED) \
-                .delete(rid).record_transfer(pull.consumer, transport, nbytes).execute()
-        except DirectoryError as exc:
-            log.warning("request %s: delivered to %s, but the directory could not be updated: %s",
-                        rid, pull.consumer, exc)
-
-    def on_expired(self, request_id: str) -> None:
-        """Called by the server when a held request was never pulled."""
-        try:
-            self._directory.transition(request_id, {TransferState.PENDING, TransferState.READY},
-                                       TransferState.EXPIRED, "not pulled before the hold deadline")
-        except DirectoryError as exc:
-            log.warning("request %s: cannot mark expired: %s", request_id, exc)
-
-    def _announce(self, loc: KVLocation) -> None:
-        """Tell the consumer directly (the node's callback), then the directory; a pull delivered in between
-        is recorded once the directory has the READY."""
+    def _announce(self, loc: KVLocation, consumer_endpoint: str) -> None:
+        """Tell the consumer directly, then the directory; a pull delivered in between is recorded once the
+        directory has the READY."""
         rid = loc.request_id
         with self._lock:
             self._advertising.add(rid)
-        try:
-            self.on_located(loc)
-        except Exception:  # noqa: BLE001 - the directory still tells the consumer
-            log.exception("request %s: telling the consumer directly failed", rid)
+        if consumer_endpoint:
+            self._tell(loc, consumer_endpoint)
         try:
             self._advertise(loc)
         finally:
@@ -199,6 +232,14 @@ class KVProducer:
                 early = self._delivered_early.pop(rid, None)
         if early is not None:
             self._record_delivery(*early)
+
+    def _tell(self, loc: KVLocation, consumer_endpoint: str) -> None:
+        """`KVReady` to the consumer's node; never blocks: a consumer not reading (or a bad endpoint) still
+        learns the location from the directory."""
+        try:
+            self._consumers.send(consumer_endpoint, KVReady(location=loc), block=False)
+        except zmq.ZMQError as exc:
+            log.warning("request %s: KVReady to %s not sent: %s", loc.request_id, consumer_endpoint, exc)
 
     def _advertise(self, loc: KVLocation) -> None:
         try:
@@ -209,3 +250,31 @@ class KVProducer:
         if not published:
             log.info("request %s: consumer already gave up; releasing its KV", loc.request_id)
             self._held.release_if_idle(loc.request_id)
+
+    def _on_delivered(self, pull: PullRequest, transport: ConnectorKind, nbytes: int) -> None:
+        """A transfer server confirmed a pull to its consumer: the entry becomes CONSUMED and is deleted, and
+        the consumer's transfer is counted, in one round trip made here rather than on the consumer's way to
+        its first token. A consumer told directly may pull before the READY reaches the directory: the
+        publishing thread then does this once it has."""
+        with self._lock:
+            if pull.request_id in self._advertising:
+                self._delivered_early[pull.request_id] = (pull, transport, nbytes)
+                return
+        self._record_delivery(pull, transport, nbytes)
+
+    def _record_delivery(self, pull: PullRequest, transport: ConnectorKind, nbytes: int) -> None:
+        rid = pull.request_id
+        try:
+            DirectoryBatch(self._directory).transition(rid, {TransferState.READY}, TransferState.CONSUMED) \
+                .delete(rid).record_transfer(pull.consumer, str(transport), nbytes).execute()
+        except DirectoryError as exc:  # costs nothing but bookkeeping now
+            log.warning("request %s: delivered to %s, but the directory could not be updated: %s",
+                        rid, pull.consumer, exc)
+
+    def _on_expired(self, request_id: str) -> None:
+        """A transfer server released a held request nobody pulled before its hold deadline."""
+        try:
+            self._directory.transition(request_id, {TransferState.PENDING, TransferState.READY},
+                                       TransferState.EXPIRED, "not pulled before the hold deadline")
+        except DirectoryError as exc:
+            log.warning("request %s: cannot mark expired: %s", request_id, exc)

@@ -16,7 +16,9 @@ from collections.abc import Callable
 import zmq
 
 from kvwire.connectors.base import TransferError
-from kvwire.connectors.wire import KVLocation, Message, PullReply, WireError, pack, unpack
+from kvwire.connectors.framing import pack, unpack
+from kvwire.connectors.sockets import limit_receive
+from kvwire.connectors.wire import KVLocation, Message, PullReply, WireError
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +88,7 @@ class SideChannelClient:
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+            limit_receive(sock)
             sock.connect(endpoint)
             self._sockets[endpoint] = sock
         return sock

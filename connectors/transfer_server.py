@@ -26,9 +26,11 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
+from kvwire.connectors.framing import pack, unpack
 from kvwire.connectors.held import HeldRequest, HeldTable
 from kvwire.connectors.kv_region import KVRegion, Part, byte_parts, plan_runs
-from kvwire.connectors.wire import PullReply, PullRequest, WireError, pack, unpack
+from kvwire.connectors.sockets import limit_receive
+from kvwire.connectors.wire import PullReply, PullRequest, WireError
 from kvwire.engine.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
@@ -134,7 +136,7 @@ class TransferServer:
         self._on_delivered = on_delivered or (lambda msg, nbytes: None)
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        limit_receive(self._sock)
         self.side_channel = f"tcp://{host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
         self._wakeup = Wakeup()
         self._stop = threading.Event()

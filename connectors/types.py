@@ -53,7 +53,8 @@ class IntermediateTensors:
             for k in self.tensors
         )
 
-    __hash__ = None  # mutable container
+    # No __hash__: a class that defines __eq__ gets __hash__ = None, and a mutable container must
+    # not be hashable.
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in self.tensors.items())

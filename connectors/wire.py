@@ -98,7 +98,7 @@ class NodeInfo(_Msg, tag="node"):
     node_id: str
     role: NodeRole
     epoch: int
-    work_address: str  # zmq endpoint that takes PrefillWork / DecodeWork
+    work_endpoint: str = msgspec.field(name="work_address")  # zmq endpoint that takes PrefillWork / DecodeWork
     connector: ConnectorKind
     free_blocks: int
     total_blocks: int
@@ -193,7 +193,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 class PrefillWork(_Msg, tag="prefill"):
     request_id: str
     prompt_token_ids: list[int]
-    notify: str = ""  # the decode node's work endpoint: told `KVReady` directly, ahead of the directory
+    # the decode node's work endpoint: told `KVReady` directly, ahead of the directory
+    decode_endpoint: str = msgspec.field(default="", name="notify")
 
 
 class KVReady(_Msg, tag="kv_ready"):
@@ -290,24 +291,6 @@ def decode(data: bytes | memoryview, expect: type | tuple[type, ...] | None = No
     if expect is not None and not isinstance(env.body, expect):
         raise WireError(f"unexpected message type {type(env.body).__name__}")
     return env.body
-
-
-def pack(msg: Message) -> bytes:
-    """A control message for another process: encoded, and sealed when an auth secret is installed."""
-    from kvwire.connectors.auth import seal
-
-    return seal(encode(msg))
-
-
-def unpack(data: bytes | memoryview, expect: type | tuple[type, ...] | None = None) -> Message:
-    """A control message from another process: its seal checked (when configured), then decoded.
-
-    Raises:
-        WireError: unauthenticated (AuthError), or not a valid message of the expected types.
-    """
-    from kvwire.connectors.auth import unseal
-
-    return decode(unseal(data), expect=expect)
 
 
 def _explain(data: bytes | memoryview, exc: Exception) -> str:

@@ -16,7 +16,7 @@ class EngineConfig:
     device: torch device of the model and pool.
     torch_threads: intra-op threads; 0 keeps torch's default. Nodes sharing a host's cores
         must not oversubscribe them: OpenMP threads spinning in barriers while the other
-        process runs made a 2-core demo 40x slower, so nodes default to 1.
+        process runs made a 2-core demo many times slower, so nodes default to 1.
     """
 
     model_dir: Path

@@ -3,11 +3,11 @@
 Once a node has started it holds a large heap of objects that live as long as the
 process (torch, the model, the connector and its transports). Python's oldest-generation
 collection walks all of them, and the allocations of transfers and decode steps trigger
-it every few requests: 40-125 ms a collection, measured here in both processes of a
-2,048-token pull, which then took 300 ms instead of 90. `freeze_startup_heap`, called
-once start-up is over, moves that heap to the permanent generation, which collections
-skip (vLLM's engine core does the same after start-up); whatever is allocated later is
-still collected as usual. The router does the same before it serves (cli/router_cmd.py).
+it every few requests: a collection that lands inside a pull, in either process,
+stretches that pull to several times its usual length (docs/BENCHMARKS.md).
+`freeze_startup_heap`, called once start-up is over, moves that heap to the permanent
+generation, which collections skip (vLLM's engine core does the same after start-up);
+whatever is allocated later is still collected as usual. The router does the same before it serves (cli/router_cmd.py).
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ def get_preset(name: str) -> ModelConfig:
 def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of an HF Llama checkpoint for this config, by name, in a fixed order."""
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    assert d is not None  # filled in by ModelConfig.__post_init__
     q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
     for layer in range(config.num_hidden_layers):

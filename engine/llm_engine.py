@@ -1,17 +1,17 @@
 """Continuous batching over the model runner.
 
-Lifecycle of a request: `add_request` validates it and puts it in the waiting queue;
-`step()` admits waiting requests while their blocks fit (blocks for the prompt plus
-max_tokens are reserved up front, so a running request never runs out), computes
-each admitted prompt and samples its first token, then runs one decode step over every
-running request. A prompt whose KV a prefill node computed is received instead: while
-other requests run (and the runner can), on its pull thread as steps go on decoding them
-(`receiving`), a later step taking it once the pull has ended (bypassed, or computed
-then) to sample its first token, `on_received` (the node's wake) firing as each pull
-ends; with nothing else to run, within the step (no thread hand-off on its way to the
-first token; work arriving meanwhile waits for the pull). A finished or aborted request
-frees its blocks at once, except while a pull may still be writing them: then when the
-pull ends.
+A request here:
+
+1. `add_request` validates it and puts it in the waiting queue.
+2. `step()` admits waiting requests while their blocks fit (blocks for the prompt plus
+   max_tokens are reserved up front, so a running request never runs out).
+3. Its prompt is computed, or its KV received: within the step when nothing else runs
+   (no thread hand-off on the way to its first token); otherwise on the runner's pull
+   thread (`receiving`) while steps go on decoding the others, `on_received` firing as
+   the pull ends and a later step taking it (bypassed, or computed then).
+4. Its first token is sampled; every later step decodes one more token for it.
+5. Finished or aborted, its blocks are freed at once, unless a pull may still be
+   writing them: then when the pull ends.
 """
 
 from __future__ import annotations
@@ -47,7 +47,10 @@ class StepOutput:
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, allocator: BlockAllocator, max_model_len: int,
-                 eos_token_id: int | None = None):
+                 eos_token_id: int | None = None, on_received: Callable[[], None] = lambda: None):
+        """Args:
+        on_received: called, on the runner's pull thread, as each pull ends (the node's wake).
+        """
         self.runner = runner
         self.allocator = allocator
         self.block_size = runner.pool.layout.block_size
@@ -56,7 +59,7 @@ class LLMEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.receiving: dict[str, tuple[Sequence, Future]] = {}  # admitted, KV being pulled on the pull thread
-        self.on_received: Callable[[], None] = lambda: None  # called (on the pull thread) as each pull ends
+        self._on_received = on_received
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     receive_kv: bool = True) -> Sequence:
@@ -138,7 +141,7 @@ class LLMEngine:
             if seq.receive_kv and self.runner.receives_async and not inline:
                 received = self.runner.start_receive(self._prompt_input(seq))
                 self.receiving[seq.request_id] = (seq, received)
-                received.add_done_callback(lambda _: self.on_received())
+                received.add_done_callback(lambda _: self._on_received())
                 continue
             self.running.append(seq)
             admitted.append(seq)

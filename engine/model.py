@@ -106,6 +106,7 @@ def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
         (cos, sin), each `[max_position_embeddings, head_dim]` float32.
     """
     dim = config.head_dim
+    assert dim is not None  # filled in by ModelConfig.__post_init__
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
     positions = torch.arange(config.max_position_embeddings, dtype=torch.float)
     freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, dim/2]
@@ -140,6 +141,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
+        assert config.head_dim is not None  # filled in by ModelConfig.__post_init__
         self.head_dim = config.head_dim
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(config.hidden_size, q_out, bias=False, dtype=dtype)
@@ -219,6 +221,9 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Llama decoder + LM head over a paged KV cache."""
+
+    rope_cos: torch.Tensor  # buffers, registered in __init__
+    rope_sin: torch.Tensor
 
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -58,13 +58,15 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.head_dim is None:
+        head_dim = self.head_dim
+        if head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of "
                                  f"num_attention_heads {self.num_attention_heads}")
             # frozen: the derived default is filled in once, here
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if self.head_dim <= 0 or self.head_dim % 2:
+            head_dim = self.hidden_size // self.num_attention_heads
+            object.__setattr__(self, "head_dim", head_dim)
+        if head_dim <= 0 or head_dim % 2:
             raise ValueError(f"head_dim must be a positive even int (RoPE), got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
@@ -186,6 +188,7 @@ def kv_layout(config: ModelConfig, block_size: int) -> KVLayout:
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    assert config.head_dim is not None  # filled in by ModelConfig.__post_init__
     return KVLayout(
         num_layers=config.num_hidden_layers,
         num_kv_heads=config.num_key_value_heads,

@@ -14,12 +14,15 @@ class SequenceInput:
         token_ids: tokens computed in this forward (the whole prompt for a prompt step).
         start_pos: position of token_ids[0] in the sequence.
         block_ids: the request's whole block table.
+        consumer_endpoint: producer side: the work endpoint of the node whose consumer waits
+            for this prompt's KV, told its location directly (`KVReady`); "" for none.
     """
 
     request_id: str
     token_ids: list[int]
     start_pos: int
     block_ids: list[int]
+    consumer_endpoint: str = ""
 
     @property
     def num_tokens(self) -> int:

@@ -1,13 +1,14 @@
 """A node's graceful shutdown (drain), shared by the prefill and decode nodes.
 
-Lifecycle: the node's serve loop calls `begin()` once its stop event is set (SIGTERM or
-SIGINT). `begin()` marks the node draining in the directory at once (routers stop
-picking it) and starts the grace period, config.drain_timeout_s. While draining, the
-node finishes what it holds, and work that still arrives (routed just before the mark
-landed) is `forward`ed to another live node of the same role, keeping its reply
-address, so the router never notices. When the node holds nothing more, or the grace
-period ends (`expired()`), the serve loop gives up what is left, returns, and
-`run_node` deregisters the node and closes it; the process exits 0.
+1. The serve loop calls `begin()` once its stop event is set (SIGTERM or SIGINT): the
+   node is marked draining in the directory at once (routers stop picking it) and the
+   grace period, config.drain_timeout_s, starts.
+2. While draining, the node finishes what it holds, and work that still arrives (routed
+   just before the mark landed) is `forward`ed to another live node of the same role,
+   keeping its reply endpoint, so the router never notices.
+3. When the node holds nothing more, or the grace period ends (`expired()`), the serve
+   loop gives up what is left and returns; the node is deregistered and closed, and the
+   process exits 0.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ from __future__ import annotations
 import logging
 import time
 
-import zmq
-
 from kvwire.connectors.directory import DirectoryError
-from kvwire.connectors.wire import DecodeWork, NodeInfo, PrefillWork, pack
+from kvwire.connectors.sockets import PushSockets
+from kvwire.connectors.wire import DecodeWork, NodeInfo, PrefillWork
 from kvwire.node.runtime import NodeRuntime
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ class Drain:
     def __init__(self, rt: NodeRuntime):
         self._rt = rt
         self._deadline: float | None = None
-        self._pushes: dict[str, zmq.Socket] = {}
+        self._nodes = PushSockets()  # forwarded work still goes out as the process exits (their linger)
 
     @property
     def active(self) -> bool:
@@ -44,7 +44,8 @@ class Drain:
         self._deadline = time.monotonic() + cfg.drain_timeout_s
         log.info("node %s draining: finishing held work within %.1fs", cfg.node_id, cfg.drain_timeout_s)
         try:
-            self._rt.heartbeat.mark_draining()
+            if self._rt.heartbeat is not None:
+                self._rt.heartbeat.mark_draining()
         except DirectoryError as exc:  # routers keep picking us until a later beat lands; we forward
             log.warning("node %s: cannot mark itself draining: %s", cfg.node_id, exc)
 
@@ -66,13 +67,7 @@ class Drain:
         target = self._pick()
         if target is None:
             return None
-        sock = self._pushes.get(target.work_address)
-        if sock is None:
-            sock = zmq.Context.instance().socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 1000)  # delivered even as this process exits
-            sock.connect(target.work_address)
-            self._pushes[target.work_address] = sock
-        sock.send(pack(work))
+        self._nodes.send(target.work_endpoint, work)
         log.info("request %s: node %s is draining; forwarded to %s", work.request_id, self._rt.config.node_id,
                  target.node_id)
         return target.node_id
@@ -88,6 +83,4 @@ class Drain:
         return max(others, key=lambda n: n.free_blocks, default=None)
 
     def close(self) -> None:
-        for sock in self._pushes.values():
-            sock.close()  # with its linger: forwarded work still goes out
-        self._pushes.clear()
+        self._nodes.close()

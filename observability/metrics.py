@@ -27,9 +27,11 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.kv_transfer_bytes = Counter("kvwire_kv_transfer_bytes", "KV and hidden-state bytes received, per connector",
+        self.kv_transfer_bytes = Counter("kvwire_kv_transfer_bytes",
+                                         "KV and hidden-state bytes received, per connector",
                                          ["connector"], registry=r)
-        self.kv_transfer_seconds = Histogram("kvwire_kv_transfer_seconds", "Time to pull one request's KV, per connector",
+        self.kv_transfer_seconds = Histogram("kvwire_kv_transfer_seconds",
+                                             "Time to pull one request's KV, per connector",
                                              ["connector"], buckets=_FAST_BUCKETS, registry=r)
         self.kv_transfers_failed = Counter("kvwire_kv_transfers_failed", "KV pulls that failed, by reason",
                                            ["reason"], registry=r)

@@ -1,9 +1,13 @@
 """A node's operations endpoint: GET /healthz, /readyz and /metrics over plain HTTP.
 
-Lifecycle: `start()` binds host:port (0 picks a free port, see `port`) and serves
-from a daemon thread; until `set_ready_check` is given a check, /readyz answers 503
-(the node is still loading its model or registering). `close()` stops serving. Used
-as a context manager it starts and closes itself; with port None it does nothing, so
+Lifecycle:
+
+1. `start()` binds host:port (0 picks a free port, see `port`) and serves from a daemon
+   thread; /readyz answers 503 (the node is still loading its model or registering).
+2. `set_ready_check` gives it a check; /readyz answers from then on by that check.
+3. `close()` stops serving.
+
+Used as a context manager it starts and closes itself; with port None it does nothing, so
 a node started without --http-port needs no special case.
 """
 

@@ -45,7 +45,7 @@ class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):
 
 def node_status(info: NodeInfo, now: float) -> NodeStatus:
     age = max(0.0, now - info.heartbeat_at) if info.heartbeat_at else None
-    return NodeStatus(node_id=info.node_id, role=info.role, address=info.work_address, connector=info.connector,
+    return NodeStatus(node_id=info.node_id, role=info.role, address=info.work_endpoint, connector=info.connector,
                       epoch=info.epoch, queue_depth=info.queue_depth, running=info.running,
                       free_blocks=info.free_blocks, total_blocks=info.total_blocks, heartbeat_age_s=age,
                       draining=info.draining)

@@ -1,11 +1,16 @@
 """The router's HTTP API: POST /v1/completions, GET /v1/models, /healthz, /readyz, /metrics.
 
-Lifecycle: `create_app(config)` builds the app around one `Router`; on startup it
-opens the directory and the dispatcher, on shutdown it closes them. Each completion is tokenized here,
-dispatched to one prefill and one decode node, and answered whole or streamed as
-server-sent events, with a `kvwire` object telling how its KV travelled. Each answer
-counts in kvwire_requests_total{status}; each successful one's time to its first
-token, from the router's point of view, in kvwire_ttft_seconds.
+Lifecycle of the app:
+
+1. `create_app(config)` builds the app around one `Router`.
+2. On startup the router opens the directory and the dispatcher.
+3. While it serves, each completion is tokenized here, dispatched to one prefill and one
+   decode node, and answered whole or streamed as server-sent events, with a `kvwire`
+   object telling how its KV travelled.
+4. On shutdown it closes the dispatcher and the directory.
+
+Each answer counts in kvwire_requests_total{status}; each successful one's time to its
+first token, from the router's point of view, in kvwire_ttft_seconds.
 """
 
 from __future__ import annotations
@@ -59,11 +64,11 @@ class Completion:
     def kvwire(self) -> dict:
         stats = self.final.stats if self.final else None
         ttft = (self.first_token_at - self.started) * 1000 if self.first_token_at else None
-        out = {"bypassed": False, "transport": None, "kv_bytes": 0, "transfer_ms": 0.0, "ttft_ms": ttft,
-               "prefill_node": None, "decode_node": None}
+        out: dict[str, object] = {"bypassed": False, "transport": None, "kv_bytes": 0, "transfer_ms": 0.0,
+                                  "ttft_ms": ttft, "prefill_node": None, "decode_node": None}
         if stats is not None:
-            out.update(bypassed=stats.bypassed, transport=stats.transport or None, kv_bytes=stats.kv_bytes, transfer_ms=stats.transfer_ms,
-                       prefill_node=stats.prefill_node, decode_node=stats.decode_node,
+            out.update(bypassed=stats.bypassed, transport=stats.transport or None, kv_bytes=stats.kv_bytes,
+                       transfer_ms=stats.transfer_ms, prefill_node=stats.prefill_node, decode_node=stats.decode_node,
                        decode_ttft_ms=stats.ttft_ms)
         return out
 
@@ -107,14 +112,18 @@ class Router:
         self.directory.close()
 
     async def healthz(self):
-        counts = {r.value: len(await asyncio.to_thread(self.dispatcher.live_nodes, r)) for r in NodeRole}
+        dispatcher = self.dispatcher
+        assert dispatcher is not None  # lifespan opened it before serving
+        counts = {r.value: len(await asyncio.to_thread(dispatcher.live_nodes, r)) for r in NodeRole}
         ok = all(counts.values())
         return JSONResponse({"status": "ok" if ok else "degraded", "nodes": counts}, status_code=200 if ok else 503)
 
     async def readyz(self):
         """200 when the directory answers and lists at least one live decode node; 503 otherwise."""
+        directory = self.directory
+        assert directory is not None  # lifespan opened it before serving
         try:
-            decode_nodes = await asyncio.to_thread(self.directory.live_nodes, NodeRole.DECODE)
+            decode_nodes = await asyncio.to_thread(directory.live_nodes, NodeRole.DECODE)
         except DirectoryError as exc:
             return JSONResponse({"ready": False, "reason": str(exc)}, status_code=503)
         ready = bool(decode_nodes)
@@ -148,24 +157,28 @@ class Router:
         prompt_ids = self.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
         _check_prompt(prompt_ids, req, self.max_len, self.model_config.vocab_size)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        sampling = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
-        _, queue = await self.dispatcher.submit(rid, prompt_ids, sampling, req.disaggregate)
+        dispatcher = self.dispatcher
+        assert dispatcher is not None  # lifespan opened it before serving
+        sampling = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                  seed=req.seed)
+        _, queue = await dispatcher.submit(rid, prompt_ids, sampling, req.disaggregate)
         comp = Completion(rid, req, prompt_ids, self.tokenizer, started)
         deadline = started + self.config.request_timeout_s
         model = self.config.served_model_name
         if req.stream:
-            return StreamingResponse(_stream(comp, queue, deadline, self.dispatcher, model, self._answered),
+            return StreamingResponse(_stream(comp, queue, deadline, dispatcher, model, self._answered),
                                      media_type="text/event-stream")
         try:
             async for _ in _chunks(comp, queue, deadline):
                 pass
         finally:
-            self.dispatcher.forget(rid)
+            dispatcher.forget(rid)
         self._answered(comp, RequestStatus.OK)
         return comp.body(model, comp.choice(self.tokenizer.decode(comp.token_ids), finished=True), final=True)
 
 
-async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)  # the handler of APIError only
     return JSONResponse(exc.body(), status_code=exc.status)
 
 

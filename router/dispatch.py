@@ -26,6 +26,8 @@ import zmq.asyncio
 
 from kvwire.connectors.config import NodeRole
 from kvwire.connectors.directory import DirectoryError, KVDirectory
+from kvwire.connectors.framing import pack, unpack
+from kvwire.connectors.sockets import PushSockets, limit_receive
 from kvwire.connectors.wire import (
     DecodeWork,
     ErrorKind,
@@ -35,8 +37,6 @@ from kvwire.connectors.wire import (
     TokenChunk,
     WireError,
     WorkError,
-    pack,
-    unpack,
 )
 from kvwire.router.schemas import APIError
 
@@ -59,9 +59,9 @@ class Dispatcher:
         self._ctx = zmq.asyncio.Context.instance()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
+        limit_receive(self._pull)
         self.reply_to = f"tcp://{host}:{self._pull.bind_to_random_port(f'tcp://{host}')}"
-        self._pushes: dict[str, zmq.asyncio.Socket] = {}
+        self._work = PushSockets(self._ctx)  # work to nodes' work endpoints
         self._queues: dict[str, asyncio.Queue] = {}
         self._serving: dict[str, tuple[str, int]] = {}  # request id -> (decode node id, epoch)
         self._missing_since: dict[str, float] = {}  # request id -> when the watch first missed its decode node
@@ -78,8 +78,7 @@ class Dispatcher:
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for sock in self._pushes.values():
-            sock.close(0)
+        self._work.close()
         self._pull.close(0)
 
     def live_nodes(self, role: NodeRole) -> list[NodeInfo]:
@@ -125,7 +124,7 @@ class Dispatcher:
         self._serving[request_id] = (route.decode.node_id, route.decode.epoch)
         if route.prefill is not None:
             await self._push(route.prefill, PrefillWork(request_id=request_id, prompt_token_ids=prompt_ids,
-                                                        notify=route.decode.work_address))
+                                                        decode_endpoint=route.decode.work_endpoint))
         elif disaggregate:
             log.warning("request %s: no live prefill node; decode computes the prompt", request_id)
         await self._push(route.decode, DecodeWork(request_id=request_id, prompt_token_ids=prompt_ids,
@@ -164,14 +163,8 @@ class Dispatcher:
                 queue.put_nowait(WorkError(request_id=rid, node=node, kind=ErrorKind.NODE_LOST,
                                            reason="the decode node left the cluster before finishing"))
 
-    async def _push(self, node: NodeInfo, msg) -> None:
-        sock = self._pushes.get(node.work_address)
-        if sock is None:
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(node.work_address)
-            self._pushes[node.work_address] = sock
-        await sock.send(pack(msg))
+    async def _push(self, node: NodeInfo, msg: PrefillWork | DecodeWork) -> None:
+        await self._work.get(node.work_endpoint).send(pack(msg))
 
     async def _read_replies(self) -> None:
         while True:

@@ -32,7 +32,7 @@ def test_every_folder_with_an_init_is_an_installed_subpackage():
 def test_the_installed_package_is_kvwire_and_nothing_generic():
     """Run from outside the checkout, so that only what is installed can be imported."""
     code = ("import importlib.util, kvwire.connectors, kvwire.engine.model;"
-            "print([m for m in %r if importlib.util.find_spec(m) is not None])" % (SUBPACKAGES,))
+            f"print([m for m in {SUBPACKAGES!r} if importlib.util.find_spec(m) is not None])")
     done = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"generic top-level modules installed: {done.stdout}"

@@ -1,4 +1,4 @@
-"""The auto consumer: per pull, shared memory if the producer is on this host, UCX otherwise."""
+"""The auto consumer: one puller per transport, each pull going to the one its location names."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import torch
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.host import host_identity
 from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.offers import narrow
 from kvwire.connectors.shm.puller import SHMPuller
 from kvwire.connectors.ucx.puller import UCXPuller
 from kvwire.connectors.wire import KVLocation
@@ -21,9 +20,8 @@ def preference(loc: KVLocation) -> list[ConnectorKind]:
 
 class AutoPuller:
     def __init__(self, node_id: str, region: KVRegion, lanes: int = 1):
-        self._pullers = {ConnectorKind.SHM: SHMPuller(node_id, region, lanes),
-                         ConnectorKind.UCX: UCXPuller(node_id, region, lanes)}
-        self.last_transport: ConnectorKind | None = None
+        self._pullers: dict[ConnectorKind, SHMPuller | UCXPuller] = {
+            ConnectorKind.SHM: SHMPuller(node_id, region, lanes), ConnectorKind.UCX: UCXPuller(node_id, region, lanes)}
 
     @property
     def transport_addresses(self) -> dict[ConnectorKind, bytes]:
@@ -35,14 +33,12 @@ class AutoPuller:
         return self._pullers[ConnectorKind.UCX].transport_address
 
     def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
-        """Pull over shared memory when the producer shares our host and offers it, else over UCX.
+        """Pull over the transport `loc` was narrowed to (AutoTransport.choose).
 
         Raises:
-            TransferError: as the chosen transport's puller does, or no common transport.
+            TransferError: as that transport's puller does.
         """
-        chosen = narrow(loc, preference(loc))
-        self.last_transport = chosen.kind
-        return self._pullers[chosen.kind].pull(chosen, dst_blocks, hidden, deadline)
+        return self._pullers[loc.kind].pull(loc, dst_blocks, hidden, deadline)
 
     def close(self) -> None:
         for puller in self._pullers.values():

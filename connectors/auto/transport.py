@@ -1,25 +1,37 @@
-"""The auto connector: a producer serves its pool over shared memory and UCX at once.
+"""The auto transport: shared memory with peers on this host, UCX with the rest.
 
-Its pool lives in a shared-memory segment (so same-host consumers can read it) that
-UCX serves as well; each transport gets its own transfer server, sharing the held
-table, and every published location offers both plus the producer's host identity.
-A consumer pulls over shared memory from producers on its host and over UCX from the
-rest, and reports which transport each transfer used.
+A producer's pool lives in a shared-memory segment (so same-host consumers can read it)
+that UCX serves as well; each transport gets its own transfer server, sharing the held
+table, and every published location offers both plus the producer's host identity. A
+consumer publishes an address for each, and pulls over shared memory from producers on
+its host and over UCX from the rest (`choose`).
 """
 
 from __future__ import annotations
 
-from kvwire.connectors.auto.puller import AutoPuller
+from kvwire.connectors.auto.puller import AutoPuller, preference
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.shm.transport import SHMConnector
+from kvwire.connectors.offers import narrow
+from kvwire.connectors.shm.transport import SHMTransport
 from kvwire.connectors.transfer_server import SendEngine
+from kvwire.connectors.transport import Puller
 from kvwire.connectors.ucx.send_engine import UCXSendEngine
+from kvwire.connectors.wire import KVLocation
 
 
-class AutoConnector(SHMConnector):
-    def _make_send_engines(self, region: KVRegion) -> dict[ConnectorKind, SendEngine]:
-        return {ConnectorKind.SHM: self._make_send_engine(region), ConnectorKind.UCX: UCXSendEngine()}
+class AutoTransport(SHMTransport):
+    kind = ConnectorKind.AUTO
 
-    def _make_puller(self, region: KVRegion) -> AutoPuller:
+    def send_engines(self, region: KVRegion) -> dict[ConnectorKind, SendEngine]:
+        return {ConnectorKind.SHM: self._send_engine(region), ConnectorKind.UCX: UCXSendEngine()}
+
+    def puller(self, region: KVRegion) -> Puller:
         return AutoPuller(self.config.node_id, region, self.config.pull_lanes)
+
+    def published_addresses(self, puller: Puller) -> dict[ConnectorKind, bytes]:
+        assert isinstance(puller, AutoPuller)
+        return puller.transport_addresses
+
+    def choose(self, loc: KVLocation) -> KVLocation:
+        return narrow(loc, preference(loc))

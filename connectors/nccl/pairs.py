@@ -1,16 +1,20 @@
 """Two-rank process groups, one per (producer, consumer) pair, and their rendezvous.
 
-Lifecycle of a pair: the producer hosts one `TCPStore` (its transport address,
-`host:port`). A consumer that has no live group with that producer connects to the
-store, writes the id of the pull that opens the pair under its own key
-(`open_key`), then sends that pull's `PullRequest`. Both sides then build the group
-concurrently under the store prefix `pair_prefix(consumer, opened)`: the consumer
-as rank 1 on its receive thread, the producer as rank 0 on that consumer's lane
-when it serves the pull (it reads the open id back from the store). Later pulls
-reuse the group. Any failure (deadline, dead peer, refused pull) discards the group
-on the side that saw it: Gloo cannot cancel an operation, but a dropped group closes
-its connections, so the peer's pending operations fail at once and the next pull
-opens a new pair under a new prefix (a prefix is never built twice).
+Lifecycle of a pair:
+
+1. The producer hosts one `TCPStore` (its transport address, `host:port`).
+2. A consumer that has no live group with that producer connects to the store, writes
+   the id of the pull that opens the pair under its own key (`open_key`), then sends that
+   pull's `PullRequest`.
+3. Both sides build the group concurrently under the store prefix
+   `pair_prefix(consumer, opened)`: the consumer as rank 1 on its receive thread, the
+   producer as rank 0 on that consumer's lane when it serves the pull (it reads the open
+   id back from the store).
+4. Later pulls reuse the group.
+5. Any failure (deadline, dead peer, refused pull) discards the group on the side that
+   saw it: Gloo cannot cancel an operation, but a dropped group closes its connections,
+   so the peer's pending operations fail at once and the next pull opens a new pair under
+   a new prefix (a prefix is never built twice).
 
 Gloo moves CPU tensors, NCCL CUDA tensors; the pool's device decides. Every piece
 travels as one flat uint8 tensor, tagged with its transfer and index.
@@ -24,9 +28,13 @@ import hashlib
 import socket
 import time
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Backend as C10dBackend
 
 from kvwire.connectors.kv_region import as_bytes
 
@@ -137,7 +145,7 @@ class GroupFactory:
         pstore = dist.PrefixStore(prefix, store)
         timeout = timeout_until(deadline)
         if self.backend == Backend.GLOO:
-            opts = dist.ProcessGroupGloo._Options()
+            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs know only Options
             opts._devices = [self._gloo_device]
             opts._timeout = timeout
             opts._threads = 1  # point-to-point runs on the device's thread, not the pool's
@@ -153,8 +161,8 @@ class GroupFactory:
 class PairGroup:
     """One built 2-rank group; used by one thread at a time."""
 
-    def __init__(self, pg: dist.ProcessGroup, rank: int, device: torch.device):
-        self._pg = pg
+    def __init__(self, pg: C10dBackend, rank: int, device: torch.device):
+        self._pg: C10dBackend | None = pg  # a ProcessGroupGloo or ProcessGroupNCCL
         self._peer = 1 - rank
         self._device = device
 
@@ -190,7 +198,7 @@ class PairGroup:
     def _post(self, pieces: list[torch.Tensor], transfer_id: int, send: bool) -> list[dist.Work]:
         if self._pg is None:
             raise RuntimeError("pair group was discarded")
-        op = self._pg.send if send else self._pg.recv
+        op = self._pg.send if send else self._pg.recv  # type: ignore[attr-defined]  # torch's stubs omit them
         ctx = torch.cuda.device(self._device) if self._device.type == "cuda" else nullcontext()
         with ctx:
             return [op([as_bytes(p)], self._peer, tag_for(transfer_id, i)) for i, p in enumerate(pieces)]

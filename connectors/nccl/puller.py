@@ -1,16 +1,20 @@
-"""The consumer's half of the NCCL / Gloo transport: pull one request's KV into my blocks.
+"""The consumer's half of the NCCL / Gloo transport: pull one request's KV into its blocks.
 
-Lifecycle of one pull: find this consumer's link to the producer (its store
-connection and pair group); with no link, connect to the producer's store and open
-a pair under this pull's id. Send the `PullRequest`, then start a receive thread
-that builds the pair's group if it is new (the producer builds its side when it
-serves the pull), posts one receive per piece straight into the destination blocks
-and hidden tensors, and waits for them with the pull's deadline. Meanwhile this
-thread watches the side channel for the producer's reply and the receive thread's
-end. Success needs both. On any failure the link is dropped (the next pull opens a
-new pair) and, if receives were posted, `pull` returns only once they have ended:
-a Gloo wait that times out closes the pair, so no byte lands in blocks the caller
-then reuses. Links unused for `PAIR_IDLE_S` are reopened.
+Lifecycle of one pull:
+
+1. Find this consumer's link to the producer (its store connection and pair group); with
+   no link, connect to the producer's store and open a pair under this pull's id. Links
+   unused for `PAIR_IDLE_S` are reopened.
+2. Send the `PullRequest`.
+3. Start a receive thread that builds the pair's group if it is new (the producer builds
+   its side when it serves the pull), posts one receive per piece straight into the
+   destination blocks and hidden tensors, and waits for them with the pull's deadline.
+4. Meanwhile this thread watches the side channel for the producer's reply and the
+   receive thread's end. Success needs both.
+
+On any failure the link is dropped (the next pull opens a new pair) and, if receives were
+posted, `pull` returns only once they have ended: a Gloo wait that times out closes the
+pair, so no byte lands in blocks the caller then reuses.
 """
 
 from __future__ import annotations

@@ -1,18 +1,22 @@
 """The producer's half of the NCCL / Gloo transport: one lane per consumer.
 
-Lifecycle: the engine hosts the pair rendezvous store (its transport address).
-`start(job)` (server thread, never blocks) queues the job on its consumer's lane,
-created on that consumer's first pull. A lane is one thread, with its own store
-connection (a store client serialises its calls, and a rendezvous with a dead
-consumer blocks until the job's deadline), that serves its consumer's pulls in
-order: it reads which pull opened the consumer's current pair
-from the store, builds the pair's group as rank 0 if it has not built that one yet,
-sends every piece (whole KV runs, then hidden tensors), waits for all of them with
-the job's deadline, and reports to the server. Any failure discards the group
-before it is reported, so a consumer that hears of a failure knows nothing more will
-be written into its blocks. `abandon(job)` (deadline) marks the job and waits briefly
-for the lane to stop touching it. A lane idle for `LANE_IDLE_S` discards its group
-and ends. `close()` ends every lane and the store.
+Lifecycle:
+
+1. The engine hosts the pair rendezvous store (its transport address).
+2. `start(job)` (server thread, never blocks) queues the job on its consumer's lane,
+   created on that consumer's first pull. A lane is one thread, with its own store
+   connection (a store client serialises its calls, and a rendezvous with a dead
+   consumer blocks until the job's deadline), that serves its consumer's pulls in order.
+3. For each job the lane reads which pull opened the consumer's current pair from the
+   store, builds the pair's group as rank 0 if it has not built that one yet, sends every
+   piece (whole KV runs, then hidden tensors), waits for all of them with the job's
+   deadline, and reports to the server. Any failure discards the group before it is
+   reported, so a consumer that hears of a failure knows nothing more will be written
+   into its blocks.
+4. A lane idle for `LANE_IDLE_S` discards its group and ends.
+5. `close()` ends every lane and the store.
+
+`abandon(job)` (deadline) marks the job and waits briefly for the lane to stop touching it.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class NCCLSendEngine(SendEngine):
         store_timeout_s: bound on this process's own store operations.
         """
         self.factory = GroupFactory(host, region.planes[0].device)
+        self.store: dist.TCPStore | None
         self.store, self.transport_address = host_store(host, store_timeout_s)
         self._lanes: dict[str, _Lane] = {}
         self._lock = threading.Lock()
@@ -78,7 +83,8 @@ class NCCLSendEngine(SendEngine):
             lane.jobs.put(job)
 
     def abandon(self, job: SendJob) -> None:
-        state: _JobState = job.state
+        state = job.state
+        assert isinstance(state, _JobState)  # set by start()
         with state.lock:
             state.abandoned = True
             running = state.running
@@ -121,7 +127,9 @@ class _Lane:
 
     def _run(self) -> None:
         try:
-            self._store = self._engine.store.clone()
+            store = self._engine.store
+            assert store is not None  # the engine starts no lane once closed
+            self._store = store.clone()  # type: ignore[attr-defined]  # torch's stubs omit TCPStore.clone
         except RuntimeError as exc:  # every job of this lane then fails, each with this reason
             log.error("lane for consumer %s: cannot connect to the rendezvous store: %s", self._consumer, exc)
         while True:
@@ -138,7 +146,8 @@ class _Lane:
         self._store = None
 
     def _serve(self, job: SendJob) -> None:
-        state: _JobState = job.state
+        state = job.state
+        assert isinstance(state, _JobState)  # set by start()
         with state.lock:
             if state.abandoned:
                 return  # the server has already answered it
@@ -171,6 +180,7 @@ class _Lane:
             raise RuntimeError(f"pair {opened} was already dropped here; the consumer must reopen it")
         self._discard()
         self._built = opened
+        assert self._store is not None  # _read_open checked it
         self._group = self._engine.factory.build(self._store, pair_prefix(self.key, opened), PRODUCER, job.deadline)
         log.info("pair with consumer %s built (pair %d)", self._consumer, opened)
         return self._group

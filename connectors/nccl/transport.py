@@ -1,21 +1,24 @@
-"""KV connector over torch.distributed: the directory protocol with 2-rank groups moving the bytes.
+"""The NCCL transport: torch.distributed point-to-point, one 2-rank group per producer/consumer pair.
 
-Each (producer, consumer) pair gets its own process group (never the global default
-group), rendezvoused through a store the producer hosts and publishes as its
-transport address; see `connectors.nccl.pairs`.
+Each pair's group (never the global default group) is rendezvoused through a store the
+producer hosts and publishes as its transport address; see `kvwire.connectors.nccl.pairs`.
 """
 
 from __future__ import annotations
 
-from kvwire.connectors.directory_connector import DirectoryConnector
+from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.kv_region import KVRegion
 from kvwire.connectors.nccl.puller import NCCLPuller
 from kvwire.connectors.nccl.send_engine import NCCLSendEngine
+from kvwire.connectors.transfer_server import SendEngine
+from kvwire.connectors.transport import Transport
 
 
-class NCCLConnector(DirectoryConnector):
-    def _make_send_engine(self, region: KVRegion) -> NCCLSendEngine:
-        return NCCLSendEngine(self.config.host, region, store_timeout_s=self.config.kv_deadline_s)
+class NCCLTransport(Transport):
+    kind = ConnectorKind.NCCL
 
-    def _make_puller(self, region: KVRegion) -> NCCLPuller:
+    def send_engines(self, region: KVRegion) -> dict[ConnectorKind, SendEngine]:
+        return {self.kind: NCCLSendEngine(self.config.host, region, store_timeout_s=self.config.kv_deadline_s)}
+
+    def puller(self, region: KVRegion) -> NCCLPuller:
         return NCCLPuller(self.config.node_id, self.config.host, region)

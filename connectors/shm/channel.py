@@ -1,14 +1,17 @@
 """The producer's Unix socket: where it lives, who may connect, one message per packet.
 
-Each producer incarnation listens on `<root>/kvwire-<uid>/<node>.<epoch>.<pid>.sock` (the
-pid keeps two clusters on one host that reuse node ids and epochs apart). The
-directory is created 0700 and refused if anyone else owns it or could enter it, so no
-other user can connect (and, as a second check, both ends compare the peer's uid from
-SO_PEERCRED with their own). The socket is SOCK_SEQPACKET: one wire message per packet,
-file descriptors (SCM_RIGHTS) attached to the message they belong to. A producer
-removes its socket on close; one SIGKILLed leaves it behind, and the next incarnation of
-the same node id removes every socket of that node whose process is gone and on which
-nothing listens.
+Lifecycle of a socket:
+
+1. Each producer incarnation listens on `<root>/kvwire-<uid>/<node>.<epoch>.<pid>.sock`
+   (the pid keeps two clusters on one host that reuse node ids and epochs apart).
+2. A producer removes its socket on close.
+3. One SIGKILLed leaves it behind, and the next incarnation of the same node id removes
+   every socket of that node whose process is gone and on which nothing listens.
+
+The directory `<root>/kvwire-<uid>` is created 0700 and refused if anyone else owns it or
+could enter it, so no other user can connect (and, as a second check, both ends compare
+the peer's uid from SO_PEERCRED with their own). The socket is SOCK_SEQPACKET: one wire
+message per packet, file descriptors (SCM_RIGHTS) attached to the message they belong to.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import select
 import socket
 import stat
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 
-from kvwire.connectors.wire import Message, WireError, pack, unpack
+from kvwire.connectors.framing import pack, unpack
+from kvwire.connectors.wire import Message, WireError
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +167,7 @@ def hung_up(sock: socket.socket) -> bool:
     return any(ev & (select.POLLHUP | select.POLLRDHUP | select.POLLERR) for _, ev in poller.poll(0))
 
 
-def send_msg(sock: socket.socket, msg: Message, fds: list[int] = ()) -> None:
+def send_msg(sock: socket.socket, msg: Message, fds: Sequence[int] = ()) -> None:
     """Send one message, with `fds` attached (duplicated into the peer) when given."""
     data = pack(msg)
     if fds:

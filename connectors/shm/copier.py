@@ -1,11 +1,16 @@
-"""Copy runs of blocks from a producer's mapped pool into mine on several threads at once.
+"""Copy runs of blocks from a producer's mapped pool into the consumer's on several threads at once.
 
 One core's copy does not saturate this kind of machine's memory: two threads copying
 disjoint pieces move more bytes per second than one (torch's `copy_` releases the GIL).
-Lifecycle: `BlockCopier(lanes)` starts lanes - 1 worker threads (none for one lane);
-`copy` splits the work into chunks, hands every lane its share, copies lane 0's itself
-and returns only once every lane is done, so no thread writes after a pull returns or
-fails; `close` stops the threads. Host pools only: a CUDA copy is asynchronous already.
+Host pools only: a CUDA copy is asynchronous already.
+
+Lifecycle:
+
+1. `BlockCopier(lanes)` starts lanes - 1 worker threads (none for one lane).
+2. `copy` splits the work into chunks, hands every lane its share, copies lane 0's itself
+   and returns only once every lane is done, so no thread writes after a pull returns or
+   fails.
+3. `close` stops the threads.
 """
 
 from __future__ import annotations

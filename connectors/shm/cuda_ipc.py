@@ -1,4 +1,4 @@
-"""CUDA pools shared by CUDA IPC handles. UNTESTED HERE: written for, not yet run on, a GPU.
+"""CUDA pools shared by CUDA IPC handles (run on one H100: README, Known limits).
 
 The producer allocates its pool as usual on its device and exports the storage's IPC
 handle with `UntypedStorage._share_cuda_()`; the consumer opens it with

@@ -1,4 +1,4 @@
-"""The consumer's side of a shared-memory transfer: copy the producer's blocks into mine.
+"""The consumer's side of a shared-memory transfer: copy the producer's blocks into the consumer's.
 
 Per producer incarnation the puller keeps one mapping: a connection to the producer's
 Unix socket (its transport address) and the producer's pool mapped read-only (host)
@@ -6,13 +6,16 @@ or opened by IPC handle (CUDA). A new epoch of that producer, or any failure, dr
 mapping; the next pull maps again. A mapping keeps the producer's memory alive, so
 every pull first drops the mappings of producers that have gone (their socket hung up).
 
-One pull: map (if needed) → copy each run of blocks consecutive on both sides with
-`copy_` on `lanes` threads (copier.py; the only copy of those bytes), straight from the READY entry's blocks → a
-`PullRequest` on the Unix socket ("I read these; confirm") → wait for the producer's
-`PullReply`: one round trip, after the read. Only an ok there makes the read count: it
-says the pull claimed a request the producer still held, so its blocks were not reused
-during the read (one that expired or was released may have been), and it carries the
-hidden states in a sealed memfd. Every wait ends at the pull's deadline.
+One pull, every wait of which ends at the pull's deadline:
+
+1. Map the producer's pool, if not mapped yet.
+2. Copy each run of blocks consecutive on both sides with `copy_` on `lanes` threads
+   (copier.py; the only copy of those bytes), straight from the READY entry's blocks.
+3. Send a `PullRequest` on the Unix socket ("I read these; confirm").
+4. Wait for the producer's `PullReply`: one round trip, after the read. Only an ok there
+   makes the read count: it says the pull claimed a request the producer still held, so
+   its blocks were not reused during the read (one that expired or was released may have
+   been), and it carries the hidden states in a sealed memfd.
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ class SHMPuller:
         except TimeoutError:
             raise TransferError(loc.request_id, loc.producer, "read not confirmed before the deadline") from None
         try:
+            assert isinstance(reply, PullReply)  # recv_msg accepts nothing else
             if (reply.request_id, reply.transfer_id) != (loc.request_id, transfer_id):
                 raise TransferError(loc.request_id, loc.producer, f"confirmation of another pull: {reply}")
             if not reply.ok:
@@ -153,6 +157,7 @@ class SHMPuller:
             sock.settimeout(_remaining(loc, deadline))
             segment, fds = recv_msg(sock, expect=ShmSegment)
             try:
+                assert isinstance(segment, ShmSegment)  # recv_msg accepts nothing else
                 blocks = self._map(loc, segment, fds)
             finally:
                 close_fds(fds)
@@ -194,7 +199,8 @@ def _shm_offer(loc: KVLocation) -> KVLocation:
         TransferError: the producer runs on another host, or offers no shared memory.
     """
     if loc.host and loc.host != host_identity():
-        raise TransferError(loc.request_id, loc.producer, f"producer is on host {loc.host}: shared memory needs one host")
+        raise TransferError(loc.request_id, loc.producer,
+                            f"producer is on host {loc.host}: shared memory needs one host")
     offer = next((o for o in loc.offers if o.kind == ConnectorKind.SHM), None)
     if offer is not None:
         return msgspec.structs.replace(loc, side_channel=offer.side_channel, transport_address=offer.transport_address)

@@ -1,11 +1,15 @@
 """KV pools other processes on this host can read: an anonymous memfd (CUDA: cuda_ipc.py).
 
-Lifecycle of a host segment: the producer's connector creates it in `allocate_kv_pool`
-(`memfd_create`, sized, sealed against resizing, mapped) and the engine uses the
-mapping as its KV pool; the send engine hands a read-only descriptor of it to each
-consumer that connects; `close()` closes the producer's descriptors. The memory itself
-has no name anywhere (nothing in /dev/shm): it lives while some process maps it or holds
-a descriptor, so it vanishes with the last of them, crash or not.
+Lifecycle of a host segment:
+
+1. The producer creates it when its connector allocates the KV pool (`allocate_kv_pool`;
+   shm/transport.py): `memfd_create`, sized, sealed against resizing, mapped. The engine
+   uses the mapping as its KV pool.
+2. The send engine hands a read-only descriptor of it to each consumer that connects.
+3. `close()` closes the producer's descriptors.
+
+The memory itself has no name anywhere (nothing in /dev/shm): it lives while some process
+maps it or holds a descriptor, so it vanishes with the last of them, crash or not.
 
 Mappings are never unmapped explicitly: `torch.frombuffer` keeps a reference to the
 mmap object but not a buffer export, so closing it would unmap memory that tensors
@@ -76,7 +80,8 @@ class HostSegment:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SIZE_SEALS | fcntl.F_SEAL_SEAL)
             mapped = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
             # a root tensor, not a view, so the per-layer views' `_base` is the pool (KVRegion relies on it)
-            data = torch.empty(0, dtype=dtype).set_(mapped.untyped_storage(), 0, shape)
+            # torch's stubs want a stride too; at run time it defaults to the contiguous one
+            data = torch.empty(0, dtype=dtype).set_(mapped.untyped_storage(), 0, shape)  # type: ignore[call-overload]
             ro_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         except BaseException:
             os.close(fd)
@@ -131,7 +136,7 @@ def pack_tensors(tensors: list[torch.Tensor]) -> int | None:
     fd = os.memfd_create("kvwire-hidden", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         for f in flat:
-            view = memoryview(f.numpy())
+            view = f.numpy().data  # memoryview(f.numpy()), as numpy types it for Python 3.11
             while view:
                 view = view[os.write(fd, view):]
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SIZE_SEALS | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)

@@ -1,20 +1,25 @@
 """The producer's shared-memory send engine: consumers read the pool, we only confirm.
 
-Lifecycle: `__init__` removes the sockets of dead incarnations of this node, listens on
-this incarnation's Unix socket (its path is our transport address) and watches it
-with an epoll set whose fd the transfer server polls, so everything below runs on the
-server thread. A consumer connects and says `ShmHello`; we answer `ShmSegment` with
-the pool's read-only memfd (or CUDA IPC handle). A consumer reads a READY request's
-blocks straight from the pool, then sends a `PullRequest` on this socket: "I read
-these; confirm". If the transfer server lets that pull claim the request (still held,
-not in flight elsewhere, the consumer's published address, matching block count), the
-blocks were held for the whole read (a held request's blocks are never reused), so we
-answer `PullReply(ok)` with the hidden states in a sealed memfd and finish the job,
-which releases the blocks. Otherwise (expired, released, refused) we answer not-ok
-and the consumer discards what it read. One round trip per pull, after the read. A
-producer publishes READY only after its KV is written (CUDA: synchronized), so a
-read never races the writes. `close()` closes every connection and removes the
-socket file.
+Lifecycle:
+
+1. `__init__` removes the sockets of dead incarnations of this node, listens on this
+   incarnation's Unix socket (its path is our transport address) and watches it with an
+   epoll set whose fd the transfer server polls, so everything below runs on the server
+   thread.
+2. A consumer connects and says `ShmHello`; we answer `ShmSegment` with the pool's
+   read-only memfd (or CUDA IPC handle).
+3. A consumer reads a READY request's blocks straight from the pool, then sends a
+   `PullRequest` on this socket: "I read these; confirm".
+4. If the transfer server lets that pull claim the request (still held, not in flight
+   elsewhere, the consumer's published address, matching block count), the blocks were
+   held for the whole read (a held request's blocks are never reused), so we answer
+   `PullReply(ok)` with the hidden states in a sealed memfd and finish the job, which
+   releases the blocks. Otherwise (expired, released, refused) we answer not-ok and the
+   consumer discards what it read.
+5. `close()` closes every connection and removes the socket file.
+
+One round trip per pull, after the read. A producer publishes READY only after its KV is
+written (CUDA: synchronized), so a read never races the writes.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import logging
 import os
 import select
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,6 +129,7 @@ class SHMSendEngine(SendEngine):
             if isinstance(msg, ShmHello):
                 self._hello(conn, msg)
             else:
+                assert isinstance(msg, PullRequest)  # recv_msg accepts nothing else
                 self._confirm(conn, msg)
 
     def _hello(self, conn: _Conn, msg: ShmHello) -> None:
@@ -162,7 +169,7 @@ class SHMSendEngine(SendEngine):
                 close_fds([fd])
         self.server.finish(job, None if sent else ConnectionError("consumer gone before the confirmation"))
 
-    def _send(self, conn: _Conn, msg: Message, fds: list[int] = ()) -> bool:
+    def _send(self, conn: _Conn, msg: Message, fds: Sequence[int] = ()) -> bool:
         try:
             send_msg(conn.sock, msg, fds)
             return True

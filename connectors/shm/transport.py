@@ -1,48 +1,44 @@
-"""KV connector over shared memory: the directory protocol, with consumers reading the producer's pool.
+"""The shared-memory transport: consumers on the producer's host read its pool themselves.
 
-Lifecycle: `__init__` (DirectoryConnector) takes this incarnation's epoch. On a prefill
-node `allocate_kv_pool` places the pool in a memfd segment named for the node and
-epoch (on CUDA: ordinary device memory, shared later by IPC handle); a decode node's
-pool is ordinary memory. `register_kv_caches` starts the send engine (which listens on
-the node's private Unix socket) or builds the puller. `close()` stops them — the socket
-file is removed, every consumer connection closed — and closes the segment's
-descriptors; its memory goes with the last process that maps it, so a crash leaves
-nothing behind but a socket file, which the node's next incarnation removes.
+1. `producer_pool` places the producer's pool in a memfd segment named for the node and
+   epoch (on CUDA: ordinary device memory, shared later by IPC handle).
+2. `send_engines` serves that segment over the node's private Unix socket; `puller` maps
+   producers' segments read-only and copies out of them.
+3. `close()` closes the segment's descriptors; its memory goes with the last process that
+   maps it, so a crash leaves nothing behind but a socket file, which the node's next
+   incarnation removes.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvwire.connectors.config import ConnectorConfig, NodeRole
-from kvwire.connectors.directory_connector import DirectoryConnector
+from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.kv_region import KVRegion
 from kvwire.connectors.shm.puller import SHMPuller
 from kvwire.connectors.shm.segment import HostSegment, PoolSegment
 from kvwire.connectors.shm.send_engine import SHMSendEngine
+from kvwire.connectors.transfer_server import SendEngine
+from kvwire.connectors.transport import Puller, Transport
 from kvwire.connectors.wire import KVLayout
 from kvwire.engine.kv_cache import KVPool
 
 
-class SHMConnector(DirectoryConnector):
-    def __init__(self, rank: int, local_rank: int, config: ConnectorConfig):
-        super().__init__(rank, local_rank, config)
-        self._segment: PoolSegment | None = None  # a producer's pool
+class SHMTransport(Transport):
+    kind = ConnectorKind.SHM
+    _segment: PoolSegment | None = None
 
-    def allocate_kv_pool(self, layout: KVLayout, num_blocks: int, device: str | torch.device) -> KVPool:
-        """A producer's pool goes where consumers can map it; a consumer's stays ordinary.
-
-        Raises:
-            RuntimeError: a producer's pool was already allocated.
-            OSError: the memfd could not be created.
+    def producer_pool(self, layout: KVLayout, num_blocks: int, device: str | torch.device) -> KVPool:
+        """Raises:
+        RuntimeError: the pool was already allocated.
+        OSError: the memfd could not be created.
+        ValueError: shared memory cannot hold a pool on `device`.
         """
-        if self.config.role != NodeRole.PREFILL:
-            return super().allocate_kv_pool(layout, num_blocks, device)
         if self._segment is not None:
             raise RuntimeError(f"node {self.config.node_id}: the KV pool is allocated once")
         device = torch.device(device)
         if device.type == "cuda":
-            from kvwire.connectors.shm.cuda_ipc import CudaSegment
+            from kvwire.connectors.shm.cuda_ipc import CudaSegment  # needs CUDA: imported only for a CUDA pool
 
             self._segment = CudaSegment.create(self.config.node_id, self.epoch, layout, num_blocks, device)
         elif device.type == "cpu":
@@ -51,17 +47,19 @@ class SHMConnector(DirectoryConnector):
             raise ValueError(f"node {self.config.node_id}: shared memory cannot hold a pool on {device}")
         return self._segment.pool
 
-    def _make_send_engine(self, region: KVRegion) -> SHMSendEngine:
+    def send_engines(self, region: KVRegion) -> dict[ConnectorKind, SendEngine]:
+        return {self.kind: self._send_engine(region)}
+
+    def _send_engine(self, region: KVRegion) -> SHMSendEngine:
         if self._segment is None or not self._segment.holds(region):
-            raise ValueError(f"node {self.config.node_id}: register the pool from allocate_kv_pool; "
+            raise ValueError(f"node {self.config.node_id}: serve the pool from producer_pool; "
                              "consumers can read only that one")
         return SHMSendEngine(self.config.node_id, self.epoch, self._segment)
 
-    def _make_puller(self, region: KVRegion) -> SHMPuller:
+    def puller(self, region: KVRegion) -> Puller:
         return SHMPuller(self.config.node_id, region, self.config.pull_lanes)
 
     def close(self) -> None:
-        super().close()
         if self._segment is not None:
             self._segment.close()
             self._segment = None

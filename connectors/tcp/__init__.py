@@ -31,5 +31,5 @@ sockets cannot address, pass through one fixed pinned buffer per connection
 (`stream.py`).
 
 Files: `frames.py` (frames, addresses, socket options), `stream.py` (scatter/gather
-cursor), `send_engine.py` (producer), `puller.py` (consumer), `connector.py`.
+cursor), `send_engine.py` (producer), `puller.py` (consumer), `transport.py` (the two together).
 """

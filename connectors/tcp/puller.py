@@ -1,18 +1,23 @@
-"""The consumer's side of a TCP transfer: pull one request's KV into my blocks.
+"""The consumer's side of a TCP transfer: pull one request's KV into its blocks.
 
-Lifecycle: the puller draws a random token once (its published transport address).
-The first pull from a producer connects to that producer's data listener, sends
-HELLO with the token and waits for ACK (all bounded by the pull's deadline); the
-connection is then kept for later pulls and checked before each one (a producer that
-closed it, or bytes nobody asked for, mean reconnect). A pull sends its
-`PullRequest` on the side channel and waits on both the side channel (a refusal) and
-the data socket for the HEADER (checked: magic, transfer id, total bytes); then it
-reads the payload with blocking `recvmsg_into` calls bounded by the deadline,
-straight into the destination blocks and hidden tensors; the last byte ends the pull
-(the producer's ok, skipped as stale by a later pull, is not waited for). On any failure or at the deadline the data
-connection is closed, so no byte of that transfer can be read as part of another;
-only this thread ever writes into the blocks, and only inside `pull`. `close()`
-closes every connection and the side channel.
+Lifecycle:
+
+1. The puller draws a random token once (its published transport address).
+2. The first pull from a producer connects to that producer's data listener, sends HELLO
+   with the token and waits for ACK (all bounded by the pull's deadline); the connection
+   is then kept for later pulls and checked before each one (a producer that closed it,
+   or bytes nobody asked for, mean reconnect).
+3. A pull sends its `PullRequest` on the side channel and waits on both the side channel
+   (a refusal) and the data socket for the HEADER (checked: magic, transfer id, total
+   bytes).
+4. It reads the payload with blocking `recvmsg_into` calls bounded by the deadline,
+   straight into the destination blocks and hidden tensors; the last byte ends the pull
+   (the producer's ok, skipped as stale by a later pull, is not waited for).
+5. `close()` closes every connection and the side channel.
+
+On any failure or at the deadline the data connection is closed, so no byte of that
+transfer can be read as part of another; only this thread ever writes into the blocks,
+and only inside `pull`.
 """
 
 from __future__ import annotations

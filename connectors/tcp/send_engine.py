@@ -1,22 +1,28 @@
 """The producer's TCP send engine: a data listener and non-blocking scatter/gather sends.
 
-Lifecycle: `__init__` binds the data listener on the config host (its `host:port` is
-the transport address the producer publishes) and an epoll set holding it. The
-transfer server's thread runs everything else: it polls the epoll fd (`fds()`) and
-calls `progress()` each turn, which accepts connections, reads each one's HELLO
-(bounded by HANDSHAKE_TIMEOUT_S) and registers its consumer token, answering ACK;
-`start(job)` queues a granted pull on the connection that presented the pull's token
-and `progress()` writes HEADER + pieces with `sendmsg` whenever the socket has room,
-calling `server.finish(job, None)` once the kernel holds the last byte (it copied
-them, so the blocks may be reused at once). A layer-wise request's stream goes no
-further than its gate allows (connectors/layer_gate.py): the header at once, then each
-layer once the prefill forward has written it, the hidden states last; a connection
-waiting on a gate is pumped again on each `progress()` (the gate wakes the server) and
-dropped if the forward fails. A connection that errors, closes, sends
-anything after its hello, or is replaced by a newer one from the same token is
-closed and its queued jobs finish with a TransferError; the next pull reconnects.
-`abandon(job)` stops writing the job at once (closing the connection if the job was
-half sent, since its stream cannot be resumed). `close()` closes every socket.
+Lifecycle:
+
+1. `__init__` binds the data listener on the config host (its `host:port` is the
+   transport address the producer publishes) and an epoll set holding it. The transfer
+   server's thread runs everything else: it polls the epoll fd (`fds()`) and calls
+   `progress()` each turn.
+2. `progress()` accepts connections, reads each one's HELLO (bounded by
+   HANDSHAKE_TIMEOUT_S) and registers its consumer token, answering ACK.
+3. `start(job)` queues a granted pull on the connection that presented the pull's token.
+4. `progress()` writes HEADER + pieces with `sendmsg` whenever the socket has room. A
+   layer-wise request's stream goes no further than its gate allows
+   (connectors/layer_gate.py): the header at once, then each layer once the prefill
+   forward has written it, the hidden states last; a connection waiting on a gate is
+   pumped again on each `progress()` (the gate wakes the server) and dropped if the
+   forward fails.
+5. `server.finish(job, None)` once the kernel holds the last byte (it copied them, so the
+   blocks may be reused at once).
+6. `close()` closes every socket.
+
+A connection that errors, closes, sends anything after its hello, or is replaced by a
+newer one from the same token is closed and its queued jobs finish with a TransferError;
+the next pull reconnects. `abandon(job)` stops writing the job at once (closing the
+connection if the job was half sent, since its stream cannot be resumed).
 
 Single-threaded by construction (all calls come from the server thread): no locks.
 """
@@ -249,6 +255,7 @@ class TCPSendEngine(SendEngine):
         while conn.jobs and budget > 0:
             job = conn.jobs[0]
             sending = job.state
+            assert isinstance(sending, _Sending)  # set by start()
             stream = sending.stream
             if job.held.gate is not None and job.held.gate.failure:
                 self._drop(conn, f"prefill of {job.msg.request_id} failed: {job.held.gate.failure}")

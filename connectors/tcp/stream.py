@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import socket
+from typing import cast
 
 import torch
 
@@ -34,7 +35,8 @@ class Staging:
     def get(self) -> tuple[torch.Tensor, memoryview]:
         if self._buf is None:
             self._buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
-            self._view = memoryview(self._buf.numpy())
+            self._view = self._buf.numpy().data  # memoryview(numpy()), as numpy types it for Python 3.11
+        assert self._view is not None  # set with _buf
         return self._buf, self._view
 
 
@@ -70,7 +72,7 @@ class ByteStream:
         Args:
             max_buffers: at most this many buffers (the kernel's IOV_MAX).
             max_bytes: stop after the buffer that reaches this many bytes (None: no limit);
-                a non-blocking sender gains nothing from offering more than its socket takes.
+                a non-blocking send gains nothing from offering more than its socket takes.
         """
         start, part = self._index, self._parts[self._index]
         if isinstance(part, torch.Tensor):
@@ -80,7 +82,8 @@ class ByteStream:
         stop = min(len(self._parts), start + max_buffers, self._next_device(start + 1))
         if max_bytes is not None:
             stop = min(stop, bisect.bisect_left(self._ends, self._pos + max_bytes) + 1)
-        return [part[self._offset:] if self._offset else part, *self._parts[start + 1:stop]]
+        hosts = cast(list[memoryview], self._parts[start + 1:stop])  # stop is at or before the next device part
+        return [part[self._offset:] if self._offset else part, *hosts]
 
     def advance(self, nbytes: int) -> None:
         """Account for `nbytes` moved from the start of the last batch."""
@@ -115,6 +118,7 @@ class ByteStream:
             return
         if not self._outbound:
             part = self._parts[self._index]
+            assert isinstance(part, torch.Tensor)  # only device parts are staged
             part[self._offset:self._offset + self._chunk].copy_(self._staging.get()[0][:self._chunk])
         chunk, self._chunk, self._chunk_moved = self._chunk, 0, 0
         self._seek(self._pos + chunk)

@@ -1,21 +1,24 @@
-"""KV connector over plain TCP: the directory protocol with scatter/gather socket I/O moving the bytes.
+"""The TCP transport: scatter/gather socket I/O straight from and into the blocks.
 
-Lifecycle: as `DirectoryConnector`; on a prefill node `register_kv_caches` starts the
-transfer server with a `TCPSendEngine` (data listener on `config.host`), on a decode
-node it builds a `TCPPuller` (random token, connections opened on first pull).
+The producer's send engine listens for data connections on `config.host`; the consumer's
+puller draws a random token and opens its connections on its first pull (see __init__.py).
 """
 
 from __future__ import annotations
 
-from kvwire.connectors.directory_connector import DirectoryConnector
+from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.kv_region import KVRegion
 from kvwire.connectors.tcp.puller import TCPPuller
 from kvwire.connectors.tcp.send_engine import TCPSendEngine
+from kvwire.connectors.transfer_server import SendEngine
+from kvwire.connectors.transport import Transport
 
 
-class TCPConnector(DirectoryConnector):
-    def _make_send_engine(self, region: KVRegion) -> TCPSendEngine:
-        return TCPSendEngine(self.config.host)
+class TCPTransport(Transport):
+    kind = ConnectorKind.TCP
 
-    def _make_puller(self, region: KVRegion) -> TCPPuller:
+    def send_engines(self, region: KVRegion) -> dict[ConnectorKind, SendEngine]:
+        return {self.kind: TCPSendEngine(self.config.host)}
+
+    def puller(self, region: KVRegion) -> TCPPuller:
         return TCPPuller(self.config.node_id, region)

@@ -1,21 +1,27 @@
 """One pull's UCX messages on each side: what is posted, what is in flight, what is left.
 
-Lifecycle, producer (`SendFlow`, one per pull, on the server thread): built when the
-pull is granted, it posts its messages in order: an unpacked piece zero-copy from the
-blocks, a pack (packing.py) once a staging slot is free (copy the pieces in, send the
-slot). `advance` (once the engine progressed the worker) takes back the slots whose sends
-completed and posts what may go next; the pull is done when every message was sent and
-completed. Message i goes to the consumer's lane i mod n. A layer-wise request's pieces
-come layer after layer (`KVRegion.layer_major_parts`), and a message goes only once
-every layer it carries is written (its `LayerGate`), the hidden states last.
+Lifecycle on the producer (`SendFlow`, one per pull, on the server thread):
 
-Consumer (`ReceiveFlow`, one per lane and pull, on that lane's thread): posts a receive for
-each of its unpacked pieces straight into the destination, and for its packs as slots
-free up; `advance` copies each completed pack out to its blocks and posts the next.
+1. Built when the pull is granted, it posts its messages in order: an unpacked piece
+   zero-copy from the blocks, a pack (packing.py) once a staging slot is free (copy the
+   pieces in, send the slot). Message i goes to the consumer's lane i mod n.
+2. `advance` (once the engine progressed the worker) takes back the slots whose sends
+   completed and posts what may go next. A layer-wise request's pieces come layer after
+   layer (`KVRegion.layer_major_parts`), and a message goes only once every layer it
+   carries is written (its `LayerGate`), the hidden states last.
+3. Done when every message was sent and completed.
+
+Lifecycle on the consumer (`ReceiveFlow`, one per lane and pull, on that lane's thread):
+
+1. Built when the pull is asked for, it posts a receive for each of its unpacked pieces
+   straight into the destination, and for its packs as slots free up.
+2. `advance` copies each completed pack out to its blocks and posts the next.
+3. Done when every receive completed.
+
 Packs are posted in the order the producer sends them, so the oldest pack in flight on
 the producer always has a receive or a free slot waiting for it: neither side can stall
-the other. After a failure, `discard_slots` drops the slots still in use, never to be
-reused (the transport's `abandon` cancels their receives).
+the other. After a failure, on either side, `discard_slots` drops the slots still in use,
+never to be reused (the worker's `abandon` cancels their receives).
 """
 
 from __future__ import annotations
@@ -26,11 +32,11 @@ from kvwire.connectors.kv_region import Part, part_nbytes
 from kvwire.connectors.layer_gate import LayerGate
 from kvwire.connectors.ucx.packing import Message, Staging, gather, plan_messages, scatter
 
-# ucxx only through transport, which sets UCX's environment before importing it
+# ucxx only through worker.py, which sets UCX's environment before importing it
 from kvwire.connectors.ucx.worker import Array, Requests, UCXWorker, all_done, check_errors, tag_of, ucx
 
 PULL_SLOTS = 8  # staging slots one pull's sends may hold at once: a consumer that stops reading cannot hold them all
-_Pack = tuple[object, Array, memoryview, Message]  # a posted pack: request, its buffer, the slot, the message
+_Pack = tuple[ucx.UCXRequest, Array, memoryview, Message]  # a posted pack: request, its buffer, the slot, the message
 
 
 class _Flow:

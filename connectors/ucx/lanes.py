@@ -2,18 +2,21 @@
 
 One UCX transfer's bytes are moved by whoever progresses the receiving worker: with
 cross-memory attach, each progress call copies the pieces whose rendezvous arrived
-(process_vm_readv, in this process, on this thread). One worker is one core. A
-2,048-token request read by two lanes on a 2-core host took 32-34 ms against 50-55 ms
-for one (4 interleaved rounds each), since one core's copy does not saturate memory.
+(process_vm_readv, in this process, on this thread). One worker is one core, and one
+core's copy does not saturate memory: two lanes read a request faster than one, even
+on a 2-core host (docs/BENCHMARKS.md).
 
-Lifecycle: `ReceiveLanes(n)` makes n transports and n - 1 lane threads, which sleep
-between pulls. `post` posts every lane's receives (message i on lane i mod n: an
-`ReceiveFlow` each, flows.py) and wakes the threads; each advances its lane's flow (polls
-its worker, unpacks what came packed) until it is done, then sleeps again.
-The caller polls lane 0 through `progress` until `done`. `stop` (after a failure)
-makes the threads let go of their workers and cancels what is still posted on
-every lane. `close` ends the threads and the transports.
-The packed `address` tells a producer how many lanes there are and where.
+Lifecycle:
+
+1. `ReceiveLanes(n)` makes n workers and n - 1 lane threads, which sleep between pulls.
+   The packed `address` tells a producer how many lanes there are and where.
+2. `post` posts every lane's receives (message i on lane i mod n: a `ReceiveFlow` each,
+   flows.py) and wakes the threads; each advances its lane's flow (polls its worker,
+   unpacks what came packed) until it is done, then sleeps again.
+3. The caller polls lane 0 through `progress` until `done`.
+4. `stop` (after a failure) makes the threads let go of their workers and cancels what is
+   still posted on every lane.
+5. `close` ends the threads and the workers.
 """
 
 from __future__ import annotations
@@ -75,8 +78,10 @@ class _LaneThread:
             if self._closed:
                 return
             try:
-                while not self._stop and not self._flow.done():
-                    self._flow.advance()
+                flow = self._flow
+                assert flow is not None  # start() set it before waking the thread
+                while not self._stop and not flow.done():
+                    flow.advance()
                 self._transport.progress()  # flush our last acknowledgements
             except BaseException as exc:  # noqa: BLE001 - handed to the pulling thread
                 self.error = exc

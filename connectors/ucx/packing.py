@@ -1,8 +1,8 @@
 """Small pieces travel packed: many pieces per UCX message, through reused staging slots.
 
-Every tagged operation costs about 6 µs of Python on each side (the request object, the
-buffer wrapper), so vLLM's per-layer pool, whose 2,048-token request is 8,192 pieces of
-32 KiB, spent 50-260 ms per side just posting them, more than the copy itself. A consumer
+Every tagged operation costs Python time on each side (the request object, the buffer
+wrapper), so vLLM's per-layer pool, whose 2,048-token request is 8,192 pieces of 32 KiB,
+spent longer per side just posting them than copying them (docs/BENCHMARKS.md). A consumer
 with a host pool therefore asks (`PullRequest.pack_below`) for every piece smaller than
 PACK_BELOW to come packed: the producer copies runs of consecutive small pieces into a
 staging slot of at most PACK_BYTES and sends the slot as one message; the consumer

@@ -1,15 +1,21 @@
-"""The consumer's side of a UCX transfer: pull one request's KV into my blocks.
+"""The consumer's side of a UCX transfer: pull one request's KV into its blocks.
 
-Asks the producer over the side channel to send, posts a tagged receive for every
-piece straight into the destination blocks and hidden-state tensors (small pieces, on a
-host pool, come packed into staging slots and are copied out: packing.py), spread over
-its lanes (lanes.py: one worker and thread each), and polls them and the reply socket
-until the receives complete, the producer refuses, or the deadline passes. Completed receives are the whole proof: their tags name this
-transfer, which only the producer's sends of it carry, and it posts those only for a
-request it holds, and releases the blocks only once the sends complete, after our
-reads. So the producer's ok is not awaited (it costs a zmq round trip); a later
-pull skips it as stale. On any failure the receives still posted are cancelled,
-so no late write can land in blocks that get reused.
+One pull:
+
+1. Ask the producer over the side channel to send.
+2. Post a tagged receive for every piece straight into the destination blocks and
+   hidden-state tensors (small pieces, on a host pool, come packed into staging slots and
+   are copied out: packing.py), spread over the lanes (lanes.py: one worker and thread
+   each).
+3. Poll the lanes and the reply socket until the receives complete, the producer
+   refuses, or the deadline passes.
+
+Completed receives are the whole proof: their tags name this transfer, which only the
+producer's sends of it carry, and it posts those only for a request it holds, and
+releases the blocks only once the sends complete, after our reads. So the producer's ok
+is not awaited (it costs a zmq round trip); a later pull skips it as stale. On any
+failure the receives still posted are cancelled, so no late write can land in blocks
+that get reused.
 """
 
 from __future__ import annotations

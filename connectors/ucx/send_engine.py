@@ -1,4 +1,4 @@
-"""The producer's UCX send engine: each pull an `SendFlow` (flows.py), advanced on the server thread.
+"""The producer's UCX send engine: each pull a `SendFlow` (flows.py), advanced on the server thread.
 
 Unpacked pieces go zero-copy, one tagged send each; small pieces, if the consumer asked,
 packed through SEND_SLOTS staging slots shared by every pull this engine serves (at most
@@ -32,7 +32,7 @@ class UCXSendEngine(SendEngine):
     def progress(self) -> None:
         self._transport.progress()
         for job in list(self._active):
-            flow: SendFlow = job.state
+            flow = _flow(job)
             try:
                 flow.advance()
                 if not flow.done():
@@ -47,8 +47,9 @@ class UCXSendEngine(SendEngine):
 
     def can_block(self) -> bool:
         # While sends are in flight the server thread spins on progress: every rendezvous step needs
-        # both workers progressed, and an epoll wake-up per step cost a third of the throughput here.
-        return all(job.state.waiting_on_gate for job in self._active)
+        # both workers progressed, and an epoll wake-up per step cost much of the throughput
+        # (docs/BENCHMARKS.md).
+        return all(_flow(job).waiting_on_gate for job in self._active)
 
     def start(self, job: SendJob) -> None:
         if job.num_pieces > MAX_PIECES:
@@ -65,7 +66,13 @@ class UCXSendEngine(SendEngine):
 
     def _drop(self, job: SendJob) -> None:
         self._active.remove(job)
-        job.state.discard_slots()
+        _flow(job).discard_slots()
 
     def close(self) -> None:
         self._transport.close()
+
+
+def _flow(job: SendJob) -> SendFlow:
+    flow = job.state
+    assert isinstance(flow, SendFlow)  # set by start()
+    return flow

@@ -1,16 +1,20 @@
-"""KV connector over UCX: the directory protocol with UCX tag messages moving the bytes."""
+"""The UCX transport: tag messages between worker-address endpoints move the bytes."""
 
 from __future__ import annotations
 
-from kvwire.connectors.directory_connector import DirectoryConnector
+from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.transfer_server import SendEngine
+from kvwire.connectors.transport import Transport
 from kvwire.connectors.ucx.puller import UCXPuller
 from kvwire.connectors.ucx.send_engine import UCXSendEngine
 
 
-class UCXConnector(DirectoryConnector):
-    def _make_send_engine(self, region: KVRegion) -> UCXSendEngine:
-        return UCXSendEngine()
+class UCXTransport(Transport):
+    kind = ConnectorKind.UCX
 
-    def _make_puller(self, region: KVRegion) -> UCXPuller:
+    def send_engines(self, region: KVRegion) -> dict[ConnectorKind, SendEngine]:
+        return {self.kind: UCXSendEngine()}
+
+    def puller(self, region: KVRegion) -> UCXPuller:
         return UCXPuller(self.config.node_id, region, self.config.pull_lanes)

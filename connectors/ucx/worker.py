@@ -1,7 +1,7 @@
-"""One UCX context and worker per role (sender, receiver), polled while a transfer is in flight.
+"""One UCX context and worker per role (producer, consumer), polled while a transfer is in flight.
 
 Polling, not epoll wake-ups: every rendezvous step needs both workers progressed, and a
-wake-up per step cost a third of the throughput here. Between transfers nothing polls
+wake-up per step cost much of the throughput (docs/BENCHMARKS.md). Between transfers nothing polls
 (the owner blocks on its zmq sockets instead); the worker is created without UCX's
 wake-up feature, which is why it has no event fd to wait on.
 
@@ -11,12 +11,12 @@ processes on one host (listener endpoints, or error handling on, fall back to
 loopback TCP). The price is that UCX does not notice a dead peer, so every wait
 here has a deadline and the directory's TTLs clean up after it.
 
-A consumer may read with several *lanes* (lanes.py): one transport each, each polled
+A consumer may read with several *lanes* (lanes.py): one worker each, each polled
 by its own thread, so that one pull's cross-memory-attach reads run on several cores.
 Its published address then packs every lane's worker address, and a producer sends
 message i to lane i mod n.
 
-Not thread-safe: one thread at a time uses a transport (the producer's server thread,
+Not thread-safe: one thread at a time uses a worker (the producer's server thread,
 or, during a pull, the consumer's engine thread or that lane's thread).
 """
 
@@ -37,7 +37,7 @@ from kvwire.connectors.config import MAX_PULL_LANES as MAX_LANES  # noqa: E402
 SEGMENT_BITS = 24  # low tag bits: message index within one transfer, and whether it is packed
 PACKED_BIT = 1 << (SEGMENT_BITS - 1)  # set in every tag of a packed transfer (packing.py)
 MAX_PIECES = PACKED_BIT  # messages (and pieces) one transfer may have
-Requests = list[tuple[object, Array]]  # posted UCX requests, each with the buffer it must keep alive
+Requests = list[tuple[ucx.UCXRequest, Array]]  # posted UCX requests, each with the buffer it must keep alive
 LANES_MAGIC = b"kvwire-ucx-lanes\x00"  # starts an address packing several lanes' worker addresses
 
 
@@ -46,10 +46,9 @@ class Role(enum.Enum):
     CONSUMER = "consumer"  # a consumer's puller
 
 
-# Rendezvous scheme per side, measured on one host with a 2,048-token request (256 MiB, 128 pieces):
-# a sender set to put_zcopy with a receiver set to get_zcopy ran UCX-over-TCP in ~90 ms against
-# ~105 (put/put) and ~260 (get/put, and UCX's defaults), and shared memory / CMA in ~57 ms, as fast
-# as any other pairing. The environment (UCX_RNDV_SCHEME) still wins.
+# Rendezvous scheme per side: a producer on put_zcopy with a consumer on get_zcopy was the fastest
+# pairing measured over UCX-over-TCP (UCX's defaults were the slowest), and as fast as any over
+# shared memory / CMA (docs/BENCHMARKS.md). The environment (UCX_RNDV_SCHEME) still wins.
 _RNDV_SCHEME = {Role.PRODUCER: "put_zcopy", Role.CONSUMER: "get_zcopy"}
 
 

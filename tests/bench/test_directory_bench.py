@@ -19,8 +19,8 @@ def test_bench_counts_verified_operations(redis_url):
 
 
 def test_cli_prints_json():
-    done = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "bench", "directory", "--requests", "300", "--batch",
-                           "50", "--json"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "bench", "directory", "--requests", "300",
+                           "--batch", "50", "--json"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout)
     assert out["verified"] and out["requests"] == 300 and out["ops_per_s"] > 0

@@ -52,9 +52,9 @@ def test_rows_are_verified_for_limits_nixl_and_connectors_in_both_pools(redis_ur
 
 def test_cli_prints_json_rows_and_draws_the_plot(tmp_path):
     png = tmp_path / "transfer.png"
-    done = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "bench", "transfer", "--tokens", "16,32", "--methods",
-                           "limit-memcpy,ucx,nixl-tcp", "--layouts", "contiguous", "--pools", "kvwire", "--runs", "1",
-                           "--warmup", "0", "--json", "--plot", str(png)],
+    done = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "bench", "transfer", "--tokens", "16,32",
+                           "--methods", "limit-memcpy,ucx,nixl-tcp", "--layouts", "contiguous", "--pools", "kvwire",
+                           "--runs", "1", "--warmup", "0", "--json", "--plot", str(png)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(done.stdout)
@@ -111,7 +111,8 @@ def test_gpu_runs_only_the_methods_that_move_device_memory_on_one_gpu():
 
 
 def test_cli_refuses_a_gpu_layerwise_run():
-    done = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "bench", "transfer", "--layerwise", "--device", "cuda"],
+    done = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "bench", "transfer", "--layerwise",
+                           "--device", "cuda"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "host memory only" in done.stderr
 

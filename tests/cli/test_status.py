@@ -31,7 +31,8 @@ def test_json_lists_nodes_and_transfers(redis_url):
     result = runner.invoke(app, ["status", "--json"], env={"KVWIRE_REDIS_URL": redis_url})
     assert result.exit_code == 0, result.output
     status = msgspec.json.decode(result.output, type=ClusterStatus)
-    assert [(n.node_id, n.role) for n in status.nodes] == [("decode-0", NodeRole.DECODE), ("prefill-0", NodeRole.PREFILL)]
+    assert [(n.node_id, n.role) for n in status.nodes] == [("decode-0", NodeRole.DECODE),
+                                                           ("prefill-0", NodeRole.PREFILL)]
     assert all(n.heartbeat_age_s is not None and n.heartbeat_age_s < 5 for n in status.nodes)
     assert [t.request_id for t in status.transfers] == ["cmpl-1"]
 

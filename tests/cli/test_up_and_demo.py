@@ -47,7 +47,8 @@ def _wait_for_line(proc: subprocess.Popen, needle: str, timeout_s: float) -> str
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_up_serves_then_stops_everything_it_started(tiny_model_dir, sig):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvwire.cli.main", "up", "--model", str(tiny_model_dir), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "kvwire.cli.main", "up", "--model", str(tiny_model_dir),
+                             "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = _wait_for_line(proc, "kvwire is up", 120)
@@ -69,7 +70,8 @@ def test_up_serves_then_stops_everything_it_started(tiny_model_dir, sig):
 
 
 def test_demo_exits_zero_with_identical_outputs(tiny_model_dir):
-    done = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "demo", "--model", str(tiny_model_dir), "--max-tokens", "8"],
+    done = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "demo", "--model", str(tiny_model_dir),
+                           "--max-tokens", "8"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "all 8 outputs identical to the single-process run" in done.stdout

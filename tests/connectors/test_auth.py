@@ -9,7 +9,8 @@ import pytest
 
 from kvwire.connectors import auth
 from kvwire.connectors.auth import AuthError
-from kvwire.connectors.wire import PullReply, WireError, encode, pack, unpack
+from kvwire.connectors.framing import pack, unpack
+from kvwire.connectors.wire import PullReply, WireError, encode
 
 SECRET = b"s" * 32
 MSG = PullReply(request_id="r1", transfer_id=7, ok=True, reason="")

@@ -38,7 +38,7 @@ def location(request_id: str, producer: str = "prefill-0") -> KVLocation:
 
 
 def node(node_id: str, role: NodeRole, epoch: int = 0, free_blocks: int = 10) -> NodeInfo:
-    return NodeInfo(node_id=node_id, role=role, epoch=epoch, work_address=f"tcp://127.0.0.1/{node_id}",
+    return NodeInfo(node_id=node_id, role=role, epoch=epoch, work_endpoint=f"tcp://127.0.0.1/{node_id}",
                     connector=ConnectorKind.UCX, free_blocks=free_blocks, total_blocks=100)  # fmt: skip
 
 

@@ -52,7 +52,7 @@ def exercise(url: str) -> None:
         directory.delete(rid)
         assert rid not in directory.request_ids()
         info = NodeInfo(node_id=node_id, role=NodeRole.DECODE, epoch=directory.next_epoch(node_id),
-                        work_address="tcp://127.0.0.1:1", connector=ConnectorKind.TCP, free_blocks=4, total_blocks=4)
+                        work_endpoint="tcp://127.0.0.1:1", connector=ConnectorKind.TCP, free_blocks=4, total_blocks=4)
         beat = Heartbeat(directory, lambda: info, interval_s=0.1)
         beat.start()
         assert node_id in [n.node_id for n in directory.live_nodes(NodeRole.DECODE)]

@@ -26,7 +26,7 @@ MESSAGES = [
     KVLocation(request_id="r1", producer="p", producer_epoch=3, kind=ConnectorKind.UCX, side_channel="tcp://x:1",
                transport_address=b"\x00\x01addr", layout=LAYOUT, block_ids=[5, 6, 9], num_tokens=40,
                hidden=[TensorDesc("hidden_states", DType.FLOAT32, (40, 64))]),
-    NodeInfo(node_id="d", role=NodeRole.DECODE, epoch=1, work_address="tcp://127.0.0.1:9",
+    NodeInfo(node_id="d", role=NodeRole.DECODE, epoch=1, work_endpoint="tcp://127.0.0.1:9",
              connector=ConnectorKind.UCX, free_blocks=3, total_blocks=4),
     PullRequest(request_id="r", transfer_id=2**40, consumer="d", transport_address=b"a", dst_block_ids=[1, 2]),
     PullReply(request_id="r", transfer_id=1, ok=False, reason="expired"),

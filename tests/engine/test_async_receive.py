@@ -47,10 +47,10 @@ def model(tiny_model_dir):
     return load_model(tiny_model_dir)
 
 
-def _engine(model, connector=None, num_blocks=64) -> LLMEngine:
+def _engine(model, connector=None, num_blocks=64, on_received=lambda: None) -> LLMEngine:
     pool = KVPool.allocate(kv_layout(model.config, 4), num_blocks)
     runner = ModelRunner(model, pool, connector, NodeRole.DECODE if connector else None)
-    return LLMEngine(runner, BlockAllocator(num_blocks), 256, model.config.eos_token_id)
+    return LLMEngine(runner, BlockAllocator(num_blocks), 256, model.config.eos_token_id, on_received)
 
 
 def _alone(model, prompt) -> list[int]:
@@ -70,9 +70,8 @@ def _wait_received(eng: LLMEngine) -> None:
 
 def test_running_requests_decode_while_a_prompt_is_pulled(model):
     conn = _GatedPull(model)
-    eng = _engine(model, conn)
     woke = []
-    eng.on_received = lambda: woke.append(1)
+    eng = _engine(model, conn, on_received=lambda: woke.append(1))
     a = eng.add_request("a", PROMPT_A, PARAMS, receive_kv=False)
     eng.step()
     b = eng.add_request("b", PROMPT_B, PARAMS)

@@ -109,10 +109,12 @@ def malformed(rng: random.Random, templates: list) -> bytes | list[bytes]:
         return rng.choice([b"\xdd\xff\xff\xff\xff", b"\x92\x01\xdf\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xf0abc",
                            b"\xc6\x7f\xff\xff\xff" + b"\x00" * 10])
     if kind == 6:  # huge lists
-        body[rng.choice(["prompt_token_ids", "dst_block_ids", "token_ids", "block_ids"])] = [rng.randint(-5, 10**9)] * rng.choice([10**4, 10**5])
+        huge = [rng.randint(-5, 10**9)] * rng.choice([10**4, 10**5])  # before the key: the seeded draws' order
+        body[rng.choice(["prompt_token_ids", "dst_block_ids", "token_ids", "block_ids"])] = huge
         return _enc(tmpl)
     if kind == 7:  # not an envelope at all
-        return _enc(rng.choice([body, [], [WIRE_VERSION], [WIRE_VERSION, body, "extra"], {"version": 1, "body": body}, 5]))
+        return _enc(rng.choice([body, [], [WIRE_VERSION], [WIRE_VERSION, body, "extra"], {"version": 1, "body": body},
+                                5]))
     return [_enc(rng.choice(templates)), b"second frame"]  # several frames
 
 
@@ -148,7 +150,7 @@ def test_malformed_control_messages_are_rejected_and_nodes_keep_serving(cluster,
     assert consumer_address, "the decode node publishes its TCP address"
     replies = ctx.socket(zmq.PULL)  # where the decode node answers the work it refuses
     reply_to = f"tcp://127.0.0.1:{replies.bind_to_random_port('tcp://127.0.0.1')}"
-    loc = _hold_one_request(cluster, directory, nodes["prefill"].work_address, ctx, "fuzz-held")
+    loc = _hold_one_request(cluster, directory, nodes["prefill"].work_endpoint, ctx, "fuzz-held")
     templates = _templates(reply_to, consumer_address, "fuzz-held")
     before = {r: metric(cluster.ops_urls[r], "kvwire_messages_rejected_total", reason="malformed") or 0.0
               for r in ("prefill", "decode")}
@@ -156,7 +158,7 @@ def test_malformed_control_messages_are_rejected_and_nodes_keep_serving(cluster,
     for role in ("prefill", "decode"):
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 5000)
-        push.connect(nodes[role].work_address)
+        push.connect(nodes[role].work_endpoint)
         for _ in range(PER_TARGET):
             _send(push, malformed(rng, templates))
         push.close()
@@ -285,7 +287,8 @@ def _random_json(rng: random.Random, depth: int = 0):
 def _cheap(obj) -> object:
     """Keep the valid bodies quick to serve: small max_tokens, no streaming left open."""
     if isinstance(obj, dict):
-        if isinstance(obj.get("max_tokens"), int) and not isinstance(obj["max_tokens"], bool) and 4 < obj["max_tokens"] < 5000:
+        max_tokens = obj.get("max_tokens")
+        if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and 4 < max_tokens < 5000:
             obj["max_tokens"] = 3
         obj.setdefault("max_tokens", 2)
     return obj

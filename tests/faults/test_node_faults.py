@@ -75,7 +75,8 @@ def test_prefill_sigkilled_mid_transfer(cluster, tiny_model_dir, tally):
 def test_decode_sigkilled_mid_receive(cluster, tiny_model_dir, tally):
     expected = reference(tiny_model_dir, MEDIUM, 40)
     futures = send_all(cluster.url, MEDIUM, 40)
-    busy = lambda: queue_depth(cluster, "decode", "decode_awaiting_kv") + queue_depth(cluster, "decode", "decode_running")  # noqa: E731
+    busy = lambda: (queue_depth(cluster, "decode", "decode_awaiting_kv")  # noqa: E731
+                    + queue_depth(cluster, "decode", "decode_running"))
     assert wait_until(lambda: busy() > 0, 30, 0.02)
     cluster.stop_process("decode", signal.SIGKILL)
     killed_at = time.monotonic()
@@ -102,7 +103,8 @@ def test_decode_stopped_then_continued(cluster, tiny_model_dir, tally):
     finally:
         decode.send_signal(signal.SIGCONT)
     judge(outcomes, expected, tally, deadline_s=REQUEST_TIMEOUT_S + SLACK_S)
-    print(f"\nwhile stopped: statuses {[o.status for o in outcomes]}, slowest {max(o.elapsed_s for o in outcomes):.1f}s")
+    print(f"\nwhile stopped: statuses {[o.status for o in outcomes]}, "
+          f"slowest {max(o.elapsed_s for o in outcomes):.1f}s")
     assert tally.lost == 0 and tally.errors == len(SHORT)  # 504 at the request deadline (503 once it expired)
     assert_recovered_and_serving(cluster, tiny_model_dir, tally)
 

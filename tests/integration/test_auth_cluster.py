@@ -11,7 +11,8 @@ from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors import auth
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory import KVDirectory
-from kvwire.connectors.wire import PrefillWork, encode, pack
+from kvwire.connectors.framing import pack
+from kvwire.connectors.wire import PrefillWork, encode
 from tests.integration.cluster import complete_all
 from tests.integration.test_observability import one, scrape
 
@@ -39,10 +40,10 @@ def test_authenticated_cluster_serves_and_drops_strangers(tiny_model_dir, tmp_pa
         [prefill] = directory.live_nodes(NodeRole.PREFILL)
         directory.close()
         stranger = PrefillWork(request_id="intruder", prompt_token_ids=[1, 2, 3])
-        _push(prefill.work_address, encode(stranger))  # no seal
+        _push(prefill.work_endpoint, encode(stranger))  # no seal
         try:
             auth.install(b"wrong-secret-0123456789abcdef")
-            _push(prefill.work_address, pack(stranger))  # sealed with another secret
+            _push(prefill.work_endpoint, pack(stranger))  # sealed with another secret
         finally:
             auth.install(None)
         deadline = time.monotonic() + 10

@@ -141,7 +141,7 @@ def test_nodes_reject_malformed_work_and_keep_serving(cluster):
     for node in nodes:
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 2000)
-        sock.connect(node.work_address)
+        sock.connect(node.work_endpoint)
         for j in junk:
             sock.send(j)
         sock.close()

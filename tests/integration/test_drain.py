@@ -19,7 +19,8 @@ import zmq
 from kvwire.cli.local_cluster import ClusterSpec, LocalCluster, free_port
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.directory import KVDirectory
-from kvwire.connectors.wire import DecodeWork, SamplingParams, TokenChunk, WorkError, pack, unpack
+from kvwire.connectors.framing import pack, unpack
+from kvwire.connectors.wire import DecodeWork, SamplingParams, TokenChunk, WorkError
 from kvwire.engine.reference import generate
 from tests.integration.cluster import complete, wait_pools_full_and_directory_empty
 
@@ -116,11 +117,11 @@ def _watch_until_gone(redis_url: str, node_id: str, proc, timeout_s: float) -> l
     return seen
 
 
-def _send_directly(work_address: str, work: DecodeWork, reply: zmq.Socket) -> list:
+def _send_directly(work_endpoint: str, work: DecodeWork, reply: zmq.Socket) -> list:
     """Push work to a node's work socket ourselves and collect its answers until the last one."""
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 1000)
-    push.connect(work_address)
+    push.connect(work_endpoint)
     push.send(pack(work))
     push.close()
     got = []
@@ -133,7 +134,7 @@ def _send_directly(work_address: str, work: DecodeWork, reply: zmq.Socket) -> li
 def test_sigterm_decode_node_mid_flight_loses_no_request(cluster, expected):
     decode0 = cluster.procs["decode"]
     directory = KVDirectory(cluster.redis_url)
-    work_address = directory.get_node("decode-0").work_address
+    work_endpoint = directory.get_node("decode-0").work_endpoint
     directory.close()
     with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
         futures = [pool.submit(complete, cluster.url, p, max_tokens=MAX_TOKENS) for p in PROMPTS]
@@ -149,7 +150,7 @@ def test_sigterm_decode_node_mid_flight_loses_no_request(cluster, expected):
         # the directory marks it draining (and live_nodes, which the router picks from, leaves it out)
         _wait_for(lambda: _draining(cluster.redis_url, "decode-0"), 10.0, "decode-0 to be marked draining")
         assert decode0.poll() is None
-        answers = _send_directly(work_address, late, reply)
+        answers = _send_directly(work_endpoint, late, reply)
         reply.close()
         # new requests during the drain go to decode-1
         during = complete(cluster.url, PROMPTS[1], max_tokens=MAX_TOKENS)

@@ -25,7 +25,7 @@ def test_duplicate_prefill_work_is_dropped_and_blocks_return(tiny_model_dir, tmp
         directory.close()
         push = zmq.Context.instance().socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 2000)
-        push.connect(prefill.work_address)
+        push.connect(prefill.work_endpoint)
         for _ in range(3):  # nobody pulls it: held until its hold deadline (1 s), then released
             push.send(encode(PrefillWork(request_id="dup-1", prompt_token_ids=list(range(40)))))
         push.close()

@@ -10,12 +10,13 @@ import zmq
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory import KVDirectory
-from kvwire.connectors.wire import ErrorKind, NodeInfo, SamplingParams, TokenChunk, WorkError, pack
+from kvwire.connectors.framing import pack
+from kvwire.connectors.wire import ErrorKind, NodeInfo, SamplingParams, TokenChunk, WorkError
 from kvwire.router.dispatch import LEFT_GRACE_S, WATCH_PERIOD_S, Dispatcher
 
 
 def _node(epoch: int, draining: bool = False) -> NodeInfo:
-    return NodeInfo(node_id="decode-w", role=NodeRole.DECODE, epoch=epoch, work_address="tcp://127.0.0.1:9",
+    return NodeInfo(node_id="decode-w", role=NodeRole.DECODE, epoch=epoch, work_endpoint="tcp://127.0.0.1:9",
                     connector=ConnectorKind.TCP, free_blocks=8, total_blocks=8, draining=draining)
 
 

@@ -1,0 +1,74 @@
+"""A consumer's record of one request whose KV it expects: the one place that knows whether it is there.
+
+1. Made by `KVConsumer.expect` (or by a pull of a request nobody announced), with its
+   producer and the deadline its KV must be pullable by.
+2. Settled once, by whichever source answers first: the producer's direct word (a
+   location), the directory (a READY location, or a terminal state), or the deadline.
+3. Pulled (or failed) by the consumer, which writes its `stats`.
+
+Several threads touch it (the node's engine thread, a directory watcher, the pull thread):
+`settle` is guarded, and `stats` is written before the pull's result is handed over.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from kvwire.connectors.wire import KVLocation, TensorDesc
+from kvwire.observability.labels import TransferFailure
+
+
+@dataclass(frozen=True)
+class Received:
+    """What one pull moved."""
+
+    hidden: list[torch.Tensor]
+    descs: list[TensorDesc]
+    intermediate: bool
+    kv_bytes: int
+    transfer_s: float
+    producer: str
+    transport: str  # the connector kind that moved the bytes
+
+
+@dataclass(eq=False)
+class ExpectedKV:
+    request_id: str
+    producer: str  # the node the router asked to compute it; "" when unknown
+    deadline: float  # time.monotonic() by which the KV must be pullable, else the prompt is recomputed
+    location: KVLocation | None = None  # once known: where to pull from
+    failure: str = ""  # once known: why the KV will never come
+    failure_kind: TransferFailure = TransferFailure.PRODUCER
+    stats: Received | None = None  # once pulled
+    watched: bool = False  # a directory watcher settles it
+    _settled: threading.Event = field(default_factory=threading.Event, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def settled(self) -> bool:
+        return self._settled.is_set()
+
+    def locate(self, location: KVLocation) -> bool:
+        """The KV can be pulled from `location`. Returns whether this settled the record (first answer wins)."""
+        with self._lock:
+            if self._settled.is_set():
+                return False
+            self.location = location
+            self._settled.set()
+            return True
+
+    def give_up(self, reason: str, kind: TransferFailure) -> bool:
+        """The KV will never come. Returns whether this settled the record (first answer wins)."""
+        with self._lock:
+            if self._settled.is_set():
+                return False
+            self.failure, self.failure_kind = reason, kind
+            self._settled.set()
+            return True
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until settled or `timeout_s` passes; returns whether it is settled."""
+        return self._settled.wait(max(0.0, timeout_s))

@@ -1,0 +1,82 @@
+"""A producer or a consumer with no node around it: for benchmarks, tests and other engines.
+
+1. `open_producer` / `open_consumer` open a directory, take an epoch, create the
+   transport and build the role over a pool (the transport's, or `kv_caches` given).
+2. The contract's face (`side.connector`) sends or receives; its role is
+   `side.connector.producer` / `side.connector.consumer`.
+3. `side.close()` closes the role, its transport and the directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvwire.connectors.config import ConnectorConfig
+from kvwire.connectors.connector import ConsumerConnector, ProducerConnector
+from kvwire.connectors.consumer import KVConsumer
+from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.factory import create_transport
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.producer import KVProducer
+from kvwire.connectors.wire import KVLayout
+from kvwire.engine.kv_cache import KVPool
+
+
+@dataclass
+class ProducerSide:
+    connector: ProducerConnector
+    kv_caches: list[torch.Tensor]  # per-layer views of the pool
+    directory: KVDirectory
+
+    @property
+    def producer(self) -> KVProducer:
+        return self.connector.producer
+
+    def close(self) -> None:
+        self.connector.close()
+        self.directory.close()
+
+
+@dataclass
+class ConsumerSide:
+    connector: ConsumerConnector
+    kv_caches: list[torch.Tensor]
+    directory: KVDirectory
+
+    @property
+    def consumer(self) -> KVConsumer:
+        return self.connector.consumer
+
+    def close(self) -> None:
+        self.connector.close()
+        self.directory.close()
+
+
+def open_producer(config: ConnectorConfig, on_release: Callable[[str, list[int]], None] = lambda rid, blocks: None,
+                  *, layout: KVLayout | None = None, num_blocks: int = 0, device: str | torch.device = "cpu",
+                  kv_caches: list[torch.Tensor] | None = None) -> ProducerSide:
+    """A producer serving a pool of `num_blocks` of `layout` placed by its transport, or `kv_caches`."""
+    directory = KVDirectory(config.redis_url, entry_ttl_s=config.entry_ttl_s)
+    epoch = directory.next_epoch(config.node_id)
+    transport = create_transport(config, epoch)
+    if kv_caches is None:
+        assert layout is not None, "a layout, or the pool's kv_caches"
+        kv_caches = transport.producer_pool(layout, num_blocks, device).kv_caches
+    producer = KVProducer(config, directory, epoch, transport, KVRegion.from_kv_caches(kv_caches), on_release)
+    return ProducerSide(ProducerConnector(0, 0, config, producer), kv_caches, directory)
+
+
+def open_consumer(config: ConnectorConfig, on_ready: Callable[[str], None] = lambda rid: None,
+                  *, layout: KVLayout | None = None, num_blocks: int = 0, device: str | torch.device = "cpu",
+                  kv_caches: list[torch.Tensor] | None = None) -> ConsumerSide:
+    """A consumer landing KV in a new pool of `num_blocks` of `layout`, or in `kv_caches`."""
+    directory = KVDirectory(config.redis_url, entry_ttl_s=config.entry_ttl_s)
+    transport = create_transport(config, directory.next_epoch(config.node_id))
+    if kv_caches is None:
+        assert layout is not None, "a layout, or the pool's kv_caches"
+        kv_caches = KVPool.allocate(layout, num_blocks, device).kv_caches
+    consumer = KVConsumer(config, directory, transport, KVRegion.from_kv_caches(kv_caches), on_ready)
+    return ConsumerSide(ConsumerConnector(0, 0, config, consumer), kv_caches, directory)

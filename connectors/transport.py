@@ -1,0 +1,84 @@
+"""A transport: one way of moving KV bytes, as the two halves the roles drive.
+
+1. `factory.create_transport(config, epoch)` imports the transport `config.kind` names.
+2. A producer's pool comes from `producer_pool` (shared memory places it where consumers
+   can map it); a consumer's is an ordinary `KVPool`.
+3. `send_engines(region)` builds the producer's half (one send engine per transport it
+   serves over, each run by a transfer server); `puller(region)` the consumer's half.
+4. Per pull, the consumer lets `choose` pick which of the producer's offers to use.
+5. `close()` releases what the transport itself holds (a shared-memory segment); the
+   roles close their send engines and puller.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from kvwire.connectors.config import ConnectorConfig, ConnectorKind
+from kvwire.connectors.offers import narrow
+from kvwire.engine.kv_cache import KVPool
+
+if TYPE_CHECKING:
+    from kvwire.connectors.kv_region import KVRegion
+    from kvwire.connectors.transfer_server import SendEngine
+    from kvwire.connectors.wire import KVLayout, KVLocation
+
+
+class Puller(Protocol):
+    """A transport's consumer half."""
+
+    transport_address: bytes  # published in the directory; producers send only there
+
+    def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
+        """Move `loc`'s blocks into `dst_blocks` and its hidden states into `hidden`; return the bytes moved.
+
+        Raises:
+            TransferError: refused, failed, or not complete by `deadline`.
+        """
+        ...
+
+    def close(self) -> None: ...
+
+
+class Transport(ABC):
+    """Builds one transport's send engines and puller for a node incarnation."""
+
+    kind: ConnectorKind
+
+    def __init__(self, config: ConnectorConfig, epoch: int):
+        """Args:
+        config: the node's transfer-plane settings.
+        epoch: this node incarnation's epoch (names what it shares, e.g. its memfd).
+        """
+        self.config = config
+        self.epoch = epoch
+
+    def producer_pool(self, layout: KVLayout, num_blocks: int, device: str | torch.device) -> KVPool:
+        """The pool a producer serves from (allocated once, before its send engines)."""
+        return KVPool.allocate(layout, num_blocks, device)
+
+    @abstractmethod
+    def send_engines(self, region: KVRegion) -> dict[ConnectorKind, SendEngine]:
+        """Every transport the producer serves its KV over, preferred first."""
+
+    @abstractmethod
+    def puller(self, region: KVRegion) -> Puller:
+        """The consumer's half, moving KV into `region`."""
+
+    def published_addresses(self, puller: Puller) -> dict[ConnectorKind, bytes]:
+        """The transport addresses a consumer publishes in the directory, one per transport it pulls over."""
+        return {self.kind: puller.transport_address}
+
+    def choose(self, loc: KVLocation) -> KVLocation:
+        """`loc` as seen through the offer this consumer pulls over (its `kind` says which).
+
+        Raises:
+            TransferError: the producer offers no transport this one speaks.
+        """
+        return narrow(loc, [self.kind])
+
+    def close(self) -> None:
+        """Release what the transport itself holds."""

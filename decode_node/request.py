@@ -1,0 +1,29 @@
+"""One request on a decode node: the node's single record of it, from its `DecodeWork` to its last token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvwire.connectors.expected import ExpectedKV
+from kvwire.connectors.wire import DecodeWork
+
+
+@dataclass(eq=False)
+class DecodeRequest:
+    """Owned by the node's engine thread (decode_node/server.py).
+
+    Attributes:
+        work: the request as the router sent it: prompt, sampling, its producer (`prefill_node`, "" for
+            none: computed here) and the router's reply endpoint (`reply_to`).
+        kv: its consumer's record: deadline, location once known, stats once pulled (thread-safe itself);
+            None when no producer computes the prompt.
+        admitted: in the engine (else still waiting for its KV's location or verdict).
+    """
+
+    work: DecodeWork
+    kv: ExpectedKV | None = None
+    admitted: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.work.request_id
