@@ -1,10 +1,12 @@
 """A connector moving the benchmark's work between two real processes.
 
 The producer process owns a prefill-role connector over a pool filled with random
-bytes; for each trial the bench process asks it to publish the request, then times
-its own decode-role connector's `recv_kv_caches_and_hidden_states` — from the call
-to the moment the blocks hold every byte and the connector says so — and checks the
-received blocks' crc32 against the producer's.
+bytes. One trial:
+
+1. The bench process asks the producer to publish the request.
+2. It times its own decode-role connector's `recv_kv_caches_and_hidden_states`, from the
+   call to the moment the blocks hold every byte and the connector says so.
+3. It checks the received blocks' crc32 against the producer's.
 """
 
 from __future__ import annotations

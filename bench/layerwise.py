@@ -1,11 +1,15 @@
 """`kvwire bench transfer --layerwise`: how much of the KV transfer hides behind prefill's compute.
 
 The nodes' own path: two processes, each with a connector that streams layers (tcp or
-ucx; the producer's with `layerwise`), and a real redis-server. For each trial the producer opens the request's
-layer stream (`begin_layer_stream`: published before the forward), "computes" each layer
-for `compute_ms` (a sleep: on an accelerator the CPU is free while a layer runs), hands
-it over (`on_layer`, as the model's forward does) and completes it with the hidden
-states; the bench process pulls it with `recv_kv_caches_and_hidden_states` meanwhile.
+ucx; the producer's with `layerwise`), and a real redis-server. One trial:
+
+1. The producer opens the request's layer stream (`begin_layer_stream`: published before
+   the forward).
+2. It "computes" each layer for `compute_ms` (a sleep: on an accelerator the CPU is free
+   while a layer runs) and hands it over (`on_layer`, as the model's forward does);
+   meanwhile the bench process pulls it with `recv_kv_caches_and_hidden_states`.
+3. It completes the stream with the hidden states.
+
 First, with every layer handed over before the pull starts, the whole transfer (and one
 layer's share of it); then with compute. The figure that matters: the time from the
 producer's last layer to the consumer holding every layer and the hidden states, against
@@ -68,7 +72,8 @@ def _producer(work: Workload, kind: ConnectorKind, redis_url: str, pipe) -> None
     side.close()
 
 
-def _trials(work: Workload, compute_s: float, n: int, tag: str, pipe, conn, kv_caches, region) -> tuple[list[float], bool]:
+def _trials(work: Workload, compute_s: float, n: int, tag: str, pipe, conn, kv_caches,
+            region) -> tuple[list[float], bool]:
     """Seconds of each pull (compute 0: started once every layer is handed over) or of each tail (after the
     producer's last layer); and whether every trial's bytes matched."""
     ok, out = True, []
@@ -114,7 +119,8 @@ def bench_layerwise(work: Workload, kind: ConnectorKind, runs: int, warmup: int,
         proc.kill()
     tail = statistics.median(tails)
     return LayerwiseResult(
-        method=str(kind), tokens=work.tokens, pool=str(work.pool), layers=work.layout.num_layers, transfer_ms=round(transfer * 1e3, 2),
-        layer_transfer_ms=round(per_layer * 1e3, 3), compute_ms_per_layer=round(compute_s * 1e3, 3),
-        prefill_ms=round(compute_s * 1e3 * work.layout.num_layers, 2), tail_ms=round(tail * 1e3, 3),
+        method=str(kind), tokens=work.tokens, pool=str(work.pool), layers=work.layout.num_layers,
+        transfer_ms=round(transfer * 1e3, 2), layer_transfer_ms=round(per_layer * 1e3, 3),
+        compute_ms_per_layer=round(compute_s * 1e3, 3), prefill_ms=round(compute_s * 1e3 * work.layout.num_layers, 2),
+        tail_ms=round(tail * 1e3, 3),
         tail_over_layer=round(tail / per_layer, 2), hidden_fraction=round(1 - tail / transfer, 3), verified=verified)

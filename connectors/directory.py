@@ -8,11 +8,12 @@ A request's entry is a Redis hash (every key has a TTL) that passes through thes
    accepts an absent entry). The consumer, waiting with `wait_for`, pulls the KV.
 4. CONSUMED: the producer has confirmed the pull; it moves the entry here and deletes it.
 
-From PENDING or READY an entry may instead end FAILED (either side gives up, with a reason) or
-EXPIRED (a janitor). CONSUMED, FAILED and EXPIRED are terminal. Each change is one Lua script
-(compare-and-set) that also refreshes the TTLs and appends the new state to the request's event
-stream, which `wait_for` blocks on (the READY event carries the location, so a woken waiter needs
-no second read). Whatever nobody cleans up vanishes after entry_ttl_s.
+From PENDING or READY an entry may instead end FAILED (`fail`: either side gives up, with a
+reason) or EXPIRED (its producer, once the hold deadline passed unpulled). CONSUMED, FAILED and
+EXPIRED are terminal. Each change is one Lua script (compare-and-set) that also refreshes the
+TTLs and appends the new state to the request's event stream, which `wait_for` blocks on (the
+READY event carries the location, so a woken waiter needs no second read). Whatever nobody
+cleans up vanishes after entry_ttl_s.
 
 A node's registration passes through these steps:
 

@@ -1,6 +1,6 @@
 """The consumer's end of producers' side channels: zmq DEALER sockets, one per producer.
 
-Owned by one thread (the engine thread of a decode node). `wait` blocks on the
+Owned by the thread that pulls (a decode node's pull thread). `wait` blocks on the
 socket and on any transport file descriptors (e.g. UCX's event fd) until the
 producer's reply has come and the transport says its part is done, or the deadline
 passes: never a sleep loop.

@@ -1,15 +1,22 @@
-"""The producer's transfer server, transport-independent: answers pulls from consumers.
+"""The producer's transfer server, one per transport it serves over: answers consumers' pulls.
 
-Lifecycle: `start()` binds a zmq ROUTER side channel and starts one thread that owns
-the transport's send engine. For each `PullRequest` it checks the request is held
-and not already in flight, that the consumer's transport address is the one that
-consumer published in the directory, and that the block counts match; it then
-plans the pieces (one per run of blocks consecutive on both sides, per plane, then
-each hidden tensor) and hands a `SendJob` to the engine. When the engine finishes
-the job the server replies `PullReply` and releases the request's blocks. A job past
-its deadline is abandoned and released. Requests nobody pulls are released at their
-hold deadline. Malformed messages are logged with the peer, counted and dropped.
-`close()` stops the thread, the engine, and releases everything still held.
+A pull here:
+
+1. `start()` has bound a zmq ROUTER side channel and started the one thread that owns the
+   transport's send engine.
+2. A `PullRequest` arrives. It is granted when the request is held and not already in
+   flight, the consumer's transport address is the one that consumer published in the
+   directory, and the block counts match; otherwise it is refused (`PullReply` not ok)
+   and the request stays pullable by its real consumer.
+3. The pieces are planned (one per run of blocks consecutive on both sides, per plane,
+   then each hidden tensor) and the send engine is handed a `SendJob`.
+4. When the engine finishes the job, the server replies `PullReply`, the held table
+   releases the request's blocks, and a successful pull is reported (`on_delivered`).
+   A job past its deadline is abandoned and released.
+
+Requests nobody pulls are released at their hold deadline (`on_expired`). Malformed
+messages are logged with the peer, counted and dropped. `close()` stops the thread and the
+engine, and releases everything still held.
 """
 
 from __future__ import annotations

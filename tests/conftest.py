@@ -47,7 +47,7 @@ def pytest_addoption(parser):
 def pytest_generate_tests(metafunc):
     if "connector_kind" in metafunc.fixturenames:
         from kvwire.connectors.config import ConnectorKind
-        from kvwire.connectors.factory import available_connectors
+        from kvwire.connectors.factory import available_transports
 
-        chosen = metafunc.config.getoption("--connector") or available_connectors()
+        chosen = metafunc.config.getoption("--connector") or available_transports()
         metafunc.parametrize("connector_kind", [ConnectorKind(c) for c in chosen], ids=str)

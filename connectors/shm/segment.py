@@ -2,7 +2,7 @@
 
 Lifecycle of a host segment:
 
-1. The producer creates it when its connector allocates the KV pool (`allocate_kv_pool`;
+1. The producer's transport creates it when asked for the pool (`SHMTransport.producer_pool`,
    shm/transport.py): `memfd_create`, sized, sealed against resizing, mapped. The engine
    uses the mapping as its KV pool.
 2. The send engine hands a read-only descriptor of it to each consumer that connects.

@@ -1,6 +1,7 @@
 """A producer process for connector tests: fills its pool, publishes requests, serves pulls.
 
-Any connector kind: the conformance suite runs the same producer against each.
+Any transport: the conformance suite runs the same producer against each. It is a
+standalone producer (`open_producer`): no node, engine or router around it.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import zlib
 import torch
 
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from kvwire.connectors.factory import create_connector
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.producer import KVProducer
+from kvwire.connectors.standalone import open_producer
 from kvwire.connectors.types import IntermediateTensors
 from kvwire.connectors.wire import DType, KVLayout
-from kvwire.engine.kv_cache import TORCH_DTYPES
+from kvwire.engine.kv_cache import TORCH_DTYPES, KVPool
 from kvwire.engine.model_input import ModelInput, SequenceInput
 
 HIDDEN = 24
@@ -45,7 +48,16 @@ def config(kind: ConnectorKind, role: NodeRole, node_id: str, redis_url: str, de
     return ConnectorConfig(kind=kind, role=role, node_id=node_id, redis_url=redis_url, kv_deadline_s=deadline_s)
 
 
-def _die_on_first_send(conn) -> None:
+def pool_of(kv_caches: list[torch.Tensor]) -> KVPool:
+    """The block-major pool behind a side's per-layer views (`side.kv_caches`), sharing their memory."""
+    region = KVRegion.from_kv_caches(kv_caches)
+    (plane,), lay = region.planes, region.layout
+    n = plane.shape[0]
+    shape = (n, lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_dim)
+    return KVPool(lay, n, plane.view(TORCH_DTYPES[lay.dtype]).view(shape))
+
+
+def _die_on_first_send(producer: KVProducer) -> None:
     """Make this process SIGKILL itself right after any of its transports starts the first pull (shared memory,
     where the consumer reads by itself: when the first read is claimed, before it is confirmed)."""
     import kvwire.connectors.tcp.send_engine as tcp_engine
@@ -59,7 +71,7 @@ def _die_on_first_send(conn) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return wrapped
 
-    for server in conn._servers.values():  # test-only reach into the servers
+    for server in producer._servers.values():  # test-only reach into the servers
         if isinstance(server._engine, SHMSendEngine):
             server.claim = then_die(server.claim)
         else:
@@ -68,29 +80,30 @@ def _die_on_first_send(conn) -> None:
 
 def produce(redis_url: str, kind: ConnectorKind, lay: KVLayout, requests: list[tuple[str, int, list[int]]],
             intermediate: bool, deadline_s: float, results, num_blocks: int = 64, die_mid_transfer: bool = False,
-            device: str = "cpu", node_id: str = "producer-test") -> None:
-    """Publish each (request_id, num_tokens, src_blocks); report released ids when all are released."""
-    conn = create_connector(0, 0, config(kind, NodeRole.PREFILL, node_id, redis_url, deadline_s))
-    pool = conn.allocate_kv_pool(lay, num_blocks, device)
-    released, done = [], threading.Event()
+            device: str = "cpu", node_id: str = "producer-test", consumer_endpoint: str = "") -> None:
+    """Publish each (request_id, num_tokens, src_blocks), telling `consumer_endpoint` directly when one is
+    given; report {request_id: released block ids} once all are released."""
+    released: dict[str, list[int]] = {}
+    done = threading.Event()
 
-    def on_release(rid: str) -> None:
-        released.append(rid)
+    def on_release(rid: str, block_ids: list[int]) -> None:
+        released[rid] = list(block_ids)
         if len(released) == len(requests):
             done.set()
 
-    conn.set_release_callback(on_release)
-    conn.register_kv_caches(pool.kv_caches)
+    side = open_producer(config(kind, NodeRole.PREFILL, node_id, redis_url, deadline_s), on_release,
+                         layout=lay, num_blocks=num_blocks, device=device)
+    pool = pool_of(side.kv_caches)
     if die_mid_transfer:
-        _die_on_first_send(conn)
+        _die_on_first_send(side.producer)
     for rid, tokens, blocks in requests:
         pool.data[blocks] = request_kv(rid, lay, len(blocks)).to(device)
         hidden = request_hidden(rid, tokens, intermediate)
         hidden = hidden.to(device) if isinstance(hidden, torch.Tensor) else \
             IntermediateTensors({k: v.to(device) for k, v in hidden.items()})
-        conn.send_kv_caches_and_hidden_states(None, ModelInput([SequenceInput(rid, [0] * tokens, 0, blocks)]),
-                                              pool.kv_caches, hidden)
+        seq = SequenceInput(rid, [0] * tokens, 0, blocks, consumer_endpoint=consumer_endpoint)
+        side.connector.send_kv_caches_and_hidden_states(None, ModelInput([seq]), side.kv_caches, hidden)
     results.put(("published", len(requests)))
     done.wait(deadline_s * 3 + 10)
-    results.put(("released", sorted(released)))
-    conn.close()
+    results.put(("released", dict(released)))
+    side.close()

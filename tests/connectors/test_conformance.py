@@ -14,9 +14,10 @@ import torch
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory import KVDirectory
-from kvwire.connectors.factory import create_connector
+from kvwire.connectors.standalone import ConsumerSide, open_consumer
 from kvwire.connectors.types import IntermediateTensors
 from kvwire.connectors.wire import DType
+from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
@@ -27,11 +28,11 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _consumer(kind: ConnectorKind, redis_url: str, lay, num_blocks: int = 64, deadline_s: float = 10.0,
-              device: str = "cpu"):
-    conn = create_connector(0, 0, peer.config(kind, NodeRole.DECODE, "consumer-test", redis_url, deadline_s))
-    pool = conn.allocate_kv_pool(lay, num_blocks, device)
-    conn.register_kv_caches(pool.kv_caches)
-    return conn, pool
+              device: str = "cpu") -> tuple[ConsumerSide, KVPool]:
+    pool = KVPool.allocate(lay, num_blocks, device)
+    side = open_consumer(peer.config(kind, NodeRole.DECODE, "consumer-test", redis_url, deadline_s),
+                         kv_caches=pool.kv_caches)
+    return side, pool
 
 
 def _producer(kind, redis_url, lay, requests, *, intermediate=False, deadline_s=10.0, num_blocks=64, die=False,
@@ -84,19 +85,19 @@ def test_round_trip_is_byte_exact(connector_kind, redis_url, dtype, block_size, 
     src, dst = _scattered(rng, 64, counts), _scattered(rng, 64, counts)  # different ids on each side
     requests = [(f"r{i}-{t}", t, s) for i, (t, s) in enumerate(zip(tokens, src))]
     proc, results = _producer(connector_kind, redis_url, lay, requests, device=producer_device)
-    conn, pool = _consumer(connector_kind, redis_url, lay, device=consumer_device)
+    side, pool = _consumer(connector_kind, redis_url, lay, device=consumer_device)
     try:
         for (rid, t, s), d in zip(requests, dst):
             mi = ModelInput([SequenceInput(rid, [0] * t, 0, d)])
-            hidden, bypass, out = conn.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)
+            hidden, bypass, out = side.connector.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)
             assert bypass is True and out is mi
             _check(pool, lay, rid, d, len(s), hidden, t)
-        assert results.get(timeout=30) == ("released", sorted(r for r, _, _ in requests))
+        assert results.get(timeout=30) == ("released", {r: s for r, _, s in requests})
         proc.join(30)
         assert proc.exitcode == 0
         assert KVDirectory(redis_url).request_ids() == []
     finally:
-        conn.close()
+        side.close()
         proc.kill()
 
 
@@ -107,20 +108,20 @@ def test_many_in_flight_complete_out_of_order(connector_kind, redis_url):
     src, dst = _scattered(rng, 128, counts), _scattered(rng, 128, counts)
     requests = [(f"req-{i}", 4 * n - rng.randint(0, 3), s) for i, (n, s) in enumerate(zip(counts, src))]
     proc, results = _producer(connector_kind, redis_url, lay, requests, num_blocks=128)
-    conn, pool = _consumer(connector_kind, redis_url, lay, num_blocks=128)
+    side, pool = _consumer(connector_kind, redis_url, lay, num_blocks=128)
     try:
         order = list(range(len(requests)))
         rng.shuffle(order)
         for batch in (order[i:i + 4] for i in range(0, len(order), 4)):
             mi = ModelInput([SequenceInput(requests[i][0], [0] * requests[i][1], 0, dst[i]) for i in batch])
-            hidden, bypass, _ = conn.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)
+            hidden, bypass, _ = side.connector.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)
             assert bypass
             for i, rows in zip(batch, mi.token_slices()):
                 rid, t, s = requests[i]
                 _check(pool, lay, rid, dst[i], len(s), hidden[rows], t)
-        assert results.get(timeout=30)[1] == sorted(r for r, _, _ in requests)
+        assert results.get(timeout=30)[1] == {r: s for r, _, s in requests}
     finally:
-        conn.close()
+        side.close()
         proc.join(30)
         proc.kill()
 
@@ -129,31 +130,31 @@ def test_intermediate_tensors_travel_whole(connector_kind, redis_url):
     lay = peer.layout()
     requests = [("a", 5, [1, 2]), ("b", 3, [6])]
     proc, _ = _producer(connector_kind, redis_url, lay, requests, intermediate=True)
-    conn, pool = _consumer(connector_kind, redis_url, lay)
+    side, pool = _consumer(connector_kind, redis_url, lay)
     try:
         mi = ModelInput([SequenceInput("a", [0] * 5, 0, [8, 9]), SequenceInput("b", [0] * 3, 0, [3])])
-        hidden, bypass, _ = conn.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)
+        hidden, bypass, _ = side.connector.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)
         assert bypass and isinstance(hidden, IntermediateTensors)
         expected = [peer.request_hidden(r, n, True) for r, n, _ in requests]
         assert hidden == IntermediateTensors({k: torch.cat([e[k] for e in expected]) for k in expected[0].keys()})
         assert hidden["residual"].dtype == torch.bfloat16
     finally:
-        conn.close()
+        side.close()
         proc.join(30)
         proc.kill()
 
 
 def test_kv_that_never_comes_ends_at_the_deadline(connector_kind, redis_url):
-    conn, pool = _consumer(connector_kind, redis_url, peer.layout(), num_blocks=16, deadline_s=0.5)
+    side, pool = _consumer(connector_kind, redis_url, peer.layout(), num_blocks=16, deadline_s=0.5)
     try:
         mi = ModelInput([SequenceInput("never-comes", [0] * 4, 0, [0])])
         start = time.monotonic()
-        hidden, bypass, out = conn.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)
+        hidden, bypass, out = side.connector.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)
         assert (hidden, bypass, out) == (None, False, mi)
         assert 0.45 <= time.monotonic() - start < 2.0
         assert KVDirectory(redis_url).get("never-comes").state == "failed"
     finally:
-        conn.close()
+        side.close()
 
 
 def test_sender_killed_mid_transfer_ends_in_recompute(connector_kind, redis_url):
@@ -165,15 +166,15 @@ def test_sender_killed_mid_transfer_ends_in_recompute(connector_kind, redis_url)
     requests = [("doomed", block_size * 40, list(range(0, 80, 2)))]
     deadline_s = 2.0
     proc, _ = _producer(connector_kind, redis_url, lay, requests, deadline_s=deadline_s, num_blocks=80, die=True)
-    conn, pool = _consumer(connector_kind, redis_url, lay, num_blocks=80, deadline_s=deadline_s)
+    side, pool = _consumer(connector_kind, redis_url, lay, num_blocks=80, deadline_s=deadline_s)
     try:
         mi = ModelInput([SequenceInput("doomed", [0] * (block_size * 40), 0, list(range(1, 80, 2)))])
         start = time.monotonic()
-        hidden, bypass, _ = conn.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)
+        hidden, bypass, _ = side.connector.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)
         assert hidden is None and bypass is False
         assert time.monotonic() - start < deadline_s + 2.0
         proc.join(10)
         assert proc.exitcode == -9
     finally:
-        conn.close()
+        side.close()
         proc.kill()

@@ -10,8 +10,10 @@ from kvwire.bench.directory import _location
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory import KVDirectory, StaleNodeError, TransferState
 from kvwire.connectors.directory_batch import DirectoryBatch
-from kvwire.connectors.factory import create_connector
+from kvwire.connectors.factory import create_transport
 from kvwire.connectors.incarnations import fail_earlier_incarnations
+from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.producer import KVProducer
 from tests.connectors import peer
 
 
@@ -28,7 +30,8 @@ def test_an_old_epoch_is_fenced_off(redis_url):
         assert d.get("r-old") is None  # nothing written
         assert d.publish_ready(msgspec.structs.replace(_location("r-new"), producer_epoch=new))
         assert d.get("r-new").state == TransferState.READY
-        fenced, fresh = DirectoryBatch(d).publish_ready(msgspec.structs.replace(_location("b-old"), producer_epoch=old)) \
+        fenced, fresh = DirectoryBatch(d) \
+            .publish_ready(msgspec.structs.replace(_location("b-old"), producer_epoch=old)) \
             .publish_ready(msgspec.structs.replace(_location("b-new"), producer_epoch=new)).execute()
         assert (fenced, fresh) == (False, True) and d.get("b-old") is None
     finally:
@@ -63,17 +66,23 @@ def test_a_new_incarnation_fails_only_its_earlier_ones_ready_entries(redis_url):
 
 
 def test_a_restarted_prefill_connector_fails_the_entries_it_left(redis_url):
-    """The whole path: a prefill connector built for a node id whose earlier incarnation left a READY entry."""
+    """The whole path: a producer built for a node id whose earlier incarnation left a READY entry (the steps
+    of `open_producer`, taken one by one)."""
     d = KVDirectory(redis_url)
-    conn = None
+    transport = producer = None
     try:
         _ready(d, "left-behind", "prefill-restart", d.next_epoch("prefill-restart"))
-        conn = create_connector(0, 0, peer.config(ConnectorKind.TCP, NodeRole.PREFILL, "prefill-restart",
-                                                  redis_url, 5.0))
-        assert d.get("left-behind").state == TransferState.READY  # the pool is not registered yet
-        conn.register_kv_caches(conn.allocate_kv_pool(peer.layout(), 4, "cpu").kv_caches)
+        config = peer.config(ConnectorKind.TCP, NodeRole.PREFILL, "prefill-restart", redis_url, 5.0)
+        epoch = d.next_epoch(config.node_id)
+        transport = create_transport(config, epoch)
+        pool = transport.producer_pool(peer.layout(), 4, "cpu")
+        assert d.get("left-behind").state == TransferState.READY  # no producer serves the pool yet
+        producer = KVProducer(config, d, epoch, transport, KVRegion.from_kv_caches(pool.kv_caches),
+                              lambda rid, blocks: None)
         assert d.get("left-behind").state == TransferState.FAILED
     finally:
-        if conn is not None:
-            conn.close()
+        if producer is not None:
+            producer.close()  # closes its transport too
+        elif transport is not None:
+            transport.close()
         d.close()

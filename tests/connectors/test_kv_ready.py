@@ -2,61 +2,126 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import multiprocessing as mp
 
+import msgspec
 import torch
+import zmq
 
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from kvwire.connectors.directory import KVDirectory, TransferState
-from kvwire.connectors.factory import create_connector
-from kvwire.connectors.held import HeldTable
-from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.producer import KVProducer
-from kvwire.connectors.wire import KVLocation, PullRequest
+from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.framing import unpack
+from kvwire.connectors.standalone import open_consumer, open_producer
+from kvwire.connectors.wire import KVLocation, KVReady, PullRequest
 from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
-
-def _config(role: NodeRole, node_id: str, redis_url: str) -> ConnectorConfig:
-    return ConnectorConfig(kind=ConnectorKind.TCP, role=role, node_id=node_id, redis_url=redis_url)
+CTX = mp.get_context("spawn")
 
 
-def test_a_pull_delivered_before_the_ready_lands_is_recorded_after_it(redis_url):
+def _config(role: NodeRole, node_id: str, redis_url: str, deadline_s: float = 10.0) -> ConnectorConfig:
+    return ConnectorConfig(kind=ConnectorKind.TCP, role=role, node_id=node_id, redis_url=redis_url,
+                           kv_deadline_s=deadline_s)
+
+
+def _work_socket() -> tuple[zmq.Socket, str]:
+    """A PULL socket standing in for a decode node's work endpoint, and its address."""
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock, f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+
+
+def _kv_ready(sock: zmq.Socket) -> KVReady:
+    assert sock.poll(5000), "no KVReady"
+    return unpack(sock.recv(), expect=KVReady)
+
+
+def test_a_pull_delivered_before_the_ready_lands_is_recorded_after_it(redis_url, monkeypatch):
     """A consumer told directly can finish its pull before the producer's READY reaches the directory; the
     CONSUMED + delete must then follow the READY, or the entry would be left READY for good."""
-    directory = KVDirectory(redis_url)
-    region = KVRegion.from_kv_caches(KVPool.allocate(peer.layout(), 8, "cpu").kv_caches)
-    released = []
-    server = SimpleNamespace(side_channel="tcp://127.0.0.1:1", transport_address=b"127.0.0.1:2", wake=lambda: None)
-    sender = KVProducer(_config(NodeRole.PREFILL, "p-ready", redis_url), directory, region,
-                      HeldTable(released.append), {ConnectorKind.TCP: server}, directory.next_epoch("p-ready"))
+    sock, endpoint = _work_socket()
+    side = open_producer(_config(NodeRole.PREFILL, "p-ready", redis_url), layout=peer.layout(), num_blocks=8)
+    server = side.producer._servers[ConnectorKind.TCP]  # test-only reach: the transfer server's delivery hook
+    publish_ready = side.directory.publish_ready
     seen: list[KVLocation] = []
 
-    def pulled_at_once(loc: KVLocation) -> None:  # the whole pull, inside the direct word
-        seen.append(loc)
-        sender.on_delivered(PullRequest(request_id=loc.request_id, transfer_id=1, consumer="d", transport_address=b"",
-                                        dst_block_ids=[0, 1]), "tcp", 100)
+    def pulled_before_the_ready(loc: KVLocation) -> bool:  # the whole pull, between the direct word and READY
+        seen.append(_kv_ready(sock).location)
+        server._on_delivered(PullRequest(request_id=loc.request_id, transfer_id=1, consumer="d",
+                                         transport_address=b"", dst_block_ids=[0, 1]), 100)
+        return publish_ready(loc)
 
-    sender.on_located = pulled_at_once
-    sender.publish(ModelInput([SequenceInput("early-1", [0] * 5, 0, [2, 3])]), torch.zeros(5, peer.HIDDEN))
-    assert [loc.request_id for loc in seen] == ["early-1"] and seen[0].block_ids == [2, 3]
-    assert directory.get("early-1") is None, "the entry must end CONSUMED and deleted, not stay READY"
-    directory.close()
+    monkeypatch.setattr(side.directory, "publish_ready", pulled_before_the_ready)
+    try:
+        seq = SequenceInput("early-1", [0] * 5, 0, [2, 3], consumer_endpoint=endpoint)
+        side.producer.publish(ModelInput([seq]), torch.zeros(5, peer.HIDDEN))
+        assert [loc.request_id for loc in seen] == ["early-1"] and seen[0].block_ids == [2, 3]
+        assert side.directory.get("early-1") is None, "the entry must end CONSUMED and deleted, not stay READY"
+    finally:
+        side.close()
+        sock.close(0)
 
 
 def test_the_consumer_takes_a_direct_location_only_for_a_request_it_expects(redis_url):
-    conn = create_connector(0, 0, _config(NodeRole.DECODE, "d-ready", redis_url))
-    pool = conn.allocate_kv_pool(peer.layout(), 8, "cpu")
-    conn.register_kv_caches(pool.kv_caches)
+    woke: list[str] = []
+    side = open_consumer(_config(NodeRole.DECODE, "d-ready", redis_url, deadline_s=2.0), woke.append,
+                         layout=peer.layout(), num_blocks=8)
+    consumer = side.consumer
     loc = KVLocation(request_id="direct-1", producer="p", producer_epoch=1, kind=ConnectorKind.TCP,
                      side_channel="tcp://127.0.0.1:1", transport_address=b"127.0.0.1:2", layout=peer.layout(),
                      block_ids=[0], num_tokens=3, hidden=[])
     try:
-        assert not conn.kv_located(loc), "not expected yet: ignored"
-        woke = []
-        conn.expect("direct-1", woke.append)
-        assert conn.kv_located(loc)
-        assert conn._ready["direct-1"].state == TransferState.READY  # recv starts from it: no directory read
+        assert not consumer.located(loc), "not expected yet: ignored"
+        record = consumer.expect("direct-1", producer="p")
+        assert not consumer.located(msgspec.structs.replace(loc, producer="p-other")), "another producer's word"
+        assert record.location is None and not record.settled and woke == []
+        assert consumer.located(loc)
+        assert record.settled and record.location == loc  # the pull starts from it: no directory read
+        assert woke == ["direct-1"]
+        assert not consumer.located(loc), "located once"
     finally:
-        conn.close()
+        side.close()
+
+
+def test_producer_tells_the_consumer_directly_and_the_consumer_pulls(redis_url):
+    """Two standalone roles over TCP, in two processes, around the session's redis: no node, engine or router."""
+    lay, rid, tokens = peer.layout(), "direct-pull", 10
+    src, dst = [5, 2, 9], [1, 12, 13]
+    sock, endpoint = _work_socket()
+    woke: list[str] = []
+    pool = KVPool.allocate(lay, 16)
+    side = open_consumer(_config(NodeRole.DECODE, "d-direct", redis_url), woke.append, kv_caches=pool.kv_caches)
+    consumer = side.consumer
+    results = CTX.Queue()
+    proc = CTX.Process(target=peer.produce, args=(redis_url, ConnectorKind.TCP, lay, [(rid, tokens, src)], False,
+                                                  10.0, results),
+                       kwargs={"num_blocks": 16, "node_id": "p-direct", "consumer_endpoint": endpoint})
+    try:
+        record = consumer.expect(rid, producer="p-direct")
+        proc.start()
+        assert results.get(timeout=30) == ("published", 1)
+        ready = _kv_ready(sock)
+        assert ready.location.request_id == rid and ready.location.producer == "p-direct"
+        assert ready.location.block_ids == src
+        consumer.located(ready.location)  # False only if the directory's READY settled the record first
+        assert record.settled and record.location == ready.location
+        hidden, bypass, _ = consumer.receive_batch(ModelInput([SequenceInput(rid, [0] * tokens, 0, dst)]))
+        assert bypass
+        assert torch.equal(pool.data[dst], peer.request_kv(rid, lay, len(src)))
+        assert torch.equal(hidden, peer.request_hidden(rid, tokens, False))
+        assert record.stats is not None and record.stats.kv_bytes > 0 and record.stats.producer == "p-direct"
+        assert results.get(timeout=30) == ("released", {rid: src})
+        proc.join(30)
+        assert proc.exitcode == 0
+        assert woke == [rid], "the node is told once (by the direct word or the directory, whichever came first)"
+        directory = KVDirectory(redis_url)
+        try:
+            assert directory.request_ids() == [], "the producer deletes the entry once the pull is confirmed"
+        finally:
+            directory.close()
+    finally:
+        side.close()
+        sock.close(0)
+        proc.join(5)
+        proc.kill()

@@ -12,9 +12,9 @@ import torch
 
 from kvwire.bench.workload import Placement, Workload, allocate_pool
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from kvwire.connectors.factory import create_connector
 from kvwire.connectors.kv_region import KVRegion, plan_runs
 from kvwire.connectors.layer_gate import LayerGate
+from kvwire.connectors.standalone import ConsumerSide, open_consumer, open_producer
 from kvwire.connectors.wire import DType, KVLayout, PoolLayout
 from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.model_input import ModelInput, SequenceInput
@@ -34,12 +34,11 @@ def _config(role: NodeRole, node_id: str, redis_url: str, layerwise: bool,
 def _stream(redis_url: str, kind: ConnectorKind, rid: str, tokens: int, blocks: list[int], fail_after: int | None,
             results) -> None:
     """Publish `rid` layer-wise; write each layer's KV only just before handing that layer over."""
-    conn = create_connector(0, 0, _config(NodeRole.PREFILL, "producer-lw", redis_url, True, kind))
     lay = peer.layout(layers=4, block_size=4)
-    pool = conn.allocate_kv_pool(lay, 64, "cpu")
     released = threading.Event()
-    conn.set_release_callback(lambda r: released.set())
-    conn.register_kv_caches(pool.kv_caches)
+    side = open_producer(_config(NodeRole.PREFILL, "producer-lw", redis_url, True, kind), lambda r, b: released.set(),
+                         layout=lay, num_blocks=64)
+    conn, pool = side.connector, peer.pool_of(side.kv_caches)
     batch = ModelInput([SequenceInput(rid, [0] * tokens, 0, blocks)])
     kv = peer.request_kv(rid, lay, len(blocks))  # [blocks, layers, 2, block_size, heads, head_dim]
     on_layer = conn.begin_layer_stream(batch, peer.HIDDEN, torch.float32)
@@ -53,24 +52,23 @@ def _stream(redis_url: str, kind: ConnectorKind, rid: str, tokens: int, blocks: 
         on_layer(layer)
     else:
         results.put(("last layer", time.monotonic()))
-        conn.send_kv_caches_and_hidden_states(None, batch, pool.kv_caches, peer.request_hidden(rid, tokens, False))
+        conn.send_kv_caches_and_hidden_states(None, batch, side.kv_caches, peer.request_hidden(rid, tokens, False))
     results.put(("released", released.wait(30)))
-    conn.close()
+    side.close()
 
 
-def _consumer(redis_url: str, kind: ConnectorKind, lay):
+def _consumer(redis_url: str, kind: ConnectorKind, lay) -> tuple[ConsumerSide, KVPool]:
     """Made before the producer starts its forward: the pull must not wait for the consumer's start-up."""
-    conn = create_connector(0, 0, _config(NodeRole.DECODE, "consumer-lw", redis_url, False, kind))
-    pool = conn.allocate_kv_pool(lay, 64, "cpu")
-    conn.register_kv_caches(pool.kv_caches)
-    return conn, pool
+    pool = KVPool.allocate(lay, 64, "cpu")
+    side = open_consumer(_config(NodeRole.DECODE, "consumer-lw", redis_url, False, kind), kv_caches=pool.kv_caches)
+    return side, pool
 
 
-def _consume(conn, pool, rid: str, tokens: int, dst: list[int]):
+def _consume(side: ConsumerSide, pool: KVPool, rid: str, tokens: int, dst: list[int]):
     start = time.monotonic()
-    hidden, bypass, _ = conn.recv_kv_caches_and_hidden_states(
+    hidden, bypass, _ = side.connector.recv_kv_caches_and_hidden_states(
         None, ModelInput([SequenceInput(rid, [0] * tokens, 0, dst)]), pool.kv_caches)
-    return conn, pool, hidden, bypass, start, time.monotonic()
+    return side, pool, hidden, bypass, start, time.monotonic()
 
 
 def _results(q, n: int) -> dict:
@@ -85,12 +83,12 @@ def test_layers_arrive_while_the_producer_computes(redis_url, kind):
     lay, rid, tokens = peer.layout(layers=4, block_size=4), f"lw-1-{kind}", 37
     src, dst = [3, 4, 9, 10, 11, 20, 21, 30, 31, 32], [40, 41, 5, 6, 7, 8, 50, 51, 52, 53]
     q = CTX.Queue()
-    conn, pool = _consumer(redis_url, kind, lay)
+    side, pool = _consumer(redis_url, kind, lay)
     proc = CTX.Process(target=_stream, args=(redis_url, kind, rid, tokens, src, None, q))
     proc.start()
     try:
         published = q.get(timeout=60)[1]
-        conn, pool, hidden, bypass, start, end = _consume(conn, pool, rid, tokens, dst)
+        side, pool, hidden, bypass, start, end = _consume(side, pool, rid, tokens, dst)
         got = _results(q, 2)
         assert bypass
         assert torch.equal(pool.data[dst], peer.request_kv(rid, lay, len(dst))), "a layer was sent before it was done"
@@ -99,7 +97,7 @@ def test_layers_arrive_while_the_producer_computes(redis_url, kind):
         assert end - got["last layer"] < 2 * lay.num_layers * LAYER_S  # decode-ready soon after the last layer
         assert published < start and got["released"], "the producer releases the blocks once they are pulled"
     finally:
-        conn.close()
+        side.close()
         proc.join(30)
 
 
@@ -107,16 +105,16 @@ def test_layers_arrive_while_the_producer_computes(redis_url, kind):
 def test_a_failed_forward_ends_the_stream_and_the_consumer_recomputes(redis_url, kind):
     lay, rid, tokens = peer.layout(layers=4, block_size=4), f"lw-2-{kind}", 16
     q = CTX.Queue()
-    conn, pool = _consumer(redis_url, kind, lay)
+    side, pool = _consumer(redis_url, kind, lay)
     proc = CTX.Process(target=_stream, args=(redis_url, kind, rid, tokens, [1, 2, 3, 4], 2, q))
     proc.start()
     try:
         q.get(timeout=60)
-        conn, _, hidden, bypass, _, _ = _consume(conn, pool, rid, tokens, [7, 8, 9, 10])
+        side, _, hidden, bypass, _, _ = _consume(side, pool, rid, tokens, [7, 8, 9, 10])
         assert not bypass and hidden is None
         assert _results(q, 1)["released"], "the failed request's blocks must be released"
     finally:
-        conn.close()
+        side.close()
         proc.join(30)
 
 
@@ -181,27 +179,29 @@ def test_layerwise_needs_tcp_or_ucx_and_no_checksums():
 
 
 def test_a_layerwise_request_released_during_its_forward_is_never_published_again(redis_url):
-    from types import SimpleNamespace
+    from kvwire.connectors.directory import TransferState
 
-    from kvwire.connectors.directory import KVDirectory, TransferState
-    from kvwire.connectors.held import HeldTable
-    from kvwire.connectors.producer import KVProducer
-
-    directory = KVDirectory(redis_url)
-    region = KVRegion.from_kv_caches(KVPool.allocate(peer.layout(), 8, "cpu").kv_caches)
-    released: list[str] = []
-    held = HeldTable(released.append)
-    server = SimpleNamespace(side_channel="tcp://127.0.0.1:1", transport_address=b"127.0.0.1:2", wake=lambda: None)
-    sender = KVProducer(_config(NodeRole.PREFILL, "p-lw", redis_url, True), directory, region, held,
-                      {ConnectorKind.TCP: server}, directory.next_epoch("p-lw"))
-    batch = ModelInput([SequenceInput("lw-gone", [0] * 5, 0, [2, 3])])
-    on_layer = sender.begin_layers(batch, peer.HIDDEN, torch.float32)
-    assert sender.holds("lw-gone") and directory.get("lw-gone").location.layerwise
-    held.release("lw-gone")  # as at its hold deadline, mid-forward
-    directory.transition("lw-gone", {TransferState.READY}, TransferState.EXPIRED, "test")
-    for layer in range(peer.layout().num_layers):
-        on_layer(layer)
-    sender.publish(batch, torch.zeros(5, peer.HIDDEN))
-    assert released == ["lw-gone"] and not sender.holds("lw-gone")
-    assert directory.get("lw-gone").state == TransferState.EXPIRED
-    directory.close()
+    released: list[tuple[str, list[int]]] = []
+    hold_s = 0.3  # the hold deadline passes mid-forward
+    config = ConnectorConfig(kind=ConnectorKind.TCP, role=NodeRole.PREFILL, node_id="p-lw", redis_url=redis_url,
+                             kv_deadline_s=hold_s, layerwise=True)
+    side = open_producer(config, lambda rid, blocks: released.append((rid, blocks)), layout=peer.layout(),
+                         num_blocks=8)
+    sender, directory = side.producer, side.directory
+    try:
+        batch = ModelInput([SequenceInput("lw-gone", [0] * 5, 0, [2, 3])])
+        on_layer = sender.begin_layers(batch, peer.HIDDEN, torch.float32)
+        assert sender.holds("lw-gone") and directory.get("lw-gone").location.layerwise
+        deadline = time.monotonic() + 5
+        while sender.holds("lw-gone"):  # released at its hold deadline, mid-forward
+            assert time.monotonic() < deadline, "the hold deadline did not release the request"
+            time.sleep(0.02)
+        assert released == [("lw-gone", [2, 3])]
+        assert directory.get("lw-gone").state == TransferState.EXPIRED
+        for layer in range(peer.layout().num_layers):
+            on_layer(layer)
+        sender.publish(batch, torch.zeros(5, peer.HIDDEN))
+        assert released == [("lw-gone", [2, 3])] and not sender.holds("lw-gone")
+        assert directory.get("lw-gone").state == TransferState.EXPIRED
+    finally:
+        side.close()

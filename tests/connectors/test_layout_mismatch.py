@@ -9,8 +9,9 @@ import torch
 
 from kvwire.bench.workload import Placement, Workload, allocate_pool
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.factory import create_connector
+from kvwire.connectors.standalone import open_consumer, open_producer
 from kvwire.connectors.wire import DType, PoolLayout
+from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
@@ -24,32 +25,30 @@ VARIANTS = {
 }
 
 
-def _caches(conn, layout):
+def _caches(layout):
     if layout.pool == PoolLayout.VLLM:
         return allocate_pool(Workload(16, Placement.CONTIGUOUS, PoolLayout.VLLM, layout=layout))
-    return conn.allocate_kv_pool(layout, 16, "cpu").kv_caches
+    return KVPool.allocate(layout, 16, "cpu").kv_caches
 
 
 @pytest.mark.parametrize("what", list(VARIANTS))
 def test_mismatched_layout_recomputes(redis_url, what):
     released = []
-    prod = create_connector(0, 0, peer.config(ConnectorKind.TCP, NodeRole.PREFILL, f"p-{what}", redis_url, 1.0))
-    cons = create_connector(0, 0, peer.config(ConnectorKind.TCP, NodeRole.DECODE, f"c-{what}", redis_url, 1.0))
+    pk, ck = _caches(BASE), _caches(VARIANTS[what])
+    prod = open_producer(peer.config(ConnectorKind.TCP, NodeRole.PREFILL, f"p-{what}", redis_url, 1.0),
+                         lambda rid, blocks: released.append((rid, blocks)), kv_caches=pk)
+    cons = open_consumer(peer.config(ConnectorKind.TCP, NodeRole.DECODE, f"c-{what}", redis_url, 1.0), kv_caches=ck)
+    rid = f"mismatch-{what}"
     try:
-        pk, ck = _caches(prod, BASE), _caches(cons, VARIANTS[what])
-        prod.set_release_callback(released.append)
-        prod.register_kv_caches(pk)
-        cons.register_kv_caches(ck)
-        rid = f"mismatch-{what}"
         tokens = 8
-        prod.send_kv_caches_and_hidden_states(None, ModelInput([SequenceInput(rid, [1] * tokens, 0, [0, 1])]),
-                                              pk, torch.zeros(tokens, 4))
+        prod.connector.send_kv_caches_and_hidden_states(
+            None, ModelInput([SequenceInput(rid, [1] * tokens, 0, [0, 1])]), pk, torch.zeros(tokens, 4))
         before = [c.clone() for c in ck]
-        _, bypass, _ = cons.recv_kv_caches_and_hidden_states(
+        _, bypass, _ = cons.connector.recv_kv_caches_and_hidden_states(
             None, ModelInput([SequenceInput(rid, [1] * tokens, 0, [2, 3])]), ck)
         assert not bypass
         assert all(torch.equal(a, b) for a, b in zip(before, ck))  # nothing landed
     finally:
         cons.close()
         prod.close()
-    assert released == [rid]  # closing (or the hold deadline) released the producer's blocks
+    assert released == [(rid, [0, 1])]  # closing (or the hold deadline) released the producer's blocks

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.factory import create_connector
 from kvwire.connectors.nccl.pairs import MAX_PIECES, Backend, backend_for, parse_address, tag_for
+from kvwire.connectors.standalone import ConsumerSide, open_consumer
 from kvwire.connectors.wire import DType
+from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
@@ -26,11 +27,15 @@ NCCL = ConnectorKind.NCCL
 LAYOUT = peer.layout(DType.BFLOAT16, layers=4, block_size=4)
 
 
-def _consumer(redis_url: str, node_id: str = "decode-0", deadline_s: float = 10.0, num_blocks: int = 64):
-    conn = create_connector(0, 0, peer.config(NCCL, NodeRole.DECODE, node_id, redis_url, deadline_s))
-    pool = conn.allocate_kv_pool(LAYOUT, num_blocks, "cpu")
-    conn.register_kv_caches(pool.kv_caches)
-    return conn, pool
+def _consumer(redis_url: str, node_id: str = "decode-0", deadline_s: float = 10.0,
+              num_blocks: int = 64) -> tuple[ConsumerSide, KVPool]:
+    pool = KVPool.allocate(LAYOUT, num_blocks, "cpu")
+    side = open_consumer(peer.config(NCCL, NodeRole.DECODE, node_id, redis_url, deadline_s), kv_caches=pool.kv_caches)
+    return side, pool
+
+
+def _links(side: ConsumerSide) -> dict:
+    return side.consumer._puller._links  # test-only reach: the puller's live pairs, by producer store address
 
 
 def _producer(redis_url: str, node_id: str, requests, deadline_s: float = 10.0):
@@ -42,9 +47,9 @@ def _producer(redis_url: str, node_id: str, requests, deadline_s: float = 10.0):
     return proc, results
 
 
-def _pull(conn, pool, rid: str, tokens: int, src: list[int], dst: list[int]) -> bool:
+def _pull(side: ConsumerSide, pool: KVPool, rid: str, tokens: int, src: list[int], dst: list[int]) -> bool:
     """Receive one request; True when it bypassed and every byte matches."""
-    hidden, bypass, _ = conn.recv_kv_caches_and_hidden_states(
+    hidden, bypass, _ = side.connector.recv_kv_caches_and_hidden_states(
         None, ModelInput([SequenceInput(rid, [0] * tokens, 0, dst)]), pool.kv_caches)
     return bool(bypass) and torch.equal(pool.data[dst], peer.request_kv(rid, LAYOUT, len(src))) \
         and torch.equal(hidden, peer.request_hidden(rid, tokens, False))
@@ -52,26 +57,27 @@ def _pull(conn, pool, rid: str, tokens: int, src: list[int], dst: list[int]) -> 
 
 def consume(redis_url: str, node_id: str, requests, dsts, go, results, die_after_request: bool = False) -> None:
     """A consumer process: pull each request when `go` is set; report (node_id, [matched...])."""
-    conn, pool = _consumer(redis_url, node_id)
+    side, pool = _consumer(redis_url, node_id)
     if die_after_request:
-        send = conn._puller._channel.send
+        puller = side.consumer._puller
+        send = puller._channel.send
 
         def request_then_die(*args, **kwargs):
             send(*args, **kwargs)
             time.sleep(0.2)  # let zmq flush the request
             os.kill(os.getpid(), signal.SIGKILL)
 
-        conn._puller._channel.send = request_then_die  # test-only: dies before joining the pair's rendezvous
+        puller._channel.send = request_then_die  # test-only: dies before joining the pair's rendezvous
     results.put(("ready", node_id))
     go.wait(60)
     try:
-        results.put((node_id, [_pull(conn, pool, rid, t, s, d) for (rid, t, s), d in zip(requests, dsts)]))
+        results.put((node_id, [_pull(side, pool, rid, t, s, d) for (rid, t, s), d in zip(requests, dsts)]))
     finally:
-        conn.close()
+        side.close()
 
 
-def _finish(proc, results, expected_released: list[str]) -> None:
-    assert results.get(timeout=60) == ("released", sorted(expected_released))
+def _finish(proc, results, expected_released: dict[str, list[int]]) -> None:
+    assert results.get(timeout=60) == ("released", expected_released)
     proc.join(30)
     assert proc.exitcode == 0
 
@@ -91,26 +97,26 @@ def test_one_consumer_receives_from_two_producers(redis_url):
     reqs = {p: [(f"{p}-{i}", 4 * (i + 1) - 1, list(range(10 * i, 10 * i + i + 1))) for i in range(4)]
             for p in ("prefill-a", "prefill-b")}
     procs = {p: _producer(redis_url, p, r) for p, r in reqs.items()}
-    conn, pool = _consumer(redis_url)
+    side, pool = _consumer(redis_url)
     try:
         opened = None
         for i in range(4):  # each batch holds one request of each producer; pairs are reused across batches
             batch = [reqs[p][i] for p in reqs]
             dsts = [list(range(40 + 8 * j, 40 + 8 * j + len(s))) for j, (_, _, s) in enumerate(batch)]
             mi = ModelInput([SequenceInput(rid, [0] * t, 0, d) for (rid, t, _), d in zip(batch, dsts)])
-            hidden, bypass, _ = conn.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)
+            hidden, bypass, _ = side.connector.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)
             assert bypass
             for (rid, t, s), d, rows in zip(batch, dsts, mi.token_slices()):
                 assert torch.equal(pool.data[d], peer.request_kv(rid, LAYOUT, len(s)))
                 assert torch.equal(hidden[rows], peer.request_hidden(rid, t, False))
-            links = conn._puller._links  # test-only: one live pair per producer, never reopened
+            links = _links(side)  # one live pair per producer, never reopened
             assert len(links) == 2 and all(link.group is not None for link in links.values())
             opened = opened or {a: link.opened for a, link in links.items()}
             assert opened == {a: link.opened for a, link in links.items()}
         for p, (proc, results) in procs.items():
-            _finish(proc, results, [rid for rid, _, _ in reqs[p]])
+            _finish(proc, results, {rid: s for rid, _, s in reqs[p]})
     finally:
-        conn.close()
+        side.close()
         for proc, _ in procs.values():
             proc.kill()
 
@@ -129,7 +135,7 @@ def test_one_producer_serves_two_consumers_at_once(redis_url):
         assert sorted(out.get(timeout=60) for _ in kids) == [("ready", c) for c in consumers]
         go.set()  # both consumers pull at once: the producer serves them on two lanes
         assert dict(out.get(timeout=60) for _ in kids) == {c: [True] * 4 for c in consumers}
-        _finish(proc, results, [rid for c in consumers for rid, _, _ in reqs[c]])
+        _finish(proc, results, {rid: s for c in consumers for rid, _, s in reqs[c]})
     finally:
         for p in (*kids, proc):
             p.join(10)
@@ -139,46 +145,46 @@ def test_one_producer_serves_two_consumers_at_once(redis_url):
 def test_consumer_pairs_anew_with_a_restarted_producer(redis_url):
     first = [("p1-ok", 8, [0, 1]), ("p1-orphan", 5, [4, 5])]
     proc, _ = _producer(redis_url, "prefill-0", first)
-    conn, pool = _consumer(redis_url, deadline_s=3.0)
+    side, pool = _consumer(redis_url, deadline_s=3.0)
     try:
-        assert _pull(conn, pool, "p1-ok", 8, [0, 1], [10, 11])
-        dead_store = next(iter(conn._puller._links))
+        assert _pull(side, pool, "p1-ok", 8, [0, 1], [10, 11])
+        dead_store = next(iter(_links(side)))
         proc.kill()
         proc.join(10)
         start = time.monotonic()
-        assert not _pull(conn, pool, "p1-orphan", 5, [4, 5], [12, 13])  # its producer is gone: recompute
+        assert not _pull(side, pool, "p1-orphan", 5, [4, 5], [12, 13])  # its producer is gone: recompute
         assert time.monotonic() - start < 3.0 + 2.0
-        assert dead_store not in conn._puller._links
+        assert dead_store not in _links(side)
         proc, results = _producer(redis_url, "prefill-0", [("p2-ok", 7, [2, 3])])  # same node, new incarnation
-        assert _pull(conn, pool, "p2-ok", 7, [2, 3], [12, 13])
-        assert list(conn._puller._links) != [dead_store]
-        _finish(proc, results, ["p2-ok"])
+        assert _pull(side, pool, "p2-ok", 7, [2, 3], [12, 13])
+        assert list(_links(side)) != [dead_store]
+        _finish(proc, results, {"p2-ok": [2, 3]})
     finally:
-        conn.close()
+        side.close()
         proc.kill()
 
 
 def test_pair_is_rebuilt_on_both_sides_after_a_stalled_transfer(redis_url):
     reqs = [("before", 6, [0, 1]), ("stalled", 6, [2, 3]), ("after", 6, [4, 5])]
     proc, results = _producer(redis_url, "prefill-0", reqs, deadline_s=30.0)  # holds its KV long enough
-    conn, pool = _consumer(redis_url, deadline_s=1.5)
+    side, pool = _consumer(redis_url, deadline_s=1.5)
     try:
-        assert _pull(conn, pool, "before", 6, [0, 1], [20, 21])
-        (addr, link), = conn._puller._links.items()
+        assert _pull(side, pool, "before", 6, [0, 1], [20, 21])
+        (addr, link), = _links(side).items()
         os.kill(proc.pid, signal.SIGSTOP)
         try:
             start = time.monotonic()
-            assert not _pull(conn, pool, "stalled", 6, [2, 3], [22, 23])
+            assert not _pull(side, pool, "stalled", 6, [2, 3], [22, 23])
             assert time.monotonic() - start < 1.5 + 1.5
-            assert conn._puller._links == {}  # the consumer discarded its side of the pair
+            assert _links(side) == {}  # the consumer discarded its side of the pair
         finally:
             os.kill(proc.pid, signal.SIGCONT)
         # The producer's stale send fails on the closed pair, so it drops its side too and rebuilds for this pull.
-        assert _pull(conn, pool, "after", 6, [4, 5], [22, 23])
-        assert conn._puller._links[addr].opened > link.opened
-        _finish(proc, results, [rid for rid, _, _ in reqs])
+        assert _pull(side, pool, "after", 6, [4, 5], [22, 23])
+        assert _links(side)[addr].opened > link.opened
+        _finish(proc, results, {rid: s for rid, _, s in reqs})
     finally:
-        conn.close()
+        side.close()
         proc.kill()
 
 
@@ -190,17 +196,17 @@ def test_producer_survives_a_consumer_killed_mid_pull(redis_url):
     kid.start()
     assert out.get(timeout=60) == ("ready", "decode-doomed")  # started first: the producer's holds are short
     proc, results = _producer(redis_url, "prefill-0", [("doomed", 6, [0, 1]), ("fine", 6, [2, 3])], deadline_s)
-    conn, pool = _consumer(redis_url, "decode-fine")
+    side, pool = _consumer(redis_url, "decode-fine")
     try:
         go.set()
         kid.join(30)
         assert kid.exitcode == -signal.SIGKILL
         # The producer's lane for the dead consumer now waits for it at the rendezvous until the job's deadline.
         start = time.monotonic()
-        assert _pull(conn, pool, "fine", 6, [2, 3], [7, 8])  # ... and holds no other consumer up
+        assert _pull(side, pool, "fine", 6, [2, 3], [7, 8])  # ... and holds no other consumer up
         assert time.monotonic() - start < 1.0
-        _finish(proc, results, ["doomed", "fine"])  # the dead consumer's pull ended by its deadline
+        _finish(proc, results, {"doomed": [0, 1], "fine": [2, 3]})  # the dead consumer's pull ended by its deadline
     finally:
-        conn.close()
+        side.close()
         proc.kill()
         kid.kill()

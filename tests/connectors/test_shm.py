@@ -24,9 +24,10 @@ import torch
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory import KVDirectory
-from kvwire.connectors.factory import create_connector
 from kvwire.connectors.shm.channel import close_fds, connect, node_prefix, recv_msg, remove_stale, send_msg, socket_dir
+from kvwire.connectors.standalone import ConsumerSide, ProducerSide, open_consumer, open_producer
 from kvwire.connectors.wire import KVLocation, PullReply, PullRequest, ShmHello, ShmSegment
+from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
@@ -41,44 +42,51 @@ def _config(role: NodeRole, node_id: str, redis_url: str, deadline_s: float):
 
 @contextmanager
 def _producer(redis_url: str, node_id: str = NODE, deadline_s: float = 5.0):
-    conn = create_connector(0, 0, _config(NodeRole.PREFILL, node_id, redis_url, deadline_s))
-    pool = conn.allocate_kv_pool(peer.layout(), 16, "cpu")
-    released: queue.SimpleQueue[str] = queue.SimpleQueue()
-    conn.set_release_callback(released.put)
-    conn.register_kv_caches(pool.kv_caches)
+    """A producer over a shared-memory pool; yields (side, its pool, a queue of (request_id, block_ids) released)."""
+    released: queue.SimpleQueue[tuple[str, list[int]]] = queue.SimpleQueue()
+    side = open_producer(_config(NodeRole.PREFILL, node_id, redis_url, deadline_s),
+                         lambda rid, blocks: released.put((rid, blocks)), layout=peer.layout(), num_blocks=16)
     try:
-        yield conn, pool, released
+        yield side, peer.pool_of(side.kv_caches), released
     finally:
-        conn.close()
+        side.close()
 
 
 @contextmanager
 def _consumer(redis_url: str, deadline_s: float = 5.0):
-    conn = create_connector(0, 0, _config(NodeRole.DECODE, "shm-test-consumer", redis_url, deadline_s))
-    pool = conn.allocate_kv_pool(peer.layout(), 16, "cpu")
-    conn.register_kv_caches(pool.kv_caches)
+    pool = KVPool.allocate(peer.layout(), 16, "cpu")
+    side = open_consumer(_config(NodeRole.DECODE, "shm-test-consumer", redis_url, deadline_s),
+                         kv_caches=pool.kv_caches)
     try:
-        yield conn, pool
+        yield side, pool
     finally:
-        conn.close()
+        side.close()
 
 
-def _publish(conn, pool, rid: str, blocks: list[int], tokens: int) -> None:
+def _publish(side: ProducerSide, pool: KVPool, rid: str, blocks: list[int], tokens: int) -> None:
     pool.data[blocks] = peer.request_kv(rid, pool.layout, len(blocks))
-    conn.send_kv_caches_and_hidden_states(None, ModelInput([SequenceInput(rid, [0] * tokens, 0, blocks)]),
-                                          pool.kv_caches, peer.request_hidden(rid, tokens, False))
+    side.connector.send_kv_caches_and_hidden_states(None, ModelInput([SequenceInput(rid, [0] * tokens, 0, blocks)]),
+                                                    side.kv_caches, peer.request_hidden(rid, tokens, False))
 
 
-def _pull_and_check(conn, pool, rid: str, dst: list[int], tokens: int) -> None:
+def _pull_and_check(side: ConsumerSide, pool: KVPool, rid: str, dst: list[int], tokens: int) -> None:
     mi = ModelInput([SequenceInput(rid, [0] * tokens, 0, dst)])
-    hidden, bypass, _ = conn.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)
+    hidden, bypass, _ = side.connector.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)
     assert bypass, f"{rid} was not received"
     assert torch.equal(pool.data[dst], peer.request_kv(rid, pool.layout, len(dst)))
     assert torch.equal(hidden, peer.request_hidden(rid, tokens, False))
 
 
-def _engine(conn):
-    return conn._servers[ConnectorKind.SHM]._engine  # test-only reach into the transfer server
+def _engine(side: ProducerSide):
+    return side.producer._servers[ConnectorKind.SHM]._engine  # test-only reach into the transfer server
+
+
+def _segment(side: ProducerSide):
+    return side.producer._transport._segment  # test-only reach: the pool's shared-memory segment
+
+
+def _maps(side: ConsumerSide) -> dict:
+    return side.consumer._puller._maps  # test-only reach: the producers' pools the puller has mapped
 
 
 def _node_sockets(node_id: str) -> list[str]:
@@ -119,7 +127,7 @@ def test_socket_directory_socket_and_pool_descriptor_are_private(redis_url):
         assert stat.S_ISDIR(dir_stat.st_mode) and stat.S_IMODE(dir_stat.st_mode) == 0o700
         assert dir_stat.st_uid == os.getuid()
         assert stat.S_ISSOCK(sock_stat.st_mode) and stat.S_IMODE(sock_stat.st_mode) == 0o600
-        msg, fds = conn._segment.export()
+        msg, fds = _segment(conn).export()
         assert os.fstat(fds[0]).st_nlink == 0, "the pool has no name anywhere"
         assert os.readlink(f"/proc/self/fd/{fds[0]}").startswith(f"/memfd:kvwire-{NODE}-")
         assert fcntl.fcntl(fds[0], fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY, "consumers get a read-only fd"
@@ -154,7 +162,8 @@ print(json.dumps(out))
                     reason="switching to another user needs root and a system python3")
 def test_another_user_can_neither_connect_nor_open_the_pool(redis_url):
     with _producer(redis_url) as (conn, _, _):
-        args = [str(SYSTEM_PYTHON), "-c", _PROBE, str(_engine(conn).path), f"/proc/{os.getpid()}/fd/{conn._segment._fd}"]
+        pool_fd = f"/proc/{os.getpid()}/fd/{_segment(conn)._fd}"
+        args = [str(SYSTEM_PYTHON), "-c", _PROBE, str(_engine(conn).path), pool_fd]
         done = subprocess.run(args, user=65534, group=65534, extra_groups=[], capture_output=True, timeout=30,
                               cwd="/", env={})
         assert done.returncode == 0, done.stderr
@@ -171,7 +180,7 @@ def test_close_leaves_no_socket_no_descriptor_and_no_mapping(redis_url):
             path = _engine(producer).path
             _publish(producer, pool, "c1", [3, 4, 9], 10)
             _pull_and_check(consumer, cpool, "c1", [7, 1, 2], 10)
-            assert released.get(timeout=5) == "c1"
+            assert released.get(timeout=5) == ("c1", [3, 4, 9])
             del pool
         assert not path.exists() and _node_sockets(NODE) == []
     del producer, consumer
@@ -182,11 +191,9 @@ def test_close_leaves_no_socket_no_descriptor_and_no_mapping(redis_url):
 
 
 def _produce_and_wait(redis_url: str, node_id: str, results) -> None:
-    conn = create_connector(0, 0, _config(NodeRole.PREFILL, node_id, redis_url, 30.0))
-    pool = conn.allocate_kv_pool(peer.layout(), 16, "cpu")
-    conn.register_kv_caches(pool.kv_caches)
-    _publish(conn, pool, "crash-1", [2, 5], 6)
-    results.put(str(_engine(conn).path))
+    side = open_producer(_config(NodeRole.PREFILL, node_id, redis_url, 30.0), layout=peer.layout(), num_blocks=16)
+    _publish(side, peer.pool_of(side.kv_caches), "crash-1", [2, 5], 6)
+    results.put(str(_engine(side).path))
     threading.Event().wait(120)  # a victim: the test SIGKILLs it long before this
 
 
@@ -221,13 +228,13 @@ def test_consumer_unmaps_a_producer_that_died(redis_url):
         results.get(timeout=60)
         with _consumer(redis_url) as (consumer, cpool):
             _pull_and_check(consumer, cpool, "crash-1", [9, 3], 6)
-            assert doomed in consumer._puller._maps
+            assert doomed in _maps(consumer)
             os.kill(proc.pid, signal.SIGKILL)
             proc.join(30)
             with _producer(redis_url) as (producer, pool, _):
                 _publish(producer, pool, "next", [0], 2)
                 _pull_and_check(consumer, cpool, "next", [1], 2)
-            assert doomed not in consumer._puller._maps, "a dead producer's mapping is dropped at the next pull"
+            assert doomed not in _maps(consumer), "a dead producer's mapping is dropped at the next pull"
             gc.collect()
             assert f"memfd:kvwire-{doomed}-" not in Path("/proc/self/maps").read_text()
     finally:
@@ -241,8 +248,9 @@ def test_a_new_producer_epoch_is_mapped_afresh(redis_url):
             with _producer(redis_url) as (producer, pool, _):
                 rid = f"epoch-run-{epoch_run}"
                 _publish(producer, pool, rid, [4], 3)
+                epoch = _location(redis_url, rid).producer_epoch  # this incarnation's
                 _pull_and_check(consumer, cpool, rid, [8], 3)
-                assert consumer._puller._maps[NODE].epoch == producer.epoch
+                assert _maps(consumer)[NODE].epoch == epoch
 
 
 # --- consumers that vanish, stall or lie about who they are --------------------------------
@@ -277,7 +285,7 @@ def test_a_consumer_that_vanishes_mid_read_leaves_the_request_pullable(redis_url
         sock, _ = _map_by_hand(redis_url, "doomed-consumer", _location(redis_url, "orphan"))
         sock.close()  # mapped, maybe read, never confirmed
         _pull_and_check(consumer, cpool, "orphan", [2, 3], 5)
-        assert released.get(timeout=5) == "orphan"
+        assert released.get(timeout=5) == ("orphan", [6, 7])
 
 
 def test_a_read_confirmed_after_the_hold_deadline_is_refused(redis_url):
@@ -287,7 +295,7 @@ def test_a_read_confirmed_after_the_hold_deadline_is_refused(redis_url):
         loc = _location(redis_url, "slow")
         sock, address = _map_by_hand(redis_url, "slow-consumer", loc)
         try:
-            assert released.get(timeout=deadline_s + 2) == "slow", "blocks released at the hold deadline"
+            assert released.get(timeout=deadline_s + 2) == ("slow", [1, 2]), "blocks released at the hold deadline"
             reply = _confirm(sock, "slow-consumer", address, loc)  # the read may have seen reused blocks
             assert not reply.ok and "released" in reply.reason
         finally:
@@ -302,10 +310,10 @@ def test_a_confirmation_for_another_consumer_is_refused_and_the_request_stays_pu
         try:
             reply = _confirm(sock, "liar", b"raw:someone-else", loc)
             assert not reply.ok and "another consumer" in reply.reason
-            reply = _confirm(sock, consumer.config.node_id, address, loc)  # its address, another's name
+            reply = _confirm(sock, consumer.connector.config.node_id, address, loc)  # its address, another's name
             assert not reply.ok and "not the one it published" in reply.reason
         finally:
             sock.close()
         assert released.empty()
         _pull_and_check(consumer, cpool, "mine", [5], 4)
-        assert released.get(timeout=5) == "mine"
+        assert released.get(timeout=5) == ("mine", [3])

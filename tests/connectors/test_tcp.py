@@ -63,8 +63,9 @@ class _Producer:
     def __init__(self) -> None:
         self.pool = _pool()
         self.pool.data.copy_(torch.randn(self.pool.data.shape))
-        self.released: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self.held = HeldTable(self.released.put)
+        self.released: queue.SimpleQueue[tuple[str, list[int]]] = queue.SimpleQueue()
+        self.held = HeldTable(lambda rid, blocks: self.released.put((rid, blocks)))
+        self.blocks: dict[str, list[int]] = {}
         self.endpoints: dict[str, bytes] = {}
         self.hidden: dict[str, torch.Tensor] = {}
         self.server = TransferServer("127.0.0.1", KVRegion.from_kv_caches(self.pool.kv_caches), self.held,
@@ -76,10 +77,11 @@ class _Producer:
         loc = _loc(rid, blocks, self.server.side_channel, self.server.transport_address, hidden)
         self.held.add(HeldRequest(loc, hidden, deadline=time.monotonic() + 60))
         self.hidden[rid] = hidden[0]
+        self.blocks[rid] = blocks
         return loc
 
     def wait_released(self, rid: str, timeout: float = 10.0) -> None:
-        assert self.released.get(timeout=timeout) == rid
+        assert self.released.get(timeout=timeout) == (rid, self.blocks[rid])
 
 
 @pytest.fixture

@@ -19,8 +19,8 @@ from tests.connectors import peer
 @pytest.fixture
 def server():
     pool = KVPool.allocate(peer.layout(), 8)
-    released: list[str] = []
-    held = HeldTable(released.append)
+    released: list[tuple[str, list[int]]] = []
+    held = HeldTable(lambda rid, blocks: released.append((rid, blocks)))
     endpoints = {"c": b"x"}  # what the directory would say each consumer published
     srv = TransferServer("127.0.0.1", KVRegion.from_kv_caches(pool.kv_caches), held, UCXSendEngine(), 5.0,
                          endpoints.get)

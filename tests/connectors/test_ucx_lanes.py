@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from kvwire.connectors.factory import create_connector
+from kvwire.connectors.standalone import open_consumer
 from kvwire.connectors.ucx.flows import SendFlow
 from kvwire.connectors.ucx.packing import Staging
 from kvwire.connectors.ucx.worker import LANES_MAGIC, Role, UCXWorker, pack_lanes, unpack_lanes
 from kvwire.connectors.wire import DType
+from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
@@ -73,20 +74,19 @@ def test_pulls_over_any_number_of_lanes_are_byte_exact(redis_url, lanes):
     proc.start()
     config = dataclasses.replace(peer.config(ConnectorKind.UCX, NodeRole.DECODE, "consumer-lanes", redis_url, 10.0),
                                  pull_lanes=lanes)
-    conn = create_connector(0, 0, config)
+    pool = KVPool.allocate(lay, 64, "cpu")
+    side = open_consumer(config, kv_caches=pool.kv_caches)
     try:
         assert results.get(timeout=60) == ("published", len(requests))
-        pool = conn.allocate_kv_pool(lay, 64, "cpu")
-        conn.register_kv_caches(pool.kv_caches)
         for (rid, tokens, s), d in zip(requests, dst):
-            hidden, bypass, _ = conn.recv_kv_caches_and_hidden_states(
+            hidden, bypass, _ = side.connector.recv_kv_caches_and_hidden_states(
                 None, ModelInput([SequenceInput(rid, [0] * tokens, 0, d)]), pool.kv_caches)
             assert bypass
             assert torch.equal(pool.data[d], peer.request_kv(rid, lay, len(s)))
             assert torch.equal(hidden, peer.request_hidden(rid, tokens, False))
-        assert results.get(timeout=30) == ("released", sorted(r for r, _, _ in requests))
+        assert results.get(timeout=30) == ("released", {r: s for r, _, s in requests})
     finally:
-        conn.close()
+        side.close()
         proc.join(30)
         proc.kill()
 
@@ -133,7 +133,8 @@ def test_importing_the_ucx_puller_first_keeps_ucx_quiet():
     import subprocess
     import sys
 
-    code = "from connectors.ucx.puller import UCXPuller; from connectors.ucx.lanes import ReceiveLanes; ReceiveLanes(2).close()"
+    code = ("from connectors.ucx.puller import UCXPuller; from connectors.ucx.lanes import ReceiveLanes; "
+            "ReceiveLanes(2).close()")
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}  # as a fresh shell has it
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True, env=env)
     assert "WARN" not in out.stdout + out.stderr

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.factory import create_connector
 from kvwire.connectors.kv_checksum import layer_checksums
 from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.standalone import open_consumer, open_producer
 from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
@@ -27,17 +27,15 @@ def pair(redis_url):
         for role, name, verify in ((NodeRole.PREFILL, "p-verify", producer_verifies),
                                    (NodeRole.DECODE, "c-verify", consumer_verifies)):
             cfg = dataclasses.replace(peer.config(ConnectorKind.TCP, role, name, redis_url, 3.0), verify_kv=verify)
-            conn = create_connector(0, 0, cfg)
-            pool = conn.allocate_kv_pool(LAY, 16, "cpu")
-            conn.set_release_callback(lambda rid: None)
-            conn.register_kv_caches(pool.kv_caches)
-            made.append(conn)
-            out += [conn, pool]
+            pool = KVPool.allocate(LAY, 16, "cpu")
+            side = (open_producer if role == NodeRole.PREFILL else open_consumer)(cfg, kv_caches=pool.kv_caches)
+            made.append(side)
+            out += [side.connector, pool]
         return out
 
     yield make
-    for conn in made:
-        conn.close()
+    for side in made:
+        side.close()
 
 
 def _move(prod, ppool, cons, cpool, rid: str, corrupt=None):

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.factory import create_connector
+from kvwire.connectors.standalone import ConsumerSide, open_consumer
 from kvwire.connectors.types import IntermediateTensors
 from kvwire.connectors.wire import DType
+from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
@@ -36,16 +37,16 @@ def _producer(redis_url, lay, requests, *, intermediate=False, deadline_s=10.0):
     return proc, results
 
 
-def _consumer(redis_url, lay, deadline_s=10.0):
-    conn = create_connector(0, 0, peer.config(NCCL, NodeRole.DECODE, "decode-gpu", redis_url, deadline_s))
-    pool = conn.allocate_kv_pool(lay, 64, "cuda:1")
-    conn.register_kv_caches(pool.kv_caches)
-    return conn, pool
+def _consumer(redis_url, lay, deadline_s=10.0) -> tuple[ConsumerSide, KVPool]:
+    pool = KVPool.allocate(lay, 64, "cuda:1")
+    side = open_consumer(peer.config(NCCL, NodeRole.DECODE, "decode-gpu", redis_url, deadline_s),
+                         kv_caches=pool.kv_caches)
+    return side, pool
 
 
-def _recv(conn, pool, batch):
+def _recv(side: ConsumerSide, pool: KVPool, batch):
     mi = ModelInput([SequenceInput(rid, [0] * t, 0, dst) for rid, t, _, dst in batch])
-    hidden, bypass, _ = conn.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)
+    hidden, bypass, _ = side.connector.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)
     return hidden, bypass, mi
 
 
@@ -56,18 +57,18 @@ def test_round_trip_cuda0_to_cuda1(redis_url, dtype):
     reqs = [("g0", 1, [3], [40]), ("g1", 16, [7], [12]), ("g2", 33, [0, 1, 9], [20, 21, 5]),
             ("g3", 79, [10, 11, 12, 13, 30], [50, 51, 52, 53, 2])]
     proc, results = _producer(redis_url, lay, [(rid, t, src) for rid, t, src, _ in reqs])
-    conn, pool = _consumer(redis_url, lay)
+    side, pool = _consumer(redis_url, lay)
     try:
         for batch in (reqs[:1], reqs[1:]):  # the second batch reuses the pair built by the first
-            hidden, bypass, mi = _recv(conn, pool, batch)
+            hidden, bypass, mi = _recv(side, pool, batch)
             assert bypass and hidden.device == torch.device("cuda:1")
             for (rid, t, src, dst), rows in zip(batch, mi.token_slices()):
                 assert torch.equal(pool.data[dst].cpu(), peer.request_kv(rid, lay, len(src)))
                 assert torch.equal(hidden[rows].cpu(), peer.request_hidden(rid, t, False))
-        assert len(conn._puller._links) == 1  # test-only: one NCCL pair, reused
-        assert results.get(timeout=60) == ("released", sorted(r[0] for r in reqs))
+        assert len(side.consumer._puller._links) == 1  # test-only: one NCCL pair, reused
+        assert results.get(timeout=60) == ("released", {rid: src for rid, _, src, _ in reqs})
     finally:
-        conn.close()
+        side.close()
         proc.join(30)
         proc.kill()
 
@@ -76,14 +77,14 @@ def test_round_trip_cuda0_to_cuda1(redis_url, dtype):
 def test_intermediate_tensors_on_cuda(redis_url):
     lay = peer.layout(DType.BFLOAT16, layers=4, block_size=4)
     proc, _ = _producer(redis_url, lay, [("i0", 5, [1, 2])], intermediate=True)
-    conn, pool = _consumer(redis_url, lay)
+    side, pool = _consumer(redis_url, lay)
     try:
-        hidden, bypass, _ = _recv(conn, pool, [("i0", 5, [1, 2], [8, 9])])
+        hidden, bypass, _ = _recv(side, pool, [("i0", 5, [1, 2], [8, 9])])
         assert bypass and isinstance(hidden, IntermediateTensors)
         want = peer.request_hidden("i0", 5, True)
         assert IntermediateTensors({k: v.cpu() for k, v in hidden.items()}) == want
     finally:
-        conn.close()
+        side.close()
         proc.join(30)
         proc.kill()
 
@@ -93,20 +94,20 @@ def test_dead_producer_is_recomputed_and_its_successor_paired(redis_url):
     lay = peer.layout(DType.FLOAT16, layers=4, block_size=16)
     deadline_s = 5.0
     proc, _ = _producer(redis_url, lay, [("a", 16, [0]), ("orphan", 16, [1])], deadline_s=deadline_s)
-    conn, pool = _consumer(redis_url, lay, deadline_s=deadline_s)
+    side, pool = _consumer(redis_url, lay, deadline_s=deadline_s)
     try:
-        assert _recv(conn, pool, [("a", 16, [0], [10])])[1]
+        assert _recv(side, pool, [("a", 16, [0], [10])])[1]
         proc.kill()
         proc.join(10)
         start = time.monotonic()
-        assert _recv(conn, pool, [("orphan", 16, [1], [11])])[1] is False  # NCCL pair discarded, not hung
+        assert _recv(side, pool, [("orphan", 16, [1], [11])])[1] is False  # NCCL pair discarded, not hung
         assert time.monotonic() - start < deadline_s + 2.0
         proc, results = _producer(redis_url, lay, [("b", 16, [2])], deadline_s=deadline_s)
-        hidden, bypass, _ = _recv(conn, pool, [("b", 16, [2], [12])])
+        hidden, bypass, _ = _recv(side, pool, [("b", 16, [2], [12])])
         assert bypass and torch.equal(pool.data[[12]].cpu(), peer.request_kv("b", lay, 1))
-        assert results.get(timeout=60) == ("released", ["b"])
+        assert results.get(timeout=60) == ("released", {"b": [2]})
     finally:
-        conn.close()
+        side.close()
         proc.kill()
 
 

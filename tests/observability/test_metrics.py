@@ -11,7 +11,9 @@ from kvwire.connectors.base import TransferError
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 from kvwire.connectors.consumer import KVConsumer
 from kvwire.connectors.directory import KVDirectory, TransferState
+from kvwire.connectors.expected import ExpectedKV
 from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.transport import Transport
 from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.model_input import SequenceInput
 from kvwire.observability.labels import DirectoryOp, Queue, RecomputeReason, RequestStatus, TransferFailure
@@ -85,12 +87,22 @@ class _NoPuller:
         pass
 
 
+class _NoPullTransport(Transport):
+    kind = ConnectorKind.TCP
+
+    def send_engines(self, region):
+        raise AssertionError("a consumer builds no send engines")
+
+    def puller(self, region) -> _NoPuller:
+        return _NoPuller()
+
+
 def _receiver(redis_url: str, m: Metrics) -> tuple[KVConsumer, KVDirectory]:
     config = ConnectorConfig(kind=ConnectorKind.TCP, role=NodeRole.DECODE, node_id="decode-0", redis_url=redis_url)
     directory = KVDirectory(redis_url, metrics=m)
     layout = location("x").layout
     region = KVRegion.from_kv_caches(KVPool.allocate(layout, 8).kv_caches)
-    return KVConsumer(config, directory, region, _NoPuller(), "cpu", metrics=m), directory
+    return KVConsumer(config, directory, _NoPullTransport(config, 1), region, metrics=m), directory
 
 
 def _failed(m: Metrics, reason: TransferFailure) -> float:
@@ -102,11 +114,14 @@ def test_receiver_counts_failures_by_reason(redis_url):
     receiver, directory = _receiver(redis_url, m)
     try:
         with pytest.raises(TransferError):  # nothing published: the deadline passes
-            receiver.receive(SequenceInput("late", list(range(40)), 0, [1, 2, 3]), time.monotonic() + 0.05)
+            receiver.receive(SequenceInput("late", list(range(40)), 0, [1, 2, 3]),
+                             ExpectedKV("late", "", time.monotonic() + 0.05))
         directory.publish_ready(location("short"))  # the producer has 40 tokens, we ask for 39
         with pytest.raises(TransferError):
-            receiver.receive(SequenceInput("short", list(range(39)), 0, [1, 2, 3]), time.monotonic() + 1)
+            receiver.receive(SequenceInput("short", list(range(39)), 0, [1, 2, 3]),
+                             ExpectedKV("short", "", time.monotonic() + 1))
     finally:
+        receiver.close()
         directory.close()
     assert _failed(m, TransferFailure.DEADLINE) == 1
     assert _failed(m, TransferFailure.MISMATCH) == 1
