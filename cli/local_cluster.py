@@ -135,7 +135,8 @@ class LocalCluster:
         if self.spec.log_dir is not None:
             self.spec.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.spec.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-        proc = subprocess.Popen([sys.executable, "-m", "kvwire.cli.main", *args], stdout=out, stderr=subprocess.STDOUT if out else None,
+        proc = subprocess.Popen([sys.executable, "-m", "kvwire.cli.main", *args], stdout=out,
+                                stderr=subprocess.STDOUT if out else None,
                                 stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, cwd=os.getcwd())
         if out is not None:
             out.close()

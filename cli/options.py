@@ -76,7 +76,8 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
                 drain_timeout: float = 30.0, pull_lanes: int = 2, layerwise: bool = False) -> NodeConfig:
     """Build a node's one config object from its command-line options."""
     if not (model / "config.json").is_file():
-        raise typer.BadParameter(f"{model} has no config.json (create one with `kvwire init-model`)", param_hint="--model")
+        raise typer.BadParameter(f"{model} has no config.json (create one with `kvwire init-model`)",
+                                 param_hint="--model")
     try:
         connector_config = ConnectorConfig(
             kind=connector, role=role, node_id=node_id or default_node_id(role), redis_url=redis_url, host=host,

@@ -6,8 +6,12 @@ pure data and auth.py knows only bytes.
 
 from __future__ import annotations
 
+from typing import Any, TypeVar, overload
+
 from kvwire.connectors.auth import seal, unseal
 from kvwire.connectors.wire import Message, decode, encode
+
+M = TypeVar("M")
 
 
 def pack(msg: Message) -> bytes:
@@ -15,7 +19,13 @@ def pack(msg: Message) -> bytes:
     return seal(encode(msg))
 
 
-def unpack(data: bytes | memoryview, expect: type | tuple[type, ...] | None = None) -> Message:
+@overload
+def unpack(data: bytes | memoryview, expect: type[M]) -> M: ...
+@overload
+def unpack(data: bytes | memoryview, expect: tuple[type, ...] | None = None) -> Message: ...
+
+
+def unpack(data: bytes | memoryview, expect: type | tuple[type, ...] | None = None) -> Any:
     """A control message from another process: its seal checked (when configured), then decoded.
 
     Raises:

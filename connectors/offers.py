@@ -6,7 +6,7 @@ import msgspec
 
 from kvwire.connectors.base import TransferError
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.wire import KVLocation
+from kvwire.connectors.wire import KVLocation, TransportOffer
 
 
 def narrow(loc: KVLocation, kinds: list[ConnectorKind]) -> KVLocation:
@@ -17,7 +17,7 @@ def narrow(loc: KVLocation, kinds: list[ConnectorKind]) -> KVLocation:
     Raises:
         TransferError: the producer offers none of `kinds`.
     """
-    offers = {o.kind: o for o in loc.offers} or {loc.kind: None}
+    offers: dict[ConnectorKind, TransportOffer | None] = {o.kind: o for o in loc.offers} or {loc.kind: None}
     for kind in kinds:
         if kind in offers:
             o = offers[kind]

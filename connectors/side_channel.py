@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import zmq
 
@@ -25,13 +25,13 @@ log = logging.getLogger(__name__)
 
 class SideChannelClient:
     def __init__(self) -> None:
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._sockets: dict[str, zmq.Socket] = {}
 
     def send(self, endpoint: str, msg: Message) -> None:
         self._socket(endpoint).send(pack(msg))
 
-    def wait(self, loc: KVLocation, transfer_id: int, deadline: float, *, fds: list[int] = (),
+    def wait(self, loc: KVLocation, transfer_id: int, deadline: float, *, fds: Sequence[int] = (),
              progress: Callable[[], None] = lambda: None, can_block: Callable[[], bool] = lambda: True,
              done: Callable[[], bool] = lambda: True, reply_needed: bool = True) -> None:
         """Block until `done()` holds and, if `reply_needed`, the producer's ok for `transfer_id` has come.

@@ -141,7 +141,7 @@ class TransferServer:
         self._trusted: dict[str, tuple[bytes, float]] = {}  # consumer -> (verified address, when)
         self._on_expired = on_expired or (lambda rid: None)
         self._on_delivered = on_delivered or (lambda msg, nbytes: None)
-        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         limit_receive(self._sock)
         self.side_channel = f"tcp://{host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"

@@ -30,7 +30,10 @@ if TYPE_CHECKING:
 class Puller(Protocol):
     """A transport's consumer half."""
 
-    transport_address: bytes  # published in the directory; producers send only there
+    @property
+    def transport_address(self) -> bytes:
+        """Published in the directory; producers send only there."""
+        ...
 
     def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
         """Move `loc`'s blocks into `dst_blocks` and its hidden states into `hidden`; return the bytes moved.

@@ -9,12 +9,14 @@ transport, described here by `TensorDesc`.
 from __future__ import annotations
 
 import enum
+from typing import Any, TypeVar, overload
 
 import msgspec
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
 
 WIRE_VERSION = 1
+M = TypeVar("M")
 MAX_MESSAGE_BYTES = 16 << 20  # no control message is legitimately larger
 
 
@@ -50,7 +52,7 @@ class _Msg(msgspec.Struct, frozen=True, tag=True, tag_field="type", kw_only=True
 # --- directory records (stored in Redis as msgpack) ---------------------------------
 
 
-class KVLayout(_Msg, tag="layout"):
+class KVLayout(_Msg, tag="layout", frozen=True):
     """Shape of one node's KV pool; both sides of a transfer must agree on it."""
 
     num_layers: int
@@ -69,7 +71,7 @@ class TransportOffer(msgspec.Struct, frozen=True, array_like=True):
     transport_address: bytes
 
 
-class KVLocation(_Msg, tag="location"):
+class KVLocation(_Msg, tag="location", frozen=True):
     """Where one request's KV and hidden states live on its producer."""
 
     request_id: str
@@ -92,7 +94,7 @@ class KVLocation(_Msg, tag="location"):
     layerwise: bool = False
 
 
-class NodeInfo(_Msg, tag="node"):
+class NodeInfo(_Msg, tag="node", frozen=True):
     """A live node's entry in the directory registry (refreshed by heartbeats)."""
 
     node_id: str
@@ -112,7 +114,7 @@ class NodeInfo(_Msg, tag="node"):
 # --- transfer side channel ---------------------------------------------------------------
 
 
-class PullRequest(_Msg, tag="pull"):
+class PullRequest(_Msg, tag="pull", frozen=True):
     """Consumer → producer: send request_id's KV into these blocks of mine.
 
     On a shared-memory producer's Unix socket it means instead: I have read request_id's
@@ -128,7 +130,7 @@ class PullRequest(_Msg, tag="pull"):
     pack_below: int = 0  # UCX: pieces smaller than this come packed, many per message (connectors/ucx/packing.py)
 
 
-class PullReply(_Msg, tag="pull_reply"):
+class PullReply(_Msg, tag="pull_reply", frozen=True):
     """Producer → consumer: the pull finished (ok) or was refused (reason).
 
     For shared memory, where the consumer has already read the producer's pool, ok means
@@ -144,7 +146,7 @@ class PullReply(_Msg, tag="pull_reply"):
 # --- shared-memory transport: the producer's Unix socket (connectors/shm) -------------------
 
 
-class ShmHello(_Msg, tag="shm_hello"):
+class ShmHello(_Msg, tag="shm_hello", frozen=True):
     """Consumer → producer, first message on the producer's Unix socket."""
 
     consumer: str
@@ -164,7 +166,7 @@ class CudaIpcHandle(msgspec.Struct, frozen=True, array_like=True):
     event_sync_required: bool
 
 
-class ShmSegment(_Msg, tag="shm_segment"):
+class ShmSegment(_Msg, tag="shm_segment", frozen=True):
     """Producer → consumer, answer to `ShmHello`: the KV pool to map.
 
     A host pool comes as a read-only memfd attached to this message (SCM_RIGHTS), a
@@ -190,14 +192,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
 
 
-class PrefillWork(_Msg, tag="prefill"):
+class PrefillWork(_Msg, tag="prefill", frozen=True):
     request_id: str
     prompt_token_ids: list[int]
     # the decode node's work endpoint: told `KVReady` directly, ahead of the directory
     decode_endpoint: str = msgspec.field(default="", name="notify")
 
 
-class KVReady(_Msg, tag="kv_ready"):
+class KVReady(_Msg, tag="kv_ready", frozen=True):
     """Prefill → decode, on the decode node's work socket: the KV is where `location` says.
 
     The same location the directory's READY event carries, sent directly so the decode node
@@ -208,7 +210,7 @@ class KVReady(_Msg, tag="kv_ready"):
     location: KVLocation
 
 
-class DecodeWork(_Msg, tag="decode"):
+class DecodeWork(_Msg, tag="decode", frozen=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
@@ -226,7 +228,7 @@ class DecodeStats(msgspec.Struct, frozen=True, kw_only=True):
     decode_node: str
 
 
-class TokenChunk(_Msg, tag="tokens"):
+class TokenChunk(_Msg, tag="tokens", frozen=True):
     request_id: str
     token_ids: list[int]
     finished: bool = False
@@ -241,7 +243,7 @@ class ErrorKind(enum.StrEnum):
     NODE_LOST = "node_lost"  # the decode node serving the request left the cluster (died, or a new incarnation)
 
 
-class WorkError(_Msg, tag="error"):
+class WorkError(_Msg, tag="error", frozen=True):
     request_id: str
     node: str
     reason: str
@@ -269,7 +271,13 @@ def encode(msg: Message) -> bytes:
     return _encoder.encode(Envelope(WIRE_VERSION, msg))
 
 
-def decode(data: bytes | memoryview, expect: type | tuple[type, ...] | None = None) -> Message:
+@overload
+def decode(data: bytes | memoryview, expect: type[M]) -> M: ...
+@overload
+def decode(data: bytes | memoryview, expect: tuple[type, ...] | None = None) -> Message: ...
+
+
+def decode(data: bytes | memoryview, expect: type | tuple[type, ...] | None = None) -> Any:
     """Parse one message.
 
     Args:

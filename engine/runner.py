@@ -59,7 +59,7 @@ class ModelRunner:
         """Decode role: ask the connector for the prompt batch's KV and hidden states on the pull thread
         (pulls run one at a time, in order). The future holds the contract's
         `(hidden, bypass, model_input)`; pass it to `finish_prompt` once done."""
-        assert self._pulls is not None and model_input.is_prompt
+        assert self._pulls is not None and self.connector is not None and model_input.is_prompt
         return self._pulls.submit(self.connector.recv_kv_caches_and_hidden_states, self.model, model_input,
                                   self.kv_caches)
 
@@ -91,6 +91,7 @@ class ModelRunner:
         if not bypassed:
             hidden = self._forward_prompt(model_input)
         forward_s = time.monotonic() - start
+        assert hidden is not None
         if self.connector is not None and self.role == NodeRole.PREFILL:
             self.connector.send_kv_caches_and_hidden_states(self.model, model_input, self.kv_caches, hidden)
         return self._prompt_result(model_input, hidden, bypassed, forward_s)
@@ -112,7 +113,7 @@ class ModelRunner:
         try:
             hidden = self.model(model_input, self.kv_caches, on_layer=on_layer)
         except Exception as exc:
-            if on_layer is not None:
+            if on_layer is not None and self.connector is not None:
                 self.connector.abort_layer_stream(model_input, f"prefill forward failed: {exc}")
             raise
         process_metrics().prompt_forward_seconds.observe(time.monotonic() - start)

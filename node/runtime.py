@@ -85,7 +85,7 @@ class NodeRuntime:
         directory = KVDirectory(config.connector.redis_url, entry_ttl_s=config.connector.entry_ttl_s,
                                 node_ttl_s=config.heartbeat_ttl_s)
         epoch = directory.next_epoch(config.node_id)
-        sock = zmq.Context.instance().socket(zmq.PULL)
+        sock: zmq.Socket = zmq.Context.instance().socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         limit_receive(sock)
         if config.work_port:
@@ -175,7 +175,7 @@ def serve_until_signalled(node: Node) -> None:
 
 def _peer_of(frame: zmq.Frame) -> str:
     try:
-        return frame.get("Peer-Address")  # the sender's IP (zmq metadata; tcp transports)
+        return str(frame.get("Peer-Address"))  # the sender's IP (zmq metadata; tcp transports)
     except (zmq.ZMQError, KeyError):
         return "?"
 

@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -164,13 +165,15 @@ class Dispatcher:
                                            reason="the decode node left the cluster before finishing"))
 
     async def _push(self, node: NodeInfo, msg: PrefillWork | DecodeWork) -> None:
-        await self._work.get(node.work_endpoint).send(pack(msg))
+        sock = cast(zmq.asyncio.Socket, self._work.get(node.work_endpoint))  # made by the asyncio context
+        await sock.send(pack(msg))
 
     async def _read_replies(self) -> None:
         while True:
             data = await self._pull.recv()
             try:
                 msg = unpack(data, expect=(TokenChunk, WorkError))
+                assert isinstance(msg, TokenChunk | WorkError)
             except WireError as exc:
                 self.rejected_messages += 1
                 log.warning("reply socket: rejected message: %s", exc)

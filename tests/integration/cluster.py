@@ -10,7 +10,8 @@ import httpx
 from kvwire.connectors.directory import KVDirectory
 
 
-def complete(url: str, prompt, *, max_tokens: int = 12, temperature: float = 0.0, seed=None, timeout: float = 120.0) -> dict:
+def complete(url: str, prompt, *, max_tokens: int = 12, temperature: float = 0.0, seed=None,
+             timeout: float = 120.0) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
             "return_token_ids": True}
     resp = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)

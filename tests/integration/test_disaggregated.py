@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow
 BS = 16
 # 1 token, 1 block exactly, k blocks exactly, k blocks + 1, odd sizes, and one over 1,000 tokens
 PROMPTS = [[72], list(range(40, 40 + BS)), list(range(3 * BS)), list(range(2 * BS + 1)),
-           [ord(c) for c in "Hello, disaggregated world"], list(range(100, 200)) * 11, [7, 8, 9], list(range(250, 5, -3))]
+           [ord(c) for c in "Hello, disaggregated world"], list(range(100, 200)) * 11, [7, 8, 9],
+           list(range(250, 5, -3))]
 
 
 @pytest.fixture(scope="module")

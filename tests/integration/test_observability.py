@@ -66,10 +66,12 @@ def test_counters_moved_where_the_events_happened(cluster):
 
 
 def test_status_json_lists_both_nodes_with_a_recent_heartbeat(cluster):
-    done = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "status", "--json", "--redis-url", cluster.redis_url],
+    done = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "status", "--json", "--redis-url",
+                           cluster.redis_url],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     status = msgspec.json.decode(done.stdout, type=ClusterStatus)
-    assert {(n.node_id, n.role) for n in status.nodes} == {("prefill-0", NodeRole.PREFILL), ("decode-0", NodeRole.DECODE)}
+    want = {("prefill-0", NodeRole.PREFILL), ("decode-0", NodeRole.DECODE)}
+    assert {(n.node_id, n.role) for n in status.nodes} == want
     assert all(n.heartbeat_age_s is not None and n.heartbeat_age_s < 5 for n in status.nodes)
     assert all(n.connector == ConnectorKind.TCP and n.total_blocks == 256 for n in status.nodes)
