@@ -60,12 +60,20 @@ def open_producer(config: ConnectorConfig, on_release: Callable[[str, list[int]]
                   kv_caches: list[torch.Tensor] | None = None) -> ProducerSide:
     """A producer serving a pool of `num_blocks` of `layout` placed by its transport, or `kv_caches`."""
     directory = KVDirectory(config.redis_url, entry_ttl_s=config.entry_ttl_s)
-    epoch = directory.next_epoch(config.node_id)
-    transport = create_transport(config, epoch)
-    if kv_caches is None:
-        assert layout is not None, "a layout, or the pool's kv_caches"
-        kv_caches = transport.producer_pool(layout, num_blocks, device).kv_caches
-    producer = KVProducer(config, directory, epoch, transport, KVRegion.from_kv_caches(kv_caches), on_release)
+    try:
+        epoch = directory.next_epoch(config.node_id)
+        transport = create_transport(config, epoch)
+        try:
+            if kv_caches is None:
+                assert layout is not None, "a layout, or the pool's kv_caches"
+                kv_caches = transport.producer_pool(layout, num_blocks, device).kv_caches
+            producer = KVProducer(config, directory, epoch, transport, KVRegion.from_kv_caches(kv_caches), on_release)
+        except BaseException:
+            transport.close()
+            raise
+    except BaseException:
+        directory.close()
+        raise
     return ProducerSide(ProducerConnector(0, 0, config, producer), kv_caches, directory)
 
 
@@ -74,9 +82,17 @@ def open_consumer(config: ConnectorConfig, on_ready: Callable[[str], None] = lam
                   kv_caches: list[torch.Tensor] | None = None) -> ConsumerSide:
     """A consumer landing KV in a new pool of `num_blocks` of `layout`, or in `kv_caches`."""
     directory = KVDirectory(config.redis_url, entry_ttl_s=config.entry_ttl_s)
-    transport = create_transport(config, directory.next_epoch(config.node_id))
-    if kv_caches is None:
-        assert layout is not None, "a layout, or the pool's kv_caches"
-        kv_caches = KVPool.allocate(layout, num_blocks, device).kv_caches
-    consumer = KVConsumer(config, directory, transport, KVRegion.from_kv_caches(kv_caches), on_ready)
+    try:
+        transport = create_transport(config, directory.next_epoch(config.node_id))
+        try:
+            if kv_caches is None:
+                assert layout is not None, "a layout, or the pool's kv_caches"
+                kv_caches = KVPool.allocate(layout, num_blocks, device).kv_caches
+            consumer = KVConsumer(config, directory, transport, KVRegion.from_kv_caches(kv_caches), on_ready)
+        except BaseException:
+            transport.close()
+            raise
+    except BaseException:
+        directory.close()
+        raise
     return ConsumerSide(ConsumerConnector(0, 0, config, consumer), kv_caches, directory)
