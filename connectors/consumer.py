@@ -219,7 +219,7 @@ class KVConsumer:
         self._metrics.observe_transfer(str(loc.kind), nbytes, elapsed)  # the producer marks the entry CONSUMED
         log.info("request %s: %d bytes from %s over %s in %.2f ms", rid, nbytes, loc.producer, loc.kind,
                  elapsed * 1e3)
-        record.stats = Received(hidden, loc.hidden, loc.intermediate, nbytes, elapsed, loc.producer, str(loc.kind))
+        record.stats = Received(hidden, loc.hidden, loc.intermediate, nbytes, elapsed, loc.producer, loc.kind)
         return record.stats
 
     def _check(self, seq: SequenceInput, loc: KVLocation) -> None:
@@ -264,7 +264,7 @@ class KVConsumer:
         """Tell producers where this consumer receives KV (refreshed well within its TTL)."""
         try:
             for kind, address in self._transport.published_addresses(self._puller).items():
-                self._directory.publish_transport_address(self._config.node_id, str(kind), address)
+                self._directory.publish_transport_address(self._config.node_id, kind, address)
             self._addresses_published = time.monotonic()
         except DirectoryError as exc:
             log.warning("node %s: cannot publish its transport addresses: %s", self._config.node_id, exc)

@@ -48,7 +48,7 @@ from redis.retry import Retry
 from redis.typing import EncodableT
 
 from kvwire.connectors import redis_url as redis_url_forms
-from kvwire.connectors.config import NodeRole
+from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory_scripts import EVENTS_MAXLEN, LUA_CREATE, LUA_PUBLISH, LUA_PUT_NODE, LUA_TRANSITION
 from kvwire.connectors.wire import KVLocation, NodeInfo, WireError, decode, encode
 from kvwire.observability.labels import DirectoryOp
@@ -484,7 +484,7 @@ class KVDirectory:
 
     # --- transport addresses ------------------------------------------------------------
 
-    def publish_transport_address(self, node_id: str, kind: str, address: bytes) -> None:
+    def publish_transport_address(self, node_id: str, kind: ConnectorKind, address: bytes) -> None:
         """Record the address a consumer node receives KV at over transport `kind` (TTL entry_ttl_s).
 
         Producers send only to the address a node published here, never to one taken
@@ -493,21 +493,22 @@ class KVDirectory:
         with self._errors(f"publish {kind} transport address of {node_id}"):
             self._redis.set(f"{self.namespace}:endpoint:{node_id}:{kind}", address, px=_ms(self.entry_ttl_s))
 
-    @_timed(DirectoryOp.GET_ENDPOINT)
-    def transport_address_of(self, node_id: str, kind: str) -> bytes | None:
+    @_timed(DirectoryOp.TRANSPORT_ADDRESS_OF)
+    def transport_address_of(self, node_id: str, kind: ConnectorKind) -> bytes | None:
         """The address `node_id` published for transport `kind`; None if none is live."""
         with self._errors(f"get {kind} transport address of {node_id}"):
             return cast(bytes | None, self._redis.get(f"{self.namespace}:endpoint:{node_id}:{kind}"))
 
     @_timed(DirectoryOp.RECORD_TRANSFER)
-    def record_transfer(self, node_id: str, transport: str, nbytes: int) -> None:
+    def record_transfer(self, node_id: str, transport: ConnectorKind, nbytes: int) -> None:
         """Count a completed transfer into `node_id`, per transport (a hash with the node's TTL x 10)."""
         with self._errors(f"record transfer into {node_id}"):
             pipe = self._redis.pipeline(transaction=False)
             self.queue_record_transfer(pipe, node_id, transport, nbytes)
             pipe.execute()
 
-    def queue_record_transfer(self, pipe: redis.client.Pipeline, node_id: str, transport: str, nbytes: int) -> None:
+    def queue_record_transfer(self, pipe: redis.client.Pipeline, node_id: str, transport: ConnectorKind,
+                              nbytes: int) -> None:
         """`record_transfer`'s commands, queued on `pipe` (3 replies) for the caller to execute."""
         key = f"{self.namespace}:transfers:{node_id}"
         pipe.hincrby(key, f"{transport}:count", 1)

@@ -21,6 +21,7 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 from redis.typing import EncodableT
 
+from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState, _ms
 from kvwire.connectors.wire import KVLocation, encode
 
@@ -64,7 +65,7 @@ class DirectoryBatch:
         self._steps.append(_IGNORED)
         return self
 
-    def record_transfer(self, node_id: str, transport: str, nbytes: int) -> DirectoryBatch:
+    def record_transfer(self, node_id: str, transport: ConnectorKind, nbytes: int) -> DirectoryBatch:
         self._dir.queue_record_transfer(self._pipe, node_id, transport, nbytes)
         self._steps += [_IGNORED] * 3
         return self

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.wire import KVLocation, TensorDesc
 from kvwire.observability.labels import TransferFailure
 
@@ -31,7 +32,7 @@ class Received:
     kv_bytes: int
     transfer_s: float
     producer: str
-    transport: str  # the connector kind that moved the bytes
+    transport: ConnectorKind  # what moved the bytes
 
 
 @dataclass(eq=False)

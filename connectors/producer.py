@@ -176,7 +176,7 @@ class KVProducer:
 
     def _serve(self, kind: ConnectorKind, engine: SendEngine) -> TransferServer:
         def trusted(consumer: str) -> bytes | None:
-            return self._directory.transport_address_of(consumer, str(kind))
+            return self._directory.transport_address_of(consumer, kind)
 
         def delivered(msg: PullRequest, nbytes: int) -> None:
             self._on_delivered(msg, kind, nbytes)
@@ -266,7 +266,7 @@ class KVProducer:
         rid = pull.request_id
         try:
             DirectoryBatch(self._directory).transition(rid, {TransferState.READY}, TransferState.CONSUMED) \
-                .delete(rid).record_transfer(pull.consumer, str(transport), nbytes).execute()
+                .delete(rid).record_transfer(pull.consumer, transport, nbytes).execute()
         except DirectoryError as exc:  # costs nothing but bookkeeping now
             log.warning("request %s: delivered to %s, but the directory could not be updated: %s",
                         rid, pull.consumer, exc)

@@ -220,7 +220,7 @@ class DecodeWork(_Msg, tag="decode", frozen=True):
 
 class DecodeStats(msgspec.Struct, frozen=True, kw_only=True):
     bypassed: bool
-    transport: str  # connector kind that moved the KV; "" when nothing was received
+    transport: str  # the ConnectorKind value that moved the KV; "" when nothing was received
     kv_bytes: int
     transfer_ms: float
     ttft_ms: float

@@ -199,7 +199,7 @@ class DecodeNode:
         got = record.kv.stats if record.kv is not None else None
         ttft = seq.metrics.ttft or 0.0
         return DecodeStats(
-            bypassed=seq.bypassed, transport=got.transport if got else "", kv_bytes=got.kv_bytes if got else 0,
+            bypassed=seq.bypassed, transport=str(got.transport) if got else "", kv_bytes=got.kv_bytes if got else 0,
             transfer_ms=got.transfer_s * 1000 if got else 0.0, ttft_ms=ttft * 1000,
             prefill_node=got.producer if got else record.work.prefill_node, decode_node=self.rt.config.node_id)
 

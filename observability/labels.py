@@ -65,5 +65,5 @@ class DirectoryOp(enum.StrEnum):
     DELETE = "delete"
     WRITE_NODE = "write_node"  # register or heartbeat
     LIVE_NODES = "live_nodes"
-    GET_ENDPOINT = "transport_address_of"
+    TRANSPORT_ADDRESS_OF = "transport_address_of"  # was "get_endpoint" before 0.1.0's vocabulary pass
     RECORD_TRANSFER = "record_transfer"

@@ -29,7 +29,8 @@ def test_spinning_shows_a_busy_core_and_sleeping_an_idle_host():
     busy, idle = spun.shares(), slept.shares()
     assert busy is not None and idle is not None
     assert busy.busy >= 0.8 / cores  # this thread alone keeps one core busy
-    assert busy.busy > idle.busy
+    # Host-wide: with other processes saturating every core, the sleeping windows read all busy too.
+    assert busy.busy > idle.busy or idle.busy >= 0.99
     assert 0 <= busy.kernel <= busy.busy <= 1 and 0 <= busy.steal <= 1
 
 

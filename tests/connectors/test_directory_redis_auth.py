@@ -61,9 +61,9 @@ def exercise(url: str) -> None:
         assert directory.get_node(node_id).draining
         beat.stop()
         assert directory.get_node(node_id) is None
-        directory.publish_transport_address(node_id, "tcp", b"addr")
-        assert directory.transport_address_of(node_id, "tcp") == b"addr"
-        directory.record_transfer(node_id, "tcp", 10)
+        directory.publish_transport_address(node_id, ConnectorKind.TCP, b"addr")
+        assert directory.transport_address_of(node_id, ConnectorKind.TCP) == b"addr"
+        directory.record_transfer(node_id, ConnectorKind.TCP, 10)
         assert directory.transfers(node_id) == {"tcp:count": 1, "tcp:bytes": 10}
     finally:
         directory.close()

@@ -260,7 +260,7 @@ def _map_by_hand(redis_url: str, consumer: str, loc: KVLocation) -> tuple[socket
     """Publish a consumer endpoint and map the producer's pool over its Unix socket, by hand."""
     address = f"raw:{consumer}".encode()
     directory = KVDirectory(redis_url)
-    directory.publish_transport_address(consumer, str(ConnectorKind.SHM), address)
+    directory.publish_transport_address(consumer, ConnectorKind.SHM, address)
     directory.close()
     sock = connect(loc.transport_address.decode(), 5.0)
     send_msg(sock, ShmHello(consumer=consumer, transport_address=address))

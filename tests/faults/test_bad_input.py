@@ -146,7 +146,7 @@ def test_malformed_control_messages_are_rejected_and_nodes_keep_serving(cluster,
     ctx = zmq.Context.instance()
     directory = KVDirectory(cluster.redis_url)
     nodes = {n.role.value: n for n in directory.live_nodes()}
-    consumer_address = directory.transport_address_of("decode-0", "tcp")
+    consumer_address = directory.transport_address_of("decode-0", ConnectorKind.TCP)
     assert consumer_address, "the decode node publishes its TCP address"
     replies = ctx.socket(zmq.PULL)  # where the decode node answers the work it refuses
     reply_to = f"tcp://127.0.0.1:{replies.bind_to_random_port('tcp://127.0.0.1')}"
