@@ -1,12 +1,12 @@
 """A whole kvwire cluster on this host: private Redis, one prefill, one decode, the router.
 
-Lifecycle: `start()` starts a private redis-server (unless a URL is given), spawns the
-prefill node, decode node and router as child processes of this one, and returns
-once the router's /healthz sees both nodes live; `stop()` (also on exit of the
-`with` block) sends SIGTERM to every child, SIGKILL to any still alive after a grace
-period, and stops Redis, so nothing is left behind. Children are started with
-PR_SET_PDEATHSIG where the OS has it, so they die with this process too. Each node
-also serves /healthz, /readyz and /metrics on a free port of its own (`ops_urls`).
+1. `start()` starts a private redis-server (unless a URL is given) and spawns the
+   prefill node, decode node and router as child processes of this one (with
+   PR_SET_PDEATHSIG where the OS has it, so they die with this process too). Each node
+   also serves /healthz, /readyz and /metrics on a free port of its own (`ops_urls`).
+2. It returns once the router's /healthz sees both nodes live.
+3. `stop()` (also on exit of the `with` block) sends SIGTERM to every child, SIGKILL to
+   any still alive after a grace period, and stops Redis, so nothing is left behind.
 """
 
 from __future__ import annotations

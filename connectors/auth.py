@@ -1,9 +1,10 @@
 """Authentication of control messages between kvwire processes (HMAC-SHA256 over a shared secret).
 
-Lifecycle: a process's entry point calls `install(secret)` once, from its frozen config,
-before it opens any socket; from then on every control message it sends is sealed and
-every one it receives must carry a valid seal. With no secret installed (the default,
-and what a single host needs) messages travel as they are.
+1. A process's entry point calls `install(secret)` once, from its frozen config, before it
+   opens any socket (None, the default and what a single host needs: messages travel as
+   they are).
+2. From then on every control message it sends is sealed (framing.py `pack`), and every
+   one it receives must carry a valid seal (`unpack`), else it is refused and counted.
 
 A sealed message is `MAGIC | timestamp (8 bytes, ns) | HMAC-SHA256(secret, MAGIC |
 timestamp | payload) | payload`. Receivers check the tag in constant time and refuse a

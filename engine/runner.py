@@ -1,12 +1,16 @@
 """Runs the model on one batch, calling the KV connector at the contract's two points.
 
-Prompt batches: a decode-role runner first asks the connector for the batch's KV and
-hidden states and skips the forward when it got them all (bypass); otherwise it
-computes the prompt. It can do the asking on its pull thread (`start_receive`, one pull
-at a time) while the engine keeps decoding, then `finish_prompt` once the pull has ended.
-A prefill-role runner computes the prompt and then hands KV and hidden states to the
-connector (layer by layer during the forward, when the connector streams). Decode
-batches never touch the connector. `close()` stops the pull thread.
+A prompt batch:
+
+1. Decode role: the runner asks the connector for the batch's KV and hidden states
+   (within the engine's step, or on its pull thread with `start_receive`, one pull at a
+   time, while the engine keeps decoding; then `finish_prompt` once the pull has ended).
+2. When every request got its KV the forward is skipped (bypass); otherwise the prompt is
+   computed here.
+3. Prefill role: the runner computes the prompt (handing each layer to the connector as it
+   is written, when the connector streams) and then hands KV and hidden states over.
+
+Decode batches never touch the connector. `close()` stops the pull thread.
 """
 
 from __future__ import annotations

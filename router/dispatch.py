@@ -1,15 +1,19 @@
 """Sends work to nodes and routes their answers back to waiting HTTP requests.
 
-Lifecycle: `start()` binds the zmq PULL socket that decode nodes answer to and starts
-the task that reads it and a watchdog; `submit()` picks a live prefill and decode node from the
-directory, registers a queue for the request, and pushes `PrefillWork` and
-`DecodeWork` at once (decode waits for the KV while prefill computes); the HTTP
-handler consumes the queue. The watchdog checks twice a second that the decode node of
-every request in flight is still registered with the same epoch, and fails the request
-(503, retryable) once the node has been gone LEFT_GRACE_S, instead of letting it wait out
-its timeout. The grace lets a node that finished and then left deliver its last chunks: it
-sends them before it deregisters, but they can still be on their way when the watch looks.
-`close()` stops it all.
+A request here:
+
+1. `submit()` picks a live prefill and decode node from the directory, registers a queue
+   for the request, and pushes `PrefillWork` (naming the decode node's work endpoint) and
+   `DecodeWork` at once: decode waits for the KV while prefill computes.
+2. The reader task (started by `start()`, with the zmq PULL socket decode nodes answer
+   to) puts each `TokenChunk` / `WorkError` on the request's queue; the HTTP handler
+   consumes it.
+3. The watchdog checks twice a second that the decode node of every request in flight is
+   still registered with the same epoch, and fails the request (503, retryable) once the
+   node has been gone LEFT_GRACE_S, instead of letting it wait out its timeout. The grace
+   lets a node that finished and then left deliver its last chunks: it sends them before
+   it deregisters, but they can still be on their way when the watch looks.
+4. `forget()` drops the request; `close()` stops it all.
 """
 
 from __future__ import annotations
