@@ -103,7 +103,8 @@ class KVProducer:
             if seq.start_pos != 0:
                 raise ValueError(f"request {seq.request_id}: only whole prompts can be published")
             descs, tensors, intermediate = split_request(hidden, rows)
-            loc = self._location(seq, descs, intermediate, self._checksums(self._blocks_of(seq)))
+            blocks = self._blocks_of(seq)
+            loc = self._location(seq, blocks, descs, intermediate, self._checksums(blocks))
             self._held.add(HeldRequest(loc, tensors, time.monotonic() + self._config.kv_deadline_s))
             self._announce(loc, seq.consumer_endpoint)
         for server in self._servers.values():
@@ -125,7 +126,7 @@ class KVProducer:
             gate = LayerGate(seq.request_id, self._layout.num_layers, self._region.planes[0].device)
             for server in self._servers.values():
                 gate.add_waker(server.wake)
-            loc = self._location(seq, [desc], False, [], layerwise=True)
+            loc = self._location(seq, self._blocks_of(seq), [desc], False, [], layerwise=True)
             hidden = empty_like_descs([desc], self._region.planes[0].device)
             self._held.add(HeldRequest(loc, hidden, time.monotonic() + self._config.kv_deadline_s, gate=gate))
             self._streaming.add(seq.request_id)
@@ -199,8 +200,8 @@ class KVProducer:
     def _blocks_of(self, seq: SequenceInput) -> list[int]:
         return list(seq.block_ids[:math.ceil(seq.end_pos / self._layout.block_size)])
 
-    def _location(self, seq: SequenceInput, descs: list[TensorDesc], intermediate: bool, checksums: list[int],
-                  layerwise: bool = False) -> KVLocation:
+    def _location(self, seq: SequenceInput, blocks: list[int], descs: list[TensorDesc], intermediate: bool,
+                  checksums: list[int], layerwise: bool = False) -> KVLocation:
         offers = [o for o in self._offers if o.kind in LAYERWISE_KINDS] if layerwise else self._offers
         if not offers:
             raise ValueError(f"request {seq.request_id}: no transport serves this KV"
@@ -209,7 +210,7 @@ class KVProducer:
         return KVLocation(
             request_id=seq.request_id, producer=self._config.node_id, producer_epoch=self._epoch,
             kind=self._config.kind, side_channel=first.side_channel, transport_address=first.transport_address,
-            layout=self._layout, block_ids=self._blocks_of(seq), num_tokens=seq.end_pos,
+            layout=self._layout, block_ids=blocks, num_tokens=seq.end_pos,
             hidden=descs, intermediate=intermediate, offers=offers, host=host_identity(),
             layer_checksums=checksums, layerwise=layerwise)
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
@@ -26,14 +27,10 @@ from kvwire.engine.kv_cache import KVPool
 
 
 @dataclass
-class ProducerSide:
-    connector: ProducerConnector
+class _Side:
+    connector: ProducerConnector | ConsumerConnector
     kv_caches: list[torch.Tensor]  # per-layer views of the pool
     directory: KVDirectory
-
-    @property
-    def producer(self) -> KVProducer:
-        return self.connector.producer
 
     def close(self) -> None:
         self.connector.close()
@@ -41,39 +38,38 @@ class ProducerSide:
 
 
 @dataclass
-class ConsumerSide:
+class ProducerSide(_Side):
+    connector: ProducerConnector
+
+    @property
+    def producer(self) -> KVProducer:
+        return self.connector.producer
+
+
+@dataclass
+class ConsumerSide(_Side):
     connector: ConsumerConnector
-    kv_caches: list[torch.Tensor]
-    directory: KVDirectory
 
     @property
     def consumer(self) -> KVConsumer:
         return self.connector.consumer
-
-    def close(self) -> None:
-        self.connector.close()
-        self.directory.close()
 
 
 def open_producer(config: ConnectorConfig, on_release: Callable[[str, list[int]], None] = lambda rid, blocks: None,
                   *, layout: KVLayout | None = None, num_blocks: int = 0, device: str | torch.device = "cpu",
                   kv_caches: list[torch.Tensor] | None = None) -> ProducerSide:
     """A producer serving a pool of `num_blocks` of `layout` placed by its transport, or `kv_caches`."""
-    directory = KVDirectory(config.redis_url, entry_ttl_s=config.entry_ttl_s)
-    try:
+    with ExitStack() as undo:  # what is opened here is closed again if the producer cannot be built
+        directory = KVDirectory(config.redis_url, entry_ttl_s=config.entry_ttl_s)
+        undo.callback(directory.close)
         epoch = directory.next_epoch(config.node_id)
         transport = create_transport(config, epoch)
-        try:
-            if kv_caches is None:
-                assert layout is not None, "a layout, or the pool's kv_caches"
-                kv_caches = transport.producer_pool(layout, num_blocks, device).kv_caches
-            producer = KVProducer(config, directory, epoch, transport, KVRegion.from_kv_caches(kv_caches), on_release)
-        except BaseException:
-            transport.close()
-            raise
-    except BaseException:
-        directory.close()
-        raise
+        undo.callback(transport.close)
+        if kv_caches is None:
+            assert layout is not None, "a layout, or the pool's kv_caches"
+            kv_caches = transport.producer_pool(layout, num_blocks, device).kv_caches
+        producer = KVProducer(config, directory, epoch, transport, KVRegion.from_kv_caches(kv_caches), on_release)
+        undo.pop_all()
     return ProducerSide(ProducerConnector(0, 0, config, producer), kv_caches, directory)
 
 
@@ -81,18 +77,14 @@ def open_consumer(config: ConnectorConfig, on_ready: Callable[[str], None] = lam
                   *, layout: KVLayout | None = None, num_blocks: int = 0, device: str | torch.device = "cpu",
                   kv_caches: list[torch.Tensor] | None = None) -> ConsumerSide:
     """A consumer landing KV in a new pool of `num_blocks` of `layout`, or in `kv_caches`."""
-    directory = KVDirectory(config.redis_url, entry_ttl_s=config.entry_ttl_s)
-    try:
+    with ExitStack() as undo:  # what is opened here is closed again if the consumer cannot be built
+        directory = KVDirectory(config.redis_url, entry_ttl_s=config.entry_ttl_s)
+        undo.callback(directory.close)
         transport = create_transport(config, directory.next_epoch(config.node_id))
-        try:
-            if kv_caches is None:
-                assert layout is not None, "a layout, or the pool's kv_caches"
-                kv_caches = KVPool.allocate(layout, num_blocks, device).kv_caches
-            consumer = KVConsumer(config, directory, transport, KVRegion.from_kv_caches(kv_caches), on_ready)
-        except BaseException:
-            transport.close()
-            raise
-    except BaseException:
-        directory.close()
-        raise
+        undo.callback(transport.close)
+        if kv_caches is None:
+            assert layout is not None, "a layout, or the pool's kv_caches"
+            kv_caches = KVPool.allocate(layout, num_blocks, device).kv_caches
+        consumer = KVConsumer(config, directory, transport, KVRegion.from_kv_caches(kv_caches), on_ready)
+        undo.pop_all()
     return ConsumerSide(ConsumerConnector(0, 0, config, consumer), kv_caches, directory)
