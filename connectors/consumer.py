@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
+
 from kvwire.connectors.base import HiddenStates, TransferError
 from kvwire.connectors.config import ConnectorConfig
 from kvwire.connectors.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState
@@ -145,22 +147,33 @@ class KVConsumer:
             model_input
 
     def receive(self, seq: SequenceInput, record: ExpectedKV | None = None) -> Received:
-        """Pull one request's KV into `seq.block_ids`.
+        """Pull one request's KV into `seq.block_ids` (a whole prompt: `seq.start_pos` is 0).
 
         Args:
             record: its record, if already taken from this consumer's table.
         Raises:
             TransferError: the KV did not come; the entry is now FAILED.
         """
-        record = record or self._take(seq.request_id)
+        tokens = seq.num_tokens if seq.start_pos == 0 else -1  # a prompt's tail never matches a location
+        return self.receive_blocks(seq.request_id, tokens, list(seq.block_ids), record)
+
+    def receive_blocks(self, request_id: str, num_tokens: int, dst_blocks: list[int],
+                       record: ExpectedKV | None = None, first_block: int = 0) -> Received:
+        """Pull the KV of a prompt of `num_tokens` from block `first_block` of the producer's on into
+        `dst_blocks` (the consumer holds the blocks before it already, e.g. in vLLM's prefix cache).
+
+        Raises:
+            TransferError: the KV did not come; the entry is now FAILED.
+        """
+        record = record or self._take(request_id)
         try:
-            return self._receive(seq, record)
+            return self._receive(request_id, num_tokens, dst_blocks, record, first_block)
         except (TransferError, DirectoryError) as exc:
             self._metrics.kv_transfers_failed.labels(str(_failure(exc))).inc()
-            self._mark_failed(seq.request_id, str(exc))
+            self._mark_failed(request_id, str(exc))
             if isinstance(exc, TransferError):
                 raise
-            raise TransferError(seq.request_id, "directory", str(exc)) from exc
+            raise TransferError(request_id, "directory", str(exc)) from exc
 
     def close(self) -> None:
         self._watchers.shutdown(wait=False, cancel_futures=True)
@@ -200,55 +213,63 @@ class KVConsumer:
 
     # --- the pull --------------------------------------------------------------------------
 
-    def _receive(self, seq: SequenceInput, record: ExpectedKV) -> Received:
-        rid = seq.request_id
+    def _receive(self, rid: str, num_tokens: int, dst_blocks: list[int], record: ExpectedKV,
+                 first_block: int) -> Received:
         if not record.settled and record.watched:
             record.wait(record.deadline - time.monotonic())
         if not record.settled:  # nobody announced it, or the watcher is late: look here
             self._settle(record)
         if record.location is None:
             raise ReceiveError(rid, record.producer or "unknown producer", record.failure, record.failure_kind)
-        loc = record.location
-        self._check(seq, loc)
+        loc = self._check(rid, num_tokens, dst_blocks, first_block, record.location)
         loc = self._transport.choose(loc)
         hidden = empty_like_descs(loc.hidden, self._region.planes[0].device)
         start = time.monotonic()
-        nbytes = self._puller.pull(loc, list(seq.block_ids[:len(loc.block_ids)]), hidden, record.deadline)
+        dst = dst_blocks[first_block:first_block + len(loc.block_ids)]
+        nbytes = self._puller.pull(loc, dst, hidden, record.deadline)
         elapsed = time.monotonic() - start
-        self._verify(seq, loc)
+        self._verify(rid, dst_blocks[:len(loc.block_ids) + first_block], loc)
         self._metrics.observe_transfer(str(loc.kind), nbytes, elapsed)  # the producer marks the entry CONSUMED
         log.info("request %s: %d bytes from %s over %s in %.2f ms", rid, nbytes, loc.producer, loc.kind,
                  elapsed * 1e3)
         record.stats = Received(hidden, loc.hidden, loc.intermediate, nbytes, elapsed, loc.producer, loc.kind)
         return record.stats
 
-    def _check(self, seq: SequenceInput, loc: KVLocation) -> None:
+    def _check(self, rid: str, num_tokens: int, dst_blocks: list[int], first_block: int,
+               loc: KVLocation) -> KVLocation:
+        """`loc` if it fits what we need, from `first_block` on (`KVLocation.first_block`); raises otherwise."""
         def bad(reason: str) -> TransferError:
-            return ReceiveError(seq.request_id, loc.producer, reason, TransferFailure.MISMATCH)
+            return ReceiveError(rid, loc.producer, reason, TransferFailure.MISMATCH)
 
         layout = self._region.layout
         if loc.layout != layout:
             raise bad(f"producer layout {loc.layout} does not match ours {layout}")
-        if seq.start_pos != 0 or loc.num_tokens != seq.num_tokens:
-            raise bad(f"producer has {loc.num_tokens} prompt tokens, we need {seq.num_tokens}")
+        if loc.num_tokens != num_tokens:
+            raise bad(f"producer has {loc.num_tokens} prompt tokens, we need {num_tokens}")
         n_blocks = math.ceil(loc.num_tokens / layout.block_size)
-        if len(loc.block_ids) != n_blocks or len(seq.block_ids) < n_blocks:
+        if len(loc.block_ids) != n_blocks or len(dst_blocks) < n_blocks:
             raise bad(f"block count mismatch: producer {len(loc.block_ids)}, needed {n_blocks}, "
-                      f"ours {len(seq.block_ids)}")
-        if any(d.shape[:1] != (seq.num_tokens,) for d in loc.hidden):
+                      f"ours {len(dst_blocks)}")
+        if any(d.shape[:1] != (num_tokens,) for d in loc.hidden):
             raise bad("hidden states do not cover the prompt")
+        if first_block == 0:
+            return loc
+        if not 0 < first_block < n_blocks or loc.layerwise or loc.hidden or self._config.verify_kv:
+            raise bad(f"cannot pull from block {first_block} of {n_blocks} (layer-wise, hidden states or "
+                      "checksums need the whole prompt)")
+        return msgspec.structs.replace(loc, block_ids=loc.block_ids[first_block:], first_block=first_block)
 
-    def _verify(self, seq: SequenceInput, loc: KVLocation) -> None:
+    def _verify(self, rid: str, dst_blocks: list[int], loc: KVLocation) -> None:
         """--verify-kv: the blocks we hold now must match the producer's per-layer checksums."""
         if not self._config.verify_kv:
             return
 
         def bad(reason: str) -> TransferError:
-            return ReceiveError(seq.request_id, loc.producer, reason, TransferFailure.TRANSPORT)
+            return ReceiveError(rid, loc.producer, reason, TransferFailure.TRANSPORT)
 
         if not loc.layer_checksums:
             raise bad("producer published no KV checksums (run it with --verify-kv too)")
-        got = layer_checksums(self._region, list(seq.block_ids[:len(loc.block_ids)]))
+        got = layer_checksums(self._region, dst_blocks)
         if got != loc.layer_checksums:
             wrong = [i for i, (a, b) in enumerate(zip(got, loc.layer_checksums)) if a != b]
             raise bad(f"KV checksum mismatch in layers {wrong}")

@@ -124,11 +124,12 @@ class KVRegion:
         return out
 
     def layer_parts(self, runs: list[tuple[int, int]], layer: int) -> list[Part]:
-        """One layer's K and V in `runs`, as `Part`s: in vLLM's pool its K plane's runs, then its V plane's;
+        """One layer's K and V in `runs`, as `Part`s: in vLLM's pools its plane's runs (K plane's, then V's);
         in kvwire's pool (a block's row holds every layer) one slice of each block's row."""
-        if self.layout.pool == PoolLayout.VLLM:
+        if self.layout.pool != PoolLayout.KVWIRE:  # vLLM's layouts: one or two planes per layer
             out: list[Part] = []
-            for p in (2 * layer, 2 * layer + 1):
+            per = len(self.planes) // self.layout.num_layers
+            for p in range(per * layer, per * (layer + 1)):
                 flat, step = self._flat_planes[p], self.planes[p].shape[1]
                 out += [flat[start * step:(start + n) * step] for start, n in runs]
             return out

@@ -104,9 +104,23 @@ class KVProducer:
                 raise ValueError(f"request {seq.request_id}: only whole prompts can be published")
             descs, tensors, intermediate = split_request(hidden, rows)
             blocks = self._blocks_of(seq)
-            loc = self._location(seq, blocks, descs, intermediate, self._checksums(blocks))
+            loc = self._location(seq.request_id, seq.end_pos, blocks, descs, intermediate, self._checksums(blocks))
             self._held.add(HeldRequest(loc, tensors, time.monotonic() + self._config.kv_deadline_s))
             self._announce(loc, seq.consumer_endpoint)
+        self._wake_servers()
+
+    def hold(self, request_id: str, block_ids: list[int], num_tokens: int) -> None:
+        """Hold and announce (in the directory only) a prompt another engine computed into `block_ids`, e.g.
+        vLLM's: KV only, no hidden states. Its blocks must be written (a CUDA pool is synchronized here)."""
+        plane = self._region.planes[0]
+        if plane.is_cuda:
+            torch.cuda.synchronize(plane.device)
+        loc = self._location(request_id, num_tokens, list(block_ids), [], False, self._checksums(block_ids))
+        self._held.add(HeldRequest(loc, [], time.monotonic() + self._config.kv_deadline_s))
+        self._announce(loc, "")
+        self._wake_servers()
+
+    def _wake_servers(self) -> None:
         for server in self._servers.values():
             server.wake()
 
@@ -126,7 +140,8 @@ class KVProducer:
             gate = LayerGate(seq.request_id, self._layout.num_layers, self._region.planes[0].device)
             for server in self._servers.values():
                 gate.add_waker(server.wake)
-            loc = self._location(seq, self._blocks_of(seq), [desc], False, [], layerwise=True)
+            loc = self._location(seq.request_id, seq.end_pos, self._blocks_of(seq), [desc], False, [],
+                                 layerwise=True)
             hidden = empty_like_descs([desc], self._region.planes[0].device)
             self._held.add(HeldRequest(loc, hidden, time.monotonic() + self._config.kv_deadline_s, gate=gate))
             self._streaming.add(seq.request_id)
@@ -200,17 +215,17 @@ class KVProducer:
     def _blocks_of(self, seq: SequenceInput) -> list[int]:
         return list(seq.block_ids[:math.ceil(seq.end_pos / self._layout.block_size)])
 
-    def _location(self, seq: SequenceInput, blocks: list[int], descs: list[TensorDesc], intermediate: bool,
-                  checksums: list[int], layerwise: bool = False) -> KVLocation:
+    def _location(self, request_id: str, num_tokens: int, blocks: list[int], descs: list[TensorDesc],
+                  intermediate: bool, checksums: list[int], layerwise: bool = False) -> KVLocation:
         offers = [o for o in self._offers if o.kind in LAYERWISE_KINDS] if layerwise else self._offers
         if not offers:
-            raise ValueError(f"request {seq.request_id}: no transport serves this KV"
+            raise ValueError(f"request {request_id}: no transport serves this KV"
                              + (" (layer-wise KV is served over tcp and ucx only)" if layerwise else ""))
         first = offers[0]
         return KVLocation(
-            request_id=seq.request_id, producer=self._config.node_id, producer_epoch=self._epoch,
+            request_id=request_id, producer=self._config.node_id, producer_epoch=self._epoch,
             kind=self._config.kind, side_channel=first.side_channel, transport_address=first.transport_address,
-            layout=self._layout, block_ids=blocks, num_tokens=seq.end_pos,
+            layout=self._layout, block_ids=blocks, num_tokens=num_tokens,
             hidden=descs, intermediate=intermediate, offers=offers, host=host_identity(),
             layer_checksums=checksums, layerwise=layerwise)
 

@@ -254,7 +254,7 @@ class TransferServer:
             log.warning("request %s: pull from %s refused: %s", msg.request_id, msg.consumer, reason)
             self._held.end_pull(msg.request_id)  # a stranger must not make us drop the real consumer's KV
             return reason
-        runs = [(s, n) for s, _, n in plan_runs(held.location.block_ids, msg.dst_block_ids)]
+        runs = [(s, n) for s, _, n in plan_runs(held.location.block_ids[msg.first_block:], msg.dst_block_ids)]
         job = SendJob(identity, msg, held, self._region, runs, time.monotonic() + self._send_deadline_s)
         self._jobs[(msg.request_id, msg.transfer_id)] = job
         return job
@@ -282,8 +282,11 @@ class TransferServer:
             return "layer-wise KV needs a transport and a consumer that stream layer by layer"
         if held.gate is not None and held.gate.failure:
             return f"prefill failed: {held.gate.failure}"
-        if len(msg.dst_block_ids) != len(held.location.block_ids):
-            return f"{len(msg.dst_block_ids)} destination blocks for {len(held.location.block_ids)} source blocks"
+        if held.gate is not None and msg.first_block:
+            return "layer-wise KV is pulled whole"
+        sources = len(held.location.block_ids) - msg.first_block
+        if msg.first_block < 0 or len(msg.dst_block_ids) != sources:
+            return f"{len(msg.dst_block_ids)} destination blocks for {sources} source blocks (from {msg.first_block})"
         return ""
 
     def _complete(self, job: SendJob, error: BaseException | None) -> None:

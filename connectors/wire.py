@@ -35,6 +35,9 @@ class PoolLayout(enum.StrEnum):
 
     KVWIRE = "kvwire"  # one tensor [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]: a block is one piece
     VLLM = "vllm"  # per layer [2, num_blocks, block_size, kv_heads, head_dim]: a block is 2 x num_layers pieces
+    # vLLM's other per-layer layouts, one piece per layer and block (connectors/vllm/layout.py):
+    VLLM_CPU = "vllm-cpu"  # CPU attention: [num_blocks, kv_heads, block_size, 2 * head_dim], K and V side by side
+    VLLM_BLOCK_FIRST = "vllm-block-first"  # e.g. FlashInfer: [num_blocks, 2, block_size, kv_heads, head_dim]
 
 
 class TensorDesc(msgspec.Struct, frozen=True, array_like=True):
@@ -92,6 +95,9 @@ class KVLocation(_Msg, tag="location", frozen=True):
     # (KVRegion.layer_major_parts) as layers are computed, then the hidden states. Consumers that do
     # not say `layer_major` in their PullRequest are refused, never sent bytes in an order they misread.
     layerwise: bool = False
+    # A consumer's view only, never published: the pull starts at this block of the producer's list (the
+    # consumer has the ones before it already, e.g. vLLM's prefix cache); block_ids then holds the rest.
+    first_block: int = 0
 
 
 class NodeInfo(_Msg, tag="node", frozen=True):
@@ -128,6 +134,7 @@ class PullRequest(_Msg, tag="pull", frozen=True):
     dst_block_ids: list[int]
     layer_major: bool = False  # the consumer lands a layer-wise location's blocks layer by layer
     pack_below: int = 0  # UCX: pieces smaller than this come packed, many per message (connectors/ucx/packing.py)
+    first_block: int = 0  # send the location's blocks from this one on (KVLocation.first_block)
 
 
 class PullReply(_Msg, tag="pull_reply", frozen=True):

@@ -103,7 +103,7 @@ class NCCLPuller:
         try:
             self._channel.send(loc.side_channel, PullRequest(
                 request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
-                transport_address=self._address, dst_block_ids=dst_blocks))
+                transport_address=self._address, dst_block_ids=dst_blocks, first_block=loc.first_block))
             rx.start()
             self._channel.wait(loc, transfer_id, deadline, fds=[self._wakeup.fd],
                                progress=lambda: self._check(loc, rx), done=rx.succeeded)

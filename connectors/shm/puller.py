@@ -104,7 +104,7 @@ class SHMPuller:
         mapping.sock.settimeout(_remaining(loc, deadline))
         send_msg(mapping.sock, PullRequest(request_id=loc.request_id, transfer_id=transfer_id,
                                            consumer=self._node_id, transport_address=self.transport_address,
-                                           dst_block_ids=dst_blocks))
+                                           dst_block_ids=dst_blocks, first_block=loc.first_block))
         try:
             reply, fds = recv_msg(mapping.sock, expect=PullReply)
         except TimeoutError:

@@ -76,7 +76,7 @@ class TCPPuller:
             inbound = _Inbound(loc, sock, transfer_id, stream, deadline)
             self._channel.send(loc.side_channel, PullRequest(
                 request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
-                transport_address=self._token, dst_block_ids=dst_blocks, layer_major=True))
+                transport_address=self._token, dst_block_ids=dst_blocks, first_block=loc.first_block, layer_major=True))
             # Every byte after a header naming this transfer is this transfer's (one stream, in order; the
             # producer never refuses after the header): done is proof enough, the ok is skipped when it comes.
             self._channel.wait(loc, transfer_id, deadline, fds=[sock.fileno()], progress=inbound.progress,

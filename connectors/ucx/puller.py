@@ -65,7 +65,8 @@ class UCXPuller:
         # arrives before its receive waits in UCX's unexpected queue (rendezvous: only its header).
         self._channel.send(loc.side_channel, PullRequest(
             request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
-            transport_address=self._lanes.address, dst_block_ids=dst_blocks, pack_below=self._pack_below,
+            transport_address=self._lanes.address, dst_block_ids=dst_blocks, first_block=loc.first_block,
+            pack_below=self._pack_below,
             layer_major=True))  # a layer-wise location's blocks land layer by layer, as it sends them
         try:
             layer_pieces = (len(parts) - len(hidden)) // self._region.layout.num_layers if loc.layerwise else 0

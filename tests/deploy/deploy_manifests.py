@@ -7,6 +7,7 @@ a reason where kubectl is missing. Everything else reads plain YAML.
 from __future__ import annotations
 
 import functools
+import os
 import re
 import shutil
 import subprocess
@@ -20,7 +21,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 BASE = DEPLOY / "base"
-OVERLAYS = ("cpu-demo", "gpu", "rdma")
+OVERLAYS = ("cpu-demo", "gpu", "rdma", "vllm")
+# The overlays that run kvwire's own prefill and decode nodes (vllm runs vLLM servers).
+NODE_OVERLAYS = ("cpu-demo", "gpu", "rdma")
 # Kubernetes version whose API schema the manifests must satisfy (kubernetes-validate
 # ships it offline; kubectl here is 1.32 too).
 K8S_VERSION = "1.32.0"
@@ -60,6 +63,22 @@ def load_file(path: Path) -> list[dict]:
 def base_resource_files() -> list[Path]:
     """The base's Kubernetes object files (everything but kustomization.yaml)."""
     return sorted(p for p in BASE.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def write_overlay(directory: Path, text: str) -> Path:
+    """Write a kustomization.yaml into `directory`, with DEPLOY replaced by the relative path
+    of deploy/ (kustomize takes no absolute resource paths); returns `directory`."""
+    rel = os.path.relpath(DEPLOY, directory)
+    (directory / "kustomization.yaml").write_text(text.replace("DEPLOY", rel))
+    return directory
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """Whether a label selector (matchLabels, matchExpressions with In) selects `labels`."""
+    expressions = selector.get("matchExpressions", [])
+    assert all(e["operator"] == "In" for e in expressions), "selects() knows only the In operator"
+    return (all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+            and all(labels.get(e["key"]) in e["values"] for e in expressions))
 
 
 def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:

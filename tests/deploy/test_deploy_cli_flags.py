@@ -12,6 +12,7 @@ EXPECTED = {
     "cpu-demo": {"prefill", "decode", "router", "init-model"},
     "gpu": {"prefill", "decode", "router"},
     "rdma": {"prefill", "decode", "router"},
+    "vllm": {"router"},  # the pools run vLLM; tests/deploy/test_deploy_vllm.py checks their argv
 }
 
 
@@ -30,8 +31,11 @@ def test_manifest_argv_matches_cli(overlay):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_variable_reference_is_defined(overlay):
-    # The kubelet leaves an undefined $(VAR) in place: `--port $(TYPO)` would reach the CLI.
-    undefined = {f"{c.workload}/{c.spec['name']}": c.undefined_refs() for c in _kvwire_containers(overlay)}
+    # The kubelet leaves an undefined $(VAR) in place: `--port $(TYPO)` would reach the CLI
+    # (or the vLLM servers' JSON config). Every container, not only kvwire's.
+    kubectl()
+    objects = render(DEPLOY / "overlays" / overlay)
+    undefined = {f"{c.workload}/{c.spec['name']}": c.undefined_refs() for c in containers(objects)}
     assert {k: v for k, v in undefined.items() if v} == {}
 
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
-from deploy_manifests import DEPLOY, OVERLAYS, by_kind, containers, kubectl, render
+from deploy_manifests import (DEPLOY, NODE_OVERLAYS, OVERLAYS, by_kind, containers, kubectl, render, selects,
+                              write_overlay)
 
 NODES = ("kvwire-prefill", "kvwire-decode")
 KVWIRE = NODES + ("kvwire-router",)
+VLLM = ("kvwire-vllm-prefill", "kvwire-vllm-decode")
+# Paths the liveness and readiness probes of each server's main container must ask.
+PROBE_PATHS = {"kvwire": ("/healthz", "/readyz"), "vllm": ("/health", "/health")}
 
 
 @pytest.fixture(autouse=True)
@@ -31,31 +32,28 @@ def _flag(container, flag: str) -> str | None:
     return container.expand(argv[argv.index(flag) + 1])
 
 
-def _matches(selector: dict, labels: dict) -> bool:
-    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
-
-
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_deployment_has_probes_requests_pdb_and_spread(overlay):
     objects = _overlay(overlay)
     deployments, pdbs = by_kind(objects, "Deployment"), by_kind(objects, "PodDisruptionBudget")
-    assert set(deployments) == {"kvwire-redis", *KVWIRE}
+    assert set(deployments) == {"kvwire-redis", "kvwire-router", *(VLLM if overlay == "vllm" else NODES)}
     assert {"kvwire-router", "kvwire-redis"} <= set(by_kind(objects, "Service"))
     for name, deployment in deployments.items():
         labels = deployment["spec"]["template"]["metadata"]["labels"]
-        assert [p for p in pdbs.values() if _matches(p["spec"]["selector"], labels)] == [pdbs[name]]
+        assert [p for p in pdbs.values() if selects(p["spec"]["selector"], labels)] == [pdbs[name]]
         pod = deployment["spec"]["template"]["spec"]
         for c in pod["containers"]:
             assert {"livenessProbe", "readinessProbe"} <= set(c), f"{name} lacks probes"
             assert {"cpu", "memory"} <= set(c["resources"]["requests"]), f"{name} lacks requests"
-        if name in KVWIRE:
-            assert _matches(pod["topologySpreadConstraints"][0]["labelSelector"], labels)
+        if name != "kvwire-redis":
+            assert selects(pod["topologySpreadConstraints"][0]["labelSelector"], labels)
             probes = pod["containers"][0]
-            assert probes["livenessProbe"]["httpGet"]["path"] == "/healthz"
-            assert probes["readinessProbe"]["httpGet"]["path"] == "/readyz"
+            liveness, readiness = PROBE_PATHS[probes["name"]]
+            assert probes["livenessProbe"]["httpGet"]["path"] == liveness
+            assert probes["readinessProbe"]["httpGet"]["path"] == readiness
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", NODE_OVERLAYS)
 def test_nodes_advertise_pod_ip_and_serve_http_on_the_probed_port(overlay):
     objects = _overlay(overlay)
     for name in NODES:
@@ -103,15 +101,9 @@ def test_rdma_uses_ucx_over_the_rdma_nic():
     assert _flag(_main(objects, "kvwire-router"), "--model") == "/models/model"
 
 
-def _write_overlay(tmp_path: Path, text: str) -> Path:
-    rel = os.path.relpath(DEPLOY, tmp_path)
-    (tmp_path / "kustomization.yaml").write_text(text.replace("DEPLOY", rel))
-    return tmp_path
-
-
 def test_external_redis_component_drops_in_cluster_redis(tmp_path):
-    objects = render(_write_overlay(tmp_path, "resources: [DEPLOY/overlays/gpu]\n"
-                                              "components: [DEPLOY/components/external-redis]\n"))
+    objects = render(write_overlay(tmp_path, "resources: [DEPLOY/overlays/gpu]\n"
+                                             "components: [DEPLOY/components/external-redis]\n"))
     assert not [o for o in objects if o["metadata"]["name"] == "kvwire-redis"]
     secret = by_kind(objects, "Secret")["kvwire-secrets"]
     assert secret["stringData"]["redis-url"].startswith("rediss://")
@@ -125,8 +117,8 @@ def test_external_redis_component_drops_in_cluster_redis(tmp_path):
 def test_secret_generator_replaces_the_placeholders(tmp_path):
     # The recipe of deploy/README.md: an overlay of yours with the real values.
     (tmp_path / "secrets.env").write_text("auth-secret=0123abcd\nredis-password=4567ef\n")
-    objects = render(_write_overlay(tmp_path, "resources: [DEPLOY/overlays/cpu-demo]\nsecretGenerator:\n"
-                                              "  - {name: kvwire-secrets, behavior: replace, envs: [secrets.env]}\n"))
+    objects = render(write_overlay(tmp_path, "resources: [DEPLOY/overlays/cpu-demo]\nsecretGenerator:\n"
+                                             "  - {name: kvwire-secrets, behavior: replace, envs: [secrets.env]}\n"))
     secrets = by_kind(objects, "Secret")
     assert len(secrets) == 1
     (name, secret), = secrets.items()

@@ -7,11 +7,11 @@ than being dropped silently by the API server's pruning.
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 
-from deploy_manifests import DEPLOY, K8S_VERSION, OVERLAYS, base_resource_files, kubectl, load_file, render
+from deploy_manifests import (DEPLOY, K8S_VERSION, OVERLAYS, base_resource_files, kubectl, load_file, render,
+                              write_overlay)
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (test extra)")
 
@@ -54,11 +54,10 @@ def test_validator_rejects_unknown_and_mistyped_fields():
     assert "replicas" in _schema_errors([mistyped])[0]
 
 
-def test_external_redis_variant_is_valid(tmp_path):
+@pytest.mark.parametrize("overlay", ["rdma", "vllm"])
+def test_external_redis_variant_is_valid(tmp_path, overlay):
     kubectl()
-    rel = os.path.relpath(DEPLOY, tmp_path)
-    (tmp_path / "kustomization.yaml").write_text(
-        f"resources: [{rel}/overlays/rdma]\ncomponents: [{rel}/components/external-redis]\n")
-    objects = render(tmp_path)
+    objects = render(write_overlay(tmp_path, f"resources: [DEPLOY/overlays/{overlay}]\n"
+                                             "components: [DEPLOY/components/external-redis]\n"))
     assert "kvwire-redis" not in {o["metadata"]["name"] for o in objects}
     assert _schema_errors(objects) == []

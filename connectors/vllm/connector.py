@@ -1,0 +1,130 @@
+"""`KvwireConnector`: vLLM's V1 KV connector interface over kvwire's halves.
+
+vLLM builds one connector per role: in the scheduler (`KVConnectorRole.SCHEDULER`, the
+`SchedulerHalf` decides what to pull and hold) and in each worker (`WORKER`, the
+`WorkerHalf` moves the bytes). This class only routes vLLM's calls to them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvwire.connectors.vllm.metadata import KvwireMetadata
+from kvwire.connectors.vllm.scheduler import SchedulerHalf
+from kvwire.connectors.vllm.settings import VLLMSettings
+from kvwire.connectors.vllm.worker import WorkerHalf
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class KvwireConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config, role, kv_cache_config)
+        _log_like_vllm()
+        transfer = self._kv_transfer_config
+        self.settings = VLLMSettings.parse(transfer.kv_role, transfer.kv_connector_extra_config or {},
+                                           transfer.kv_port)
+        _insist_on_recompute(transfer)
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ValueError("kvwire moves models with one KV cache group (no hybrid attention) for now")
+        block_size = vllm_config.cache_config.block_size
+        self._scheduler: SchedulerHalf | None = None
+        self._worker: WorkerHalf | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerHalf(self.settings, block_size)
+        else:
+            self._worker = WorkerHalf(self.settings, kv_cache_config.num_blocks, block_size)
+
+    # --- scheduler side --------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_metadata()
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.finished(request, block_ids)
+
+    # --- worker side -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvwireMetadata)
+        self._worker.start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Pulls land between steps (vLLM parks the request meanwhile): nothing to wait for here."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Consumers pull from vLLM's own KV tensors once the prompt is done: nothing to save."""
+
+    def wait_for_save(self) -> None:
+        """Nothing is saved (see save_kv_layer)."""
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        sent, received, failed = self._worker.transfer_results()
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=received, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+
+def _log_like_vllm() -> None:
+    """kvwire's log lines go where vLLM's go, in its format (vLLM configures only its own logger)."""
+    ours, theirs = logging.getLogger("kvwire"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
+def _insist_on_recompute(transfer: Any) -> None:
+    """kvwire's promise is that a failed transfer is recomputed, never a failed request. vLLM's default
+    `kv_load_failure_policy` is "fail" (and vLLM cannot tell a default from a choice), so it becomes
+    "recompute" here, with a warning."""
+    if transfer.kv_load_failure_policy != "recompute":
+        log.warning("kvwire: kv_load_failure_policy %r -> 'recompute': a prompt whose KV does not arrive is "
+                    "recomputed, never failed", transfer.kv_load_failure_policy)
+        transfer.kv_load_failure_policy = "recompute"

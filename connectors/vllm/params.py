@@ -1,0 +1,57 @@
+"""The per-request `kv_transfer_params` a P/D proxy hands from the prefill instance to the decode one.
+
+1. The proxy sends the prompt to a producer with `{"do_remote_decode": true}` (and max_tokens 1).
+2. The producer's `request_finished` returns `remote_params(...)`: where the KV waits (the
+   names are NIXL's, so proxies written for NIXL pass them on unchanged).
+3. The proxy sends the prompt to a consumer with those params; `RemotePrefill.of` reads them
+   there. Params that do not parse are refused with a log line: the prompt is computed locally.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+
+log = logging.getLogger(__name__)
+
+TRANSFER = "kvwire"  # `transfer` in the params: what moves this KV (a NIXL consumer must not try)
+
+
+class RemotePrefill(msgspec.Struct, frozen=True):
+    """A consumer's view of a prompt whose KV a producer holds."""
+
+    remote_request_id: str  # the producer's request id: the directory key of the KV
+    remote_engine_id: str  # the producer's node id
+    remote_num_tokens: int  # prompt tokens the KV covers
+    remote_block_ids: list[int]  # the producer's blocks (informational: the directory's location rules)
+    transfer: str = TRANSFER
+
+    @classmethod
+    def of(cls, request_id: str, params: dict[str, Any] | None) -> RemotePrefill | None:
+        """The remote prefill `params` announce, or None (none announced, or malformed: logged)."""
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        try:
+            remote = msgspec.convert(params, cls)
+        except msgspec.ValidationError as exc:
+            log.warning("request %s: kv_transfer_params not usable (%s); computing its prompt here", request_id, exc)
+            return None
+        if remote.transfer != TRANSFER:
+            log.warning("request %s: kv_transfer_params are for %r, not kvwire; computing its prompt here",
+                        request_id, remote.transfer)
+            return None
+        return remote
+
+
+def wants_remote_decode(params: dict[str, Any] | None) -> bool:
+    """Whether a producer should hold this request's KV for a consumer."""
+    return bool(params and params.get("do_remote_decode"))
+
+
+def remote_params(request_id: str, node_id: str, block_ids: list[int], num_tokens: int) -> dict[str, Any]:
+    """What a producer's `request_finished` hands back for the consumer (step 2 above)."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": request_id,
+            "remote_engine_id": node_id, "remote_block_ids": list(block_ids), "remote_num_tokens": num_tokens,
+            "transfer": TRANSFER}

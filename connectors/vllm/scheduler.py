@@ -1,0 +1,96 @@
+"""The connector's scheduler half: which prompts are pulled, which are held, and what the proxy gets back.
+
+A consumer's request (its `kv_transfer_params` name a remote prefill):
+
+1. `matched_tokens`: its prompt tokens beyond the local prefix cache are "external", loaded
+   asynchronously (vLLM parks the request until the worker reports it received).
+2. `after_alloc`: its blocks are known; the next step's metadata asks the worker to pull
+   into those past the cached prefix. A request that will not pull (everything cached, or
+   aborted before its blocks) is abandoned: the producer is told to release now.
+
+A producer's request (`do_remote_decode`):
+
+3. `finished`: its blocks are kept (delayed free) and the worker is asked to hold and
+   announce them; the returned params tell the consumer where they are. The worker reports
+   the request "finished sending" once the consumer pulled it or the hold lapsed, and only
+   then does vLLM free the blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+from kvwire.connectors.vllm.metadata import Hold, KvwireMetadata, Pull
+from kvwire.connectors.vllm.params import RemotePrefill, remote_params, wants_remote_decode
+from kvwire.connectors.vllm.settings import VLLMSettings
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerHalf:
+    def __init__(self, settings: VLLMSettings, block_size: int):
+        self._settings = settings
+        self._block_size = block_size
+        self._next = KvwireMetadata()  # what the next step's metadata carries
+
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Prompt tokens a producer holds beyond `num_computed_tokens`, and whether they load asynchronously."""
+        remote = self._remote(request)
+        if remote is None:
+            return 0, False
+        prompt = len(request.prompt_token_ids or ())
+        if remote.remote_num_tokens != prompt:
+            log.warning("request %s: producer %s computed %d prompt tokens, this prompt has %d; computing it here",
+                        request.request_id, remote.remote_engine_id, remote.remote_num_tokens, prompt)
+            return 0, False
+        count = prompt - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        remote = self._remote(request)
+        if remote is None:
+            return
+        assert request.kv_transfer_params is not None
+        request.kv_transfer_params["do_remote_prefill"] = False  # one pull per request, even if preempted
+        if num_external_tokens == 0:  # all of it in the local prefix cache
+            self._next.abandon.append(remote.remote_request_id)
+            return
+        prompt = len(request.prompt_token_ids or ())
+        first_block = (prompt - num_external_tokens) // self._block_size
+        block_ids = list(blocks.get_block_ids()[0][:math.ceil(prompt / self._block_size)])
+        self._next.pull[request.request_id] = Pull(remote, prompt, block_ids, first_block)
+
+    def finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's request_finished: whether the blocks stay (held for a consumer), and the params for it."""
+        from vllm.v1.request import RequestStatus
+
+        remote = self._remote(request)
+        if remote is not None:  # finished (aborted) before its blocks came: the producer may release
+            assert request.kv_transfer_params is not None
+            request.kv_transfer_params["do_remote_prefill"] = False
+            self._next.abandon.append(remote.remote_request_id)
+            return False, None
+        if not (self._settings.role.produces and wants_remote_decode(request.kv_transfer_params)):
+            return False, None
+        done = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if not done or not block_ids:  # aborted, or nothing computed: nothing to hand over
+            return False, None
+        num_tokens = min(request.num_computed_tokens, len(request.prompt_token_ids or ()))
+        block_ids = list(block_ids[:math.ceil(num_tokens / self._block_size)])
+        self._next.hold[request.request_id] = Hold(block_ids, num_tokens)
+        return True, remote_params(request.request_id, self._settings.node_id, block_ids, num_tokens)
+
+    def build_metadata(self) -> KvwireMetadata:
+        meta, self._next = self._next, KvwireMetadata()
+        return meta
+
+    def _remote(self, request: Request) -> RemotePrefill | None:
+        if not self._settings.role.consumes:
+            return None
+        return RemotePrefill.of(request.request_id, request.kv_transfer_params)

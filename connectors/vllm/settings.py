@@ -1,0 +1,99 @@
+"""`kv_connector_extra_config` read once into a frozen `VLLMSettings`, and the kvwire config it implies.
+
+Users configure the connector as they configure NIXL:
+
+    --kv-transfer-config '{"kv_connector": "KvwireConnector",
+                           "kv_connector_module_path": "kvwire.connectors.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"redis_url": "redis://HOST:6379/0", "transport": "auto"}}'
+
+Unknown keys and bad values are refused when vLLM starts, naming the key.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
+
+
+class KVRole(enum.StrEnum):
+    """vLLM's `kv_role`."""
+
+    PRODUCER = "kv_producer"  # prefill: holds what it computed until a consumer pulls it
+    CONSUMER = "kv_consumer"  # decode: pulls prompts' KV instead of computing it
+    BOTH = "kv_both"  # either, per request (the proxy's kv_transfer_params say which)
+
+    @property
+    def produces(self) -> bool:
+        return self != KVRole.CONSUMER
+
+    @property
+    def consumes(self) -> bool:
+        return self != KVRole.PRODUCER
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """The connector's settings.
+
+    Attributes:
+        role: vLLM's kv_role.
+        redis_url: kvwire's directory.
+        transport: how KV moves (any kvwire transport name).
+        node_id: this instance's name in the directory; a restart under the same name fences
+            off what the earlier incarnation published. Default: `vllm-<hostname>-<kv_port>`.
+        host: the address peers reach this instance's transfer servers on (its side channel).
+        kv_deadline_s: consumer: how long a request waits for its KV before it is recomputed;
+            producer: how long computed KV is held for a consumer that has not pulled it.
+        entry_ttl_s: TTL of every directory key of a request.
+        pull_lanes: consumer threads moving one pull's pieces (host pools).
+    """
+
+    role: KVRole
+    redis_url: str
+    transport: ConnectorKind = ConnectorKind.UCX
+    node_id: str = ""
+    host: str = "127.0.0.1"
+    kv_deadline_s: float = 30.0
+    entry_ttl_s: float = 120.0
+    pull_lanes: int = 2
+
+    @classmethod
+    def parse(cls, kv_role: str | None, extra: dict[str, Any], kv_port: int) -> VLLMSettings:
+        """Raises: ValueError naming the key that is missing, unknown or malformed."""
+        known = {"redis_url", "transport", "node_id", "host", "kv_deadline_s", "entry_ttl_s", "pull_lanes"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"kvwire: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+        if not isinstance(extra.get("redis_url"), str):
+            raise ValueError("kvwire: kv_connector_extra_config needs \"redis_url\": \"redis://HOST:PORT/DB\"")
+        role = _enum(KVRole, kv_role, "kv_role")
+        transport = _enum(ConnectorKind, extra.get("transport", "ucx"), "transport")
+        node_id = str(extra.get("node_id") or f"vllm-{socket.gethostname()}-{kv_port}")
+        try:
+            numbers = {k: float(extra[k]) for k in ("kv_deadline_s", "entry_ttl_s") if k in extra}
+            lanes = int(extra.get("pull_lanes", 2))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"kvwire: a numeric kv_connector_extra_config value is malformed: {exc}") from None
+        settings = cls(role, extra["redis_url"], transport, node_id, str(extra.get("host", "127.0.0.1")),
+                       pull_lanes=lanes, **numbers)
+        settings.connector_config()  # the checks ConnectorConfig makes, now rather than at the first request
+        return settings
+
+    def connector_config(self) -> ConnectorConfig:
+        """The kvwire transfer-plane config of this instance's worker."""
+        return ConnectorConfig(kind=self.transport, role=NodeRole.PREFILL if self.role.produces else NodeRole.DECODE,
+                               node_id=self.node_id, redis_url=self.redis_url, host=self.host,
+                               kv_deadline_s=self.kv_deadline_s, entry_ttl_s=self.entry_ttl_s,
+                               pull_lanes=self.pull_lanes)
+
+
+def _enum(cls: type[enum.StrEnum], value: object, key: str):
+    try:
+        return cls(str(value))
+    except ValueError:
+        raise ValueError(f"kvwire: {key} {value!r} is not one of {[str(m) for m in cls]}") from None

