@@ -1,0 +1,90 @@
+"""Two vLLM api_server processes with KvwireConnector and the kvwire router, against one plain vLLM server.
+
+Through the official `openai` client: completions (whole and streamed, with top logprobs) and
+chat give the plain server's tokens; the decode server's metrics show every prompt token as
+moved by the connector and none computed there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from kvwire.cli.vllm_cluster import VLLMServer, VLLMServerSpec, start_all
+from kvwire.connectors.config import ConnectorKind
+from tests.vllm.conftest import PROMPTS
+from tests.vllm.pd import DTYPE, pd_cluster
+
+openai = pytest.importorskip("openai")
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def plain_server(vllm_model_dir: Path, tmp_path_factory) -> Iterator[VLLMServer]:
+    log = tmp_path_factory.mktemp("plain") / "plain.log"
+    (server,) = start_all([VLLMServerSpec(vllm_model_dir, cpu_cores="0", dtype=DTYPE, log_path=log)])
+    yield server
+    server.stop()
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+class Answer(NamedTuple):
+    text: str
+    prompt_tokens: int
+    top_logprobs: list[dict[str, float]]
+
+
+def _complete(client: openai.OpenAI, model: str, prompt: str) -> Answer:
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=2)
+    return Answer(out.choices[0].text, out.usage.prompt_tokens, list(out.choices[0].logprobs.top_logprobs))
+
+
+def _stream(client: openai.OpenAI, model: str, prompt: str) -> Answer:
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1, "include_usage: one chunk carries the usage"
+    return Answer("".join(c.choices[0].text for c in chunks if c.choices), usage[0].prompt_tokens, [])
+
+
+def _chat(client: openai.OpenAI, model: str, prompt: str) -> Answer:
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                         max_tokens=MAX_TOKENS, temperature=0)
+    return Answer(out.choices[0].message.content or "", out.usage.prompt_tokens, [])
+
+
+@pytest.mark.parametrize("transport", [ConnectorKind.TCP, ConnectorKind.UCX, ConnectorKind.AUTO], ids=str)
+def test_disaggregated_equals_plain(plain_server: VLLMServer, vllm_model_dir: Path, redis_url: str, tmp_path: Path,
+                                    transport: ConnectorKind):
+    model = str(vllm_model_dir)
+    plain = _client(plain_server.url)
+    with pd_cluster(vllm_model_dir, redis_url, transport, tmp_path) as cluster:
+        routed = _client(cluster.router_url)
+        sent = 0  # prompt tokens the decode server was asked to continue
+        for prompt in PROMPTS:
+            got, want = _complete(routed, model, prompt), _complete(plain, model, prompt)
+            assert got.text == want.text
+            assert [sorted(t) for t in got.top_logprobs] == [sorted(t) for t in want.top_logprobs]
+            for mine, theirs in zip(got.top_logprobs, want.top_logprobs):
+                assert mine == pytest.approx(theirs, abs=2e-3)
+            streamed = _stream(routed, model, prompt)
+            assert streamed.text == want.text
+            chat = _chat(routed, model, prompt)
+            assert chat.text == _chat(plain, model, prompt).text
+            sent += got.prompt_tokens + streamed.prompt_tokens + chat.prompt_tokens
+        # the decode server has this prompt's first blocks cached (above): only the rest is pulled
+        longer = PROMPTS[0] + "And then some more words follow, to make one more block at least. " * 3
+        got = _complete(routed, model, longer)
+        assert got.text == _complete(plain, model, longer).text
+        sent += got.prompt_tokens
+        by_source = cluster.prompt_tokens_by_source()
+    assert by_source["local_compute"] == 0, f"decode computed prompt tokens itself: {by_source}"
+    assert by_source["external_kv_transfer"] > 0 and by_source["local_cache_hit"] > 0, by_source
+    assert by_source["external_kv_transfer"] + by_source["local_cache_hit"] == sent, by_source
