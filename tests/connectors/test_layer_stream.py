@@ -118,7 +118,7 @@ def test_a_failed_forward_ends_the_stream_and_the_consumer_recomputes(redis_url,
         proc.join(30)
 
 
-@pytest.mark.parametrize("pool", list(PoolLayout))
+@pytest.mark.parametrize("pool", [PoolLayout.KVWIRE, PoolLayout.VLLM])  # vLLM's others: test_vllm_layout.py
 def test_layer_parts_cover_exactly_that_layer(pool):
     work = Workload(12, Placement.SCATTERED, pool, layout=SMALL)
     region = KVRegion.from_kv_caches(kv := allocate_pool(work))

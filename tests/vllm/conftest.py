@@ -7,6 +7,7 @@ prompts are longer than two blocks.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,15 @@ def vllm_model_dir(tmp_path_factory) -> Path:
     assert config.bos_token_id is not None and config.eos_token_id is not None
     write_byte_tokenizer(path, config.bos_token_id, config.eos_token_id)
     return path
+
+
+@pytest.fixture(scope="session")
+def plain_server(vllm_model_dir: Path, tmp_path_factory) -> Iterator:
+    """One plain vLLM server (no connector): what the disaggregated pairs must match."""
+    from kvwire.cli.vllm_cluster import VLLMServerSpec, start_all
+    from tests.vllm.pd import DTYPE
+
+    log = tmp_path_factory.mktemp("plain") / "plain.log"
+    (server,) = start_all([VLLMServerSpec(vllm_model_dir, cpu_cores="0", dtype=DTYPE, log_path=log)])
+    yield server
+    server.stop()

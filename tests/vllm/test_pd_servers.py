@@ -7,28 +7,19 @@ moved by the connector and none computed there.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 
-from kvwire.cli.vllm_cluster import VLLMServer, VLLMServerSpec, start_all
+from kvwire.cli.vllm_cluster import VLLMServer
 from kvwire.connectors.config import ConnectorKind
 from tests.vllm.conftest import PROMPTS
-from tests.vllm.pd import DTYPE, pd_cluster
+from tests.vllm.pd import pd_cluster
 
 openai = pytest.importorskip("openai")
 
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def plain_server(vllm_model_dir: Path, tmp_path_factory) -> Iterator[VLLMServer]:
-    log = tmp_path_factory.mktemp("plain") / "plain.log"
-    (server,) = start_all([VLLMServerSpec(vllm_model_dir, cpu_cores="0", dtype=DTYPE, log_path=log)])
-    yield server
-    server.stop()
 
 
 def _client(url: str) -> openai.OpenAI:
