@@ -9,6 +9,7 @@ from kvwire.cli.demo_cmd import demo
 from kvwire.cli.generate_cmd import generate
 from kvwire.cli.model_cmd import init_model
 from kvwire.cli.node_cmd import decode, prefill
+from kvwire.cli.redis_cmd import redis
 from kvwire.cli.router_cmd import router
 from kvwire.cli.status_cmd import status
 from kvwire.cli.up_cmd import up
@@ -23,6 +24,7 @@ app.command()(up)
 app.command()(demo)
 app.command()(generate)
 app.command()(status)
+app.command()(redis)
 app.add_typer(bench_app, name="bench")
 
 if __name__ == "__main__":

@@ -1,31 +1,96 @@
-"""`kvwire router`: the OpenAI-compatible HTTP front door."""
+"""`kvwire router`: the OpenAI-compatible HTTP front door, to kvwire's own nodes or to vLLM servers."""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from kvwire.cli.options import AuthSecretFile, Host, LogLevel, ModelDir, RedisUrl, auth_secret, setup_logging
-from kvwire.router.config import RouterConfig
+from kvwire.cli.options import AuthSecretFile, Host, LogLevel, auth_secret, setup_logging
+from kvwire.router.config import RouterConfig, VLLMRouterConfig
+
+NodesModelDir = Annotated[Path | None, typer.Option(
+    "--model", help="Hugging Face-format checkpoint directory (kvwire's nodes).", envvar="KVWIRE_MODEL")]
+NodesRedisUrl = Annotated[str | None, typer.Option(
+    "--redis-url", help="Redis URL of the directory (kvwire's nodes).", envvar="KVWIRE_REDIS_URL")]
+VLLMPrefill = Annotated[str | None, typer.Option(
+    "--vllm-prefill", envvar="KVWIRE_VLLM_PREFILL",
+    help="Front vLLM servers: base URLs (no /v1) of the prefill instances, comma-separated. Needs --vllm-decode.")]
+VLLMDecode = Annotated[str | None, typer.Option(
+    "--vllm-decode", envvar="KVWIRE_VLLM_DECODE",
+    help="Front vLLM servers: base URLs of the decode instances, comma-separated. Alone: every request decode-only.")]
+HealthInterval = Annotated[float, typer.Option(
+    "--health-interval", min=0.1, help="vLLM mode: seconds between GET /health probes of each instance.")]
+ConnectTimeout = Annotated[float, typer.Option(
+    "--connect-timeout", min=0.1, help="vLLM mode: seconds to connect before an instance leaves rotation.")]
+Port = Annotated[int, typer.Option("--port", min=1, max=65535, help="HTTP port.")]
+RequestTimeout = Annotated[float, typer.Option(
+    "--request-timeout", min=0.1, help="Seconds before a request gets a 504 (vLLM mode: between the bytes of an "
+                                       "instance's answer).")]
+_KVWIRE_ONLY = ("model", "redis_url", "auth_secret_file")
 
 
-def router(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1",
-           port: Annotated[int, typer.Option("--port", min=1, max=65535, help="HTTP port.")] = 8000,
-           request_timeout: Annotated[float, typer.Option("--request-timeout", min=0.1,
-                                                          help="Seconds before a request gets a 504.")] = 120.0,
-           auth_secret_file: AuthSecretFile = None, log_level: LogLevel = "INFO") -> None:
-    """Serve POST /v1/completions and GET /v1/models, /healthz, /readyz and /metrics."""
+def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedisUrl = None,
+           vllm_prefill: VLLMPrefill = None, vllm_decode: VLLMDecode = None, host: Host = "127.0.0.1",
+           port: Port = 8000, request_timeout: RequestTimeout = 120.0, health_interval: HealthInterval = 2.0,
+           connect_timeout: ConnectTimeout = 2.0, auth_secret_file: AuthSecretFile = None,
+           log_level: LogLevel = "INFO") -> None:
+    """Serve the OpenAI API (POST /v1/completions; with vLLM also /v1/chat/completions), GET /v1/models,
+    /healthz, /readyz and /metrics: over kvwire's nodes (--model, --redis-url), or over vLLM servers
+    (--vllm-decode, and --vllm-prefill to disaggregate)."""
     import uvicorn
 
+    setup_logging(log_level)
+    if vllm_prefill is not None or vllm_decode is not None:
+        if log_level.upper() != "DEBUG":  # httpx logs every call at INFO, health probes included
+            logging.getLogger("httpx").setLevel(logging.WARNING)
+        app = _vllm_app(ctx, vllm_prefill, vllm_decode, host, port, request_timeout, health_interval, connect_timeout)
+    else:
+        app = _kvwire_app(model, redis_url, host, port, request_timeout, auth_secret_file)
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
+
+
+def _kvwire_app(model: Path | None, redis_url: str | None, host: str, port: int, request_timeout: float,
+                auth_secret_file: Path | None):
     from kvwire.connectors import auth
     from kvwire.engine.gc_pauses import freeze_startup_heap
     from kvwire.router.app import create_app
 
-    setup_logging(log_level)
+    if model is None:
+        raise typer.BadParameter("needed unless --vllm-decode fronts vLLM servers", param_hint="--model")
+    if redis_url is None:
+        raise typer.BadParameter("needed unless --vllm-decode fronts vLLM servers", param_hint="--redis-url")
     config = RouterConfig(model_dir=model, redis_url=redis_url, host=host, port=port, request_timeout_s=request_timeout,
                           auth_secret=auth_secret(auth_secret_file))
     auth.install(config.auth_secret)  # before any socket opens
     app = create_app(config)
     freeze_startup_heap()  # the router's heap holds torch and the tokenizer too
-    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
+    return app
+
+
+def _vllm_app(ctx: typer.Context, prefill: str | None, decode: str | None, host: str, port: int,
+              request_timeout: float, health_interval: float, connect_timeout: float):
+    from kvwire.router.vllm_proxy import create_vllm_app
+
+    # typer bundles its own click: its ParameterSource is not click's, so compare by name
+    given = [name for name in _KVWIRE_ONLY if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise typer.BadParameter(f"{flags}: for kvwire's own nodes, not with --vllm-prefill/--vllm-decode")
+    if decode is None:
+        raise typer.BadParameter("--vllm-prefill needs --vllm-decode: a prefill instance does not answer clients",
+                                 param_hint="--vllm-decode")
+    try:
+        config = VLLMRouterConfig(prefill_urls=vllm_urls(prefill or ""), decode_urls=vllm_urls(decode), host=host,
+                                  port=port, request_timeout_s=request_timeout, connect_timeout_s=connect_timeout,
+                                  health_interval_s=health_interval)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return create_vllm_app(config)
+
+
+def vllm_urls(option: str) -> tuple[str, ...]:
+    """Args: option, comma-separated base URLs. Returns: each one stripped, without a trailing slash."""
+    return tuple(url.strip().rstrip("/") for url in option.split(",") if url.strip())

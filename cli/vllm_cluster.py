@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import signal
@@ -27,12 +28,20 @@ from kvwire.connectors.config import ConnectorKind
 START_TIMEOUT_S = 240.0
 
 
+class VLLMConnector(enum.StrEnum):
+    """The vLLM KV connectors a server can be started with, by vLLM's class name."""
+
+    KVWIRE = "KvwireConnector"
+    NIXL = "NixlConnector"  # vLLM's own; on the CPU build it moves host memory (kv_buffer_device "cpu")
+
+
 @dataclass(frozen=True)
 class VLLMServerSpec:
     """One vLLM server. `kv_role` None: a plain server, no connector."""
 
     model_dir: Path
     kv_role: str | None = None  # "kv_producer", "kv_consumer" or "kv_both"
+    connector: VLLMConnector = VLLMConnector.KVWIRE
     redis_url: str = ""
     transport: ConnectorKind = ConnectorKind.UCX
     node_id: str = ""
@@ -42,9 +51,13 @@ class VLLMServerSpec:
     max_model_len: int = 2048
     dtype: str = "auto"  # vLLM's --dtype (auto: bf16 on CPU)
     extra_args: tuple[str, ...] = ()
+    extra_env: tuple[tuple[str, str], ...] = ()  # e.g. NIXL's VLLM_NIXL_SIDE_CHANNEL_PORT, one per server
     log_path: Path | None = None
 
     def kv_transfer_config(self) -> str:
+        if self.connector == VLLMConnector.NIXL:
+            return json.dumps({"kv_connector": str(self.connector), "kv_role": self.kv_role,
+                               "kv_buffer_device": "cpu"})
         extra = {"redis_url": self.redis_url, "transport": str(self.transport), "kv_deadline_s": self.kv_deadline_s}
         if self.node_id:
             extra["node_id"] = self.node_id
@@ -53,8 +66,8 @@ class VLLMServerSpec:
 
     def argv(self, port: int) -> list[str]:
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-                "--port", str(port), "--host", "127.0.0.1", "--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
-                "--enforce-eager", "--enable-prompt-tokens-details", *self.extra_args]
+                "--port", str(port), "--host", "127.0.0.1", "--max-model-len", str(self.max_model_len),
+                "--dtype", self.dtype, "--enforce-eager", "--enable-prompt-tokens-details", *self.extra_args]
         if self.kv_role is not None:
             args += ["--kv-transfer-config", self.kv_transfer_config()]
         return args
@@ -72,7 +85,8 @@ class VLLMServer:
 
     def start(self) -> VLLMServer:
         self.port = self.spec.port or free_port()
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+               **dict(self.spec.extra_env)}
         if self.spec.cpu_cores:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.spec.cpu_cores
         out = None

@@ -347,8 +347,15 @@ class KVDirectory:
             otherwise None, and the caller reads the entry again.
         """
         events_key = self._entry_keys(request_id)[1]
-        with self._errors("wait_for", request_id):
-            reply = self._blocking.xread({events_key: after}, count=EVENTS_MAXLEN, block=_ms(timeout_s))
+        try:
+            with self._errors("wait_for", request_id):
+                reply = self._blocking.xread({events_key: after}, count=EVENTS_MAXLEN, block=_ms(timeout_s))
+        except DirectoryError as exc:
+            if not isinstance(exc.__cause__, redis.TimeoutError):
+                raise
+            # a Redis starved of CPU answers late: no event seen, the caller looks again until its deadline
+            logger.warning("request %s: %s; waiting on", request_id, exc)
+            return None
         got = cast(list[tuple[bytes, list[_StreamEntry]]], reply)  # RESP2: [[stream key, [(id, fields), ...]]]
         events = got[0][1] if got else []
         newest = events[-1][1] if events else {}

@@ -67,3 +67,17 @@ class DirectoryOp(enum.StrEnum):
     LIVE_NODES = "live_nodes"
     TRANSPORT_ADDRESS_OF = "transport_address_of"  # was "get_endpoint" before 0.1.0's vocabulary pass
     RECORD_TRANSFER = "record_transfer"
+
+
+class ProxyPath(enum.StrEnum):
+    """How the router in vLLM mode served a request (its x-kvwire-path header)."""
+
+    DISAGGREGATED = "disaggregated"  # a prefill instance computed the prompt, a decode instance received its KV
+    DECODE_ONLY = "decode-only"  # the decode instance computed the prompt itself
+
+
+class InstanceState(enum.StrEnum):
+    """Whether a vLLM instance is in the router's rotation."""
+
+    UP = "up"
+    DOWN = "down"  # failed a request or a health check; re-admitted when GET /health answers

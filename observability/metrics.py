@@ -9,12 +9,22 @@ closed set; the enum-labelled counters start at 0 for every value.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvwire.observability.labels import BlockState, Queue, RecomputeReason, RejectReason, RequestStatus, TransferFailure
+from kvwire.observability.labels import (
+    BlockState,
+    InstanceState,
+    ProxyPath,
+    Queue,
+    RecomputeReason,
+    RejectReason,
+    RequestStatus,
+    TransferFailure,
+)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -53,8 +63,13 @@ class Metrics:
                                 ["status"], registry=r)
         self.messages_rejected = Counter("kvwire_messages_rejected", "Control messages from other processes dropped, "
                                          "by reason", ["reason"], registry=r)
+        self.vllm_requests = Counter("kvwire_vllm_requests", "Requests the router sent on to vLLM instances, by path",
+                                     ["path"], registry=r)
+        self.vllm_instances = Gauge("kvwire_vllm_instances", "vLLM instances the router fronts, by role and state",
+                                    ["role", "state"], registry=r)
         for counter, labels in ((self.kv_transfers_failed, TransferFailure), (self.recomputes, RecomputeReason),
-                                (self.requests, RequestStatus), (self.messages_rejected, RejectReason)):
+                                (self.requests, RequestStatus), (self.messages_rejected, RejectReason),
+                                (self.vllm_requests, ProxyPath)):
             for value in labels:
                 counter.labels(str(value))
 
@@ -74,6 +89,11 @@ class Metrics:
     def watch_queue(self, queue: Queue, depth: Callable[[], int]) -> None:
         """Report `queue`'s depth, read from `depth` at each scrape."""
         self.queue_depth.labels(str(queue)).set_function(depth)
+
+    def watch_instances(self, role: str, count: Callable[[InstanceState], int]) -> None:
+        """Report how many of `role`'s vLLM instances are up and down, read from `count` at each scrape."""
+        for state in InstanceState:
+            self.vllm_instances.labels(role, str(state)).set_function(functools.partial(count, state))
 
 
 _process_metrics: Metrics | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 
 @dataclass(frozen=True)
@@ -28,3 +29,43 @@ class RouterConfig:
     @property
     def served_model_name(self) -> str:
         return self.model_name or self.model_dir.name
+
+
+@dataclass(frozen=True)
+class VLLMRouterConfig:
+    """The router fronting vLLM servers (`kvwire router --vllm-decode ...`).
+
+    Attributes:
+        prefill_urls: base URLs (no /v1) of the vLLM instances that compute prompts; empty: decode alone.
+        decode_urls: base URLs of the vLLM instances that generate; at least one.
+        host, port: where the HTTP API listens.
+        request_timeout_s: longest wait for an instance's next bytes (a whole answer unless streaming): then 504.
+        connect_timeout_s: an instance that does not accept a connection by then is taken out of rotation.
+        health_interval_s: seconds between GET /health probes of every instance.
+    Raises:
+        ValueError: no decode URL, a URL that is not http(s)://host[:port][/prefix], or one named twice in a role
+            (one instance may serve both roles: vLLM's kv_both).
+    """
+
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    request_timeout_s: float = 120.0
+    connect_timeout_s: float = 2.0
+    health_interval_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.decode_urls:
+            raise ValueError("at least one vLLM decode instance is needed")
+        for url in self.prefill_urls + self.decode_urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
+                raise ValueError(f"{url!r} is not a vLLM base URL like http://10.0.0.5:8000")
+            if url.endswith("/") or parts.path.rstrip("/").endswith("/v1"):
+                raise ValueError(f"{url!r}: give the base URL, without /v1 or a trailing slash")
+        for urls in (self.prefill_urls, self.decode_urls):
+            if len(set(urls)) != len(urls):
+                raise ValueError(f"a vLLM instance is named twice in {', '.join(urls)}")
+        if min(self.request_timeout_s, self.connect_timeout_s, self.health_interval_s) <= 0:
+            raise ValueError("timeouts and the health interval must be positive")

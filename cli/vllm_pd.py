@@ -1,0 +1,124 @@
+"""A disaggregated vLLM pair on this host, the kvwire router in front: for tests, benchmarks and demos.
+
+1. `kvwire_pair(...)` or `nixl_pair(...)` describe the two servers: prefill pinned to core 0,
+   decode to core 1, with KvwireConnector over one transport or with vLLM's NixlConnector.
+2. `pd_cluster_of(prefill, decode, log_dir)` starts both side by side (cli/vllm_cluster.py),
+   then `kvwire router --vllm-prefill ... --vllm-decode ...` in front, and yields a `PDCluster`.
+3. Leaving the `with` block (an exception and Ctrl-C included) stops the router, then both
+   servers, each with its whole process group.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from kvwire.cli.local_cluster import ClusterError, free_port
+from kvwire.cli.vllm_cluster import VLLMConnector, VLLMServer, VLLMServerSpec, start_all
+from kvwire.connectors.config import ConnectorKind
+
+DTYPE = "float32"  # bf16's rounding differs between a prompt's forward and a one-token step over pulled KV
+ROUTER_START_S = 60.0
+
+
+@dataclass
+class PDCluster:
+    prefill: VLLMServer
+    decode: VLLMServer
+    router_url: str
+    router: subprocess.Popen
+
+    def prompt_tokens_by_source(self) -> dict[str, float]:
+        """The decode server's vllm:prompt_tokens_by_source_total, by source."""
+        text = httpx.get(f"{self.decode.url}/metrics", timeout=10).text
+        pattern = r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} (\S+)$'
+        return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.M)}
+
+
+def start_router(prefill_urls: list[str], decode_urls: list[str], log_path: Path) -> tuple[str, subprocess.Popen]:
+    """`kvwire router` in vLLM mode on a free port; returns its URL and process once /healthz answers.
+
+    Raises:
+        ClusterError: the router exited or did not answer within ROUTER_START_S (it is killed then).
+    """
+    port = free_port()
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvwire.cli.main", "router", "--vllm-prefill",
+                                 ",".join(prefill_urls), "--vllm-decode", ",".join(decode_urls), "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ROUTER_START_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ClusterError(f"router exited ({proc.returncode}); see {log_path}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return url, proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    raise ClusterError(f"router not ready; see {log_path}")
+
+
+def kvwire_pair(model_dir: Path, redis_url: str, transport: ConnectorKind, log_dir: Path,
+                kv_deadline_s: float = 30.0) -> tuple[VLLMServerSpec, VLLMServerSpec]:
+    """Prefill (core 0) and decode (core 1) with KvwireConnector over `transport`."""
+    common = {"model_dir": model_dir, "redis_url": redis_url, "transport": transport, "kv_deadline_s": kv_deadline_s,
+              "dtype": DTYPE}
+    return (VLLMServerSpec(kv_role="kv_producer", node_id=f"prefill-{transport}", cpu_cores="0",
+                           log_path=log_dir / "prefill.log", **common),
+            VLLMServerSpec(kv_role="kv_consumer", node_id=f"decode-{transport}", cpu_cores="1",
+                           log_path=log_dir / "decode.log", **common))
+
+
+def nixl_pair(model_dir: Path, log_dir: Path) -> tuple[VLLMServerSpec, VLLMServerSpec]:
+    """Prefill (core 0) and decode (core 1) with vLLM's NixlConnector on host memory, each with its
+    own side-channel port (NIXL's handshake)."""
+    def spec(role: str, kv_role: str, core: str) -> VLLMServerSpec:
+        return VLLMServerSpec(model_dir, kv_role=kv_role, connector=VLLMConnector.NIXL, cpu_cores=core,
+                              dtype=DTYPE, log_path=log_dir / f"{role}.log",
+                              extra_env=(("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port())),))
+
+    return spec("prefill", "kv_producer", "0"), spec("decode", "kv_consumer", "1")
+
+
+@contextmanager
+def pd_cluster_of(prefill_spec: VLLMServerSpec, decode_spec: VLLMServerSpec, log_dir: Path) -> Iterator[PDCluster]:
+    """Both servers started side by side, the router in front; everything stopped on exit.
+
+    Raises:
+        ClusterError: a server or the router did not start (what did start is stopped).
+    """
+    prefill, decode = start_all([prefill_spec, decode_spec])
+    router = None
+    try:
+        url, router = start_router([prefill.url], [decode.url], log_dir / "router.log")
+        yield PDCluster(prefill, decode, url, router)
+    finally:
+        if router is not None:
+            router.terminate()
+            try:
+                router.wait(10)
+            except subprocess.TimeoutExpired:
+                router.kill()
+                router.wait()
+        prefill.stop()
+        decode.stop()
+
+
+@contextmanager
+def pd_cluster(model_dir: Path, redis_url: str, transport: ConnectorKind, log_dir: Path,
+               kv_deadline_s: float = 30.0) -> Iterator[PDCluster]:
+    """Prefill on core 0, decode on core 1, KvwireConnector over `transport`, router in front."""
+    with pd_cluster_of(*kvwire_pair(model_dir, redis_url, transport, log_dir, kv_deadline_s), log_dir) as cluster:
+        yield cluster

@@ -1,0 +1,72 @@
+"""The bodies the router sends vLLM instances, each made from the client's body as vLLM accepts it.
+
+The client's body is vLLM's to check: the router reads only what it must change, and builds
+each body it sends as a new dict, leaving every other field as the client wrote it.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from typing import Any
+
+from kvwire.router.schemas import APIError
+
+KV_TRANSFER_PARAMS = "kv_transfer_params"
+# Fields the prefill body leaves out: stream_options is refused without stream, and a
+# min_tokens above the prefill's max_tokens of 1 would be refused too.
+_NOT_FOR_PREFILL = frozenset({"stream_options", "min_tokens", KV_TRANSFER_PARAMS})
+
+
+class Endpoint(enum.StrEnum):
+    """The generation endpoints the router passes on, by path."""
+
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The client's body as a JSON object.
+
+    Raises:
+        APIError(400): the body is not JSON, or not an object.
+    """
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise APIError(400, f"body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "body must be a JSON object")
+    return body
+
+
+def is_stream(body: dict[str, Any]) -> bool:
+    return body.get("stream") is True
+
+
+def prefill_body(body: dict[str, Any], endpoint: Endpoint) -> dict[str, Any]:
+    """The body a prefill instance gets: one token, no stream, and its KV kept for a decode instance."""
+    out = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
+    out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    if endpoint == Endpoint.CHAT and "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The client's body for a decode instance, with the prefill's `kv_transfer_params`
+    (None: none, the decode instance computes the prompt itself)."""
+    out = {k: v for k, v in body.items() if k != KV_TRANSFER_PARAMS}
+    if kv_transfer_params is not None:
+        out[KV_TRANSFER_PARAMS] = kv_transfer_params
+    return out
+
+
+def kv_transfer_params_of(response: bytes) -> dict[str, Any] | None:
+    """The top-level `kv_transfer_params` object of a prefill instance's JSON answer; None when
+    there is none (a vLLM started without a KV connector answers null) or it is not JSON."""
+    try:
+        params = json.loads(response).get(KV_TRANSFER_PARAMS)
+    except (ValueError, AttributeError):
+        return None
+    return params if isinstance(params, dict) and params else None

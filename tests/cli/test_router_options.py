@@ -1,0 +1,50 @@
+"""`kvwire router`'s choice between kvwire's nodes and vLLM servers, and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from kvwire.cli.main import app
+from kvwire.cli.router_cmd import vllm_urls
+
+runner = CliRunner()
+NO_ENV = {"KVWIRE_MODEL": None, "KVWIRE_REDIS_URL": None, "KVWIRE_VLLM_PREFILL": None, "KVWIRE_VLLM_DECODE": None}
+
+
+def _must_not_serve(*args, **kwargs):
+    raise AssertionError("the router was about to serve")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--vllm-prefill", "http://p:8100"], "--vllm-prefill needs --vllm-decode"),
+    (["--vllm-decode", "http://d:8200", "--model", "/tmp/m"], "--model: for kvwire's own nodes"),
+    (["--vllm-decode", "http://d:8200", "--redis-url", "redis://r:6379/0"], "--redis-url: for kvwire's own nodes"),
+    (["--vllm-decode", "d:8200"], "not a vLLM base URL"),
+    ([], "--model"),
+    (["--model", "/tmp/m"], "--redis-url"),
+])
+def test_router_refuses_mixed_or_missing_modes(args, message, monkeypatch):
+    monkeypatch.setattr("uvicorn.run", _must_not_serve)
+    result = runner.invoke(app, ["router", *args], env=NO_ENV)
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.replace("│", " ").split())
+
+
+def test_redis_url_from_the_environment_does_not_clash_with_vllm_mode(monkeypatch):
+    monkeypatch.setattr("uvicorn.run", _must_not_serve)
+    env = {**NO_ENV, "KVWIRE_REDIS_URL": "redis://r:6379/0"}
+    result = runner.invoke(app, ["router", "--vllm-prefill", "http://p:1"], env=env)
+    assert result.exit_code == 2 and "--redis-url" not in result.output  # refused for its missing decode alone
+
+
+def test_decode_alone_serves_in_vllm_mode(monkeypatch):
+    served = []
+    monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: served.append((app.title, kwargs["port"])))
+    result = runner.invoke(app, ["router", "--vllm-decode", "http://d:8200/", "--port", "8123"], env=NO_ENV)
+    assert result.exit_code == 0, result.output
+    assert served == [("kvwire router (vLLM)", 8123)]
+
+
+def test_vllm_urls_split_on_commas_and_drop_trailing_slashes():
+    assert vllm_urls(" http://a:1/, http://b:2,,") == ("http://a:1", "http://b:2")
