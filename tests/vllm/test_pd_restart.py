@@ -1,0 +1,69 @@
+"""A prefill vLLM server restarted under the same node id: what its dead incarnation held is fenced off.
+
+The entry of a prompt the first incarnation computed (its kv_transfer_params handed out, its KV
+never pulled) is FAILED by the second one as it starts, so a decode server sent that prompt
+recomputes it at once; the router takes the restarted server back and disaggregates again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import httpx
+
+from kvwire.cli.vllm_cluster import VLLMServer
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.directory import KVDirectory, TransferState
+from tests.vllm.conftest import PROMPTS
+from tests.vllm.pd import pd_cluster
+
+
+def _body(model: str, prompt: str, **extra) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, **extra}
+
+
+def test_restarted_prefill_is_fenced_and_used_again(plain_server: VLLMServer, vllm_model_dir: Path, redis_url: str,
+                                                    tmp_path: Path):
+    model = str(vllm_model_dir)
+    want = httpx.post(f"{plain_server.url}/v1/completions", json=_body(model, PROMPTS[1]), timeout=60).json()
+    with pd_cluster(vllm_model_dir, redis_url, ConnectorKind.TCP, tmp_path, kv_deadline_s=20.0) as cluster:
+        body = _body(model, PROMPTS[1], max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        params = httpx.post(f"{cluster.prefill.url}/v1/completions", json=body, timeout=60).json()[
+            "kv_transfer_params"]
+        cluster.prefill.kill()
+        restarted = VLLMServer(dataclasses.replace(cluster.prefill.spec, port=cluster.prefill.port)).start()
+        try:
+            restarted.wait_ready()
+            _fenced_and_recomputed(model, redis_url, cluster.decode.url, params, want["choices"][0]["text"])
+            _used_again(model, cluster)
+        finally:
+            restarted.stop()
+
+
+def _fenced_and_recomputed(model: str, redis_url: str, decode_url: str, params: dict, want: str) -> None:
+    directory = KVDirectory(redis_url)
+    try:
+        entry = directory.get(params["remote_request_id"])
+    finally:
+        directory.close()
+    assert entry is not None and entry.state == TransferState.FAILED and "restarted" in entry.reason, entry
+    start = time.monotonic()
+    got = httpx.post(f"{decode_url}/v1/completions", json=_body(model, PROMPTS[1], kv_transfer_params=params),
+                     timeout=60).json()
+    assert got["choices"][0]["text"] == want
+    assert time.monotonic() - start < 10, "a fenced entry is recomputed at once, not at the KV deadline"
+
+
+def _used_again(model: str, cluster) -> None:
+    before = cluster.prompt_tokens_by_source()
+    deadline = time.monotonic() + 15  # the router's health check takes the restarted server back
+    while True:
+        r = httpx.post(f"{cluster.router_url}/v1/completions", json=_body(model, PROMPTS[2]), timeout=60)
+        if r.headers["x-kvwire-path"] == "disaggregated" or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert r.headers["x-kvwire-path"] == "disaggregated"
+    after = cluster.prompt_tokens_by_source()
+    assert after["external_kv_transfer"] > before["external_kv_transfer"]
