@@ -129,8 +129,6 @@ class KVConsumer:
 
     def receive_batch(self, model_input: ModelInput) -> tuple[HiddenStates | None, bool, ModelInput]:
         """The contract's receive for a prompt batch: every request's KV, or none (the caller recomputes)."""
-        if time.monotonic() - self._addresses_published > self._config.entry_ttl_s / 3:
-            self._publish_addresses()
         with self._pulling:
             records = [self._take(seq.request_id) for seq in model_input.sequences]
             received: list[Received] = []
@@ -139,7 +137,6 @@ class KVConsumer:
                     received.append(self.receive(seq, record))
                 except TransferError as exc:
                     log.warning("%s", exc)
-                    self._addresses_published = 0.0  # a restarted Redis forgets our addresses: republish
                     return None, False, model_input
         if not received:
             return None, False, model_input
@@ -166,9 +163,12 @@ class KVConsumer:
             TransferError: the KV did not come; the entry is now FAILED.
         """
         record = record or self._take(request_id)
+        if time.monotonic() - self._addresses_published > self._config.entry_ttl_s / 3:
+            self._publish_addresses()  # they expire with entry_ttl_s: producers refuse pulls to unknown addresses
         try:
             return self._receive(request_id, num_tokens, dst_blocks, record, first_block)
         except (TransferError, DirectoryError) as exc:
+            self._addresses_published = 0.0  # a restarted Redis forgets our addresses: republish
             self._metrics.kv_transfers_failed.labels(str(_failure(exc))).inc()
             self._mark_failed(request_id, str(exc))
             if isinstance(exc, TransferError):
