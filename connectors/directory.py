@@ -422,6 +422,12 @@ class KVDirectory:
             epoch, _ = pipe.execute()
         return int(epoch)
 
+    def keep_epoch(self, node_id: str) -> None:
+        """Keep `node_id`'s epoch counter alive (node heartbeats do it for kvwire's nodes), so that a
+        restarted incarnation still draws a higher epoch and fences off what this one published."""
+        with self._errors(f"keep_epoch of node {node_id}"):
+            self._redis.pexpire(self._node_keys(node_id)[1], self._epoch_ttl_ms)
+
     def register_node(self, info: NodeInfo) -> None:
         """Publish the node's NodeInfo for node_ttl_s.
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
@@ -50,6 +51,7 @@ class WorkerHalf:
         self._bad_blocks: set[int] = set()  # consumer: blocks of failed pulls
         self._waiting: dict[str, tuple[str, Pull]] = {}  # producer's request id -> (ours, what to pull)
         self._pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwire-pull")
+        self._epoch_kept = 0.0
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Raises: ValueError for a KV layout or transport kvwire cannot serve; DirectoryError."""
@@ -80,6 +82,7 @@ class WorkerHalf:
                  self._num_blocks, self._block_size, region.layout.pool)
 
     def start(self, meta: KvwireMetadata) -> None:
+        self._keep_epoch()
         for rid, hold in meta.hold.items():
             self._hold(rid, hold.block_ids, hold.num_tokens)
         for rid, pull in meta.pull.items():
@@ -106,6 +109,17 @@ class WorkerHalf:
                 role.close()
         if self._directory is not None:
             self._directory.close()
+
+    def _keep_epoch(self) -> None:
+        """Every entry_ttl_s / 3: the epoch counter outlives this incarnation's entries (fencing)."""
+        now = time.monotonic()
+        if self._directory is None or now - self._epoch_kept < self._settings.entry_ttl_s / 3:
+            return
+        self._epoch_kept = now
+        try:
+            self._directory.keep_epoch(self._settings.node_id)
+        except DirectoryError as exc:
+            log.warning("kvwire: node %s: cannot refresh its epoch: %s", self._settings.node_id, exc)
 
     # --- producer --------------------------------------------------------------------------
 

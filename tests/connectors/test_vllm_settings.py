@@ -56,3 +56,21 @@ def test_params_round_trip_from_producer_to_consumer():
 ])
 def test_params_that_announce_no_usable_remote_prefill(params):
     assert RemotePrefill.of("req", params) is None
+
+
+def test_keep_epoch_keeps_the_counter_alive(redis_url):
+    """vLLM servers register no node (no heartbeat): the connector keeps its epoch counter alive itself."""
+    import redis
+
+    from kvwire.connectors.directory import KVDirectory
+
+    directory, client = KVDirectory(redis_url, entry_ttl_s=1.0), redis.Redis.from_url(redis_url)
+    try:
+        directory.next_epoch("vllm-n1")
+        key = next(iter(client.scan_iter("*epoch*vllm-n1")))
+        client.pexpire(key, 50)
+        directory.keep_epoch("vllm-n1")
+        assert client.pttl(key) > 1000
+    finally:
+        directory.close()
+        client.close()
