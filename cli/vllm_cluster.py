@@ -26,6 +26,7 @@ from kvwire.cli.local_cluster import ClusterError, free_port
 from kvwire.connectors.config import ConnectorKind
 
 START_TIMEOUT_S = 240.0
+VLLM_MAX_MODEL_LEN = 2048
 
 
 class VLLMConnector(enum.StrEnum):
@@ -48,7 +49,7 @@ class VLLMServerSpec:
     kv_deadline_s: float = 30.0
     port: int = 0  # 0 picks a free one
     cpu_cores: str = ""  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "0-1"; "" leaves vLLM's default
-    max_model_len: int = 2048
+    max_model_len: int = VLLM_MAX_MODEL_LEN
     dtype: str = "auto"  # vLLM's --dtype (auto: bf16 on CPU)
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()  # e.g. NIXL's VLLM_NIXL_SIDE_CHANNEL_PORT, one per server

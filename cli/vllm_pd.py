@@ -73,12 +73,12 @@ def start_router(prefill_urls: list[str], decode_urls: list[str], log_path: Path
 def kvwire_pair(model_dir: Path, redis_url: str, transport: ConnectorKind, log_dir: Path,
                 kv_deadline_s: float = 30.0) -> tuple[VLLMServerSpec, VLLMServerSpec]:
     """Prefill (core 0) and decode (core 1) with KvwireConnector over `transport`."""
-    common = {"model_dir": model_dir, "redis_url": redis_url, "transport": transport, "kv_deadline_s": kv_deadline_s,
-              "dtype": DTYPE}
-    return (VLLMServerSpec(kv_role="kv_producer", node_id=f"prefill-{transport}", cpu_cores="0",
-                           log_path=log_dir / "prefill.log", **common),
-            VLLMServerSpec(kv_role="kv_consumer", node_id=f"decode-{transport}", cpu_cores="1",
-                           log_path=log_dir / "decode.log", **common))
+    def spec(role: str, kv_role: str, core: str) -> VLLMServerSpec:
+        return VLLMServerSpec(model_dir, kv_role=kv_role, redis_url=redis_url, transport=transport,
+                              node_id=f"{role}-{transport}", kv_deadline_s=kv_deadline_s, cpu_cores=core,
+                              dtype=DTYPE, log_path=log_dir / f"{role}.log")
+
+    return spec("prefill", "kv_producer", "0"), spec("decode", "kv_consumer", "1")
 
 
 def nixl_pair(model_dir: Path, log_dir: Path) -> tuple[VLLMServerSpec, VLLMServerSpec]:

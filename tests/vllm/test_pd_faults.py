@@ -41,8 +41,8 @@ def test_prefill_killed_mid_load(plain_server: VLLMServer, vllm_model_dir: Path,
     with pd_cluster(vllm_model_dir, redis_url, ConnectorKind.TCP, tmp_path, kv_deadline_s=10.0) as cluster:
         held = {}  # computed on prefill, handed over, not pulled yet
         for p in PROMPT_MIX[:3]:
-            r = httpx.post(f"{cluster.prefill.url}/v1/completions",
-                           json=_body(model, p, max_tokens=1, kv_transfer_params={"do_remote_decode": True}), timeout=60)
+            body = _body(model, p, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+            r = httpx.post(f"{cluster.prefill.url}/v1/completions", json=body, timeout=60)
             held[p] = r.json()["kv_transfer_params"]
             assert held[p]["do_remote_prefill"] and held[p]["remote_engine_id"] == "prefill-tcp"
         with ThreadPoolExecutor(len(PROMPT_MIX)) as pool:

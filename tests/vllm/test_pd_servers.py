@@ -2,20 +2,21 @@
 
 Through the official `openai` client: completions (whole and streamed, with top logprobs) and
 chat give the plain server's tokens; the decode server's metrics show every prompt token as
-moved by the connector and none computed there.
+moved by the connector and none computed there. Over `auto` both servers run as kv_both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 
 from kvwire.cli.vllm_cluster import VLLMServer
+from kvwire.cli.vllm_pd import kvwire_pair, pd_cluster_of
 from kvwire.connectors.config import ConnectorKind
 from tests.vllm.conftest import PROMPTS
-from tests.vllm.pd import pd_cluster
 
 openai = pytest.importorskip("openai")
 
@@ -51,12 +52,16 @@ def _chat(client: openai.OpenAI, model: str, prompt: str) -> Answer:
     return Answer(out.choices[0].message.content or "", out.usage.prompt_tokens, [])
 
 
-@pytest.mark.parametrize("transport", [ConnectorKind.TCP, ConnectorKind.UCX, ConnectorKind.AUTO], ids=str)
+@pytest.mark.parametrize("transport", [ConnectorKind.TCP, ConnectorKind.UCX, ConnectorKind.NCCL, ConnectorKind.AUTO],
+                         ids=str)
 def test_disaggregated_equals_plain(plain_server: VLLMServer, vllm_model_dir: Path, redis_url: str, tmp_path: Path,
                                     transport: ConnectorKind):
     model = str(vllm_model_dir)
     plain = _client(plain_server.url)
-    with pd_cluster(vllm_model_dir, redis_url, transport, tmp_path) as cluster:
+    specs = kvwire_pair(vllm_model_dir, redis_url, transport, tmp_path)
+    if transport == ConnectorKind.AUTO:  # both servers may do either, as each request's params say
+        specs = tuple(dataclasses.replace(s, kv_role="kv_both") for s in specs)
+    with pd_cluster_of(*specs, tmp_path) as cluster:
         routed = _client(cluster.router_url)
         sent = 0  # prompt tokens the decode server was asked to continue
         for prompt in PROMPTS:

@@ -1,0 +1,240 @@
+"""`kvwire bench vllm`: real vLLM servers, single-node against disaggregated, on one prompt mix.
+
+Lifecycle, one setup at a time (bench/vllm_setups.py: the plain server first, then a
+KvwireConnector pair per transport, then vLLM's NixlConnector pair):
+
+1. STARTED: the setup's servers (and router) are up; a setup that does not start becomes a
+   row saying why (the plain server failing ends the bench: there is nothing to compare with).
+2. WARMED: one unmeasured pass over the mix.
+3. SEQUENTIAL: `rounds` passes over the mix, one streamed request at a time: TTFT and time
+   per output token at the client.
+4. CONCURRENT (unless concurrency is 0): as many requests again, `concurrency` at a time:
+   output tokens per second.
+5. STOPPED: the decode server's prompt tokens by source are read (how much KV was pulled),
+   then every process of the setup is stopped.
+
+Each answer's token ids are checked against the plain server's for the same prompt. A request
+that fails (an error status, a broken stream, a timeout) is counted, its reason kept, and left
+out of the figures; the setup goes on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import httpx
+import msgspec
+
+from kvwire.bench.vllm_mix import Ask, RequestError, Sample, concurrent_asks, sequential_asks, stream_one
+from kvwire.bench.vllm_setups import Setup, SetupKind, Target, failure_reason, nixl_missing, started
+from kvwire.cli.local_cluster import ClusterError
+from kvwire.connectors.config import ConnectorKind
+from kvwire.observability.labels import ProxyPath
+
+DEFAULT_MIX = (320, 480, 640, 800, 1000)
+REQUEST_TIMEOUT_S = 120.0
+_PULLED = "external_kv_transfer"  # vllm:prompt_tokens_by_source_total's source for KV a connector moved
+
+
+@dataclass(frozen=True)
+class VLLMBenchConfig:
+    model_dir: Path
+    redis_url: str  # KvwireConnector's directory
+    log_dir: Path  # each setup's server and router logs, in a folder of its own
+    transports: tuple[ConnectorKind, ...] = (ConnectorKind.TCP, ConnectorKind.UCX)
+    prompt_tokens: tuple[int, ...] = DEFAULT_MIX
+    rounds: int = 3
+    max_tokens: int = 32
+    concurrency: int = 4  # 0: no concurrent pass
+    nixl: bool = True
+
+    def setups(self) -> list[Setup]:
+        return [Setup(SetupKind.PLAIN), *(Setup(SetupKind.KVWIRE, t) for t in self.transports),
+                *([Setup(SetupKind.NIXL)] if self.nixl else [])]
+
+
+class VLLMRow(msgspec.Struct, frozen=True):
+    setup: str  # its name in the table: "plain vLLM", "kvwire tcp", ...
+    kind: SetupKind
+    ran: bool
+    reason: str = ""  # why it did not run
+    requests: int = 0  # sequential, failed ones included
+    errors: int = 0  # requests that failed (warm-up included): left out of every figure
+    first_error: str = ""
+    ttft_ms_p50: float = 0.0
+    ttft_ms_p90: float = 0.0
+    tpot_ms_p50: float = 0.0
+    tpot_ms_p90: float = 0.0
+    latency_ms_p50: float = 0.0  # sending the request to its last chunk
+    concurrent_requests: int = 0  # failed ones included
+    throughput_tok_s: float = 0.0  # output tokens per second in the concurrent pass
+    disaggregated: int = 0  # answers (both passes) the router marked disaggregated
+    kv_pulled: float | None = None  # share of the decode server's prompt tokens whose KV a connector moved
+    outputs_equal: bool | None = None  # against the plain server's; None for the plain server itself
+    mismatched: list[str] = []  # tags of the requests whose tokens differ
+
+
+class VLLMBenchResult(msgspec.Struct, frozen=True):
+    model: str
+    prompt_tokens: list[int]
+    rounds: int
+    max_tokens: int
+    concurrency: int
+    rows: list[VLLMRow]
+
+    @property
+    def passed(self) -> bool:
+        """Every kvwire setup ran and gave the plain server's tokens (NIXL may be missing here)."""
+        return all(r.ran and not r.errors and r.outputs_equal is not False
+                   for r in self.rows if r.kind != SetupKind.NIXL)
+
+
+class BenchError(RuntimeError):
+    """The baseline (the plain server) did not run: the bench has nothing to compare with."""
+
+
+def bench_vllm(cfg: VLLMBenchConfig, on_progress: Callable[[str], None] = lambda _: None) -> VLLMBenchResult:
+    """Measure every setup of `cfg` in turn (see the module's docstring).
+
+    Raises:
+        BenchError: the plain server did not start or failed a request.
+    """
+    rows: list[VLLMRow] = []
+    reference: dict[str, list[int]] = {}
+    for setup in cfg.setups():
+        log_dir = cfg.log_dir / setup.slug
+        if setup.kind == SetupKind.NIXL and (missing := nixl_missing()):
+            rows.append(VLLMRow(setup.name, setup.kind, ran=False, reason=missing))
+            continue
+        on_progress(f"{setup.name}: starting (logs in {log_dir})")
+        try:
+            row, outputs = _measure(setup, cfg, log_dir, reference, on_progress)
+        except ClusterError as exc:
+            row, outputs = VLLMRow(setup.name, setup.kind, ran=False, reason=failure_reason(exc, log_dir)), {}
+        if setup.kind == SetupKind.PLAIN:
+            if not row.ran or row.errors:
+                raise BenchError(f"the plain vLLM server: {row.reason or row.first_error}")
+            reference = outputs
+        on_progress(f"{setup.name}: {'done' if row.ran else 'did not run: ' + row.reason}"
+                    f"{f'; {row.errors} request(s) failed, the first: {row.first_error}' if row.errors else ''}")
+        rows.append(row)
+    return VLLMBenchResult(model=str(cfg.model_dir), prompt_tokens=list(cfg.prompt_tokens), rounds=cfg.rounds,
+                           max_tokens=cfg.max_tokens, concurrency=cfg.concurrency, rows=rows)
+
+
+class _Pass(NamedTuple):
+    """The answers of one pass, the requests that failed (why), and the pass's wall time."""
+
+    samples: list[Sample]
+    errors: list[str]
+    wall_s: float
+
+
+def _measure(setup: Setup, cfg: VLLMBenchConfig, log_dir: Path, reference: dict[str, list[int]],
+             on_progress: Callable[[str], None]) -> tuple[VLLMRow, dict[str, list[int]]]:
+    """One setup, started, measured and stopped; its row and every answer's token ids by tag.
+
+    Raises:
+        ClusterError: the setup did not start.
+    """
+    lengths = list(cfg.prompt_tokens)
+    with started(setup, cfg.model_dir, cfg.redis_url, log_dir) as target, \
+            httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+        def send(asks: list[Ask], concurrency: int) -> _Pass:
+            return _send(client, target.url, str(cfg.model_dir), asks, cfg.max_tokens, concurrency)
+
+        on_progress(f"{setup.name}: up; {len(lengths) * cfg.rounds} sequential requests")
+        warm = send([Ask(f"warm-up-p{i}", n) for i, n in enumerate(lengths)], 1)  # each shape's first forward
+        seq = send(sequential_asks(lengths, cfg.rounds), 1)
+        conc = send(concurrent_asks(lengths, cfg.rounds), cfg.concurrency) if cfg.concurrency else _Pass([], [], 0)
+        by_source = _tokens_by_source(target)
+    outputs = {s.tag: s.token_ids for s in seq.samples + conc.samples}
+    return _row(setup, (warm, seq, conc), outputs, reference, by_source), outputs
+
+
+def _tokens_by_source(target: Target) -> dict[str, float] | None:
+    """The decode server's prompt tokens by source; None for a plain server, or one that does not answer."""
+    try:
+        return target.tokens_by_source() if target.tokens_by_source else None
+    except httpx.HTTPError:
+        return None
+
+
+def _row(setup: Setup, passes: tuple[_Pass, _Pass, _Pass], outputs: dict[str, list[int]],
+         reference: dict[str, list[int]], by_source: dict[str, float] | None) -> VLLMRow:
+    warm, seq, conc = passes
+    errors = warm.errors + seq.errors + conc.errors
+    if not seq.samples:
+        return VLLMRow(setup.name, setup.kind, ran=False, reason=f"every request failed: {errors[0]}",
+                       errors=len(errors), first_error=errors[0])
+    mismatched = sorted(t for t, ids in outputs.items() if reference and ids != reference.get(t))
+    pulled = None if by_source is None else by_source.get(_PULLED, 0.0) / max(1.0, sum(by_source.values()))
+    ttft, tpot = [s.ttft_ms for s in seq.samples], [s.tpot_ms for s in seq.samples]
+    return VLLMRow(
+        setup.name, setup.kind, ran=True, requests=len(seq.samples) + len(seq.errors),
+        errors=len(errors), first_error=errors[0] if errors else "",
+        ttft_ms_p50=_pct(ttft, 0.5), ttft_ms_p90=_pct(ttft, 0.9), tpot_ms_p50=_pct(tpot, 0.5),
+        tpot_ms_p90=_pct(tpot, 0.9), latency_ms_p50=_pct([s.latency_ms for s in seq.samples], 0.5),
+        concurrent_requests=len(conc.samples) + len(conc.errors),
+        throughput_tok_s=round(sum(s.output_tokens for s in conc.samples) / conc.wall_s, 1) if conc.samples else 0.0,
+        disaggregated=sum(s.path == ProxyPath.DISAGGREGATED for s in seq.samples + conc.samples),
+        kv_pulled=None if pulled is None else round(pulled, 3),
+        outputs_equal=None if setup.kind == SetupKind.PLAIN else not mismatched, mismatched=mismatched)
+
+
+def _send(client: httpx.Client, url: str, model: str, asks: list[Ask], max_tokens: int, concurrency: int) -> _Pass:
+    """Every request of `asks`, `concurrency` at a time (1: one after another, in this thread)."""
+    def one(ask: Ask) -> Sample | str:
+        try:
+            return stream_one(client, url, model, ask, max_tokens)
+        except (RequestError, httpx.HTTPError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    start = time.perf_counter()
+    if concurrency == 1:
+        answers = [one(a) for a in asks]
+    else:
+        pool = cf.ThreadPoolExecutor(concurrency)
+        try:
+            answers = list(pool.map(one, asks))
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # on Ctrl-C the setup's servers stop at once
+    wall_s = time.perf_counter() - start
+    return _Pass([a for a in answers if isinstance(a, Sample)], [a for a in answers if isinstance(a, str)], wall_s)
+
+
+def _pct(values: list[float], q: float) -> float:
+    """The q-quantile, linearly interpolated between the closest ranks, rounded to 0.01 ms."""
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return round(s[lo] + (s[hi] - s[lo]) * (k - lo), 2)
+
+
+def table(result: VLLMBenchResult) -> str:
+    head = (f"{'setup':<18} {'reqs':>4} {'errs':>4} {'TTFT p50':>8} {'p90':>7} {'TPOT p50':>8} {'p90':>6} "
+            f"{'e2e p50':>7} {'tok/s':>6} {'disagg':>6} {'KV pulled':>9}  outputs equal")
+    lines, notes = [head, "-" * len(head)], []
+    for r in result.rows:
+        if not r.ran:
+            lines.append(f"{r.setup:<18} did not run: {r.reason}")
+            continue
+        total = r.requests + r.concurrent_requests
+        equal = "(baseline)" if r.outputs_equal is None else "yes" if r.outputs_equal else f"NO ({len(r.mismatched)})"
+        lines.append(f"{r.setup:<18} {r.requests:>4} {r.errors:>4} {r.ttft_ms_p50:>8.2f} {r.ttft_ms_p90:>7.2f} "
+                     f"{r.tpot_ms_p50:>8.2f} {r.tpot_ms_p90:>6.2f} {r.latency_ms_p50:>7.1f} "
+                     f"{r.throughput_tok_s or '-':>6} "
+                     f"{f'{r.disaggregated}/{total}' if r.kv_pulled is not None else '-':>6} "
+                     f"{'-' if r.kv_pulled is None else f'{r.kv_pulled:.0%}':>9}  {equal}")
+        if r.errors:
+            notes.append(f"{r.setup}: {r.errors} request(s) failed; the first: {r.first_error}")
+    lines.append(f"prompts of {', '.join(map(str, result.prompt_tokens))} tokens, {result.max_tokens} output tokens "
+                 f"each (greedy); TTFT, TPOT and e2e (request to last token) in ms over {result.rounds} sequential "
+                 f"round(s); tok/s: output tokens per second, {result.concurrency} requests at a time")
+    return "\n".join(lines + notes)

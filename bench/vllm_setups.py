@@ -1,0 +1,103 @@
+"""The vLLM setups `kvwire bench vllm` measures, each started on its own and stopped whole.
+
+1. PLAIN: one vLLM server with no KV connector, pinned to core 0: the single-node baseline.
+2. KVWIRE: prefill (core 0) and decode (core 1) with KvwireConnector over one transport, the
+   kvwire router in front (cli/vllm_pd.py).
+3. NIXL: the same pair and router with vLLM's own NixlConnector on host memory. It needs the
+   `nixl` Python package (vLLM imports `nixl._api`; the `nixl-cu12` wheel alone provides
+   `nixl_cu12`); without it, or when the servers fail, the setup is reported with the reason.
+
+`started(...)` yields where to send requests and, for a pair, how to read the decode server's
+prompt tokens by source; leaving it (Ctrl-C included) stops every process of the setup.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import NamedTuple
+
+from kvwire.cli.vllm_cluster import VLLMServerSpec, start_all
+from kvwire.cli.vllm_pd import DTYPE, kvwire_pair, nixl_pair, pd_cluster_of
+from kvwire.connectors.config import ConnectorKind
+
+# a vLLM log line at ERROR, or the last line of a traceback, either behind vLLM's "(EngineCore pid=N) " prefix
+_ERROR_LINE = re.compile(r"^(?:\([\w:]+ pid=\d+\) )?(?:ERROR [\d-]+ [\d:]+ \[[^\]]+\] (?P<log>.+)"
+                         r"|(?P<exc>(?:[\w.]+\.)?\w*(?:Error|Exception)\b.*))$")
+
+
+class SetupKind(enum.StrEnum):
+    PLAIN = "plain"
+    KVWIRE = "kvwire"
+    NIXL = "nixl"
+
+
+class Setup(NamedTuple):
+    kind: SetupKind
+    transport: ConnectorKind | None = None  # KVWIRE only
+
+    @property
+    def name(self) -> str:
+        if self.kind == SetupKind.KVWIRE:
+            return f"kvwire {self.transport}"
+        return "plain vLLM" if self.kind == SetupKind.PLAIN else "vLLM NixlConnector"
+
+    @property
+    def slug(self) -> str:
+        """The name as a folder name, for the setup's logs."""
+        return self.name.replace(" ", "-")
+
+
+class Target(NamedTuple):
+    """A started setup: where requests go, and the decode server's prompt tokens by source (a pair only)."""
+
+    url: str
+    tokens_by_source: Callable[[], dict[str, float]] | None
+
+
+def nixl_missing() -> str | None:
+    """Why vLLM's NixlConnector cannot run here (a package it imports is missing), or None."""
+    for module, package in (("nixl", "nixl"), ("nixl_cu12", "nixl-cu12")):
+        if importlib.util.find_spec(module) is None:
+            return (f"the `{package}` Python package is not installed (vLLM's NixlConnector imports "
+                    f"`nixl._api`: the `nixl` meta package over `nixl-cu12`)")
+    return None
+
+
+@contextmanager
+def started(setup: Setup, model_dir: Path, redis_url: str, log_dir: Path) -> Iterator[Target]:
+    """Start `setup` (logs under `log_dir`), yield its Target, stop it all on exit.
+
+    Raises:
+        ClusterError: a server or the router did not start (what did start is stopped).
+    """
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if setup.kind == SetupKind.PLAIN:
+        (server,) = start_all([VLLMServerSpec(model_dir, cpu_cores="0", dtype=DTYPE, log_path=log_dir / "plain.log")])
+        try:
+            yield Target(server.url, None)
+        finally:
+            server.stop()
+        return
+    if setup.kind == SetupKind.NIXL:
+        pair = nixl_pair(model_dir, log_dir)
+    else:
+        assert setup.transport is not None  # a KVWIRE setup names its transport
+        pair = kvwire_pair(model_dir, redis_url, setup.transport, log_dir)
+    with pd_cluster_of(*pair, log_dir) as cluster:
+        yield Target(cluster.router_url, cluster.prompt_tokens_by_source)
+
+
+def failure_reason(exc: BaseException, log_dir: Path) -> str:
+    """The exception, and the last error line the setup's servers logged (the cause, usually)."""
+    lines: list[str] = []
+    for log in sorted(log_dir.glob("*.log")):
+        found = [m["log"] or m["exc"] for line in log.read_text(errors="replace").splitlines()
+                 if (m := _ERROR_LINE.match(line))]
+        if found:
+            lines.append(f"{log.stem}: {found[-1][:300]}")
+    return "; ".join([f"{type(exc).__name__}: {exc}", *lines])
