@@ -16,7 +16,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def main(model: str, redis_url: str, prompt: str) -> None:
+def main(model: str, redis_url: str, prompt: str, deadline_s: float) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -25,7 +25,7 @@ def main(model: str, redis_url: str, prompt: str) -> None:
     transfer = KVTransferConfig(kv_connector="KvwireConnector", kv_connector_module_path="kvwire.connectors.vllm",
                                 kv_role="kv_consumer",
                                 kv_connector_extra_config={"redis_url": redis_url, "transport": "tcp",
-                                                           "kv_deadline_s": 2.0, "node_id": "offline-consumer"})
+                                                           "kv_deadline_s": deadline_s, "node_id": "offline-consumer"})
     llm = LLM(model=model, kv_transfer_config=transfer, max_model_len=2048, enforce_eager=True)
     n = len(llm.get_tokenizer().encode(prompt))
     directory = KVDirectory(redis_url)
@@ -48,4 +48,4 @@ def main(model: str, redis_url: str, prompt: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]))

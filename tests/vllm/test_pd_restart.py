@@ -32,6 +32,7 @@ def test_restarted_prefill_is_fenced_and_used_again(plain_server: VLLMServer, vl
         body = _body(model, PROMPTS[1], max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         params = httpx.post(f"{cluster.prefill.url}/v1/completions", json=body, timeout=60).json()[
             "kv_transfer_params"]
+        _wait_ready_entry(redis_url, params["remote_request_id"])  # held and announced: what the restart fences
         cluster.prefill.kill()
         restarted = VLLMServer(dataclasses.replace(cluster.prefill.spec, port=cluster.prefill.port)).start()
         try:
@@ -40,6 +41,16 @@ def test_restarted_prefill_is_fenced_and_used_again(plain_server: VLLMServer, vl
             _used_again(model, cluster)
         finally:
             restarted.stop()
+
+
+def _wait_ready_entry(redis_url: str, request_id: str, timeout_s: float = 10.0) -> None:
+    """The producer announces KV one engine step after it answered; a busy machine makes that step late."""
+    directory = KVDirectory(redis_url)
+    try:
+        entry = directory.wait_for(request_id, {TransferState.READY}, time.monotonic() + timeout_s)
+    finally:
+        directory.close()
+    assert entry is not None and entry.state == TransferState.READY, entry
 
 
 def _fenced_and_recomputed(model: str, redis_url: str, decode_url: str, params: dict, want: str) -> None:
