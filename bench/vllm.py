@@ -9,7 +9,8 @@ KvwireConnector pair per transport, then vLLM's NixlConnector pair):
 3. SEQUENTIAL: `rounds` passes over the mix, one streamed request at a time: TTFT and time
    per output token at the client.
 4. CONCURRENT (unless concurrency is 0): as many requests again, `concurrency` at a time:
-   output tokens per second.
+   output tokens per second. Over steps 3 and 4 the cores that processes other than the
+   bench's kept busy are noted (bench/vllm_host.py): figures taken on a shared host say so.
 5. STOPPED: the decode server's prompt tokens by source are read (how much KV was pulled),
    then every process of the setup is stopped.
 
@@ -31,6 +32,7 @@ from typing import NamedTuple
 import httpx
 import msgspec
 
+from kvwire.bench.vllm_host import ForeignLoad
 from kvwire.bench.vllm_mix import Ask, RequestError, Sample, concurrent_asks, sequential_asks, stream_one
 from kvwire.bench.vllm_setups import Setup, SetupKind, Target, failure_reason, nixl_missing, started
 from kvwire.cli.local_cluster import ClusterError
@@ -78,6 +80,7 @@ class VLLMRow(msgspec.Struct, frozen=True):
     kv_pulled: float | None = None  # share of the decode server's prompt tokens whose KV a connector moved
     outputs_equal: bool | None = None  # against the plain server's; None for the plain server itself
     mismatched: list[str] = []  # tags of the requests whose tokens differ
+    foreign_cores: float | None = None  # cores other processes kept busy during the measured passes
 
 
 class VLLMBenchResult(msgspec.Struct, frozen=True):
@@ -151,11 +154,15 @@ def _measure(setup: Setup, cfg: VLLMBenchConfig, log_dir: Path, reference: dict[
 
         on_progress(f"{setup.name}: up; {len(lengths) * cfg.rounds} sequential requests")
         warm = send([Ask(f"warm-up-p{i}", n) for i, n in enumerate(lengths)], 1)  # each shape's first forward
+        load = ForeignLoad()
+        load.start()
         seq = send(sequential_asks(lengths, cfg.rounds), 1)
         conc = send(concurrent_asks(lengths, cfg.rounds), cfg.concurrency) if cfg.concurrency else _Pass([], [], 0)
+        foreign = load.stop()
         by_source = _tokens_by_source(target)
     outputs = {s.tag: s.token_ids for s in seq.samples + conc.samples}
-    return _row(setup, (warm, seq, conc), outputs, reference, by_source), outputs
+    row = _row(setup, (warm, seq, conc), outputs, reference, by_source)
+    return msgspec.structs.replace(row, foreign_cores=foreign), outputs
 
 
 def _tokens_by_source(target: Target) -> dict[str, float] | None:
@@ -219,7 +226,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def table(result: VLLMBenchResult) -> str:
     head = (f"{'setup':<18} {'reqs':>4} {'errs':>4} {'TTFT p50':>8} {'p90':>7} {'TPOT p50':>8} {'p90':>6} "
-            f"{'e2e p50':>7} {'tok/s':>6} {'disagg':>6} {'KV pulled':>9}  outputs equal")
+            f"{'e2e p50':>7} {'tok/s':>6} {'disagg':>6} {'KV pulled':>9} {'other':>5}  outputs equal")
     lines, notes = [head, "-" * len(head)], []
     for r in result.rows:
         if not r.ran:
@@ -231,10 +238,12 @@ def table(result: VLLMBenchResult) -> str:
                      f"{r.tpot_ms_p50:>8.2f} {r.tpot_ms_p90:>6.2f} {r.latency_ms_p50:>7.1f} "
                      f"{r.throughput_tok_s or '-':>6} "
                      f"{f'{r.disaggregated}/{total}' if r.kv_pulled is not None else '-':>6} "
-                     f"{'-' if r.kv_pulled is None else f'{r.kv_pulled:.0%}':>9}  {equal}")
+                     f"{'-' if r.kv_pulled is None else f'{r.kv_pulled:.0%}':>9} "
+                     f"{'-' if r.foreign_cores is None else f'{r.foreign_cores:.2f}':>5}  {equal}")
         if r.errors:
             notes.append(f"{r.setup}: {r.errors} request(s) failed; the first: {r.first_error}")
     lines.append(f"prompts of {', '.join(map(str, result.prompt_tokens))} tokens, {result.max_tokens} output tokens "
                  f"each (greedy); TTFT, TPOT and e2e (request to last token) in ms over {result.rounds} sequential "
-                 f"round(s); tok/s: output tokens per second, {result.concurrency} requests at a time")
+                 f"round(s); tok/s: output tokens per second, {result.concurrency} requests at a time; other: cores "
+                 f"busy with processes not the bench's while it measured")
     return "\n".join(lines + notes)
