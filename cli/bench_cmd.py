@@ -338,7 +338,8 @@ def vllm(
             raise typer.Exit(1) from None
     typer.echo(msgspec.json.format(msgspec.json.encode(result), indent=2).decode() if as_json else table(result))
     if not result.passed:
-        typer.echo("a kvwire setup did not run or its outputs differ from the plain server's", err=True)
+        typer.echo("a kvwire setup did not run, had failed requests, or gave outputs other than the plain "
+                   "server's", err=True)
         raise typer.Exit(1)
 
 
