@@ -1,22 +1,23 @@
 """A whole kvwire cluster on this host: private Redis, one prefill, one decode, the router.
 
 1. `start()` starts a private redis-server (unless a URL is given) and spawns the
-   prefill node, decode node and router as child processes of this one (with
-   PR_SET_PDEATHSIG where the OS has it, so they die with this process too). Each node
-   also serves /healthz, /readyz and /metrics on a free port of its own (`ops_urls`).
-2. It returns once the router's /healthz sees both nodes live.
-3. `stop()` (also on exit of the `with` block) sends SIGTERM to every child, SIGKILL to
-   any still alive after a grace period, and stops Redis, so nothing is left behind.
+   prefill node, decode node and router as supervised child processes of this one
+   (cli/supervisor.py; they die with this process too). Each node also serves /healthz,
+   /readyz and /metrics on a free port of its own (`ops_urls`).
+2. It returns once the router's /healthz sees both nodes live; from then on a child that
+   crashes is restarted with its command line (the router on the same port) while the
+   others keep serving. `stop_process` stops one on purpose: it stays down.
+3. `stop()` (also on exit of the `with` block) stops restarting, sends SIGTERM to every
+   child, SIGKILL to any still alive after a grace period, removes the Unix sockets a
+   SIGKILLed producer left, and stops Redis, so nothing is left behind.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from kvwire.cli.redis_server import LocalRedis
+from kvwire.cli.supervisor import Supervisor
 from kvwire.connectors.config import ConnectorKind
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,8 @@ class ClusterSpec:
     prefill_device: str = "cpu"
     decode_device: str = "cpu"
     layerwise: bool = False  # the prefill node streams each prompt's KV layer by layer (tcp or ucx connector)
+    max_restarts: int | None = None  # crashed children restarted in all before giving up; None: no limit
+    request_timeout_s: float | None = None  # the router's --request-timeout; None: its default
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -59,23 +63,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 @dataclass
 class LocalCluster:
     spec: ClusterSpec
     redis: LocalRedis | None = None
     redis_url: str = ""
     port: int = 0
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    supervisor: Supervisor = field(init=False)
     http_ports: dict[str, int] = field(default_factory=dict)  # node role -> its ops endpoint's port
+
+    def __post_init__(self) -> None:
+        self.supervisor = Supervisor(self.spec.log_dir, self.spec.max_restarts)
+
+    @property
+    def procs(self) -> dict[str, subprocess.Popen]:
+        """Each child's current process (a restart replaces it)."""
+        return self.supervisor.procs
 
     @property
     def url(self) -> str:
@@ -111,10 +114,15 @@ class LocalCluster:
         for role in ("prefill", "decode"):
             self.http_ports[role] = free_port(self.spec.host)
             self.spawn(role, self._node_args(role))
-        self.spawn("router", ["router", "--model", str(self.spec.model_dir), "--redis-url", self.redis_url,
-                              "--host", self.spec.host, "--port", str(self.port), "--log-level", self.spec.log_level,
-                              *self._auth_args()])
+        self.spawn("router", self._router_args())
         self.wait_ready()
+        self.supervisor.armed.set()
+
+    def _router_args(self) -> list[str]:
+        s = self.spec
+        timeout = [] if s.request_timeout_s is None else ["--request-timeout", str(s.request_timeout_s)]
+        return ["router", "--model", str(s.model_dir), "--redis-url", self.redis_url, "--host", s.host,
+                "--port", str(self.port), "--log-level", s.log_level, *timeout, *self._auth_args()]
 
     def _auth_args(self) -> list[str]:
         path = self.spec.auth_secret_file
@@ -130,18 +138,8 @@ class LocalCluster:
                 *(["--layerwise"] if s.layerwise and role == "prefill" else [])]
 
     def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        """Start `python -m cli.main ARGS` as a child named `name`."""
-        out = None
-        if self.spec.log_dir is not None:
-            self.spec.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.spec.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-        proc = subprocess.Popen([sys.executable, "-m", "kvwire.cli.main", *args], stdout=out,
-                                stderr=subprocess.STDOUT if out else None,
-                                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, cwd=os.getcwd())
-        if out is not None:
-            out.close()
-        self.procs[name] = proc
-        return proc
+        """Start `python -m kvwire.cli.main ARGS` as a supervised child named `name`."""
+        return self.supervisor.start(name, args)
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Block until /healthz answers 200. Raises ClusterError if a child dies or time runs out."""
@@ -149,7 +147,7 @@ class LocalCluster:
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
                 dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
-                if dead:
+                if dead and not self.supervisor.armed.is_set():
                     raise ClusterError(f"processes exited during start-up: {dead}")
                 try:
                     if client.get(f"{self.url}/healthz").status_code == 200:
@@ -160,20 +158,24 @@ class LocalCluster:
         raise ClusterError(f"cluster not ready within {timeout_s:.0f}s")
 
     def stop_process(self, name: str, sig: int = signal.SIGTERM, grace_s: float = 10.0) -> int | None:
-        proc = self.procs.get(name)
-        if proc is None or proc.poll() is not None:
-            return proc.returncode if proc else None
-        proc.send_signal(sig)
-        try:
-            return proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return proc.wait()
+        """Stop child `name` on purpose with `sig` (SIGKILL after `grace_s`): it is not restarted."""
+        return self.supervisor.stop(name, sig, grace_s)
 
     def stop(self) -> None:
-        for name in ("router", "prefill", "decode", *self.procs):
-            if name in self.procs:
-                self.stop_process(name)
+        self.supervisor.close(order=["router", "prefill", "decode"])
+        _remove_dead_sockets([f"{role}-0" for role in ("prefill", "decode")])
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+
+
+def _remove_dead_sockets(node_ids: list[str]) -> None:
+    """The Unix sockets a SIGKILLed shared-memory producer left (its next incarnation would remove them)."""
+    from kvwire.connectors.shm.channel import remove_stale, socket_dir
+
+    try:
+        directory = socket_dir()
+    except OSError:
+        return
+    for node_id in node_ids:
+        remove_stale(directory, node_id)

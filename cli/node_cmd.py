@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from kvwire.cli.options import (
+    AdvertiseHost,
     AuthSecretFile,
     BlockSize,
     Connector,
@@ -20,6 +21,7 @@ from kvwire.cli.options import (
     NumBlocks,
     PullLanes,
     RedisUrl,
+    RequireFastPath,
     VerifyKV,
     node_config,
     setup_logging,
@@ -50,7 +52,7 @@ def prefill(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port
             num_blocks: NumBlocks = 1024, kv_deadline: KVDeadline = 10.0, max_model_len: MaxLen = 0,
             device: Device = "cpu", torch_threads: Threads = 1, http_port: HttpPort = 0,
             auth_secret_file: AuthSecretFile = None, verify_kv: VerifyKV = False, drain_timeout: DrainTimeout = 30.0,
-            layerwise: Layerwise = False, log_level: LogLevel = "INFO") -> None:
+            layerwise: Layerwise = False, advertise_host: AdvertiseHost = None, log_level: LogLevel = "INFO") -> None:
     """Run a prefill node: compute prompts and publish their KV."""
     _run(NodeRole.PREFILL, **locals())
 
@@ -60,6 +62,7 @@ def decode(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port:
            num_blocks: NumBlocks = 1024, kv_deadline: KVDeadline = 10.0, max_model_len: MaxLen = 0,
            device: Device = "cpu", torch_threads: Threads = 1, http_port: HttpPort = 0,
            auth_secret_file: AuthSecretFile = None, verify_kv: VerifyKV = False, drain_timeout: DrainTimeout = 30.0,
-           pull_lanes: PullLanes = 2, log_level: LogLevel = "INFO") -> None:
+           pull_lanes: PullLanes = 2, advertise_host: AdvertiseHost = None, require_fast_path: RequireFastPath = False,
+           log_level: LogLevel = "INFO") -> None:
     """Run a decode node: receive prompts' KV and generate tokens."""
     _run(NodeRole.DECODE, **locals())

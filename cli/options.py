@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from kvwire.cli import advertise
 from kvwire.connectors.config import MAX_PULL_LANES, ConnectorConfig, ConnectorKind, NodeRole
 from kvwire.engine.engine_config import EngineConfig
 from kvwire.node.config import NodeConfig
@@ -21,6 +22,10 @@ RedisUrl = Annotated[str, typer.Option("--redis-url", help="Redis URL of the dir
 OptionalRedisUrl = Annotated[str | None, typer.Option(
     "--redis-url", help="Use this Redis instead of starting a private one.", envvar="KVWIRE_REDIS_URL")]
 Host = Annotated[str, typer.Option("--host", help="Address to bind; loopback unless told otherwise.")]
+AdvertiseHost = Annotated[str | None, typer.Option(
+    "--advertise-host", envvar="KVWIRE_ADVERTISE_HOST",
+    help="Address peers reach this node at, published in the directory. Default: --host, or for a wildcard "
+         "--host (0.0.0.0) the address of the interface that routes to the directory's Redis (never loopback).")]
 Connector = Annotated[ConnectorKind, typer.Option(
     "--connector", help="KV transport: auto (shared memory on one host, UCX across hosts), ucx, shm, nccl or tcp.")]
 BlockSize = Annotated[int, typer.Option("--block-size", min=1, help="Tokens per KV block.")]
@@ -43,6 +48,10 @@ PullLanes = Annotated[int, typer.Option(
 Layerwise = Annotated[bool, typer.Option(
     "--layerwise", help="Prefill: publish each prompt's KV before its forward and send it layer by layer as the "
                         "layers are computed, so the transfer hides behind compute (tcp and ucx connectors).")]
+RequireFastPath = Annotated[bool, typer.Option(
+    "--require-fast-path", envvar="KVWIRE_REQUIRE_FAST_PATH",
+    help="Decode: refuse KV from a producer on this host whose path crosses the network stack (e.g. UCX on tcp "
+         "between containers) where shared memory was expected, and recompute; off: warn once per producer.")]
 AuthSecretFile = Annotated[Path | None, typer.Option(
     "--auth-secret-file", envvar="KVWIRE_AUTH_SECRET_FILE",
     help="File holding a shared secret (16+ bytes): control messages between the router and nodes are sealed "
@@ -73,16 +82,22 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
                 connector: ConnectorKind, block_size: int, num_blocks: int, kv_deadline: float,
                 max_model_len: int, device: str, torch_threads: int, http_port: int = 0,
                 auth_secret_file: Path | None = None, verify_kv: bool = False,
-                drain_timeout: float = 30.0, pull_lanes: int = 2, layerwise: bool = False) -> NodeConfig:
+                drain_timeout: float = 30.0, pull_lanes: int = 2, layerwise: bool = False,
+                advertise_host: str | None = None, require_fast_path: bool = False) -> NodeConfig:
     """Build a node's one config object from its command-line options."""
     if not (model / "config.json").is_file():
         raise typer.BadParameter(f"{model} has no config.json (create one with `kvwire init-model`)",
                                  param_hint="--model")
     try:
+        advertised = advertise.advertise_host(host, advertise_host, redis_url)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--advertise-host") from None
+    try:
         connector_config = ConnectorConfig(
             kind=connector, role=role, node_id=node_id or default_node_id(role), redis_url=redis_url, host=host,
+            advertise_host=advertised,
             kv_deadline_s=kv_deadline, entry_ttl_s=max(60.0, kv_deadline * 2), verify_kv=verify_kv,
-            pull_lanes=pull_lanes, layerwise=layerwise)
+            pull_lanes=pull_lanes, layerwise=layerwise, require_fast_path=require_fast_path)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     return NodeConfig(

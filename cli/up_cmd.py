@@ -1,4 +1,8 @@
-"""`kvwire up`: a whole local cluster in the foreground until Ctrl-C or SIGTERM."""
+"""`kvwire up`: a whole local cluster in the foreground until Ctrl-C or SIGTERM.
+
+A child that crashes is restarted (cli/supervisor.py) while the others keep serving; only
+Ctrl-C, SIGTERM or `--max-restarts` used up stops everything.
+"""
 
 from __future__ import annotations
 
@@ -30,6 +34,9 @@ def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a
        port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Router HTTP port.")] = 8000,
        redis_url: OptionalRedisUrl = None, connector: Connector = ConnectorKind.AUTO,
        kv_deadline: KVDeadline = 10.0, auth_secret_file: AuthSecretFile = None, layerwise: Layerwise = False,
+       max_restarts: Annotated[int | None, typer.Option(
+           "--max-restarts", min=0, help="Crashed processes restarted in all before everything stops; "
+                                         "unlimited by default.")] = None,
        log_level: LogLevel = "WARNING") -> None:
     """Start Redis, a prefill node, a decode node and the router; stop them all on Ctrl-C."""
     if layerwise and connector not in LAYERWISE_KINDS:
@@ -40,7 +47,7 @@ def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a
         signal.signal(sig, lambda *_: stop.set())
     spec = ClusterSpec(model_dir=model or default_model_dir(), connector=connector, host=host, port=port,
                        redis_url=redis_url, kv_deadline_s=kv_deadline, log_level=log_level,
-                       auth_secret_file=auth_secret_file, layerwise=layerwise)
+                       auth_secret_file=auth_secret_file, layerwise=layerwise, max_restarts=max_restarts)
     auth_secret(auth_secret_file)  # a bad file fails here, not in four children
     with LocalCluster(spec) as cluster:
         typer.echo(f"kvwire is up: {cluster.url}  (model {spec.model_dir}, connector {connector}, "
@@ -48,9 +55,8 @@ def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a
         typer.echo("ops endpoints (/healthz /readyz /metrics): "
                    + "  ".join(f"{name} {url}" for name, url in cluster.ops_urls.items()))
         typer.echo(f"try: kvwire generate 'Hello' --url {cluster.url}    Ctrl-C stops everything.")
-        while not stop.wait(1.0):
-            dead = {n: p.returncode for n, p in cluster.procs.items() if p.poll() is not None}
-            if dead:
-                typer.echo(f"processes exited: {dead}; shutting down", err=True)
+        while not stop.wait(0.5):
+            if cluster.supervisor.gave_up.is_set():
+                typer.echo("kvwire: --max-restarts used up; shutting down", err=True)
                 raise typer.Exit(1)
     typer.echo("kvwire stopped")

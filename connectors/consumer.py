@@ -9,7 +9,8 @@ A request here:
    `KVReady`), the watcher (the directory's READY, or a FAILED / EXPIRED entry), or the
    deadline. `on_ready(request_id)`, given at construction, then fires once: the node may
    admit the request.
-3. `receive` (the runner's pull, one at a time): check the producer's layout matches ours,
+3. `receive` (the runner's pull, one at a time): check the producer's layout matches ours
+   and that a same-host producer is not reached through the network stack (fast_path.py),
    let the transport's puller move the blocks and hidden states into ours, write the
    record's `stats`. A request nobody announced is looked up in the directory right there.
    The producer, having confirmed the pull, marks the entry CONSUMED and deletes it: no
@@ -34,9 +35,11 @@ from kvwire.connectors.base import HiddenStates, TransferError
 from kvwire.connectors.config import ConnectorConfig
 from kvwire.connectors.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState
 from kvwire.connectors.expected import ExpectedKV, Received
+from kvwire.connectors.fast_path import FastPathGuard
 from kvwire.connectors.hidden import empty_like_descs, join_requests
 from kvwire.connectors.kv_checksum import layer_checksums
 from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.producer_watch import ProducerWatch
 from kvwire.connectors.transport import Transport
 from kvwire.connectors.wire import KVLocation
 from kvwire.engine.model_input import ModelInput, SequenceInput
@@ -83,20 +86,27 @@ class KVConsumer:
         self._on_ready = on_ready
         self._metrics = metrics or process_metrics()
         self._puller = transport.puller(region)
+        self._fast_path = FastPathGuard(config, lambda loc: transport.data_path(self._puller, loc))
         self._expected: dict[str, ExpectedKV] = {}  # announced, not yet pulled; guarded by _lock
         self._lock = threading.Lock()
         self._watchers = ThreadPoolExecutor(max_workers=WATCHERS, thread_name_prefix="kv-watch")
         self._pulling = threading.Lock()  # the puller moves one request at a time, whichever thread asks
         self._addresses_published = 0.0
-        self._publish_addresses()
+        self.publish_addresses()
+        self._producer_watch = ProducerWatch(directory, self._waiting, on_ready, directory.node_ttl_s)
+        self._producer_watch.start()
 
-    def expect(self, request_id: str, producer: str = "") -> ExpectedKV:
+    def expect(self, request_id: str, producer: str = "", producer_epoch: int = 0) -> ExpectedKV:
         """A request whose KV `producer` is computing has arrived; its KV deadline starts now.
 
+        Args:
+            producer_epoch: the producer's incarnation that was sent the work (0: unknown); if another
+                incarnation registers, or none for a heartbeat TTL, the KV is given up at once.
         Returns:
             Its record, whose `stats` the pull fills in.
         """
-        record = ExpectedKV(request_id, producer, time.monotonic() + self._config.kv_deadline_s, watched=True)
+        record = ExpectedKV(request_id, producer, time.monotonic() + self._config.kv_deadline_s, watched=True,
+                            producer_epoch=producer_epoch)
         with self._lock:
             if len(self._expected) > MAX_RECORDS:
                 self._expected = {r: e for r, e in self._expected.items() if not e.settled}
@@ -164,7 +174,7 @@ class KVConsumer:
         """
         record = record or self._take(request_id)
         if time.monotonic() - self._addresses_published > self._config.entry_ttl_s / 3:
-            self._publish_addresses()  # they expire with entry_ttl_s: producers refuse pulls to unknown addresses
+            self.publish_addresses()  # they expire with entry_ttl_s: producers refuse pulls to unknown addresses
         try:
             return self._receive(request_id, num_tokens, dst_blocks, record, first_block)
         except (TransferError, DirectoryError) as exc:
@@ -176,6 +186,7 @@ class KVConsumer:
             raise TransferError(request_id, "directory", str(exc)) from exc
 
     def close(self) -> None:
+        self._producer_watch.close()
         self._watchers.shutdown(wait=False, cancel_futures=True)
         self._puller.close()
         self._transport.close()
@@ -186,6 +197,10 @@ class KVConsumer:
         with self._lock:
             record = self._expected.pop(request_id, None)
         return record or ExpectedKV(request_id, "", time.monotonic() + self._config.kv_deadline_s)
+
+    def _waiting(self) -> list[ExpectedKV]:
+        with self._lock:
+            return [r for r in self._expected.values() if not r.settled]
 
     def _watch(self, record: ExpectedKV) -> None:
         """A watcher thread: settle the record from the directory, then tell the node."""
@@ -223,6 +238,8 @@ class KVConsumer:
             raise ReceiveError(rid, record.producer or "unknown producer", record.failure, record.failure_kind)
         loc = self._check(rid, num_tokens, dst_blocks, first_block, record.location)
         loc = self._transport.choose(loc)
+        if refusal := self._fast_path.refusal(loc):
+            raise ReceiveError(rid, loc.producer, refusal, TransferFailure.SLOW_PATH)
         hidden = empty_like_descs(loc.hidden, self._region.planes[0].device)
         start = time.monotonic()
         dst = dst_blocks[first_block:first_block + len(loc.block_ids)]
@@ -281,7 +298,7 @@ class KVConsumer:
         except DirectoryError as exc:
             log.warning("request %s: cannot mark failed: %s", request_id, exc)
 
-    def _publish_addresses(self) -> None:
+    def publish_addresses(self) -> None:
         """Tell producers where this consumer receives KV (refreshed well within its TTL)."""
         try:
             for kind, address in self._transport.published_addresses(self._puller).items():

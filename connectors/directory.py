@@ -49,7 +49,14 @@ from redis.typing import EncodableT
 
 from kvwire.connectors import redis_url as redis_url_forms
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.directory_scripts import EVENTS_MAXLEN, LUA_CREATE, LUA_PUBLISH, LUA_PUT_NODE, LUA_TRANSITION
+from kvwire.connectors.directory_scripts import (
+    EVENTS_MAXLEN,
+    LUA_CREATE,
+    LUA_KEEP_EPOCH,
+    LUA_PUBLISH,
+    LUA_PUT_NODE,
+    LUA_TRANSITION,
+)
 from kvwire.connectors.wire import KVLocation, NodeInfo, WireError, decode, encode
 from kvwire.observability.labels import DirectoryOp
 from kvwire.observability.metrics import Metrics, process_metrics
@@ -196,6 +203,7 @@ class KVDirectory:
         self._publish = self._redis.register_script(LUA_PUBLISH)
         self._transition = self._redis.register_script(LUA_TRANSITION)
         self._put_node = self._redis.register_script(LUA_PUT_NODE)
+        self._keep_epoch = self._redis.register_script(LUA_KEEP_EPOCH)
         self._load_scripts()
 
     def _load_scripts(self) -> None:
@@ -422,11 +430,12 @@ class KVDirectory:
             epoch, _ = pipe.execute()
         return int(epoch)
 
-    def keep_epoch(self, node_id: str) -> None:
-        """Keep `node_id`'s epoch counter alive (node heartbeats do it for kvwire's nodes), so that a
-        restarted incarnation still draws a higher epoch and fences off what this one published."""
+    def keep_epoch(self, node_id: str, epoch: int) -> None:
+        """Keep `node_id`'s epoch counter alive, and at least `epoch` (a Redis that lost its data forgot
+        it), so that a restarted incarnation still draws a higher epoch and fences off what the one at
+        `epoch` published. kvwire's nodes do it with every heartbeat (`register_node`, `heartbeat`)."""
         with self._errors(f"keep_epoch of node {node_id}"):
-            self._redis.pexpire(self._node_keys(node_id)[1], self._epoch_ttl_ms)
+            self._keep_epoch(keys=self._node_keys(node_id)[1:], args=[epoch, self._epoch_ttl_ms])
 
     def register_node(self, info: NodeInfo) -> None:
         """Publish the node's NodeInfo for node_ttl_s.

@@ -45,11 +45,23 @@ for i = 4, #ARGV do  -- ARGV: to, ttl_ms, reason, allowed_from...
 end
 return 0
 """
+# KEYS: epoch counter. ARGV: epoch, epoch_ttl_ms. Keeps the counter alive, and puts it back when lost.
+LUA_KEEP_EPOCH = """
+local latest = tonumber(redis.call('GET', KEYS[1]) or '0')
+if tonumber(ARGV[1]) > latest then return redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) end
+return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+"""
 # KEYS: node record, epoch counter. ARGV: record, epoch, node_ttl_ms, epoch_ttl_ms.
+# A counter below the writer's epoch was lost (Redis restarted empty, FLUSHALL): the live node puts its
+# epoch back, so the next incarnation still draws a higher one and fencing holds.
 LUA_PUT_NODE = """
 local latest = tonumber(redis.call('GET', KEYS[2]) or '0')
 if tonumber(ARGV[2]) < latest then return {0, latest} end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
+if tonumber(ARGV[2]) > latest then
+  redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[4])
+else
+  redis.call('PEXPIRE', KEYS[2], ARGV[4])
+end
 return {1, latest}
 """

@@ -4,7 +4,8 @@ Lifecycle of a node's registration:
 
 1. `start()` registers the node at once, raising if that fails.
 2. A daemon thread refreshes the registration every node_ttl_s/3, waiting on an Event
-   between beats.
+   between beats, and then runs `on_beat` (a consumer republishes its transport addresses:
+   a Redis that lost its data has them back within one beat, like the registration).
 3. `mark_draining()` (optional) rewrites the registration at once with `draining` set;
    every later beat keeps it, and routers skip the node.
 4. `stop()` ends the thread and, by default, removes the registration.
@@ -34,12 +35,14 @@ class Heartbeat:
         directory: where to register.
         info_fn: the node's current NodeInfo (its load fields change between beats).
         interval_s: time between beats; node_ttl_s/3 by default.
+        on_beat: run after each beat (not the first registration) on the heartbeat thread.
     """
 
     def __init__(self, directory: KVDirectory, info_fn: Callable[[], NodeInfo], *,
-                 interval_s: float | None = None):  # fmt: skip
+                 interval_s: float | None = None, on_beat: Callable[[], None] = lambda: None):  # fmt: skip
         self._directory = directory
         self._info_fn = info_fn
+        self._on_beat = on_beat
         self._interval_s = interval_s if interval_s is not None else directory.node_ttl_s / 3
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -68,6 +71,7 @@ class Heartbeat:
             try:
                 with self._write_lock:
                     self._directory.heartbeat(self._stamped())
+                self._on_beat()
             except Exception:  # noqa: BLE001 - the beat must outlive any single failure
                 logger.exception("heartbeat of node %s failed; retrying in %.2fs", self._node_id, self._interval_s)
 

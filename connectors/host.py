@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 import functools
+import os
 import socket
 from pathlib import Path
 
 
 @functools.cache
 def host_identity() -> str:
-    """Hostname plus the kernel's boot id: equal for processes that can share memory on one machine."""
+    """Equal for processes that can share memory with each other, different otherwise.
+
+    The hostname and the kernel's boot id name the machine; the network and IPC namespaces
+    tell apart containers (pods) on one machine, which share a kernel and often a hostname
+    but reach each other only over the network. A namespace that cannot be read counts as
+    the same one.
+    """
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    return f"{socket.gethostname()}/{boot}/net:{_namespace('net')}/ipc:{_namespace('ipc')}"
+
+
+def _namespace(kind: str) -> int:
+    """The inode of this process's `kind` namespace (0 where /proc does not say)."""
+    try:
+        return os.stat(f"/proc/self/ns/{kind}").st_ino
+    except OSError:
+        return 0

@@ -198,7 +198,7 @@ class KVProducer:
             self._on_delivered(msg, kind, nbytes)
 
         server = TransferServer(self._config.host, self._region, self._held, engine, self._config.kv_deadline_s,
-                                trusted, self._on_expired, delivered)
+                                trusted, self._on_expired, delivered, advertise_host=self._config.advertised_host)
         server.start()
         return server
 

@@ -122,7 +122,7 @@ class SendEngine(ABC):
 class TransferServer:
     def __init__(self, host: str, region: KVRegion, held: HeldTable, engine: SendEngine, send_deadline_s: float,
                  trusted_address: Callable[[str], bytes | None], on_expired: Callable[[str], None] | None = None,
-                 on_delivered: Callable[[PullRequest, int], None] | None = None):
+                 on_delivered: Callable[[PullRequest, int], None] | None = None, advertise_host: str | None = None):
         """Args:
         host: address the side channel binds.
         region: the pool's bytes.
@@ -134,6 +134,7 @@ class TransferServer:
         on_expired: called for a held request released at its hold deadline.
         on_delivered: called with the pull and its bytes once a pull is confirmed to its consumer
             (the directory bookkeeping then happens here, off the consumer's path to its first token).
+        advertise_host: the address consumers reach the side channel at (published); None: host.
         """
         self._region, self._held, self._engine = region, held, engine
         self._send_deadline_s = send_deadline_s
@@ -144,7 +145,7 @@ class TransferServer:
         self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         limit_receive(self._sock)
-        self.side_channel = f"tcp://{host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
+        self.side_channel = f"tcp://{advertise_host or host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
         self._wakeup = Wakeup()
         self._stop = threading.Event()
         self._jobs: dict[tuple[str, int], SendJob] = {}

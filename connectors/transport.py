@@ -5,7 +5,8 @@
    can map it); a consumer's is an ordinary `KVPool`.
 3. `send_engines(region)` builds the producer's half (one send engine per transport it
    serves over, each run by a transfer server); `puller(region)` the consumer's half.
-4. Per pull, the consumer lets `choose` pick which of the producer's offers to use.
+4. Per pull, the consumer lets `choose` pick which of the producer's offers to use, and
+   asks `data_path` what will carry the bytes (connectors/fast_path.py).
 5. `close()` releases what the transport itself holds (a shared-memory segment); the
    roles close their send engines and puller.
 """
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind
+from kvwire.connectors.data_path import DataPath
 from kvwire.connectors.offers import narrow
 from kvwire.engine.kv_cache import KVPool
 
@@ -74,6 +76,11 @@ class Transport(ABC):
     def published_addresses(self, puller: Puller) -> dict[ConnectorKind, bytes]:
         """The transport addresses a consumer publishes in the directory, one per transport it pulls over."""
         return {self.kind: puller.transport_address}
+
+    def data_path(self, puller: Puller, loc: KVLocation) -> DataPath:
+        """The transports that carry `loc`'s bytes to `puller` (`loc` as `choose` narrowed it): the
+        transport's own name unless it can say more (UCX: what UCX selected for that producer)."""
+        return DataPath.of([str(loc.kind)])
 
     def choose(self, loc: KVLocation) -> KVLocation:
         """`loc` as seen through the offer this consumer pulls over (its `kind` says which).

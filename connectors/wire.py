@@ -74,6 +74,16 @@ class TransportOffer(msgspec.Struct, frozen=True, array_like=True):
     transport_address: bytes
 
 
+class TransportCheck(msgspec.Struct, frozen=True, kw_only=True):
+    """A node's start-up self-test of one transport it serves (connectors/self_test.py)."""
+
+    transport: ConnectorKind
+    ok: bool
+    path: str  # what carried the bytes: "tcp", "shm", or what UCX selected ("sysv/cma"); "unknown"
+    ms: float  # the loopback transfer's time, connecting included
+    reason: str = ""  # why it failed, or why the path is unknown
+
+
 class KVLocation(_Msg, tag="location", frozen=True):
     """Where one request's KV and hidden states live on its producer."""
 
@@ -115,6 +125,7 @@ class NodeInfo(_Msg, tag="node", frozen=True):
     running: int = 0  # requests in progress (prefill: KV held for a pull; decode: generating)
     heartbeat_at: float = 0.0  # wall-clock time (time.time()) of the beat that wrote this; 0: unknown
     draining: bool = False  # shutting down: finishing what it holds, taking no new work (routers skip it)
+    transport_checks: list[TransportCheck] = []  # its start-up transport self-test, one per transport served
 
 
 # --- transfer side channel ---------------------------------------------------------------
@@ -223,6 +234,7 @@ class DecodeWork(_Msg, tag="decode", frozen=True):
     sampling: SamplingParams
     prefill_node: str  # "" when no prefill node was available: decode computes the prompt itself
     reply_to: str  # router's zmq endpoint for TokenChunk messages
+    prefill_epoch: int = 0  # the incarnation of prefill_node the router picked; 0: unknown
 
 
 class DecodeStats(msgspec.Struct, frozen=True, kw_only=True):

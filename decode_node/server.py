@@ -70,7 +70,7 @@ class DecodeNode:
         m.watch_queue(Queue.DECODE_AWAITING_KV, self._awaiting)
         m.watch_queue(Queue.DECODE_WAITING, lambda: len(self.engine.waiting))
         m.watch_queue(Queue.DECODE_RUNNING, lambda: len(self.engine.running))
-        rt.start_heartbeat()
+        rt.start_heartbeat(on_beat=self._consumer.publish_addresses)
 
     def serve(self, stop: threading.Event) -> None:
         """Serve until `stop` is set (call `wake()` after setting it), then drain and return.
@@ -158,7 +158,7 @@ class DecodeNode:
             self.engine.add_request(rid, work.prompt_token_ids, work.sampling, receive_kv=False)
             record.admitted = True
             return
-        record.kv = self._consumer.expect(rid, work.prefill_node)
+        record.kv = self._consumer.expect(rid, work.prefill_node, work.prefill_epoch)
 
     def _on_kv_ready(self, request_id: str) -> None:
         """The consumer's ready callback (any thread): the request's KV can be pulled now, or never."""

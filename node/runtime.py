@@ -3,10 +3,13 @@
 1. `run_node(config, Node)`: the ops endpoint answers /healthz at once, while the node
    builds itself.
 2. The node opens its `NodeRuntime`: the model, the directory and this incarnation's
-   epoch, the transport, the block allocator, the zmq work socket. It then builds its
+   epoch, the transport, the block allocator, the zmq work socket; a loopback transfer
+   tests the transport (connectors/self_test.py: its result goes to /readyz, the
+   directory and kvwire_transport_info; a failure keeps the node unregistered and not
+   ready). It then builds its
    role (producer or consumer) over a pool, and its runner, passing each what it needs.
 3. `start_heartbeat`: the node registers in the directory (routers may now pick it);
-   /readyz turns 200.
+   /readyz turns 200 if the self-test passed.
 4. `serve_until_signalled`: the node's loop runs until SIGTERM / SIGINT, then drains.
 5. `node.close()` stops the role, then `NodeRuntime.close` deregisters and closes the
    directory and the socket. The process exits 0.
@@ -31,9 +34,10 @@ from kvwire.connectors.directory import KVDirectory
 from kvwire.connectors.factory import create_transport
 from kvwire.connectors.framing import unpack
 from kvwire.connectors.heartbeat import Heartbeat
+from kvwire.connectors.self_test import run_self_test
 from kvwire.connectors.sockets import limit_receive
 from kvwire.connectors.transport import Transport
-from kvwire.connectors.wire import KVLayout, Message, NodeInfo, WireError
+from kvwire.connectors.wire import KVLayout, Message, NodeInfo, TransportCheck, WireError
 from kvwire.engine.block_allocator import BlockAllocator
 from kvwire.engine.gc_pauses import freeze_startup_heap
 from kvwire.engine.loader import load_model
@@ -74,6 +78,7 @@ class NodeRuntime:
     metrics: Metrics = field(default_factory=process_metrics)
     heartbeat: Heartbeat | None = None
     rejected_messages: int = 0
+    transport_checks: list[TransportCheck] = field(default_factory=list)  # the start-up self-test's, per transport
 
     @classmethod
     def open(cls, config: NodeConfig, load: Callable[[], NodeLoad]) -> NodeRuntime:
@@ -88,13 +93,15 @@ class NodeRuntime:
         sock: zmq.Socket = zmq.Context.instance().socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         limit_receive(sock)
+        port = config.work_port or sock.bind_to_random_port(f"tcp://{config.host}")
         if config.work_port:
-            endpoint = f"tcp://{config.host}:{config.work_port}"
-            sock.bind(endpoint)
-        else:
-            endpoint = f"tcp://{config.host}:{sock.bind_to_random_port(f'tcp://{config.host}')}"
-        return cls(config, model, directory, epoch, create_transport(config.connector, epoch),
-                   BlockAllocator(eng.num_blocks), sock, endpoint, load)
+            sock.bind(f"tcp://{config.host}:{port}")
+        endpoint = f"tcp://{config.connector.advertised_host}:{port}"  # what routers connect to
+        rt = cls(config, model, directory, epoch, create_transport(config.connector, epoch),
+                 BlockAllocator(eng.num_blocks), sock, endpoint, load)
+        rt.transport_checks = run_self_test(config.connector, epoch)
+        rt.metrics.report_transport_checks(rt.transport_checks)
+        return rt
 
     @property
     def layout(self) -> KVLayout:
@@ -105,9 +112,15 @@ class NodeRuntime:
         limit = self.model.config.max_position_embeddings
         return min(self.config.engine.max_model_len or limit, limit)
 
-    def start_heartbeat(self) -> None:
-        """Register the node in the directory (routers may pick it from now on) and keep it there."""
-        self.heartbeat = Heartbeat(self.directory, self.node_info)
+    def start_heartbeat(self, on_beat: Callable[[], None] = lambda: None) -> None:
+        """Register the node in the directory (routers may pick it from now on) and keep it there; not when
+        the transport self-test failed: the node then serves nobody, and /readyz says why."""
+        failed = [c for c in self.transport_checks if not c.ok]
+        if failed:
+            log.error("node %s: not registering: transport self-test failed: %s", self.config.node_id,
+                      "; ".join(f"{c.transport}: {c.reason}" for c in failed))
+            return
+        self.heartbeat = Heartbeat(self.directory, self.node_info, on_beat=on_beat)
         self.heartbeat.start()
         log.info("node %s (%s, epoch %d) serving on %s", self.config.node_id, self.config.connector.role,
                  self.epoch, self.work_endpoint)
@@ -130,16 +143,24 @@ class NodeRuntime:
         return NodeInfo(node_id=self.config.node_id, role=NodeRole(self.config.connector.role), epoch=self.epoch,
                         work_endpoint=self.work_endpoint, connector=self.config.connector.kind,
                         free_blocks=self.allocator.num_free, total_blocks=self.allocator.num_blocks,
-                        queue_depth=load.queue_depth, running=load.running)
+                        queue_depth=load.queue_depth, running=load.running, transport_checks=self.transport_checks)
 
     def is_ready(self) -> bool:
-        """Whether the directory lists this incarnation, not draining.
+        """Whether the transport self-test passed and the directory lists this incarnation, not draining.
 
         Raises:
             DirectoryError: the directory cannot be reached.
         """
+        if not all(c.ok for c in self.transport_checks):
+            return False
         info = self.directory.get_node(self.config.node_id)
         return info is not None and info.epoch == self.epoch and not info.draining
+
+    def readiness_details(self) -> list[str]:
+        """The transport self-test, one line per transport, for /readyz's body."""
+        return [f"transport {c.transport}: ok in {c.ms:.1f} ms over {c.path}" if c.ok else
+                f"transport {c.transport}: self-test FAILED after {c.ms:.1f} ms: {c.reason}"
+                for c in self.transport_checks]
 
     def deregister(self) -> None:
         """Leave the directory's node list (routers stop picking the node)."""
@@ -190,5 +211,5 @@ def run_node(config: NodeConfig, make_node: Callable[[NodeConfig], Node]) -> Non
     with OpsServer(config.host, config.http_port or None, process_metrics()) as ops:
         node = make_node(config)
         freeze_startup_heap()
-        ops.set_ready_check(node.rt.is_ready)
+        ops.set_ready_check(node.rt.is_ready, node.rt.readiness_details)
         serve_until_signalled(node)

@@ -13,6 +13,7 @@ class TransferFailure(enum.StrEnum):
     MISMATCH = "mismatch"  # layout, token count or block count differ from ours
     TRANSPORT = "transport"  # the transport failed while moving the bytes
     DIRECTORY = "directory"  # Redis could not be reached or held an unreadable record
+    SLOW_PATH = "slow_path"  # refused: a same-host producer's KV would cross the network stack (--require-fast-path)
 
 
 class RecomputeReason(enum.StrEnum):
@@ -37,6 +38,13 @@ class RejectReason(enum.StrEnum):
 
     UNAUTHENTICATED = "unauthenticated"  # no valid seal while an auth secret is configured
     MALFORMED = "malformed"  # not a valid message of this wire version
+
+
+class SelfTestOutcome(enum.StrEnum):
+    """How a node's start-up transport self-test went, for kvwire_transport_info."""
+
+    OK = "ok"
+    FAILED = "failed"  # the node is not ready (its /readyz says why)
 
 
 class BlockState(enum.StrEnum):

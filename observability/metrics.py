@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -23,8 +24,12 @@ from kvwire.observability.labels import (
     RecomputeReason,
     RejectReason,
     RequestStatus,
+    SelfTestOutcome,
     TransferFailure,
 )
+
+if TYPE_CHECKING:
+    from kvwire.connectors.wire import TransportCheck
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -65,6 +70,13 @@ class Metrics:
                                          "by reason", ["reason"], registry=r)
         self.vllm_requests = Counter("kvwire_vllm_requests", "Requests the router sent on to vLLM instances, by path",
                                      ["path"], registry=r)
+        # `path` is what UCX reported (e.g. "sysv/cma"), not a closed set: one series per transport served
+        self.transport_info = Gauge("kvwire_transport_info", "The start-up transport self-test: 1 for each transport "
+                                    "served, with the path that carried its bytes and whether it passed",
+                                    ["transport", "path", "self_test"], registry=r)
+        self.transport_self_test_seconds = Gauge("kvwire_transport_self_test_seconds",
+                                                 "Time of the start-up loopback transfer, per transport",
+                                                 ["transport"], registry=r)
         self.vllm_instances = Gauge("kvwire_vllm_instances", "vLLM instances the router fronts, by role and state",
                                     ["role", "state"], registry=r)
         for counter, labels in ((self.kv_transfers_failed, TransferFailure), (self.recomputes, RecomputeReason),
@@ -80,6 +92,13 @@ class Metrics:
     def observe_transfer(self, connector: str, nbytes: int, seconds: float) -> None:
         self.kv_transfer_bytes.labels(connector).inc(nbytes)
         self.kv_transfer_seconds.labels(connector).observe(seconds)
+
+    def report_transport_checks(self, checks: list[TransportCheck]) -> None:
+        """Export a node's start-up transport self-test (connectors/self_test.py)."""
+        for c in checks:
+            outcome = SelfTestOutcome.OK if c.ok else SelfTestOutcome.FAILED
+            self.transport_info.labels(str(c.transport), c.path, str(outcome)).set(1)
+            self.transport_self_test_seconds.labels(str(c.transport)).set(c.ms / 1e3)
 
     def watch_blocks(self, num_free: Callable[[], int], num_total: int) -> None:
         """Report the pool's used and free blocks, read from `num_free` at each scrape."""

@@ -4,7 +4,8 @@ Lifecycle:
 
 1. `start()` binds host:port (0 picks a free port, see `port`) and serves from a daemon
    thread; /readyz answers 503 (the node is still loading its model or registering).
-2. `set_ready_check` gives it a check; /readyz answers from then on by that check.
+2. `set_ready_check` gives it a check, and what to say below "ready" / "not ready" (the
+   node's transport self-test); /readyz answers from then on by that check.
 3. `close()` stops serving.
 
 Used as a context manager it starts and closes itself; with port None it does nothing, so
@@ -37,15 +38,18 @@ class OpsServer:
         self._port = port
         self._metrics = metrics
         self._ready_check: Callable[[], bool] = lambda: False
+        self._ready_details: Callable[[], list[str]] = list
         self._server: ThreadingHTTPServer | None = None
 
     @property
     def port(self) -> int | None:
         return self._server.server_address[1] if self._server is not None else self._port
 
-    def set_ready_check(self, check: Callable[[], bool]) -> None:
-        """From now on /readyz answers 200 exactly when `check()` returns True (an exception counts as False)."""
+    def set_ready_check(self, check: Callable[[], bool], details: Callable[[], list[str]] = list) -> None:
+        """From now on /readyz answers 200 exactly when `check()` returns True (an exception counts as False),
+        its body "ready" or "not ready", then a line for each of `details()`."""
         self._ready_check = check
+        self._ready_details = details
 
     def ready(self) -> bool:
         try:
@@ -81,8 +85,8 @@ class OpsServer:
             return 200, "text/plain; charset=utf-8", b"ok\n"
         if path == "/readyz":
             ok = self.ready()
-            return (200, "text/plain; charset=utf-8", b"ready\n") if ok else (503, "text/plain; charset=utf-8",
-                                                                             b"not ready\n")
+            body = "".join(f"{line}\n" for line in ["ready" if ok else "not ready", *self._ready_details()])
+            return 200 if ok else 503, "text/plain; charset=utf-8", body.encode()
         if path == "/metrics":
             return 200, CONTENT_TYPE, self._metrics.exposition()
         return 404, "text/plain; charset=utf-8", b"not found\n"

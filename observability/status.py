@@ -8,7 +8,7 @@ import msgspec
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory import AgedEntry, KVDirectory, TransferState
-from kvwire.connectors.wire import NodeInfo
+from kvwire.connectors.wire import NodeInfo, TransportCheck
 
 
 class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -25,6 +25,7 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     total_blocks: int
     heartbeat_age_s: float | None  # None: the node's heartbeats carry no time (an older node)
     draining: bool = False  # shutting down: finishing what it holds, taking no new work
+    transport_checks: list[TransportCheck] = []  # its start-up self-test (empty: an older node)
 
 
 class TransferStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,7 +49,7 @@ def node_status(info: NodeInfo, now: float) -> NodeStatus:
     return NodeStatus(node_id=info.node_id, role=info.role, address=info.work_endpoint, connector=info.connector,
                       epoch=info.epoch, queue_depth=info.queue_depth, running=info.running,
                       free_blocks=info.free_blocks, total_blocks=info.total_blocks, heartbeat_age_s=age,
-                      draining=info.draining)
+                      draining=info.draining, transport_checks=info.transport_checks)
 
 
 def transfer_status(aged: AgedEntry) -> TransferStatus:
@@ -84,15 +85,20 @@ def _age(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.1f}s"
 
 
+def _paths(checks: list[TransportCheck]) -> str:
+    """The self-test per transport: "ucx:sysv/cma", "shm:shm ucx:tcp", "ucx:FAILED"; "-" if none."""
+    return " ".join(f"{c.transport}:{c.path if c.ok else 'FAILED'}" for c in checks) or "-"
+
+
 def render(status: ClusterStatus) -> str:
     """The status as two plain-text tables: live nodes, then request entries."""
     node_rows = [[n.node_id, f"{n.role} (draining)" if n.draining else str(n.role), n.address, str(n.connector),
                   str(n.epoch), str(n.queue_depth), str(n.running), f"{n.free_blocks}/{n.total_blocks}",
-                  _age(n.heartbeat_age_s)] for n in status.nodes]
+                  _age(n.heartbeat_age_s), _paths(n.transport_checks)] for n in status.nodes]
     transfer_rows = [[t.request_id, str(t.state), t.producer, _age(t.age_s), t.reason] for t in status.transfers]
     lines = [f"directory {status.directory}", "", f"nodes ({len(status.nodes)} live)"]
     lines += _table(["NODE", "ROLE", "ADDRESS", "CONNECTOR", "EPOCH", "QUEUED", "RUNNING", "FREE BLOCKS",
-                     "HEARTBEAT"], node_rows) if node_rows else ["  (none)"]
+                     "HEARTBEAT", "TRANSPORT PATH"], node_rows) if node_rows else ["  (none)"]
     lines += ["", f"transfers ({len(status.transfers)} in the directory)"]
     lines += _table(["REQUEST", "STATE", "PRODUCER", "AGE", "REASON"], transfer_rows) if transfer_rows else ["  (none)"]
     return "\n".join(lines)

@@ -134,7 +134,8 @@ class Dispatcher:
             log.warning("request %s: no live prefill node; decode computes the prompt", request_id)
         await self._push(route.decode, DecodeWork(request_id=request_id, prompt_token_ids=prompt_ids,
                                                   sampling=sampling, reply_to=self.reply_to,
-                                                  prefill_node=route.prefill.node_id if route.prefill else ""))
+                                                  prefill_node=route.prefill.node_id if route.prefill else "",
+                                                  prefill_epoch=route.prefill.epoch if route.prefill else 0))
         return route, queue
 
     def forget(self, request_id: str) -> None:

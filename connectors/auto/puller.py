@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.data_path import DataPath
 from kvwire.connectors.host import host_identity
 from kvwire.connectors.kv_region import KVRegion
 from kvwire.connectors.shm.puller import SHMPuller
@@ -31,6 +32,12 @@ class AutoPuller:
     @property
     def transport_address(self) -> bytes:
         return self._pullers[ConnectorKind.UCX].transport_address
+
+    def path_to(self, loc: KVLocation) -> DataPath:
+        """What moves `loc`'s bytes: kvwire's shared memory, or what UCX selected to its producer."""
+        ucx = self._pullers[ConnectorKind.UCX]
+        return ucx.path_to(loc) if loc.kind == ConnectorKind.UCX and isinstance(ucx, UCXPuller) else \
+            DataPath.of([str(loc.kind)])
 
     def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
         """Pull over the transport `loc` was narrowed to (AutoTransport.choose).

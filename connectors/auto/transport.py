@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from kvwire.connectors.auto.puller import AutoPuller, preference
 from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.data_path import DataPath
 from kvwire.connectors.kv_region import KVRegion
 from kvwire.connectors.offers import narrow
 from kvwire.connectors.shm.transport import SHMTransport
@@ -32,6 +33,10 @@ class AutoTransport(SHMTransport):
     def published_addresses(self, puller: Puller) -> dict[ConnectorKind, bytes]:
         assert isinstance(puller, AutoPuller)
         return puller.transport_addresses
+
+    def data_path(self, puller: Puller, loc: KVLocation) -> DataPath:
+        assert isinstance(puller, AutoPuller)
+        return puller.path_to(loc)
 
     def choose(self, loc: KVLocation) -> KVLocation:
         return narrow(loc, preference(loc))

@@ -35,8 +35,10 @@ from kvwire.connectors.kv_region import KVRegion, consumer_pieces
 from kvwire.connectors.nccl.pairs import (
     CONSUMER,
     MAX_PIECES,
+    Backend,
     GroupFactory,
     PairGroup,
+    backend_for,
     connect_store,
     consumer_key,
     detached,
@@ -85,6 +87,11 @@ class NCCLPuller:
     @property
     def transport_address(self) -> bytes:
         return self._address
+
+    @property
+    def backend(self) -> Backend:
+        """Gloo for a CPU pool (TCP sockets), NCCL for a CUDA pool (NCCL picks its own path)."""
+        return backend_for(self._region.planes[0].device)
 
     def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
         """Receive `loc`'s blocks into `dst_blocks` and its hidden tensors into `hidden`.

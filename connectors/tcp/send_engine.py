@@ -92,9 +92,10 @@ class _Sending:
 
 
 class TCPSendEngine(SendEngine):
-    def __init__(self, host: str):
+    def __init__(self, host: str, advertise_host: str | None = None):
         """Args:
         host: address the data listener binds (a port is picked).
+        advertise_host: the address consumers connect to (the transport address); None: host.
         """
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
@@ -103,7 +104,7 @@ class TCPSendEngine(SendEngine):
         self._listener.bind((host, 0))
         self._listener.listen(64)
         self._listener.setblocking(False)
-        self.transport_address = encode_address(host, self._listener.getsockname()[1])
+        self.transport_address = encode_address(advertise_host or host, self._listener.getsockname()[1])
         self._epoll = select.epoll()
         self._epoll.register(self._listener.fileno(), select.EPOLLIN)
         self._conns: dict[int, _Conn] = {}

@@ -18,7 +18,7 @@ class TCPTransport(Transport):
     kind = ConnectorKind.TCP
 
     def send_engines(self, region: KVRegion) -> dict[ConnectorKind, SendEngine]:
-        return {self.kind: TCPSendEngine(self.config.host)}
+        return {self.kind: TCPSendEngine(self.config.host, self.config.advertised_host)}
 
     def puller(self, region: KVRegion) -> TCPPuller:
         return TCPPuller(self.config.node_id, region)

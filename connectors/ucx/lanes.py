@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 
+from kvwire.connectors.data_path import DataPath
 from kvwire.connectors.kv_region import Part
 from kvwire.connectors.ucx.flows import ReceiveFlow
 from kvwire.connectors.ucx.packing import Staging
@@ -108,6 +109,10 @@ class ReceiveLanes:
                        for lane, (t, s) in enumerate(zip(self._transports, self._staging))]
         for thread, flow in zip(self._threads, self._flows[1:]):
             thread.start(flow)
+
+    def path_to(self, producer: bytes) -> DataPath:
+        """What UCX selected between lane 0 and the producer's worker at `producer` (every lane's the same)."""
+        return self._transports[0].path_to(producer)
 
     def progress(self) -> None:
         """Advance lane 0 (the caller's own); once it is complete, wait a little for another lane instead,

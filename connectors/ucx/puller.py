@@ -25,6 +25,7 @@ import itertools
 import torch
 
 from kvwire.connectors.base import TransferError
+from kvwire.connectors.data_path import DataPath
 from kvwire.connectors.kv_region import KVRegion, consumer_parts, part_nbytes
 from kvwire.connectors.side_channel import SideChannelClient
 from kvwire.connectors.ucx.lanes import ReceiveLanes
@@ -49,6 +50,10 @@ class UCXPuller:
     @property
     def transport_address(self) -> bytes:
         return self._lanes.address
+
+    def path_to(self, loc: KVLocation) -> DataPath:
+        """The transports UCX selected to `loc`'s producer (pulling thread only, like `pull`)."""
+        return self._lanes.path_to(loc.transport_address)
 
     def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
         """Receive `loc`'s blocks into `dst_blocks` and its hidden tensors into `hidden`.

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.data_path import DataPath
 from kvwire.connectors.kv_region import KVRegion
 from kvwire.connectors.transfer_server import SendEngine
-from kvwire.connectors.transport import Transport
+from kvwire.connectors.transport import Puller, Transport
 from kvwire.connectors.ucx.puller import UCXPuller
 from kvwire.connectors.ucx.send_engine import UCXSendEngine
+from kvwire.connectors.wire import KVLocation
 
 
 class UCXTransport(Transport):
@@ -18,3 +20,7 @@ class UCXTransport(Transport):
 
     def puller(self, region: KVRegion) -> UCXPuller:
         return UCXPuller(self.config.node_id, region, self.config.pull_lanes)
+
+    def data_path(self, puller: Puller, loc: KVLocation) -> DataPath:
+        assert isinstance(puller, UCXPuller)
+        return puller.path_to(loc)

@@ -33,6 +33,8 @@ import ucxx._lib.libucxx as ucx  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
 
 from kvwire.connectors.config import MAX_PULL_LANES as MAX_LANES  # noqa: E402
+from kvwire.connectors.data_path import DataPath  # noqa: E402
+from kvwire.connectors.ucx.query import endpoint_transports  # noqa: E402
 
 SEGMENT_BITS = 24  # low tag bits: message index within one transfer, and whether it is packed
 PACKED_BIT = 1 << (SEGMENT_BITS - 1)  # set in every tag of a packed transfer (packing.py)
@@ -96,6 +98,14 @@ class UCXWorker:
                    for a in unpack_lanes(peer)]
             self._endpoints[peer] = eps
         return eps
+
+    def path_to(self, peer: bytes) -> DataPath:
+        """The transports UCX selected for the endpoints to `peer` (made now if need be: UCX picks its
+        lanes when an endpoint is made from a worker address); unknown, with the reason, if it cannot say."""
+        try:
+            return DataPath.of([name for ep in self.endpoints_for(peer) for name, _ in endpoint_transports(ep.handle)])
+        except Exception as exc:  # noqa: BLE001 - QueryUnavailable, a bad address, UCX's own errors: all "unknown"
+            return DataPath.unknown(str(exc))
 
 
 def pack_lanes(addresses: list[bytes]) -> bytes:

@@ -52,6 +52,7 @@ class WorkerHalf:
         self._waiting: dict[str, tuple[str, Pull]] = {}  # producer's request id -> (ours, what to pull)
         self._pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwire-pull")
         self._epoch_kept = 0.0
+        self._epoch = 0
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Raises: ValueError for a KV layout or transport kvwire cannot serve; DirectoryError."""
@@ -68,7 +69,7 @@ class WorkerHalf:
         with ExitStack() as undo:
             self._directory = directory = KVDirectory(config.redis_url, entry_ttl_s=config.entry_ttl_s)
             undo.callback(directory.close)
-            epoch = directory.next_epoch(config.node_id)
+            self._epoch = epoch = directory.next_epoch(config.node_id)
             if self._settings.role.produces:
                 self._producer = KVProducer(config, directory, epoch, create_transport(config, epoch), region,
                                             self._released)
@@ -117,7 +118,7 @@ class WorkerHalf:
             return
         self._epoch_kept = now
         try:
-            self._directory.keep_epoch(self._settings.node_id)
+            self._directory.keep_epoch(self._settings.node_id, self._epoch)
         except DirectoryError as exc:
             log.warning("kvwire: node %s: cannot refresh its epoch: %s", self._settings.node_id, exc)
 

@@ -86,3 +86,32 @@ def test_a_restarted_prefill_connector_fails_the_entries_it_left(redis_url):
         elif transport is not None:
             transport.close()
         d.close()
+
+
+def test_fencing_survives_redis_losing_its_data(redis_url):
+    """FLUSHALL (or a restart without persistence) loses the epoch counters: the live node's next heartbeat
+    puts its epoch back, so a restarted incarnation still draws a higher one and fences the old one off."""
+    import redis
+
+    from kvwire.connectors.wire import NodeInfo
+
+    d = KVDirectory(redis_url, namespace="flush-test")
+    client = redis.Redis.from_url(redis_url)
+    try:
+        for _ in range(3):
+            old = d.next_epoch("p")
+        info = NodeInfo(node_id="p", role=NodeRole.PREFILL, epoch=old, work_endpoint="tcp://127.0.0.1:1",
+                        connector=ConnectorKind.TCP, free_blocks=1, total_blocks=1)
+        d.register_node(info)
+        client.flushall()
+        d.heartbeat(info)  # the live incarnation re-registers within one beat
+        assert d.get_node("p").epoch == old
+        new = d.next_epoch("p")
+        assert new == old + 1
+        with pytest.raises(StaleNodeError):
+            d.heartbeat(info)  # the old incarnation, resumed, is fenced off ...
+        with pytest.raises(StaleNodeError):
+            d.publish_ready(msgspec.structs.replace(_location("r"), producer="p", producer_epoch=old))  # ... and its KV
+    finally:
+        client.close()
+        d.close()

@@ -66,11 +66,14 @@ def test_keep_epoch_keeps_the_counter_alive(redis_url):
 
     directory, client = KVDirectory(redis_url, entry_ttl_s=1.0), redis.Redis.from_url(redis_url)
     try:
-        directory.next_epoch("vllm-n1")
+        epoch = directory.next_epoch("vllm-n1")
         key = next(iter(client.scan_iter("*epoch*vllm-n1")))
         client.pexpire(key, 50)
-        directory.keep_epoch("vllm-n1")
+        directory.keep_epoch("vllm-n1", epoch)
         assert client.pttl(key) > 1000
+        client.flushall()  # Redis lost its data: the counter comes back, and a new incarnation draws above it
+        directory.keep_epoch("vllm-n1", epoch)
+        assert directory.next_epoch("vllm-n1") == epoch + 1
     finally:
         directory.close()
         client.close()

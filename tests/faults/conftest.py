@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind
-from tests.faults.harness import BS, KV_DEADLINE_S, Tally, live_processes, restart_node, restart_router
+from tests.faults.harness import BS, KV_DEADLINE_S, REQUEST_TIMEOUT_S, Tally, wait_restarted
 
 TOTALS = Tally()
 
@@ -16,21 +18,23 @@ def fault_cluster(tiny_model_dir, tmp_path_factory):
     """prefill + decode + router over TCP (shm would collide with other runs on this host), short deadlines."""
     logs = tmp_path_factory.mktemp("fault-logs")
     spec = ClusterSpec(model_dir=tiny_model_dir, connector=ConnectorKind.TCP, block_size=BS, num_blocks=256,
-                       kv_deadline_s=KV_DEADLINE_S, log_dir=logs)
+                       kv_deadline_s=KV_DEADLINE_S, log_dir=logs, request_timeout_s=REQUEST_TIMEOUT_S)
     with LocalCluster(spec) as cluster:
-        restart_router(cluster)  # again, with a request timeout a test can wait out
         yield cluster
     print(f"\nfault cluster logs: {logs}")
 
 
 @pytest.fixture
 def cluster(fault_cluster):
-    """The shared cluster, every process running (a test that failed half-way may have left one down)."""
-    for role in ("prefill", "decode"):
-        if not live_processes(fault_cluster)[role]:
-            restart_node(fault_cluster, role)
-    if not live_processes(fault_cluster)["router"]:
-        restart_router(fault_cluster)
+    """The shared cluster, every process running and ready (the supervisor restarts crashed ones; a test that
+    failed half-way may have left one stopped or stopped-and-continued)."""
+    for name, proc in fault_cluster.procs.items():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+        else:
+            if fault_cluster.supervisor.is_stopped(name):
+                fault_cluster.supervisor.resume(name)
+            wait_restarted(fault_cluster, name, proc.pid)
     return fault_cluster
 
 

@@ -12,7 +12,9 @@ served. `Tally` counts what happened so the totals can be quoted (`pytest -s`).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import re
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +39,7 @@ class Tally:
     faults: int = 0
     requests: int = 0
     completed: int = 0
+    recomputed: int = 0  # of the completed: the decode node computed the prompt (its KV did not come)
     errors: int = 0  # answered with an error response (or the connection closed by a killed router)
     lost: int = 0  # hung past its deadline, wrong tokens, or a 5xx/odd body nobody can act on
     leaked_blocks: int = 0
@@ -48,6 +51,7 @@ class Tally:
 
     def line(self, what: str) -> str:
         return (f"[{what}] faults={self.faults} requests={self.requests} completed={self.completed} "
+                f"(recomputed={self.recomputed}) "
                 f"errors={self.errors} lost={self.lost} leaked_blocks={self.leaked_blocks} malformed={self.malformed}")
 
 
@@ -95,6 +99,7 @@ def judge(outcomes: list[Outcome], expected: list[list[int]], tally: Tally, *, d
         elif out.status == 200 and out.body and out.body["choices"][0]["token_ids"] == want:
             ok_bypass = require_bypass is None or out.body["kvwire"]["bypassed"] is require_bypass
             tally.completed += ok_bypass
+            tally.recomputed += ok_bypass and not out.body["kvwire"]["bypassed"]
             tally.lost += not ok_bypass
         elif out.status is not None and 400 <= out.status < 600 and is_openai_error(out.body):
             tally.errors += 1
@@ -145,34 +150,39 @@ def wait_until(pred: Callable[[], bool], timeout_s: float, step_s: float = 0.1) 
 # --- cluster surgery ---------------------------------------------------------------------
 
 
-def router_args(cluster: LocalCluster, request_timeout_s: float = REQUEST_TIMEOUT_S) -> list[str]:
-    s = cluster.spec
-    return ["router", "--model", str(s.model_dir), "--redis-url", cluster.redis_url, "--host", s.host,
-            "--port", str(cluster.port), "--log-level", s.log_level, "--request-timeout", str(request_timeout_s)]
+def crash(cluster: LocalCluster, name: str, sig: int = signal.SIGKILL) -> int:
+    """Kill child `name` with `sig` behind the cluster's back, as a crash would; returns its pid. The
+    cluster's supervisor restarts it (cli/supervisor.py)."""
+    pid = cluster.procs[name].pid
+    os.kill(pid, sig)
+    return pid
 
 
-def restart_router(cluster: LocalCluster, sig: int | None = None) -> None:
-    """Stop the router (with `sig`, SIGTERM by default) and start a fresh one on the same port."""
-    import signal
-
-    cluster.stop_process("router", sig or signal.SIGTERM)
-    cluster.spawn("router", router_args(cluster))
-    cluster.wait_ready()
-
-
-def restart_node(cluster: LocalCluster, role: str, timeout_s: float = 90.0) -> None:
-    """Start `role` again (after it was killed) and wait until its /readyz says it is registered."""
-    assert cluster.procs[role].poll() is not None, f"{role} still running"
-    cluster.spawn(role, cluster._node_args(role))  # the same arguments LocalCluster started it with
-    url = cluster.ops_urls[role]
+def wait_restarted(cluster: LocalCluster, name: str, old_pid: int, timeout_s: float = 90.0) -> None:
+    """Wait until the supervisor has replaced `old_pid` and the new process is ready: the router's /healthz
+    answers 200, a node's /readyz says it is registered."""
+    url = cluster.url + "/healthz" if name == "router" else cluster.ops_urls[name] + "/readyz"
 
     def ready() -> bool:
+        proc = cluster.procs[name]
+        if proc.pid == old_pid or proc.poll() is not None:
+            return False
         try:
-            return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+            return httpx.get(url, timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
 
-    assert wait_until(ready, timeout_s, 0.25), f"{role} not ready after restart"
+    assert wait_until(ready, timeout_s, 0.1), f"{name} not restarted and ready within {timeout_s:.0f}s"
+
+
+def restart_router(cluster: LocalCluster, sig: int = signal.SIGKILL) -> None:
+    """Kill the router with `sig`; the supervisor starts a fresh one on the same port."""
+    wait_restarted(cluster, "router", crash(cluster, "router", sig))
+
+
+def restart_node(cluster: LocalCluster, role: str, old_pid: int, timeout_s: float = 90.0) -> None:
+    """Wait for the supervisor to have restarted `role` (killed as `old_pid`) and for it to be registered."""
+    wait_restarted(cluster, role, old_pid, timeout_s)
 
 
 def live_processes(cluster: LocalCluster) -> dict[str, bool]:

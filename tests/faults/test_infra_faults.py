@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import signal
 import time
 
 import httpx
 import pytest
+import redis
 
+from kvwire.connectors.directory import KVDirectory
 from tests.faults.harness import (
     REQUEST_TIMEOUT_S,
     SLACK_S,
@@ -23,6 +24,7 @@ from tests.faults.harness import (
 from tests.faults.test_node_faults import MEDIUM, SHORT, assert_recovered_and_serving, reference
 
 pytestmark = pytest.mark.slow
+HEARTBEAT_S = 5.0 / 3  # NodeConfig.heartbeat_ttl_s / 3
 
 
 def decode_busy(cluster) -> bool:
@@ -62,7 +64,7 @@ def test_router_killed_and_respawned_mid_load(cluster, tiny_model_dir, tally):
     futures = send_all(cluster.url, MEDIUM, 12)
     assert wait_until(lambda: decode_busy(cluster), 30, 0.02)
     nodes = {r: cluster.procs[r].pid for r in ("prefill", "decode")}
-    restart_router(cluster, signal.SIGKILL)
+    restart_router(cluster)  # SIGKILL; the supervisor starts another on the same port
     tally.faults += 1
     outcomes = [f.result() for f in futures]
     # Clients of the killed router lose their connection; that is the error they get.
@@ -76,3 +78,26 @@ def test_router_killed_and_respawned_mid_load(cluster, tiny_model_dir, tally):
     judge(outcomes, expected, tally, deadline_s=REQUEST_TIMEOUT_S + SLACK_S, require_bypass=True)
     assert tally.lost == 0 and all(o.status == 200 for o in outcomes)
     assert_recovered_and_serving(cluster, tiny_model_dir, tally)
+
+
+def test_redis_flushall_mid_load(cluster, tiny_model_dir, tally):
+    """Redis loses every key (FLUSHALL; a restart without persistence is the same) with requests in flight:
+    nodes re-register within one heartbeat, in-flight requests complete (recomputed where their entry went)
+    or fail retryably, and nothing hangs or leaks."""
+    expected = reference(tiny_model_dir, MEDIUM, 12)
+    futures = send_all(cluster.url, MEDIUM, 12)
+    assert wait_until(lambda: decode_busy(cluster), 30, 0.02)
+    client = redis.Redis.from_url(cluster.redis_url)
+    try:
+        client.flushall()
+        flushed_at = time.monotonic()
+        tally.faults += 1
+        registered = lambda: len(KVDirectory(cluster.redis_url).live_nodes()) == 2  # noqa: E731
+        assert wait_until(registered, HEARTBEAT_S + SLACK_S, 0.05)
+        print(f"\nboth nodes registered again {time.monotonic() - flushed_at:.2f}s after FLUSHALL")
+    finally:
+        client.close()
+    judge([f.result() for f in futures], expected, tally, deadline_s=REQUEST_TIMEOUT_S + SLACK_S)
+    assert tally.lost == 0
+    # the decode node republished its transport address with that beat: the next request bypasses again
+    assert_recovered_and_serving(cluster, tiny_model_dir, tally, bypass=True)

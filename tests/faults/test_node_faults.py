@@ -19,6 +19,7 @@ from tests.faults.harness import (
     REQUEST_TIMEOUT_S,
     SLACK_S,
     body_for,
+    crash,
     judge,
     metric,
     pool,
@@ -61,14 +62,14 @@ def test_prefill_sigkilled_mid_transfer(cluster, tiny_model_dir, tally):
     futures = send_all(cluster.url, LONG, 8)
     # A held request is one whose KV is published and being (or about to be) pulled.
     hit = wait_until(lambda: queue_depth(cluster, "prefill", "prefill_held") > 0, 30, 0.02)
-    cluster.stop_process("prefill", signal.SIGKILL)
+    killed = crash(cluster, "prefill")
     tally.faults += 1
     outcomes = [f.result() for f in futures]
     judge(outcomes, expected, tally, deadline_s=REQUEST_TIMEOUT_S + SLACK_S)
     bypassed = sum(o.body["kvwire"]["bypassed"] for o in outcomes if o.status == 200)
     print(f"\nkilled while KV was held: {hit}; {bypassed} of {len(LONG)} bypassed, the rest recomputed")
     assert tally.completed == len(LONG), [o.status for o in outcomes]  # decode recomputes: none fails
-    restart_node(cluster, "prefill")
+    restart_node(cluster, "prefill", killed)
     assert_recovered_and_serving(cluster, tiny_model_dir, tally)
 
 
@@ -78,7 +79,7 @@ def test_decode_sigkilled_mid_receive(cluster, tiny_model_dir, tally):
     busy = lambda: (queue_depth(cluster, "decode", "decode_awaiting_kv")  # noqa: E731
                     + queue_depth(cluster, "decode", "decode_running"))
     assert wait_until(lambda: busy() > 0, 30, 0.02)
-    cluster.stop_process("decode", signal.SIGKILL)
+    killed = crash(cluster, "decode")
     killed_at = time.monotonic()
     tally.faults += 1
     # The prefill node lets go of KV nobody pulls by its hold deadline.
@@ -89,7 +90,7 @@ def test_decode_sigkilled_mid_receive(cluster, tiny_model_dir, tally):
     judge(outcomes, expected, tally, deadline_s=REQUEST_TIMEOUT_S + SLACK_S)
     assert tally.lost == 0 and tally.completed + tally.errors == len(MEDIUM)
     assert tally.errors > 0, "the kill landed after every request had finished"
-    restart_node(cluster, "decode")
+    restart_node(cluster, "decode", killed)
     assert_recovered_and_serving(cluster, tiny_model_dir, tally)
 
 

@@ -3,8 +3,6 @@ every block freed, the directory left empty; and a prefill node killed mid-strea
 
 from __future__ import annotations
 
-import signal
-
 import pytest
 
 from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
@@ -17,6 +15,7 @@ from tests.faults.harness import (
     REQUEST_TIMEOUT_S,
     SLACK_S,
     Tally,
+    crash,
     judge,
     metric,
     restart_node,
@@ -57,12 +56,12 @@ def test_prefill_killed_mid_stream_costs_recomputes_not_requests(cluster, tiny_m
     # layer-wise, a request is held (and its stream open) from before its forward
     held = lambda: (metric(cluster.ops_urls["prefill"], "kvwire_queue_depth", queue="prefill_held") or 0) > 0  # noqa: E731
     assert wait_until(held, 30, 0.01)
-    cluster.stop_process("prefill", signal.SIGKILL)
+    killed = crash(cluster, "prefill")
     outcomes = [f.result() for f in futures]
     judge(outcomes, expected, tally, deadline_s=REQUEST_TIMEOUT_S + SLACK_S)
     bypassed = sum(o.body["kvwire"]["bypassed"] for o in outcomes if o.status == 200)
     print(f"\nprefill killed mid-stream: {bypassed} of {len(LONG)} bypassed, the rest recomputed")
     assert tally.completed == len(LONG) and tally.lost == 0  # exact outputs; the decode node recomputed what it lost
-    restart_node(cluster, "prefill")
+    restart_node(cluster, "prefill", killed)
     left = wait_recovered(cluster)
     assert left.leaked_blocks == 0 and not left.orphans, left

@@ -28,6 +28,16 @@ def test_healthz_answers_at_once_and_readyz_waits_for_the_check(ops):
     assert _get(ops, "/readyz").status_code == 200
 
 
+def test_readyz_body_says_ready_then_the_details(ops):
+    assert _get(ops, "/readyz").text == "not ready\n"
+    ops.set_ready_check(lambda: True, lambda: ["transport ucx: ok in 3.0 ms over sysv/cma"])
+    resp = _get(ops, "/readyz")
+    assert (resp.status_code, resp.text) == (200, "ready\ntransport ucx: ok in 3.0 ms over sysv/cma\n")
+    ops.set_ready_check(lambda: False, lambda: ["transport tcp: self-test FAILED after 9.0 ms: refused"])
+    resp = _get(ops, "/readyz")
+    assert (resp.status_code, resp.text) == (503, "not ready\ntransport tcp: self-test FAILED after 9.0 ms: refused\n")
+
+
 def test_a_failing_ready_check_is_not_ready(ops):
     def boom() -> bool:
         raise ConnectionError("redis down")

@@ -8,6 +8,7 @@ import msgspec
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory import KVDirectory, TransferState
+from kvwire.connectors.wire import TransportCheck
 from kvwire.observability.status import ClusterStatus, NodeStatus, TransferStatus, read_status, render, to_json
 from tests.connectors.test_directory import node
 
@@ -15,10 +16,14 @@ from tests.connectors.test_directory import node
 def _status(transfers: bool = True) -> ClusterStatus:
     nodes = [NodeStatus(node_id="decode-0", role=NodeRole.DECODE, address="tcp://127.0.0.1:5001",
                         connector=ConnectorKind.TCP, epoch=3, queue_depth=2, running=5, free_blocks=100,
-                        total_blocks=512, heartbeat_age_s=1.25),
+                        total_blocks=512, heartbeat_age_s=1.25,
+                        transport_checks=[TransportCheck(transport=ConnectorKind.TCP, ok=True, path="tcp", ms=2.0)]),
              NodeStatus(node_id="prefill-0", role=NodeRole.PREFILL, address="tcp://127.0.0.1:5002",
                         connector=ConnectorKind.AUTO, epoch=1, queue_depth=0, running=1, free_blocks=500,
-                        total_blocks=512, heartbeat_age_s=None)]
+                        total_blocks=512, heartbeat_age_s=None,
+                        transport_checks=[TransportCheck(transport=ConnectorKind.SHM, ok=True, path="shm", ms=1.0),
+                                          TransportCheck(transport=ConnectorKind.UCX, ok=False, path="unknown",
+                                                         ms=9.0, reason="timed out")])]
     xfers = [TransferStatus(request_id="cmpl-1", state=TransferState.READY, producer="prefill-0", age_s=0.5),
              TransferStatus(request_id="cmpl-2", state=TransferState.FAILED, producer="prefill-0", age_s=12.0,
                             reason="prefill failed")]
@@ -30,10 +35,11 @@ def test_table_has_a_row_per_node_and_transfer_in_aligned_columns():
     header = next(line for line in lines if line.startswith("NODE"))
     decode = next(line for line in lines if line.startswith("decode-0"))
     assert header.split() == ["NODE", "ROLE", "ADDRESS", "CONNECTOR", "EPOCH", "QUEUED", "RUNNING", "FREE",
-                              "BLOCKS", "HEARTBEAT"]
-    assert decode.split() == ["decode-0", "decode", "tcp://127.0.0.1:5001", "tcp", "3", "2", "5", "100/512", "1.2s"]
+                              "BLOCKS", "HEARTBEAT", "TRANSPORT", "PATH"]
+    assert decode.split() == ["decode-0", "decode", "tcp://127.0.0.1:5001", "tcp", "3", "2", "5", "100/512", "1.2s",
+                              "tcp:tcp"]
     assert header.index("ROLE") == decode.index(" decode ") + 1 and header.index("HEARTBEAT") == decode.index("1.2s")
-    assert next(line for line in lines if line.startswith("prefill-0")).split()[-1] == "-"
+    assert next(line for line in lines if line.startswith("prefill-0")).split()[-3:] == ["-", "shm:shm", "ucx:FAILED"]
     failed = next(line for line in lines if line.startswith("cmpl-2"))
     assert failed.split()[:4] == ["cmpl-2", "failed", "prefill-0", "12.0s"] and failed.endswith("prefill failed")
     assert "nodes (2 live)" in lines and "transfers (2 in the directory)" in lines
