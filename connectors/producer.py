@@ -29,7 +29,7 @@ import torch
 import zmq
 
 from kvwire.connectors.config import LAYERWISE_KINDS, ConnectorConfig, ConnectorKind
-from kvwire.connectors.directory import DirectoryError, KVDirectory, TransferState
+from kvwire.connectors.directory import DirectoryError, KVDirectory, StaleNodeError, TransferState
 from kvwire.connectors.directory_batch import DirectoryBatch
 from kvwire.connectors.held import HeldRequest, HeldTable
 from kvwire.connectors.hidden import HIDDEN_KEY, dtype_of, empty_like_descs, split_request
@@ -260,11 +260,15 @@ class KVProducer:
     def _advertise(self, loc: KVLocation) -> None:
         try:
             published = self._directory.publish_ready(loc)
+        except StaleNodeError as exc:
+            log.error("request %s: this incarnation is fenced off, KV not advertised: %s", loc.request_id, exc)
+            published = False
         except DirectoryError as exc:
             log.error("request %s: directory unavailable, KV not advertised: %s", loc.request_id, exc)
             published = False
         if not published:
-            log.info("request %s: consumer already gave up; releasing its KV", loc.request_id)
+            log.info("request %s: not advertised (its consumer gave up, or see above); releasing its KV",
+                     loc.request_id)
             self._held.release_if_idle(loc.request_id)
 
     def _on_delivered(self, pull: PullRequest, transport: ConnectorKind, nbytes: int) -> None:

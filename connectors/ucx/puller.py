@@ -13,9 +13,15 @@ One pull:
 Completed receives are the whole proof: their tags name this transfer, which only the
 producer's sends of it carry, and it posts those only for a request it holds, and
 releases the blocks only once the sends complete, after our reads. So the producer's ok
-is not awaited (it costs a zmq round trip); a later pull skips it as stale. On any
-failure the receives still posted are cancelled, so no late write can land in blocks
-that get reused.
+is not awaited (it costs a zmq round trip); a later pull skips it as stale.
+
+On any failure the receives still posted are cancelled, and then the lanes are replaced
+(`_fence`): a receive UCX has already matched to the producer's rendezvous cannot be
+cancelled, and once a cut link comes back the producer's data for it would still land in
+memory the node has since freed or given to another request (heap corruption, seen with
+a data link taken down mid-transfer). Dropping the workers, with their contexts and memory
+registrations, is the one fence UCX offers; the new lanes have a new address, which the
+consumer republishes before its next pull.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ class UCXPuller:
         self._node_id = node_id
         self._region = region
         on_host = region.planes[0].device.type == "cpu"
-        self._lanes = ReceiveLanes(lanes if on_host else 1)
+        self._num_lanes = lanes if on_host else 1
+        self._lanes = ReceiveLanes(self._num_lanes)
         self._pack_below = PACK_BELOW if on_host else 0  # a device pool takes every piece straight
         self._channel = SideChannelClient()
         self._transfer_ids = itertools.count(1)
@@ -84,11 +91,18 @@ class UCXPuller:
             self._lanes.flush()  # the producer's sends complete on our acknowledgements
         except BaseException as exc:
             self._lanes.stop(loc.transport_address)
+            self._fence()
             self._channel.drop(loc.side_channel)
             if isinstance(exc, (TransferError, KeyboardInterrupt)):
                 raise
             raise TransferError(loc.request_id, loc.producer, f"receive failed: {exc}") from exc
         return sum(map(part_nbytes, parts))
+
+    def _fence(self) -> None:
+        """Replace the lanes after a failed pull (see the module docstring): the old workers are never
+        progressed again, and go with their contexts once closed."""
+        old, self._lanes = self._lanes, ReceiveLanes(self._num_lanes)
+        old.close()
 
     def close(self) -> None:
         self._channel.close()

@@ -178,3 +178,29 @@ def test_sender_killed_mid_transfer_ends_in_recompute(connector_kind, redis_url)
     finally:
         side.close()
         proc.kill()
+
+
+def test_a_failed_ucx_pull_fences_its_workers_and_the_next_pull_works(redis_url):
+    """A receive UCX matched before the failure cannot be cancelled: the consumer drops those workers (a late
+    write from the producer, once a cut link is back, has nowhere to land) and pulls on at a new address."""
+    kind, lay = ConnectorKind.UCX, peer.layout(DType.FLOAT32, 32, 16)
+    doomed = [("doomed", 16 * 40, list(range(0, 80, 2)))]
+    proc, _ = _producer(kind, redis_url, lay, doomed, deadline_s=2.0, num_blocks=80, die=True)
+    side, pool = _consumer(kind, redis_url, lay, num_blocks=80, deadline_s=2.0)
+    directory = KVDirectory(redis_url)
+    try:
+        before = directory.transport_address_of("consumer-test", ConnectorKind.UCX)
+        mi = ModelInput([SequenceInput("doomed", [0] * (16 * 40), 0, list(range(1, 80, 2)))])
+        assert side.connector.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)[1] is False
+        proc.join(10)
+        fine = [("fine", 16 * 3, [5, 6, 7])]
+        proc, _ = _producer(kind, redis_url, lay, fine, deadline_s=10.0, num_blocks=80)
+        mi = ModelInput([SequenceInput("fine", [0] * (16 * 3), 0, [10, 20, 30])])
+        hidden, bypass, _ = side.connector.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)
+        assert bypass is True
+        _check(pool, lay, "fine", [10, 20, 30], 3, hidden, 16 * 3)
+        assert directory.transport_address_of("consumer-test", ConnectorKind.UCX) not in (None, before)
+    finally:
+        directory.close()
+        side.close()
+        proc.kill()

@@ -47,7 +47,8 @@ MAX_TOKENS = 6
 HEARTBEAT_S = 5.0 / 3  # NodeConfig.heartbeat_ttl_s / 3 (connectors/heartbeat.py)
 
 
-@pytest.fixture(scope="module", params=[ConnectorKind.TCP, ConnectorKind.UCX], ids=str)
+@pytest.fixture(scope="module", params=[ConnectorKind.TCP, ConnectorKind.UCX, ConnectorKind.NCCL, ConnectorKind.AUTO],
+                ids=str)
 def connector(request) -> ConnectorKind:
     return request.param
 
