@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from kvwire.cli import advertise
+from kvwire.connectors import advertise
 from kvwire.connectors.config import MAX_PULL_LANES, ConnectorConfig, ConnectorKind, NodeRole
 from kvwire.engine.engine_config import EngineConfig
 from kvwire.node.config import NodeConfig

@@ -38,7 +38,7 @@ class ConnectorConfig:
         host: address the node's sockets bind (work socket, side channel, data listeners); may be a
             wildcard (0.0.0.0, ::) when advertise_host is set.
         advertise_host: the address peers reach this node at, published in the directory (work endpoint,
-            side channel, TCP and NCCL transport addresses); "": host itself. cli/advertise.py picks it.
+            side channel, TCP and NCCL transport addresses); "": host itself. connectors/advertise.py picks it.
         kv_deadline_s: how long a consumer waits for a request's KV before recomputing.
         entry_ttl_s: TTL on every directory key of a request; held KV is released after it.
         verify_kv: producer: publish a crc32 per layer; consumer: require and check them (a mismatch recomputes).

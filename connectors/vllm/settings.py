@@ -17,6 +17,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+from kvwire.connectors.advertise import advertise_host
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 
 
@@ -46,7 +47,9 @@ class VLLMSettings:
         transport: how KV moves (any kvwire transport name).
         node_id: this instance's name in the directory; a restart under the same name fences
             off what the earlier incarnation published. Default: `vllm-<hostname>-<kv_port>`.
-        host: the address peers reach this instance's transfer servers on (its side channel).
+        host: the address this instance's transfer servers bind (a wildcard, 0.0.0.0, needs advertise_host
+            or picks the source address of the route to Redis: connectors/advertise.py).
+        advertise_host: the address peers reach them at, published in the directory; "": as picked above.
         kv_deadline_s: consumer: how long a request waits for its KV before it is recomputed;
             producer: how long computed KV is held for a consumer that has not pulled it.
         entry_ttl_s: TTL of every directory key of a request.
@@ -58,6 +61,7 @@ class VLLMSettings:
     transport: ConnectorKind = ConnectorKind.UCX
     node_id: str = ""
     host: str = "127.0.0.1"
+    advertise_host: str = ""
     kv_deadline_s: float = 30.0
     entry_ttl_s: float = 120.0
     pull_lanes: int = 2
@@ -65,7 +69,8 @@ class VLLMSettings:
     @classmethod
     def parse(cls, kv_role: str | None, extra: dict[str, Any], kv_port: int) -> VLLMSettings:
         """Raises: ValueError naming the key that is missing, unknown or malformed."""
-        known = {"redis_url", "transport", "node_id", "host", "kv_deadline_s", "entry_ttl_s", "pull_lanes"}
+        known = {"redis_url", "transport", "node_id", "host", "advertise_host", "kv_deadline_s", "entry_ttl_s",
+                 "pull_lanes"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"kvwire: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
@@ -79,8 +84,9 @@ class VLLMSettings:
             lanes = int(extra.get("pull_lanes", 2))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"kvwire: a numeric kv_connector_extra_config value is malformed: {exc}") from None
-        settings = cls(role, extra["redis_url"], transport, node_id, str(extra.get("host", "127.0.0.1")),
-                       pull_lanes=lanes, **numbers)
+        host = str(extra.get("host", "127.0.0.1"))
+        advertised = advertise_host(host, str(extra.get("advertise_host") or "") or None, extra["redis_url"])
+        settings = cls(role, extra["redis_url"], transport, node_id, host, advertised, pull_lanes=lanes, **numbers)
         settings.connector_config()  # the checks ConnectorConfig makes, now rather than at the first request
         return settings
 
@@ -88,6 +94,7 @@ class VLLMSettings:
         """The kvwire transfer-plane config of this instance's worker."""
         return ConnectorConfig(kind=self.transport, role=NodeRole.PREFILL if self.role.produces else NodeRole.DECODE,
                                node_id=self.node_id, redis_url=self.redis_url, host=self.host,
+                               advertise_host=self.advertise_host,
                                kv_deadline_s=self.kv_deadline_s, entry_ttl_s=self.entry_ttl_s,
                                pull_lanes=self.pull_lanes)
 

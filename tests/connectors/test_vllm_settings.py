@@ -29,7 +29,8 @@ def test_settings_defaults_name_the_node_after_host_and_kv_port():
 
 @pytest.mark.parametrize(("role", "extra", "match"), [
     ("kv_both", {}, "redis_url"),
-    ("kv_both", {"redis_url": URL, "advertise_host": "x"}, "unknown"),
+    ("kv_both", {"redis_url": URL, "bogus_key": "x"}, "unknown"),
+    ("kv_both", {"redis_url": URL, "host": "0.0.0.0", "advertise_host": "0.0.0.0"}, "wildcard"),
     ("kv_both", {"redis_url": URL, "transport": "carrier-pigeon"}, "transport"),
     ("kv_sideways", {"redis_url": URL}, "kv_role"),
     ("kv_both", {"redis_url": URL, "kv_deadline_s": "soon"}, "malformed"),
@@ -39,6 +40,13 @@ def test_settings_defaults_name_the_node_after_host_and_kv_port():
 def test_settings_refuse_what_they_do_not_do(role, extra, match):
     with pytest.raises(ValueError, match=match):
         VLLMSettings.parse(role, extra, 14579)
+
+
+def test_advertise_host_is_what_peers_are_told():
+    s = VLLMSettings.parse("kv_producer", {"redis_url": URL, "host": "0.0.0.0", "advertise_host": "10.1.2.3"}, 1)
+    config = s.connector_config()
+    assert (config.host, config.advertised_host) == ("0.0.0.0", "10.1.2.3")
+    assert VLLMSettings.parse("kv_producer", {"redis_url": URL}, 1).connector_config().advertised_host == "127.0.0.1"
 
 
 def test_params_round_trip_from_producer_to_consumer():

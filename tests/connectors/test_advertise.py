@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import typer
 
-from kvwire.cli import advertise
-from kvwire.cli.advertise import advertise_host, directory_address, route_source
 from kvwire.cli.options import node_config
+from kvwire.connectors import advertise
+from kvwire.connectors.advertise import advertise_host, directory_address, route_source
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 
 
@@ -45,7 +45,7 @@ def test_a_wildcard_never_publishes_loopback_even_with_redis_on_loopback():
 def test_a_wildcard_with_only_loopback_to_offer_is_refused(monkeypatch):
     monkeypatch.setattr(advertise, "route_source", lambda host, port: "127.0.0.1")
     monkeypatch.setattr(advertise, "_hostname_address", lambda: "127.0.1.1")
-    with pytest.raises(ValueError, match="pass --advertise-host"):
+    with pytest.raises(ValueError, match="give an advertise host"):
         advertise_host("0.0.0.0", None, "redis://127.0.0.1:6379")
 
 

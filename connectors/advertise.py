@@ -38,7 +38,7 @@ def advertise_host(host: str, advertise: str | None, redis_url: str) -> str:
     """
     if advertise:
         if advertise in WILDCARD_HOSTS:
-            raise ValueError(f"--advertise-host {advertise} names no address a peer can connect to")
+            raise ValueError(f"advertise host {advertise} is a wildcard: it names no address a peer can connect to")
         return advertise
     if host not in WILDCARD_HOSTS:
         return host
@@ -46,8 +46,8 @@ def advertise_host(host: str, advertise: str | None, redis_url: str) -> str:
     for found in candidates:
         if found is not None and not ipaddress.ip_address(found).is_loopback:
             return found
-    raise ValueError(f"--host {host}: found no address other than loopback that peers could reach; "
-                     "pass --advertise-host")
+    raise ValueError(f"host {host}: found no address other than loopback that peers could reach; "
+                     "give an advertise host (--advertise-host; advertise_host with vLLM)")
 
 
 def directory_address(redis_url: str) -> tuple[str, int]:
