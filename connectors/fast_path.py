@@ -20,6 +20,12 @@ A pull, once `Transport.choose` narrowed its location:
    kvwire_kv_transfers_failed{reason="slow_path"}).
 4. The path cannot be known (the UCX query failed): say so once and go on; refusing on a
    guess would recompute every request over a missing symbol.
+
+The containers trap proper: a producer on this machine (same boot id) but in another
+network or IPC namespace (another pod) is another host to kvwire, so nothing is expected
+of it; its KV crossing the network stack is still worth a warning once per producer (one
+machine could share memory, given a shared IPC namespace), and `require_fast_path`
+refuses it the same way.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from collections.abc import Callable
 
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind
 from kvwire.connectors.data_path import DataPath, PathClass
-from kvwire.connectors.host import host_identity
+from kvwire.connectors.host import host_identity, machine_of
 from kvwire.connectors.wire import KVLocation
 
 log = logging.getLogger(__name__)
@@ -42,6 +48,13 @@ MAX_TOLD = 4096  # (producer, path) pairs remembered as already logged; forgotte
 def expected_path(loc: KVLocation) -> str:
     """The shared-memory path a same-host pull over `loc.kind` should take."""
     return "shm" if loc.kind == ConnectorKind.SHM else "sysv/posix/cma (UCX shared memory)"
+
+
+def same_machine_elsewhere(kind: ConnectorKind, loc: KVLocation) -> bool:
+    """Whether `loc`'s producer runs on this machine in other namespaces (a pod beside ours)."""
+    mine = host_identity()
+    return (kind in SHARED_MEMORY_KINDS and bool(loc.host) and loc.host != mine
+            and machine_of(loc.host) != "" and machine_of(loc.host) == machine_of(mine))
 
 
 def expects_shared_memory(kind: ConnectorKind, loc: KVLocation) -> bool:
@@ -69,7 +82,8 @@ class FastPathGuard:
 
         Logs a slow or unknown path once per producer and path.
         """
-        if not expects_shared_memory(self._kind, loc):
+        near = same_machine_elsewhere(self._kind, loc)
+        if not near and not expects_shared_memory(self._kind, loc):
             return None
         path = self._data_path(loc)
         if path.path_class == PathClass.UNKNOWN:
@@ -78,7 +92,9 @@ class FastPathGuard:
             return None
         if path.path_class != PathClass.NETWORK_STACK:
             return None
-        why = (f"producer {loc.producer} is on this host: expected {expected_path(loc)}, actual {path.label} "
+        where = ("runs on this machine in another container (network / IPC namespace): shared memory needs a "
+                 "shared IPC namespace" if near else "is on this host")
+        why = (f"producer {loc.producer} {where}: expected {expected_path(loc)}, actual {path.label} "
                f"(over {loc.kind}), which crosses the network stack")
         action = "refusing its KV (--require-fast-path): recomputing" if self._require else \
             "pulling anyway (--require-fast-path refuses instead)"

@@ -30,3 +30,10 @@ def _namespace(kind: str) -> int:
         return os.stat(f"/proc/self/ns/{kind}").st_ino
     except OSError:
         return 0
+
+
+def machine_of(identity: str) -> str:
+    """The machine part of a `host_identity()` (the kernel's boot id): equal for two containers on one
+    machine whose namespaces differ; "" when unknown."""
+    parts = identity.split("/")
+    return parts[1] if len(parts) > 2 else ""

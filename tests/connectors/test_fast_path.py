@@ -118,3 +118,20 @@ def test_a_worker_reports_its_path_to_a_peer_and_degrades_to_unknown(monkeypatch
         producer.close()
     with pytest.raises(QueryUnavailable):
         endpoint_transports(0)
+
+
+def test_a_producer_in_another_container_on_this_machine_is_warned_about(caplog):
+    """The containers trap: another network / IPC namespace on this machine (same boot id) is another host,
+    and auto moves its KV over UCX; over the network stack that is still worth a warning."""
+    hostname, boot, *_ = host_identity().split("/")
+    pod_beside = _loc(f"{hostname}/{boot}/net:1/ipc:2")
+    guard = FastPathGuard(_config(ConnectorKind.AUTO), lambda loc: DataPath.of(["tcp"]))
+    with caplog.at_level(logging.WARNING, "kvwire.connectors.fast_path"):
+        assert guard.refusal(pod_beside) is None
+        assert guard.refusal(_loc("other-machine/other-boot/net:1/ipc:2")) is None  # another machine: silent
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "runs on this machine in another container" in warnings[0], warnings
+    strict = FastPathGuard(_config(ConnectorKind.UCX, require=True), lambda loc: DataPath.of(["tcp"]))
+    assert "shared IPC namespace" in strict.refusal(pod_beside)
+    fast = FastPathGuard(_config(ConnectorKind.UCX, require=True), lambda loc: DataPath.of(["sysv", "cma"]))
+    assert fast.refusal(pod_beside) is None
