@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from kvwire.cli.redis_server import LocalRedis
+from kvwire.cli.redis_server import LocalRedis, LocalRedisError
 from kvwire.cli.supervisor import Supervisor
 from kvwire.connectors.config import ConnectorKind
 
@@ -156,6 +156,17 @@ class LocalCluster:
                     pass
                 time.sleep(0.2)  # start-up only: children are loading models
         raise ClusterError(f"cluster not ready within {timeout_s:.0f}s")
+
+    def revive_redis(self) -> str | None:
+        """Start the private Redis again if it died: empty, so nodes re-register at their next heartbeat and
+        requests in flight recompute. Returns the line to report, or None when it runs (or is not ours)."""
+        if self.redis is None or self.redis.running:
+            return None
+        try:
+            self.redis.restart()
+        except LocalRedisError as exc:
+            return f"kvwire: redis-server died; restarting it failed (trying again): {exc}"
+        return f"kvwire: redis-server died; restarted it, empty, on port {self.redis.port}"
 
     def stop_process(self, name: str, sig: int = signal.SIGTERM, grace_s: float = 10.0) -> int | None:
         """Stop child `name` on purpose with `sig` (SIGKILL after `grace_s`): it is not restarted."""

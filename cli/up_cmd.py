@@ -56,6 +56,8 @@ def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a
                    + "  ".join(f"{name} {url}" for name, url in cluster.ops_urls.items()))
         typer.echo(f"try: kvwire generate 'Hello' --url {cluster.url}    Ctrl-C stops everything.")
         while not stop.wait(0.5):
+            if line := cluster.revive_redis():
+                typer.echo(line, err=True)
             if cluster.supervisor.gave_up.is_set():
                 typer.echo("kvwire: --max-restarts used up; shutting down", err=True)
                 raise typer.Exit(1)

@@ -1,5 +1,5 @@
 """`kvwire up` keeps serving through a crash, as a user sees it: 16 requests in flight, the prefill node
-SIGKILLed; then the decode node; then the router. Ctrl-C afterwards leaves nothing behind."""
+SIGKILLed; then the decode node; then the router; then Redis. Ctrl-C afterwards leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -27,11 +27,14 @@ MAX_TOKENS = 8
 
 
 def _role_pid(up: subprocess.Popen, role: str) -> int | None:
+    """The pid of up's child running `kvwire ROLE` (or redis-server, for "redis")."""
     for pid in _children(up.pid):
         try:
             args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except FileNotFoundError:
             continue
+        if role == "redis" and b"redis-server" in args[0]:  # it rewrites its title: ".../redis-server HOST:PORT"
+            return pid
         if b"kvwire.cli.main" in args and args[args.index(b"kvwire.cli.main") + 1].decode() == role:
             return pid
     return None
@@ -100,6 +103,12 @@ def test_up_restarts_what_dies_and_loses_no_request(tiny_model_dir):
         os.kill(router, signal.SIGKILL)
         assert _wait(lambda: _role_pid(up, "router") not in (None, router) and _healthy(url), 60)
         assert _post(url, PROMPTS[0]).json()["choices"][0]["token_ids"] == expected[0]
+        # Redis dies: an empty one comes back on its port, the nodes re-register, requests are served
+        redis_pid = _role_pid(up, "redis")
+        os.kill(redis_pid, signal.SIGKILL)
+        served = lambda: (r := _post(url, PROMPTS[1])) is not None and r.status_code == 200 \
+            and r.json()["choices"][0]["token_ids"] == expected[1]  # noqa: E731
+        assert _wait(served, 30) and _role_pid(up, "redis") not in (None, redis_pid)
         children = _children(up.pid)
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
@@ -110,6 +119,7 @@ def test_up_restarts_what_dies_and_loses_no_request(tiny_model_dir):
     text = "".join(stderr_lines)
     for role, pid in (("prefill", prefill), ("decode", decode), ("router", router)):
         assert f"{role} (pid {pid}) died (killed by SIGKILL); restarting it in 0.5s" in text, text
+    assert "redis-server died; restarted it, empty, on port" in text, text
     sockets = Path(f"/tmp/kvwire-{os.getuid()}")
     left = [p.name for p in sockets.glob("prefill-0.*.sock")] if sockets.is_dir() else []
     assert not [name for name in left if int(name.split(".")[2]) in children | {prefill}], left
