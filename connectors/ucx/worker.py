@@ -65,6 +65,7 @@ class UCXWorker:
         self._ctx = ucx.UCXContext(config_dict=_config(role), feature_flags=(ucx.Feature.TAG,))
         self._worker = ucx.UCXWorker(self._ctx)
         self._endpoints: dict[bytes, list[ucx.UCXEndpoint]] = {}  # a peer's (packed) address -> one per lane
+        self._paths: dict[bytes, DataPath] = {}  # what UCX selected for those endpoints: fixed for their life
         self.address: bytes = self._worker.address.tobytes()
 
     def progress(self) -> None:
@@ -79,6 +80,7 @@ class UCXWorker:
         return cancelled
 
     def forget_peer(self, peer: bytes) -> None:
+        self._paths.pop(peer, None)
         for ep in self._endpoints.pop(peer, []):
             ep.close()
 
@@ -101,11 +103,17 @@ class UCXWorker:
 
     def path_to(self, peer: bytes) -> DataPath:
         """The transports UCX selected for the endpoints to `peer` (made now if need be: UCX picks its
-        lanes when an endpoint is made from a worker address); unknown, with the reason, if it cannot say."""
+        lanes when an endpoint is made from a worker address, so one query per endpoint's life); unknown, with
+        the reason, if it cannot say."""
+        path = self._paths.get(peer)
+        if path is not None:
+            return path
         try:
-            return DataPath.of([name for ep in self.endpoints_for(peer) for name, _ in endpoint_transports(ep.handle)])
+            path = DataPath.of([name for ep in self.endpoints_for(peer) for name, _ in endpoint_transports(ep.handle)])
         except Exception as exc:  # noqa: BLE001 - QueryUnavailable, a bad address, UCX's own errors: all "unknown"
             return DataPath.unknown(str(exc))
+        self._paths[peer] = path
+        return path
 
 
 def pack_lanes(addresses: list[bytes]) -> bytes:

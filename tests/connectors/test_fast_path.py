@@ -111,6 +111,7 @@ def test_a_worker_reports_its_path_to_a_peer_and_degrades_to_unknown(monkeypatch
             raise QueryUnavailable("ucp_ep_query not found")
 
         monkeypatch.setattr(ucx_worker, "endpoint_transports", unavailable)
+        consumer.forget_peer(producer.address)  # a path is asked once per endpoint: make new ones
         path = consumer.path_to(producer.address)
         assert path.path_class == PathClass.UNKNOWN and path.unknown_reason == "ucp_ep_query not found"
     finally:

@@ -180,10 +180,6 @@ def restart_router(cluster: LocalCluster, sig: int = signal.SIGKILL) -> None:
     wait_restarted(cluster, "router", crash(cluster, "router", sig))
 
 
-def restart_node(cluster: LocalCluster, role: str, old_pid: int, timeout_s: float = 90.0) -> None:
-    """Wait for the supervisor to have restarted `role` (killed as `old_pid`) and for it to be registered."""
-    wait_restarted(cluster, role, old_pid, timeout_s)
-
 
 def live_processes(cluster: LocalCluster) -> dict[str, bool]:
     return {name: proc.poll() is None for name, proc in cluster.procs.items()}

@@ -24,9 +24,9 @@ from tests.faults.harness import (
     metric,
     pool,
     post,
-    restart_node,
     send_all,
     wait_recovered,
+    wait_restarted,
     wait_until,
 )
 
@@ -69,7 +69,7 @@ def test_prefill_sigkilled_mid_transfer(cluster, tiny_model_dir, tally):
     bypassed = sum(o.body["kvwire"]["bypassed"] for o in outcomes if o.status == 200)
     print(f"\nkilled while KV was held: {hit}; {bypassed} of {len(LONG)} bypassed, the rest recomputed")
     assert tally.completed == len(LONG), [o.status for o in outcomes]  # decode recomputes: none fails
-    restart_node(cluster, "prefill", killed)
+    wait_restarted(cluster, "prefill", killed)
     assert_recovered_and_serving(cluster, tiny_model_dir, tally)
 
 
@@ -90,7 +90,7 @@ def test_decode_sigkilled_mid_receive(cluster, tiny_model_dir, tally):
     judge(outcomes, expected, tally, deadline_s=REQUEST_TIMEOUT_S + SLACK_S)
     assert tally.lost == 0 and tally.completed + tally.errors == len(MEDIUM)
     assert tally.errors > 0, "the kill landed after every request had finished"
-    restart_node(cluster, "decode", killed)
+    wait_restarted(cluster, "decode", killed)
     assert_recovered_and_serving(cluster, tiny_model_dir, tally)
 
 

@@ -18,9 +18,9 @@ from tests.faults.harness import (
     crash,
     judge,
     metric,
-    restart_node,
     send_all,
     wait_recovered,
+    wait_restarted,
     wait_until,
 )
 from tests.integration.cluster import complete_all, wait_pools_full_and_directory_empty
@@ -62,6 +62,6 @@ def test_prefill_killed_mid_stream_costs_recomputes_not_requests(cluster, tiny_m
     bypassed = sum(o.body["kvwire"]["bypassed"] for o in outcomes if o.status == 200)
     print(f"\nprefill killed mid-stream: {bypassed} of {len(LONG)} bypassed, the rest recomputed")
     assert tally.completed == len(LONG) and tally.lost == 0  # exact outputs; the decode node recomputed what it lost
-    restart_node(cluster, "prefill", killed)
+    wait_restarted(cluster, "prefill", killed)
     left = wait_recovered(cluster)
     assert left.leaked_blocks == 0 and not left.orphans, left

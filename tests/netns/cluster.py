@@ -128,7 +128,7 @@ class NetnsCluster:
     def restart_node(self, role: str) -> None:
         """Start `role` again (after it died or was killed) and wait until it is ready."""
         self.stop_process(role, signal.SIGKILL)
-        self.spawn(role, self.node_args(role))
+        self.supervisor.resume(role)
         self.wait_ready(role)
 
     def wait_ready(self, role: str, timeout_s: float = READY_TIMEOUT_S) -> None:
