@@ -55,6 +55,8 @@ class ClusterSpec:
     layerwise: bool = False  # the prefill node streams each prompt's KV layer by layer (tcp or ucx connector)
     max_restarts: int | None = None  # crashed children restarted in all before giving up; None: no limit
     request_timeout_s: float | None = None  # the router's --request-timeout; None: its default
+    served_model_names: tuple[str, ...] = ()  # the router's --served-model-name; empty: the checkpoint's name
+    lenient: bool = False  # the router's --lenient: unknown request fields dropped, not refused
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -120,9 +122,11 @@ class LocalCluster:
 
     def _router_args(self) -> list[str]:
         s = self.spec
-        timeout = [] if s.request_timeout_s is None else ["--request-timeout", str(s.request_timeout_s)]
+        extra = [] if s.request_timeout_s is None else ["--request-timeout", str(s.request_timeout_s)]
+        extra += ["--served-model-name", ",".join(s.served_model_names)] if s.served_model_names else []
+        extra += ["--lenient"] if s.lenient else []
         return ["router", "--model", str(s.model_dir), "--redis-url", self.redis_url, "--host", s.host,
-                "--port", str(self.port), "--log-level", s.log_level, *timeout, *self._auth_args()]
+                "--port", str(self.port), "--log-level", s.log_level, *extra, *self._auth_args()]
 
     def _auth_args(self) -> list[str]:
         path = self.spec.auth_secret_file

@@ -106,3 +106,22 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
         connector=connector_config,
         work_port=port, http_port=http_port, auth_secret=auth_secret(auth_secret_file),
         drain_timeout_s=drain_timeout)
+
+
+ServedModelName = Annotated[str | None, typer.Option(
+    "--served-model-name", envvar="KVWIRE_SERVED_MODEL_NAME",
+    help="Names a request's `model` may give, comma-separated; the first is listed in /v1/models. Default: the "
+         "checkpoint directory's name (its path as given is accepted too). Any other name gets a 404.")]
+Lenient = Annotated[bool, typer.Option(
+    "--lenient", help="Drop request fields kvwire does not know, with a warning, instead of answering 400 (for "
+                      "clients that send extras).")]
+
+
+def served_model_names(value: str | None) -> tuple[str, ...]:
+    """--served-model-name's names. Raises typer.BadParameter for an empty one."""
+    if value is None:
+        return ()
+    names = tuple(n.strip() for n in value.split(","))
+    if not all(names):
+        raise typer.BadParameter("names must not be empty", param_hint="--served-model-name")
+    return names

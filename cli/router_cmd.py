@@ -8,7 +8,16 @@ from typing import Annotated
 
 import typer
 
-from kvwire.cli.options import AuthSecretFile, Host, LogLevel, auth_secret, setup_logging
+from kvwire.cli.options import (
+    AuthSecretFile,
+    Host,
+    Lenient,
+    LogLevel,
+    ServedModelName,
+    auth_secret,
+    served_model_names,
+    setup_logging,
+)
 from kvwire.router.config import RouterConfig, VLLMRouterConfig
 
 NodesModelDir = Annotated[Path | None, typer.Option(
@@ -29,15 +38,15 @@ Port = Annotated[int, typer.Option("--port", min=1, max=65535, help="HTTP port."
 RequestTimeout = Annotated[float, typer.Option(
     "--request-timeout", min=0.1, help="Seconds before a request gets a 504 (vLLM mode: between the bytes of an "
                                        "instance's answer).")]
-_KVWIRE_ONLY = ("model", "redis_url", "auth_secret_file")
+_KVWIRE_ONLY = ("model", "redis_url", "auth_secret_file", "served_model_name", "lenient")
 
 
 def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedisUrl = None,
            vllm_prefill: VLLMPrefill = None, vllm_decode: VLLMDecode = None, host: Host = "127.0.0.1",
            port: Port = 8000, request_timeout: RequestTimeout = 120.0, health_interval: HealthInterval = 2.0,
            connect_timeout: ConnectTimeout = 2.0, auth_secret_file: AuthSecretFile = None,
-           log_level: LogLevel = "INFO") -> None:
-    """Serve the OpenAI API (POST /v1/completions; with vLLM also /v1/chat/completions), GET /v1/models,
+           served_model_name: ServedModelName = None, lenient: Lenient = False, log_level: LogLevel = "INFO") -> None:
+    """Serve the OpenAI API (POST /v1/completions and /v1/chat/completions), GET /v1/models,
     /healthz, /readyz and /metrics: over kvwire's nodes (--model, --redis-url), or over vLLM servers
     (--vllm-decode, and --vllm-prefill to disaggregate)."""
     import uvicorn
@@ -48,12 +57,13 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
             logging.getLogger("httpx").setLevel(logging.WARNING)
         app = _vllm_app(ctx, vllm_prefill, vllm_decode, host, port, request_timeout, health_interval, connect_timeout)
     else:
-        app = _kvwire_app(model, redis_url, host, port, request_timeout, auth_secret_file)
+        app = _kvwire_app(model, redis_url, host, port, request_timeout, auth_secret_file,
+                          served_model_names(served_model_name), lenient)
     uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
 
 
 def _kvwire_app(model: Path | None, redis_url: str | None, host: str, port: int, request_timeout: float,
-                auth_secret_file: Path | None):
+                auth_secret_file: Path | None, names: tuple[str, ...], lenient: bool):
     from kvwire.connectors import auth
     from kvwire.engine.gc_pauses import freeze_startup_heap
     from kvwire.router.app import create_app
@@ -63,7 +73,7 @@ def _kvwire_app(model: Path | None, redis_url: str | None, host: str, port: int,
     if redis_url is None:
         raise typer.BadParameter("needed unless --vllm-decode fronts vLLM servers", param_hint="--redis-url")
     config = RouterConfig(model_dir=model, redis_url=redis_url, host=host, port=port, request_timeout_s=request_timeout,
-                          auth_secret=auth_secret(auth_secret_file))
+                          served_model_names=names, lenient=lenient, auth_secret=auth_secret(auth_secret_file))
     auth.install(config.auth_secret)  # before any socket opens
     app = create_app(config)
     freeze_startup_heap()  # the router's heap holds torch and the tokenizer too

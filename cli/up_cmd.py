@@ -20,9 +20,12 @@ from kvwire.cli.options import (
     Host,
     KVDeadline,
     Layerwise,
+    Lenient,
     LogLevel,
     OptionalRedisUrl,
+    ServedModelName,
     auth_secret,
+    served_model_names,
     setup_logging,
 )
 from kvwire.cli.paths import default_model_dir
@@ -37,6 +40,7 @@ def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a
        max_restarts: Annotated[int | None, typer.Option(
            "--max-restarts", min=0, help="Crashed processes restarted in all before everything stops; "
                                          "unlimited by default.")] = None,
+       served_model_name: ServedModelName = None, lenient: Lenient = False,
        log_level: LogLevel = "WARNING") -> None:
     """Start Redis, a prefill node, a decode node and the router; stop them all on Ctrl-C."""
     if layerwise and connector not in LAYERWISE_KINDS:
@@ -47,7 +51,8 @@ def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a
         signal.signal(sig, lambda *_: stop.set())
     spec = ClusterSpec(model_dir=model or default_model_dir(), connector=connector, host=host, port=port,
                        redis_url=redis_url, kv_deadline_s=kv_deadline, log_level=log_level,
-                       auth_secret_file=auth_secret_file, layerwise=layerwise, max_restarts=max_restarts)
+                       auth_secret_file=auth_secret_file, layerwise=layerwise, max_restarts=max_restarts,
+                       served_model_names=served_model_names(served_model_name), lenient=lenient)
     auth_secret(auth_secret_file)  # a bad file fails here, not in four children
     with LocalCluster(spec) as cluster:
         typer.echo(f"kvwire is up: {cluster.url}  (model {spec.model_dir}, connector {connector}, "

@@ -204,10 +204,37 @@ class ShmSegment(_Msg, tag="shm_segment", frozen=True):
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How the decode node picks each token, and when it stops (engine/sampler.py, engine/llm_engine.py).
+
+    The logits go through, in order: repetition, frequency and presence penalties (counting the prompt's
+    tokens for repetition, the output's for all three, as vLLM does), min_tokens' ban on stop tokens, then
+    temperature, top_k, top_p and min_p. Logprobs are always of the raw float32 logits, before any of that.
+    Stop strings are the router's: it cuts the text and cancels the request (`CancelWork`).
+    """
+
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    # Added after WIRE_VERSION 1 shipped; the defaults change nothing.
+    top_k: int = 0  # 0 (or -1): all tokens
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] = []  # finish (reason "stop") on any of these, as on EOS
+    ignore_eos: bool = False  # EOS does not finish the request
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the k most likely
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One sampled token's log-probability under the raw logits, and the `SamplingParams.logprobs` most
+    likely tokens' (ids and logprobs, most likely first; ties to the lower id)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 class PrefillWork(_Msg, tag="prefill", frozen=True):
@@ -253,6 +280,16 @@ class TokenChunk(_Msg, tag="tokens", frozen=True):
     finished: bool = False
     finish_reason: str | None = None
     stats: DecodeStats | None = None
+    logprobs: list[TokenLogprobs] = []  # one per token_ids entry when SamplingParams.logprobs is set
+
+
+class CancelWork(_Msg, tag="cancel", frozen=True):
+    """Router → decode node: stop generating request_id (a stop string matched, or the client left).
+
+    The node frees its blocks (or drops its wait for KV) and sends nothing more for it. Unknown ids are ignored.
+    """
+
+    request_id: str
 
 
 class ErrorKind(enum.StrEnum):
@@ -271,7 +308,7 @@ class WorkError(_Msg, tag="error", frozen=True):
 
 Message = (
     KVLayout | KVLocation | NodeInfo | PullRequest | PullReply | ShmHello | ShmSegment
-    | PrefillWork | KVReady | DecodeWork | TokenChunk | WorkError
+    | PrefillWork | KVReady | DecodeWork | TokenChunk | WorkError | CancelWork
 )
 
 

@@ -21,7 +21,7 @@ class Tokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -36,8 +36,8 @@ class ByteTokenizer:
             raise ValueError(f"a byte tokenizer needs vocab_size >= {NUM_BYTES}, got {vocab_size}")
         self.vocab_size = vocab_size
 
-    def encode(self, text: str) -> list[int]:
-        """Args: text. Returns: its UTF-8 bytes as ids."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Args: text (a byte tokenizer adds no specials either way). Returns: its UTF-8 bytes as ids."""
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
@@ -54,9 +54,10 @@ class HFTokenizer:
         self.eos_token_id = eos_token_id
         self.vocab_size = impl.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        """Args: text. Returns: token ids."""
-        return self._impl.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Args: text; add_special_tokens: False for text that already holds them (a rendered chat template).
+        Returns: token ids."""
+        return self._impl.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         """Args: ids. Returns: the text (special tokens skipped)."""

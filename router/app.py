@@ -1,12 +1,15 @@
-"""The router's HTTP API: POST /v1/completions, GET /v1/models, /healthz, /readyz, /metrics.
+"""The router's HTTP API: POST /v1/completions and /v1/chat/completions, GET /v1/models, /healthz, /readyz,
+/metrics.
 
 Lifecycle of the app:
 
 1. `create_app(config)` builds the app around one `Router`.
 2. On startup the router opens the directory and the dispatcher.
-3. While it serves, each completion is tokenized here, dispatched to one prefill and one
-   decode node, and answered whole or streamed as server-sent events, with a `kvwire`
-   object telling how its KV travelled.
+3. While it serves, each request is checked (router/schemas.py, router/sampling.py: every parameter is
+   applied or refused), its prompts tokenized (a chat's messages rendered with the checkpoint's template
+   first), and each of its choices dispatched to one prefill and one decode node (router/generation.py).
+   It is answered whole or streamed as server-sent events (router/responses.py), with a `kvwire` object
+   telling how the KV travelled.
 4. On shutdown it closes the dispatcher and the directory.
 
 Each answer counts in kvwire_requests_total{status}; each successful one's time to its
@@ -20,74 +23,24 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvwire.connectors.config import NodeRole
 from kvwire.connectors.directory import DirectoryError, KVDirectory
-from kvwire.connectors.wire import ErrorKind, SamplingParams, TokenChunk, WorkError
 from kvwire.engine.loader import load_config
 from kvwire.engine.tokenizer import load_tokenizer
-from kvwire.engine.validation import prompt_problem
 from kvwire.observability.labels import RequestStatus
 from kvwire.observability.metrics import CONTENT_TYPE, Metrics, process_metrics
+from kvwire.router.chat_template import ChatTemplate
+from kvwire.router.choice import Choice
 from kvwire.router.config import RouterConfig
 from kvwire.router.dispatch import Dispatcher
-from kvwire.router.schemas import APIError, CompletionRequest, parse_request
-
-
-class Completion:
-    """One request's accumulating result."""
-
-    def __init__(self, request_id: str, req: CompletionRequest, prompt_ids: list[int], tokenizer, started: float):
-        self.request_id = request_id
-        self.req = req
-        self.prompt_ids = prompt_ids
-        self.tokenizer = tokenizer
-        self.started = started
-        self.token_ids: list[int] = []
-        self.first_token_at: float | None = None
-        self.final: TokenChunk | None = None
-
-    def add(self, chunk: TokenChunk) -> str:
-        """Record a chunk; return the new text it adds."""
-        if self.first_token_at is None and chunk.token_ids:
-            self.first_token_at = time.monotonic()
-        before = self.tokenizer.decode(self.token_ids)
-        self.token_ids.extend(chunk.token_ids)
-        if chunk.finished:
-            self.final = chunk
-        return self.tokenizer.decode(self.token_ids)[len(before):]
-
-    def kvwire(self) -> dict:
-        stats = self.final.stats if self.final else None
-        ttft = (self.first_token_at - self.started) * 1000 if self.first_token_at else None
-        out: dict[str, object] = {"bypassed": False, "transport": None, "kv_bytes": 0, "transfer_ms": 0.0,
-                                  "ttft_ms": ttft, "prefill_node": None, "decode_node": None}
-        if stats is not None:
-            out.update(bypassed=stats.bypassed, transport=stats.transport or None, kv_bytes=stats.kv_bytes,
-                       transfer_ms=stats.transfer_ms, prefill_node=stats.prefill_node, decode_node=stats.decode_node,
-                       decode_ttft_ms=stats.ttft_ms)
-        return out
-
-    def choice(self, text: str, finished: bool) -> dict:
-        c = {"index": 0, "text": text, "logprobs": None,
-             "finish_reason": self.final.finish_reason if finished and self.final else None}
-        if self.req.return_token_ids:
-            c["token_ids"] = list(self.token_ids) if finished else None
-        return c
-
-    def body(self, model: str, choice: dict, final: bool) -> dict:
-        out = {"id": self.request_id, "object": "text_completion", "created": int(time.time()),
-               "model": model, "choices": [choice]}
-        if final:
-            n = len(self.token_ids)
-            out["usage"] = {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n,
-                            "total_tokens": len(self.prompt_ids) + n}
-            out["kvwire"] = self.kvwire()
-        return out
+from kvwire.router.generation import Generation
+from kvwire.router.responses import Api, Shaper
+from kvwire.router.sampling import Limits, Plan, chat_plan, completion_plan
+from kvwire.router.schemas import APIError, ChatRequest, CompletionRequest, parse_body
 
 
 class Router:
@@ -99,6 +52,7 @@ class Router:
         self.tokenizer = load_tokenizer(config.model_dir)
         self.model_config = load_config(config.model_dir)
         self.max_len = self.model_config.max_position_embeddings
+        self.chat_template = ChatTemplate(config.model_dir)
         self.directory: KVDirectory | None = None
         self.dispatcher: Dispatcher | None = None
 
@@ -137,9 +91,15 @@ class Router:
                                             "owned_by": "kvwire", "max_model_len": self.max_len}]}
 
     async def completions(self, request: Request):
+        return await self._serve(request, Api.COMPLETIONS)
+
+    async def chat(self, request: Request):
+        return await self._serve(request, Api.CHAT)
+
+    async def _serve(self, request: Request, api: Api):
         started = time.monotonic()
         try:
-            return await self._complete(request, started)
+            return await self._answer(await request.body(), api, started)
         except APIError as exc:
             self.metrics.requests.labels(str(_status(exc))).inc()
             raise
@@ -147,34 +107,79 @@ class Router:
             self.metrics.requests.labels(str(RequestStatus.ERROR)).inc()
             raise
 
-    def _answered(self, comp: Completion, status: RequestStatus) -> None:
+    def _answered(self, gen: Generation, started: float, status: RequestStatus) -> None:
         self.metrics.requests.labels(str(status)).inc()
-        if status == RequestStatus.OK and comp.first_token_at is not None:
-            self.metrics.ttft_seconds.observe(comp.first_token_at - comp.started)
+        firsts = [c.first_token_at for c in gen.choices if c.first_token_at is not None]
+        if status == RequestStatus.OK and firsts:
+            self.metrics.ttft_seconds.observe(min(firsts) - started)
 
-    async def _complete(self, request: Request, started: float):
-        req = parse_request(await request.body(), self.max_len)
-        prompt_ids = self.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
-        _check_prompt(prompt_ids, req, self.max_len, self.model_config.vocab_size)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+    async def _plan(self, body: bytes, api: Api) -> tuple[Plan, list[str]]:
+        """The request's plan and its prompts' texts (for echo)."""
+        limits = Limits(self.max_len, self.model_config.vocab_size)
+        if api == Api.CHAT:
+            chat = parse_body(body, ChatRequest, self.config.lenient)
+            self._check_model(chat.model)
+            text = await asyncio.to_thread(self.chat_template.render, chat)
+            return chat_plan(chat, self.tokenizer.encode(text, add_special_tokens=False), limits), [text]
+        req = parse_body(body, CompletionRequest, self.config.lenient)
+        self._check_model(req.model)
+        prompts = _prompt_list(req.prompt)
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts] if req.echo else []
+        return completion_plan(req, ids, limits), texts
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and not self.config.serves(model):
+            raise APIError(404, f"The model `{model}` does not exist; this router serves "
+                                f"`{self.config.served_model_name}`.", param="model", code="model_not_found")
+
+    async def _answer(self, body: bytes, api: Api, started: float):
+        plan, texts = await self._plan(body, api)
+        rid = f"{'chatcmpl' if api == Api.CHAT else 'cmpl'}-{uuid.uuid4().hex}"
         dispatcher = self.dispatcher
         assert dispatcher is not None  # lifespan opened it before serving
-        sampling = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                  seed=req.seed)
-        _, queue = await dispatcher.submit(rid, prompt_ids, sampling, req.disaggregate)
-        comp = Completion(rid, req, prompt_ids, self.tokenizer, started)
-        deadline = started + self.config.request_timeout_s
-        model = self.config.served_model_name
-        if req.stream:
-            return StreamingResponse(_stream(comp, queue, deadline, dispatcher, model, self._answered),
-                                     media_type="text/event-stream")
+
+        def make_choice(k: int, sub_id: str, prompt: list[int]) -> Choice:
+            echo = texts[k // plan.best_of] if plan.echo else ""
+            return Choice(k, sub_id, prompt, plan, self.tokenizer, echo)
+
+        gen = Generation(dispatcher, plan, rid, started + self.config.request_timeout_s, make_choice)
         try:
-            async for _ in _chunks(comp, queue, deadline):
+            await gen.start()
+        except BaseException:
+            gen.close()
+            raise
+        shaper = Shaper(api, rid, self.config.served_model_name, plan, self.tokenizer)
+        if plan.stream:
+            return StreamingResponse(self._stream(gen, shaper, started), media_type="text/event-stream")
+        try:
+            async for _ in gen.events():
                 pass
         finally:
-            dispatcher.forget(rid)
-        self._answered(comp, RequestStatus.OK)
-        return comp.body(model, comp.choice(self.tokenizer.decode(comp.token_ids), finished=True), final=True)
+            gen.close()
+        self._answered(gen, started, RequestStatus.OK)
+        return shaper.whole(gen.ranked(), _usage(gen), _kvwire(gen.ranked(), started))
+
+    async def _stream(self, gen: Generation, shaper: Shaper, started: float):
+        status = RequestStatus.OK
+        try:
+            shown: set[int] = set()
+            async for choice in gen.events():
+                chunk = shaper.chunk(choice, first=choice.index not in shown)
+                if chunk is not None:
+                    shown.add(choice.index)
+                    if choice.finished:
+                        chunk["kvwire"] = _report(choice, started)
+                    yield _sse(chunk)
+            if shaper.plan.include_usage:
+                yield _sse(shaper.usage_chunk(_usage(gen), _kvwire(gen.choices, started)))
+        except APIError as exc:
+            status = _status(exc)
+            yield _sse(exc.body())
+        finally:
+            gen.close()
+            self._answered(gen, started, status)
+        yield "data: [DONE]\n\n"
 
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
@@ -192,46 +197,52 @@ def create_app(config: RouterConfig, metrics: Metrics | None = None) -> FastAPI:
     app.add_api_route("/metrics", router.metrics_text, methods=["GET"])
     app.add_api_route("/v1/models", router.models, methods=["GET"])
     app.add_api_route("/v1/completions", router.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", router.chat, methods=["POST"])
     return app
 
 
 def _status(exc: APIError) -> RequestStatus:
-    return {400: RequestStatus.INVALID, 503: RequestStatus.UNAVAILABLE, 504: RequestStatus.TIMEOUT}.get(
-        exc.status, RequestStatus.ERROR)
+    statuses = {400: RequestStatus.INVALID, 404: RequestStatus.INVALID, 503: RequestStatus.UNAVAILABLE,
+                504: RequestStatus.TIMEOUT}
+    return statuses.get(exc.status, RequestStatus.ERROR)
 
 
-def _check_prompt(prompt_ids: list[int], req: CompletionRequest, max_len: int, vocab: int) -> None:
-    problem = prompt_problem(prompt_ids, vocab, max_len, req.max_tokens)
-    if problem:
-        raise APIError(400, problem, param="prompt")
+def _prompt_list(prompt: str | list) -> list[str | list[int]]:
+    """A completions prompt as a list of prompts, each a text or token ids. Raises APIError(400) for a mix."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    if prompt and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+        return list(prompt)
+    raise APIError(400, "prompt must be a non-empty text, list of token ids, list of texts or list of token-id "
+                        "lists", param="prompt")
 
 
-async def _chunks(comp: Completion, queue: asyncio.Queue, deadline: float):
-    """Yield the text each chunk adds until the final one. Raises APIError on failure or timeout."""
-    while comp.final is None:
-        try:
-            msg = await asyncio.wait_for(queue.get(), timeout=max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            raise APIError(504, f"request {comp.request_id} timed out", type_="timeout") from None
-        if isinstance(msg, WorkError):
-            if msg.kind == ErrorKind.INVALID_REQUEST:
-                raise APIError(400, msg.reason)
-            if msg.kind in (ErrorKind.DRAINING, ErrorKind.NODE_LOST):  # retryable: send it again
-                raise APIError(503, f"node {msg.node}: {msg.reason}", type_="service_unavailable")
-            raise APIError(500, f"node {msg.node}: {msg.reason}", type_="server_error")
-        yield comp.add(msg)
+def _usage(gen: Generation) -> dict:
+    prompt = sum(len(p) for p in gen.plan.prompts)
+    completion = sum(len(c.token_ids) for c in gen.choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _stream(comp: Completion, queue: asyncio.Queue, deadline: float, dispatcher: Dispatcher, model: str,
-                  answered: Callable[[Completion, RequestStatus], None]):
-    try:
-        async for delta in _chunks(comp, queue, deadline):
-            final = comp.final is not None
-            yield f"data: {json.dumps(comp.body(model, comp.choice(delta, final), final))}\n\n"
-        answered(comp, RequestStatus.OK)
-    except APIError as exc:
-        answered(comp, _status(exc))
-        yield f"data: {json.dumps(exc.body())}\n\n"
-    finally:
-        dispatcher.forget(comp.request_id)
-    yield "data: [DONE]\n\n"
+def _report(choice: Choice, started: float) -> dict:
+    """How one choice's KV travelled."""
+    stats = choice.stats
+    ttft = (choice.first_token_at - started) * 1000 if choice.first_token_at else None
+    out: dict[str, object] = {"bypassed": False, "transport": None, "kv_bytes": 0, "transfer_ms": 0.0,
+                              "ttft_ms": ttft, "prefill_node": None, "decode_node": None}
+    if stats is not None:
+        out.update(bypassed=stats.bypassed, transport=stats.transport or None, kv_bytes=stats.kv_bytes,
+                   transfer_ms=stats.transfer_ms, prefill_node=stats.prefill_node, decode_node=stats.decode_node,
+                   decode_ttft_ms=stats.ttft_ms)
+    return out
+
+
+def _kvwire(choices: list[Choice], started: float) -> dict:
+    """The first choice's report; with several, every choice's too, in index order."""
+    reports = [_report(c, started) for c in sorted(choices, key=lambda c: c.index)]
+    return reports[0] if len(reports) == 1 else {**reports[0], "choices": reports}
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"

@@ -10,11 +10,13 @@ from urllib.parse import urlsplit
 @dataclass(frozen=True)
 class RouterConfig:
     """Attributes:
-    model_dir: checkpoint whose tokenizer and context length the router uses.
+    model_dir: checkpoint whose tokenizer, chat template and context length the router uses.
     redis_url: the directory.
     host, port: where the HTTP API listens.
     request_timeout_s: a request with no final answer by then gets a 504.
-    model_name: the id served in /v1/models; the checkpoint directory's name by default.
+    served_model_names: the ids a request's `model` may name, the first one listed in /v1/models; empty: the
+        checkpoint directory's name (a path to it is accepted too).
+    lenient: request fields kvwire does not know are dropped with a warning, not refused with a 400.
     auth_secret: shared secret sealing control messages to and from nodes; None: no authentication.
     """
 
@@ -23,12 +25,23 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     request_timeout_s: float = 120.0
-    model_name: str = ""
+    served_model_names: tuple[str, ...] = ()
+    lenient: bool = False
     auth_secret: bytes | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if any(not name for name in self.served_model_names):
+            raise ValueError("a served model name must not be empty")
 
     @property
     def served_model_name(self) -> str:
-        return self.model_name or self.model_dir.name
+        return self.served_model_names[0] if self.served_model_names else self.model_dir.name
+
+    def serves(self, model: str) -> bool:
+        """Whether a request's `model` names the served model."""
+        if self.served_model_names:
+            return model in self.served_model_names
+        return model == self.model_dir.name or Path(model).resolve() == self.model_dir.resolve()
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ A request here:
    node has been gone LEFT_GRACE_S, instead of letting it wait out its timeout. The grace
    lets a node that finished and then left deliver its last chunks: it sends them before
    it deregisters, but they can still be on their way when the watch looks.
-4. `forget()` drops the request; `close()` stops it all.
+4. `cancel()` tells the decode node to stop a request the router has its answer for (a stop
+   string matched, or the client left); `forget()` drops the request; `close()` stops it all.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kvwire.connectors.directory import DirectoryError, KVDirectory
 from kvwire.connectors.framing import pack, unpack
 from kvwire.connectors.sockets import PushSockets, limit_receive
 from kvwire.connectors.wire import (
+    CancelWork,
     DecodeWork,
     ErrorKind,
     NodeInfo,
@@ -69,6 +71,7 @@ class Dispatcher:
         self._work = PushSockets(self._ctx)  # work to nodes' work endpoints
         self._queues: dict[str, asyncio.Queue] = {}
         self._serving: dict[str, tuple[str, int]] = {}  # request id -> (decode node id, epoch)
+        self._decoding_at: dict[str, str] = {}  # request id -> its decode node's work endpoint
         self._missing_since: dict[str, float] = {}  # request id -> when the watch first missed its decode node
         self._rr = itertools.count()
         self._nodes: tuple[float, list[NodeInfo]] = (float("-inf"), [])  # (when read, live nodes of every role)
@@ -127,6 +130,7 @@ class Dispatcher:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._serving[request_id] = (route.decode.node_id, route.decode.epoch)
+        self._decoding_at[request_id] = route.decode.work_endpoint
         if route.prefill is not None:
             await self._push(route.prefill, PrefillWork(request_id=request_id, prompt_token_ids=prompt_ids,
                                                         decode_endpoint=route.decode.work_endpoint))
@@ -138,8 +142,21 @@ class Dispatcher:
                                                   prefill_epoch=route.prefill.epoch if route.prefill else 0))
         return route, queue
 
+    def cancel(self, request_id: str) -> None:
+        """Tell the request's decode node to stop it (no-op once forgotten); its queue takes nothing more."""
+        self._queues.pop(request_id, None)
+        endpoint = self._decoding_at.pop(request_id, None)
+        if endpoint is None:
+            return
+        sock = cast(zmq.asyncio.Socket, self._work.get(endpoint))
+        # never waits: a node whose queue is full finishes the request on its own, and nobody reads it
+        sent = sock.send(pack(CancelWork(request_id=request_id)), zmq.NOBLOCK)
+        sent.add_done_callback(lambda f: f.cancelled() or f.exception() is None or log.warning(
+            "request %s: could not cancel it on its decode node: %s", request_id, f.exception()))
+
     def forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        self._decoding_at.pop(request_id, None)
         self._serving.pop(request_id, None)
         self._missing_since.pop(request_id, None)
 

@@ -1,0 +1,119 @@
+"""One request's choices on the decode nodes: one sub-request per prompt and choice, their replies merged.
+
+Lifecycle:
+
+1. `start()` submits every choice through the dispatcher (each its own prefill and decode pick, its own
+   request id: the request's, with "-<k>" after it when there are several).
+2. `events()` yields each choice as a chunk of it arrives, until all are finished. A choice that a stop
+   string ended is cancelled on its decode node (`CancelWork`) at once.
+3. `close()` (always called) cancels the choices not finished — a client that left, a timeout, another
+   choice's error — and forgets them all in the dispatcher.
+
+A node's `WorkError` or the deadline fails the whole request with an APIError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+from kvwire.connectors.wire import ErrorKind, TokenChunk, WorkError
+from kvwire.router.choice import Choice
+from kvwire.router.dispatch import Dispatcher
+from kvwire.router.sampling import Plan
+from kvwire.router.schemas import APIError
+
+
+class Generation:
+    def __init__(self, dispatcher: Dispatcher, plan: Plan, request_id: str, deadline: float,
+                 make_choice: Callable[[int, str, list[int]], Choice]):
+        self._dispatcher = dispatcher
+        self.plan = plan
+        self._deadline = deadline
+        self.request_id = request_id
+        count = len(plan.prompts) * plan.best_of
+        ids = [request_id] if count == 1 else [f"{request_id}-{k}" for k in range(count)]
+        self.choices = [make_choice(k, ids[k], plan.prompts[k // plan.best_of]) for k in range(count)]
+        self._merged: asyncio.Queue = asyncio.Queue()
+        self._pumps: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        for choice in self.choices:
+            sampling = self.plan.sampling_for(choice.index % self.plan.best_of)
+            _, queue = await self._dispatcher.submit(choice.request_id, choice.prompt_ids, sampling,
+                                                     self.plan.disaggregate)
+            self._pumps.append(asyncio.create_task(self._pump(choice, queue)))
+
+    async def events(self) -> AsyncIterator[Choice]:
+        """Each choice as a chunk of it arrives. Raises APIError on a node's error or at the deadline."""
+        unfinished = len(self.choices)
+        while unfinished:
+            try:
+                choice, msg = await asyncio.wait_for(self._merged.get(),
+                                                     timeout=max(0.0, self._deadline - time.monotonic()))
+            except TimeoutError:
+                raise APIError(504, f"request {self.request_id} timed out", type_="timeout") from None
+            if isinstance(msg, WorkError):
+                raise _api_error(msg)
+            if choice.finished:
+                continue  # chunks the node sent before it took our cancel
+            if self.plan.sampling.logprobs is not None and len(msg.logprobs) != len(msg.token_ids):
+                raise APIError(500, f"request {choice.request_id}: the decode node sent {len(msg.logprobs)} logprobs "
+                                    f"for {len(msg.token_ids)} tokens", type_="server_error")
+            if choice.add(msg):
+                self._dispatcher.cancel(choice.request_id)
+            if choice.finished:
+                unfinished -= 1
+                self._dispatcher.forget(choice.request_id)
+            yield choice
+
+    def close(self) -> None:
+        for task in self._pumps:
+            task.cancel()
+        for choice in self.choices:
+            if not choice.finished:
+                self._dispatcher.cancel(choice.request_id)
+            self._dispatcher.forget(choice.request_id)
+
+    def ranked(self) -> list[Choice]:
+        """The n choices of each prompt to answer with (the best_of with highest total logprob), indexed anew."""
+        plan, out = self.plan, []
+        for p in range(len(plan.prompts)):
+            group = self.choices[p * plan.best_of:(p + 1) * plan.best_of]
+            if plan.best_of > plan.n:
+                group = sorted(group, key=Choice.total_logprob, reverse=True)[:plan.n]
+            for j, choice in enumerate(group):
+                choice.index = p * plan.n + j
+                if plan.logprobs is None:
+                    choice.logprobs = []
+                out.append(choice)
+        return out
+
+    async def _pump(self, choice: Choice, queue: asyncio.Queue) -> None:
+        while True:
+            msg = await queue.get()
+            await self._merged.put((choice, msg))
+            if isinstance(msg, WorkError) or (isinstance(msg, TokenChunk) and msg.finished):
+                return
+
+
+def _api_error(msg: WorkError) -> APIError:
+    if msg.kind == ErrorKind.INVALID_REQUEST:
+        return APIError(400, msg.reason)
+    if msg.kind in (ErrorKind.DRAINING, ErrorKind.NODE_LOST):  # retryable: send it again
+        return APIError(503, f"node {msg.node}: {msg.reason}", type_="service_unavailable")
+    return APIError(500, f"node {msg.node}: {msg.reason}", type_="server_error")
+
+
+@contextlib.asynccontextmanager
+async def generation(dispatcher: Dispatcher, plan: Plan, request_id: str, deadline: float,
+                     make_choice: Callable[[int, str, list[int]], Choice]):
+    """A started Generation, closed on the way out whatever happens."""
+    gen = Generation(dispatcher, plan, request_id, deadline, make_choice)
+    try:
+        await gen.start()
+        yield gen
+    finally:
+        gen.close()
