@@ -4,7 +4,9 @@ vLLM and transformers need a Hugging Face tokenizer; kvwire's random checkpoints
 bytes (`ByteTokenizer`: UTF-8 byte b is id b, ids 256 and 257 are bos and eos). These files
 describe the same mapping as a `tokenizers` byte-level BPE with no merges, so every
 engine turns a text into the same ids. No bos is added on encode, as `ByteTokenizer` adds
-none. A small chat template lets the model chat.
+none. A small chat template lets the model chat: `write_chat_template` writes it as
+chat_template.jinja (every `kvwire init-model` checkpoint has one), and tokenizer_config.json
+carries it too.
 """
 
 from __future__ import annotations
@@ -17,6 +19,21 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 BOS, EOS = "<s>", "</s>"
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+def write_chat_template(out_dir: Path) -> Path:
+    """Write `CHAT_TEMPLATE` as `out_dir/chat_template.jinja` (where transformers v5 and the router look).
+
+    Returns:
+        The file written.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / CHAT_TEMPLATE_FILE
+    path.write_text(CHAT_TEMPLATE)
+    return path
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -8,6 +8,8 @@ falls into loops. Here:
 - the LM head is scaled so logits have std ~`LOGIT_STD`, and an untied head
   subtracts `ANTI_COPY` x each token's own embedding, so a token scores low right
   after itself (random models otherwise lock into one token repeated);
+- attention biases (Qwen2, or `attention_bias`) have std `BIAS_STD`; every norm weight
+  (Qwen3's q_norm / k_norm too) is one;
 - only the head rows of `EMITTED_BYTES` (printable ASCII and newline) are random;
   the rest are zero, so their logits are exactly 0 while the best emitted logit is
   ~+2.5 std: greedy output decodes as clean text and never hits bos/eos.
@@ -26,6 +28,7 @@ from kvwire.engine.model_config import PRESETS, ModelConfig
 
 LOGIT_STD = 2.0
 ANTI_COPY = 1.0
+BIAS_STD = 0.1
 EMITTED_BYTES = (ord("\n"), *range(ord(" "), ord("~") + 1))  # printable ASCII and newline
 
 
@@ -49,7 +52,7 @@ def get_preset(name: str) -> ModelConfig:
 
 
 def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of an HF Llama checkpoint for this config, by name, in a fixed order."""
+    """Every tensor of an HF checkpoint of this config's family, by name, in a fixed order."""
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     assert d is not None  # filled in by ModelConfig.__post_init__
     q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
@@ -67,6 +70,13 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
+        if config.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
+                       p + "self_attn.v_proj.bias": (kv_out,)}
+        if config.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if config.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
@@ -91,6 +101,8 @@ def random_tensors(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
             out[name] = _embedding(shape, config, gen)
         elif name == "lm_head.weight":
             out[name] = _untied_head(out["model.embed_tokens.weight"], gen)
+        elif name.endswith(".bias"):
+            out[name] = torch.randn(shape, generator=gen) * BIAS_STD
         else:
             out[name] = torch.randn(shape, generator=gen) / shape[1] ** 0.5  # std 1/sqrt(fan_in)
     dtype = TORCH_DTYPES[config.dtype]

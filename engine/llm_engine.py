@@ -9,7 +9,8 @@ A request here:
    (no thread hand-off on the way to its first token); otherwise on the runner's pull
    thread (`receiving`) while steps go on decoding the others, `on_received` firing as
    the pull ends and a later step taking it (bypassed, or computed then).
-4. Its first token is sampled; every later step decodes one more token for it.
+4. Its first token is sampled; every later step decodes one more token for it, until EOS (unless
+   ignore_eos) or one of stop_token_ids (reason "stop", never before min_tokens), or max_tokens ("length").
 5. Finished or aborted, its blocks are freed at once, unless a pull may still be
    writing them: then when the pull ends.
 """
@@ -21,14 +22,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvwire.connectors.types import ModelRunnerOutput
-from kvwire.connectors.wire import SamplingParams
+from kvwire.connectors.wire import SamplingParams, TokenLogprobs
 from kvwire.engine.block_allocator import BlockAllocator
 from kvwire.engine.model_input import ModelInput, SequenceInput
 from kvwire.engine.runner import ModelRunner
-from kvwire.engine.sampler import make_generator, sample
+from kvwire.engine.sampler import TokenHistory, check_params, make_generator, sample
 from kvwire.engine.sequence import FinishReason, Sequence
 from kvwire.engine.validation import prompt_problem
 
@@ -43,6 +44,7 @@ class InvalidRequest(ValueError):
 class StepOutput:
     sequence: Sequence
     new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per new token when params.logprobs is set
 
 
 class LLMEngine:
@@ -70,14 +72,27 @@ class LLMEngine:
                 prompt's KV (False when no prefill node is computing it).
         """
         self.validate(request_id, prompt_ids, params)
-        seq = Sequence(request_id, list(prompt_ids), params, make_generator(params.seed), receive_kv=receive_kv)
+        seq = Sequence(request_id, list(prompt_ids), params, make_generator(params.seed), receive_kv=receive_kv,
+                       history=TokenHistory.start(prompt_ids, params, self.vocab_size, self.eos_token_id))
         self.waiting.append(seq)
         return seq
 
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.model.config.vocab_size
+
     def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises InvalidRequest when the request can never run: bad prompt or sampling params, too long,
+        or more blocks than the pool has."""
         if params.max_tokens < 1:
             raise InvalidRequest(request_id, "max_tokens must be at least 1")
-        problem = prompt_problem(prompt_ids, self.runner.model.config.vocab_size, self.max_model_len, params.max_tokens)
+        try:
+            check_params(params)
+        except ValueError as exc:
+            raise InvalidRequest(request_id, str(exc)) from None
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise InvalidRequest(request_id, f"stop_token_ids must be in [0, {self.vocab_size})")
+        problem = prompt_problem(prompt_ids, self.vocab_size, self.max_model_len, params.max_tokens)
         if problem:
             raise InvalidRequest(request_id, problem)
         if self._blocks_needed(len(prompt_ids), params) > self.allocator.num_blocks:
@@ -121,7 +136,15 @@ class LLMEngine:
                 token = result.sampled_token_ids[result.req_id_to_index[seq.request_id]][0]
                 outputs.setdefault(seq.request_id, StepOutput(seq, [])).new_token_ids.append(token)
         self._reap()
-        return list(outputs.values())
+        return [self._with_logprobs(out) for out in outputs.values()]
+
+    @staticmethod
+    def _with_logprobs(out: StepOutput) -> StepOutput:
+        """The step's output with its tokens' logprobs, when the request asked for them."""
+        seq, n = out.sequence, len(out.new_token_ids)
+        if seq.params.logprobs is None or n == 0:
+            return out
+        return StepOutput(seq, out.new_token_ids, seq.logprobs[-n:])
 
     def _blocks_needed(self, prompt_len: int, params: SamplingParams) -> int:
         return math.ceil(min(prompt_len + params.max_tokens, self.max_model_len) / self.block_size)
@@ -193,13 +216,24 @@ class LLMEngine:
         return ModelRunnerOutput.from_tokens(batch.request_ids, tokens)
 
     def _sample(self, seq: Sequence, logits) -> int:
-        token = sample(logits, seq.params, seq.generator)
+        token, logprobs = sample(logits, seq.params, seq.generator, seq.history)
+        seq.history.record(token)
         seq.output_ids.append(token)
-        if self.eos_token_id is not None and token == self.eos_token_id:
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        if self._is_stop(seq, token):
             seq.finish_reason = FinishReason.STOP
         elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = FinishReason.LENGTH
         return token
+
+    def _is_stop(self, seq: Sequence, token: int) -> bool:
+        """Whether token, just appended, ends seq: EOS (unless ignore_eos) or a stop id, from min_tokens on."""
+        params = seq.params
+        if len(seq.output_ids) <= params.min_tokens:  # sampled while min_tokens banned EOS and the stop ids
+            return False  # so only a row with nothing else left could have picked one
+        is_eos = self.eos_token_id is not None and token == self.eos_token_id and not params.ignore_eos
+        return is_eos or token in params.stop_token_ids
 
     def _reap(self) -> None:
         for seq in [s for s in self.running if s.finished]:

@@ -1,4 +1,5 @@
-"""Loads a Hugging Face-format Llama checkpoint (config.json + safetensors) into `LlamaForCausalLM`.
+"""Loads a Hugging Face-format checkpoint (config.json + safetensors) of a supported family
+(Llama, Mistral, Qwen2, Qwen3: `model_config.Architecture`) into `LlamaForCausalLM`.
 
 Only safetensors are read: a checkpoint is data, and pickle-based formats
 (`*.bin`, `*.pt`) can run code when loaded, so they are refused.

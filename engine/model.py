@@ -1,4 +1,8 @@
-"""A Llama decoder over a paged KV cache, numerically matching transformers' LlamaForCausalLM.
+"""A Llama-like decoder over a paged KV cache, numerically matching transformers' models.
+
+`LlamaForCausalLM` runs every family `ModelConfig.architecture` names (Llama, Mistral,
+Qwen2, Qwen3): they differ only in attention biases, Qwen3's per-head q/k RMSNorm,
+head_dim and RoPE scaling, all read from the config.
 
 One `forward` computes a batch of sequences whose tokens are concatenated along
 the token dimension (prompt steps, decode steps and chunked continuations mixed).
@@ -25,6 +29,7 @@ from kvwire.engine.kv_cache import TORCH_DTYPES
 from kvwire.engine.model_config import ModelConfig
 from kvwire.engine.model_input import ModelInput, SequenceInput
 from kvwire.engine.ops import batch_invariant_linear, rms_norm, silu_mul
+from kvwire.engine.rope import rope_tables
 
 
 class SeqAttention(NamedTuple):
@@ -99,21 +104,6 @@ def _cat_long(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
 
 
-def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for every position, computed once (HF's default RoPE, rotate_half layout).
-
-    Returns:
-        (cos, sin), each `[max_position_embeddings, head_dim]` float32.
-    """
-    dim = config.head_dim
-    assert dim is not None  # filled in by ModelConfig.__post_init__
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.float)
-    freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, dim/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, dim]
-    return emb.cos(), emb.sin()
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -134,8 +124,16 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """x: `[N, in]` -> `[N, out]` through layer's weight and bias (if any)."""
+    return batch_invariant_linear(x, layer.weight, layer.bias)
+
+
 class LlamaAttention(nn.Module):
-    """Grouped-query attention over the paged cache."""
+    """Grouped-query attention over the paged cache (optional biases, optional per-head q/k norm)."""
+
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
@@ -144,19 +142,26 @@ class LlamaAttention(nn.Module):
         assert config.head_dim is not None  # filled in by ModelConfig.__post_init__
         self.head_dim = config.head_dim
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_out, bias=False, dtype=dtype)
-        self.k_proj = nn.Linear(config.hidden_size, kv_out, bias=False, dtype=dtype)
-        self.v_proj = nn.Linear(config.hidden_size, kv_out, bias=False, dtype=dtype)
-        self.o_proj = nn.Linear(q_out, config.hidden_size, bias=False, dtype=dtype)
+        self.q_proj = nn.Linear(config.hidden_size, q_out, bias=config.qkv_bias, dtype=dtype)
+        self.k_proj = nn.Linear(config.hidden_size, kv_out, bias=config.qkv_bias, dtype=dtype)
+        self.v_proj = nn.Linear(config.hidden_size, kv_out, bias=config.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(q_out, config.hidden_size, bias=config.o_bias, dtype=dtype)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:  # Qwen3: over head_dim, the same weight for every head
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         """x: `[N, hidden]`; cos, sin: `[N, head_dim]`;
         kv_cache: `[num_blocks, 2, block_size, kv_heads, head_dim]`. Returns `[N, hidden]`."""
         n = x.shape[0]
-        q = batch_invariant_linear(x, self.q_proj.weight).view(n, self.num_heads, self.head_dim)
-        k = batch_invariant_linear(x, self.k_proj.weight).view(n, self.num_kv_heads, self.head_dim)
-        v = batch_invariant_linear(x, self.v_proj.weight).view(n, self.num_kv_heads, self.head_dim)
+        q = _linear(x, self.q_proj).view(n, self.num_heads, self.head_dim)
+        k = _linear(x, self.k_proj).view(n, self.num_kv_heads, self.head_dim)
+        v = _linear(x, self.v_proj).view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)  # rows: [N * heads, head_dim]
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]  # [blocks, block_size, kv_heads, head_dim]
         k_cache[meta.write_blocks, meta.write_slots] = k.to(k_cache.dtype)
@@ -164,7 +169,7 @@ class LlamaAttention(nn.Module):
         out = torch.empty_like(q)  # [N, heads, head_dim]
         for seq in meta.seqs:
             out[seq.rows] = self._attend(q[seq.rows], k_cache, v_cache, seq)
-        return batch_invariant_linear(out.view(n, -1), self.o_proj.weight)
+        return _linear(out.view(n, -1), self.o_proj)
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 seq: SeqAttention) -> torch.Tensor:
@@ -220,7 +225,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama decoder + LM head over a paged KV cache."""
+    """Llama-like decoder + LM head over a paged KV cache (every `Architecture`)."""
 
     rope_cos: torch.Tensor  # buffers, registered in __init__
     rope_sin: torch.Tensor
@@ -233,7 +238,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-        cos, sin = rope_tables(config)
+        assert config.head_dim is not None  # filled in by ModelConfig.__post_init__
+        cos, sin = rope_tables(config.head_dim, config.rope_theta, config.rope_scaling,
+                               config.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_pos, head_dim] float32
         self.register_buffer("rope_sin", sin, persistent=False)
 

@@ -39,16 +39,17 @@ def map_row_chunks(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.
     return torch.cat(chunks)[:m]
 
 
-def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x @ weight.T`, bit-identical per row whatever M is.
+def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T (+ bias)`, bit-identical per row whatever M is.
 
     Args:
         x: `[M, in]`.
         weight: `[out, in]`.
+        bias: `[out]`, or None.
     Returns:
         `[M, out]`.
     """
-    return map_row_chunks(lambda c: F.linear(c, weight), x)
+    return map_row_chunks(lambda c: F.linear(c, weight, bias), x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""One request as the engine tracks it: prompt, sampled tokens, blocks, RNG, metrics."""
+"""One request as the engine tracks it: prompt, sampled tokens (and their logprobs), blocks, RNG, metrics."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kvwire.connectors.types import RequestMetrics
-from kvwire.connectors.wire import SamplingParams
+from kvwire.connectors.wire import SamplingParams, TokenLogprobs
+from kvwire.engine.sampler import TokenHistory
 
 
 class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens reached
-    STOP = "stop"  # end-of-sequence token
+    STOP = "stop"  # end-of-sequence token (unless ignore_eos) or one of stop_token_ids
     ABORT = "abort"
 
 
@@ -26,6 +27,8 @@ class Sequence:
     generator: torch.Generator | None
     block_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
+    history: TokenHistory = field(default_factory=TokenHistory)  # what the penalties and min_tokens need
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output id when params.logprobs is set
     finish_reason: FinishReason | None = None
     receive_kv: bool = True  # ask the connector for the prompt's KV before computing it
     bypassed: bool = False

@@ -1,8 +1,10 @@
-"""The continuous-batching loop: admission, block accounting, abort, and batch-independent output."""
+"""The continuous-batching loop: admission, block accounting, abort, batch-independent output, and how
+the sampling params end a request (EOS, stop ids, min_tokens, ignore_eos) and report its logprobs."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.block_allocator import BlockAllocator
@@ -10,7 +12,9 @@ from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.llm_engine import InvalidRequest, LLMEngine
 from kvwire.engine.loader import load_model
 from kvwire.engine.model_config import kv_layout
+from kvwire.engine.reference import generate, generate_with_logprobs
 from kvwire.engine.runner import ModelRunner
+from kvwire.engine.sequence import FinishReason
 
 
 @pytest.fixture(scope="module")
@@ -18,9 +22,13 @@ def model(tiny_model_dir):
     return load_model(tiny_model_dir)
 
 
-def _engine(model, num_blocks=32, block_size=4, max_len=256) -> LLMEngine:
+_MODEL_EOS = object()
+
+
+def _engine(model, num_blocks=32, block_size=4, max_len=256, eos=_MODEL_EOS) -> LLMEngine:
     pool = KVPool.allocate(kv_layout(model.config, block_size), num_blocks)
-    return LLMEngine(ModelRunner(model, pool), BlockAllocator(num_blocks), max_len, model.config.eos_token_id)
+    eos_id = model.config.eos_token_id if eos is _MODEL_EOS else eos
+    return LLMEngine(ModelRunner(model, pool), BlockAllocator(num_blocks), max_len, eos_id)
 
 
 def _run(engine: LLMEngine) -> int:
@@ -80,6 +88,10 @@ def test_abort_frees_blocks_at_once(model):
     ([10**6], SamplingParams(), "token ids"),
     ([1], SamplingParams(max_tokens=0), "max_tokens"),
     ([1] * 250, SamplingParams(max_tokens=10), "context length"),
+    ([1], SamplingParams(top_k=-2), "top_k"),
+    ([1], SamplingParams(min_tokens=20), "min_tokens"),
+    ([1], SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
+    ([1], SamplingParams(logprobs=50), "logprobs"),
 ])
 def test_invalid_requests_are_refused_before_queueing(model, prompt, params, match):
     eng = _engine(model)
@@ -92,3 +104,75 @@ def test_request_larger_than_the_pool_is_refused(model):
     eng = _engine(model, num_blocks=2, block_size=4)
     with pytest.raises(InvalidRequest, match="more KV blocks"):
         eng.add_request("big", list(range(20)), SamplingParams(max_tokens=4))
+
+
+PROMPT = [65, 66, 67]
+
+
+@pytest.fixture(scope="module")
+def greedy(model) -> list[int]:
+    """PROMPT's greedy continuation, with no EOS to stop it."""
+    eng = _engine(model, eos=None)
+    seq = eng.add_request("g", PROMPT, SamplingParams(max_tokens=8))
+    _run(eng)
+    assert seq.finish_reason == FinishReason.LENGTH and len(seq.output_ids) == 8
+    return seq.output_ids
+
+
+def _alone(model, params: SamplingParams, eos=None):
+    eng = _engine(model, eos=eos)
+    seq = eng.add_request("x", PROMPT, params)
+    _run(eng)
+    assert eng.allocator.num_free == 32
+    return seq
+
+
+def test_a_stop_token_id_finishes_with_stop(model, greedy):
+    stop, never = greedy[2], min(set(range(model.config.vocab_size)) - set(greedy))
+    seq = _alone(model, SamplingParams(max_tokens=8, stop_token_ids=[never, stop]))
+    assert seq.output_ids == greedy[: greedy.index(stop) + 1] and seq.finish_reason == FinishReason.STOP
+
+
+def test_eos_stops_unless_ignored_and_min_tokens_holds_it_off(model, greedy):
+    eos = greedy[0]
+    stopped = _alone(model, SamplingParams(max_tokens=8), eos=eos)
+    assert stopped.output_ids == [eos] and stopped.finish_reason == FinishReason.STOP
+    ignored = _alone(model, SamplingParams(max_tokens=8, ignore_eos=True), eos=eos)
+    assert ignored.output_ids == greedy and ignored.finish_reason == FinishReason.LENGTH
+    held = _alone(model, SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=[greedy[1]]), eos=eos)
+    assert not {eos, greedy[1]} & set(held.output_ids[:3])
+    stops = [i for i, t in enumerate(held.output_ids) if t in (eos, greedy[1])]
+    assert stops in ([], [len(held.output_ids) - 1])  # the first stop token after min_tokens ends it
+    assert held.finish_reason == (FinishReason.STOP if stops else FinishReason.LENGTH)
+
+
+def test_penalties_are_counted_as_tokens_come(model, greedy):
+    seq = _alone(model, SamplingParams(max_tokens=8, repetition_penalty=1.3, frequency_penalty=0.5))
+    h = seq.history
+    assert h.num_output == 8 and h.output_counts is not None and h.in_prompt is not None
+    counted = torch.bincount(torch.tensor(seq.output_ids), minlength=model.config.vocab_size).float()  # [V]
+    assert torch.equal(h.output_counts, counted)
+    assert torch.nonzero(h.in_prompt).flatten().tolist() == PROMPT
+
+
+def test_logprobs_come_with_each_step(model, greedy):
+    eng = _engine(model, eos=None)
+    seq = eng.add_request("lp", PROMPT, SamplingParams(max_tokens=4, logprobs=3))
+    plain = eng.add_request("plain", PROMPT, SamplingParams(max_tokens=4))
+    per_step = []
+    while eng.has_unfinished():
+        for out in eng.step():
+            assert len(out.new_logprobs) == (len(out.new_token_ids) if out.sequence is seq else 0)
+            per_step += out.new_logprobs
+    assert seq.output_ids == plain.output_ids == greedy[:4] and not plain.logprobs
+    assert per_step == seq.logprobs and len(seq.logprobs) == 4
+    for token, lp in zip(seq.output_ids, seq.logprobs):
+        assert lp.top_ids[0] == token and lp.logprob == lp.top_logprobs[0]  # greedy: the most likely
+        assert len(lp.top_ids) == 3 and lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
+
+
+def test_reference_generates_logprobs_too(tiny_model_dir, greedy):
+    params = SamplingParams(max_tokens=3, temperature=0.8, seed=5, logprobs=1)
+    (ids, logprobs), = generate_with_logprobs(tiny_model_dir, [PROMPT], params)
+    assert generate(tiny_model_dir, [PROMPT], params) == [ids]
+    assert len(logprobs) == len(ids) and all(len(lp.top_ids) == 1 for lp in logprobs)

@@ -5,16 +5,52 @@ from __future__ import annotations
 import pytest
 
 from kvwire.connectors.wire import DType
-from kvwire.engine.model_config import PRESETS, ModelConfig, kv_layout
+from kvwire.engine.model_config import PRESETS, Architecture, ModelConfig, kv_layout
+from kvwire.engine.rope import RopeScaling, RopeType
 
 
 def test_hf_dict_round_trip() -> None:
-    for config in PRESETS.values():
+    for name, config in PRESETS.items():
         d = config.to_hf_dict()
-        assert d["architectures"] == ["LlamaForCausalLM"] and d["model_type"] == "llama"
+        arch = config.architecture
+        assert d["architectures"] == [str(arch)] and d["model_type"] == arch.model_type
         assert d["torch_dtype"] == "float32" and d["hidden_act"] == "silu"
-        assert d["attention_bias"] is False and d["mlp_bias"] is False
-        assert ModelConfig.from_hf_dict(d) == config
+        assert d.get("attention_bias", False) is False and d.get("mlp_bias", False) is False
+        assert ModelConfig.from_hf_dict(d) == config, name
+    for config in (PRESETS["tiny"].replace(attention_bias=True),
+                   PRESETS["tiny-qwen3"].replace(attention_bias=True, dtype=DType.BFLOAT16)):
+        assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
+
+
+def test_families_and_their_flags() -> None:
+    assert {p.architecture for p in PRESETS.values()} == set(Architecture)
+    qwen2, qwen3 = PRESETS["tiny-qwen2"], PRESETS["tiny-qwen3"]
+    assert qwen2.qkv_bias and not qwen2.o_bias and not qwen2.qk_norm
+    assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.head_dim * qwen3.num_attention_heads != qwen3.hidden_size
+    assert not any((PRESETS["tiny-mistral"].qkv_bias, PRESETS["tiny"].qk_norm, PRESETS["tiny"].o_bias))
+    assert kv_layout(qwen3, 16).head_dim == 48  # the real head_dim, not hidden / heads
+    assert PRESETS["tiny-llama3"].rope_scaling == RopeScaling(RopeType.LLAMA3, 8.0, 1.0, 4.0, 256)
+    with pytest.raises(ValueError, match="attention_bias"):
+        qwen2.replace(attention_bias=True)
+
+
+def test_family_from_model_type_and_rope_scaling_keys() -> None:
+    d = PRESETS["tiny-qwen3"].to_hf_dict()
+    del d["architectures"], d["head_dim"]
+    config = ModelConfig.from_hf_dict(d)
+    assert config.architecture is Architecture.QWEN3 and config.head_dim == 128  # Qwen3Config's default
+    v4 = PRESETS["tiny"].to_hf_dict() | {"rope_parameters": None, "rope_theta": 5e5,
+                                         "rope_scaling": {"type": "linear", "factor": 2.0}}
+    config = ModelConfig.from_hf_dict(v4)
+    assert config.rope_scaling == RopeScaling(RopeType.LINEAR, 2.0) and config.rope_theta == 5e5
+
+
+def test_windows_that_cover_the_context_are_accepted() -> None:
+    mistral = PRESETS["tiny-mistral"].to_hf_dict()
+    for window in (None, mistral["max_position_embeddings"], 10**6):
+        assert ModelConfig.from_hf_dict(mistral | {"sliding_window": window}) == PRESETS["tiny-mistral"]
+    qwen2 = PRESETS["tiny-qwen2"].to_hf_dict() | {"sliding_window": 4096, "layer_types": ["full_attention"] * 4}
+    assert ModelConfig.from_hf_dict(qwen2) == PRESETS["tiny-qwen2"]  # use_sliding_window false: full attention
 
 
 def test_from_hf_dict_defaults_and_legacy_keys() -> None:
@@ -27,11 +63,19 @@ def test_from_hf_dict_defaults_and_legacy_keys() -> None:
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"attention_bias": True}, "attention_bias"),
+    ({"mlp_bias": True}, "mlp_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"model_type": "gpt2"}, "model_type"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}}, "rope scaling"),
+    ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "MistralForCausalLM.*Qwen3ForCausalLM"),
+    ({"architectures": None, "model_type": "gemma"}, "not supported; supported: LlamaForCausalLM"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn'"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}}, "lacks 'factor'"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0, "factor": 8.0}}, "llama3 rope scaling lacks"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"layer_types": ["full_attention", "sliding_attention"] * 2}, "sliding_attention"),
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 1024}, "sliding_window"),
+    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True},
+     "use_sliding_window"),
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
     ({"bos_token_id": 320}, "outside the vocabulary"),
     ({"torch_dtype": "float64", "dtype": "float64"}, "float64"),
