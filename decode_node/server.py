@@ -11,9 +11,13 @@ A request here (its one record: `DecodeRequest`, request.py):
    and hidden states: if they arrive within the KV deadline the prompt's forward is
    skipped (bypassed), otherwise the prompt is recomputed here, so no request is lost to
    a failed transfer. A request with no prefill node is computed here from the start.
-4. Each engine step streams the new tokens to the router as `TokenChunk`s; the last one
-   carries the finish reason and the transfer statistics. Finished requests free their
-   blocks at once.
+4. Each engine step streams the new tokens (and their logprobs, when asked) to the router
+   as `TokenChunk`s; the last one carries the finish reason and the transfer statistics.
+   Finished requests free their blocks at once.
+
+At any of these states the router may send `CancelWork` (a stop string matched, the client
+left): the request is dropped without a word more, its blocks freed (once its pull, if one
+is writing them, ends).
 
 On SIGTERM the node drains (node/drain.py): it finishes every request it holds, forwards
 work still arriving to another decode node (or answers it `WorkError` DRAINING when there
@@ -35,7 +39,7 @@ from kvwire.connectors.connector import ConsumerConnector
 from kvwire.connectors.consumer import KVConsumer
 from kvwire.connectors.kv_region import KVRegion
 from kvwire.connectors.sockets import PushSockets
-from kvwire.connectors.wire import DecodeStats, DecodeWork, ErrorKind, KVReady, TokenChunk, WorkError
+from kvwire.connectors.wire import CancelWork, DecodeStats, DecodeWork, ErrorKind, KVReady, TokenChunk, WorkError
 from kvwire.decode_node.request import DecodeRequest
 from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.llm_engine import InvalidRequest, LLMEngine, StepOutput
@@ -90,11 +94,13 @@ class DecodeNode:
                 poller.poll(self._drain.remaining_ms())
                 self._wakeup.drain()
             while self.rt.work_socket.poll(0):
-                msg = self.rt.read_work((DecodeWork, KVReady))
+                msg = self.rt.read_work((DecodeWork, KVReady, CancelWork))
                 if isinstance(msg, KVReady):
                     self._consumer.located(msg.location)  # admitted below, if it was awaited
                 elif isinstance(msg, DecodeWork):
                     self._accept(msg)
+                elif isinstance(msg, CancelWork):  # draining or not: the router no longer wants it
+                    self._cancel(msg.request_id)
             self._admit_ready()
             if self.engine.can_step():
                 self._step()
@@ -160,6 +166,15 @@ class DecodeNode:
             return
         record.kv = self._consumer.expect(rid, work.prefill_node, work.prefill_epoch)
 
+    def _cancel(self, rid: str) -> None:
+        """Drop a request the router cancelled, silently: its record, its KV expectation, its engine state."""
+        record = self._requests.pop(rid, None)
+        if record is None:
+            return  # unknown, or already answered
+        self._consumer.forget(rid)
+        self.engine.abort(rid)
+        log.info("node %s: request %s cancelled by the router", self.rt.config.node_id, rid)
+
     def _on_kv_ready(self, request_id: str) -> None:
         """The consumer's ready callback (any thread): the request's KV can be pulled now, or never."""
         self._kv_ready.put(request_id)
@@ -189,7 +204,8 @@ class DecodeNode:
         record = self._requests[seq.request_id]
         stats = self._stats(record, seq) if seq.finished else None
         chunk = TokenChunk(request_id=seq.request_id, token_ids=out.new_token_ids, finished=seq.finished,
-                           finish_reason=str(seq.finish_reason) if seq.finished else None, stats=stats)
+                           finish_reason=str(seq.finish_reason) if seq.finished else None, stats=stats,
+                           logprobs=out.new_logprobs)
         if seq.finished:
             del self._requests[seq.request_id]
         self._send(record.work.reply_to, chunk)

@@ -1,5 +1,5 @@
-"""The router's HTTP API: POST /v1/completions and /v1/chat/completions, GET /v1/models, /healthz, /readyz,
-/metrics.
+"""The router's HTTP API: POST /v1/completions, /v1/chat/completions, /tokenize and /detokenize; GET /v1/models,
+/healthz, /readyz, /metrics.
 
 Lifecycle of the app:
 
@@ -33,6 +33,7 @@ from kvwire.engine.loader import load_config
 from kvwire.engine.tokenizer import load_tokenizer
 from kvwire.observability.labels import RequestStatus
 from kvwire.observability.metrics import CONTENT_TYPE, Metrics, process_metrics
+from kvwire.router import tokenize_routes
 from kvwire.router.chat_template import ChatTemplate
 from kvwire.router.choice import Choice
 from kvwire.router.config import RouterConfig
@@ -90,6 +91,12 @@ class Router:
         return {"object": "list", "data": [{"id": self.config.served_model_name, "object": "model",
                                             "owned_by": "kvwire", "max_model_len": self.max_len}]}
 
+    async def tokenize(self, request: Request):
+        return await tokenize_routes.tokenize(self, await request.body())
+
+    async def detokenize(self, request: Request):
+        return tokenize_routes.detokenize(self, await request.body())
+
     async def completions(self, request: Request):
         return await self._serve(request, Api.COMPLETIONS)
 
@@ -118,17 +125,17 @@ class Router:
         limits = Limits(self.max_len, self.model_config.vocab_size)
         if api == Api.CHAT:
             chat = parse_body(body, ChatRequest, self.config.lenient)
-            self._check_model(chat.model)
+            self.check_model(chat.model)
             text = await asyncio.to_thread(self.chat_template.render, chat)
             return chat_plan(chat, self.tokenizer.encode(text, add_special_tokens=False), limits), [text]
         req = parse_body(body, CompletionRequest, self.config.lenient)
-        self._check_model(req.model)
+        self.check_model(req.model)
         prompts = _prompt_list(req.prompt)
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
         texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts] if req.echo else []
         return completion_plan(req, ids, limits), texts
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and not self.config.serves(model):
             raise APIError(404, f"The model `{model}` does not exist; this router serves "
                                 f"`{self.config.served_model_name}`.", param="model", code="model_not_found")
@@ -198,6 +205,8 @@ def create_app(config: RouterConfig, metrics: Metrics | None = None) -> FastAPI:
     app.add_api_route("/v1/models", router.models, methods=["GET"])
     app.add_api_route("/v1/completions", router.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", router.chat, methods=["POST"])
+    app.add_api_route("/tokenize", router.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", router.detokenize, methods=["POST"])
     return app
 
 

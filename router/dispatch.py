@@ -150,9 +150,8 @@ class Dispatcher:
             return
         sock = cast(zmq.asyncio.Socket, self._work.get(endpoint))
         # never waits: a node whose queue is full finishes the request on its own, and nobody reads it
-        sent = sock.send(pack(CancelWork(request_id=request_id)), zmq.NOBLOCK)
-        sent.add_done_callback(lambda f: f.cancelled() or f.exception() is None or log.warning(
-            "request %s: could not cancel it on its decode node: %s", request_id, f.exception()))
+        sent = cast(asyncio.Future, sock.send(pack(CancelWork(request_id=request_id)), zmq.NOBLOCK))
+        sent.add_done_callback(lambda f: _log_unsent(f, request_id))
 
     def forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
@@ -203,3 +202,8 @@ class Dispatcher:
             queue = self._queues.get(msg.request_id)
             if queue is not None:
                 queue.put_nowait(msg)
+
+
+def _log_unsent(sent: asyncio.Future, request_id: str) -> None:
+    if not sent.cancelled() and sent.exception() is not None:
+        log.warning("request %s: could not cancel it on its decode node: %s", request_id, sent.exception())
