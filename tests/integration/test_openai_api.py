@@ -1,0 +1,154 @@
+"""The official `openai` client against a real cluster (redis-server, prefill and decode nodes, router; KV
+over TCP): completions and chat, whole and streamed, and every sampling parameter, each answer equal, token
+for token and logprob for logprob, to the single-process engine on the same prompt."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+
+from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.wire import SamplingParams
+from kvwire.engine.reference import generate_with_logprobs
+from tests.integration.cluster import wait_pools_full_and_directory_empty
+
+pytestmark = pytest.mark.slow
+PROMPT = list(b"The quick brown fox jumps over the lazy dog")
+OTHER = list(b"Disaggregated serving, ")
+MODEL = "tiny-chat"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("openai") / "tiny"
+    subprocess.run([sys.executable, "-m", "kvwire.cli.main", "init-model", str(path), "--hf-tokenizer"], check=True,
+                   capture_output=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path, tmp_path_factory):
+    spec = ClusterSpec(model_dir=model_dir, connector=ConnectorKind.TCP, served_model_names=(MODEL, "alias"),
+                       log_dir=tmp_path_factory.mktemp("openai-logs"))
+    with LocalCluster(spec) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0)
+
+
+def _reference(model_dir: Path, prompt: list[int], **params):
+    return generate_with_logprobs(model_dir, [prompt], SamplingParams(**params))[0]
+
+
+VLLM_EXTRAS = ("top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens")
+CASES = {
+    "greedy": {"temperature": 0.0},
+    "sampled": {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 11},
+    "penalties": {"temperature": 0.0, "presence_penalty": 0.5, "frequency_penalty": 0.7, "repetition_penalty": 1.3},
+    "ignore_eos": {"temperature": 0.0, "ignore_eos": True},
+    "seeded": {"temperature": 1.0, "seed": 2**40},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parameters_equal_the_single_process_engine(client, model_dir, case):
+    params = CASES[case]
+    extra = {k: v for k, v in params.items() if k in VLLM_EXTRAS}
+    openai_params = {k: v for k, v in params.items() if k not in VLLM_EXTRAS}
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, logprobs=3, **openai_params,
+                                    extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True, **extra})
+    want_ids, want_lps = _reference(model_dir, PROMPT, max_tokens=16, logprobs=3, **params)
+    choice = got.choices[0]
+    assert choice.token_ids == want_ids
+    assert choice.logprobs.token_logprobs == [lp.logprob for lp in want_lps]
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in want_ids]
+    assert choice.logprobs.top_logprobs == [{f"token_id:{t}": v for t, v in zip(lp.top_ids, lp.top_logprobs)}
+                                            for lp in want_lps]
+    assert got.model_extra["kvwire"]["bypassed"] is True  # the prompt's KV came from the prefill node
+    assert got.usage.completion_tokens == len(want_ids) and got.usage.prompt_tokens == len(PROMPT)
+
+
+def test_stop_token_ids_and_min_tokens(client, model_dir):
+    greedy = _reference(model_dir, PROMPT, max_tokens=16)[0]
+    stop_id = greedy[6]
+    first = greedy.index(stop_id)
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                    extra_body={"stop_token_ids": [stop_id], "return_token_ids": True})
+    assert got.choices[0].token_ids == greedy[:first + 1] and got.choices[0].finish_reason == "stop"
+    later = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={
+        "stop_token_ids": [stop_id], "min_tokens": first + 2, "return_token_ids": True})
+    want = _reference(model_dir, PROMPT, max_tokens=16, stop_token_ids=[stop_id], min_tokens=first + 2)[0]
+    assert later.choices[0].token_ids == want and stop_id not in want[:first + 2]
+
+
+def test_stop_strings_whole_and_streamed(client, cluster):
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[9:12]
+    cut = full[:full.index(stop)]
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1000, temperature=0, stop=[stop, "@@"],
+                                      extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == cut and whole.choices[0].finish_reason == "stop"
+    assert whole.usage.completion_tokens < 40  # the rest was cancelled, not generated
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1000, temperature=0, stop=stop,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    pools, leftover = wait_pools_full_and_directory_empty(cluster.redis_url)
+    assert all(free == total for free, total in pools.values()) and leftover == [], pools
+
+
+def test_n_best_of_and_batched_prompts(client, model_dir):
+    got = client.completions.create(model=MODEL, prompt=[PROMPT, OTHER], max_tokens=6, temperature=1.0, n=2, seed=5,
+                                    extra_body={"return_token_ids": True})
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    for c in got.choices:  # prompt c.index // 2, choice j = c.index % 2 sampled with seed 5 + j
+        prompt = [PROMPT, OTHER][c.index // 2]
+        assert c.token_ids == _reference(model_dir, prompt, max_tokens=6, temperature=1.0, seed=5 + c.index % 2)[0]
+    best = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, n=1, best_of=3,
+                                     seed=5, extra_body={"return_token_ids": True})
+    runs = [_reference(model_dir, PROMPT, max_tokens=6, temperature=1.0, seed=5 + j, logprobs=0) for j in range(3)]
+    winner = max(runs, key=lambda r: sum(lp.logprob for lp in r[1]))
+    assert best.choices[0].token_ids == winner[0] and best.choices[0].logprobs is None
+
+
+def test_chat_whole_streamed_and_equal_to_its_rendered_prompt(client, cluster, model_dir):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi"}]
+    whole = client.chat.completions.create(model="alias", messages=messages, max_completion_tokens=8, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    content = whole.choices[0].message.content
+    assert whole.choices[0].message.role == "assistant" and whole.usage.completion_tokens == 8
+    assert len(whole.choices[0].logprobs.content) == 8
+    assert all(len(e.top_logprobs) == 2 for e in whole.choices[0].logprobs.content)
+    stream = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == content
+    assert stream[-1].choices == [] and stream[-1].usage.completion_tokens == 8
+    rendered = "<|system|>\nYou are terse.\n<|user|>\nSay hi\n<|assistant|>\n"
+    assert whole.usage.prompt_tokens == len(rendered.encode())
+    want = _reference(model_dir, list(rendered.encode()), max_tokens=8, logprobs=2)
+    assert [e.logprob for e in whole.choices[0].logprobs.content] == [lp.logprob for lp in want[1]]
+
+
+def test_echo_and_refusals(client):
+    echoed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith("Hello") and len(echoed.choices[0].text.encode()) >= 5
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert err.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="bogus_param"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"bogus_param": 1})
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"5": 1.0})
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
