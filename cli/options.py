@@ -110,7 +110,7 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
 
 ServedModelName = Annotated[str | None, typer.Option(
     "--served-model-name", envvar="KVWIRE_SERVED_MODEL_NAME",
-    help="Names a request's `model` may give, comma-separated; the first is listed in /v1/models. Default: the "
+    help="Names a request's `model` may give, comma-separated; answers name the first. Default: the "
          "checkpoint directory's name (its path as given is accepted too). Any other name gets a 404.")]
 Lenient = Annotated[bool, typer.Option(
     "--lenient", help="Drop request fields kvwire does not know, with a warning, instead of answering 400 (for "

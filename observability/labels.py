@@ -31,6 +31,7 @@ class RequestStatus(enum.StrEnum):
     UNAVAILABLE = "unavailable"  # 503: no directory or no live decode node
     TIMEOUT = "timeout"  # 504
     ERROR = "error"  # 500 and anything unexpected
+    CANCELLED = "cancelled"  # the client left before the end of its stream
 
 
 class RejectReason(enum.StrEnum):

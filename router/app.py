@@ -88,8 +88,9 @@ class Router:
         return Response(content=self.metrics.exposition(), media_type=CONTENT_TYPE)
 
     async def models(self):
-        return {"object": "list", "data": [{"id": self.config.served_model_name, "object": "model",
-                                            "owned_by": "kvwire", "max_model_len": self.max_len}]}
+        names = self.config.served_model_names or (self.config.served_model_name,)
+        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "kvwire",
+                                            "max_model_len": self.max_len} for name in names]}
 
     async def tokenize(self, request: Request):
         return await tokenize_routes.tokenize(self, await request.body())
@@ -183,6 +184,9 @@ class Router:
         except APIError as exc:
             status = _status(exc)
             yield _sse(exc.body())
+        except (asyncio.CancelledError, GeneratorExit):
+            status = RequestStatus.CANCELLED  # the client left: close() stops its choices on the nodes
+            raise
         finally:
             gen.close()
             self._answered(gen, started, status)

@@ -66,6 +66,8 @@ def _plain(message: ChatMessage, index: int) -> dict[str, Any]:
     if message.role not in ROLES:
         raise APIError(400, f"messages[{index}].role {message.role!r} is not one of {', '.join(ROLES)}",
                        param="messages")
+    if message.tool_calls or message.tool_call_id or message.function_call or message.audio:
+        raise APIError(400, f"messages[{index}]: tool calls and audio are not supported", param="messages")
     content = message.content
     if isinstance(content, list):
         other = [p.type for p in content if p.type != "text" or p.text is None]

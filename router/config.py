@@ -14,8 +14,8 @@ class RouterConfig:
     redis_url: the directory.
     host, port: where the HTTP API listens.
     request_timeout_s: a request with no final answer by then gets a 504.
-    served_model_names: the ids a request's `model` may name, the first one listed in /v1/models; empty: the
-        checkpoint directory's name (a path to it is accepted too).
+    served_model_names: the ids a request's `model` may name, all listed in /v1/models (answers name the
+        first); empty: the checkpoint directory's name (a path to it is accepted too).
     lenient: request fields kvwire does not know are dropped with a warning, not refused with a 400.
     auth_secret: shared secret sealing control messages to and from nodes; None: no authentication.
     """

@@ -60,15 +60,22 @@ class CompletionRequest(_Sampling, kw_only=True):
     suffix: str | None = None  # refused unless empty
 
 
-class ContentPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    type: str
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str  # only "text" is served (an image part's other fields are not read: the part is refused)
     text: str | None = None
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # what a client replaying an earlier answer's message sends: accepted when empty, refused otherwise
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    function_call: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    annotations: list[dict[str, Any]] | None = None
 
 
 class ResponseFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -112,11 +119,11 @@ def parse_body(body: bytes, kind: type[R], lenient: bool) -> R:
     """Decode a request of `kind`. Raises APIError(400) for bad JSON, bad types, or fields kvwire does not
     know (only logged, and dropped, when `lenient`)."""
     try:
-        raw = msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
+        raw = msgspec.json.decode(body, type=dict)
+    except msgspec.ValidationError:
+        raise APIError(400, "body must be a JSON object") from None
+    except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested too deep to be a request
         raise APIError(400, f"body is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise APIError(400, "body must be a JSON object")
     unknown = sorted(set(raw) - set(kind.__struct_fields__))
     if unknown:
         if not lenient:

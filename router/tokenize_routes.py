@@ -4,10 +4,14 @@ rendered with its template) and back. Benchmark clients use them to size their p
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from kvwire.router.schemas import APIError, ChatMessage, ChatRequest, parse_body
+
+if TYPE_CHECKING:
+    from kvwire.router.app import Router
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -25,7 +29,7 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
 
 
-async def tokenize(router, body: bytes) -> dict:
+async def tokenize(router: Router, body: bytes) -> dict:
     """The `Router` (router/app.py) tokenizes one request's text. Raises APIError(400)."""
     req = parse_body(body, TokenizeRequest, router.config.lenient)
     router.check_model(req.model)
@@ -43,7 +47,7 @@ async def tokenize(router, body: bytes) -> dict:
     return {"count": len(ids), "max_model_len": router.max_len, "tokens": ids, "token_strs": strs}
 
 
-def detokenize(router, body: bytes) -> dict:
+def detokenize(router: Router, body: bytes) -> dict:
     """Raises APIError(400) for ids outside the vocabulary."""
     req = parse_body(body, DetokenizeRequest, router.config.lenient)
     router.check_model(req.model)

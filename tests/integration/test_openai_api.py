@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -152,3 +154,38 @@ def test_echo_and_refusals(client):
     with pytest.raises(openai.BadRequestError, match="tools"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[
             {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+
+
+def test_a_client_that_leaves_mid_stream_cancels_its_request(client, cluster):
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1500, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        metrics = httpx.get(f"{cluster.url}/metrics").text
+        if 'kvwire_requests_total{status="cancelled"} 1.0' in metrics:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the router never counted the stream as cancelled")
+    pools, leftover = wait_pools_full_and_directory_empty(cluster.redis_url)
+    assert all(free == total for free, total in pools.values()) and leftover == [], pools
+
+
+def test_chat_messages_that_need_tools_or_images_are_refused(client):
+    for message, match in [({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "text"),
+                           ({"role": "tool", "content": "x", "tool_call_id": "1"}, "tool"),
+                           ({"role": "user", "content": "x", "bogus": 1}, "bogus")]:
+        with pytest.raises(openai.BadRequestError, match=match):
+            client.chat.completions.create(model=MODEL, messages=[message], max_tokens=2)
+
+
+def test_tokenize_and_detokenize(cluster):
+    got = httpx.post(f"{cluster.url}/tokenize", json={"model": MODEL, "prompt": "Hi"}).json()
+    assert got["tokens"] == [72, 105] and got["count"] == 2 and got["max_model_len"] > 0
+    chat = httpx.post(f"{cluster.url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert bytes(chat["tokens"]).decode() == "<|user|>\nHi\n<|assistant|>\n"
+    assert httpx.post(f"{cluster.url}/detokenize", json={"tokens": [72, 105]}).json() == {"prompt": "Hi"}
+    assert httpx.post(f"{cluster.url}/detokenize", json={"tokens": [10**6]}).status_code == 400
+    assert httpx.post(f"{cluster.url}/tokenize", json={"model": "nope", "prompt": "x"}).status_code == 404
