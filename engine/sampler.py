@@ -90,8 +90,20 @@ class TokenHistory:
             self.output_counts[token] += 1
 
 
+class ParamError(ValueError):
+    """A `SamplingParams` field out of its range; `param` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 def check_params(params: SamplingParams) -> None:
-    """Raises ValueError naming the first field out of its range (NaN is out of every range)."""
+    """The one check of sampling parameters (the router's 400s and the nodes' refusals both come from it).
+
+    Raises:
+        ParamError: the first field out of its range (NaN is out of every range).
+    """
     p, pen = params, f"in [-{MAX_PENALTY}, {MAX_PENALTY}]"
     rules = [
         ("temperature", p.temperature >= 0 and math.isfinite(p.temperature), ">= 0"),
@@ -107,7 +119,7 @@ def check_params(params: SamplingParams) -> None:
     ]
     for name, ok, rule in rules:
         if not ok:
-            raise ValueError(f"{name} must be {rule}, got {getattr(p, name)!r}")
+            raise ParamError(name, f"{name} must be {rule}, got {getattr(p, name)!r}")
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:

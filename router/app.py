@@ -166,7 +166,8 @@ class Router:
         finally:
             gen.close()
         self._answered(gen, started, RequestStatus.OK)
-        return shaper.whole(gen.ranked(), _usage(gen), _kvwire(gen.ranked(), started))
+        choices = gen.ranked()
+        return shaper.whole(choices, _usage(gen), _kvwire(choices, started))
 
     async def _stream(self, gen: Generation, shaper: Shaper, started: float):
         status = RequestStatus.OK

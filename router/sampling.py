@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import msgspec
 
 from kvwire.connectors.wire import SamplingParams
+from kvwire.engine.sampler import MAX_LOGPROBS, ParamError, check_params
 from kvwire.engine.validation import prompt_problem
 from kvwire.router.schemas import APIError, ChatRequest, CompletionRequest, _Sampling
 
 MAX_CHOICES = 128  # prompts x best_of in one request
-MAX_LOGPROBS = 20
 MAX_STOP = 16
 MAX_SEED = 2**63 - MAX_CHOICES
 
@@ -67,17 +67,9 @@ def _require(ok: bool, param: str, message: str) -> None:
 
 
 def _check_common(req: _Sampling, limits: Limits) -> None:
-    temperature = 1.0 if req.temperature is None else req.temperature
-    _require(0.0 <= temperature <= 100.0, "temperature", "temperature must be in [0, 100]")
-    _require(0.0 < req.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
-    _require(req.top_k >= -1, "top_k", "top_k must be -1 (all), 0 (all) or positive")
-    _require(0.0 <= req.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
-    for name in ("presence_penalty", "frequency_penalty"):
-        _require(-2.0 <= getattr(req, name) <= 2.0, name, f"{name} must be in [-2, 2]")
-    _require(0.0 < req.repetition_penalty <= 2.0, "repetition_penalty", "repetition_penalty must be in (0, 2]")
+    """The request's own fields; the sampling parameters' ranges are the engine's (`check_params`, in _plan)."""
     _require(req.seed is None or 0 <= req.seed < MAX_SEED, "seed", f"seed must be in [0, {MAX_SEED})")
     _require(1 <= req.n <= MAX_CHOICES, "n", f"n must be in [1, {MAX_CHOICES}]")
-    _require(req.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0")
     stops = _stops(req.stop)
     _require(len(stops) <= MAX_STOP and all(stops), "stop", f"stop takes at most {MAX_STOP} non-empty strings")
     ids = req.stop_token_ids or []
@@ -108,7 +100,6 @@ def _max_tokens(asked: int | None, prompts: list[list[int]], limits: Limits, par
 
 def _plan(req: _Sampling, prompts: list[list[int]], max_tokens: int, logprobs: int | None, best_of: int,
           limits: Limits, echo: bool = False) -> Plan:
-    _require(req.min_tokens <= max_tokens, "min_tokens", "min_tokens must not exceed max_tokens")
     _require(len(prompts) * best_of <= MAX_CHOICES, "n", f"prompts x choices must be at most {MAX_CHOICES}")
     for prompt in prompts:
         problem = prompt_problem(prompt, limits.vocab_size, limits.max_model_len, max_tokens)
@@ -120,6 +111,10 @@ def _plan(req: _Sampling, prompts: list[list[int]], max_tokens: int, logprobs: i
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
         logprobs=logprobs if logprobs is not None else (0 if ranked else None))
+    try:
+        check_params(sampling)
+    except ParamError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
     options = req.stream_options
     return Plan(prompts=prompts, n=req.n, best_of=best_of, sampling=sampling, stop=_stops(req.stop),
                 include_stop=req.include_stop_str_in_output, logprobs=logprobs, echo=echo,
@@ -132,8 +127,6 @@ def completion_plan(req: CompletionRequest, prompts: list[list[int]], limits: Li
     """The plan of a /v1/completions request whose prompts are tokenized. Raises APIError(400)."""
     _check_common(req, limits)
     _require(not req.suffix, "suffix", "suffix is not supported")
-    _require(req.logprobs is None or 0 <= req.logprobs <= MAX_LOGPROBS, "logprobs",
-             f"logprobs must be in [0, {MAX_LOGPROBS}]")
     _require(not (req.echo and req.logprobs is not None), "echo",
              "echo with logprobs would need the prompt's logprobs, which kvwire does not compute")
     best_of = req.n if req.best_of is None else req.best_of
