@@ -3,9 +3,12 @@
 The producer process owns a prefill-role connector over a pool filled with random
 bytes. One trial:
 
-1. The bench process asks the producer to publish the request.
+1. The bench process expects the request (as a decode node does when its `DecodeWork`
+   arrives) and asks the producer to publish it; the producer tells it where the KV is
+   directly (`KVReady` on a zmq socket of the bench's, as to a decode node's work socket).
 2. It times its own decode-role connector's `recv_kv_caches_and_hidden_states`, from the
-   call to the moment the blocks hold every byte and the connector says so.
+   call to the moment the blocks hold every byte and the connector says so: a decode
+   node's hot path, with no directory round trip in it.
 3. It checks the received blocks' crc32 against the producer's.
 """
 
@@ -18,14 +21,16 @@ import time
 from collections.abc import Mapping
 
 import torch
+import zmq
 
 from kvwire.bench.cpu import CpuTally, CpuTicks
 from kvwire.bench.memory import PeakTracker
 from kvwire.bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
+from kvwire.connectors.framing import unpack
 from kvwire.connectors.kv_region import KVRegion
 from kvwire.connectors.standalone import open_consumer, open_producer
-from kvwire.connectors.wire import PoolLayout
+from kvwire.connectors.wire import KVReady, PoolLayout
 from kvwire.engine.gc_pauses import freeze_startup_heap
 from kvwire.engine.model_input import ModelInput, SequenceInput
 
@@ -38,8 +43,9 @@ def bench_config(kind: ConnectorKind, role: NodeRole, redis_url: str, layerwise:
                            kv_deadline_s=120.0, entry_ttl_s=240.0, layerwise=layerwise)
 
 
-def request_input(work: Workload, rid: str, side: int) -> ModelInput:
-    return ModelInput([SequenceInput(rid, [0] * work.tokens, 0, work.block_ids(side))])
+def request_input(work: Workload, rid: str, side: int, consumer_endpoint: str = "") -> ModelInput:
+    return ModelInput([SequenceInput(rid, [0] * work.tokens, 0, work.block_ids(side),
+                                     consumer_endpoint=consumer_endpoint)])
 
 
 def bench_pool(work: Workload) -> dict:
@@ -50,7 +56,7 @@ def bench_pool(work: Workload) -> dict:
     return {"kv_caches": allocate_pool(work)}
 
 
-def _producer(kind: ConnectorKind, redis_url: str, work: Workload, pipe) -> None:
+def _producer(kind: ConnectorKind, redis_url: str, work: Workload, pipe, consumer_endpoint: str = "") -> None:
     torch.set_num_threads(1)
     side = open_producer(bench_config(kind, NodeRole.PREFILL, redis_url), **bench_pool(work))
     region = KVRegion.from_kv_caches(side.kv_caches)
@@ -63,7 +69,8 @@ def _producer(kind: ConnectorKind, redis_url: str, work: Workload, pipe) -> None
         if rid == MEASURE:
             peak.start()
             continue
-        side.connector.send_kv_caches_and_hidden_states(None, request_input(work, rid, 0), side.kv_caches, hidden)
+        side.connector.send_kv_caches_and_hidden_states(None, request_input(work, rid, 0, consumer_endpoint),
+                                                        side.kv_caches, hidden)
         pipe.send(rid)
     pipe.send(peak.extra_bytes())
     side.close()
@@ -94,9 +101,12 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
     process used during the measured trials beyond what it held before them (pools included there),
     and the host's CPU ticks inside the measured trials."""
     ctx = mp.get_context("spawn")
+    ready = zmq.Context.instance().socket(zmq.PULL)  # the KVReady a decode node's work socket would get
+    ready.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{ready.bind_to_random_port('tcp://127.0.0.1')}"
     with scoped_env(env or {}):
         here, there = ctx.Pipe()
-        proc = ctx.Process(target=_producer, args=(kind, redis_url, work, there))
+        proc = ctx.Process(target=_producer, args=(kind, redis_url, work, there, endpoint))
         proc.start()
         side = open_consumer(bench_config(kind, NodeRole.DECODE, redis_url), **bench_pool(work))
     try:
@@ -111,8 +121,10 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
                 peak.start()
             zero_blocks(region, dst)
             rid = f"bench-{kind}-{work.tokens}-{work.placement}-{work.pool}-{i}"
+            side.consumer.expect(rid, producer=bench_config(kind, NodeRole.PREFILL, redis_url).node_id)
             here.send(rid)
             assert here.poll(120) and here.recv() == rid, "producer did not publish"
+            _take_kv_ready(side, ready, rid)
             with cpu.counting(i >= warmup):
                 start = time.perf_counter()
                 _, bypass, _ = side.connector.recv_kv_caches_and_hidden_states(None, request_input(work, rid, 1),
@@ -126,5 +138,14 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
         return times, verified, extra, cpu.ticks
     finally:
         side.close()
+        ready.close(0)
         proc.join(30)
         proc.kill()
+
+
+def _take_kv_ready(side, ready: zmq.Socket, rid: str) -> None:
+    """The producer's direct word for `rid`, handed to the consumer as a decode node does."""
+    assert ready.poll(120_000), f"no KVReady for {rid}"
+    msg = unpack(ready.recv(), expect=KVReady)
+    assert isinstance(msg, KVReady) and msg.location.request_id == rid, msg
+    side.consumer.located(msg.location)

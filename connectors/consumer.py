@@ -49,6 +49,7 @@ from kvwire.observability.metrics import Metrics, process_metrics
 log = logging.getLogger(__name__)
 
 WATCHERS = 128  # requests a consumer can be waiting on at once without delaying each other
+WATCH_SLICE_S = 0.25  # a watcher notices within this that the direct word settled its record
 MAX_RECORDS = 64 * WATCHERS  # past this, records of requests never pulled (aborted) are dropped once settled
 
 
@@ -203,9 +204,16 @@ class KVConsumer:
             return [r for r in self._expected.values() if not r.settled]
 
     def _watch(self, record: ExpectedKV) -> None:
-        """A watcher thread: settle the record from the directory, then tell the node."""
+        """A watcher thread: settle the record from the directory, then tell the node. It looks again every
+        WATCH_SLICE_S, and stops once the producer's direct word has settled the record (its entry may be
+        consumed and gone by then: without that check the thread would wait out the whole deadline)."""
         try:
-            settled = self._settle(record)
+            settled = False
+            while not settled and not record.settled:
+                slice_end = min(record.deadline, time.monotonic() + WATCH_SLICE_S)
+                entry = self._directory.wait_for(record.request_id, {TransferState.READY}, slice_end)
+                if entry is not None or time.monotonic() >= record.deadline:
+                    settled = self._settle_from(record, entry)
         except Exception as exc:  # noqa: BLE001 - the request must still be admitted (and recomputed)
             log.warning("request %s: watching the directory failed: %s", record.request_id, exc)
             settled = record.give_up(f"watching the directory failed: {exc}", TransferFailure.DIRECTORY)

@@ -134,8 +134,8 @@ class NodeInfo(_Msg, tag="node", frozen=True):
 class PullRequest(_Msg, tag="pull", frozen=True):
     """Consumer → producer: send request_id's KV into these blocks of mine.
 
-    On a shared-memory producer's Unix socket it means instead: I have read request_id's
-    blocks into these of mine; confirm (connectors/shm).
+    On a shared-memory producer's Unix socket it means instead: I am about to read
+    request_id's blocks into these of mine; hold them for me (connectors/shm).
     """
 
     request_id: str
@@ -151,14 +151,17 @@ class PullRequest(_Msg, tag="pull", frozen=True):
 class PullReply(_Msg, tag="pull_reply", frozen=True):
     """Producer → consumer: the pull finished (ok) or was refused (reason).
 
-    For shared memory, where the consumer has already read the producer's pool, ok means
-    "the request was still held: your read stands".
+    For shared memory, where the consumer reads the producer's pool itself, ok means "the
+    request is yours: its blocks stay held for you for hold_s seconds from now, or until
+    your `ShmReadDone`"; a read that ends within hold_s of sending the claim stands.
     """
 
     request_id: str
     transfer_id: int
     ok: bool
     reason: str = ""
+    hold_s: float = 0.0  # shared memory: how long the blocks stay held for the read
+    inline_bytes: int = 0  # shared memory: the hidden states follow as one raw packet of this size (no memfd)
 
 
 # --- shared-memory transport: the producer's Unix socket (connectors/shm) -------------------
@@ -184,13 +187,22 @@ class CudaIpcHandle(msgspec.Struct, frozen=True, array_like=True):
     event_sync_required: bool
 
 
+class ShmReadDone(_Msg, tag="shm_done", frozen=True):
+    """Consumer → producer, after a claimed read (ok) or instead of it (not ok): release the blocks."""
+
+    request_id: str
+    transfer_id: int
+    ok: bool
+
+
 class ShmSegment(_Msg, tag="shm_segment", frozen=True):
     """Producer → consumer, answer to `ShmHello`: the KV pool to map.
 
     A host pool comes as a read-only memfd attached to this message (SCM_RIGHTS), a
-    CUDA pool as its IPC handle. Over the same socket the consumer then sends a
-    `PullRequest` after each read, and the producer confirms with `PullReply` (ok: the
-    blocks were held throughout the read; the hidden states ride along as a memfd).
+    CUDA pool as its IPC handle. Over the same socket the consumer then claims each
+    request with a `PullRequest` and reads while the producer answers `PullReply` (ok: the
+    blocks are held for the read; the hidden states ride along as a memfd), and says
+    `ShmReadDone` once it has read.
     """
 
     producer: str
@@ -307,7 +319,7 @@ class WorkError(_Msg, tag="error", frozen=True):
 
 
 Message = (
-    KVLayout | KVLocation | NodeInfo | PullRequest | PullReply | ShmHello | ShmSegment
+    KVLayout | KVLocation | NodeInfo | PullRequest | PullReply | ShmHello | ShmSegment | ShmReadDone
     | PrefillWork | KVReady | DecodeWork | TokenChunk | WorkError | CancelWork
 )
 

@@ -9,17 +9,22 @@ every pull first drops the mappings of producers that have gone (their socket hu
 One pull, every wait of which ends at the pull's deadline:
 
 1. Map the producer's pool, if not mapped yet.
-2. Copy each run of blocks consecutive on both sides with `copy_` on `lanes` threads
-   (copier.py; the only copy of those bytes), straight from the READY entry's blocks.
-3. Send a `PullRequest` on the Unix socket ("I read these; confirm").
-4. Wait for the producer's `PullReply`: one round trip, after the read. Only an ok there
-   makes the read count: it says the pull claimed a request the producer still held, so
-   its blocks were not reused during the read (one that expired or was released may have
-   been), and it carries the hidden states in a sealed memfd.
+2. Claim the request: a `PullRequest` on the Unix socket ("hold these blocks for my read").
+3. Meanwhile, copy each run of blocks consecutive on both sides (copier.py; the only copy
+   of those bytes), straight from the READY entry's blocks: the producer's wake-up and
+   answer overlap the copy, so a pull costs the copy and at most one round trip.
+4. Say `ShmReadDone` as soon as the copy ends (no answer awaited): the producer may
+   release the blocks.
+5. Take the producer's `PullReply`. Only an ok makes the read count: the pull claimed a
+   request the producer still held, whose blocks stayed held (never reused) for `hold_s`
+   from the claim or until our `ShmReadDone`; a read that ended later than hold_s after
+   the claim was sent is discarded. The hidden states follow the reply as one raw packet
+   (up to 64 KiB), or come in a sealed memfd attached to it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import secrets
@@ -37,8 +42,8 @@ from kvwire.connectors.kv_region import KVRegion, plan_runs
 from kvwire.connectors.shm.channel import close_fds, connect, hung_up, recv_msg, send_msg
 from kvwire.connectors.shm.copier import BlockCopier
 from kvwire.connectors.shm.cuda_ipc import map_cuda, synchronize
-from kvwire.connectors.shm.segment import map_host, unpack_tensors
-from kvwire.connectors.wire import KVLocation, PullReply, PullRequest, ShmHello, ShmSegment
+from kvwire.connectors.shm.segment import INLINE_MAX, fill_tensors, map_host, unpack_tensors
+from kvwire.connectors.wire import KVLocation, PullReply, PullRequest, ShmHello, ShmReadDone, ShmSegment
 
 
 @dataclass(eq=False)
@@ -93,18 +98,25 @@ class SHMPuller:
         mapping = self._mapping(loc, deadline)
         runs = plan_runs(loc.block_ids, dst_blocks)
         self._check_ranges(loc, mapping, runs)
-        self._copier.copy(self._dst, mapping.blocks, runs)
-        synchronize([self._dst, mapping.blocks])
-        hidden_bytes = self._confirm(mapping, loc, dst_blocks, hidden, deadline)
-        return len(dst_blocks) * self._dst.shape[1] + hidden_bytes
-
-    def _confirm(self, mapping: _Mapping, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor],
-                 deadline: float) -> int:
         transfer_id = next(self._transfer_ids)
         mapping.sock.settimeout(_remaining(loc, deadline))
+        claimed_at = time.monotonic()
         send_msg(mapping.sock, PullRequest(request_id=loc.request_id, transfer_id=transfer_id,
                                            consumer=self._node_id, transport_address=self.transport_address,
                                            dst_block_ids=dst_blocks, first_block=loc.first_block))
+        try:
+            self._copier.copy(self._dst, mapping.blocks, runs)
+            synchronize([self._dst, mapping.blocks])
+        finally:  # read (or failed): the blocks may go, before the answer is even looked at
+            done = time.monotonic()
+            with contextlib.suppress(OSError):  # a producer that misses this releases them at hold_s
+                send_msg(mapping.sock, ShmReadDone(request_id=loc.request_id, transfer_id=transfer_id, ok=True))
+        hidden_bytes = self._confirm(mapping, loc, transfer_id, hidden, done - claimed_at)
+        return len(dst_blocks) * self._dst.shape[1] + hidden_bytes
+
+    def _confirm(self, mapping: _Mapping, loc: KVLocation, transfer_id: int, hidden: list[torch.Tensor],
+                 read_s: float) -> int:
+        """The producer's answer to our claim: whether the read we just made stands; its hidden states."""
         try:
             reply, fds = recv_msg(mapping.sock, expect=PullReply)
         except TimeoutError:
@@ -115,9 +127,27 @@ class SHMPuller:
                 raise TransferError(loc.request_id, loc.producer, f"confirmation of another pull: {reply}")
             if not reply.ok:
                 raise TransferError(loc.request_id, loc.producer, f"producer did not confirm the read: {reply.reason}")
+            if read_s >= reply.hold_s:  # the producer may have released the blocks mid-read
+                raise TransferError(loc.request_id, loc.producer, f"read outlasted the {reply.hold_s:.1f} s hold")
+            if reply.inline_bytes or not fds:
+                return self._take_inline(mapping.sock, loc, reply.inline_bytes, hidden)
             return self._take_hidden(loc, fds, hidden)
         finally:
             close_fds(fds)
+
+    @staticmethod
+    def _take_inline(sock: socket.socket, loc: KVLocation, nbytes: int, hidden: list[torch.Tensor]) -> int:
+        """The hidden states from the raw packet after the reply."""
+        want = sum(t.numel() * t.element_size() for t in hidden)
+        if nbytes != want or nbytes > INLINE_MAX:
+            raise TransferError(loc.request_id, loc.producer, f"{nbytes} bytes of hidden states; expected {want}")
+        if nbytes == 0:
+            return 0
+        data = bytearray(nbytes + 1)  # one more: a longer packet shows as a longer read
+        got = sock.recv_into(data)
+        if got != nbytes:
+            raise TransferError(loc.request_id, loc.producer, f"hidden-state packet of {got} bytes; expected {nbytes}")
+        return fill_tensors(hidden, memoryview(data)[:nbytes])
 
     @staticmethod
     def _take_hidden(loc: KVLocation, fds: list[int], hidden: list[torch.Tensor]) -> int:

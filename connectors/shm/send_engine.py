@@ -8,18 +8,20 @@ Lifecycle:
    thread.
 2. A consumer connects and says `ShmHello`; we answer `ShmSegment` with the pool's
    read-only memfd (or CUDA IPC handle).
-3. A consumer reads a READY request's blocks straight from the pool, then sends a
-   `PullRequest` on this socket: "I read these; confirm".
+3. A consumer claims a READY request with a `PullRequest` on this socket ("hold these
+   blocks for my read") and reads its blocks straight from the pool meanwhile.
 4. If the transfer server lets that pull claim the request (still held, not in flight
-   elsewhere, the consumer's published address, matching block count), the blocks were
-   held for the whole read (a held request's blocks are never reused), so we answer
-   `PullReply(ok)` with the hidden states in a sealed memfd and finish the job, which
-   releases the blocks. Otherwise (expired, released, refused) we answer not-ok and the
-   consumer discards what it read.
+   elsewhere, the consumer's published address, matching block count), we answer
+   `PullReply(ok, hold_s)` with the hidden states in a sealed memfd: the blocks stay held
+   (a held request's blocks are never reused) until the consumer's `ShmReadDone`, its
+   connection's end, or the job's deadline (hold_s from now), whichever comes first; then
+   the job finishes and releases them. Otherwise (expired, released, refused) we answer
+   not-ok and the consumer discards what it read.
 5. `close()` closes every connection and removes the socket file.
 
-One round trip per pull, after the read. A producer publishes READY only after its KV is
-written (CUDA: synchronized), so a read never races the writes.
+The answer overlaps the consumer's read: a pull costs its copy and at most one round trip.
+A producer publishes READY only after its KV is written (CUDA: synchronized), so a read
+never races the writes.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ import logging
 import os
 import select
 import socket
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvwire.connectors.shm.channel import (
@@ -43,11 +46,13 @@ from kvwire.connectors.shm.channel import (
     socket_dir,
     socket_path,
 )
-from kvwire.connectors.shm.segment import PoolSegment, pack_tensors
+from kvwire.connectors.shm.segment import INLINE_MAX, PoolSegment, host_bytes, pack_tensors
 from kvwire.connectors.transfer_server import SendEngine, SendJob
-from kvwire.connectors.wire import Message, PullReply, PullRequest, ShmHello, WireError
+from kvwire.connectors.wire import Message, PullReply, PullRequest, ShmHello, ShmReadDone, WireError
 
 log = logging.getLogger(__name__)
+
+SPIN_S = 0.002  # after a claim the server polls without sleeping this long, for the consumer's ShmReadDone
 
 
 @dataclass(eq=False)
@@ -56,6 +61,7 @@ class _Conn:
     pid: int
     consumer: str = ""  # set by ShmHello
     address: bytes = b""  # the consumer's published transport address, set by ShmHello
+    reading: dict[tuple[str, int], tuple[SendJob, float]] = field(default_factory=dict)  # claimed: job, when
 
 
 class SHMSendEngine(SendEngine):
@@ -119,7 +125,7 @@ class SHMSendEngine(SendEngine):
     def _serve(self, conn: _Conn) -> None:
         while conn.sock.fileno() in self._conns:
             try:
-                msg, fds = recv_msg(conn.sock, expect=(ShmHello, PullRequest))
+                msg, fds = recv_msg(conn.sock, expect=(ShmHello, PullRequest, ShmReadDone))
             except BlockingIOError:
                 return
             except (OSError, WireError) as exc:
@@ -128,6 +134,8 @@ class SHMSendEngine(SendEngine):
             close_fds(fds)  # consumers have nothing to send us by descriptor
             if isinstance(msg, ShmHello):
                 self._hello(conn, msg)
+            elif isinstance(msg, ShmReadDone):
+                self._read_done(conn, msg)
             else:
                 assert isinstance(msg, PullRequest)  # recv_msg accepts nothing else
                 self._confirm(conn, msg)
@@ -142,7 +150,8 @@ class SHMSendEngine(SendEngine):
         log.debug("node %s: consumer %s (pid %d) mapped the pool", self._node_id, msg.consumer, conn.pid)
 
     def _confirm(self, conn: _Conn, msg: PullRequest) -> None:
-        """The consumer has read `msg`'s blocks: ok if the pull may claim the request (so it was held throughout)."""
+        """The consumer is reading `msg`'s blocks: ok if the pull may claim the request, which then stays held
+        until the consumer is done (or its connection ends, or the job's deadline)."""
         def refuse(reason: str) -> None:
             self._send(conn, PullReply(request_id=msg.request_id, transfer_id=msg.transfer_id, ok=False,
                                        reason=reason))
@@ -155,19 +164,61 @@ class SHMSendEngine(SendEngine):
             refuse(job)
             return
         job.replied = True
+        hold_s = max(0.0, job.deadline - time.monotonic())
+        nbytes = sum(t.numel() * t.element_size() for t in job.held.hidden)
+        if nbytes <= INLINE_MAX:  # one raw packet after the reply: no memfd to make, map and close
+            reply = PullReply(request_id=msg.request_id, transfer_id=msg.transfer_id, ok=True, hold_s=hold_s,
+                              inline_bytes=nbytes)
+            sent = self._send(conn, reply) and (nbytes == 0 or self._send_raw(conn, host_bytes(job.held.hidden)))
+        else:
+            sent = self._reply_with_memfd(conn, msg, job, hold_s)
+            if sent is None:
+                return
+        if sent:
+            conn.reading[(msg.request_id, msg.transfer_id)] = (job, time.monotonic())
+        else:
+            self.server.finish(job, ConnectionError("consumer gone before the confirmation"))
+
+    def _reply_with_memfd(self, conn: _Conn, msg: PullRequest, job: SendJob, hold_s: float) -> bool | None:
+        """Large hidden states: in a sealed memfd attached to the reply. None: refused (finished here)."""
         try:
             fd = pack_tensors(job.held.hidden)
         except OSError as exc:
-            refuse(f"cannot hand over the hidden states: {exc}")
+            self._send(conn, PullReply(request_id=msg.request_id, transfer_id=msg.transfer_id, ok=False,
+                                       reason=f"cannot hand over the hidden states: {exc}"))
             self.server.finish(job, exc)
-            return
+            return None
         try:
-            sent = self._send(conn, PullReply(request_id=msg.request_id, transfer_id=msg.transfer_id, ok=True),
-                              [] if fd is None else [fd])
+            return self._send(conn, PullReply(request_id=msg.request_id, transfer_id=msg.transfer_id, ok=True,
+                                              hold_s=hold_s), [] if fd is None else [fd])
         finally:
             if fd is not None:
                 close_fds([fd])
-        self.server.finish(job, None if sent else ConnectionError("consumer gone before the confirmation"))
+
+    def _send_raw(self, conn: _Conn, data: memoryview) -> bool:
+        try:
+            conn.sock.send(data)
+            return True
+        except OSError as exc:
+            self._drop(conn, f"send failed: {exc}")
+            return False
+
+    def _read_done(self, conn: _Conn, msg: ShmReadDone) -> None:
+        """The consumer has read (ok) or given up: the job finishes and the blocks are released."""
+        claimed = conn.reading.pop((msg.request_id, msg.transfer_id), None)
+        if claimed is not None:  # unknown: refused, or released at its deadline already
+            self.server.finish(claimed[0], None if msg.ok else ConnectionError("the consumer discarded its read"))
+
+    def can_block(self) -> bool:
+        """Not for SPIN_S after a claim: the consumer's ShmReadDone then finds us awake (a wake-up costs more
+        than a short read here), so the blocks go back without a scheduler round trip."""
+        now = time.monotonic()
+        return not any(now - at < SPIN_S for conn in self._conns.values() for _, at in conn.reading.values())
+
+    def abandon(self, job: SendJob) -> None:
+        """The job's deadline passed before the consumer said it was done: stop holding it for the read."""
+        for conn in self._conns.values():
+            conn.reading.pop((job.msg.request_id, job.msg.transfer_id), None)
 
     def _send(self, conn: _Conn, msg: Message, fds: Sequence[int] = ()) -> bool:
         try:
@@ -183,4 +234,7 @@ class SHMSendEngine(SendEngine):
             return
         self._epoll.unregister(fd)
         conn.sock.close()
+        for job, _ in conn.reading.values():  # nobody reads them any more
+            self.server.finish(job, ConnectionError(f"consumer connection closed: {reason}"))
+        conn.reading.clear()
         log.debug("node %s: connection of consumer %r closed: %s", self._node_id, conn.consumer, reason)

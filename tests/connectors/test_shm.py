@@ -16,6 +16,7 @@ import socket
 import stat
 import subprocess
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory import KVDirectory
 from kvwire.connectors.shm.channel import close_fds, connect, node_prefix, recv_msg, remove_stale, send_msg, socket_dir
 from kvwire.connectors.standalone import ConsumerSide, ProducerSide, open_consumer, open_producer
-from kvwire.connectors.wire import KVLocation, PullReply, PullRequest, ShmHello, ShmSegment
+from kvwire.connectors.wire import KVLocation, PullReply, PullRequest, ShmHello, ShmReadDone, ShmSegment
 from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
@@ -279,7 +280,7 @@ def _confirm(sock: socket.socket, consumer: str, address: bytes, loc: KVLocation
 
 
 def test_a_consumer_that_vanishes_mid_read_leaves_the_request_pullable(redis_url):
-    """Reading takes nothing from the producer: a consumer that dies before confirming claimed nothing."""
+    """Mapping takes nothing from the producer: a consumer that dies before claiming claimed nothing."""
     with _producer(redis_url) as (producer, pool, released), _consumer(redis_url) as (consumer, cpool):
         _publish(producer, pool, "orphan", [6, 7], 5)
         sock, _ = _map_by_hand(redis_url, "doomed-consumer", _location(redis_url, "orphan"))
@@ -317,3 +318,70 @@ def test_a_confirmation_for_another_consumer_is_refused_and_the_request_stays_pu
         assert released.empty()
         _pull_and_check(consumer, cpool, "mine", [5], 4)
         assert released.get(timeout=5) == ("mine", [3])
+
+
+def test_a_claim_holds_the_blocks_until_the_consumer_is_done(redis_url):
+    """The claim comes before the read: the producer answers while the consumer copies, and releases the blocks
+    only on ShmReadDone; meanwhile nobody else may claim them."""
+    with _producer(redis_url) as (producer, pool, released):
+        _publish(producer, pool, "claimed", [4, 5], 7)
+        loc = _location(redis_url, "claimed")
+        sock, address = _map_by_hand(redis_url, "reader", loc)
+        other, other_address = _map_by_hand(redis_url, "second-reader", loc)
+        try:
+            reply = _confirm(sock, "reader", address, loc)
+            assert reply.ok and 0 < reply.hold_s <= 5.0
+            assert not _confirm(other, "second-reader", other_address, loc).ok  # in flight: nobody else's
+            assert released.empty()
+            send_msg(sock, ShmReadDone(request_id="claimed", transfer_id=1, ok=True))
+            assert released.get(timeout=5) == ("claimed", [4, 5])
+        finally:
+            sock.close()
+            other.close()
+
+
+def test_a_claimer_whose_connection_ends_releases_the_blocks(redis_url):
+    with _producer(redis_url) as (producer, pool, released):
+        _publish(producer, pool, "dropped", [2], 3)
+        loc = _location(redis_url, "dropped")
+        sock, address = _map_by_hand(redis_url, "quitter", loc)
+        assert _confirm(sock, "quitter", address, loc).ok
+        sock.close()  # claimed, then gone: no one reads the blocks any more
+        assert released.get(timeout=5) == ("dropped", [2])
+
+
+def test_a_read_that_outlasts_its_hold_is_discarded(redis_url, monkeypatch):
+    from kvwire.connectors.shm import copier
+
+    slow_copy = copier.BlockCopier.copy
+
+    def copy_past_the_hold(self, dst, src, runs):
+        slow_copy(self, dst, src, runs)
+        time.sleep(1.3)  # longer than the producer's 1 s hold: its blocks may have been reused meanwhile
+
+    with _producer(redis_url, deadline_s=1.0) as (producer, pool, released), _consumer(redis_url) as (consumer, cpool):
+        _publish(producer, pool, "slow-read", [1], 3)
+        monkeypatch.setattr(copier.BlockCopier, "copy", copy_past_the_hold)
+        mi = ModelInput([SequenceInput("slow-read", [0] * 3, 0, [6])])
+        _, bypass, _ = consumer.connector.recv_kv_caches_and_hidden_states(None, mi, cpool.kv_caches)
+        assert not bypass  # recomputed, never trusted
+        assert released.get(timeout=5) == ("slow-read", [1])
+
+
+def test_hidden_states_small_ride_inline_and_large_ones_in_a_memfd(redis_url):
+    """Up to INLINE_MAX they follow the reply as a raw packet; beyond, a sealed memfd carries them."""
+    from kvwire.connectors.shm.segment import INLINE_MAX
+
+    with _producer(redis_url) as (producer, pool, released), _consumer(redis_url) as (consumer, cpool):
+        for rid, width in (("small-hidden", 16), ("large-hidden", 4096)):
+            tokens = 8  # two blocks of 4
+            hidden = torch.randn(tokens, width)
+            assert (hidden.numel() * 4 <= INLINE_MAX) == (width == 16)
+            pool.data[[9, 10]] = peer.request_kv(rid, pool.layout, 2)
+            mi = ModelInput([SequenceInput(rid, [0] * tokens, 0, [9, 10])])
+            producer.connector.send_kv_caches_and_hidden_states(None, mi, producer.kv_caches, hidden)
+            got, bypass, _ = consumer.connector.recv_kv_caches_and_hidden_states(
+                None, ModelInput([SequenceInput(rid, [0] * tokens, 0, [1, 2])]), cpool.kv_caches)
+            assert bypass and torch.equal(got, hidden)
+            assert torch.equal(cpool.data[[1, 2]], peer.request_kv(rid, pool.layout, 2))
+            assert released.get(timeout=5)[0] == rid
