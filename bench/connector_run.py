@@ -101,7 +101,7 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
     process used during the measured trials beyond what it held before them (pools included there),
     and the host's CPU ticks inside the measured trials."""
     ctx = mp.get_context("spawn")
-    ready = zmq.Context.instance().socket(zmq.PULL)  # the KVReady a decode node's work socket would get
+    ready: zmq.Socket = zmq.Context.instance().socket(zmq.PULL)  # the KVReady a decode node's work socket gets
     ready.setsockopt(zmq.LINGER, 0)
     endpoint = f"tcp://127.0.0.1:{ready.bind_to_random_port('tcp://127.0.0.1')}"
     with scoped_env(env or {}):

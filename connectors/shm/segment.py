@@ -131,7 +131,7 @@ def host_bytes(tensors: list[torch.Tensor]) -> memoryview:
     """`tensors`' bytes back to back, as one buffer (a copy only when there are several, or off the host)."""
     flat = [t.detach().reshape(-1).view(torch.uint8).cpu() for t in tensors]
     joined = flat[0] if len(flat) == 1 else torch.cat(flat)
-    return memoryview(joined.numpy()).cast("B")
+    return memoryview(joined.numpy().data).cast("B")  # .data: numpy types its buffer so for Python 3.11
 
 
 def fill_tensors(tensors: list[torch.Tensor], data: memoryview) -> int:

@@ -169,7 +169,8 @@ class SHMSendEngine(SendEngine):
         if nbytes <= INLINE_MAX:  # one raw packet after the reply: no memfd to make, map and close
             reply = PullReply(request_id=msg.request_id, transfer_id=msg.transfer_id, ok=True, hold_s=hold_s,
                               inline_bytes=nbytes)
-            sent = self._send(conn, reply) and (nbytes == 0 or self._send_raw(conn, host_bytes(job.held.hidden)))
+            sent: bool | None = self._send(conn, reply) and (
+                nbytes == 0 or self._send_raw(conn, host_bytes(job.held.hidden)))
         else:
             sent = self._reply_with_memfd(conn, msg, job, hold_s)
             if sent is None:
