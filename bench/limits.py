@@ -15,7 +15,8 @@ import torch
 
 from kvwire.bench.cpu import CpuTally, CpuTicks
 from kvwire.bench.workload import Device, Workload, allocate_pool, checksum, fill_random, zero_blocks
-from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.block_copy import copy_blocks
+from kvwire.connectors.kv_region import KVRegion, plan_runs
 from kvwire.connectors.tcp.stream import pump
 
 
@@ -27,9 +28,10 @@ def _region(work: Workload, filled: bool) -> KVRegion:
 
 
 def limit_memcpy(work: Workload, runs: int, warmup: int) -> tuple[list[float], bool, CpuTicks]:
-    """Single-process gather → scatter of the request's pieces, one copy per byte (on a GPU: device to device)."""
+    """Single-process gather → scatter of the request's pieces as the connectors copy them (block_copy.py):
+    a `copy_` per piece on the host unless the pieces are small, a gather/scatter per plane on a GPU."""
     src, dst = _region(work, True), _region(work, False)
-    pairs = list(zip(src.pieces(work.runs(0)), dst.pieces(work.runs(1))))
+    block_runs = plan_runs(work.block_ids(0), work.block_ids(1))
     sync = torch.cuda.synchronize if work.device == Device.CUDA else (lambda: None)
     times, cpu = [], CpuTally()
     for i in range(warmup + runs):
@@ -37,8 +39,7 @@ def limit_memcpy(work: Workload, runs: int, warmup: int) -> tuple[list[float], b
         sync()
         with cpu.counting(i >= warmup):
             start = time.perf_counter()
-            for s, d in pairs:
-                d.copy_(s)
+            copy_blocks(dst.planes, src.planes, block_runs)
             sync()  # a device copy is done when the device says so
             elapsed = time.perf_counter() - start
         if i >= warmup:

@@ -2,7 +2,8 @@
 
 One core's copy does not saturate this kind of machine's memory: two threads copying
 disjoint pieces move more bytes per second than one (torch's `copy_` releases the GIL).
-Host pools only: a CUDA copy is asynchronous already.
+Host pools only: a CUDA copy is asynchronous already, and moves every run in a few
+launches (block_copy.py).
 
 Lifecycle:
 
@@ -19,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-Run = tuple[int, int, int]  # (src_start, dst_start, num_blocks)
+from kvwire.connectors.block_copy import Run, copy_blocks
 
 
 def split_runs(runs: list[Run], lanes: int) -> list[list[Run]]:
@@ -61,5 +62,4 @@ class BlockCopier:
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, runs: list[Run]) -> None:
-    for s, d, n in runs:
-        dst[d:d + n].copy_(src[s:s + n])
+    copy_blocks([dst], [src], runs)  # a gather/scatter on a GPU or for many small host runs, else a copy_ per run

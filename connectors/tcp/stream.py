@@ -4,7 +4,9 @@ Host parts (CPU tensors) are handed to the socket as memoryviews of the tensors'
 own memory, up to IOV_MAX of them per call: no copy. Device parts (CUDA tensors;
 sockets cannot touch GPU memory) pass through one fixed pinned staging buffer, a
 chunk at a time: copied out of the device before it is sent, or into the device once
-a chunk has been received. Partial calls are the normal case: `advance(n)` moves past
+a chunk has been received. A chunk is either a slice of one large part or as many
+whole consecutive device parts as fit, gathered (or scattered) in a few launches
+(block_copy.py), not one copy per part. Partial calls are the normal case: `advance(n)` moves past
 the n bytes the last call moved. Memory used is one int per part for bookkeeping,
 the batch list, and, only when a device part is met, STAGING_BYTES: nothing grows
 with the bytes moved.
@@ -19,6 +21,7 @@ from typing import cast
 
 import torch
 
+from kvwire.connectors.block_copy import gather_parts, scatter_parts
 from kvwire.connectors.kv_region import Part, byte_parts, part_nbytes
 from kvwire.connectors.tcp.frames import IOV_MAX
 
@@ -53,7 +56,8 @@ class ByteStream:
         self._staging = staging
         self._ends = list(itertools.accumulate(part_nbytes(p) for p in parts))  # byte offset where each part ends
         self._devices = [i for i, p in enumerate(parts) if isinstance(p, torch.Tensor)]
-        self._chunk = 0  # device part: bytes of it in the staging buffer
+        self._chunk = 0  # device parts: bytes of them in the staging buffer
+        self._staged: list[torch.Tensor] = []  # the device parts (or one part's slice) the staging buffer holds
         self._chunk_moved = 0  # of which the socket has moved this many
         self.remaining = self._ends[-1] if parts else 0
         self._seek(0)
@@ -106,10 +110,24 @@ class ByteStream:
 
     def _stage(self, part: torch.Tensor) -> None:
         buf, _ = self._staging.get()
-        self._chunk = min(self._staging.nbytes, part.numel() - self._offset)
+        if self._offset or part.numel() >= self._staging.nbytes:  # a large part goes a chunk at a time
+            self._staged = [part[self._offset:self._offset + min(self._staging.nbytes, part.numel() - self._offset)]]
+        else:
+            self._staged = self._whole_parts(part)
+        self._chunk = sum(p.numel() for p in self._staged)
         self._chunk_moved = 0
         if self._outbound:
-            buf[:self._chunk].copy_(part[self._offset:self._offset + self._chunk])
+            gather_parts(self._staged, buf)
+
+    def _whole_parts(self, first: torch.Tensor) -> list[torch.Tensor]:
+        """The device parts from the current one on that fit the staging buffer whole, same device, in order."""
+        stop = bisect.bisect_right(self._ends, self._pos + self._staging.nbytes)  # parts ending within reach
+        out = [first]
+        for part in self._parts[self._index + 1:stop]:
+            if not isinstance(part, torch.Tensor) or part.device != first.device:
+                break
+            out.append(part)
+        return out
 
     def _advance_staged(self, nbytes: int) -> None:
         self._chunk_moved += nbytes
@@ -117,10 +135,8 @@ class ByteStream:
         if self._chunk_moved < self._chunk:
             return
         if not self._outbound:
-            part = self._parts[self._index]
-            assert isinstance(part, torch.Tensor)  # only device parts are staged
-            part[self._offset:self._offset + self._chunk].copy_(self._staging.get()[0][:self._chunk])
-        chunk, self._chunk, self._chunk_moved = self._chunk, 0, 0
+            scatter_parts(self._staging.get()[0], self._staged)
+        chunk, self._chunk, self._chunk_moved, self._staged = self._chunk, 0, 0, []
         self._seek(self._pos + chunk)
 
 

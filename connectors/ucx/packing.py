@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvwire.connectors.block_copy import gather_parts, scatter_parts
 from kvwire.connectors.kv_region import Part, part_nbytes
 
 PACK_BYTES = 1 << 20  # one packed message at most (and a staging slot's size)
@@ -105,9 +106,18 @@ class Staging:
 
 
 def gather(parts: list[Part], msg: Message, slot: memoryview) -> memoryview:
-    """Copy `msg`'s pieces into `slot`, back to back; the filled part of the slot."""
+    """Copy `msg`'s pieces into `slot`, back to back; the filled part of the slot.
+
+    Host pieces are copied one by one (a memoryview slice assignment is cheaper than any tensor op);
+    device pieces in a few launches and one copy to the host (block_copy.py).
+    """
+    pieces = parts[msg.first:msg.first + msg.count]
+    devices = _all_device(pieces)
+    if devices is not None:
+        gather_parts(devices, torch.frombuffer(slot, dtype=torch.uint8))
+        return slot[:sum(t.numel() for t in devices)]
     pos = 0
-    for part in parts[msg.first:msg.first + msg.count]:
+    for part in pieces:
         n = part_nbytes(part)
         if isinstance(part, memoryview):
             slot[pos:pos + n] = part
@@ -118,12 +128,25 @@ def gather(parts: list[Part], msg: Message, slot: memoryview) -> memoryview:
 
 
 def scatter(slot: memoryview, parts: list[Part], msg: Message) -> None:
-    """Copy a received pack out of `slot` into `msg`'s pieces."""
+    """Copy a received pack out of `slot` into `msg`'s pieces (device pieces: as in `gather`)."""
+    pieces = parts[msg.first:msg.first + msg.count]
+    devices = _all_device(pieces)
+    if devices is not None:
+        scatter_parts(torch.frombuffer(slot, dtype=torch.uint8), devices)
+        return
     pos = 0
-    for part in parts[msg.first:msg.first + msg.count]:
+    for part in pieces:
         n = part_nbytes(part)
         if isinstance(part, memoryview):
             part[:] = slot[pos:pos + n]
         else:
             part.copy_(torch.frombuffer(slot[pos:pos + n], dtype=torch.uint8))
         pos += n
+
+
+def _all_device(pieces: list[Part]) -> list[torch.Tensor] | None:
+    """The pieces, when more than one and every one in device memory (one device); else None."""
+    if len(pieces) < 2 or not all(isinstance(p, torch.Tensor) for p in pieces):
+        return None
+    tensors = [p for p in pieces if isinstance(p, torch.Tensor)]
+    return tensors if len({t.device for t in tensors}) == 1 else None
