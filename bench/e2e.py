@@ -29,6 +29,7 @@ from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind, NodeRole
 
 MODES = ("disaggregated", "single-node")
+GAP_SLACK_MS = 1.0  # the TTFT gap may exceed the median transfer by this much (issue 19; was 2 ms)
 
 
 class ModeResult(msgspec.Struct, frozen=True):
@@ -46,7 +47,7 @@ class ModeResult(msgspec.Struct, frozen=True):
 class E2EResult(msgspec.Struct, frozen=True):
     modes: list[ModeResult]
     ttft_gap_ms_p50: float  # median over prompts of (disaggregated - single-node) median TTFT
-    allowed_gap_ms: float  # median transfer time + 2 ms
+    allowed_gap_ms: float  # median transfer time + GAP_SLACK_MS
     outputs_equal: bool
     # mean prompt forward over the sequential requests (kvwire_prompt_forward_seconds): the same
     # prompts, computed by the prefill node (disaggregated) and by the decode node (single-node)
@@ -152,7 +153,7 @@ def bench_e2e(model_dir: Path, connector: ConnectorKind, rounds: int, max_tokens
     by_prompt = {s.prompt: s.tokens for s in s_samples}
     mean_ttft = {m: statistics.mean(s.ttft_ms for s in samples[m]) for m in MODES}
     return E2EResult(modes=results, ttft_gap_ms_p50=round(statistics.median(gaps), 2),
-                     allowed_gap_ms=round(results[0].transfer_ms_p50 + 2.0, 2),
+                     allowed_gap_ms=round(results[0].transfer_ms_p50 + GAP_SLACK_MS, 2),
                      outputs_equal=all(s.tokens == by_prompt[s.prompt] for s in d_samples + s_samples),
                      forward_ms_prefill_node=_mean_ms(before[NodeRole.PREFILL], after[NodeRole.PREFILL]),
                      forward_ms_decode_node=_mean_ms(before[NodeRole.DECODE], after[NodeRole.DECODE]),

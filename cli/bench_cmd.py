@@ -170,6 +170,8 @@ def e2e(
 
 
 def _e2e_table(result) -> str:
+    from kvwire.bench.e2e import GAP_SLACK_MS
+
     head = (f"{'mode':<14} {'requests':>8} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'req/s':>7} {'tok/s':>8} "
             f"{'xfer p50':>9} {'bypassed':>8}")
     lines = [head, "-" * len(head)]
@@ -177,15 +179,15 @@ def _e2e_table(result) -> str:
         lines.append(f"{m.mode:<14} {m.requests:>8} {m.ttft_ms_p50:>9.2f} {m.ttft_ms_p99:>8.2f} {m.tpot_ms_p50:>9.3f} "
                      f"{m.throughput_rps:>7.2f} {m.throughput_tok_s:>8.1f} {m.transfer_ms_p50:>9.2f} {m.bypassed:>8}")
     lines.append(f"TTFT gap (disaggregated - single-node, median over prompts): {result.ttft_gap_ms_p50:.2f} ms; "
-                 f"allowed: median transfer + 2 ms = {result.allowed_gap_ms:.2f} ms; "
+                 f"allowed: median transfer + {GAP_SLACK_MS:g} ms = {result.allowed_gap_ms:.2f} ms; "
                  f"outputs equal: {'yes' if result.outputs_equal else 'NO'}")
     lines.append(f"prompt forward, mean over the sequential requests: prefill node "
                  f"{result.forward_ms_prefill_node:.2f} ms (disaggregated), "
                  f"decode node {result.forward_ms_decode_node:.2f} ms (single-node)")
     lines.append(f"means over the sequential requests: TTFT gap {result.ttft_gap_ms_mean:.2f} ms, of which the prompt "
                  f"forward's difference {result.forward_gap_ms:.2f} ms; "
-                 f"the rest {result.gap_beside_forward_ms:.2f} ms against mean transfer + 2 ms = "
-                 f"{result.transfer_ms_mean + 2:.2f} ms")
+                 f"the rest {result.gap_beside_forward_ms:.2f} ms against mean transfer + {GAP_SLACK_MS:g} ms = "
+                 f"{result.transfer_ms_mean + GAP_SLACK_MS:.2f} ms")
     return "\n".join(lines)
 
 
