@@ -104,13 +104,16 @@ class SHMPuller:
         send_msg(mapping.sock, PullRequest(request_id=loc.request_id, transfer_id=transfer_id,
                                            consumer=self._node_id, transport_address=self.transport_address,
                                            dst_block_ids=dst_blocks, first_block=loc.first_block))
+        copied = False
         try:
             self._copier.copy(self._dst, mapping.blocks, runs)
             synchronize([self._dst, mapping.blocks])
+            copied = True
         finally:  # read (or failed): the blocks may go, before the answer is even looked at
             done = time.monotonic()
             with contextlib.suppress(OSError):  # a producer that misses this releases them at hold_s
-                send_msg(mapping.sock, ShmReadDone(request_id=loc.request_id, transfer_id=transfer_id, ok=True))
+                send_msg(mapping.sock, ShmReadDone(request_id=loc.request_id, transfer_id=transfer_id,
+                                                   ok=copied))
         hidden_bytes = self._confirm(mapping, loc, transfer_id, hidden, done - claimed_at)
         return len(dst_blocks) * self._dst.shape[1] + hidden_bytes
 
