@@ -8,7 +8,8 @@ bytes. One trial:
    directly (`KVReady` on a zmq socket of the bench's, as to a decode node's work socket).
 2. It times its own decode-role connector's `recv_kv_caches_and_hidden_states`, from the
    call to the moment the blocks hold every byte and the connector says so: a decode
-   node's hot path, with no directory round trip in it.
+   node's hot path, with no directory round trip in it. Then `after_step`, untimed, as a
+   node calls it once the first token is out (shared memory's read notes go then).
 3. It checks the received blocks' crc32 against the producer's.
 """
 
@@ -130,6 +131,7 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
                 _, bypass, _ = side.connector.recv_kv_caches_and_hidden_states(None, request_input(work, rid, 1),
                                                                                kv_caches)
                 elapsed = time.perf_counter() - start
+            side.connector.after_step()  # as a node does once the request's first token is out
             verified &= bypass and checksum(region, dst) == want
             if i >= warmup:
                 times.append(elapsed)

@@ -73,5 +73,8 @@ class ConsumerConnector(KVConnectorBase):
                                          kv_caches: list[torch.Tensor]) -> tuple[HiddenStates | None, bool, ModelInput]:
         return self.consumer.receive_batch(model_input)
 
+    def after_step(self) -> None:
+        self.consumer.flush()
+
     def close(self) -> None:
         self.consumer.close()

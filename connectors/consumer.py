@@ -22,6 +22,7 @@ A request here:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -30,13 +31,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
+import torch
 
 from kvwire.connectors.base import HiddenStates, TransferError
 from kvwire.connectors.config import ConnectorConfig
 from kvwire.connectors.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState
 from kvwire.connectors.expected import ExpectedKV, Received
 from kvwire.connectors.fast_path import FastPathGuard
-from kvwire.connectors.hidden import empty_like_descs, join_requests
+from kvwire.connectors.hidden import empty_like_descs, join_requests, tensors_from_bytes
 from kvwire.connectors.kv_checksum import layer_checksums
 from kvwire.connectors.kv_region import KVRegion
 from kvwire.connectors.producer_watch import ProducerWatch
@@ -174,6 +176,7 @@ class KVConsumer:
             TransferError: the KV did not come; the entry is now FAILED.
         """
         record = record or self._take(request_id)
+        self._puller.flush()  # notes an earlier receive left, if its caller did not flush them
         if time.monotonic() - self._addresses_published > self._config.entry_ttl_s / 3:
             self.publish_addresses()  # they expire with entry_ttl_s: producers refuse pulls to unknown addresses
         try:
@@ -186,7 +189,14 @@ class KVConsumer:
                 raise
             raise TransferError(request_id, "directory", str(exc)) from exc
 
+    def flush(self) -> None:
+        """Tell producers what the receives so far read without a round trip (shared memory), so they release
+        those blocks. The caller does it once the received requests' step is done, off their way to a first
+        token; a receive also does it first."""
+        self._puller.flush()
+
     def close(self) -> None:
+        self.flush()
         self._producer_watch.close()
         self._watchers.shutdown(wait=False, cancel_futures=True)
         self._puller.close()
@@ -248,7 +258,7 @@ class KVConsumer:
         loc = self._transport.choose(loc)
         if refusal := self._fast_path.refusal(loc):
             raise ReceiveError(rid, loc.producer, refusal, TransferFailure.SLOW_PATH)
-        hidden = empty_like_descs(loc.hidden, self._region.planes[0].device)
+        hidden = self._hidden_for(loc)
         start = time.monotonic()
         dst = dst_blocks[first_block:first_block + len(loc.block_ids)]
         nbytes = self._puller.pull(loc, dst, hidden, record.deadline)
@@ -259,6 +269,14 @@ class KVConsumer:
                  elapsed * 1e3)
         record.stats = Received(hidden, loc.hidden, loc.intermediate, nbytes, elapsed, loc.producer, loc.kind)
         return record.stats
+
+    def _hidden_for(self, loc: KVLocation) -> list[torch.Tensor]:
+        """Where the pull puts `loc`'s hidden states: already holding them when the direct word carried them."""
+        device = self._region.planes[0].device
+        if loc.inline_hidden:
+            with contextlib.suppress(ValueError):  # a size that does not match: pulled like any other
+                return tensors_from_bytes(loc.hidden, loc.inline_hidden, device)
+        return empty_like_descs(loc.hidden, device)
 
     def _check(self, rid: str, num_tokens: int, dst_blocks: list[int], first_block: int,
                loc: KVLocation) -> KVLocation:

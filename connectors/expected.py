@@ -4,6 +4,9 @@
    producer and the deadline its KV must be pullable by.
 2. Settled once, by whichever source answers first: the producer's direct word (a
    location), the directory (a READY location, or a terminal state), or the deadline.
+   A direct word that comes after the directory's READY still replaces its location when
+   it is the same one with the hidden states inline (a same-host read then needs no round
+   trip).
 3. Pulled (or failed) by the consumer, which writes its `stats`.
 
 Several threads touch it (the node's engine thread, a directory watcher, the pull thread):
@@ -15,6 +18,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from kvwire.connectors.config import ConnectorKind
@@ -57,6 +61,9 @@ class ExpectedKV:
         """The KV can be pulled from `location`. Returns whether this settled the record (first answer wins)."""
         with self._lock:
             if self._settled.is_set():
+                if self.location is not None and location.inline_hidden and \
+                        msgspec.structs.replace(location, inline_hidden=b"") == self.location:
+                    self.location = location  # the same KV, with its hidden states: still not a settling
                 return False
             self.location = location
             self._settled.set()

@@ -8,7 +8,8 @@ The table is the one owner of those blocks between publish and release:
    no pull in flight; or `release_if_idle`: nobody will pull it.
 
 The release callback, given at construction, fires exactly once per request with the
-block ids it held, whichever way it leaves.
+block ids it held, whichever way it leaves; `before_release`, when given, fires just before
+it with the request's location (shared memory zeroes its hold word there).
 """
 
 from __future__ import annotations
@@ -37,13 +38,16 @@ class HeldRequest:
 class HeldTable:
     """Thread-safe: the engine thread adds, the transfer server takes and finishes."""
 
-    def __init__(self, on_release: Callable[[str, list[int]], None]):
+    def __init__(self, on_release: Callable[[str, list[int]], None],
+                 before_release: Callable[[KVLocation], None] | None = None):
         """Args:
         on_release: `(request_id, block_ids)` once the request's blocks are no longer needed.
+        before_release: `(location)` first, before the blocks can be reused.
         """
         self._items: dict[str, HeldRequest] = {}
         self._lock = threading.Lock()
         self._on_release = on_release
+        self._before_release = before_release or (lambda location: None)
 
     def add(self, held: HeldRequest) -> None:
         with self._lock:
@@ -72,7 +76,7 @@ class HeldTable:
             held = self._items.pop(request_id, None)
         if held is None:
             return False
-        self._on_release(request_id, held.location.block_ids)
+        self._fire(held)
         return True
 
     def release_if_idle(self, request_id: str) -> bool:
@@ -82,8 +86,14 @@ class HeldTable:
             if held is None or held.in_flight:
                 return False
             del self._items[request_id]
-        self._on_release(request_id, held.location.block_ids)
+        self._fire(held)
         return True
+
+    def _fire(self, held: HeldRequest) -> None:
+        try:
+            self._before_release(held.location)
+        finally:  # the blocks go back whatever happened
+            self._on_release(held.location.request_id, held.location.block_ids)
 
     def get(self, request_id: str) -> HeldRequest | None:
         with self._lock:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
+import msgspec
 import torch
 
 from kvwire.connectors.types import IntermediateTensors
-from kvwire.connectors.wire import DType, TensorDesc
+from kvwire.connectors.wire import DType, KVLocation, TensorDesc
 from kvwire.engine.kv_cache import TORCH_DTYPES
 
 HIDDEN_KEY = "hidden_states"  # the name a plain hidden-states tensor travels under
@@ -42,11 +46,69 @@ def empty_like_descs(descs: list[TensorDesc], device: torch.device | str) -> lis
     return [torch.empty(d.shape, dtype=TORCH_DTYPES[d.dtype], device=device) for d in descs]
 
 
+def tensors_from_bytes(descs: list[TensorDesc], data: bytes, device: torch.device | str) -> list[torch.Tensor]:
+    """Tensors of `descs` holding `data` (their bytes back to back), on `device`.
+
+    Raises:
+        ValueError: data is not exactly their size.
+    """
+    sizes = [math.prod(d.shape) * TORCH_DTYPES[d.dtype].itemsize for d in descs]
+    if len(data) != sum(sizes):
+        raise ValueError(f"{len(data)} bytes of hidden states; expected {sum(sizes)}")
+    buf, out, offset = bytearray(data), [], 0  # writable: torch warns of read-only buffers
+    for d, n in zip(descs, sizes):
+        dtype = TORCH_DTYPES[d.dtype]
+        t = torch.frombuffer(buf, dtype=dtype, count=n // dtype.itemsize, offset=offset) if n else \
+            torch.empty(0, dtype=dtype)
+        out.append(t.view(d.shape) if torch.device(device).type == "cpu" else t.view(d.shape).to(device))
+        offset += n
+    return out
+
+
 def join_requests(
     parts: list[list[torch.Tensor]], descs: list[TensorDesc], intermediate: bool
 ) -> torch.Tensor | IntermediateTensors:
     """Concatenate per-request tensors (same descriptors' names) along the token dim."""
+    if len(parts) == 1 and not intermediate and len(parts[0]) == 1:
+        return parts[0][0]  # one request, one tensor: nothing to join
     joined = {d.name: torch.cat([p[i] for p in parts], dim=0) for i, d in enumerate(descs)}
     if intermediate:
         return IntermediateTensors(joined)
     return joined[HIDDEN_KEY]
+
+
+INLINE_MAX = 64 << 10  # hidden states up to this size travel inline (direct word; shm reply packet), not a memfd
+
+
+def host_bytes(tensors: list[torch.Tensor]) -> memoryview:
+    """`tensors`' bytes back to back, as one buffer (a copy only when there are several, or off the host)."""
+    flat = [t.detach().reshape(-1).view(torch.uint8).cpu() for t in tensors]
+    joined = flat[0] if len(flat) == 1 else torch.cat(flat)
+    return memoryview(joined.numpy().data).cast("B")  # .data: numpy types its buffer so for Python 3.11
+
+
+def fill_tensors(tensors: list[torch.Tensor], data: memoryview) -> int:
+    """Copy `data` into `tensors` (contiguous, any device), back to back. Returns the bytes copied.
+
+    Raises:
+        ValueError: data is not exactly their size.
+    """
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    if len(data) != total:
+        raise ValueError(f"hidden states of {len(data)} bytes; expected {total}")
+    src = torch.frombuffer(data, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
+    offset = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        t.reshape(-1).view(torch.uint8).copy_(src[offset:offset + n])
+        offset += n
+    return total
+
+
+def direct_word(loc: KVLocation, hidden: Sequence[torch.Tensor]) -> KVLocation:
+    """What the producer tells its consumer directly: `loc`, plus the hidden states' bytes when the location
+    has a shared-memory hold word and they are small (the consumer then reads with no round trip)."""
+    nbytes = sum(t.numel() * t.element_size() for t in hidden)
+    if loc.shm_hold is None or not hidden or nbytes > INLINE_MAX:
+        return loc
+    return msgspec.structs.replace(loc, inline_hidden=bytes(host_bytes(list(hidden))))

@@ -23,7 +23,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import zmq
@@ -32,7 +32,7 @@ from kvwire.connectors.config import LAYERWISE_KINDS, ConnectorConfig, Connector
 from kvwire.connectors.directory import DirectoryError, KVDirectory, StaleNodeError, TransferState
 from kvwire.connectors.directory_batch import DirectoryBatch
 from kvwire.connectors.held import HeldRequest, HeldTable
-from kvwire.connectors.hidden import HIDDEN_KEY, dtype_of, empty_like_descs, split_request
+from kvwire.connectors.hidden import HIDDEN_KEY, direct_word, dtype_of, empty_like_descs, split_request
 from kvwire.connectors.host import host_identity
 from kvwire.connectors.incarnations import fail_earlier_incarnations
 from kvwire.connectors.kv_checksum import layer_checksums
@@ -66,10 +66,12 @@ class KVProducer:
         self._epoch = epoch
         self._region = region
         self._layout = region.layout
-        self._held = HeldTable(on_release)
+        self._held = HeldTable(on_release, before_release=self._unhold)
         self._fail_earlier_incarnations()
         self._transport = transport
-        self._servers = {kind: self._serve(kind, engine) for kind, engine in transport.send_engines(region).items()}
+        engines = transport.send_engines(region)
+        self._board = next((e.holds for e in engines.values() if e.holds is not None), None)  # shm: hold words
+        self._servers = {kind: self._serve(kind, engine) for kind, engine in engines.items()}
         self._offers = [TransportOffer(k, s.side_channel, s.transport_address) for k, s in self._servers.items()]
         self._consumers = PushSockets()  # engine thread only: KVReady to decode nodes' work endpoints
         self._lock = threading.Lock()
@@ -106,7 +108,7 @@ class KVProducer:
             blocks = self._blocks_of(seq)
             loc = self._location(seq.request_id, seq.end_pos, blocks, descs, intermediate, self._checksums(blocks))
             self._held.add(HeldRequest(loc, tensors, time.monotonic() + self._config.kv_deadline_s))
-            self._announce(loc, seq.consumer_endpoint)
+            self._announce(loc, seq.consumer_endpoint, tensors)
         self._wake_servers()
 
     def hold(self, request_id: str, block_ids: list[int], num_tokens: int) -> None:
@@ -222,24 +224,30 @@ class KVProducer:
             raise ValueError(f"request {request_id}: no transport serves this KV"
                              + (" (layer-wise KV is served over tcp and ucx only)" if layerwise else ""))
         first = offers[0]
+        hold = None if layerwise or self._board is None else self._board.mark()
         return KVLocation(
             request_id=request_id, producer=self._config.node_id, producer_epoch=self._epoch,
             kind=self._config.kind, side_channel=first.side_channel, transport_address=first.transport_address,
             layout=self._layout, block_ids=blocks, num_tokens=num_tokens,
             hidden=descs, intermediate=intermediate, offers=offers, host=host_identity(),
-            layer_checksums=checksums, layerwise=layerwise)
+            layer_checksums=checksums, layerwise=layerwise, shm_hold=hold)
+
+    def _unhold(self, loc: KVLocation) -> None:
+        """Just before `loc`'s blocks are released: shared-memory readers from now on discard their read."""
+        if loc.shm_hold is not None and self._board is not None:
+            self._board.unmark(loc.shm_hold)
 
     def _checksums(self, blocks: list[int]) -> list[int]:
         return layer_checksums(self._region, blocks) if self._config.verify_kv else []
 
-    def _announce(self, loc: KVLocation, consumer_endpoint: str) -> None:
+    def _announce(self, loc: KVLocation, consumer_endpoint: str, hidden: Sequence[torch.Tensor] = ()) -> None:
         """Tell the consumer directly, then the directory; a pull delivered in between is recorded once the
         directory has the READY."""
         rid = loc.request_id
         with self._lock:
             self._advertising.add(rid)
         if consumer_endpoint:
-            self._tell(loc, consumer_endpoint)
+            self._tell(direct_word(loc, hidden), consumer_endpoint)
         try:
             self._advertise(loc)
         finally:

@@ -29,6 +29,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import zmq
@@ -39,6 +40,9 @@ from kvwire.connectors.kv_region import KVRegion, Part, byte_parts, plan_runs
 from kvwire.connectors.sockets import limit_receive
 from kvwire.connectors.wire import PullReply, PullRequest, WireError
 from kvwire.engine.wakeup import Wakeup
+
+if TYPE_CHECKING:
+    from kvwire.connectors.shm.hold_board import HoldBoard
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +97,7 @@ class SendEngine(ABC):
 
     transport_address: bytes = b""
     streams_layers: bool = False  # sends a layer-wise request's layers as its gate opens them
+    holds: HoldBoard | None = None  # shared memory: a word per held request, for reads with no claim
 
     def bind(self, server: TransferServer) -> None:
         self.server = server

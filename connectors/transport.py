@@ -45,6 +45,10 @@ class Puller(Protocol):
         """
         ...
 
+    def flush(self) -> None:
+        """Send what pulls left to say once the caller is done with them (shared memory: its read notes)."""
+        ...
+
     def close(self) -> None: ...
 
 

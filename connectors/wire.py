@@ -74,6 +74,18 @@ class TransportOffer(msgspec.Struct, frozen=True, array_like=True):
     transport_address: bytes
 
 
+class ShmHold(msgspec.Struct, frozen=True, array_like=True):
+    """A shared-memory producer's word that says a request's blocks are still held (connectors/shm/hold_board.py).
+
+    Word `slot` of the producer's hold board holds `token` from before the request is announced until
+    its blocks are released; a consumer whose read of the pool began and ended with the word still
+    `token` read blocks nobody had reused.
+    """
+
+    slot: int
+    token: int
+
+
 class TransportCheck(msgspec.Struct, frozen=True, kw_only=True):
     """A node's start-up self-test of one transport it serves (connectors/self_test.py)."""
 
@@ -108,6 +120,10 @@ class KVLocation(_Msg, tag="location", frozen=True):
     # A consumer's view only, never published: the pull starts at this block of the producer's list (the
     # consumer has the ones before it already, e.g. vLLM's prefix cache); block_ids then holds the rest.
     first_block: int = 0
+    shm_hold: ShmHold | None = None  # shared memory: the request's hold word (None: claim before reading)
+    # The direct word only (KVReady), never published: the hidden states' bytes, back to back in `hidden`
+    # order, when small; with `shm_hold` a same-host consumer reads the request without a round trip.
+    inline_hidden: bytes = b""
 
 
 class NodeInfo(_Msg, tag="node", frozen=True):
@@ -195,6 +211,18 @@ class ShmReadDone(_Msg, tag="shm_done", frozen=True):
     ok: bool
 
 
+class ShmRead(_Msg, tag="shm_read", frozen=True):
+    """Consumer → producer, no answer: I read request_id's blocks while its hold word stood (a read with no
+    claim); the request is delivered to me, release its blocks."""
+
+    request_id: str
+    transfer_id: int
+    consumer: str
+    transport_address: bytes
+    dst_block_ids: list[int]
+    first_block: int = 0
+
+
 class ShmSegment(_Msg, tag="shm_segment", frozen=True):
     """Producer → consumer, answer to `ShmHello`: the KV pool to map.
 
@@ -202,7 +230,9 @@ class ShmSegment(_Msg, tag="shm_segment", frozen=True):
     CUDA pool as its IPC handle. Over the same socket the consumer then claims each
     request with a `PullRequest` and reads while the producer answers `PullReply` (ok: the
     blocks are held for the read; the hidden states ride along as a memfd), and says
-    `ShmReadDone` once it has read.
+    `ShmReadDone` once it has read. A request whose location carries a hold word and its hidden
+    states (the direct word) is read with no claim: the consumer checks the word before and after its
+    copy and then says `ShmRead`.
     """
 
     producer: str
@@ -210,6 +240,7 @@ class ShmSegment(_Msg, tag="shm_segment", frozen=True):
     num_blocks: int
     block_nbytes: int
     cuda: CudaIpcHandle | None = None
+    hold_slots: int = 0  # words in the hold board, whose read-only memfd comes after the pool's (0: none)
 
 
 # --- work: router → nodes, decode node → router -------------------------------------------
@@ -319,7 +350,7 @@ class WorkError(_Msg, tag="error", frozen=True):
 
 
 Message = (
-    KVLayout | KVLocation | NodeInfo | PullRequest | PullReply | ShmHello | ShmSegment | ShmReadDone
+    KVLayout | KVLocation | NodeInfo | PullRequest | PullReply | ShmHello | ShmSegment | ShmReadDone | ShmRead
     | PrefillWork | KVReady | DecodeWork | TokenChunk | WorkError | CancelWork
 )
 

@@ -198,6 +198,7 @@ class DecodeNode:
             return
         for out in outputs:
             self._emit(out)
+        self.engine.runner.after_step()  # after the first tokens went out: producers may release what we read
 
     def _emit(self, out: StepOutput) -> None:
         seq = out.sequence

@@ -80,6 +80,11 @@ class ModelRunner:
             hidden = self._forward_prompt(model_input)
         return self._prompt_result(model_input, hidden, bypassed, time.monotonic() - start)
 
+    def after_step(self) -> None:
+        """The step's outputs are out: the connector's deferred work (a consumer's read notes) runs now."""
+        if self.connector is not None:
+            self.connector.after_step()
+
     def close(self) -> None:
         if self._pulls is not None:
             self._pulls.shutdown(wait=False, cancel_futures=True)

@@ -47,6 +47,10 @@ class AutoPuller:
         """
         return self._pullers[loc.kind].pull(loc, dst_blocks, hidden, deadline)
 
+    def flush(self) -> None:
+        for puller in self._pullers.values():
+            puller.flush()
+
     def close(self) -> None:
         for puller in self._pullers.values():
             puller.close()

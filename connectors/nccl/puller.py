@@ -122,6 +122,9 @@ class NCCLPuller:
         link.last_used = time.monotonic()
         return sum(p.numel() * p.element_size() for p in pieces)
 
+    def flush(self) -> None:
+        """Nothing is deferred: every pull ends confirmed."""
+
     def close(self) -> None:
         with self._wake_lock:
             self._closed = True

@@ -8,14 +8,18 @@ every pull first drops the mappings of producers that have gone (their socket hu
 
 One pull, every wait of which ends at the pull's deadline:
 
-1. Map the producer's pool, if not mapped yet.
-2. Claim the request: a `PullRequest` on the Unix socket ("hold these blocks for my read").
-3. Meanwhile, copy each run of blocks consecutive on both sides (copier.py; the only copy
+1. Map the producer's pool and hold board, if not mapped yet.
+2. Read with no round trip when the producer's direct word gave the request's hold word and
+   hidden states (hold_board.py): check the word, copy, check it again, say `ShmRead` (no
+   answer awaited) and return. A word that changed discards the read; the pull goes on as
+   below (a claim, refused for a released request).
+3. Otherwise claim the request: a `PullRequest` on the Unix socket ("hold these blocks for my read").
+4. Meanwhile, copy each run of blocks consecutive on both sides (copier.py; the only copy
    of those bytes), straight from the READY entry's blocks: the producer's wake-up and
    answer overlap the copy, so a pull costs the copy and at most one round trip.
-4. Say `ShmReadDone` as soon as the copy ends (no answer awaited): the producer may
+5. Say `ShmReadDone` as soon as the copy ends (no answer awaited): the producer may
    release the blocks.
-5. Take the producer's `PullReply`. Only an ok makes the read count: the pull claimed a
+6. Take the producer's `PullReply`. Only an ok makes the read count: the pull claimed a
    request the producer still held, whose blocks stayed held (never reused) for `hold_s`
    from the claim or until our `ShmReadDone`; a read that ended later than hold_s after
    the claim was sent is discarded. The hidden states follow the reply as one raw packet
@@ -37,13 +41,15 @@ import torch
 
 from kvwire.connectors.base import TransferError
 from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.hidden import INLINE_MAX, fill_tensors
 from kvwire.connectors.host import host_identity
 from kvwire.connectors.kv_region import KVRegion, plan_runs
 from kvwire.connectors.shm.channel import close_fds, connect, hung_up, recv_msg, send_msg
 from kvwire.connectors.shm.copier import BlockCopier
 from kvwire.connectors.shm.cuda_ipc import map_cuda, synchronize
-from kvwire.connectors.shm.segment import INLINE_MAX, fill_tensors, map_host, unpack_tensors
-from kvwire.connectors.wire import KVLocation, PullReply, PullRequest, ShmHello, ShmReadDone, ShmSegment
+from kvwire.connectors.shm.hold_board import map_board, still_held
+from kvwire.connectors.shm.segment import map_host, unpack_tensors
+from kvwire.connectors.wire import KVLocation, PullReply, PullRequest, ShmHello, ShmRead, ShmReadDone, ShmSegment
 
 
 @dataclass(eq=False)
@@ -52,6 +58,7 @@ class _Mapping:
     address: bytes
     sock: socket.socket
     blocks: torch.Tensor  # the producer's pool, [num_blocks, block_nbytes] uint8; never written
+    board: memoryview | None  # the producer's hold words, int64, read-only; None: it has none
 
 
 class SHMPuller:
@@ -71,6 +78,7 @@ class SHMPuller:
         self._maps: dict[str, _Mapping] = {}
         self._transfer_ids = itertools.count(1)
         self._copier = BlockCopier(lanes)
+        self._notes: list[tuple[socket.socket, ShmRead]] = []  # reads made with no claim, not yet told (flush)
 
     def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
         """Copy `loc`'s blocks into `dst_blocks` and its hidden states into `hidden`.
@@ -99,6 +107,9 @@ class SHMPuller:
         runs = plan_runs(loc.block_ids, dst_blocks)
         self._check_ranges(loc, mapping, runs)
         transfer_id = next(self._transfer_ids)
+        direct = self._read_direct(mapping, loc, runs, dst_blocks, hidden, transfer_id)
+        if direct is not None:
+            return direct
         mapping.sock.settimeout(_remaining(loc, deadline))
         claimed_at = time.monotonic()
         send_msg(mapping.sock, PullRequest(request_id=loc.request_id, transfer_id=transfer_id,
@@ -116,6 +127,32 @@ class SHMPuller:
                                                    ok=copied))
         hidden_bytes = self._confirm(mapping, loc, transfer_id, hidden, done - claimed_at)
         return len(dst_blocks) * self._dst.shape[1] + hidden_bytes
+
+    def _read_direct(self, mapping: _Mapping, loc: KVLocation, runs: list[tuple[int, int, int]],
+                     dst_blocks: list[int], hidden: list[torch.Tensor], transfer_id: int) -> int | None:
+        """The read with no round trip, where the location allows it; None: not made, or discarded."""
+        hold, inline = loc.shm_hold, loc.inline_hidden
+        if hold is None or mapping.board is None or len(inline) != sum(t.numel() * t.element_size() for t in hidden):
+            return None
+        if not still_held(mapping.board, hold):
+            return None
+        self._copier.copy(self._dst, mapping.blocks, runs)
+        synchronize([self._dst, mapping.blocks])
+        if not still_held(mapping.board, hold):  # released (maybe reused) during the copy: what we read may be torn
+            return None
+        # `hidden` holds the direct word's hidden states already (KVConsumer._hidden_for)
+        self._notes.append((mapping.sock, ShmRead(
+            request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
+            transport_address=self.transport_address, dst_block_ids=dst_blocks, first_block=loc.first_block)))
+        return len(dst_blocks) * self._dst.shape[1] + len(inline)
+
+    def flush(self) -> None:
+        """Tell producers which requests were read with no claim, once the caller is done with them (the
+        producer's wake-up and bookkeeping then do not compete with the rest of the caller's receive)."""
+        notes, self._notes = self._notes, []
+        for sock, note in notes:
+            with contextlib.suppress(OSError):  # a producer that misses this releases the blocks at its deadline
+                send_msg(sock, note)
 
     def _confirm(self, mapping: _Mapping, loc: KVLocation, transfer_id: int, hidden: list[torch.Tensor],
                  read_s: float) -> int:
@@ -191,13 +228,16 @@ class SHMPuller:
             segment, fds = recv_msg(sock, expect=ShmSegment)
             try:
                 assert isinstance(segment, ShmSegment)  # recv_msg accepts nothing else
-                blocks = self._map(loc, segment, fds)
+                pool_fds, board = fds, None
+                if segment.hold_slots and fds:  # the board's descriptor comes last
+                    pool_fds, board = fds[:-1], map_board(segment.hold_slots, fds[-1])
+                blocks = self._map(loc, segment, pool_fds)
             finally:
                 close_fds(fds)
         except BaseException:
             sock.close()
             raise
-        return _Mapping(loc.producer_epoch, loc.transport_address, sock, blocks)
+        return _Mapping(loc.producer_epoch, loc.transport_address, sock, blocks, board)
 
     def _map(self, loc: KVLocation, segment: ShmSegment, fds: list[int]) -> torch.Tensor:
         def bad(reason: str) -> TransferError:

@@ -27,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from kvwire.connectors.hidden import fill_tensors
 from kvwire.connectors.kv_region import KVRegion
 from kvwire.connectors.shm.channel import node_prefix
 from kvwire.connectors.wire import KVLayout, ShmSegment
@@ -122,34 +123,6 @@ def map_host(msg: ShmSegment, fd: int) -> torch.Tensor:
     with warnings.catch_warnings():  # read-only on purpose: we never write the producer's pool
         warnings.filterwarnings("ignore", "The given buffer is not writable")
         return torch.frombuffer(view, dtype=torch.uint8).view(msg.num_blocks, msg.block_nbytes)
-
-
-INLINE_MAX = 64 << 10  # hidden states up to this size ride in a raw packet after the reply, not a memfd
-
-
-def host_bytes(tensors: list[torch.Tensor]) -> memoryview:
-    """`tensors`' bytes back to back, as one buffer (a copy only when there are several, or off the host)."""
-    flat = [t.detach().reshape(-1).view(torch.uint8).cpu() for t in tensors]
-    joined = flat[0] if len(flat) == 1 else torch.cat(flat)
-    return memoryview(joined.numpy().data).cast("B")  # .data: numpy types its buffer so for Python 3.11
-
-
-def fill_tensors(tensors: list[torch.Tensor], data: memoryview) -> int:
-    """Copy `data` into `tensors` (contiguous, any device), back to back. Returns the bytes copied.
-
-    Raises:
-        ValueError: data is not exactly their size.
-    """
-    total = sum(t.numel() * t.element_size() for t in tensors)
-    if len(data) != total:
-        raise ValueError(f"hidden states of {len(data)} bytes; expected {total}")
-    src = torch.frombuffer(data, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
-    offset = 0
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        t.reshape(-1).view(torch.uint8).copy_(src[offset:offset + n])
-        offset += n
-    return total
 
 
 def pack_tensors(tensors: list[torch.Tensor]) -> int | None:

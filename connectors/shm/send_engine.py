@@ -7,8 +7,11 @@ Lifecycle:
    epoll set whose fd the transfer server polls, so everything below runs on the server
    thread.
 2. A consumer connects and says `ShmHello`; we answer `ShmSegment` with the pool's
-   read-only memfd (or CUDA IPC handle).
-3. A consumer claims a READY request with a `PullRequest` on this socket ("hold these
+   read-only memfd (or CUDA IPC handle) and the hold board's (hold_board.py).
+3. A request whose consumer got its hold word and hidden states directly (`KVReady`) is
+   read with no claim: the consumer checks the word around its copy and says `ShmRead`,
+   which claims and finishes the request at once here (its blocks are released).
+   Otherwise a consumer claims a READY request with a `PullRequest` on this socket ("hold these
    blocks for my read") and reads its blocks straight from the pool meanwhile.
 4. If the transfer server lets that pull claim the request (still held, not in flight
    elsewhere, the consumer's published address, matching block count), we answer
@@ -17,7 +20,7 @@ Lifecycle:
    connection's end, or the job's deadline (hold_s from now), whichever comes first; then
    the job finishes and releases them. Otherwise (expired, released, refused) we answer
    not-ok and the consumer discards what it read.
-5. `close()` closes every connection and removes the socket file.
+5. `close()` closes every connection, the board's descriptor, and removes the socket file.
 
 The answer overlaps the consumer's read: a pull costs its copy and at most one round trip.
 A producer publishes READY only after its KV is written (CUDA: synchronized), so a read
@@ -35,6 +38,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
+from kvwire.connectors.hidden import INLINE_MAX, host_bytes
 from kvwire.connectors.shm.channel import (
     SOCKET_ROOT,
     close_fds,
@@ -46,9 +52,10 @@ from kvwire.connectors.shm.channel import (
     socket_dir,
     socket_path,
 )
-from kvwire.connectors.shm.segment import INLINE_MAX, PoolSegment, host_bytes, pack_tensors
+from kvwire.connectors.shm.hold_board import HoldBoard
+from kvwire.connectors.shm.segment import PoolSegment, pack_tensors
 from kvwire.connectors.transfer_server import SendEngine, SendJob
-from kvwire.connectors.wire import Message, PullReply, PullRequest, ShmHello, ShmReadDone, WireError
+from kvwire.connectors.wire import Message, PullReply, PullRequest, ShmHello, ShmRead, ShmReadDone, WireError
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +88,7 @@ class SHMSendEngine(SendEngine):
         remove_stale(directory, node_id, keep=self.path)
         self._listener = listen(self.path)
         self.transport_address = str(self.path).encode()
+        self.holds = HoldBoard(node_id, epoch, segment.pool.num_blocks)  # a request holds one block at least
         self._epoll = select.epoll()
         self._epoll.register(self._listener.fileno(), select.EPOLLIN)
         self._conns: dict[int, _Conn] = {}
@@ -103,6 +111,7 @@ class SHMSendEngine(SendEngine):
             self._drop(conn, "producer closing")
         self._epoll.close()
         self._listener.close()
+        self.holds.close()
         self.path.unlink(missing_ok=True)
 
     # --- connections -------------------------------------------------------------------
@@ -125,7 +134,7 @@ class SHMSendEngine(SendEngine):
     def _serve(self, conn: _Conn) -> None:
         while conn.sock.fileno() in self._conns:
             try:
-                msg, fds = recv_msg(conn.sock, expect=(ShmHello, PullRequest, ShmReadDone))
+                msg, fds = recv_msg(conn.sock, expect=(ShmHello, PullRequest, ShmReadDone, ShmRead))
             except BlockingIOError:
                 return
             except (OSError, WireError) as exc:
@@ -136,6 +145,8 @@ class SHMSendEngine(SendEngine):
                 self._hello(conn, msg)
             elif isinstance(msg, ShmReadDone):
                 self._read_done(conn, msg)
+            elif isinstance(msg, ShmRead):
+                self._read_direct(conn, msg)
             else:
                 assert isinstance(msg, PullRequest)  # recv_msg accepts nothing else
                 self._confirm(conn, msg)
@@ -146,7 +157,8 @@ class SHMSendEngine(SendEngine):
             return
         conn.consumer, conn.address = msg.consumer, msg.transport_address
         segment, fds = self._segment.export()
-        self._send(conn, segment, fds)
+        segment = msgspec.structs.replace(segment, hold_slots=self.holds.slots)
+        self._send(conn, segment, [*fds, self.holds.ro_fd])
         log.debug("node %s: consumer %s (pid %d) mapped the pool", self._node_id, msg.consumer, conn.pid)
 
     def _confirm(self, conn: _Conn, msg: PullRequest) -> None:
@@ -209,6 +221,24 @@ class SHMSendEngine(SendEngine):
         claimed = conn.reading.pop((msg.request_id, msg.transfer_id), None)
         if claimed is not None:  # unknown: refused, or released at its deadline already
             self.server.finish(claimed[0], None if msg.ok else ConnectionError("the consumer discarded its read"))
+
+    def _read_direct(self, conn: _Conn, msg: ShmRead) -> None:
+        """A consumer read a request with no claim (its hold word stood throughout): claim it and finish it
+        now, so it counts as delivered to that consumer and its blocks are released. A refused claim (another
+        consumer's pull, or not this connection's consumer) changes nothing: the request stays as it was."""
+        if not conn.address or msg.transport_address != conn.address or msg.consumer != conn.consumer:
+            log.warning("node %s: a direct read of %s names another consumer than the connection's",
+                        self._node_id, msg.request_id)
+            return
+        pull = PullRequest(request_id=msg.request_id, transfer_id=msg.transfer_id, consumer=msg.consumer,
+                           transport_address=msg.transport_address, dst_block_ids=msg.dst_block_ids,
+                           first_block=msg.first_block)
+        job = self.server.claim(pull)
+        if isinstance(job, str):
+            log.info("request %s: direct read by %s not recorded: %s", msg.request_id, msg.consumer, job)
+            return
+        job.replied = True
+        self.server.finish(job, None)
 
     def can_block(self) -> bool:
         """Not for SPIN_S after a claim: the consumer's ShmReadDone then finds us awake (a wake-up costs more

@@ -88,6 +88,9 @@ class TCPPuller:
             raise TransferError(loc.request_id, loc.producer, f"receive failed: {exc}") from exc
         return inbound.total
 
+    def flush(self) -> None:
+        """Nothing is deferred: every pull ends confirmed."""
+
     def close(self) -> None:
         for address in list(self._conns):
             self._disconnect(address)

@@ -174,6 +174,7 @@ class WorkerHalf:
         log.debug("request %s: %d bytes from %s over %s in %.2f ms", rid, got.kv_bytes, got.producer,
                   got.transport, got.transfer_s * 1e3)
         self._ended(rid, pull, ok=True)
+        self._consumer.flush()  # vLLM learns of the pull at its next step; the producer may release meanwhile
 
     def _ended(self, rid: str, pull: Pull, ok: bool) -> None:
         with self._lock:

@@ -370,7 +370,7 @@ def test_a_read_that_outlasts_its_hold_is_discarded(redis_url, monkeypatch):
 
 def test_hidden_states_small_ride_inline_and_large_ones_in_a_memfd(redis_url):
     """Up to INLINE_MAX they follow the reply as a raw packet; beyond, a sealed memfd carries them."""
-    from kvwire.connectors.shm.segment import INLINE_MAX
+    from kvwire.connectors.hidden import INLINE_MAX
 
     with _producer(redis_url) as (producer, pool, released), _consumer(redis_url) as (consumer, cpool):
         for rid, width in (("small-hidden", 16), ("large-hidden", 4096)):
