@@ -88,7 +88,8 @@ class SHMSendEngine(SendEngine):
         remove_stale(directory, node_id, keep=self.path)
         self._listener = listen(self.path)
         self.transport_address = str(self.path).encode()
-        self.holds = HoldBoard(node_id, epoch, segment.pool.num_blocks)  # a request holds one block at least
+        self._board = HoldBoard(node_id, epoch, segment.pool.num_blocks)  # a request holds one block at least
+        self.holds = self._board
         self._epoll = select.epoll()
         self._epoll.register(self._listener.fileno(), select.EPOLLIN)
         self._conns: dict[int, _Conn] = {}
@@ -111,7 +112,7 @@ class SHMSendEngine(SendEngine):
             self._drop(conn, "producer closing")
         self._epoll.close()
         self._listener.close()
-        self.holds.close()
+        self._board.close()
         self.path.unlink(missing_ok=True)
 
     # --- connections -------------------------------------------------------------------
@@ -157,8 +158,8 @@ class SHMSendEngine(SendEngine):
             return
         conn.consumer, conn.address = msg.consumer, msg.transport_address
         segment, fds = self._segment.export()
-        segment = msgspec.structs.replace(segment, hold_slots=self.holds.slots)
-        self._send(conn, segment, [*fds, self.holds.ro_fd])
+        segment = msgspec.structs.replace(segment, hold_slots=self._board.slots)
+        self._send(conn, segment, [*fds, self._board.ro_fd])
         log.debug("node %s: consumer %s (pid %d) mapped the pool", self._node_id, msg.consumer, conn.pid)
 
     def _confirm(self, conn: _Conn, msg: PullRequest) -> None:

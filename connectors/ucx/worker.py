@@ -5,11 +5,14 @@ wake-up per step cost much of the throughput (docs/BENCHMARKS.md). Between trans
 (the owner blocks on its zmq sockets instead); the worker is created without UCX's
 wake-up feature, which is why it has no event fd to wait on.
 
-Endpoints are made from the peer's *worker address* with endpoint error handling
-off: that is what lets UCX pick shared memory and cross-memory attach between two
-processes on one host (listener endpoints, or error handling on, fall back to
-loopback TCP). The price is that UCX does not notice a dead peer, so every wait
-here has a deadline and the directory's TTLs clean up after it.
+Endpoints are made from the peer's *worker address*. To a peer on this host, endpoint
+error handling is off: that is what lets UCX pick shared memory and cross-memory attach
+between two processes on one host (listener endpoints, or error handling on, fall back
+to loopback TCP). The price is that UCX does not notice a dead peer, so every wait here
+has a deadline and the directory's TTLs clean up after it. To a peer on another host
+(its host identity differs) error handling is on: no shared memory is lost, and a link
+that fails mid-transfer (a refused reconnect) is an error on the endpoint, where with it
+off UCX could abort the whole process.
 
 A consumer may read with several *lanes* (lanes.py): one worker each, each polled
 by its own thread, so that one pull's cross-memory-attach reads run on several cores.
@@ -34,6 +37,7 @@ from ucxx._lib.arr import Array  # noqa: E402
 
 from kvwire.connectors.config import MAX_PULL_LANES as MAX_LANES  # noqa: E402
 from kvwire.connectors.data_path import DataPath  # noqa: E402
+from kvwire.connectors.host import host_identity  # noqa: E402
 from kvwire.connectors.ucx.query import endpoint_transports  # noqa: E402
 
 SEGMENT_BITS = 24  # low tag bits: message index within one transfer, and whether it is packed
@@ -88,20 +92,23 @@ class UCXWorker:
         for peer in list(self._endpoints):
             self.forget_peer(peer)
 
-    def endpoints_for(self, peer: bytes) -> list[ucx.UCXEndpoint]:
-        """One endpoint per lane of the worker(s) at `peer` (made once, kept until `forget_peer`).
+    def endpoints_for(self, peer: bytes, peer_host: str = "") -> list[ucx.UCXEndpoint]:
+        """One endpoint per lane of the worker(s) at `peer` (made once, kept until `forget_peer`), with error
+        handling on when `peer_host` names another host than ours ("": unknown, taken as this one).
 
         Raises:
             ValueError: `peer` is not a well-formed address.
         """
         eps = self._endpoints.get(peer)
         if eps is None:
-            eps = [ucx.UCXEndpoint.create_from_worker_address(self._worker, ucx.UCXAddress.create_from_buffer(a), False)
+            handle_errors = bool(peer_host) and peer_host != host_identity()
+            eps = [ucx.UCXEndpoint.create_from_worker_address(self._worker, ucx.UCXAddress.create_from_buffer(a),
+                                                              handle_errors)
                    for a in unpack_lanes(peer)]
             self._endpoints[peer] = eps
         return eps
 
-    def path_to(self, peer: bytes) -> DataPath:
+    def path_to(self, peer: bytes, peer_host: str = "") -> DataPath:
         """The transports UCX selected for the endpoints to `peer` (made now if need be: UCX picks its
         lanes when an endpoint is made from a worker address, so one query per endpoint's life); unknown, with
         the reason, if it cannot say."""
@@ -109,7 +116,8 @@ class UCXWorker:
         if path is not None:
             return path
         try:
-            path = DataPath.of([name for ep in self.endpoints_for(peer) for name, _ in endpoint_transports(ep.handle)])
+            path = DataPath.of([name for ep in self.endpoints_for(peer, peer_host)
+                                for name, _ in endpoint_transports(ep.handle)])
         except Exception as exc:  # noqa: BLE001 - QueryUnavailable, a bad address, UCX's own errors: all "unknown"
             return DataPath.unknown(str(exc))
         self._paths[peer] = path
