@@ -162,7 +162,6 @@ class PullRequest(_Msg, tag="pull", frozen=True):
     layer_major: bool = False  # the consumer lands a layer-wise location's blocks layer by layer
     pack_below: int = 0  # UCX: pieces smaller than this come packed, many per message (connectors/ucx/packing.py)
     first_block: int = 0  # send the location's blocks from this one on (KVLocation.first_block)
-    host: str = ""  # the consumer's host identity (connectors/host.py); "" when it does not say
 
 
 class PullReply(_Msg, tag="pull_reply", frozen=True):

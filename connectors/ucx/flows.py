@@ -87,10 +87,9 @@ class SendFlow(_Flow):
     """
 
     def __init__(self, transport: UCXWorker, peer: bytes, parts: list[Part], transfer_id: int,
-                 pack_below: int, staging: Staging, gate: LayerGate | None = None, layer_pieces: int = 0,
-                 peer_host: str = ""):
+                 pack_below: int, staging: Staging, gate: LayerGate | None = None, layer_pieces: int = 0):
         super().__init__(parts, transfer_id, pack_below, staging, layer_pieces=layer_pieces)
-        self._eps = transport.endpoints_for(peer, peer_host)
+        self._eps = transport.endpoints_for(peer)
         self._gate, self._layer_pieces = gate, layer_pieces
         self._todo.extend(self._mine)  # every message goes in order
         self._fill()
@@ -152,11 +151,10 @@ class ReceiveFlow(_Flow):
     """
 
     def __init__(self, transport: UCXWorker, peer: bytes, parts: list[Part], transfer_id: int,
-                 pack_below: int, staging: Staging, lane: int = 0, lanes: int = 1, layer_pieces: int = 0,
-                 peer_host: str = ""):
+                 pack_below: int, staging: Staging, lane: int = 0, lanes: int = 1, layer_pieces: int = 0):
         super().__init__(parts, transfer_id, pack_below, staging, lane, lanes, layer_pieces)
         self._transport = transport
-        self._ep = transport.endpoints_for(peer, peer_host)[0]
+        self._ep = transport.endpoints_for(peer)[0]
         for i, m in self._mine:  # every unpacked piece's receive now; packs as slots free up
             if m.packed:
                 self._todo.append((i, m))

@@ -56,7 +56,7 @@ class UCXSendEngine(SendEngine):
             raise ValueError(f"{job.num_pieces} pieces exceed {MAX_PIECES}")
         gate = job.held.gate
         job.state = SendFlow(self._transport, job.msg.transport_address, job.parts(), job.msg.transfer_id,
-                             job.msg.pack_below, self._staging, gate, job.layer_pieces if gate else 0, job.msg.host)
+                             job.msg.pack_below, self._staging, gate, job.layer_pieces if gate else 0)
         self._active.append(job)
 
     def abandon(self, job: SendJob) -> None:

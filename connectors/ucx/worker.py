@@ -5,14 +5,11 @@ wake-up per step cost much of the throughput (docs/BENCHMARKS.md). Between trans
 (the owner blocks on its zmq sockets instead); the worker is created without UCX's
 wake-up feature, which is why it has no event fd to wait on.
 
-Endpoints are made from the peer's *worker address*. To a peer on this host, endpoint
-error handling is off: that is what lets UCX pick shared memory and cross-memory attach
-between two processes on one host (listener endpoints, or error handling on, fall back
-to loopback TCP). The price is that UCX does not notice a dead peer, so every wait here
-has a deadline and the directory's TTLs clean up after it. To a peer on another host
-(its host identity differs) error handling is on: no shared memory is lost, and a link
-that fails mid-transfer (a refused reconnect) is an error on the endpoint, where with it
-off UCX could abort the whole process.
+Endpoints are made from the peer's *worker address* with endpoint error handling
+off: that is what lets UCX pick shared memory and cross-memory attach between two
+processes on one host (listener endpoints, or error handling on, fall back to
+loopback TCP). The price is that UCX does not notice a dead peer, so every wait
+here has a deadline and the directory's TTLs clean up after it.
 
 A consumer may read with several *lanes* (lanes.py): one worker each, each polled
 by its own thread, so that one pull's cross-memory-attach reads run on several cores.
@@ -37,7 +34,6 @@ from ucxx._lib.arr import Array  # noqa: E402
 
 from kvwire.connectors.config import MAX_PULL_LANES as MAX_LANES  # noqa: E402
 from kvwire.connectors.data_path import DataPath  # noqa: E402
-from kvwire.connectors.host import host_identity  # noqa: E402
 from kvwire.connectors.ucx.query import endpoint_transports  # noqa: E402
 
 SEGMENT_BITS = 24  # low tag bits: message index within one transfer, and whether it is packed
@@ -92,23 +88,20 @@ class UCXWorker:
         for peer in list(self._endpoints):
             self.forget_peer(peer)
 
-    def endpoints_for(self, peer: bytes, peer_host: str = "") -> list[ucx.UCXEndpoint]:
-        """One endpoint per lane of the worker(s) at `peer` (made once, kept until `forget_peer`), with error
-        handling on when `peer_host` names another host than ours ("": unknown, taken as this one).
+    def endpoints_for(self, peer: bytes) -> list[ucx.UCXEndpoint]:
+        """One endpoint per lane of the worker(s) at `peer` (made once, kept until `forget_peer`).
 
         Raises:
             ValueError: `peer` is not a well-formed address.
         """
         eps = self._endpoints.get(peer)
         if eps is None:
-            handle_errors = bool(peer_host) and peer_host != host_identity()
-            eps = [ucx.UCXEndpoint.create_from_worker_address(self._worker, ucx.UCXAddress.create_from_buffer(a),
-                                                              handle_errors)
+            eps = [ucx.UCXEndpoint.create_from_worker_address(self._worker, ucx.UCXAddress.create_from_buffer(a), False)
                    for a in unpack_lanes(peer)]
             self._endpoints[peer] = eps
         return eps
 
-    def path_to(self, peer: bytes, peer_host: str = "") -> DataPath:
+    def path_to(self, peer: bytes) -> DataPath:
         """The transports UCX selected for the endpoints to `peer` (made now if need be: UCX picks its
         lanes when an endpoint is made from a worker address, so one query per endpoint's life); unknown, with
         the reason, if it cannot say."""
@@ -116,8 +109,7 @@ class UCXWorker:
         if path is not None:
             return path
         try:
-            path = DataPath.of([name for ep in self.endpoints_for(peer, peer_host)
-                                for name, _ in endpoint_transports(ep.handle)])
+            path = DataPath.of([name for ep in self.endpoints_for(peer) for name, _ in endpoint_transports(ep.handle)])
         except Exception as exc:  # noqa: BLE001 - QueryUnavailable, a bad address, UCX's own errors: all "unknown"
             return DataPath.unknown(str(exc))
         self._paths[peer] = path
