@@ -5,7 +5,8 @@ A request here:
 1. `publish` (after its prompt's forward) or `begin_layers` (before it, layer-wise): its
    blocks and hidden states enter the held table, the one owner of those blocks.
 2. Its location goes straight to the consumer waiting for it (`KVReady` to the
-   `consumer_endpoint` the sequence names), then to the directory as READY.
+   `consumer_endpoint` the sequence names), then to the directory as READY (a few
+   milliseconds later when the consumer was told: ADVERTISE_DELAY_S).
 3. A consumer pulls it through one of the transfer servers (one per transport this
    producer serves over, sharing the held table). A pull confirmed to its consumer moves
    the entry to CONSUMED and deletes it, here, off the consumer's way to its first token.
@@ -29,6 +30,7 @@ import torch
 import zmq
 
 from kvwire.connectors.config import LAYERWISE_KINDS, ConnectorConfig, ConnectorKind
+from kvwire.connectors.deferred import Deferred
 from kvwire.connectors.directory import DirectoryError, KVDirectory, StaleNodeError, TransferState
 from kvwire.connectors.directory_batch import DirectoryBatch
 from kvwire.connectors.held import HeldRequest, HeldTable
@@ -46,6 +48,8 @@ from kvwire.connectors.wire import KVLocation, KVReady, PullRequest, TensorDesc,
 from kvwire.engine.model_input import ModelInput, SequenceInput
 
 log = logging.getLogger(__name__)
+
+ADVERTISE_DELAY_S = 0.005  # a told consumer has usually pulled by then: the READY is its fallback
 
 
 class KVProducer:
@@ -78,6 +82,7 @@ class KVProducer:
         self._advertising: set[str] = set()  # requests whose READY is on its way to the directory
         self._delivered_early: dict[str, tuple[PullRequest, ConnectorKind, int]] = {}  # pulled before READY landed
         self._streaming: set[str] = set()  # layer-wise requests begun and not yet completed (engine thread)
+        self._later = Deferred(f"kv-advertise-{config.node_id}")  # READY entries of requests told directly
 
     @property
     def held_requests(self) -> int:
@@ -164,7 +169,7 @@ class KVProducer:
             if held is None or held.gate is None:
                 continue
             held.gate.fail(reason)
-            self.fail(seq.request_id, reason, allowed_from=(TransferState.READY,))
+            self.fail(seq.request_id, reason, allowed_from=(TransferState.PENDING, TransferState.READY))  # READY: due
             self._held.release_if_idle(seq.request_id)
 
     def fail(self, request_id: str, reason: str,
@@ -177,7 +182,9 @@ class KVProducer:
             log.warning("request %s: cannot mark failed: %s", request_id, exc)
 
     def close(self) -> None:
-        """Stop every transfer server (releasing what is still held), the sockets to consumers, the transport."""
+        """Write the READY entries still due, stop every transfer server (releasing what is still held), the
+        sockets to consumers, the transport."""
+        self._later.close()
         for server in self._servers.values():
             server.close()
         self._consumers.close()
@@ -241,13 +248,19 @@ class KVProducer:
         return layer_checksums(self._region, blocks) if self._config.verify_kv else []
 
     def _announce(self, loc: KVLocation, consumer_endpoint: str, hidden: Sequence[torch.Tensor] = ()) -> None:
-        """Tell the consumer directly, then the directory; a pull delivered in between is recorded once the
-        directory has the READY."""
-        rid = loc.request_id
+        """Tell the consumer directly, then the directory: ADVERTISE_DELAY_S later when the consumer was told
+        (its pull and first token then do not share the cores with the write), at once otherwise. A pull
+        delivered in between is recorded once the directory has the READY."""
         with self._lock:
-            self._advertising.add(rid)
-        if consumer_endpoint:
-            self._tell(direct_word(loc, hidden), consumer_endpoint)
+            self._advertising.add(loc.request_id)
+        if not consumer_endpoint:
+            self._advertise_now(loc)
+            return
+        self._tell(direct_word(loc, hidden), consumer_endpoint)
+        self._later.call_in(ADVERTISE_DELAY_S, lambda: self._advertise_now(loc))
+
+    def _advertise_now(self, loc: KVLocation) -> None:
+        rid = loc.request_id
         try:
             self._advertise(loc)
         finally:

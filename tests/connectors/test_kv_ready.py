@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 
 import msgspec
 import torch
 import zmq
 
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.directory import KVDirectory, TransferState
 from kvwire.connectors.framing import unpack
+from kvwire.connectors.producer import ADVERTISE_DELAY_S
 from kvwire.connectors.standalone import open_consumer, open_producer
 from kvwire.connectors.wire import KVLocation, KVReady, PullRequest
 from kvwire.engine.kv_cache import KVPool
@@ -56,11 +58,40 @@ def test_a_pull_delivered_before_the_ready_lands_is_recorded_after_it(redis_url,
     try:
         seq = SequenceInput("early-1", [0] * 5, 0, [2, 3], consumer_endpoint=endpoint)
         side.producer.publish(ModelInput([seq]), torch.zeros(5, peer.HIDDEN))
+        _wait_until(lambda: seen)  # the READY goes ADVERTISE_DELAY_S after the direct word
         assert [loc.request_id for loc in seen] == ["early-1"] and seen[0].block_ids == [2, 3]
-        assert side.directory.get("early-1") is None, "the entry must end CONSUMED and deleted, not stay READY"
+        _wait_until(lambda: side.directory.get("early-1") is None)  # CONSUMED and deleted, not left READY
     finally:
         side.close()
         sock.close(0)
+
+
+def test_the_ready_of_a_request_told_directly_comes_after_the_direct_word(redis_url):
+    """Told directly, the consumer pulls first; the directory's READY (its fallback) follows a few ms later,
+    off the way to the first token. A request nobody was told of is advertised at once."""
+    sock, endpoint = _work_socket()
+    side = open_producer(_config(NodeRole.PREFILL, "p-later", redis_url), layout=peer.layout(), num_blocks=8)
+    try:
+        side.producer.publish(ModelInput([SequenceInput("told", [0] * 5, 0, [2, 3], consumer_endpoint=endpoint)]),
+                              torch.zeros(5, peer.HIDDEN))
+        published_at = time.monotonic()
+        assert _kv_ready(sock).location.request_id == "told"
+        entry = side.directory.get("told")
+        assert entry is None or entry.state != TransferState.READY or \
+            time.monotonic() - published_at >= ADVERTISE_DELAY_S, "READY before its delay"
+        _wait_until(lambda: (e := side.directory.get("told")) is not None and e.state == TransferState.READY)
+        side.producer.publish(ModelInput([SequenceInput("untold", [0] * 5, 0, [4, 5])]), torch.zeros(5, peer.HIDDEN))
+        assert side.directory.get("untold").state == TransferState.READY, "nobody told: advertised at once"
+    finally:
+        side.close()
+        sock.close(0)
+
+
+def _wait_until(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
 
 
 def test_the_consumer_takes_a_direct_location_only_for_a_request_it_expects(redis_url):

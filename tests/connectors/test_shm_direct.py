@@ -106,6 +106,7 @@ def test_a_direct_word_is_read_with_no_claim_and_told_after_the_step(redis_url, 
 
             word = _publish_directly(producer, pool, consumer, "direct", [6, 7], 6, endpoint, sock)
             assert word.shm_hold is not None and len(word.inline_hidden) == 6 * peer.HIDDEN * 4
+            _wait_until(lambda: _location_or_none(redis_url, "direct") is not None)  # READY: a few ms later
             published = _location(redis_url, "direct")
             assert published.shm_hold == word.shm_hold and published.inline_hidden == b"", \
                 "the directory gets the hold word, never the hidden states"
