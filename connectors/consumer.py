@@ -130,7 +130,12 @@ class KVConsumer:
             log.info("request %s: KVReady from %s not expected here; ignored", location.request_id,
                      location.producer)
             return False
-        if not record.locate(location):
+        settled = record.locate(location)
+        if location.inline_hidden and record.location is location:  # off the pull's way: the word just came
+            with contextlib.suppress(ValueError):  # a size that does not match: the pull makes its own
+                record.hidden = tensors_from_bytes(location.hidden, location.inline_hidden,
+                                                   self._region.planes[0].device)
+        if not settled:
             return False
         self._on_ready(location.request_id)
         return True
@@ -258,7 +263,7 @@ class KVConsumer:
         loc = self._transport.choose(loc)
         if refusal := self._fast_path.refusal(loc):
             raise ReceiveError(rid, loc.producer, refusal, TransferFailure.SLOW_PATH)
-        hidden = self._hidden_for(loc)
+        hidden = record.hidden if record.hidden is not None and loc.inline_hidden else self._hidden_for(loc)
         start = time.monotonic()
         dst = dst_blocks[first_block:first_block + len(loc.block_ids)]
         nbytes = self._puller.pull(loc, dst, hidden, record.deadline)

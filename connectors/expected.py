@@ -50,6 +50,7 @@ class ExpectedKV:
     stats: Received | None = None  # once pulled
     watched: bool = False  # a directory watcher settles it
     producer_epoch: int = 0  # the producer's incarnation the router picked; 0: unknown (not watched for restarts)
+    hidden: list[torch.Tensor] | None = None  # the direct word's hidden states as tensors, made as it came
     _settled: threading.Event = field(default_factory=threading.Event, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

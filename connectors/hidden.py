@@ -56,11 +56,12 @@ def tensors_from_bytes(descs: list[TensorDesc], data: bytes, device: torch.devic
     if len(data) != sum(sizes):
         raise ValueError(f"{len(data)} bytes of hidden states; expected {sum(sizes)}")
     buf, out, offset = bytearray(data), [], 0  # writable: torch warns of read-only buffers
+    on_host = torch.device(device).type == "cpu"
     for d, n in zip(descs, sizes):
         dtype = TORCH_DTYPES[d.dtype]
         t = torch.frombuffer(buf, dtype=dtype, count=n // dtype.itemsize, offset=offset) if n else \
             torch.empty(0, dtype=dtype)
-        out.append(t.view(d.shape) if torch.device(device).type == "cpu" else t.view(d.shape).to(device))
+        out.append(t.view(d.shape) if on_host else t.view(d.shape).to(device))
         offset += n
     return out
 

@@ -28,7 +28,9 @@ from tests.connectors.test_shm import NODE, _consumer, _location, _producer
 def test_a_board_marks_fresh_tokens_until_full_and_readers_see_the_release():
     board = HoldBoard("board-test", 1, slots=2)
     try:
-        readers_view = map_board(2, os.dup(board.ro_fd))
+        fd = os.dup(board.ro_fd)  # what a consumer gets with ShmSegment
+        readers_view = map_board(2, fd)
+        os.close(fd)  # the mapping stays
         a, b = board.mark(), board.mark()
         assert a is not None and b is not None and a.slot != b.slot and 0 < a.token < b.token
         assert board.mark() is None, "a full board marks nothing: those requests are claimed"
