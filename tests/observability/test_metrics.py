@@ -83,6 +83,9 @@ class _NoPuller:
     def pull(self, *args) -> int:
         raise AssertionError("nothing should be pulled")
 
+    def flush(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
