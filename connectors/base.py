@@ -6,9 +6,10 @@
 3. Prefill: `send_kv_caches_and_hidden_states` after each prompt forward (or, when the
    producer streams layer by layer, `begin_layer_stream` before it and
    `abort_layer_stream` if it fails). Decode: `recv_kv_caches_and_hidden_states` before
-   each prompt forward, which is skipped when it returns bypass; `after_step` once that
-   step's outputs are out (a consumer then tells producers what it read with no round trip,
-   so they release those blocks: shared memory).
+   each prompt forward, which is skipped when it returns bypass; `after_step` once a
+   step's outputs are out (a consumer then tells producers what it read with no round trip
+   a little earlier, so they release those blocks: shared memory), `after_step(idle=True)`
+   before the engine waits for work (then all of it).
 4. `close()` stops the role's threads and transport.
 """
 
@@ -91,8 +92,9 @@ class KVConnectorBase(ABC):
             and the returned model_input is what must still be computed.
         """
 
-    def after_step(self) -> None:
-        """The engine's step is done and its outputs sent: work the receives left for later happens now."""
+    def after_step(self, idle: bool = False) -> None:
+        """The engine's step is done and its outputs sent (`idle`: and it has nothing to do): work the
+        receives left for later happens now, all of it when idle."""
 
     def begin_layer_stream(self, model_input: ModelInput, hidden_size: int,
                            hidden_dtype: torch.dtype) -> Callable[[int], None] | None:

@@ -12,7 +12,7 @@ import torch
 
 from kvwire.connectors.base import HiddenStates, KVConnectorBase
 from kvwire.connectors.config import ConnectorConfig
-from kvwire.connectors.consumer import KVConsumer
+from kvwire.connectors.consumer import NOTE_AGE_S, KVConsumer
 from kvwire.connectors.producer import KVProducer
 from kvwire.engine.model_input import ModelInput
 
@@ -73,8 +73,8 @@ class ConsumerConnector(KVConnectorBase):
                                          kv_caches: list[torch.Tensor]) -> tuple[HiddenStates | None, bool, ModelInput]:
         return self.consumer.receive_batch(model_input)
 
-    def after_step(self) -> None:
-        self.consumer.flush()
+    def after_step(self, idle: bool = False) -> None:
+        self.consumer.flush(0.0 if idle else NOTE_AGE_S)
 
     def close(self) -> None:
         self.consumer.close()

@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 WATCHERS = 128  # requests a consumer can be waiting on at once without delaying each other
 WATCH_SLICE_S = 0.25  # a watcher notices within this that the direct word settled its record
+NOTE_AGE_S = 0.002  # a busy node tells producers of reads this old (its first tokens are out by then)
 MAX_RECORDS = 64 * WATCHERS  # past this, records of requests never pulled (aborted) are dropped once settled
 
 
@@ -181,7 +182,7 @@ class KVConsumer:
             TransferError: the KV did not come; the entry is now FAILED.
         """
         record = record or self._take(request_id)
-        self._puller.flush()  # notes an earlier receive left, if its caller did not flush them
+        self._puller.flush(NOTE_AGE_S)  # notes earlier receives left, if their caller did not flush them
         if time.monotonic() - self._addresses_published > self._config.entry_ttl_s / 3:
             self.publish_addresses()  # they expire with entry_ttl_s: producers refuse pulls to unknown addresses
         try:
@@ -194,11 +195,12 @@ class KVConsumer:
                 raise
             raise TransferError(request_id, "directory", str(exc)) from exc
 
-    def flush(self) -> None:
-        """Tell producers what the receives so far read without a round trip (shared memory), so they release
-        those blocks. The caller does it once the received requests' step is done, off their way to a first
-        token; a receive also does it first."""
-        self._puller.flush()
+    def flush(self, older_than_s: float = 0.0) -> None:
+        """Tell producers what the receives so far read without a round trip (shared memory) at least
+        `older_than_s` ago, so they release those blocks. The caller does it once the received requests' first
+        tokens are well out (a node: after later steps, and whenever it goes idle); a receive also sends what
+        is NOTE_AGE_S old."""
+        self._puller.flush(older_than_s)
 
     def close(self) -> None:
         self.flush()

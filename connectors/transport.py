@@ -45,8 +45,9 @@ class Puller(Protocol):
         """
         ...
 
-    def flush(self) -> None:
-        """Send what pulls left to say once the caller is done with them (shared memory: its read notes)."""
+    def flush(self, older_than_s: float = 0.0) -> None:
+        """Send what pulls left to say (at least `older_than_s` ago) once the caller is done with them (shared
+        memory: its read notes)."""
         ...
 
     def close(self) -> None: ...

@@ -91,6 +91,7 @@ class DecodeNode:
             if self._drain.active and (self._idle() or self._drain.expired()):
                 break
             if not self.engine.can_step() and self._kv_ready.empty():  # a pull ending wakes us
+                self.engine.runner.after_step(idle=True)  # and what we read just now, before we wait
                 poller.poll(self._drain.remaining_ms())
                 self._wakeup.drain()
             while self.rt.work_socket.poll(0):
@@ -198,7 +199,7 @@ class DecodeNode:
             return
         for out in outputs:
             self._emit(out)
-        self.engine.runner.after_step()  # after the first tokens went out: producers may release what we read
+        self.engine.runner.after_step()  # producers may release what we read a step or more ago
 
     def _emit(self, out: StepOutput) -> None:
         seq = out.sequence

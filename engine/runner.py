@@ -80,10 +80,11 @@ class ModelRunner:
             hidden = self._forward_prompt(model_input)
         return self._prompt_result(model_input, hidden, bypassed, time.monotonic() - start)
 
-    def after_step(self) -> None:
-        """The step's outputs are out: the connector's deferred work (a consumer's read notes) runs now."""
+    def after_step(self, idle: bool = False) -> None:
+        """The step's outputs are out (`idle`: and nothing is left to do): the connector's deferred work (a
+        consumer's read notes) runs now."""
         if self.connector is not None:
-            self.connector.after_step()
+            self.connector.after_step(idle)
 
     def close(self) -> None:
         if self._pulls is not None:

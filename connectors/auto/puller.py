@@ -47,9 +47,9 @@ class AutoPuller:
         """
         return self._pullers[loc.kind].pull(loc, dst_blocks, hidden, deadline)
 
-    def flush(self) -> None:
+    def flush(self, older_than_s: float = 0.0) -> None:
         for puller in self._pullers.values():
-            puller.flush()
+            puller.flush(older_than_s)
 
     def close(self) -> None:
         for puller in self._pullers.values():

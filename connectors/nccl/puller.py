@@ -122,7 +122,7 @@ class NCCLPuller:
         link.last_used = time.monotonic()
         return sum(p.numel() * p.element_size() for p in pieces)
 
-    def flush(self) -> None:
+    def flush(self, older_than_s: float = 0.0) -> None:
         """Nothing is deferred: every pull ends confirmed."""
 
     def close(self) -> None:

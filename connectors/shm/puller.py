@@ -33,6 +33,7 @@ import itertools
 import os
 import secrets
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -78,7 +79,8 @@ class SHMPuller:
         self._maps: dict[str, _Mapping] = {}
         self._transfer_ids = itertools.count(1)
         self._copier = BlockCopier(lanes)
-        self._notes: list[tuple[socket.socket, ShmRead]] = []  # reads made with no claim, not yet told (flush)
+        self._notes: list[tuple[float, socket.socket, ShmRead]] = []  # reads with no claim, not yet told: (when, ...)
+        self._notes_lock = threading.Lock()  # pulls add notes on one thread, a node's step may flush on another
 
     def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
         """Copy `loc`'s blocks into `dst_blocks` and its hidden states into `hidden`.
@@ -141,16 +143,21 @@ class SHMPuller:
         if not still_held(mapping.board, hold):  # released (maybe reused) during the copy: what we read may be torn
             return None
         # `hidden` holds the direct word's hidden states already (KVConsumer._hidden_for)
-        self._notes.append((mapping.sock, ShmRead(
-            request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
-            transport_address=self.transport_address, dst_block_ids=dst_blocks, first_block=loc.first_block)))
+        note = ShmRead(request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
+                       transport_address=self.transport_address, dst_block_ids=dst_blocks, first_block=loc.first_block)
+        with self._notes_lock:
+            self._notes.append((time.monotonic(), mapping.sock, note))
         return len(dst_blocks) * self._dst.shape[1] + len(inline)
 
-    def flush(self) -> None:
-        """Tell producers which requests were read with no claim, once the caller is done with them (the
-        producer's wake-up and bookkeeping then do not compete with the rest of the caller's receive)."""
-        notes, self._notes = self._notes, []
-        for sock, note in notes:
+    def flush(self, older_than_s: float = 0.0) -> None:
+        """Tell producers which requests were read with no claim (those read at least `older_than_s` ago), once
+        the caller is done with them: the producer's wake-up and bookkeeping then do not compete with the
+        caller's receive and first token."""
+        cutoff = time.monotonic() - older_than_s
+        with self._notes_lock:
+            notes = [n for n in self._notes if n[0] <= cutoff]
+            self._notes = [n for n in self._notes if n[0] > cutoff]
+        for _, sock, note in notes:
             with contextlib.suppress(OSError):  # a producer that misses this releases the blocks at its deadline
                 send_msg(sock, note)
 

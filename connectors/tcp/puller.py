@@ -88,7 +88,7 @@ class TCPPuller:
             raise TransferError(loc.request_id, loc.producer, f"receive failed: {exc}") from exc
         return inbound.total
 
-    def flush(self) -> None:
+    def flush(self, older_than_s: float = 0.0) -> None:
         """Nothing is deferred: every pull ends confirmed."""
 
     def close(self) -> None:

@@ -104,7 +104,7 @@ class UCXPuller:
         old, self._lanes = self._lanes, ReceiveLanes(self._num_lanes)
         old.close()
 
-    def flush(self) -> None:
+    def flush(self, older_than_s: float = 0.0) -> None:
         """Nothing is deferred: every pull ends confirmed."""
 
     def close(self) -> None:

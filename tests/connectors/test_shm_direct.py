@@ -102,7 +102,7 @@ def test_a_direct_word_is_read_with_no_claim_and_told_after_the_step(redis_url, 
             _publish_directly(producer, pool, consumer, "warm-up", [0], 2, endpoint, sock)  # maps the pool
             consumer.connector.recv_kv_caches_and_hidden_states(
                 None, ModelInput([SequenceInput("warm-up", [0] * 2, 0, [0])]), cpool.kv_caches)
-            consumer.connector.after_step()
+            consumer.connector.after_step(idle=True)
             assert released.get(timeout=5) == ("warm-up", [0])
             sent.clear()
 
@@ -117,8 +117,10 @@ def test_a_direct_word_is_read_with_no_claim_and_told_after_the_step(redis_url, 
             assert bypass and torch.equal(hidden, peer.request_hidden("direct", 6, False))
             assert torch.equal(cpool.data[[2, 3]], peer.request_kv("direct", pool.layout, 2))
             assert sent == [], "no claim, and the note waits for the step's end"
-            assert released.empty(), "the producer holds the blocks until it is told"
             consumer.connector.after_step()
+            assert sent == [], "a busy node's step sends only notes NOTE_AGE_S old: the first token goes first"
+            assert released.empty(), "the producer holds the blocks until it is told"
+            consumer.connector.after_step(idle=True)
             assert sent == [ShmRead]
             assert released.get(timeout=5) == ("direct", [6, 7])
             _wait_until(lambda: _location_or_none(redis_url, "direct") is None)  # CONSUMED, then deleted

@@ -83,7 +83,7 @@ class _NoPuller:
     def pull(self, *args) -> int:
         raise AssertionError("nothing should be pulled")
 
-    def flush(self) -> None:
+    def flush(self, older_than_s: float = 0.0) -> None:
         pass
 
     def close(self) -> None:
