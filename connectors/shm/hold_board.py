@@ -26,12 +26,15 @@ import fcntl
 import itertools
 import mmap
 import os
+import platform
 import threading
 
 from kvwire.connectors.shm.channel import node_prefix
 from kvwire.connectors.wire import ShmHold
 
 WORD = 8  # bytes per word: int64, aligned, stored and loaded whole
+# The check after the copy relies on loads not passing older loads (x86's order); elsewhere reads claim first.
+ORDERED_LOADS = platform.machine().lower() in {"x86_64", "amd64"}
 _SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 
 

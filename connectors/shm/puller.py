@@ -48,7 +48,7 @@ from kvwire.connectors.kv_region import KVRegion, plan_runs
 from kvwire.connectors.shm.channel import close_fds, connect, hung_up, recv_msg, send_msg
 from kvwire.connectors.shm.copier import BlockCopier
 from kvwire.connectors.shm.cuda_ipc import map_cuda, synchronize
-from kvwire.connectors.shm.hold_board import map_board, still_held
+from kvwire.connectors.shm.hold_board import ORDERED_LOADS, map_board, still_held
 from kvwire.connectors.shm.segment import map_host, unpack_tensors
 from kvwire.connectors.wire import KVLocation, PullReply, PullRequest, ShmHello, ShmRead, ShmReadDone, ShmSegment
 
@@ -134,7 +134,8 @@ class SHMPuller:
                      dst_blocks: list[int], hidden: list[torch.Tensor], transfer_id: int) -> int | None:
         """The read with no round trip, where the location allows it; None: not made, or discarded."""
         hold, inline = loc.shm_hold, loc.inline_hidden
-        if hold is None or mapping.board is None or len(inline) != sum(t.numel() * t.element_size() for t in hidden):
+        if hold is None or mapping.board is None or not ORDERED_LOADS or \
+                len(inline) != sum(t.numel() * t.element_size() for t in hidden):
             return None
         if not still_held(mapping.board, hold):
             return None
