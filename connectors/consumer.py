@@ -265,7 +265,7 @@ class KVConsumer:
         loc = self._transport.choose(loc)
         if refusal := self._fast_path.refusal(loc):
             raise ReceiveError(rid, loc.producer, refusal, TransferFailure.SLOW_PATH)
-        hidden = record.hidden if record.hidden is not None and loc.inline_hidden else self._hidden_for(loc)
+        hidden = self._hidden_for(record, loc)
         start = time.monotonic()
         dst = dst_blocks[first_block:first_block + len(loc.block_ids)]
         nbytes = self._puller.pull(loc, dst, hidden, record.deadline)
@@ -277,10 +277,14 @@ class KVConsumer:
         record.stats = Received(hidden, loc.hidden, loc.intermediate, nbytes, elapsed, loc.producer, loc.kind)
         return record.stats
 
-    def _hidden_for(self, loc: KVLocation) -> list[torch.Tensor]:
-        """Where the pull puts `loc`'s hidden states: already holding them when the direct word carried them."""
+    def _hidden_for(self, record: ExpectedKV, loc: KVLocation) -> list[torch.Tensor]:
+        """Where the pull puts `loc`'s hidden states: already holding them when the direct word carried them
+        (made as it came, by `located`, or here if the pull started first). The shm puller's read with no
+        round trip relies on it: it moves only the blocks."""
         device = self._region.planes[0].device
         if loc.inline_hidden:
+            if record.hidden is not None:
+                return record.hidden
             with contextlib.suppress(ValueError):  # a size that does not match: pulled like any other
                 return tensors_from_bytes(loc.hidden, loc.inline_hidden, device)
         return empty_like_descs(loc.hidden, device)

@@ -143,7 +143,7 @@ class SHMPuller:
         synchronize([self._dst, mapping.blocks])
         if not still_held(mapping.board, hold):  # released (maybe reused) during the copy: what we read may be torn
             return None
-        # `hidden` holds the direct word's hidden states already (KVConsumer._hidden_for)
+        # `hidden` was made from the direct word's bytes already (KVConsumer._hidden_for): only blocks move here
         note = ShmRead(request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
                        transport_address=self.transport_address, dst_block_ids=dst_blocks, first_block=loc.first_block)
         with self._notes_lock:
