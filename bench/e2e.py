@@ -9,6 +9,9 @@ Lifecycle:
    computes the prompt itself), the order alternating between rounds, so the machine's
    drift weighs on both modes alike.
 3. Send all of the mix at once in each mode (throughput).
+4. Unless `bare` is off, send the same sequential requests through the bare chain (bench/bare_chain.py:
+   the same engine in two processes, no kvwire), whose TTFT gap is what disaggregating costs on this
+   host before kvwire does anything; what kvwire adds is the cluster's gap less that one.
 
 Every output is checked equal across the two modes.
 """
@@ -56,6 +59,13 @@ class E2EResult(msgspec.Struct, frozen=True):
     # means over the same sequential requests, so that the forward's difference can be taken out of the gap
     ttft_gap_ms_mean: float = 0.0  # mean disaggregated TTFT - mean single-node TTFT
     transfer_ms_mean: float = 0.0
+    # the bare chain's TTFT gap, median over prompts as ttft_gap_ms_p50 (None: not measured)
+    bare_gap_ms_p50: float | None = None
+
+    @property
+    def kvwire_gap_ms(self) -> float | None:
+        """The cluster's TTFT gap less the bare chain's: what kvwire adds to disaggregating."""
+        return None if self.bare_gap_ms_p50 is None else round(self.ttft_gap_ms_p50 - self.bare_gap_ms_p50, 2)
 
     @property
     def forward_gap_ms(self) -> float:
@@ -137,8 +147,28 @@ def _per_prompt_median_ttft(samples: list[_Sample]) -> list[float]:
     return [statistics.median(s.ttft_ms for s in samples if s.prompt == i) for i in range(len(PROMPTS))]
 
 
+def _bare_gap_ms(model_dir: Path, rounds: int, max_tokens: int) -> float:
+    """The bare chain's TTFT gap: median over prompts of (disaggregated - single-node) median TTFT."""
+    from kvwire.bench.bare_chain import BareChain
+    from kvwire.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [tokenizer.encode(p) or [0] for p in PROMPTS]
+    blocks = 2 * (max(map(len, prompts)) + max_tokens) // 16 + 8
+    ttft: dict[tuple[int, str], list[float]] = {(i, m): [] for i in range(len(prompts)) for m in MODES}
+    with BareChain(model_dir, blocks) as chain:
+        for r in range(rounds + 1):  # the first round warms up
+            for i, prompt in enumerate(prompts):
+                for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+                    ms, _ = chain.ask(prompt, max_tokens, mode == MODES[0])
+                    if r:
+                        ttft[i, mode].append(ms)
+    return round(statistics.median(statistics.median(ttft[i, MODES[0]]) - statistics.median(ttft[i, MODES[1]])
+                                   for i in range(len(prompts))), 2)
+
+
 def bench_e2e(model_dir: Path, connector: ConnectorKind, rounds: int, max_tokens: int,
-              layerwise: bool = False) -> E2EResult:
+              layerwise: bool = False, bare: bool = True) -> E2EResult:
     spec = ClusterSpec(model_dir=model_dir, connector=connector, log_level="ERROR", layerwise=layerwise)
     with LocalCluster(spec) as cluster, httpx.Client(timeout=120.0) as client:
         _sequential(client, cluster.url, 1, max_tokens)  # warm-up
@@ -158,4 +188,5 @@ def bench_e2e(model_dir: Path, connector: ConnectorKind, rounds: int, max_tokens
                      forward_ms_prefill_node=_mean_ms(before[NodeRole.PREFILL], after[NodeRole.PREFILL]),
                      forward_ms_decode_node=_mean_ms(before[NodeRole.DECODE], after[NodeRole.DECODE]),
                      ttft_gap_ms_mean=round(mean_ttft[MODES[0]] - mean_ttft[MODES[1]], 2),
-                     transfer_ms_mean=round(statistics.mean(s.transfer_ms for s in samples[MODES[0]]), 2))
+                     transfer_ms_mean=round(statistics.mean(s.transfer_ms for s in samples[MODES[0]]), 2),
+                     bare_gap_ms_p50=_bare_gap_ms(model_dir, rounds, max_tokens) if bare else None)

@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 
 WATCHERS = 128  # requests a consumer can be waiting on at once without delaying each other
 WATCH_SLICE_S = 0.25  # a watcher notices within this that the direct word settled its record
+# a decode node's producer tells it directly where the KV is: its watcher first reads the directory (the
+# fallback: a lost word, a FAILED entry) this long after the request came, unless the word came first
+DIRECT_HEAD_START_S = 0.05
 NOTE_AGE_S = 0.002  # a busy node tells producers of reads this old (its first tokens are out by then)
 MAX_RECORDS = 64 * WATCHERS  # past this, records of requests never pulled (aborted) are dropped once settled
 
@@ -100,12 +103,17 @@ class KVConsumer:
         self._producer_watch = ProducerWatch(directory, self._waiting, on_ready, directory.node_ttl_s)
         self._producer_watch.start()
 
-    def expect(self, request_id: str, producer: str = "", producer_epoch: int = 0) -> ExpectedKV:
+    def expect(self, request_id: str, producer: str = "", producer_epoch: int = 0,
+               head_start_s: float = 0.0) -> ExpectedKV:
         """A request whose KV `producer` is computing has arrived; its KV deadline starts now.
 
         Args:
             producer_epoch: the producer's incarnation that was sent the work (0: unknown); if another
                 incarnation registers, or none for a heartbeat TTL, the KV is given up at once.
+            head_start_s: how long the producer's direct word has before the directory is first read
+                (DIRECT_HEAD_START_S where the producer tells this consumer directly; 0: read it at once).
+                While a prompt is computed the consumer's node then makes no Redis round trip, which on a
+                shared host would take cores from the forward; a FAILED entry is seen this much later.
         Returns:
             Its record, whose `stats` the pull fills in.
         """
@@ -115,7 +123,7 @@ class KVConsumer:
             if len(self._expected) > MAX_RECORDS:
                 self._expected = {r: e for r, e in self._expected.items() if not e.settled}
             self._expected[request_id] = record
-        self._watchers.submit(self._watch, record)
+        self._watchers.submit(self._watch, record, head_start_s)
         return record
 
     def located(self, location: KVLocation) -> bool:
@@ -220,12 +228,15 @@ class KVConsumer:
         with self._lock:
             return [r for r in self._expected.values() if not r.settled]
 
-    def _watch(self, record: ExpectedKV) -> None:
-        """A watcher thread: settle the record from the directory, then tell the node. It looks again every
-        WATCH_SLICE_S, and stops once the producer's direct word has settled the record (its entry may be
-        consumed and gone by then: without that check the thread would wait out the whole deadline)."""
+    def _watch(self, record: ExpectedKV, head_start_s: float = 0.0) -> None:
+        """A watcher thread: settle the record from the directory, then tell the node. It looks first after
+        `head_start_s`, then again every WATCH_SLICE_S, and stops once the producer's direct word has settled
+        the record (its entry may be consumed and gone by then: without that check the thread would wait
+        out the whole deadline)."""
         try:
             settled = False
+            if head_start_s > 0:
+                record.wait(min(head_start_s, record.deadline - time.monotonic()))
             while not settled and not record.settled:
                 slice_end = min(record.deadline, time.monotonic() + WATCH_SLICE_S)
                 entry = self._directory.wait_for(record.request_id, {TransferState.READY}, slice_end)

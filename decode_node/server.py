@@ -36,7 +36,7 @@ import zmq
 
 from kvwire.connectors.config import NodeRole
 from kvwire.connectors.connector import ConsumerConnector
-from kvwire.connectors.consumer import KVConsumer
+from kvwire.connectors.consumer import DIRECT_HEAD_START_S, KVConsumer
 from kvwire.connectors.kv_region import KVRegion
 from kvwire.connectors.sockets import PushSockets
 from kvwire.connectors.wire import CancelWork, DecodeStats, DecodeWork, ErrorKind, KVReady, TokenChunk, WorkError
@@ -165,7 +165,7 @@ class DecodeNode:
             self.engine.add_request(rid, work.prompt_token_ids, work.sampling, receive_kv=False)
             record.admitted = True
             return
-        record.kv = self._consumer.expect(rid, work.prefill_node, work.prefill_epoch)
+        record.kv = self._consumer.expect(rid, work.prefill_node, work.prefill_epoch, DIRECT_HEAD_START_S)
 
     def _cancel(self, rid: str) -> None:
         """Drop a request the router cancelled, silently: its record, its KV expectation, its engine state."""

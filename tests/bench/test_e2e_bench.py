@@ -25,3 +25,5 @@ def test_both_modes_serve_the_mix_and_agree(tiny_model_dir):
     assert result.gap_beside_forward_ms == pytest.approx(result.ttft_gap_ms_mean - forward_diff, abs=0.011)
     for m in result.modes:
         assert 0 < m.ttft_ms_p50 <= m.ttft_ms_p99 and m.throughput_tok_s > 0 and m.tpot_ms_p50 > 0
+    assert result.bare_gap_ms_p50 is not None  # the bare chain ran beside it
+    assert result.kvwire_gap_ms == pytest.approx(result.ttft_gap_ms_p50 - result.bare_gap_ms_p50, abs=0.011)

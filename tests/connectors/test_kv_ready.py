@@ -156,3 +156,39 @@ def test_producer_tells_the_consumer_directly_and_the_consumer_pulls(redis_url):
         sock.close(0)
         proc.join(5)
         proc.kill()
+
+
+def test_a_head_start_keeps_the_directory_unread_until_it_ends_and_a_direct_word_skips_it(redis_url, monkeypatch):
+    """With a head start (a decode node's producer tells it directly), the watcher reads the directory only once
+    it has passed: a FAILED entry is seen then, not at once, and a direct word within it settles the request with
+    no directory read at all. Without one, the FAILED entry is seen at once."""
+    woke: list[tuple[str, float]] = []
+    side = open_consumer(_config(NodeRole.DECODE, "d-head", redis_url, deadline_s=5.0),
+                         lambda rid: woke.append((rid, time.monotonic())), layout=peer.layout(), num_blocks=8)
+    consumer, head_s = side.consumer, 0.3
+    reads: list[str] = []
+    wait_for = side.directory.wait_for
+    monkeypatch.setattr(side.directory, "wait_for", lambda rid, *a: reads.append(rid) or wait_for(rid, *a))
+    loc = KVLocation(request_id="head-word", producer="p", producer_epoch=1, kind=ConnectorKind.TCP,
+                     side_channel="tcp://127.0.0.1:1", transport_address=b"127.0.0.1:2", layout=peer.layout(),
+                     block_ids=[0], num_tokens=3, hidden=[])
+    try:
+        for rid in ("head-failed", "no-head-failed"):
+            side.directory.fail(rid, "the prefill node refused it", producer="p")
+        start = time.monotonic()
+        failed = consumer.expect("head-failed", producer="p", head_start_s=head_s)
+        at_once = consumer.expect("no-head-failed", producer="p")
+        word = consumer.expect("head-word", producer="p", head_start_s=head_s)
+        assert consumer.located(loc)
+        deadline = time.monotonic() + 3.0
+        while len(woke) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        when = dict(woke)
+        assert set(when) == {"head-failed", "no-head-failed", "head-word"}
+        assert when["no-head-failed"] - start < head_s and when["head-word"] - start < head_s
+        assert when["head-failed"] - start >= head_s
+        assert failed.location is None and at_once.location is None and word.location == loc
+        time.sleep(0.05)
+        assert "head-word" not in reads, "the direct word came within the head start: no directory read"
+    finally:
+        side.close()
