@@ -27,6 +27,7 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -56,6 +57,7 @@ WATCH_SLICE_S = 0.25  # a watcher notices within this that the direct word settl
 # fallback: a lost word, a FAILED entry) this long after the request came, unless the word came first
 DIRECT_HEAD_START_S = 0.05
 NOTE_AGE_S = 0.002  # a busy node tells producers of reads this old (its first tokens are out by then)
+EARLY_WORDS = 1024  # direct words kept for requests not expected yet (their work is still on its way)
 MAX_RECORDS = 64 * WATCHERS  # past this, records of requests never pulled (aborted) are dropped once settled
 
 
@@ -95,6 +97,7 @@ class KVConsumer:
         self._puller = transport.puller(region)
         self._fast_path = FastPathGuard(config, lambda loc: transport.data_path(self._puller, loc))
         self._expected: dict[str, ExpectedKV] = {}  # announced, not yet pulled; guarded by _lock
+        self._early: OrderedDict[str, tuple[float, KVLocation]] = OrderedDict()  # (when, word); guarded by _lock
         self._lock = threading.Lock()
         self._watchers = ThreadPoolExecutor(max_workers=WATCHERS, thread_name_prefix="kv-watch")
         self._pulling = threading.Lock()  # the puller moves one request at a time, whichever thread asks
@@ -123,6 +126,9 @@ class KVConsumer:
             if len(self._expected) > MAX_RECORDS:
                 self._expected = {r: e for r, e in self._expected.items() if not e.settled}
             self._expected[request_id] = record
+            when, early = self._early.pop(request_id, (0.0, None))
+        if early is not None and time.monotonic() - when < self._config.kv_deadline_s:
+            self.located(early)  # the word beat the work here: the pull can start now
         self._watchers.submit(self._watch, record, head_start_s)
         return record
 
@@ -131,10 +137,15 @@ class KVConsumer:
 
         Returns:
             Whether it was taken: False for a request not expected here (or from another producer than
-            the one asked), or one whose KV was already located or given up on.
+            the one asked), or one whose KV was already located or given up on. A word for a request not
+            expected yet is kept (the last EARLY_WORDS, for the KV deadline) and taken by its `expect`.
         """
         with self._lock:
             record = self._expected.get(location.request_id)
+            if record is None:  # kept a while: the request's work may come next
+                self._early[location.request_id] = (time.monotonic(), location)
+                while len(self._early) > EARLY_WORDS:
+                    self._early.popitem(last=False)
         if record is None or (record.producer and record.producer != location.producer):
             log.info("request %s: KVReady from %s not expected here; ignored", location.request_id,
                      location.producer)

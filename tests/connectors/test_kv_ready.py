@@ -103,7 +103,6 @@ def test_the_consumer_takes_a_direct_location_only_for_a_request_it_expects(redi
                      side_channel="tcp://127.0.0.1:1", transport_address=b"127.0.0.1:2", layout=peer.layout(),
                      block_ids=[0], num_tokens=3, hidden=[])
     try:
-        assert not consumer.located(loc), "not expected yet: ignored"
         record = consumer.expect("direct-1", producer="p")
         assert not consumer.located(msgspec.structs.replace(loc, producer="p-other")), "another producer's word"
         assert record.location is None and not record.settled and woke == []
@@ -111,6 +110,27 @@ def test_the_consumer_takes_a_direct_location_only_for_a_request_it_expects(redi
         assert record.settled and record.location == loc  # the pull starts from it: no directory read
         assert woke == ["direct-1"]
         assert not consumer.located(loc), "located once"
+    finally:
+        side.close()
+
+
+def test_a_direct_word_that_beats_its_work_is_kept_for_it(redis_url):
+    """The producer's word can reach the decode node before the router's work does: it is kept, and the work's
+    `expect` takes it at once (from the producer the work names only)."""
+    woke: list[str] = []
+    side = open_consumer(_config(NodeRole.DECODE, "d-early", redis_url, deadline_s=2.0), woke.append,
+                         layout=peer.layout(), num_blocks=8)
+    consumer = side.consumer
+    loc = KVLocation(request_id="early-1", producer="p", producer_epoch=1, kind=ConnectorKind.TCP,
+                     side_channel="tcp://127.0.0.1:1", transport_address=b"127.0.0.1:2", layout=peer.layout(),
+                     block_ids=[0], num_tokens=3, hidden=[])
+    try:
+        assert not consumer.located(loc), "not expected yet: kept, not taken"
+        assert not consumer.located(msgspec.structs.replace(loc, request_id="early-2"))
+        record = consumer.expect("early-1", producer="p", head_start_s=1.0)
+        assert record.settled and record.location == loc and woke == ["early-1"]
+        other = consumer.expect("early-2", producer="p-other", head_start_s=1.0)
+        assert not other.settled and other.location is None, "a word from another producer than the work's"
     finally:
         side.close()
 
