@@ -34,6 +34,19 @@ def _work_socket() -> tuple[zmq.Socket, str]:
     return sock, f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
 
 
+def _consumer(node_id: str, redis_url: str, on_ready):
+    """A TCP consumer with an 8-block pool and a 5 s KV deadline."""
+    return open_consumer(_config(NodeRole.DECODE, node_id, redis_url, deadline_s=5.0), on_ready,
+                         layout=peer.layout(), num_blocks=8)
+
+
+def _location(rid: str) -> KVLocation:
+    """A TCP location from producer "p", as its direct word carries it."""
+    return KVLocation(request_id=rid, producer="p", producer_epoch=1, kind=ConnectorKind.TCP,
+                      side_channel="tcp://127.0.0.1:1", transport_address=b"127.0.0.1:2", layout=peer.layout(),
+                      block_ids=[0], num_tokens=3, hidden=[])
+
+
 def _kv_ready(sock: zmq.Socket) -> KVReady:
     assert sock.poll(5000), "no KVReady"
     return unpack(sock.recv(), expect=KVReady)
@@ -96,12 +109,9 @@ def _wait_until(predicate, timeout_s: float = 5.0) -> None:
 
 def test_the_consumer_takes_a_direct_location_only_for_a_request_it_expects(redis_url):
     woke: list[str] = []
-    side = open_consumer(_config(NodeRole.DECODE, "d-ready", redis_url, deadline_s=2.0), woke.append,
-                         layout=peer.layout(), num_blocks=8)
+    side = _consumer("d-ready", redis_url, woke.append)
     consumer = side.consumer
-    loc = KVLocation(request_id="direct-1", producer="p", producer_epoch=1, kind=ConnectorKind.TCP,
-                     side_channel="tcp://127.0.0.1:1", transport_address=b"127.0.0.1:2", layout=peer.layout(),
-                     block_ids=[0], num_tokens=3, hidden=[])
+    loc = _location("direct-1")
     try:
         record = consumer.expect("direct-1", producer="p")
         assert not consumer.located(msgspec.structs.replace(loc, producer="p-other")), "another producer's word"
@@ -118,12 +128,9 @@ def test_a_direct_word_that_beats_its_work_is_kept_for_it(redis_url):
     """The producer's word can reach the decode node before the router's work does: it is kept, and the work's
     `expect` takes it at once (from the producer the work names only)."""
     woke: list[str] = []
-    side = open_consumer(_config(NodeRole.DECODE, "d-early", redis_url, deadline_s=2.0), woke.append,
-                         layout=peer.layout(), num_blocks=8)
+    side = _consumer("d-early", redis_url, woke.append)
     consumer = side.consumer
-    loc = KVLocation(request_id="early-1", producer="p", producer_epoch=1, kind=ConnectorKind.TCP,
-                     side_channel="tcp://127.0.0.1:1", transport_address=b"127.0.0.1:2", layout=peer.layout(),
-                     block_ids=[0], num_tokens=3, hidden=[])
+    loc = _location("early-1")
     try:
         assert not consumer.located(loc), "not expected yet: kept, not taken"
         assert not consumer.located(msgspec.structs.replace(loc, request_id="early-2"))
@@ -183,15 +190,12 @@ def test_a_head_start_keeps_the_directory_unread_until_it_ends_and_a_direct_word
     it has passed: a FAILED entry is seen then, not at once, and a direct word within it settles the request with
     no directory read at all. Without one, the FAILED entry is seen at once."""
     woke: list[tuple[str, float]] = []
-    side = open_consumer(_config(NodeRole.DECODE, "d-head", redis_url, deadline_s=5.0),
-                         lambda rid: woke.append((rid, time.monotonic())), layout=peer.layout(), num_blocks=8)
+    side = _consumer("d-head", redis_url, lambda rid: woke.append((rid, time.monotonic())))
     consumer, head_s = side.consumer, 0.3
     reads: list[str] = []
     wait_for = side.directory.wait_for
     monkeypatch.setattr(side.directory, "wait_for", lambda rid, *a: reads.append(rid) or wait_for(rid, *a))
-    loc = KVLocation(request_id="head-word", producer="p", producer_epoch=1, kind=ConnectorKind.TCP,
-                     side_channel="tcp://127.0.0.1:1", transport_address=b"127.0.0.1:2", layout=peer.layout(),
-                     block_ids=[0], num_tokens=3, hidden=[])
+    loc = _location("head-word")
     try:
         for rid in ("head-failed", "no-head-failed"):
             side.directory.fail(rid, "the prefill node refused it", producer="p")
