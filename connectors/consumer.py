@@ -146,8 +146,12 @@ class KVConsumer:
                 self._early[location.request_id] = (time.monotonic(), location)
                 while len(self._early) > EARLY_WORDS:
                     self._early.popitem(last=False)
-        if record is None or (record.producer and record.producer != location.producer):
-            log.info("request %s: KVReady from %s not expected here; ignored", location.request_id,
+        if record is None:
+            log.info("request %s: KVReady from %s before its work; kept for it", location.request_id,
+                     location.producer)
+            return False
+        if record.producer and record.producer != location.producer:
+            log.info("request %s: KVReady from %s, not the producer asked; ignored", location.request_id,
                      location.producer)
             return False
         settled = record.locate(location)
