@@ -35,7 +35,6 @@ from kvwire.connectors.wire import KVReady, PoolLayout
 from kvwire.engine.gc_pauses import freeze_startup_heap
 from kvwire.engine.model_input import ModelInput, SequenceInput
 
-HIDDEN_WIDTH = 1  # the bench measures KV; hidden states ride along at one value per token
 MEASURE = "!measure"  # tells the producer the measured trials start (not a request id: those start "bench-")
 
 
@@ -62,7 +61,7 @@ def _producer(kind: ConnectorKind, redis_url: str, work: Workload, pipe, consume
     side = open_producer(bench_config(kind, NodeRole.PREFILL, redis_url), **bench_pool(work))
     region = KVRegion.from_kv_caches(side.kv_caches)
     fill_random(region)
-    hidden = torch.zeros(work.tokens, HIDDEN_WIDTH, device=str(work.device))
+    hidden = work.hidden().to(str(work.device))
     freeze_startup_heap()  # as a node does once it has started
     pipe.send(checksum(region, work.block_ids(0)))
     peak = PeakTracker()
@@ -129,10 +128,10 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
             model_input = request_input(work, rid, 1)  # the node has it before it asks: not the transfer's time
             with cpu.counting(i >= warmup):
                 start = time.perf_counter()
-                _, bypass, _ = side.connector.recv_kv_caches_and_hidden_states(None, model_input, kv_caches)
+                hidden, bypass, _ = side.connector.recv_kv_caches_and_hidden_states(None, model_input, kv_caches)
                 elapsed = time.perf_counter() - start
             side.connector.after_step(idle=True)  # as an idle node does once the request's first token is out
-            verified &= bypass and checksum(region, dst) == want
+            verified &= bypass and checksum(region, dst) == want and torch.equal(hidden.cpu(), work.hidden())
             if i >= warmup:
                 times.append(elapsed)
         here.send(None)

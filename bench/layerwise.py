@@ -25,7 +25,7 @@ import time
 import msgspec
 import torch
 
-from kvwire.bench.connector_run import HIDDEN_WIDTH, bench_config, bench_pool, request_input
+from kvwire.bench.connector_run import bench_config, bench_pool, request_input
 from kvwire.bench.workload import Workload, checksum, fill_random, zero_blocks
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.kv_region import KVRegion
@@ -54,13 +54,13 @@ def _producer(work: Workload, kind: ConnectorKind, redis_url: str, pipe) -> None
     side = open_producer(bench_config(kind, NodeRole.PREFILL, redis_url, layerwise=True), **bench_pool(work))
     conn, kv_caches, region = side.connector, side.kv_caches, KVRegion.from_kv_caches(side.kv_caches)
     fill_random(region)
-    hidden = torch.zeros(work.tokens, HIDDEN_WIDTH)
+    hidden = work.hidden()
     freeze_startup_heap()  # as a node does once it has started
     pipe.send(checksum(region, work.block_ids(0)))
     while (trial := pipe.recv()) is not None:
         rid, compute_s = trial
         batch = request_input(work, rid, 0)
-        on_layer = conn.begin_layer_stream(batch, HIDDEN_WIDTH, hidden.dtype)
+        on_layer = conn.begin_layer_stream(batch, work.hidden_width, hidden.dtype)
         assert on_layer is not None, "a layer-wise producer streams"
         for layer in range(work.layout.num_layers):
             if compute_s:
@@ -83,12 +83,12 @@ def _trials(work: Workload, compute_s: float, n: int, tag: str, pipe, conn, kv_c
         pipe.send((rid, compute_s))
         last = pipe.recv() if not compute_s else None  # back to back: every layer is in before the pull
         start = time.monotonic()
-        _, bypass, _ = conn.recv_kv_caches_and_hidden_states(None, request_input(work, rid, 1), kv_caches)
+        hidden, bypass, _ = conn.recv_kv_caches_and_hidden_states(None, request_input(work, rid, 1), kv_caches)
         ready = time.monotonic()
         if last is None:
             last = pipe.recv()
         out.append(ready - start if not compute_s else ready - last)
-        ok &= bypass
+        ok &= bypass and torch.equal(hidden, work.hidden())
     return out, ok
 
 

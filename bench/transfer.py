@@ -74,7 +74,7 @@ def measure(method: Method, work: Workload, runs: int, warmup: int, redis_url: s
 
 def bench_transfer(methods: list[Method], tokens: list[int], placements: list[Placement], pools: list[PoolLayout],
                    runs: int, warmup: int, redis_url: str, on_row: Callable[[Row], None] = lambda r: None,
-                   rounds: int = 1, device: Device = Device.CPU) -> list[Row]:
+                   rounds: int = 1, device: Device = Device.CPU, hidden_width: int = 1) -> list[Row]:
     """Run every supported (tokens, placement, pool, method) combination, `rounds` times over.
 
     Rounds interleave the methods: each round runs every combination for `runs` runs, and a
@@ -85,7 +85,7 @@ def bench_transfer(methods: list[Method], tokens: list[int], placements: list[Pl
     import torch
 
     torch.set_num_threads(1)  # this process is the consumer; idle OpenMP workers spinning would steal a core
-    combos = [(Workload(n, placement, pool, device=device), method) for n in tokens for placement in placements
+    combos = [(Workload(n, placement, pool, device=device, hidden_width=hidden_width), method) for n in tokens for placement in placements
               for pool in pools for method in methods if supports(method, pool, device)]
     seconds: list[list[float]] = [[] for _ in combos]
     verified = [True] * len(combos)

@@ -42,6 +42,13 @@ class Workload:
     layout: KVLayout = LLAMA3_8B
     seed: int = 0
     device: Device = Device.CPU
+    # float32 values per token of the hidden states kvwire's connectors carry beside the KV (a real model's:
+    # its hidden size); their time counts in a row's figures, their bytes do not. Peers and limits move KV only.
+    hidden_width: int = 1
+
+    def hidden(self) -> torch.Tensor:
+        """The request's hidden states, the same in every process: `[tokens, hidden_width]` float32."""
+        return torch.arange(self.tokens * self.hidden_width, dtype=torch.float32).view(self.tokens, -1)
 
     @property
     def num_blocks(self) -> int:

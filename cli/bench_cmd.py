@@ -53,6 +53,10 @@ def transfer(
     device: Annotated[Device, typer.Option("--device", help="Where both pools live; cuda runs the methods that "
                                            "move device memory on one GPU (limit-memcpy, ucx, shm, tcp, auto).")]
         = Device.CPU,
+    hidden_width: Annotated[int, typer.Option("--hidden-width", min=1, help="float32 values per token of the "
+                                              "hidden states kvwire's connectors carry beside the KV (2048 for "
+                                              "Llama-3-8B's 8 KiB a token: 4096 bf16 values); their time counts, "
+                                              "their bytes not. Peers and limits move KV only.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON instead of a table.")] = False,
     plot: Annotated[str | None, typer.Option("--plot", help="Also draw GB/s against size to this PNG file.")] = None,
     layerwise: Annotated[bool, typer.Option("--layerwise", help="Instead: stream layer by layer (the chosen "
@@ -82,7 +86,8 @@ def transfer(
             raise typer.BadParameter("no CUDA device on this machine", param_hint="--device")
     with LocalRedis() if redis_url is None else contextlib.nullcontext() as redis:
         if layerwise:
-            _layerwise(chosen, sizes, where, whose, runs, warmup, compute_ms, as_json, _url(redis_url, redis))
+            _layerwise(chosen, sizes, where, whose, runs, warmup, compute_ms, as_json, _url(redis_url, redis),
+                       hidden_width)
             return
         total = rounds * combinations(chosen, sizes, where, whose, device)
         with tqdm(total=total, desc="bench transfer", file=sys.stderr) as bar:
@@ -91,7 +96,7 @@ def transfer(
                 bar.update()
 
             rows = bench_transfer(chosen, sizes, where, whose, runs, warmup, _url(redis_url, redis), on_row,
-                                  rounds, device)
+                                  rounds, device, hidden_width)
     typer.echo(to_json(rows).decode() if as_json else table(rows))
     if not as_json and (targets := target_lines(rows)):
         typer.echo("\nratios of medians (the performance issue's targets):\n" + "\n".join(targets))
@@ -200,7 +205,7 @@ def _e2e_table(result) -> str:
 
 
 def _layerwise(chosen: list[Method], sizes: list[int], where: list[Placement], whose: list[PoolLayout], runs: int,
-               warmup: int, compute_ms: float | None, as_json: bool, redis_url: str) -> None:
+               warmup: int, compute_ms: float | None, as_json: bool, redis_url: str, hidden_width: int) -> None:
     import msgspec
 
     from kvwire.bench.layerwise import bench_layerwise
@@ -211,7 +216,7 @@ def _layerwise(chosen: list[Method], sizes: list[int], where: list[Placement], w
     if not kinds:
         raise typer.BadParameter(f"--layerwise streams over {', '.join(sorted(LAYERWISE_KINDS))}",
                                  param_hint="--methods")
-    results = [bench_layerwise(Workload(n, p, pool), kind, runs, warmup, compute_ms, redis_url)
+    results = [bench_layerwise(Workload(n, p, pool, hidden_width=hidden_width), kind, runs, warmup, compute_ms, redis_url)
                for kind in kinds for n in sizes for p in where for pool in whose]
     if as_json:
         typer.echo(msgspec.json.format(msgspec.json.encode(results), indent=2).decode())

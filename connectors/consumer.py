@@ -36,6 +36,7 @@ import torch
 
 from kvwire.connectors.base import HiddenStates, TransferError
 from kvwire.connectors.config import ConnectorConfig
+from kvwire.connectors.deferred import Deferred
 from kvwire.connectors.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState
 from kvwire.connectors.expected import ExpectedKV, Received
 from kvwire.connectors.fast_path import FastPathGuard
@@ -57,6 +58,7 @@ WATCH_SLICE_S = 0.25  # a watcher notices within this that the direct word settl
 # fallback: a lost word, a FAILED entry) this long after the request came, unless the word came first
 DIRECT_HEAD_START_S = 0.05
 NOTE_AGE_S = 0.002  # a busy node tells producers of reads this old (its first tokens are out by then)
+NOTE_LATEST_S = 0.05  # a caller that never calls after_step (the classic contract alone): notes go this late
 EARLY_WORDS = 1024  # direct words kept for requests not expected yet (their work is still on its way)
 MAX_RECORDS = 64 * WATCHERS  # past this, records of requests never pulled (aborted) are dropped once settled
 
@@ -102,6 +104,8 @@ class KVConsumer:
         self._watchers = ThreadPoolExecutor(max_workers=WATCHERS, thread_name_prefix="kv-watch")
         self._pulling = threading.Lock()  # the puller moves one request at a time, whichever thread asks
         self._addresses_published = 0.0
+        self._stepping = False  # the caller calls `flush` (after_step); until it does, a timer sends the notes
+        self._late_notes: Deferred | None = None
         self.publish_addresses()
         self._producer_watch = ProducerWatch(directory, self._waiting, on_ready, directory.node_ttl_s)
         self._producer_watch.start()
@@ -209,7 +213,9 @@ class KVConsumer:
         if time.monotonic() - self._addresses_published > self._config.entry_ttl_s / 3:
             self.publish_addresses()  # they expire with entry_ttl_s: producers refuse pulls to unknown addresses
         try:
-            return self._receive(request_id, num_tokens, dst_blocks, record, first_block)
+            received = self._receive(request_id, num_tokens, dst_blocks, record, first_block)
+            self._notes_due()
+            return received
         except (TransferError, DirectoryError) as exc:
             self._addresses_published = 0.0  # a restarted Redis forgets our addresses: republish
             self._metrics.kv_transfers_failed.labels(str(_failure(exc))).inc()
@@ -223,10 +229,22 @@ class KVConsumer:
         `older_than_s` ago, so they release those blocks. The caller does it once the received requests' first
         tokens are well out (a node: after later steps, and whenever it goes idle); a receive also sends what
         is NOTE_AGE_S old."""
+        self._stepping = True
         self._puller.flush(older_than_s)
+
+    def _notes_due(self) -> None:
+        """A caller that has never flushed (it drives the classic contract's two calls only) still releases
+        what it read: its notes go NOTE_LATEST_S after the receive."""
+        if self._stepping:
+            return
+        if self._late_notes is None:
+            self._late_notes = Deferred(f"kv-notes-{self._config.node_id}")
+        self._late_notes.call_in(NOTE_LATEST_S, lambda: self._puller.flush(NOTE_AGE_S))
 
     def close(self) -> None:
         self.flush()
+        if self._late_notes is not None:
+            self._late_notes.close()
         self._producer_watch.close()
         self._watchers.shutdown(wait=False, cancel_futures=True)
         self._puller.close()

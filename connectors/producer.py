@@ -111,7 +111,8 @@ class KVProducer:
                 raise ValueError(f"request {seq.request_id}: only whole prompts can be published")
             descs, tensors, intermediate = split_request(hidden, rows)
             blocks = self._blocks_of(seq)
-            loc = self._location(seq.request_id, seq.end_pos, blocks, descs, intermediate, self._checksums(blocks))
+            loc = self._location(seq.request_id, seq.end_pos, blocks, descs, intermediate, self._checksums(blocks),
+                                 tensors)
             self._held.add(HeldRequest(loc, tensors, time.monotonic() + self._config.kv_deadline_s))
             self._announce(loc, seq.consumer_endpoint, tensors)
         self._wake_servers()
@@ -225,13 +226,16 @@ class KVProducer:
         return list(seq.block_ids[:math.ceil(seq.end_pos / self._layout.block_size)])
 
     def _location(self, request_id: str, num_tokens: int, blocks: list[int], descs: list[TensorDesc],
-                  intermediate: bool, checksums: list[int], layerwise: bool = False) -> KVLocation:
+                  intermediate: bool, checksums: list[int], hidden: Sequence[torch.Tensor] = (),
+                  layerwise: bool = False) -> KVLocation:
+        """Where `blocks` and `hidden` (the tensors `descs` describes) are offered; shared memory: the hold word,
+        and the hidden states copied into the board's area."""
         offers = [o for o in self._offers if o.kind in LAYERWISE_KINDS] if layerwise else self._offers
         if not offers:
             raise ValueError(f"request {request_id}: no transport serves this KV"
                              + (" (layer-wise KV is served over tcp and ucx only)" if layerwise else ""))
         first = offers[0]
-        hold = None if layerwise or self._board is None else self._board.mark()
+        hold = None if layerwise or self._board is None else self._board.mark(hidden)
         return KVLocation(
             request_id=request_id, producer=self._config.node_id, producer_epoch=self._epoch,
             kind=self._config.kind, side_channel=first.side_channel, transport_address=first.transport_address,

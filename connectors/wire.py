@@ -79,11 +79,13 @@ class ShmHold(msgspec.Struct, frozen=True, array_like=True):
 
     Word `slot` of the producer's hold board holds `token` from before the request is announced until
     its blocks are released; a consumer whose read of the pool began and ended with the word still
-    `token` read blocks nobody had reused.
+    `token` read blocks nobody had reused. The request's hidden states lie in the board's hidden area
+    from byte `hidden_at` on, back to back in the location's `hidden` order (-1: not there).
     """
 
     slot: int
     token: int
+    hidden_at: int = -1
 
 
 class TransportCheck(msgspec.Struct, frozen=True, kw_only=True):
@@ -241,6 +243,7 @@ class ShmSegment(_Msg, tag="shm_segment", frozen=True):
     block_nbytes: int
     cuda: CudaIpcHandle | None = None
     hold_slots: int = 0  # words in the hold board, whose read-only memfd comes after the pool's (0: none)
+    hold_hidden_bytes: int = 0  # the board's hidden area, from the first page after the words
 
 
 # --- work: router → nodes, decode node → router -------------------------------------------

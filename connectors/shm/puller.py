@@ -9,9 +9,9 @@ every pull first drops the mappings of producers that have gone (their socket hu
 One pull, every wait of which ends at the pull's deadline:
 
 1. Map the producer's pool and hold board, if not mapped yet.
-2. Read with no round trip when the producer's direct word gave the request's hold word and
-   hidden states (hold_board.py): check the word, copy, check it again, say `ShmRead` (no
-   answer awaited) and return. A word that changed discards the read; the pull goes on as
+2. Read with no round trip when the location gives the request's hold word and its hidden
+   states are in the direct word or the board's hidden area (hold_board.py): check the word,
+   copy, check it again, say `ShmRead` (no answer awaited) and return. A word that changed discards the read; the pull goes on as
    below (a claim, refused for a released request).
 3. Otherwise claim the request: a `PullRequest` on the Unix socket ("hold these blocks for my read").
 4. Meanwhile, copy each run of blocks consecutive on both sides (copier.py; the only copy
@@ -48,7 +48,7 @@ from kvwire.connectors.kv_region import KVRegion, plan_runs
 from kvwire.connectors.shm.channel import close_fds, connect, hung_up, recv_msg, send_msg
 from kvwire.connectors.shm.copier import BlockCopier
 from kvwire.connectors.shm.cuda_ipc import map_cuda, synchronize
-from kvwire.connectors.shm.hold_board import ORDERED_LOADS, map_board, still_held
+from kvwire.connectors.shm.hold_board import ORDERED_LOADS, BoardView, map_board
 from kvwire.connectors.shm.segment import map_host, unpack_tensors
 from kvwire.connectors.wire import KVLocation, PullReply, PullRequest, ShmHello, ShmRead, ShmReadDone, ShmSegment
 
@@ -59,7 +59,7 @@ class _Mapping:
     address: bytes
     sock: socket.socket
     blocks: torch.Tensor  # the producer's pool, [num_blocks, block_nbytes] uint8; never written
-    board: memoryview | None  # the producer's hold words, int64, read-only; None: it has none
+    board: BoardView | None  # the producer's hold words and hidden area, read-only; None: it has none
 
 
 class SHMPuller:
@@ -132,23 +132,30 @@ class SHMPuller:
 
     def _read_direct(self, mapping: _Mapping, loc: KVLocation, runs: list[tuple[int, int, int]],
                      dst_blocks: list[int], hidden: list[torch.Tensor], transfer_id: int) -> int | None:
-        """The read with no round trip, where the location allows it; None: not made, or discarded."""
-        hold, inline = loc.shm_hold, loc.inline_hidden
-        if hold is None or mapping.board is None or not ORDERED_LOADS or \
-                len(inline) != sum(t.numel() * t.element_size() for t in hidden):
+        """The read with no round trip, where the location allows it; None: not made, or discarded.
+
+        `hidden` holds the direct word's hidden states already when it carried them (made by
+        `KVConsumer._hidden_for`); otherwise they come from the board's hidden area, inside the check."""
+        hold, board = loc.shm_hold, mapping.board
+        if hold is None or board is None or not ORDERED_LOADS:
             return None
-        if not still_held(mapping.board, hold):
+        nbytes = sum(t.numel() * t.element_size() for t in hidden)
+        from_word = len(loc.inline_hidden) == nbytes
+        if not from_word and not board.has_hidden(hold, nbytes):
+            return None
+        if not board.still_held(hold):
             return None
         self._copier.copy(self._dst, mapping.blocks, runs)
-        synchronize([self._dst, mapping.blocks])
-        if not still_held(mapping.board, hold):  # released (maybe reused) during the copy: what we read may be torn
+        if not from_word:
+            board.read_hidden(hold, hidden)
+        synchronize([self._dst, mapping.blocks, *hidden])
+        if not board.still_held(hold):  # released (maybe reused) during the copy: what we read may be torn
             return None
-        # `hidden` was made from the direct word's bytes already (KVConsumer._hidden_for): only blocks move here
         note = ShmRead(request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
                        transport_address=self.transport_address, dst_block_ids=dst_blocks, first_block=loc.first_block)
         with self._notes_lock:
             self._notes.append((time.monotonic(), mapping.sock, note))
-        return len(dst_blocks) * self._dst.shape[1] + len(inline)
+        return len(dst_blocks) * self._dst.shape[1] + nbytes
 
     def flush(self, older_than_s: float = 0.0) -> None:
         """Tell producers which requests were read with no claim (those read at least `older_than_s` ago), once
@@ -238,7 +245,7 @@ class SHMPuller:
                 assert isinstance(segment, ShmSegment)  # recv_msg accepts nothing else
                 pool_fds, board = fds, None
                 if segment.hold_slots and fds:  # the board's descriptor comes last
-                    pool_fds, board = fds[:-1], map_board(segment.hold_slots, fds[-1])
+                    pool_fds, board = fds[:-1], map_board(segment.hold_slots, segment.hold_hidden_bytes, fds[-1])
                 blocks = self._map(loc, segment, pool_fds)
             finally:
                 close_fds(fds)

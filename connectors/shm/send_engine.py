@@ -8,8 +8,8 @@ Lifecycle:
    thread.
 2. A consumer connects and says `ShmHello`; we answer `ShmSegment` with the pool's
    read-only memfd (or CUDA IPC handle) and the hold board's (hold_board.py).
-3. A request whose consumer got its hold word and hidden states directly (`KVReady`) is
-   read with no claim: the consumer checks the word around its copy and says `ShmRead`,
+3. A request whose location carries its hold word, and whose hidden states the consumer has
+   (in the direct word, `KVReady`, or the board's hidden area), is read with no claim: the consumer checks the word around its copy and says `ShmRead`,
    which claims and finishes the request at once here (its blocks are released).
    Otherwise a consumer claims a READY request with a `PullRequest` on this socket ("hold these
    blocks for my read") and reads its blocks straight from the pool meanwhile.
@@ -158,7 +158,8 @@ class SHMSendEngine(SendEngine):
             return
         conn.consumer, conn.address = msg.consumer, msg.transport_address
         segment, fds = self._segment.export()
-        segment = msgspec.structs.replace(segment, hold_slots=self._board.slots)
+        segment = msgspec.structs.replace(segment, hold_slots=self._board.slots,
+                                          hold_hidden_bytes=self._board.hidden_bytes)
         self._send(conn, segment, [*fds, self._board.ro_fd])
         log.debug("node %s: consumer %s (pid %d) mapped the pool", self._node_id, msg.consumer, conn.pid)
 

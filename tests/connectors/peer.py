@@ -59,11 +59,13 @@ def pool_of(kv_caches: list[torch.Tensor]) -> KVPool:
 
 def _die_on_first_send(producer: KVProducer) -> None:
     """Make this process SIGKILL itself right after any of its transports starts the first pull (shared memory,
-    where the consumer reads by itself: when the first read is claimed, before it is confirmed)."""
+    where the consumer reads by itself: when the first read is claimed, before it is confirmed; reads with no
+    claim are turned off, as they need no live producer: tests/connectors/test_shm_direct.py)."""
     import kvwire.connectors.tcp.send_engine as tcp_engine
     from kvwire.connectors.shm.send_engine import SHMSendEngine
 
     tcp_engine.TURN_BUDGET_BYTES = 1  # TCP's start() then writes one batch (what the socket takes), not the lot
+    producer._board = None  # test-only reach: no hold words, so every shared-memory read claims
 
     def then_die(step):
         def wrapped(*args, **kwargs):
