@@ -85,8 +85,9 @@ def bench_transfer(methods: list[Method], tokens: list[int], placements: list[Pl
     import torch
 
     torch.set_num_threads(1)  # this process is the consumer; idle OpenMP workers spinning would steal a core
-    combos = [(Workload(n, placement, pool, device=device, hidden_width=hidden_width), method) for n in tokens for placement in placements
-              for pool in pools for method in methods if supports(method, pool, device)]
+    combos = [(Workload(n, placement, pool, device=device, hidden_width=hidden_width), method)
+              for n in tokens for placement in placements for pool in pools for method in methods
+              if supports(method, pool, device)]
     seconds: list[list[float]] = [[] for _ in combos]
     verified = [True] * len(combos)
     extra: list[int | None] = [None] * len(combos)

@@ -216,7 +216,8 @@ def _layerwise(chosen: list[Method], sizes: list[int], where: list[Placement], w
     if not kinds:
         raise typer.BadParameter(f"--layerwise streams over {', '.join(sorted(LAYERWISE_KINDS))}",
                                  param_hint="--methods")
-    results = [bench_layerwise(Workload(n, p, pool, hidden_width=hidden_width), kind, runs, warmup, compute_ms, redis_url)
+    results = [bench_layerwise(Workload(n, p, pool, hidden_width=hidden_width), kind, runs, warmup, compute_ms,
+                               redis_url)
                for kind in kinds for n in sizes for p in where for pool in whose]
     if as_json:
         typer.echo(msgspec.json.format(msgspec.json.encode(results), indent=2).decode())

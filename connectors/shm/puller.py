@@ -11,8 +11,8 @@ One pull, every wait of which ends at the pull's deadline:
 1. Map the producer's pool and hold board, if not mapped yet.
 2. Read with no round trip when the location gives the request's hold word and its hidden
    states are in the direct word or the board's hidden area (hold_board.py): check the word,
-   copy, check it again, say `ShmRead` (no answer awaited) and return. A word that changed discards the read; the pull goes on as
-   below (a claim, refused for a released request).
+   copy, check it again, say `ShmRead` (no answer awaited) and return. A word that changed
+   discards the read; the pull goes on as below (a claim, refused for a released request).
 3. Otherwise claim the request: a `PullRequest` on the Unix socket ("hold these blocks for my read").
 4. Meanwhile, copy each run of blocks consecutive on both sides (copier.py; the only copy
    of those bytes), straight from the READY entry's blocks: the producer's wake-up and

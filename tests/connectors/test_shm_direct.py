@@ -14,9 +14,9 @@ from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.directory import KVDirectory
 from kvwire.connectors.expected import ExpectedKV
 from kvwire.connectors.framing import unpack
+from kvwire.connectors.hidden import INLINE_MAX
 from kvwire.connectors.shm import puller as puller_module
 from kvwire.connectors.shm.copier import BlockCopier
-from kvwire.connectors.hidden import INLINE_MAX
 from kvwire.connectors.shm.hold_board import PAGE, HoldBoard, map_board
 from kvwire.connectors.wire import KVLocation, KVReady, PullRequest, ShmRead
 from kvwire.engine.model_input import ModelInput, SequenceInput
