@@ -158,6 +158,7 @@ class KVConsumer:
             log.info("request %s: KVReady from %s, not the producer asked; ignored", location.request_id,
                      location.producer)
             return False
+        location = self._read_ahead(location)
         settled = record.locate(location)
         if location.inline_hidden and record.location is location:  # off the pull's way: the word just came
             with contextlib.suppress(ValueError):  # a size that does not match: the pull makes its own
@@ -167,6 +168,14 @@ class KVConsumer:
             return False
         self._on_ready(location.request_id)
         return True
+
+    def _read_ahead(self, location: KVLocation) -> KVLocation:
+        """`location` holding its hidden states when the puller can read them now (shared memory), as a direct
+        word carries small ones: they become tensors off the pull's way; the pull's check vouches for them."""
+        if location.shm_hold is None or location.inline_hidden:
+            return location
+        ahead = self._puller.read_ahead(location)
+        return msgspec.structs.replace(location, inline_hidden=ahead) if ahead else location
 
     def forget(self, request_id: str) -> None:
         """The node dropped the request before pulling it (aborted, failed)."""

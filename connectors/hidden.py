@@ -42,6 +42,10 @@ def dtype_of(t: torch.Tensor | torch.dtype) -> DType:
     return _DTYPE_NAMES[dtype]
 
 
+def desc_nbytes(desc: TensorDesc) -> int:
+    return math.prod(desc.shape) * TORCH_DTYPES[desc.dtype].itemsize
+
+
 def empty_like_descs(descs: list[TensorDesc], device: torch.device | str) -> list[torch.Tensor]:
     return [torch.empty(d.shape, dtype=TORCH_DTYPES[d.dtype], device=device) for d in descs]
 
@@ -52,7 +56,7 @@ def tensors_from_bytes(descs: list[TensorDesc], data: bytes, device: torch.devic
     Raises:
         ValueError: data is not exactly their size.
     """
-    sizes = [math.prod(d.shape) * TORCH_DTYPES[d.dtype].itemsize for d in descs]
+    sizes = [desc_nbytes(d) for d in descs]
     if len(data) != sum(sizes):
         raise ValueError(f"{len(data)} bytes of hidden states; expected {sum(sizes)}")
     buf, out, offset = bytearray(data), [], 0  # writable: torch warns of read-only buffers
@@ -97,11 +101,14 @@ def fill_tensors(tensors: list[torch.Tensor], data: memoryview) -> int:
     total = sum(t.numel() * t.element_size() for t in tensors)
     if len(data) != total:
         raise ValueError(f"hidden states of {len(data)} bytes; expected {total}")
-    src = torch.frombuffer(data, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
     offset = 0
     for t in tensors:
         n = t.numel() * t.element_size()
-        t.reshape(-1).view(torch.uint8).copy_(src[offset:offset + n])
+        dst = t.reshape(-1).view(torch.uint8)  # [n]
+        host = dst if dst.device.type == "cpu" else torch.empty(n, dtype=torch.uint8)
+        host.numpy().data[:] = data[offset:offset + n]  # a plain memcpy: `data` may be read-only (a peer's memory)
+        if host is not dst:
+            dst.copy_(host)
         offset += n
     return total
 

@@ -50,7 +50,24 @@ class Puller(Protocol):
         memory: its read notes)."""
         ...
 
+    def read_ahead(self, loc: KVLocation) -> bytes:
+        """`loc`'s hidden states, if this puller can read them before the pull (shared memory: from a mapped
+        producer's hold board), else b"". Only the pull's own check vouches for them."""
+        ...
+
     def close(self) -> None: ...
+
+
+class ConfirmedPulls:
+    """A puller whose every pull ends confirmed and brings its hidden states along: nothing to defer or read
+    ahead (tcp, ucx, nccl)."""
+
+    def flush(self, older_than_s: float = 0.0) -> None:
+        """Nothing is deferred."""
+
+    def read_ahead(self, loc: KVLocation) -> bytes:
+        """Nothing is read before the pull."""
+        return b""
 
 
 class Transport(ABC):

@@ -124,7 +124,8 @@ class KVLocation(_Msg, tag="location", frozen=True):
     first_block: int = 0
     shm_hold: ShmHold | None = None  # shared memory: the request's hold word (None: claim before reading)
     # The direct word only (KVReady), never published: the hidden states' bytes, back to back in `hidden`
-    # order, when small; with `shm_hold` a same-host consumer reads the request without a round trip.
+    # order, when small; with `shm_hold` a same-host consumer reads the request without a round trip. A
+    # consumer's view of a direct word also holds here what its puller read ahead (SHMPuller.read_ahead).
     inline_hidden: bytes = b""
 
 

@@ -47,6 +47,10 @@ class AutoPuller:
         """
         return self._pullers[loc.kind].pull(loc, dst_blocks, hidden, deadline)
 
+    def read_ahead(self, loc: KVLocation) -> bytes:
+        """Shared memory's read ahead, for a producer on this host."""
+        return self._pullers[ConnectorKind.SHM].read_ahead(loc) if ConnectorKind.SHM in preference(loc) else b""
+
     def flush(self, older_than_s: float = 0.0) -> None:
         for puller in self._pullers.values():
             puller.flush(older_than_s)

@@ -46,6 +46,7 @@ from kvwire.connectors.nccl.pairs import (
     pair_prefix,
 )
 from kvwire.connectors.side_channel import SideChannelClient
+from kvwire.connectors.transport import ConfirmedPulls
 from kvwire.connectors.wire import KVLocation, PullRequest
 from kvwire.engine.wakeup import Wakeup
 
@@ -65,7 +66,7 @@ class _Link:
     last_used: float = field(default_factory=time.monotonic)
 
 
-class NCCLPuller:
+class NCCLPuller(ConfirmedPulls):
     def __init__(self, node_id: str, host: str, region: KVRegion):
         """Args:
         node_id: this consumer's name (sent in every PullRequest).
@@ -121,9 +122,6 @@ class NCCLPuller:
             raise TransferError(loc.request_id, loc.producer, f"receive failed: {exc}") from exc
         link.last_used = time.monotonic()
         return sum(p.numel() * p.element_size() for p in pieces)
-
-    def flush(self, older_than_s: float = 0.0) -> None:
-        """Nothing is deferred: every pull ends confirmed."""
 
     def close(self) -> None:
         with self._wake_lock:

@@ -37,7 +37,6 @@ import mmap
 import os
 import platform
 import threading
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -168,9 +167,7 @@ class BoardView:
         """Copy `hold`'s hidden states into `tensors` (contiguous, any device); valid only if the word still
         holds the token afterwards. Returns the bytes copied."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        with warnings.catch_warnings():  # read-only on purpose: we never write the producer's board
-            warnings.filterwarnings("ignore", "The given buffer is not writable")
-            return fill_tensors(tensors, self.area[hold.hidden_at:hold.hidden_at + nbytes])
+        return fill_tensors(tensors, self.area[hold.hidden_at:hold.hidden_at + nbytes])
 
 
 def map_board(slots: int, hidden_bytes: int, fd: int) -> BoardView:

@@ -42,7 +42,7 @@ import torch
 
 from kvwire.connectors.base import TransferError
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.hidden import INLINE_MAX, fill_tensors
+from kvwire.connectors.hidden import INLINE_MAX, desc_nbytes, fill_tensors
 from kvwire.connectors.host import host_identity
 from kvwire.connectors.kv_region import KVRegion, plan_runs
 from kvwire.connectors.shm.channel import close_fds, connect, hung_up, recv_msg, send_msg
@@ -134,8 +134,9 @@ class SHMPuller:
                      dst_blocks: list[int], hidden: list[torch.Tensor], transfer_id: int) -> int | None:
         """The read with no round trip, where the location allows it; None: not made, or discarded.
 
-        `hidden` holds the direct word's hidden states already when it carried them (made by
-        `KVConsumer._hidden_for`); otherwise they come from the board's hidden area, inside the check."""
+        `hidden` holds the location's `inline_hidden` already when it has them (the direct word's, or what
+        `read_ahead` read; made by `KVConsumer._hidden_for`); otherwise they come from the board's hidden
+        area, inside the check."""
         hold, board = loc.shm_hold, mapping.board
         if hold is None or board is None or not ORDERED_LOADS:
             return None
@@ -156,6 +157,19 @@ class SHMPuller:
         with self._notes_lock:
             self._notes.append((time.monotonic(), mapping.sock, note))
         return len(dst_blocks) * self._dst.shape[1] + nbytes
+
+    def read_ahead(self, loc: KVLocation) -> bytes:
+        """`loc`'s hidden states from its producer's hidden area, when that producer is mapped already: read as
+        the location comes, off the pull's way (cold, the torch calls of a read cost 50-100 µs here). The
+        pull's check of the hold word, after its copy, vouches for them as for the blocks; b"": not read."""
+        mapping, hold = self._maps.get(loc.producer), loc.shm_hold
+        if mapping is None or mapping.board is None or hold is None or mapping.epoch != loc.producer_epoch or \
+                not ORDERED_LOADS:
+            return b""
+        nbytes = sum(desc_nbytes(d) for d in loc.hidden)
+        if not nbytes or not mapping.board.has_hidden(hold, nbytes) or not mapping.board.still_held(hold):
+            return b""
+        return bytes(mapping.board.area[hold.hidden_at:hold.hidden_at + nbytes])
 
     def flush(self, older_than_s: float = 0.0) -> None:
         """Tell producers which requests were read with no claim (those read at least `older_than_s` ago), once

@@ -158,6 +158,4 @@ def unpack_tensors(fd: int, tensors: list[torch.Tensor]) -> int:
     total = sum(t.numel() * t.element_size() for t in tensors)
     if os.fstat(fd).st_size != total or fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SIZE_SEALS != _SIZE_SEALS:
         raise ValueError(f"hidden-state memfd has {os.fstat(fd).st_size} bytes or no seals; expected {total}")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "The given buffer is not writable")
-        return fill_tensors(tensors, memoryview(mmap.mmap(fd, total, prot=mmap.PROT_READ)))
+    return fill_tensors(tensors, memoryview(mmap.mmap(fd, total, prot=mmap.PROT_READ)))

@@ -35,10 +35,11 @@ from kvwire.connectors.kv_region import KVRegion, consumer_parts
 from kvwire.connectors.side_channel import SideChannelClient
 from kvwire.connectors.tcp.frames import ACK, DATA_MAGIC, HEADER, HELLO, HELLO_MAGIC, TOKEN_BYTES, parse_address, tune
 from kvwire.connectors.tcp.stream import ByteStream, Staging
+from kvwire.connectors.transport import ConfirmedPulls
 from kvwire.connectors.wire import KVLocation, PullRequest
 
 
-class TCPPuller:
+class TCPPuller(ConfirmedPulls):
     def __init__(self, node_id: str, region: KVRegion):
         """Args:
         node_id: this consumer's name in the directory.
@@ -87,9 +88,6 @@ class TCPPuller:
                 raise
             raise TransferError(loc.request_id, loc.producer, f"receive failed: {exc}") from exc
         return inbound.total
-
-    def flush(self, older_than_s: float = 0.0) -> None:
-        """Nothing is deferred: every pull ends confirmed."""
 
     def close(self) -> None:
         for address in list(self._conns):

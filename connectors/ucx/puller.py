@@ -34,13 +34,14 @@ from kvwire.connectors.base import TransferError
 from kvwire.connectors.data_path import DataPath
 from kvwire.connectors.kv_region import KVRegion, consumer_parts, part_nbytes
 from kvwire.connectors.side_channel import SideChannelClient
+from kvwire.connectors.transport import ConfirmedPulls
 from kvwire.connectors.ucx.lanes import ReceiveLanes
 from kvwire.connectors.ucx.packing import PACK_BELOW
 from kvwire.connectors.ucx.worker import MAX_PIECES
 from kvwire.connectors.wire import KVLocation, PullRequest
 
 
-class UCXPuller:
+class UCXPuller(ConfirmedPulls):
     def __init__(self, node_id: str, region: KVRegion, lanes: int = 1):
         """Args:
         lanes: workers reading each pull, each on its own thread (host pools; a CUDA pool uses one).
@@ -103,9 +104,6 @@ class UCXPuller:
         progressed again, and go with their contexts once closed."""
         old, self._lanes = self._lanes, ReceiveLanes(self._num_lanes)
         old.close()
-
-    def flush(self, older_than_s: float = 0.0) -> None:
-        """Nothing is deferred: every pull ends confirmed."""
 
     def close(self) -> None:
         self._channel.close()

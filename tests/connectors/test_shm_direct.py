@@ -17,7 +17,7 @@ from kvwire.connectors.framing import unpack
 from kvwire.connectors.hidden import INLINE_MAX
 from kvwire.connectors.shm import puller as puller_module
 from kvwire.connectors.shm.copier import BlockCopier
-from kvwire.connectors.shm.hold_board import PAGE, HoldBoard, map_board
+from kvwire.connectors.shm.hold_board import PAGE, BoardView, HoldBoard, map_board
 from kvwire.connectors.wire import KVLocation, KVReady, PullRequest, ShmRead
 from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
@@ -171,11 +171,16 @@ def test_a_direct_word_is_read_with_no_claim_and_told_after_the_step(redis_url, 
 
 
 @pytest.mark.parametrize("told_directly", [True, False], ids=["direct-word", "directory-only"])
-def test_hidden_states_too_big_for_the_word_are_read_from_the_board_with_no_claim(redis_url, sent, told_directly):
+def test_hidden_states_too_big_for_the_word_are_read_from_the_board_with_no_claim(redis_url, sent, told_directly,
+                                                                                monkeypatch):
     """A real model's hidden states pass INLINE_MAX at a few tokens: they lie in the board's hidden area, so the
-    read still needs no round trip, whether the consumer was told directly or found the location itself."""
+    read still needs no round trip, whether the consumer was told directly (it reads them ahead, as the word
+    comes) or found the location itself (the pull reads them)."""
     sock, endpoint = _work_socket()
     hidden = _wide_hidden("wide", 6)
+    in_pull = []
+    read_hidden = BoardView.read_hidden
+    monkeypatch.setattr(BoardView, "read_hidden", lambda self, *a: in_pull.append(1) or read_hidden(self, *a))
     with _producer(redis_url) as (producer, pool, released), _consumer(redis_url) as (consumer, cpool):
         try:
             _map_pool(producer, pool, consumer, cpool, released, sent, endpoint, sock)
@@ -191,9 +196,32 @@ def test_hidden_states_too_big_for_the_word_are_read_from_the_board_with_no_clai
             got, bypass, _ = consumer.connector.recv_kv_caches_and_hidden_states(None, mi, cpool.kv_caches)
             assert bypass and torch.equal(got, hidden)
             assert torch.equal(cpool.data[[2, 3]], peer.request_kv("wide", pool.layout, 2))
+            assert len(in_pull) == (0 if told_directly else 1), "read ahead when told directly, else in the pull"
             consumer.connector.after_step(idle=True)
             assert sent == [ShmRead], "no claim: the read's only message is its note"
             assert released.get(timeout=5) == ("wide", [6, 7])
+        finally:
+            sock.close(0)
+
+
+def test_hidden_states_read_ahead_and_then_reused_are_never_used(redis_url, sent):
+    """Read ahead as the word came, then the request released and its pages given to another request: the
+    pull's check finds the word changed, so neither those bytes nor the blocks are used (recomputed)."""
+    sock, endpoint = _work_socket()
+    with _producer(redis_url) as (producer, pool, released), _consumer(redis_url) as (consumer, cpool):
+        try:
+            _map_pool(producer, pool, consumer, cpool, released, sent, endpoint, sock)
+            first = _publish_directly(producer, pool, consumer, "stale", [5], 3, endpoint, sock,
+                                      _wide_hidden("stale", 3))
+            producer.producer._held.release("stale")  # test-only reach: its hold deadline, say
+            assert released.get(timeout=5) == ("stale", [5])
+            second = _publish_directly(producer, pool, consumer, "reuser", [5], 3, endpoint, sock,
+                                       _wide_hidden("reuser-longer", 3))
+            assert second.shm_hold.hidden_at == first.shm_hold.hidden_at, "the freed pages went to the next"
+            mi = ModelInput([SequenceInput("stale", [0] * 3, 0, [9])])
+            _, bypass, _ = consumer.connector.recv_kv_caches_and_hidden_states(None, mi, cpool.kv_caches)
+            assert not bypass, "a read the hold word does not vouch for is never used"
+            assert PullRequest in sent and ShmRead not in sent
         finally:
             sock.close(0)
 
