@@ -141,13 +141,13 @@ class SHMPuller:
         if hold is None or board is None or not ORDERED_LOADS:
             return None
         nbytes = sum(t.numel() * t.element_size() for t in hidden)
-        from_word = len(loc.inline_hidden) == nbytes
-        if not from_word and not board.has_hidden(hold, nbytes):
+        in_hand = len(loc.inline_hidden) == nbytes
+        if not in_hand and not board.has_hidden(hold, nbytes):
             return None
         if not board.still_held(hold):
             return None
         self._copier.copy(self._dst, mapping.blocks, runs)
-        if not from_word:
+        if not in_hand:
             board.read_hidden(hold, hidden)
         synchronize([self._dst, mapping.blocks, *hidden])
         if not board.still_held(hold):  # released (maybe reused) during the copy: what we read may be torn
