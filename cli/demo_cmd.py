@@ -67,25 +67,45 @@ def _table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _check_device(device: str) -> None:
+    """Refuse a device this machine does not have before anything starts."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--device") from exc
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise typer.BadParameter(f"no CUDA device {device} on this machine (found {found})", param_hint="--device")
+    if dev.type not in ("cpu", "cuda"):
+        raise typer.BadParameter(f"kvwire's nodes run on cpu or cuda, not {dev.type}", param_hint="--device")
+
+
 def demo(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a tiny random one by default.")]
          = None,
          connector: Connector = ConnectorKind.AUTO,
          max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens to generate per prompt.")] = 24,
+         device: Annotated[str, typer.Option("--device", help="torch device of both nodes and of the single-process "
+                                             "run, e.g. cpu or cuda:0.")] = "cpu",
          log_level: LogLevel = "WARNING") -> None:
     """Serve a few prompts through prefill → KV transfer → decode and compare with one process."""
     from kvwire.engine.reference import generate
     from kvwire.engine.tokenizer import load_tokenizer
 
+    _check_device(device)
     setup_logging(log_level)
     model_dir = model or default_model_dir()
     tokenizer = load_tokenizer(model_dir)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
-    typer.echo(f"single-process reference on {model_dir} ...")
-    rows = [Row(len(ids), out) for ids, out in zip(prompt_ids, generate(model_dir, prompt_ids, params))]
-    typer.echo(f"starting a local cluster (connector {connector}) ...")
+    typer.echo(f"single-process reference on {model_dir} ({device}) ...")
+    rows = [Row(len(ids), out) for ids, out in zip(prompt_ids, generate(model_dir, prompt_ids, params, device=device))]
+    typer.echo(f"starting a local cluster (connector {connector}, both nodes on {device}) ...")
     started = time.monotonic()
-    with LocalCluster(ClusterSpec(model_dir=model_dir, connector=connector, log_level=log_level)) as cluster:
+    spec = ClusterSpec(model_dir=model_dir, connector=connector, log_level=log_level, prefill_device=device,
+                       decode_device=device)
+    with LocalCluster(spec) as cluster:
         typer.echo(f"cluster ready in {time.monotonic() - started:.1f}s at {cluster.url}; "
                    f"sending {len(PROMPTS)} prompts at once")
         with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:

@@ -36,9 +36,10 @@ def request_kv(rid: str, lay: KVLayout, n_blocks: int) -> torch.Tensor:
     return torch.randn(shape, generator=gen).to(TORCH_DTYPES[lay.dtype])
 
 
-def request_hidden(rid: str, tokens: int, intermediate: bool):
+def request_hidden(rid: str, tokens: int, intermediate: bool, width: int = HIDDEN):
+    """Deterministic random hidden states of one request: [tokens, width] (and a residual, if intermediate)."""
     gen = torch.Generator().manual_seed(zlib.crc32(rid.encode()) + 1)
-    h = torch.randn(tokens, HIDDEN, generator=gen)
+    h = torch.randn(tokens, width, generator=gen)
     if intermediate:
         return IntermediateTensors({"hidden_states": h, "residual": (h * 2).to(torch.bfloat16)})
     return h
@@ -82,7 +83,8 @@ def _die_on_first_send(producer: KVProducer) -> None:
 
 def produce(redis_url: str, kind: ConnectorKind, lay: KVLayout, requests: list[tuple[str, int, list[int]]],
             intermediate: bool, deadline_s: float, results, num_blocks: int = 64, die_mid_transfer: bool = False,
-            device: str = "cpu", node_id: str = "producer-test", consumer_endpoint: str = "") -> None:
+            device: str = "cpu", node_id: str = "producer-test", consumer_endpoint: str = "",
+            hidden_width: int = HIDDEN) -> None:
     """Publish each (request_id, num_tokens, src_blocks), telling `consumer_endpoint` directly when one is
     given; report {request_id: released block ids} once all are released."""
     released: dict[str, list[int]] = {}
@@ -100,7 +102,7 @@ def produce(redis_url: str, kind: ConnectorKind, lay: KVLayout, requests: list[t
         _die_on_first_send(side.producer)
     for rid, tokens, blocks in requests:
         pool.data[blocks] = request_kv(rid, lay, len(blocks)).to(device)
-        hidden = request_hidden(rid, tokens, intermediate)
+        hidden = request_hidden(rid, tokens, intermediate, hidden_width)
         hidden = hidden.to(device) if isinstance(hidden, torch.Tensor) else \
             IntermediateTensors({k: v.to(device) for k, v in hidden.items()})
         seq = SequenceInput(rid, [0] * tokens, 0, blocks, consumer_endpoint=consumer_endpoint)

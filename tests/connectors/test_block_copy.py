@@ -142,6 +142,7 @@ def test_tcp_staging_holds_many_small_tensor_parts_per_chunk():
     assert chunks < 12  # 10 parts of 100 per 1024-byte chunk, not one chunk per part
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counting kernel launches needs a CUDA device")
 @pytest.mark.parametrize("pool", [PoolLayout.KVWIRE, PoolLayout.VLLM])
 def test_cuda_launches_do_not_grow_with_the_number_of_pieces(pool):

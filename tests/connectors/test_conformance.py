@@ -36,10 +36,11 @@ def _consumer(kind: ConnectorKind, redis_url: str, lay, num_blocks: int = 64, de
 
 
 def _producer(kind, redis_url, lay, requests, *, intermediate=False, deadline_s=10.0, num_blocks=64, die=False,
-              device="cpu"):
+              device="cpu", hidden_width=peer.HIDDEN):
     results = CTX.Queue()
     proc = CTX.Process(target=peer.produce, args=(redis_url, kind, lay, requests, intermediate, deadline_s, results),
-                       kwargs={"num_blocks": num_blocks, "die_mid_transfer": die, "device": device})
+                       kwargs={"num_blocks": num_blocks, "die_mid_transfer": die, "device": device,
+                               "hidden_width": hidden_width})
     proc.start()
     assert results.get(timeout=60) == ("published", len(requests))
     return proc, results
@@ -54,9 +55,9 @@ def _scattered(rng: random.Random, pool_blocks: int, counts: list[int]) -> list[
     return out
 
 
-def _check(pool, lay, rid, dst, n_blocks, hidden, tokens, intermediate=False):
+def _check(pool, lay, rid, dst, n_blocks, hidden, tokens, intermediate=False, width=peer.HIDDEN):
     assert torch.equal(pool.data[dst].cpu(), peer.request_kv(rid, lay, n_blocks)), f"KV of {rid} differs"
-    want = peer.request_hidden(rid, tokens, intermediate)
+    want = peer.request_hidden(rid, tokens, intermediate, width)
     assert (hidden == want) if intermediate else torch.equal(hidden.cpu(), want)
 
 
@@ -73,7 +74,10 @@ def _devices(kind: ConnectorKind, device: str) -> tuple[str, str]:
     return "cuda:0", f"cuda:{min(1, GPUS - 1)}"
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # `.ci/gpu run` runs the gpu-marked ones
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype, block_size, layers", [
     (DType.FLOAT32, 16, 1), (DType.FLOAT16, 1, 64), (DType.BFLOAT16, 64, 8), (DType.FLOAT32, 1, 3)])
 def test_round_trip_is_byte_exact(connector_kind, redis_url, dtype, block_size, layers, device):
@@ -101,14 +105,16 @@ def test_round_trip_is_byte_exact(connector_kind, redis_url, dtype, block_size, 
         proc.kill()
 
 
-def test_many_in_flight_complete_out_of_order(connector_kind, redis_url):
+@pytest.mark.parametrize("device", DEVICES)
+def test_many_in_flight_complete_out_of_order(connector_kind, redis_url, device):
+    producer_device, consumer_device = _devices(connector_kind, device)
     lay = peer.layout(DType.BFLOAT16, 4, 4)
     rng = random.Random(3)
     counts = [rng.randint(1, 6) for _ in range(16)]
     src, dst = _scattered(rng, 128, counts), _scattered(rng, 128, counts)
     requests = [(f"req-{i}", 4 * n - rng.randint(0, 3), s) for i, (n, s) in enumerate(zip(counts, src))]
-    proc, results = _producer(connector_kind, redis_url, lay, requests, num_blocks=128)
-    side, pool = _consumer(connector_kind, redis_url, lay, num_blocks=128)
+    proc, results = _producer(connector_kind, redis_url, lay, requests, num_blocks=128, device=producer_device)
+    side, pool = _consumer(connector_kind, redis_url, lay, num_blocks=128, device=consumer_device)
     try:
         order = list(range(len(requests)))
         rng.shuffle(order)
@@ -120,6 +126,29 @@ def test_many_in_flight_complete_out_of_order(connector_kind, redis_url):
                 rid, t, s = requests[i]
                 _check(pool, lay, rid, dst[i], len(s), hidden[rows], t)
         assert results.get(timeout=30)[1] == {r: s for r, _, s in requests}
+    finally:
+        side.close()
+        proc.join(30)
+        proc.kill()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hidden_states_wider_than_the_direct_word_arrive_whole(connector_kind, redis_url, device):
+    """A real model's hidden states (Llama-3-8B: 8 KiB a token) pass INLINE_MAX at a few tokens: over shared
+    memory they lie in the hold board's hidden area, beside a pool that is a memfd or, on CUDA, read by IPC."""
+    producer_device, consumer_device = _devices(connector_kind, device)
+    lay, width = peer.layout(DType.BFLOAT16, 2, 16), 2048
+    requests = [("wide-1", 40, [3, 9, 4]), ("wide-2", 9, [11])]  # 320 KiB and 72 KiB of hidden states
+    proc, results = _producer(connector_kind, redis_url, lay, requests, device=producer_device, hidden_width=width)
+    side, pool = _consumer(connector_kind, redis_url, lay, device=consumer_device)
+    try:
+        for (rid, tokens, src), dst in zip(requests, ([20, 21, 22], [30])):
+            mi = ModelInput([SequenceInput(rid, [0] * tokens, 0, dst)])
+            hidden, bypass, _ = side.connector.recv_kv_caches_and_hidden_states(None, mi, pool.kv_caches)
+            assert bypass is True
+            _check(pool, lay, rid, dst, len(src), hidden, tokens, width=width)
+        side.connector.after_step(idle=True)  # reads with no claim are told now: the producer releases
+        assert results.get(timeout=30) == ("released", {r: s for r, _, s in requests})
     finally:
         side.close()
         proc.join(30)

@@ -172,6 +172,7 @@ def test_batches_stop_at_max_bytes_and_resume_mid_piece():
     assert stream.done and stream.moved_any
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_parts_pass_through_the_staging_buffer_in_chunks():
     rng = random.Random(2)

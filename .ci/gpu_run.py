@@ -1,0 +1,283 @@
+"""`.ci/gpu run`: on a lent GPU machine, install kvwire from `.gpu/` and measure every CUDA path in one go.
+
+Run from the repository root with `.gpu/` (made by `.ci/gpu pack`) carried. Lifecycle:
+
+1. Preflight, in seconds: an NVIDIA device that torch sees (else it stops, exit 2, naming what is missing) and
+   a `.gpu/manifest.json` packed for this interpreter.
+2. install: a venv under VENV made with `--system-site-packages`; where `python3` is itself a venv (the GPU
+   image's is /opt/torch/.venv) its site-packages are added by a .pth, since a venv made from a venv sees
+   only the base interpreter's. Then `.gpu/wheels/*` with `--no-index`, kvwire editable, `pip check`.
+3. bench, demo, tests: each a subprocess in its own session, killed at its time limit; the last step gets
+   whatever is left of `--budget-s`, so the whole run ends inside one device call (600 s).
+4. `$OUT/gpu-report.md` (device, driver, torch, commit, every test count and bench row) is rewritten after
+   every step, so a run cut short still leaves what it measured; each step's output is `$OUT/<step>.log`.
+
+`--rehearse` runs the same steps on a machine with no GPU (bench and demo on the CPU, the GPU tests
+skipping), to check this command itself; its report says so in its title.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import site
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_report import Report, StepResult  # noqa: E402 - a sibling script, not a package
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = Path(os.environ.get("KVWIRE_GPU_VENV", "/tmp/kvwire-gpu/venv"))
+BUDGET_S = 560  # one device call runs 600 s at most; a step past its limit gets GRACE_S more
+# Test paths whose modules need a package `.ci/gpu pack` may leave out: skipped, and the report says so.
+NEEDS = {"kubernetes-validate": ["tests/deploy"]}
+# `kvwire bench transfer`: (token counts, one run each, in order; the other options)
+BENCH = ([128, 2048, 16384], ["--layouts", "scattered", "--pools", "kvwire,vllm",
+                              "--methods", "limit-memcpy,ucx,shm,tcp,auto", "--runs", "3", "--warmup", "1"])
+BENCH_REHEARSAL = ([128, 2048], ["--layouts", "scattered", "--pools", "kvwire,vllm",
+                                 "--methods", "limit-memcpy,ucx,shm,tcp,auto", "--runs", "1", "--warmup", "0"])
+GRACE_S = 15  # a step past its limit gets SIGINT (pytest then writes its JUnit XML), then SIGKILL after this
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    argv: list[str]
+    limit_s: float
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def main() -> int:
+    args = _args()
+    out = Path(args.out or os.environ.get("OUT") or ROOT / ".gpu" / "out").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    if not args.rehearse and (missing := _missing_device()):
+        print(f".ci/gpu run: {missing}. It measures kvwire's CUDA paths and needs an NVIDIA GPU; "
+              "`--rehearse` runs its steps on the CPU to check the command itself.", file=sys.stderr)
+        return 2
+    manifest = _manifest()
+    report = Report(out / "gpu-report.md", rehearsal=args.rehearse, commit=_commit(args.commit, manifest),
+                    manifest=manifest)
+    report.add(_install(out, manifest))
+    if report.steps[-1].ok:
+        report.facts = _facts()
+        report.write()
+        for step in _steps(args.rehearse, out, manifest):
+            left = args.budget_s - (time.monotonic() - started)
+            if left < 20:
+                report.add(StepResult(step.name, ok=False, seconds=0.0, note="not run: the time budget was spent"))
+                continue
+            report.add(_run(step, out, min(step.limit_s, left)))
+    report.write()
+    print(report.text())
+    print(f"\n.ci/gpu run: {time.monotonic() - started:.0f} s; report and logs in {out}")
+    return 0 if all(s.ok for s in report.steps) else 1
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=".ci/gpu run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="where logs and gpu-report.md go ($OUT, else .gpu/out)")
+    p.add_argument("--commit", help="the commit under test, where the tree came without .git (the device tool's)")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help=f"the whole run's time ({BUDGET_S} s)")
+    p.add_argument("--rehearse", action="store_true", help="no GPU: the same steps on the CPU, to check this "
+                   "command (pack with `.ci/gpu pack --python` this interpreter's version first)")
+    return p.parse_args()
+
+
+def _missing_device() -> str | None:
+    """Why this machine cannot run the GPU steps, or None; a quick look before torch's slow import."""
+    if not Path("/dev/nvidia0").exists() and shutil.which("nvidia-smi") is None:
+        return "no CUDA device on this machine (no /dev/nvidia0, no nvidia-smi)"
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__, "
+                            "torch.cuda.is_available() and torch.cuda.device_count())"],
+                           capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        return f"{sys.executable} cannot import torch: {probe.stderr.strip().splitlines()[-1:]}"
+    version, count = probe.stdout.split()
+    if count in ("False", "0"):
+        return f"torch {version} sees no CUDA device (torch.cuda.is_available() is False)"
+    return None
+
+
+def _manifest() -> dict:
+    path = ROOT / ".gpu" / "manifest.json"
+    if not path.exists():
+        sys.exit(f".ci/gpu run: {path} is missing: run `.ci/gpu pack` where the registries are, and carry .gpu")
+    manifest = json.loads(path.read_text())
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if manifest["python"] != here:
+        sys.exit(f".ci/gpu run: .gpu/ holds wheels for CPython {manifest['python']}, this python3 is {here}: "
+                 f"`.ci/gpu pack --python {here}`")
+    return manifest
+
+
+def _commit(given: str | None, manifest: dict) -> str:
+    if given:
+        return given
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        return head.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
+    return f"unknown: no .git here and no --commit (.gpu packed at {manifest.get('commit')})"
+
+
+def _install(out: Path, manifest: dict) -> StepResult:
+    """The venv: the image's packages visible, .gpu's wheels and kvwire installed, `pip check` kept."""
+    start = time.monotonic()
+    py = str(VENV / "bin" / "python")
+    wheels = sorted(str(p) for p in (ROOT / ".gpu" / "wheels").glob("*.whl"))
+    log = out / "install.log"
+    with open(log, "w") as f:
+        pip = _make_venv(py, f)
+        ok = pip is not None and _logged(pip + ["install", "--no-index", "--no-deps", "--no-compile", *wheels], f)
+        pip = pip or [py, "-m", "pip"]
+        how = "editable"
+        if ok and not _logged(pip + ["install", "--no-index", "--no-deps", "--no-build-isolation", "-e", str(ROOT)],
+                              f):
+            how = "a .pth view (the editable install failed: install.log)"
+            view = VENV / "kvwire-view"
+            view.mkdir()
+            (view / "kvwire").symlink_to(ROOT)
+            Path(_purelib(py), "_kvwire_view.pth").write_text(f"{view}\n")
+        check = subprocess.run(pip + ["check"], capture_output=True, text=True)
+        f.write(f"$ pip check\n{check.stdout}{check.stderr}")
+        ok = ok and _logged([py, "-c", "import kvwire.connectors.factory, kvwire.cli.main, torch, ucxx"], f)
+    ours = {"kvwire"} | {p["name"].lower().replace("_", "-") for p in manifest["packed"]}
+    lines = [line for line in check.stdout.splitlines() if line.strip() and "No broken" not in line]
+    problems = [line for line in lines if any(name in line.lower().replace("_", "-") for name in ours)]
+    extra = len(lines) - len(problems)
+    others = f" ({extra} more among the image's own packages)" if extra else ""
+    note = (f"{len(wheels)} wheels from .gpu ({sum(p['bytes'] for p in manifest['packed']) / 2**20:.1f} MiB); "
+            f"kvwire {how}; pip check: " + ("; ".join(problems) or "nothing of kvwire's broken") + others)
+    return StepResult("install", ok=ok, seconds=time.monotonic() - start, note=note, log=log.name)
+
+
+def _make_venv(py: str, f) -> list[str] | None:
+    """A fresh venv at VENV that sees this interpreter's packages (torch above all); the pip that installs
+    into it (this interpreter's, `--python`, where the base interpreter has no ensurepip), or None."""
+    shutil.rmtree(VENV, ignore_errors=True)
+    make = [sys.executable, "-m", "venv", "--system-site-packages", str(VENV)]
+    pip = [py, "-m", "pip", "--disable-pip-version-check"]
+    if not _logged(make, f):
+        shutil.rmtree(VENV, ignore_errors=True)
+        if not _logged(make + ["--without-pip"], f):
+            return None
+        pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--python", py]
+    purelib = _purelib(py)
+    if sys.prefix != sys.base_prefix:  # python3 is a venv: a venv made from it sees the base's packages only
+        Path(purelib, "_image_site.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+        f.write(f"# {sys.executable} is a venv: its site-packages added by {purelib}/_image_site.pth\n")
+    if Path(purelib, "setuptools").exists():  # CPython < 3.12 seeds an old one; the image's builds kvwire (>= 68)
+        return pip if _logged(pip + ["uninstall", "--yes", "setuptools"], f) else None
+    return pip
+
+
+def _purelib(py: str) -> str:
+    return subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _logged(cmd: list[str], f) -> bool:
+    f.write(f"$ {' '.join(cmd)}\n")
+    f.flush()
+    return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode == 0
+
+
+def _facts() -> dict:
+    """Device, driver, torch, CUDA, UCX: what the report's head says."""
+    code = """if True:
+        import importlib.util, json, platform, torch
+        facts = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            facts |= {"gpus": torch.cuda.device_count(), "gpu": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
+                      "capability": f"{p.major}.{p.minor}", "sms": p.multi_processor_count}
+        import ucxx
+        facts |= {"ucxx": ucxx.__version__, "ucx": ".".join(map(str, ucxx.get_ucx_version())),
+                  "pytest_timeout": importlib.util.find_spec("pytest_timeout") is not None}
+        print(json.dumps(facts))"""
+    done = subprocess.run([str(VENV / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=120)
+    facts = json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr.strip()[-500:]}
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                         capture_output=True, text=True) if shutil.which("nvidia-smi") else None
+    facts["nvidia_smi"] = smi.stdout.strip() if smi is not None and smi.returncode == 0 else "not available"
+    facts["cores"] = os.cpu_count()
+    facts["date"] = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return facts
+
+
+def _steps(rehearse: bool, out: Path, manifest: dict) -> list[Step]:
+    """bench (one run per size, so a cut-short step keeps the sizes done), demo, then the tests."""
+    py = str(VENV / "bin" / "python")
+    kvwire = [py, "-m", "kvwire.cli.main"]
+    sizes, bench_args = (BENCH_REHEARSAL if rehearse else BENCH)
+    one_size = shlex.join(kvwire + ["bench", "transfer", "--device", "cpu" if rehearse else "cuda", *bench_args])
+    bench = ["bash", "-c", f"rc=0; for t in {' '.join(map(str, sizes))}; do {one_size} --tokens $t || rc=1; done; "
+             "exit $rc"]
+    demo = kvwire + ["demo", "--device", "cpu" if rehearse else "cuda:0"]
+    left_out = {g["group"] for g in manifest["left_out"]}
+    ignores = [arg for pkg, paths in NEEDS.items() if pkg in left_out for path in paths for arg in ("--ignore", path)]
+    timeout = ["--timeout", "180"] if _has_pytest_timeout(py) else []
+    tests = [py, "-m", "pytest", "tests", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
+             "--continue-on-collection-errors", f"--junitxml={out / 'tests.xml'}", *timeout, *ignores]
+    return [Step("bench", bench, 240), Step("demo", demo, 90), Step("tests", tests, BUDGET_S)]
+
+
+def _has_pytest_timeout(py: str) -> bool:
+    return subprocess.run([py, "-c", "import pytest_timeout"], capture_output=True).returncode == 0
+
+
+def _run(step: Step, out: Path, limit_s: float) -> StepResult:
+    """`step` in its own session, stdout and stderr kept apart; at `limit_s` interrupted, then killed."""
+    start = time.monotonic()
+    log = out / f"{step.name}.log"
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        proc = subprocess.Popen(step.argv, cwd=ROOT, stdout=stdout, stderr=stderr, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **step.env})
+        rc = _wait(proc, limit_s)
+        _kill_group(proc.pid, signal.SIGKILL)  # whatever the step left running
+        stdout.seek(0)
+        stderr.seek(0)
+        text, err = stdout.read(), stderr.read()
+    log.write_text(f"$ {shlex.join(step.argv)}\n{text}\n--- stderr ---\n{err}")
+    seconds = time.monotonic() - start
+    note = f"stopped at its {limit_s:.0f} s limit" if rc is None else f"exit {rc}"
+    print(f"[{step.name}] {note} after {seconds:.0f} s", flush=True)
+    return StepResult(step.name, ok=rc == 0, seconds=seconds, note=note, log=log.name, stdout=text)
+
+
+def _wait(proc: subprocess.Popen, limit_s: float) -> int | None:
+    """The exit status, or None once the step was stopped at its limit."""
+    try:
+        return proc.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=GRACE_S)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+        return None
+
+
+def _kill_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
