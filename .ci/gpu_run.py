@@ -46,6 +46,7 @@ BENCH = ([128, 2048, 16384], ["--layouts", "scattered", "--pools", "kvwire,vllm"
                               "--methods", "limit-memcpy,ucx,shm,tcp,auto", "--runs", "3", "--warmup", "1"])
 BENCH_REHEARSAL = ([128, 2048], ["--layouts", "scattered", "--pools", "kvwire,vllm",
                                  "--methods", "limit-memcpy,ucx,shm,tcp,auto", "--runs", "1", "--warmup", "0"])
+STEPS = ("bench", "demo", "tests")
 GRACE_S = 15  # a step past its limit gets SIGINT (pytest then writes its JUnit XML), then SIGKILL after this
 
 
@@ -73,7 +74,7 @@ def main() -> int:
     if report.steps[-1].ok:
         report.facts = _facts()
         report.write()
-        for step in _steps(args.rehearse, out, manifest):
+        for step in [s for s in _steps(args.rehearse, out, manifest) if s.name in args.steps]:
             left = args.budget_s - (time.monotonic() - started)
             if left < 20:
                 report.add(StepResult(step.name, ok=False, seconds=0.0, note="not run: the time budget was spent"))
@@ -90,9 +91,15 @@ def _args() -> argparse.Namespace:
     p.add_argument("--out", help="where logs and gpu-report.md go ($OUT, else .gpu/out)")
     p.add_argument("--commit", help="the commit under test, where the tree came without .git (the device tool's)")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help=f"the whole run's time ({BUDGET_S} s)")
+    p.add_argument("--steps", type=lambda v: v.split(","), default=list(STEPS),
+                   help=f"which of {','.join(STEPS)} to run after the install, in that order (all); to finish, in "
+                   "a second device call, what a first one's budget cut short")
     p.add_argument("--rehearse", action="store_true", help="no GPU: the same steps on the CPU, to check this "
                    "command (pack with `.ci/gpu pack --python` this interpreter's version first)")
-    return p.parse_args()
+    args = p.parse_args()
+    if unknown := set(args.steps) - set(STEPS):
+        p.error(f"--steps: no step {', '.join(sorted(unknown))} (of {', '.join(STEPS)})")
+    return args
 
 
 def _missing_device() -> str | None:
