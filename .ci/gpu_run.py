@@ -47,6 +47,7 @@ BENCH = ([128, 2048, 16384], ["--layouts", "scattered", "--pools", "kvwire,vllm"
 BENCH_REHEARSAL = ([128, 2048], ["--layouts", "scattered", "--pools", "kvwire,vllm",
                                  "--methods", "limit-memcpy,ucx,shm,tcp,auto", "--runs", "1", "--warmup", "0"])
 STEPS = ("bench", "demo", "tests")
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # the GPU machine reaches nothing outside
 GRACE_S = 15  # a step past its limit gets SIGINT (pytest then writes its JUnit XML), then SIGKILL after this
 
 
@@ -71,9 +72,9 @@ def main() -> int:
     report = Report(out / "gpu-report.md", rehearsal=args.rehearse, commit=_commit(args.commit, manifest),
                     manifest=manifest)
     report.add(_install(out, manifest))
+    report.facts = _facts()
+    report.write()
     if report.steps[-1].ok:
-        report.facts = _facts()
-        report.write()
         for step in [s for s in _steps(args.rehearse, out, manifest) if s.name in args.steps]:
             left = args.budget_s - (time.monotonic() - started)
             if left < 20:
@@ -132,6 +133,8 @@ def _manifest() -> dict:
 def _commit(given: str | None, manifest: dict) -> str:
     if given:
         return given
+    if shutil.which("git") is None:
+        return f"unknown: no git here and no --commit (.gpu packed at {manifest.get('commit')})"
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     if head.returncode == 0:
         dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
@@ -205,17 +208,21 @@ def _logged(cmd: list[str], f) -> bool:
 def _facts() -> dict:
     """Device, driver, torch, CUDA, UCX: what the report's head says."""
     code = """if True:
-        import importlib.util, json, platform, torch
+        import json, platform, torch
         facts = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
         if torch.cuda.is_available():
             p = torch.cuda.get_device_properties(0)
             facts |= {"gpus": torch.cuda.device_count(), "gpu": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
                       "capability": f"{p.major}.{p.minor}", "sms": p.multi_processor_count}
-        import ucxx
-        facts |= {"ucxx": ucxx.__version__, "ucx": ".".join(map(str, ucxx.get_ucx_version())),
-                  "pytest_timeout": importlib.util.find_spec("pytest_timeout") is not None}
+        try:
+            import ucxx
+            facts |= {"ucxx": ucxx.__version__, "ucx": ".".join(map(str, ucxx.get_ucx_version()))}
+        except Exception as exc:
+            facts |= {"ucxx": f"does not import: {exc}", "ucx": "-"}
         print(json.dumps(facts))"""
-    done = subprocess.run([str(VENV / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=120)
+    py = VENV / "bin" / "python"
+    done = subprocess.run([str(py) if py.exists() else sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
     facts = json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr.strip()[-500:]}
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
                          capture_output=True, text=True) if shutil.which("nvidia-smi") else None
@@ -252,7 +259,7 @@ def _run(step: Step, out: Path, limit_s: float) -> StepResult:
     log = out / f"{step.name}.log"
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         proc = subprocess.Popen(step.argv, cwd=ROOT, stdout=stdout, stderr=stderr, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", **step.env})
+                                env={**os.environ, **OFFLINE, "PYTHONUNBUFFERED": "1", **step.env})
         rc = _wait(proc, limit_s)
         _kill_group(proc.pid, signal.SIGKILL)  # whatever the step left running
         stdout.seek(0)

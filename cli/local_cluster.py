@@ -57,6 +57,7 @@ class ClusterSpec:
     request_timeout_s: float | None = None  # the router's --request-timeout; None: its default
     served_model_names: tuple[str, ...] = ()  # the router's --served-model-name; empty: the checkpoint's name
     lenient: bool = False  # the router's --lenient: unknown request fields dropped, not refused
+    require_fast_path: bool = False  # the decode node's --require-fast-path: a same-host slow path is refused
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -139,7 +140,8 @@ class LocalCluster:
                 "--num-blocks", str(s.num_blocks), "--kv-deadline", str(s.kv_deadline_s),
                 "--device", s.prefill_device if role == "prefill" else s.decode_device, "--log-level", s.log_level,
                 "--http-port", str(self.http_ports[role]), *self._auth_args(),
-                *(["--layerwise"] if s.layerwise and role == "prefill" else [])]
+                *(["--layerwise"] if s.layerwise and role == "prefill" else []),
+                *(["--require-fast-path"] if s.require_fast_path and role == "decode" else [])]
 
     def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         """Start `python -m kvwire.cli.main ARGS` as a supervised child named `name`."""
