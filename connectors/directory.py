@@ -57,7 +57,7 @@ from kvwire.connectors.directory_scripts import (
     LUA_PUT_NODE,
     LUA_TRANSITION,
 )
-from kvwire.connectors.wire import KVLocation, NodeInfo, WireError, decode, encode
+from kvwire.connectors.wire import KVLocation, NodeEngine, NodeInfo, WireError, decode, encode
 from kvwire.observability.labels import DirectoryOp
 from kvwire.observability.metrics import Metrics, process_metrics
 
@@ -483,12 +483,15 @@ class KVDirectory:
             raise DirectoryError(f"unreadable record of node {node_id}: {exc}", peer=self.peer) from exc
 
     @_timed(DirectoryOp.LIVE_NODES)
-    def live_nodes(self, role: NodeRole | None = None, *, include_draining: bool = False) -> list[NodeInfo]:
+    def live_nodes(self, role: NodeRole | None = None, *, include_draining: bool = False,
+                   engine: NodeEngine | None = NodeEngine.KVWIRE) -> list[NodeInfo]:
         """Registered nodes, of `role` if given, sorted by node_id; unreadable records are skipped.
 
         Args:
             role: only nodes of this role; every role when None.
             include_draining: also list nodes that are shutting down (they take no new work).
+            engine: only nodes behind which this engine serves (kvwire's own, by default: those take
+                PrefillWork / DecodeWork); every engine when None.
         """
         with self._errors("live_nodes"):
             keys = list(self._redis.scan_iter(match=f"{self.namespace}:node:*", count=500))
@@ -500,7 +503,9 @@ class KVDirectory:
             except WireError as exc:
                 logger.warning("skipping unreadable node record %s: %s", key.decode(errors="replace"), exc)
                 continue
-            if info is not None and (role is None or info.role == role) and (include_draining or not info.draining):
+            if info is None or (engine is not None and info.engine != engine):
+                continue
+            if (role is None or info.role == role) and (include_draining or not info.draining):
                 nodes.append(info)
         return sorted(nodes, key=lambda n: n.node_id)
 

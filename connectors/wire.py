@@ -48,6 +48,14 @@ class TensorDesc(msgspec.Struct, frozen=True, array_like=True):
     shape: tuple[int, ...]
 
 
+class NodeEngine(enum.StrEnum):
+    """What serves behind a registered node id: one of kvwire's own nodes, or a vLLM server's worker rank
+    (kvwire.connectors.vllm; routers of kvwire's own nodes never send work to it)."""
+
+    KVWIRE = "kvwire"
+    VLLM = "vllm"
+
+
 class _Msg(msgspec.Struct, frozen=True, tag=True, tag_field="type", kw_only=True):
     pass
 
@@ -145,6 +153,9 @@ class NodeInfo(_Msg, tag="node", frozen=True):
     heartbeat_at: float = 0.0  # wall-clock time (time.time()) of the beat that wrote this; 0: unknown
     draining: bool = False  # shutting down: finishing what it holds, taking no new work (routers skip it)
     transport_checks: list[TransportCheck] = []  # its start-up transport self-test, one per transport served
+    engine: NodeEngine = NodeEngine.KVWIRE
+    host: str = ""  # host_identity() of the process behind the id ("": an older node)
+    pid: int = 0  # its process id there (0: an older node)
 
 
 # --- transfer side channel ---------------------------------------------------------------

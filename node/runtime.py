@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from kvwire.connectors.directory import KVDirectory
 from kvwire.connectors.factory import create_transport
 from kvwire.connectors.framing import unpack
 from kvwire.connectors.heartbeat import Heartbeat
+from kvwire.connectors.host import host_identity
 from kvwire.connectors.self_test import run_self_test
 from kvwire.connectors.sockets import limit_receive
 from kvwire.connectors.transport import Transport
@@ -143,7 +145,8 @@ class NodeRuntime:
         return NodeInfo(node_id=self.config.node_id, role=NodeRole(self.config.connector.role), epoch=self.epoch,
                         work_endpoint=self.work_endpoint, connector=self.config.connector.kind,
                         free_blocks=self.allocator.num_free, total_blocks=self.allocator.num_blocks,
-                        queue_depth=load.queue_depth, running=load.running, transport_checks=self.transport_checks)
+                        queue_depth=load.queue_depth, running=load.running, transport_checks=self.transport_checks,
+                        host=host_identity(), pid=os.getpid())
 
     def is_ready(self) -> bool:
         """Whether the transport self-test passed and the directory lists this incarnation, not draining.

@@ -8,7 +8,7 @@ import msgspec
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory import AgedEntry, KVDirectory, TransferState
-from kvwire.connectors.wire import NodeInfo, TransportCheck
+from kvwire.connectors.wire import NodeEngine, NodeInfo, TransportCheck
 
 
 class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -16,7 +16,7 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
 
     node_id: str
     role: NodeRole
-    address: str  # zmq work endpoint
+    address: str  # zmq work endpoint; a vLLM server's rank: "vllm pid P on HOST"
     connector: ConnectorKind
     epoch: int
     queue_depth: int
@@ -26,6 +26,7 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_age_s: float | None  # None: the node's heartbeats carry no time (an older node)
     draining: bool = False  # shutting down: finishing what it holds, taking no new work
     transport_checks: list[TransportCheck] = []  # its start-up self-test (empty: an older node)
+    engine: NodeEngine = NodeEngine.KVWIRE
 
 
 class TransferStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,10 +47,11 @@ class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):
 
 def node_status(info: NodeInfo, now: float) -> NodeStatus:
     age = max(0.0, now - info.heartbeat_at) if info.heartbeat_at else None
-    return NodeStatus(node_id=info.node_id, role=info.role, address=info.work_endpoint, connector=info.connector,
+    address = info.work_endpoint or f"{info.engine} pid {info.pid} on {info.host.split('/', 1)[0] or '?'}"
+    return NodeStatus(node_id=info.node_id, role=info.role, address=address, connector=info.connector,
                       epoch=info.epoch, queue_depth=info.queue_depth, running=info.running,
                       free_blocks=info.free_blocks, total_blocks=info.total_blocks, heartbeat_age_s=age,
-                      draining=info.draining, transport_checks=info.transport_checks)
+                      draining=info.draining, transport_checks=info.transport_checks, engine=info.engine)
 
 
 def transfer_status(aged: AgedEntry) -> TransferStatus:
@@ -67,7 +69,7 @@ def read_status(directory: KVDirectory, now: float | None = None) -> ClusterStat
         DirectoryError: the directory cannot be reached.
     """
     now = time.time() if now is None else now
-    nodes = [node_status(info, now) for info in directory.live_nodes(include_draining=True)]
+    nodes = [node_status(info, now) for info in directory.live_nodes(include_draining=True, engine=None)]
     transfers = [transfer_status(aged) for aged in directory.entries_with_age()]
     return ClusterStatus(directory=directory.peer, nodes=nodes, transfers=transfers)
 
@@ -90,11 +92,18 @@ def _paths(checks: list[TransportCheck]) -> str:
     return " ".join(f"{c.transport}:{c.path if c.ok else 'FAILED'}" for c in checks) or "-"
 
 
+def _load(n: NodeStatus) -> list[str]:
+    """QUEUED, RUNNING, FREE BLOCKS; a vLLM server's rank knows its pool's size only (vLLM's own /metrics
+    has the rest)."""
+    if n.engine == NodeEngine.VLLM:
+        return ["-", "-", f"-/{n.total_blocks}"]
+    return [str(n.queue_depth), str(n.running), f"{n.free_blocks}/{n.total_blocks}"]
+
+
 def render(status: ClusterStatus) -> str:
     """The status as two plain-text tables: live nodes, then request entries."""
     node_rows = [[n.node_id, f"{n.role} (draining)" if n.draining else str(n.role), n.address, str(n.connector),
-                  str(n.epoch), str(n.queue_depth), str(n.running), f"{n.free_blocks}/{n.total_blocks}",
-                  _age(n.heartbeat_age_s), _paths(n.transport_checks)] for n in status.nodes]
+                  str(n.epoch), *_load(n), _age(n.heartbeat_age_s), _paths(n.transport_checks)] for n in status.nodes]
     transfer_rows = [[t.request_id, str(t.state), t.producer, _age(t.age_s), t.reason] for t in status.transfers]
     lines = [f"directory {status.directory}", "", f"nodes ({len(status.nodes)} live)"]
     lines += _table(["NODE", "ROLE", "ADDRESS", "CONNECTOR", "EPOCH", "QUEUED", "RUNNING", "FREE BLOCKS",

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from kvwire.connectors.vllm.identity import EngineShape
 from kvwire.connectors.vllm.metadata import KvwireMetadata
 from kvwire.connectors.vllm.scheduler import SchedulerHalf
 from kvwire.connectors.vllm.settings import VLLMSettings
@@ -40,7 +41,7 @@ class KvwireConnector(KVConnectorBase_V1):
         _log_like_vllm()
         transfer = self._kv_transfer_config
         self.settings = VLLMSettings.parse(transfer.kv_role, transfer.kv_connector_extra_config or {},
-                                           transfer.kv_port)
+                                           EngineShape.of(vllm_config))
         _insist_on_recompute(transfer)
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError("kvwire moves models with one KV cache group (no hybrid attention) for now")

@@ -19,6 +19,7 @@ from typing import Any
 
 from kvwire.connectors.advertise import advertise_host
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
+from kvwire.connectors.vllm.identity import EngineShape, node_id_of, refuse_shape
 
 
 class KVRole(enum.StrEnum):
@@ -45,8 +46,9 @@ class VLLMSettings:
         role: vLLM's kv_role.
         redis_url: kvwire's directory.
         transport: how KV moves (any kvwire transport name).
-        node_id: this instance's name in the directory; a restart under the same name fences
-            off what the earlier incarnation published. Default: `vllm-<hostname>-<kv_port>`.
+        node_id: this engine's name in the directory (identity.py); a restart under the same name fences
+            off what the earlier incarnation published. Default: `vllm-<hostname>-<engine id>`, unique per
+            server; a given one gets `-dp<rank>` on a data-parallel server.
         host: the address this instance's transfer servers bind (a wildcard, 0.0.0.0, needs advertise_host
             or picks the source address of the route to Redis: connectors/advertise.py).
         advertise_host: the address peers reach them at, published in the directory; "": as picked above.
@@ -67,8 +69,10 @@ class VLLMSettings:
     pull_lanes: int = 2
 
     @classmethod
-    def parse(cls, kv_role: str | None, extra: dict[str, Any], kv_port: int) -> VLLMSettings:
-        """Raises: ValueError naming the key that is missing, unknown or malformed."""
+    def parse(cls, kv_role: str | None, extra: dict[str, Any], engine: EngineShape) -> VLLMSettings:
+        """Raises: ValueError naming the key that is missing, unknown or malformed, or a server shape kvwire
+        does not serve (identity.py)."""
+        refuse_shape(engine)
         known = {"redis_url", "transport", "node_id", "host", "advertise_host", "kv_deadline_s", "entry_ttl_s",
                  "pull_lanes"}
         unknown = sorted(set(extra) - known)
@@ -78,7 +82,7 @@ class VLLMSettings:
             raise ValueError("kvwire: kv_connector_extra_config needs \"redis_url\": \"redis://HOST:PORT/DB\"")
         role = _enum(KVRole, kv_role, "kv_role")
         transport = _enum(ConnectorKind, extra.get("transport", "ucx"), "transport")
-        node_id = str(extra.get("node_id") or f"vllm-{socket.gethostname()}-{kv_port}")
+        node_id = node_id_of(str(extra.get("node_id") or ""), engine, socket.gethostname())
         try:
             numbers = {k: float(extra[k]) for k in ("kv_deadline_s", "entry_ttl_s") if k in extra}
             lanes = int(extra.get("pull_lanes", 2))

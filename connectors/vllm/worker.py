@@ -1,37 +1,44 @@
 """The connector's worker half: kvwire's producer and consumer over vLLM's own KV tensors.
 
 1. `register` (vLLM's register_kv_caches): describe the per-layer tensors as planes
-   (layout.py), open the directory, take an epoch for this node id (fencing off what an
-   earlier incarnation published), and build a `KVProducer` and/or a `KVConsumer` over them.
+   (layout.py), open the directory, refuse a node id a live server holds (identity.py), take
+   an epoch for it (fencing off what an earlier incarnation published), build a `KVProducer`
+   and/or a `KVConsumer` over them, and register with a heartbeat (`kvwire status` lists it;
+   the beats keep the epoch counter alive).
 2. Each step, `start` (vLLM's start_load_kv) takes the scheduler's metadata: holds and
    announces finished prompts (producer), starts waiting for the KV of parked requests
    (consumer). A request's pull runs on the pull thread once its location is known.
 3. `transfer_results` (each step): requests whose held KV was pulled or whose hold lapsed
    (vLLM frees their blocks now), requests whose pull ended; a failed pull's request is
    reported failed and its blocks as load errors, so vLLM recomputes its prompt.
-4. `close` (vLLM's shutdown): stop pulls, release what is held, close the directory.
+4. `close` (vLLM's shutdown): deregister, stop pulls, release what is held, close the directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
 import torch
 
 from kvwire.connectors.base import TransferError
-from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.config import ConnectorConfig, ConnectorKind
 from kvwire.connectors.consumer import KVConsumer
 from kvwire.connectors.directory import DirectoryError, KVDirectory
 from kvwire.connectors.factory import create_transport
+from kvwire.connectors.heartbeat import Heartbeat
+from kvwire.connectors.host import host_identity
 from kvwire.connectors.producer import KVProducer
+from kvwire.connectors.vllm.identity import refuse_live_duplicate
 from kvwire.connectors.vllm.layout import region_of
 from kvwire.connectors.vllm.metadata import KvwireMetadata, Pull
 from kvwire.connectors.vllm.settings import VLLMSettings
+from kvwire.connectors.wire import NodeEngine, NodeInfo
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +58,8 @@ class WorkerHalf:
         self._bad_blocks: set[int] = set()  # consumer: blocks of failed pulls
         self._waiting: dict[str, tuple[str, Pull]] = {}  # producer's request id -> (ours, what to pull)
         self._pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwire-pull")
-        self._epoch_kept = 0.0
         self._epoch = 0
+        self._heartbeat: Heartbeat | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Raises: ValueError for a KV layout or transport kvwire cannot serve; DirectoryError."""
@@ -69,6 +76,7 @@ class WorkerHalf:
         with ExitStack() as undo:
             self._directory = directory = KVDirectory(config.redis_url, entry_ttl_s=config.entry_ttl_s)
             undo.callback(directory.close)
+            refuse_live_duplicate(directory, config.node_id)
             self._epoch = epoch = directory.next_epoch(config.node_id)
             if self._settings.role.produces:
                 self._producer = KVProducer(config, directory, epoch, create_transport(config, epoch), region,
@@ -77,13 +85,15 @@ class WorkerHalf:
             if self._settings.role.consumes:
                 self._consumer = KVConsumer(config, directory, create_transport(config, epoch), region,
                                             self._located)
+                undo.callback(self._consumer.close)
+            self._heartbeat = Heartbeat(directory, functools.partial(self._node_info, config, epoch))
+            self._heartbeat.start()  # registered: `kvwire status` lists it; its epoch counter is kept alive
             undo.pop_all()
         log.info("kvwire: node %s (epoch %d) serves %s over %s: %d layers, %d blocks of %d tokens, layout %s",
                  config.node_id, epoch, self._settings.role, config.kind, region.layout.num_layers,
                  self._num_blocks, self._block_size, region.layout.pool)
 
     def start(self, meta: KvwireMetadata) -> None:
-        self._keep_epoch()
         for rid, hold in meta.hold.items():
             self._hold(rid, hold.block_ids, hold.num_tokens)
         for rid, pull in meta.pull.items():
@@ -104,6 +114,12 @@ class WorkerHalf:
         return out
 
     def close(self) -> None:
+        if self._heartbeat is not None:
+            try:
+                self._heartbeat.stop()
+            except DirectoryError as exc:
+                log.warning("kvwire: node %s: cannot deregister (its registration expires): %s",
+                            self._settings.node_id, exc)
         self._pulls.shutdown(wait=True, cancel_futures=True)
         for role in (self._consumer, self._producer):
             if role is not None:
@@ -111,16 +127,10 @@ class WorkerHalf:
         if self._directory is not None:
             self._directory.close()
 
-    def _keep_epoch(self) -> None:
-        """Every entry_ttl_s / 3: the epoch counter outlives this incarnation's entries (fencing)."""
-        now = time.monotonic()
-        if self._directory is None or now - self._epoch_kept < self._settings.entry_ttl_s / 3:
-            return
-        self._epoch_kept = now
-        try:
-            self._directory.keep_epoch(self._settings.node_id, self._epoch)
-        except DirectoryError as exc:
-            log.warning("kvwire: node %s: cannot refresh its epoch: %s", self._settings.node_id, exc)
+    def _node_info(self, config: ConnectorConfig, epoch: int) -> NodeInfo:
+        return NodeInfo(node_id=config.node_id, role=config.role, epoch=epoch, work_endpoint="",
+                        connector=config.kind, free_blocks=0, total_blocks=self._num_blocks, engine=NodeEngine.VLLM,
+                        host=host_identity(), pid=os.getpid())
 
     # --- producer --------------------------------------------------------------------------
 

@@ -5,15 +5,17 @@ from __future__ import annotations
 import pytest
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.vllm.identity import EngineShape
 from kvwire.connectors.vllm.params import RemotePrefill, remote_params, wants_remote_decode
 from kvwire.connectors.vllm.settings import KVRole, VLLMSettings
 
 URL = "redis://127.0.0.1:6379/0"
+ONE = EngineShape("3f2a9c1e-0b7d-4c6e-9a51-2d8e4f6a7b90")  # what vLLM gives a server: a new uuid
 
 
 def test_settings_apply_every_key():
     s = VLLMSettings.parse("kv_consumer", {"redis_url": URL, "transport": "tcp", "node_id": "d0", "host": "10.0.0.2",
-                                           "kv_deadline_s": 5, "entry_ttl_s": 50, "pull_lanes": 4}, 14579)
+                                           "kv_deadline_s": 5, "entry_ttl_s": 50, "pull_lanes": 4}, ONE)
     config = s.connector_config()
     assert (config.kind, config.role, config.node_id, config.host) == (ConnectorKind.TCP, NodeRole.DECODE, "d0",
                                                                       "10.0.0.2")
@@ -21,10 +23,30 @@ def test_settings_apply_every_key():
     assert s.role == KVRole.CONSUMER and s.role.consumes and not s.role.produces
 
 
-def test_settings_defaults_name_the_node_after_host_and_kv_port():
-    s = VLLMSettings.parse("kv_both", {"redis_url": URL}, 14600)
-    assert s.transport == ConnectorKind.UCX and s.node_id.endswith("-14600")
+def test_settings_defaults_name_each_server_apart():
+    """vLLM's examples give no node_id: two servers on one host must still be two nodes."""
+    s = VLLMSettings.parse("kv_both", {"redis_url": URL}, ONE)
+    other = VLLMSettings.parse("kv_both", {"redis_url": URL}, EngineShape("9d0e4b2a-1c3f-4e5a-8b6c-7d8e9f0a1b2c"))
+    assert s.transport == ConnectorKind.UCX and s.node_id.startswith("vllm-") and s.node_id.endswith("-3f2a9c1e")
+    assert other.node_id != s.node_id
     assert s.role.produces and s.role.consumes
+
+
+def test_each_data_parallel_engine_is_its_own_node():
+    dp = [EngineShape(f"{ONE.engine_id}_dp{r}", data_parallel_size=2, data_parallel_rank=r) for r in (0, 1)]
+    assert [VLLMSettings.parse("kv_producer", {"redis_url": URL}, e).node_id[-12:] for e in dp] == \
+        ["3f2a9c1e_dp0", "3f2a9c1e_dp1"]  # vLLM's engine ids already name the rank
+    given = [VLLMSettings.parse("kv_producer", {"redis_url": URL, "node_id": "p"}, e).node_id for e in dp]
+    assert given == ["p-dp0", "p-dp1"]
+    assert VLLMSettings.parse("kv_producer", {"redis_url": URL, "node_id": "p"}, ONE).node_id == "p", \
+        "a given id is kept as it is: a restart under it fences its last incarnation"
+
+
+@pytest.mark.parametrize("shape", [EngineShape("e", tensor_parallel_size=2),
+                                   EngineShape("e", pipeline_parallel_size=2)], ids=["tp2", "pp2"])
+def test_tensor_and_pipeline_parallel_servers_are_refused_at_start_up(shape):
+    with pytest.raises(ValueError, match="moves the KV of TP=1, PP=1 servers only"):
+        VLLMSettings.parse("kv_producer", {"redis_url": URL}, shape)
 
 
 @pytest.mark.parametrize(("role", "extra", "match"), [
@@ -39,14 +61,14 @@ def test_settings_defaults_name_the_node_after_host_and_kv_port():
 ])
 def test_settings_refuse_what_they_do_not_do(role, extra, match):
     with pytest.raises(ValueError, match=match):
-        VLLMSettings.parse(role, extra, 14579)
+        VLLMSettings.parse(role, extra, ONE)
 
 
 def test_advertise_host_is_what_peers_are_told():
-    s = VLLMSettings.parse("kv_producer", {"redis_url": URL, "host": "0.0.0.0", "advertise_host": "10.1.2.3"}, 1)
+    s = VLLMSettings.parse("kv_producer", {"redis_url": URL, "host": "0.0.0.0", "advertise_host": "10.1.2.3"}, ONE)
     config = s.connector_config()
     assert (config.host, config.advertised_host) == ("0.0.0.0", "10.1.2.3")
-    assert VLLMSettings.parse("kv_producer", {"redis_url": URL}, 1).connector_config().advertised_host == "127.0.0.1"
+    assert VLLMSettings.parse("kv_producer", {"redis_url": URL}, ONE).connector_config().advertised_host == "127.0.0.1"
 
 
 def test_params_round_trip_from_producer_to_consumer():
@@ -66,22 +88,28 @@ def test_params_that_announce_no_usable_remote_prefill(params):
     assert RemotePrefill.of("req", params) is None
 
 
-def test_keep_epoch_keeps_the_counter_alive(redis_url):
-    """vLLM servers register no node (no heartbeat): the connector keeps its epoch counter alive itself."""
-    import redis
-
+def test_a_node_id_a_live_server_holds_is_refused_and_freed_when_it_stops(redis_url):
+    """Two servers given one node_id: the second is refused, naming the first, instead of fencing it."""
     from kvwire.connectors.directory import KVDirectory
+    from kvwire.connectors.heartbeat import Heartbeat
+    from kvwire.connectors.vllm.identity import refuse_live_duplicate
+    from kvwire.connectors.wire import NodeEngine, NodeInfo
 
-    directory, client = KVDirectory(redis_url, entry_ttl_s=1.0), redis.Redis.from_url(redis_url)
+    directory = KVDirectory(redis_url)
+    first = NodeInfo(node_id="shared", role=NodeRole.PREFILL, epoch=directory.next_epoch("shared"), work_endpoint="",
+                     connector=ConnectorKind.UCX, free_blocks=0, total_blocks=8, engine=NodeEngine.VLLM,
+                     host="host-a", pid=4242)
+    beat = Heartbeat(directory, lambda: first)
     try:
-        epoch = directory.next_epoch("vllm-n1")
-        key = next(iter(client.scan_iter("*epoch*vllm-n1")))
-        client.pexpire(key, 50)
-        directory.keep_epoch("vllm-n1", epoch)
-        assert client.pttl(key) > 1000
-        client.flushall()  # Redis lost its data: the counter comes back, and a new incarnation draws above it
-        directory.keep_epoch("vllm-n1", epoch)
-        assert directory.next_epoch("vllm-n1") == epoch + 1
+        refuse_live_duplicate(directory, "shared")  # nobody holds it yet
+        beat.start()
+        with pytest.raises(ValueError, match=r"'shared' is in use by a live server \(vllm prefill, pid 4242 on "
+                                             r"host-a, epoch 1, last heartbeat \d+\.\d s ago\)"):
+            refuse_live_duplicate(directory, "shared")
+        assert [n.node_id for n in directory.live_nodes()] == [], "kvwire's routers never see a vLLM rank"
+        assert [n.node_id for n in directory.live_nodes(engine=None)] == ["shared"]
+        beat.stop()
+        refuse_live_duplicate(directory, "shared")  # stopped: deregistered, the id is free again
     finally:
+        beat.stop()
         directory.close()
-        client.close()

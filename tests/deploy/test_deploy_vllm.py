@@ -104,7 +104,8 @@ def test_kvwire_connector_accepts_the_extra_config(objects):
     settings = pytest.importorskip("kvwire.connectors.vllm.settings")
     for name, role in ROLES.items():
         config = _kv_transfer_config(_pool(objects, name))
-        parsed = settings.VLLMSettings.parse(config["kv_role"], config["kv_connector_extra_config"], kv_port=14579)
+        engine = pytest.importorskip("kvwire.connectors.vllm.identity").EngineShape("00000000-0000-0000-0000-0")
+        parsed = settings.VLLMSettings.parse(config["kv_role"], config["kv_connector_extra_config"], engine)
         assert parsed.role == role and parsed.host == STAND_INS["POD_IP"] and parsed.transport == "ucx"
 
 

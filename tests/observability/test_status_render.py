@@ -8,7 +8,7 @@ import msgspec
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory import KVDirectory, TransferState
-from kvwire.connectors.wire import TransportCheck
+from kvwire.connectors.wire import NodeEngine, TransportCheck
 from kvwire.observability.status import ClusterStatus, NodeStatus, TransferStatus, read_status, render, to_json
 from tests.connectors.test_directory import node
 
@@ -73,3 +73,19 @@ def test_read_status_from_the_directory(redis_url):
     [xfer] = status.transfers
     assert (xfer.request_id, xfer.state, xfer.producer) == ("cmpl-9", TransferState.PENDING, "prefill-0")
     assert 0 <= xfer.age_s < 5
+
+
+def test_a_vllm_servers_rank_is_listed_with_its_process_and_no_load_it_cannot_know(redis_url):
+    directory = KVDirectory(redis_url)
+    try:
+        directory.register_node(msgspec.structs.replace(
+            node("vllm-vm-6d45e7cd", NodeRole.PREFILL), work_endpoint="", engine=NodeEngine.VLLM,
+            host="vm/boot-id/net:1/ipc:2", pid=4242, total_blocks=8192, heartbeat_at=time.time()))
+        status = read_status(directory)
+    finally:
+        directory.close()
+    [rank] = status.nodes
+    assert rank.engine == NodeEngine.VLLM and rank.address == "vllm pid 4242 on vm"
+    row = next(line for line in render(status).splitlines() if line.startswith("vllm-vm-6d45e7cd"))
+    cells = row.split()
+    assert cells[1:7] == ["prefill", "vllm", "pid", "4242", "on", "vm"] and cells[9:12] == ["-", "-", "-/8192"]

@@ -1,8 +1,10 @@
-"""A prefill vLLM server restarted under the same node id: what its dead incarnation held is fenced off.
+"""A prefill vLLM server's node id: never taken from it while it lives, taken over when it restarts.
 
-The entry of a prompt the first incarnation computed (its kv_transfer_params handed out, its KV
-never pulled) is FAILED by the second one as it starts, so a decode server sent that prompt
-recomputes it at once; the router takes the restarted server back and disaggregates again.
+A second server started under the live server's node id is refused at start-up, naming the live
+one, and the live one goes on serving (it is not fenced). Then the live one is killed and restarted
+under the same id: the entry of a prompt the first incarnation computed (its kv_transfer_params
+handed out, its KV never pulled) is FAILED by the second one as it starts, so a decode server sent
+that prompt recomputes it at once; the router takes the restarted server back and disaggregates again.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
+from kvwire.cli.local_cluster import ClusterError
 from kvwire.cli.vllm_cluster import VLLMServer
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.directory import KVDirectory, TransferState
@@ -24,11 +28,13 @@ def _body(model: str, prompt: str, **extra) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, **extra}
 
 
-def test_restarted_prefill_is_fenced_and_used_again(plain_server: VLLMServer, vllm_model_dir: Path, redis_url: str,
-                                                    tmp_path: Path):
+def test_a_live_prefills_id_is_refused_to_others_and_its_restart_fences_and_serves(
+        plain_server: VLLMServer, vllm_model_dir: Path, redis_url: str, tmp_path: Path):
     model = str(vllm_model_dir)
     want = httpx.post(f"{plain_server.url}/v1/completions", json=_body(model, PROMPTS[1]), timeout=60).json()
     with pd_cluster(vllm_model_dir, redis_url, ConnectorKind.TCP, tmp_path, kv_deadline_s=20.0) as cluster:
+        _duplicate_refused(cluster, tmp_path / "duplicate.log")
+        _used_again(model, cluster)  # the live one was not fenced
         body = _body(model, PROMPTS[1], max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         params = httpx.post(f"{cluster.prefill.url}/v1/completions", json=body, timeout=60).json()[
             "kv_transfer_params"]
@@ -41,6 +47,17 @@ def test_restarted_prefill_is_fenced_and_used_again(plain_server: VLLMServer, vl
             _used_again(model, cluster)
         finally:
             restarted.stop()
+
+
+def _duplicate_refused(cluster, log: Path) -> None:
+    duplicate = VLLMServer(dataclasses.replace(cluster.prefill.spec, port=0, log_path=log)).start()
+    try:
+        with pytest.raises(ClusterError, match="exited during start-up"):
+            duplicate.wait_ready()
+    finally:
+        duplicate.stop()
+    said = f"kvwire: node id '{cluster.prefill.spec.node_id}' is in use by a live server (vllm prefill, pid "
+    assert said in log.read_text(), log.read_text()[-3000:]
 
 
 def _wait_ready_entry(redis_url: str, request_id: str, timeout_s: float = 10.0) -> None:

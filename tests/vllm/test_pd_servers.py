@@ -3,6 +3,8 @@
 Through the official `openai` client: completions (whole and streamed, with top logprobs) and
 chat give the plain server's tokens; the decode server's metrics show every prompt token as
 moved by the connector and none computed there. Over `auto` both servers run as kv_both.
+Both servers on this one host take the minimal config, as in vLLM's and NIXL's examples: no
+node_id, so each names itself (connectors/vllm/identity.py).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def test_disaggregated_equals_plain(plain_server: VLLMServer, vllm_model_dir: Pa
                                     transport: ConnectorKind):
     model = str(vllm_model_dir)
     plain = _client(plain_server.url)
-    specs = kvwire_pair(vllm_model_dir, redis_url, transport, tmp_path)
+    specs = kvwire_pair(vllm_model_dir, redis_url, transport, tmp_path, named=False)
     if transport == ConnectorKind.AUTO:  # both servers may do either, as each request's params say
         specs = tuple(dataclasses.replace(s, kv_role="kv_both") for s in specs)
     with pd_cluster_of(*specs, tmp_path) as cluster:
