@@ -38,8 +38,19 @@ class PDCluster:
 
     def prompt_tokens_by_source(self) -> dict[str, float]:
         """The decode server's vllm:prompt_tokens_by_source_total, by source."""
+        return self._by_label("vllm:prompt_tokens_by_source_total", "source")
+
+    def kv_failed_by_reason(self) -> dict[str, float]:
+        """The decode server's vllm:kvwire_kv_transfers_failed_total (prompts recomputed), by reason."""
+        return self._by_label("vllm:kvwire_kv_transfers_failed_total", "reason")
+
+    def kv_pulls(self) -> float:
+        """The decode server's vllm:kvwire_kv_pulls_total."""
+        return sum(self._by_label("vllm:kvwire_kv_pulls_total", "engine").values())
+
+    def _by_label(self, name: str, label: str) -> dict[str, float]:
         text = httpx.get(f"{self.decode.url}/metrics", timeout=10).text
-        pattern = r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} (\S+)$'
+        pattern = rf'^{re.escape(name)}\{{[^}}]*{label}="([^"]+)"[^}}]*\}} (\S+)$'
         return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.M)}
 
 

@@ -71,7 +71,8 @@ class ReceiveError(TransferError):
         self.failure = failure
 
 
-def _failure(exc: Exception) -> TransferFailure:
+def failure_of(exc: Exception) -> TransferFailure:
+    """Why a pull failed, for kvwire_kv_transfers_failed_total (and vLLM's counterpart: connectors/vllm/stats.py)."""
     if isinstance(exc, ReceiveError):
         return exc.failure
     return TransferFailure.DIRECTORY if isinstance(exc, DirectoryError) else TransferFailure.TRANSPORT
@@ -227,7 +228,7 @@ class KVConsumer:
             return received
         except (TransferError, DirectoryError) as exc:
             self._addresses_published = 0.0  # a restarted Redis forgets our addresses: republish
-            self._metrics.kv_transfers_failed.labels(str(_failure(exc))).inc()
+            self._metrics.kv_transfers_failed.labels(str(failure_of(exc))).inc()
             self._mark_failed(request_id, str(exc))
             if isinstance(exc, TransferError):
                 raise

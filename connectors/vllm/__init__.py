@@ -6,6 +6,8 @@ vLLM is imported only when vLLM asks for the class, so kvwire itself never needs
     connector.py  KvwireConnector: routes vLLM's calls to the two halves
     scheduler.py  SchedulerHalf: which prompts are pulled, held, and the params handed back
     worker.py     WorkerHalf: kvwire's producer and consumer over vLLM's KV tensors
+    identity.py   which name an engine takes in the directory; shapes and duplicates refused
+    stats.py      what vLLM's /metrics gets: pulls, and prompts recomputed by reason (tally.py counts)
     layout.py     vLLM's per-layer KV tensors as kvwire planes
     params.py     the kv_transfer_params a P/D proxy carries from prefill to decode
     metadata.py   what the scheduler half tells the worker half each step

@@ -21,6 +21,7 @@ from kvwire.connectors.vllm.identity import EngineShape
 from kvwire.connectors.vllm.metadata import KvwireMetadata
 from kvwire.connectors.vllm.scheduler import SchedulerHalf
 from kvwire.connectors.vllm.settings import VLLMSettings
+from kvwire.connectors.vllm.stats import KvwirePromMetrics, KvwireStats
 from kvwire.connectors.vllm.worker import WorkerHalf
 
 if TYPE_CHECKING:
@@ -104,6 +105,22 @@ class KvwireConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
         return self._worker.load_errors()
+
+    # --- stats (vLLM's /metrics: stats.py) --------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KvwireStats | None:
+        half = self._worker or self._scheduler
+        data = half.tally.take() if half is not None else None
+        return None if data is None else KvwireStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvwireStats:
+        return KvwireStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvwirePromMetrics:
+        return KvwirePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 from kvwire.connectors.vllm.metadata import Hold, KvwireMetadata, Pull
 from kvwire.connectors.vllm.params import RemotePrefill, remote_params, wants_remote_decode
 from kvwire.connectors.vllm.settings import VLLMSettings
+from kvwire.connectors.vllm.tally import Tally
+from kvwire.observability.labels import TransferFailure
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -38,6 +40,7 @@ class SchedulerHalf:
         self._settings = settings
         self._block_size = block_size
         self._next = KvwireMetadata()  # what the next step's metadata carries
+        self.tally = Tally()  # prompts not pulled for want of a match (stats.py)
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Prompt tokens a producer holds beyond `num_computed_tokens`, and whether they load asynchronously."""
@@ -48,6 +51,7 @@ class SchedulerHalf:
         if remote.remote_num_tokens != prompt:
             log.warning("request %s: producer %s computed %d prompt tokens, this prompt has %d; computing it here",
                         request.request_id, remote.remote_engine_id, remote.remote_num_tokens, prompt)
+            self.tally.failed(TransferFailure.MISMATCH)
             return 0, False
         count = prompt - num_computed_tokens
         return (count, True) if count > 0 else (0, False)

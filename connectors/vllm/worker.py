@@ -28,7 +28,7 @@ import torch
 
 from kvwire.connectors.base import TransferError
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind
-from kvwire.connectors.consumer import KVConsumer
+from kvwire.connectors.consumer import KVConsumer, failure_of
 from kvwire.connectors.directory import DirectoryError, KVDirectory
 from kvwire.connectors.factory import create_transport
 from kvwire.connectors.heartbeat import Heartbeat
@@ -38,9 +38,23 @@ from kvwire.connectors.vllm.identity import refuse_live_duplicate
 from kvwire.connectors.vllm.layout import region_of
 from kvwire.connectors.vllm.metadata import KvwireMetadata, Pull
 from kvwire.connectors.vllm.settings import VLLMSettings
+from kvwire.connectors.vllm.tally import Tally
 from kvwire.connectors.wire import NodeEngine, NodeInfo
+from kvwire.observability.labels import TransferFailure
 
 log = logging.getLogger(__name__)
+
+MAX_WARNED = 4096  # (peer, reason) pairs remembered as warned about
+HINTS = {  # what to do when pulls fail for this reason
+    TransferFailure.DEADLINE: "the KV was not announced within kv_deadline_s: is the prefill server overloaded, "
+                              "or on another Redis?",
+    TransferFailure.PRODUCER: "the prefill server failed the request or its entry expired: see its log",
+    TransferFailure.MISMATCH: "the servers differ in model, --block-size or --dtype: serve the same on both",
+    TransferFailure.TRANSPORT: "the bytes did not move: can this server reach the prefill server's advertised "
+                               "address (advertise_host), over the same transport?",
+    TransferFailure.DIRECTORY: "Redis could not be reached or held an unreadable record: check redis_url",
+    TransferFailure.SLOW_PATH: "the KV would cross the network stack between processes on one host",
+}
 
 
 class WorkerHalf:
@@ -60,6 +74,8 @@ class WorkerHalf:
         self._pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwire-pull")
         self._epoch = 0
         self._heartbeat: Heartbeat | None = None
+        self.tally = Tally()  # what vLLM's /metrics gets (stats.py)
+        self._warned: set[tuple[str, TransferFailure]] = set()  # (peer, reason) already warned about
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Raises: ValueError for a KV layout or transport kvwire cannot serve; DirectoryError."""
@@ -178,13 +194,26 @@ class WorkerHalf:
         try:
             got = self._consumer.receive_blocks(key, pull.num_tokens, pull.block_ids, first_block=pull.first_block)
         except TransferError as exc:
-            log.warning("request %s: %s; vLLM recomputes its prompt", rid, exc)
+            self._failed_pull(rid, exc)
             self._ended(rid, pull, ok=False)
             return
+        self.tally.pulled(got.kv_bytes, got.transfer_s)
         log.debug("request %s: %d bytes from %s over %s in %.2f ms", rid, got.kv_bytes, got.producer,
                   got.transport, got.transfer_s * 1e3)
         self._ended(rid, pull, ok=True)
         self._consumer.flush()  # vLLM learns of the pull at its next step; the producer may release meanwhile
+
+    def _failed_pull(self, rid: str, exc: TransferError) -> None:
+        """Counted by reason (vLLM's /metrics); the first failure of each peer and reason is a warning that
+        says what to do, the rest are info lines."""
+        reason = failure_of(exc)
+        self.tally.failed(reason)
+        first = (exc.peer, reason) not in self._warned
+        if first and len(self._warned) < MAX_WARNED:
+            self._warned.add((exc.peer, reason))
+        log.log(logging.WARNING if first else logging.INFO, "request %s: %s; vLLM recomputes its prompt%s", rid,
+                exc, f" (vllm:kvwire_kv_transfers_failed_total{{reason=\"{reason}\"}}; {HINTS[reason]}; "
+                     "said once per peer and reason)" if first else "")
 
     def _ended(self, rid: str, pull: Pull, ok: bool) -> None:
         with self._lock:

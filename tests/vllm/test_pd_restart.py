@@ -44,6 +44,7 @@ def test_a_live_prefills_id_is_refused_to_others_and_its_restart_fences_and_serv
         try:
             restarted.wait_ready()
             _fenced_and_recomputed(model, redis_url, cluster.decode.url, params, want["choices"][0]["text"])
+            _counted_where_vllm_users_look(cluster)
             _used_again(model, cluster)
         finally:
             restarted.stop()
@@ -82,6 +83,14 @@ def _fenced_and_recomputed(model: str, redis_url: str, decode_url: str, params: 
                      timeout=60).json()
     assert got["choices"][0]["text"] == want
     assert time.monotonic() - start < 10, "a fenced entry is recomputed at once, not at the KV deadline"
+
+
+def _counted_where_vllm_users_look(cluster) -> None:
+    """The recompute shows on the decode server's own /metrics, by reason (stats reach it a step later)."""
+    deadline = time.monotonic() + 10
+    while (failed := cluster.kv_failed_by_reason()).get("producer", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)  # vLLM records connector stats with its next engine step's
+    assert failed["producer"] == 1 and sum(failed.values()) == 1, failed
 
 
 def _used_again(model: str, cluster) -> None:

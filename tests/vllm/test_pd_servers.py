@@ -83,6 +83,9 @@ def test_disaggregated_equals_plain(plain_server: VLLMServer, vllm_model_dir: Pa
         assert got.text == _complete(plain, model, longer).text
         sent += got.prompt_tokens
         by_source = cluster.prompt_tokens_by_source()
+        pulls, failed = cluster.kv_pulls(), cluster.kv_failed_by_reason()
     assert by_source["local_compute"] == 0, f"decode computed prompt tokens itself: {by_source}"
+    assert pulls > 0 and set(failed) >= {"deadline", "producer", "mismatch", "transport"}, (pulls, failed)
+    assert sum(failed.values()) == 0, f"vLLM's /metrics counts recomputed prompts: {failed}"
     assert by_source["external_kv_transfer"] > 0 and by_source["local_cache_hit"] > 0, by_source
     assert by_source["external_kv_transfer"] + by_source["local_cache_hit"] == sent, by_source

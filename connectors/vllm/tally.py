@@ -1,0 +1,41 @@
+"""A connector half's counts of pulls and of prompts recomputed, kept until vLLM asks (stats.py).
+
+No vLLM import here, so it is tested without vLLM.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from kvwire.observability.labels import TransferFailure
+
+
+def empty() -> dict[str, Any]:
+    """No counts: pulls, their bytes and seconds, and failed pulls by TransferFailure."""
+    return {"pulls": 0, "pull_bytes": 0, "pull_seconds": [], "failed": {}}
+
+
+class Tally:
+    """A half's counts since vLLM last asked; any thread may count, vLLM's takes them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data = empty()
+
+    def pulled(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self._data["pulls"] += 1
+            self._data["pull_bytes"] += nbytes
+            self._data["pull_seconds"].append(seconds)
+
+    def failed(self, reason: TransferFailure) -> None:
+        with self._lock:
+            failed = self._data["failed"]
+            failed[str(reason)] = failed.get(str(reason), 0) + 1
+
+    def take(self) -> dict[str, Any] | None:
+        """The counts since the last take (`KvwireStats.data`), or None if there are none."""
+        with self._lock:
+            data, self._data = self._data, empty()
+        return None if data["pulls"] == 0 and not data["failed"] else data
