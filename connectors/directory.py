@@ -52,7 +52,6 @@ from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory_scripts import (
     EVENTS_MAXLEN,
     LUA_CREATE,
-    LUA_KEEP_EPOCH,
     LUA_PUBLISH,
     LUA_PUT_NODE,
     LUA_TRANSITION,
@@ -203,7 +202,6 @@ class KVDirectory:
         self._publish = self._redis.register_script(LUA_PUBLISH)
         self._transition = self._redis.register_script(LUA_TRANSITION)
         self._put_node = self._redis.register_script(LUA_PUT_NODE)
-        self._keep_epoch = self._redis.register_script(LUA_KEEP_EPOCH)
         self._load_scripts()
 
     def _load_scripts(self) -> None:
@@ -429,13 +427,6 @@ class KVDirectory:
             pipe.pexpire(epoch_key, self._epoch_ttl_ms)
             epoch, _ = pipe.execute()
         return int(epoch)
-
-    def keep_epoch(self, node_id: str, epoch: int) -> None:
-        """Keep `node_id`'s epoch counter alive, and at least `epoch` (a Redis that lost its data forgot
-        it), so that a restarted incarnation still draws a higher epoch and fences off what the one at
-        `epoch` published. kvwire's nodes do it with every heartbeat (`register_node`, `heartbeat`)."""
-        with self._errors(f"keep_epoch of node {node_id}"):
-            self._keep_epoch(keys=self._node_keys(node_id)[1:], args=[epoch, self._epoch_ttl_ms])
 
     def register_node(self, info: NodeInfo) -> None:
         """Publish the node's NodeInfo for node_ttl_s.

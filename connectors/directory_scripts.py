@@ -45,12 +45,6 @@ for i = 4, #ARGV do  -- ARGV: to, ttl_ms, reason, allowed_from...
 end
 return 0
 """
-# KEYS: epoch counter. ARGV: epoch, epoch_ttl_ms. Keeps the counter alive, and puts it back when lost.
-LUA_KEEP_EPOCH = """
-local latest = tonumber(redis.call('GET', KEYS[1]) or '0')
-if tonumber(ARGV[1]) > latest then return redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) end
-return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-"""
 # KEYS: node record, epoch counter. ARGV: record, epoch, node_ttl_ms, epoch_ttl_ms.
 # A counter below the writer's epoch was lost (Redis restarted empty, FLUSHALL): the live node puts its
 # epoch back, so the next incarnation still draws a higher one and fencing holds.
