@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from kvwire.cli.ports import free_port
 from kvwire.cli.redis_server import LocalRedis, LocalRedisError
 from kvwire.cli.supervisor import Supervisor
 from kvwire.connectors.config import ConnectorKind
@@ -58,12 +58,6 @@ class ClusterSpec:
     served_model_names: tuple[str, ...] = ()  # the router's --served-model-name; empty: the checkpoint's name
     lenient: bool = False  # the router's --lenient: unknown request fields dropped, not refused
     require_fast_path: bool = False  # the decode node's --require-fast-path: a same-host slow path is refused
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -17,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvwire.cli.redis_server import LocalRedis, LocalRedisError, _free_port, _Server, find_redis_server
+from kvwire.cli.ports import free_port
+from kvwire.cli.redis_server import LocalRedis, LocalRedisError, _Server, find_redis_server
 
 _MONITOR_MARKER = b"+monitor master"
 
@@ -50,7 +51,7 @@ class LocalSentinel:
     def start(self) -> LocalSentinel:
         """Start the sentinel. Raises LocalRedisError if it does not monitor the master in time."""
         self._dir = tempfile.mkdtemp(prefix="kvwire-sentinel-")
-        self.port = _free_port()
+        self.port = free_port()
         lines = [f"port {self.port}", "bind 127.0.0.1", f"dir {self._dir}",
                  f"sentinel monitor {self.service} 127.0.0.1 {self.master.port} 1"]
         if self.master.password:

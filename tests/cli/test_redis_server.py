@@ -113,8 +113,8 @@ def test_retries_on_a_port_race(monkeypatch: pytest.MonkeyPatch) -> None:
         squatter.listen()
         taken = squatter.getsockname()[1]
         ports = iter([taken])
-        real_free_port = redis_server_module._free_port
-        monkeypatch.setattr(redis_server_module, "_free_port", lambda: next(ports, None) or real_free_port())
+        real_free_port = redis_server_module.free_port
+        monkeypatch.setattr(redis_server_module, "free_port", lambda: next(ports, None) or real_free_port())
         with LocalRedis() as server:
             assert server.port != taken and ping(server.url)
         with pytest.raises(LocalRedisError, match="port in use"):

@@ -16,7 +16,8 @@ import msgspec
 import pytest
 import zmq
 
-from kvwire.cli.local_cluster import ClusterSpec, LocalCluster, free_port
+from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.cli.ports import free_port
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.directory import KVDirectory
 from kvwire.connectors.framing import pack, unpack

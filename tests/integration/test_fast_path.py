@@ -9,7 +9,6 @@ the reason in its metrics, and the outputs still equal the single-process run.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvwire.cli.ports import free_port
 from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.reference import generate
 from tests.integration.cluster import complete
@@ -26,12 +26,6 @@ from tests.integration.test_observability import one, scrape
 pytestmark = pytest.mark.slow
 PROMPTS = [list(range(40)), [ord(c) for c in "same host, slow path"], [7, 8, 9]]
 WARNING = "expected sysv/posix/cma (UCX shared memory), actual tcp (over ucx)"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -59,8 +53,8 @@ def cluster(request, tiny_model_dir, redis_url, tmp_path):
     """(router URL, {role: ops URL}, decode log, require_fast_path): UCX on tcp only, every process on this host."""
     require = request.param
     env = {**os.environ, "UCX_TLS": "tcp"}
-    ops = {role: f"http://127.0.0.1:{_free_port()}" for role in ("prefill", "decode")}
-    router_port = _free_port()
+    ops = {role: f"http://127.0.0.1:{free_port()}" for role in ("prefill", "decode")}
+    router_port = free_port()
     common = ["--model", str(tiny_model_dir), "--redis-url", redis_url, "--connector", "ucx", "--num-blocks", "128",
               "--kv-deadline", "10"]
     procs = []
