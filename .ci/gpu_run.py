@@ -187,7 +187,8 @@ def _make_venv(py: str, f) -> list[str] | None:
         pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--python", py]
     purelib = _purelib(py)
     if sys.prefix != sys.base_prefix:  # python3 is a venv: a venv made from it sees the base's packages only
-        Path(purelib, "_image_site.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+        dirs = ", ".join(repr(d) for d in site.getsitepackages())  # addsitedir: their own .pth files run too
+        Path(purelib, "_image_site.pth").write_text(f"import site; list(map(site.addsitedir, ({dirs},)))\n")
         f.write(f"# {sys.executable} is a venv: its site-packages added by {purelib}/_image_site.pth\n")
     if Path(purelib, "setuptools").exists():  # CPython < 3.12 seeds an old one; the image's builds kvwire (>= 68)
         return pip if _logged(pip + ["uninstall", "--yes", "setuptools"], f) else None
