@@ -86,17 +86,18 @@ def _tests(xml: Path) -> str:
     suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
     assert suite is not None
     cases = suite.findall("testcase")
-    failed, skipped = [], Counter()
+    failed, bad_kinds, skipped = [], Counter(), Counter()
     for case in cases:
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
         for tag in ("failure", "error"):
             if (bad := case.find(tag)) is not None:
+                bad_kinds[tag] += 1
                 failed.append(f"- {tag}: `{name}`: {(bad.get('message') or '').splitlines()[0][:200]}")
         if (skip := case.find("skipped")) is not None:
             skipped[(skip.get("message") or "").splitlines()[0][:160]] += 1
-    n_fail = sum(1 for line in failed if line.startswith("- failure"))
-    n_err = len(failed) - n_fail
-    passed = len(cases) - len(failed) - sum(skipped.values())
+    n_fail, n_err = bad_kinds["failure"], bad_kinds["error"]
+    bad_cases = sum(1 for c in cases if c.find("failure") is not None or c.find("error") is not None)
+    passed = len(cases) - bad_cases - sum(skipped.values())  # a case can fail and then error in teardown
     lines = ["### tests (pytest -m gpu)\n", f"{passed} passed, {n_fail} failed, {n_err} errors, "
              f"{sum(skipped.values())} skipped, in {float(suite.get('time', 0)):.0f} s\n"]
     lines += failed

@@ -89,8 +89,7 @@ def kvwire_pair(model_dir: Path, redis_url: str, transport: ConnectorKind, log_d
     def spec(role: str, kv_role: str, core: str) -> VLLMServerSpec:
         return VLLMServerSpec(model_dir, kv_role=kv_role, redis_url=redis_url, transport=transport,
                               node_id=f"{role}-{transport}" if named else "", kv_deadline_s=kv_deadline_s,
-                              cpu_cores=core,
-                              dtype=DTYPE, log_path=log_dir / f"{role}.log")
+                              cpu_cores=core, dtype=DTYPE, log_path=log_dir / f"{role}.log")
 
     return spec("prefill", "kv_producer", "0"), spec("decode", "kv_consumer", "1")
 
