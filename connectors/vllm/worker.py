@@ -172,7 +172,9 @@ class WorkerHalf:
     def _expect(self, rid: str, pull: Pull) -> None:
         key = pull.remote.remote_request_id
         if self._consumer is None:
-            log.error("request %s: asked to pull KV, but this instance does not consume", rid)
+            log.error("request %s: asked to pull KV, but this instance does not consume (kv_role %s); vLLM "
+                      "recomputes its prompt", rid, self._settings.role)
+            self.tally.failed(TransferFailure.MISMATCH)
             self._ended(rid, pull, ok=False)
             return
         with self._lock:

@@ -62,3 +62,17 @@ def test_failed_pulls_are_counted_and_each_peer_and_reason_warned_about_once(cap
                       (logging.WARNING, "request d")]
     assert "kv_deadline_s" in caplog.records[0].getMessage() and "advertise_host" in caplog.records[3].getMessage()
     assert worker.tally.take()["failed"] == {"deadline": 3, "transport": 1}
+
+
+def test_a_pull_asked_of_a_server_that_does_not_consume_is_counted_and_recomputed():
+    from kvwire.connectors.vllm.metadata import Pull
+    from kvwire.connectors.vllm.params import RemotePrefill
+
+    settings = VLLMSettings.parse("kv_producer", {"redis_url": "redis://127.0.0.1:1/0"}, EngineShape("e"))
+    worker = WorkerHalf(settings, num_blocks=8, block_size=16)
+    try:
+        worker._expect("r", Pull(RemotePrefill("p-r", "p", 20, [1, 2]), 20, [3, 4], 0))
+        assert worker.transfer_results() == (set(), {"r"}, {"r"}) and worker.load_errors() == {3, 4}
+        assert worker.tally.take()["failed"] == {"mismatch": 1}
+    finally:
+        worker.close()
