@@ -13,6 +13,8 @@ A request here:
    and that a same-host producer is not reached through the network stack (fast_path.py),
    let the transport's puller move the blocks and hidden states into ours, write the
    record's `stats`. A request nobody announced is looked up in the directory right there.
+   A tensor-parallel consumer rank pulls a head slice (`HeadSlice`), or declines a copy it
+   reads elsewhere (one side-channel round trip: the producer releases it sooner).
    The producer, having confirmed the pull, marks the entry CONSUMED and deletes it: no
    directory write on the way to the first token.
 4. Any failure marks the entry FAILED (a late producer then releases its blocks at once)
@@ -23,6 +25,7 @@ A request here:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import threading
@@ -44,8 +47,9 @@ from kvwire.connectors.hidden import empty_like_descs, join_requests, tensors_fr
 from kvwire.connectors.kv_checksum import layer_checksums
 from kvwire.connectors.kv_region import KVRegion
 from kvwire.connectors.producer_watch import ProducerWatch
+from kvwire.connectors.side_channel import SideChannelClient
 from kvwire.connectors.transport import Transport
-from kvwire.connectors.wire import KVLocation
+from kvwire.connectors.wire import HeadSlice, KVLocation, PullRequest
 from kvwire.engine.model_input import ModelInput, SequenceInput
 from kvwire.observability.labels import TransferFailure
 from kvwire.observability.metrics import Metrics, process_metrics
@@ -107,6 +111,8 @@ class KVConsumer:
         self._addresses_published = 0.0
         self._stepping = False  # the caller calls `flush` (after_step); until it does, a timer sends the notes
         self._late_notes: Deferred | None = None
+        self._declines = SideChannelClient()  # the pulling thread's, for declined copies (HeadSlice)
+        self._decline_ids = itertools.count(1 << 62)  # transfer ids apart from the puller's
         self.publish_addresses()
         self._producer_watch = ProducerWatch(directory, self._waiting, on_ready, directory.node_ttl_s)
         self._producer_watch.start()
@@ -211,9 +217,11 @@ class KVConsumer:
         return self.receive_blocks(seq.request_id, tokens, list(seq.block_ids), record)
 
     def receive_blocks(self, request_id: str, num_tokens: int, dst_blocks: list[int],
-                       record: ExpectedKV | None = None, first_block: int = 0) -> Received:
+                       record: ExpectedKV | None = None, first_block: int = 0,
+                       heads: HeadSlice | None = None) -> Received:
         """Pull the KV of a prompt of `num_tokens` from block `first_block` of the producer's on into
-        `dst_blocks` (the consumer holds the blocks before it already, e.g. in vLLM's prefix cache).
+        `dst_blocks` (the consumer holds the blocks before it already, e.g. in vLLM's prefix cache);
+        `heads`: only that slice of each block's KV heads (tensor parallel; 0 heads declines the copy).
 
         Raises:
             TransferError: the KV did not come; the entry is now FAILED.
@@ -223,7 +231,7 @@ class KVConsumer:
         if time.monotonic() - self._addresses_published > self._config.entry_ttl_s / 3:
             self.publish_addresses()  # they expire with entry_ttl_s: producers refuse pulls to unknown addresses
         try:
-            received = self._receive(request_id, num_tokens, dst_blocks, record, first_block)
+            received = self._receive(request_id, num_tokens, dst_blocks, record, first_block, heads)
             self._notes_due()
             return received
         except (TransferError, DirectoryError) as exc:
@@ -252,6 +260,7 @@ class KVConsumer:
         self._late_notes.call_in(NOTE_LATEST_S, lambda: self._puller.flush(NOTE_AGE_S))
 
     def close(self) -> None:
+        self._declines.close()
         self.flush()
         if self._late_notes is not None:
             self._late_notes.close()
@@ -308,15 +317,17 @@ class KVConsumer:
     # --- the pull --------------------------------------------------------------------------
 
     def _receive(self, rid: str, num_tokens: int, dst_blocks: list[int], record: ExpectedKV,
-                 first_block: int) -> Received:
+                 first_block: int, heads: HeadSlice | None) -> Received:
         if not record.settled and record.watched:
             record.wait(record.deadline - time.monotonic())
         if not record.settled:  # nobody announced it, or the watcher is late: look here
             self._settle(record)
         if record.location is None:
             raise ReceiveError(rid, record.producer or "unknown producer", record.failure, record.failure_kind)
-        loc = self._check(rid, num_tokens, dst_blocks, first_block, record.location)
+        loc = self._check(rid, num_tokens, dst_blocks, first_block, record.location, heads)
         loc = self._transport.choose(loc)
+        if loc.heads is not None and loc.heads.num_heads == 0:
+            return self._decline(loc, dst_blocks[first_block:first_block + len(loc.block_ids)], record)
         if refusal := self._fast_path.refusal(loc):
             raise ReceiveError(rid, loc.producer, refusal, TransferFailure.SLOW_PATH)
         hidden = self._hidden_for(record, loc)
@@ -343,14 +354,32 @@ class KVConsumer:
                 return tensors_from_bytes(loc.hidden, loc.inline_hidden, device)
         return empty_like_descs(loc.hidden, device)
 
+    def _decline(self, loc: KVLocation, dst: list[int], record: ExpectedKV) -> Received:
+        """Tell `loc`'s producer this rank pulls nothing of its copy (a replica read elsewhere) and take its ok."""
+        address = self._transport.published_addresses(self._puller).get(loc.kind, b"")
+        transfer_id = next(self._decline_ids)
+        self._declines.send(loc.side_channel, PullRequest(
+            request_id=loc.request_id, transfer_id=transfer_id, consumer=self._config.node_id,
+            transport_address=address, dst_block_ids=dst, first_block=loc.first_block, heads=loc.heads))
+        try:
+            self._declines.wait(loc, transfer_id, record.deadline)
+        except TransferError:
+            self._declines.drop(loc.side_channel)
+            raise
+        record.stats = Received([], loc.hidden, loc.intermediate, 0, 0.0, loc.producer, loc.kind)
+        return record.stats
+
     def _check(self, rid: str, num_tokens: int, dst_blocks: list[int], first_block: int,
-               loc: KVLocation) -> KVLocation:
-        """`loc` if it fits what we need, from `first_block` on (`KVLocation.first_block`); raises otherwise."""
+               loc: KVLocation, heads: HeadSlice | None = None) -> KVLocation:
+        """`loc` if it fits what we need, from `first_block` on (`KVLocation.first_block`), narrowed to
+        `heads`; raises otherwise."""
         def bad(reason: str) -> TransferError:
             return ReceiveError(rid, loc.producer, reason, TransferFailure.MISMATCH)
 
         layout = self._region.layout
-        if loc.layout != layout:
+        if heads is not None:
+            loc = self._check_heads(loc, heads, bad)
+        elif loc.layout != layout:
             raise bad(f"producer layout {loc.layout} does not match ours {layout}")
         if loc.num_tokens != num_tokens:
             raise bad(f"producer has {loc.num_tokens} prompt tokens, we need {num_tokens}")
@@ -366,6 +395,22 @@ class KVConsumer:
             raise bad(f"cannot pull from block {first_block} of {n_blocks} (layer-wise, hidden states or "
                       "checksums need the whole prompt)")
         return msgspec.structs.replace(loc, block_ids=loc.block_ids[first_block:], first_block=first_block)
+
+    def _check_heads(self, loc: KVLocation, heads: HeadSlice, bad: Callable[[str], TransferError]) -> KVLocation:
+        """`loc` narrowed to a head slice, if both pools allow it (same layout but for their head counts)."""
+        layout = self._region.layout
+        theirs = msgspec.structs.replace(loc.layout, num_kv_heads=layout.num_kv_heads)
+        if theirs != layout:
+            raise bad(f"producer layout {loc.layout} does not match ours {layout} (head counts aside)")
+        if loc.layerwise or loc.hidden or self._config.verify_kv:
+            raise bad("a head slice of layer-wise KV, of hidden states or with checksums is not pulled")
+        if heads.src_head + heads.num_heads > loc.layout.num_kv_heads:
+            raise bad(f"heads {heads} are not among the producer's {loc.layout.num_kv_heads}")
+        try:
+            self._region.heads(heads.dst_head, heads.num_heads, heads.per_block)
+        except ValueError as exc:
+            raise bad(f"heads {heads}: {exc}") from None
+        return msgspec.structs.replace(loc, heads=heads)
 
     def _verify(self, rid: str, dst_blocks: list[int], loc: KVLocation) -> None:
         """--verify-kv: the blocks we hold now must match the producer's per-layer checksums."""

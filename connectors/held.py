@@ -3,9 +3,12 @@
 The table is the one owner of those blocks between publish and release:
 
 1. `add`: the request's prefill is published (layer-wise: before its forward).
-2. `begin_pull`: a consumer's pull claims it (`end_pull` hands it back if refused).
-3. `release`: the pull completed or failed; or `expire_due`: its hold deadline passed with
-   no pull in flight; or `release_if_idle`: nobody will pull it.
+2. `begin_pull`: a consumer's pull claims it (`end_pull` hands it back if refused). Most
+   requests have one puller; a tensor-parallel one has as many as the consumer ranks that
+   read this copy (`HeadSlice.pullers`), each pulling once, possibly at the same time.
+3. `finish_pull` (the last of its pullers ended, well or not) or `release`; or
+   `expire_due`: its hold deadline passed with no pull in flight; or `release_if_idle`:
+   nobody will pull it.
 
 The release callback, given at construction, fires exactly once per request with the
 block ids it held, whichever way it leaves; `before_release`, when given, fires just before
@@ -30,7 +33,13 @@ class HeldRequest:
     location: KVLocation
     hidden: list[torch.Tensor]  # contiguous, in location.hidden order
     deadline: float  # time.monotonic() after which an idle request is released
-    in_flight: bool = False
+    pulling: set[str] = field(default_factory=set)  # consumers whose pull is in flight
+    pulled: set[str] = field(default_factory=set)  # consumers whose pull ended
+    pullers: int = 1  # how many consumers pull it (set by the first pull)
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self.pulling)
     published_at: float = field(default_factory=time.monotonic)
     gate: LayerGate | None = None  # layer-wise: how much of the prefill is done (hidden filled in at the end)
 
@@ -54,21 +63,39 @@ class HeldTable:
             assert held.location.request_id not in self._items, "request published twice"
             self._items[held.location.request_id] = held
 
-    def begin_pull(self, request_id: str) -> HeldRequest | None:
-        """Mark a request in flight; None if unknown, released or already being pulled."""
+    def begin_pull(self, request_id: str, consumer: str = "", pullers: int = 1) -> HeldRequest | None:
+        """Mark `consumer`'s pull of a request in flight; None if unknown, released, or `consumer` pulls or
+        pulled it already, or (one puller) anyone does; or `pullers` differs from what its first pull said."""
         with self._lock:
             held = self._items.get(request_id)
-            if held is None or held.in_flight:
+            if held is None or consumer in held.pulling | held.pulled or pullers < 1:
                 return None
-            held.in_flight = True
+            if held.pulling or held.pulled:
+                if pullers != held.pullers or held.pullers == 1:
+                    return None
+            held.pullers = pullers
+            held.pulling.add(consumer)
             return held
 
-    def end_pull(self, request_id: str) -> None:
+    def end_pull(self, request_id: str, consumer: str = "") -> None:
         """A pull was refused before anything moved: the request may be pulled again (by its real consumer)."""
         with self._lock:
             held = self._items.get(request_id)
             if held is not None:
-                held.in_flight = False
+                held.pulling.discard(consumer)
+
+    def finish_pull(self, request_id: str, consumer: str = "") -> bool:
+        """`consumer`'s pull ended (well or not): the request is released once every puller's has.
+        Returns whether this released it."""
+        with self._lock:
+            held = self._items.get(request_id)
+            if held is None:
+                return False
+            held.pulling.discard(consumer)
+            held.pulled.add(consumer)
+            if len(held.pulled) < held.pullers:
+                return False
+        return self.release(request_id)
 
     def release(self, request_id: str) -> bool:
         """Drop a request and fire the callback; False if it was not held."""

@@ -12,9 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+import msgspec
 import torch
 
-from kvwire.connectors.wire import KVLayout, PoolLayout
+from kvwire.connectors.wire import KVLayout, KVLocation, PoolLayout
+
+HEAD_MAJOR = frozenset({PoolLayout.VLLM_CPU})  # pools whose plane rows hold a block's KV heads one after another
 
 
 def plan_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:
@@ -72,6 +75,9 @@ def _flat_part(flat: torch.Tensor) -> Part:
 class KVRegion:
     planes: tuple[torch.Tensor, ...]  # each [num_blocks, plane_block_nbytes] uint8
     layout: KVLayout
+    # A head slice's bytes `[lo, hi)` of every plane's rows (`heads`); None: whole rows. A slice's blocks are
+    # pieces of their own (consecutive blocks' slices are not adjacent), on both sides of a pull.
+    rows: tuple[int, int] | None = None
 
     @classmethod
     def from_kv_caches(cls, kv_caches: list[torch.Tensor]) -> KVRegion:
@@ -108,20 +114,57 @@ class KVRegion:
 
     @property
     def block_nbytes(self) -> int:
+        if self.rows is not None:
+            return (self.rows[1] - self.rows[0]) * len(self.planes)
         return sum(p.shape[1] for p in self.planes)
 
+    def heads(self, first: int, count: int, per_block: bool = True) -> KVRegion:
+        """The region of KV heads `[first, first + count)` only: in vLLM's head-major layouts (a plane's row
+        holds its heads one after another) a contiguous byte range of every row. `per_block` False with
+        every head: this region itself (whole rows, runs of blocks as one piece).
+
+        Raises:
+            ValueError: a layout whose heads are not contiguous runs of a row, or a slice out of range.
+        """
+        heads = self.layout.num_kv_heads
+        if not per_block and (first, count) == (0, heads):
+            return self
+        if self.layout.pool not in HEAD_MAJOR or self.rows is not None:
+            raise ValueError(f"a {self.layout.pool} pool cannot be sliced by KV head")
+        if first < 0 or count < 0 or first + count > heads:
+            raise ValueError(f"heads [{first}, {first + count}) are not among this pool's {heads}")
+        step = self.planes[0].shape[1] // heads
+        layout = msgspec.structs.replace(self.layout, num_kv_heads=count)
+        return KVRegion(self.planes, layout, (first * step, (first + count) * step))
+
+    def num_parts(self, runs: list[tuple[int, int]]) -> int:
+        """How many pieces `parts(runs)` (and `pieces`) make."""
+        per_plane = sum(n for _, n in runs) if self.rows is not None else len(runs)
+        return per_plane * len(self.planes)
+
     def pieces(self, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """Flat uint8 views, plane by plane, of each `(first_block, num_blocks)` run."""
+        """Flat uint8 views, plane by plane, of each `(first_block, num_blocks)` run (a head slice: of each
+        block of each run)."""
+        if self.rows is not None:
+            lo, hi = self.rows
+            return [plane[b, lo:hi] for plane in self.planes for start, n in runs for b in range(start, start + n)]
         return [plane[start:start + n].view(-1) for plane in self.planes for start, n in runs]
 
     def parts(self, runs: list[tuple[int, int]]) -> list[Part]:
         """The same pieces as `pieces(runs)`, as `Part`s: on the CPU, slices of one memoryview per plane,
         much cheaper to make than tensor views (docs/BENCHMARKS.md); what a transport that takes buffers wants."""
         out: list[Part] = []
-        for flat, plane in zip(self._flat_planes, self.planes):
-            step = plane.shape[1]
-            out += [flat[start * step:(start + n) * step] for start, n in runs]
+        for p in range(len(self.planes)):
+            out += self._plane_parts(p, runs)
         return out
+
+    def _plane_parts(self, p: int, runs: list[tuple[int, int]]) -> list[Part]:
+        flat, plane = self._flat_planes[p], self.planes[p]
+        step = plane.stride(0)  # a row's start to the next one's, in bytes
+        if self.rows is None:
+            return [flat[start * step:(start + n) * step] for start, n in runs]
+        lo, hi = self.rows
+        return [flat[b * step + lo:b * step + hi] for start, n in runs for b in range(start, start + n)]
 
     def layer_parts(self, runs: list[tuple[int, int]], layer: int) -> list[Part]:
         """One layer's K and V in `runs`, as `Part`s: in vLLM's pools its plane's runs (K plane's, then V's);
@@ -130,8 +173,7 @@ class KVRegion:
             out: list[Part] = []
             per = len(self.planes) // self.layout.num_layers
             for p in range(per * layer, per * (layer + 1)):
-                flat, step = self._flat_planes[p], self.planes[p].shape[1]
-                out += [flat[start * step:(start + n) * step] for start, n in runs]
+                out += self._plane_parts(p, runs)
             return out
         flat, step = self._flat_planes[0], self.planes[0].shape[1]
         per_layer = step // self.layout.num_layers
@@ -144,7 +186,9 @@ class KVRegion:
 
     @cached_property
     def _flat_planes(self) -> tuple[Part, ...]:
-        return tuple(_flat_part(plane.view(-1)) for plane in self.planes)
+        """Each plane's bytes from its first row's start to its last row's end (rows may be strided)."""
+        return tuple(_flat_part(torch.as_strided(plane, (plane.stride(0) * (plane.shape[0] - 1) + plane.shape[1],),
+                                                 (1,))) for plane in self.planes)
 
 
 def _block_major(base: torch.Tensor, kv_caches: list[torch.Tensor]) -> bool:
@@ -156,33 +200,35 @@ def _block_major(base: torch.Tensor, kv_caches: list[torch.Tensor]) -> bool:
     )
 
 
-def consumer_pieces(region: KVRegion, src_blocks: list[int], dst_blocks: list[int], hidden: list[torch.Tensor],
-                    request_id: str, producer: str, max_pieces: int | None = None) -> list[torch.Tensor]:
-    """Where a pull lands on the consumer: its block runs, then the hidden tensors, in the order producers send.
+def consumer_pieces(region: KVRegion, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor],
+                    max_pieces: int | None = None) -> list[torch.Tensor]:
+    """Where a pull of `loc` lands on the consumer: its block runs (of the head slice `loc.heads` names, if
+    any), then the hidden tensors, in the order producers send.
 
     Raises:
         TransferError: more pieces than the transport can tag.
     """
-    runs = _consumer_runs(region, src_blocks, dst_blocks, len(hidden), request_id, producer, max_pieces)
+    region, runs = _consumer_runs(region, loc, dst_blocks, len(hidden), max_pieces)
     return region.pieces(runs) + hidden
 
 
-def consumer_parts(region: KVRegion, src_blocks: list[int], dst_blocks: list[int], hidden: list[torch.Tensor],
-                   request_id: str, producer: str, max_pieces: int | None = None,
-                   layer_major: bool = False) -> list[Part]:
+def consumer_parts(region: KVRegion, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor],
+                   max_pieces: int | None = None, layer_major: bool = False) -> list[Part]:
     """`consumer_pieces` as `Part`s (for transports that take buffers); `layer_major`: the blocks layer by
     layer (`KVRegion.layer_major_parts`), as a producer streaming layer-wise sends them."""
-    runs = _consumer_runs(region, src_blocks, dst_blocks, len(hidden), request_id, producer, max_pieces)
+    region, runs = _consumer_runs(region, loc, dst_blocks, len(hidden), max_pieces)
     kv = region.layer_major_parts(runs) if layer_major else region.parts(runs)
     return kv + byte_parts(hidden)
 
 
-def _consumer_runs(region: KVRegion, src_blocks: list[int], dst_blocks: list[int], n_hidden: int,
-                   request_id: str, producer: str, max_pieces: int | None) -> list[tuple[int, int]]:
+def _consumer_runs(region: KVRegion, loc: KVLocation, dst_blocks: list[int], n_hidden: int,
+                   max_pieces: int | None) -> tuple[KVRegion, list[tuple[int, int]]]:
     from kvwire.connectors.base import TransferError
 
-    runs = [(d, n) for _, d, n in plan_runs(src_blocks, dst_blocks)]
-    count = len(runs) * len(region.planes) + n_hidden
+    if loc.heads is not None:
+        region = region.heads(loc.heads.dst_head, loc.heads.num_heads, loc.heads.per_block)
+    runs = [(d, n) for _, d, n in plan_runs(loc.block_ids, dst_blocks)]
+    count = region.num_parts(runs) + n_hidden
     if max_pieces is not None and count > max_pieces:
-        raise TransferError(request_id, producer, f"{count} pieces exceed {max_pieces}")
-    return runs
+        raise TransferError(loc.request_id, loc.producer, f"{count} pieces exceed {max_pieces}")
+    return region, runs

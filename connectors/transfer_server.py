@@ -84,7 +84,7 @@ class SendJob:
 
     @property
     def num_pieces(self) -> int:
-        return len(self.runs) * len(self.region.planes) + len(self.held.hidden)
+        return self.region.num_parts(self.runs) + len(self.held.hidden)
 
     @property
     def nbytes(self) -> int:
@@ -239,6 +239,9 @@ class TransferServer:
         if isinstance(job, str):
             self._reply(identity, msg, False, job)
             return
+        if msg.heads is not None and msg.heads.num_heads == 0:  # declined: nothing moves, one puller less
+            self._complete(job, None)
+            return
         try:
             self._engine.start(job)
         except Exception as exc:  # noqa: BLE001 - a bad peer must not kill the server
@@ -252,16 +255,20 @@ class TransferServer:
         Returns:
             The job, or why the pull is refused (the request stays pullable by its real consumer).
         """
-        held = self._held.begin_pull(msg.request_id)
+        pullers = msg.heads.pullers if msg.heads is not None else 1
+        held = self._held.begin_pull(msg.request_id, msg.consumer, pullers)
         if held is None:
-            return "request unknown, released or already being pulled"
+            return "request unknown, released, already being pulled, or pulled by this consumer"
         reason = self._refusal(msg, held)
         if reason:
             log.warning("request %s: pull from %s refused: %s", msg.request_id, msg.consumer, reason)
-            self._held.end_pull(msg.request_id)  # a stranger must not make us drop the real consumer's KV
+            self._held.end_pull(msg.request_id, msg.consumer)  # a stranger must not make us drop the real KV
             return reason
         runs = [(s, n) for s, _, n in plan_runs(held.location.block_ids[msg.first_block:], msg.dst_block_ids)]
-        job = SendJob(identity, msg, held, self._region, runs, time.monotonic() + self._send_deadline_s)
+        region = self._region
+        if msg.heads is not None:
+            region = region.heads(msg.heads.src_head, msg.heads.num_heads, msg.heads.per_block)
+        job = SendJob(identity, msg, held, region, runs, time.monotonic() + self._send_deadline_s)
         self._jobs[(msg.request_id, msg.transfer_id)] = job
         return job
 
@@ -293,6 +300,13 @@ class TransferServer:
         sources = len(held.location.block_ids) - msg.first_block
         if msg.first_block < 0 or len(msg.dst_block_ids) != sources:
             return f"{len(msg.dst_block_ids)} destination blocks for {sources} source blocks (from {msg.first_block})"
+        if msg.heads is not None:
+            try:
+                self._region.heads(msg.heads.src_head, msg.heads.num_heads, msg.heads.per_block)
+            except ValueError as exc:
+                return f"head slice {msg.heads}: {exc}"
+            if held.gate is not None or held.hidden:
+                return "a head slice of layer-wise KV or of hidden states is not served"
         return ""
 
     def _complete(self, job: SendJob, error: BaseException | None) -> None:
@@ -302,8 +316,8 @@ class TransferServer:
             log.warning("request %s: send to %s failed: %s", job.msg.request_id, job.msg.consumer, error)
         if not job.replied:
             self._reply(job.identity, job.msg, error is None, "" if error is None else f"send failed: {error}")
-        self._held.release(job.msg.request_id)
-        if error is None:
+        released = self._held.finish_pull(job.msg.request_id, job.msg.consumer)
+        if error is None and released:  # the last puller: the entry is consumed (others may still need it)
             self._on_delivered(job.msg, job.nbytes)
 
     def _reply(self, identity: bytes, msg: PullRequest, ok: bool, reason: str = "") -> None:

@@ -38,6 +38,11 @@ class PoolLayout(enum.StrEnum):
     # vLLM's other per-layer layouts, one piece per layer and block (connectors/vllm/layout.py):
     VLLM_CPU = "vllm-cpu"  # CPU attention: [num_blocks, kv_heads, block_size, 2 * head_dim], K and V side by side
     VLLM_BLOCK_FIRST = "vllm-block-first"  # e.g. FlashInfer: [num_blocks, 2, block_size, kv_heads, head_dim]
+    # vLLM >= 0.32 on GPUs under LBHNC/BLHNC: per layer [num_blocks, kv_heads, block_size, 2 * head_dim], each
+    # token's K and V side by side; a block's heads one after another, like VLLM_CPU's (whose head holds its
+    # block's K rows, then its V rows)
+    VLLM_HNC = "vllm-hnc"
+    VLLM_MLA = "vllm-mla"  # MLA: per layer [num_blocks, 1, block_size, latent]; KVLayout.head_dim is the latent width
 
 
 class TensorDesc(msgspec.Struct, frozen=True, array_like=True):
@@ -96,6 +101,23 @@ class ShmHold(msgspec.Struct, frozen=True, array_like=True):
     hidden_at: int = -1
 
 
+class HeadSlice(msgspec.Struct, frozen=True, array_like=True):
+    """A tensor-parallel pull's share of a block: KV heads `[src_head, src_head + num_heads)` of the producer's
+    rank land at `dst_head` on among the consumer's (connectors/vllm/tp.py plans them).
+
+    With `per_block` each block's slice travels as its own piece (KVRegion.heads): set unless the slice is
+    every head on both sides. `pullers` consumer ranks pull this producer's copy of the request (each its own
+    slice); the producer releases it once that many have ended. `num_heads` 0 declines: the consumer pulls
+    nothing from this copy (a replica read elsewhere), and the producer counts it as one of the pullers.
+    """
+
+    src_head: int
+    dst_head: int
+    num_heads: int
+    per_block: bool = True
+    pullers: int = 1
+
+
 class TransportCheck(msgspec.Struct, frozen=True, kw_only=True):
     """A node's start-up self-test of one transport it serves (connectors/self_test.py)."""
 
@@ -135,6 +157,8 @@ class KVLocation(_Msg, tag="location", frozen=True):
     # order, when small; with `shm_hold` a same-host consumer reads the request without a round trip. A
     # consumer's view of a direct word also holds here what its puller read ahead (SHMPuller.read_ahead).
     inline_hidden: bytes = b""
+    # A consumer's view only, never published: the pull takes this head slice (tensor parallel, HeadSlice).
+    heads: HeadSlice | None = None
 
 
 class NodeInfo(_Msg, tag="node", frozen=True):
@@ -176,6 +200,7 @@ class PullRequest(_Msg, tag="pull", frozen=True):
     layer_major: bool = False  # the consumer lands a layer-wise location's blocks layer by layer
     pack_below: int = 0  # UCX: pieces smaller than this come packed, many per message (connectors/ucx/packing.py)
     first_block: int = 0  # send the location's blocks from this one on (KVLocation.first_block)
+    heads: HeadSlice | None = None  # tensor parallel: send only these heads of each block (KVLocation.heads)
 
 
 class PullReply(_Msg, tag="pull_reply", frozen=True):

@@ -102,8 +102,7 @@ class NCCLPuller(ConfirmedPulls):
         Raises:
             TransferError: refused, failed, or not complete by `deadline`.
         """
-        pieces = consumer_pieces(self._region, loc.block_ids, dst_blocks, hidden, loc.request_id, loc.producer,
-                                 MAX_PIECES)
+        pieces = consumer_pieces(self._region, loc, dst_blocks, hidden, MAX_PIECES)
         transfer_id = next(self._transfer_ids)
         link = self._link_for(loc, transfer_id, deadline)
         rx = _Receive(self._factory, link, pair_prefix(self._key, link.opened), pieces, transfer_id, deadline,
@@ -111,7 +110,8 @@ class NCCLPuller(ConfirmedPulls):
         try:
             self._channel.send(loc.side_channel, PullRequest(
                 request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
-                transport_address=self._address, dst_block_ids=dst_blocks, first_block=loc.first_block))
+                transport_address=self._address, dst_block_ids=dst_blocks, first_block=loc.first_block,
+                heads=loc.heads))
             rx.start()
             self._channel.wait(loc, transfer_id, deadline, fds=[self._wakeup.fd],
                                progress=lambda: self._check(loc, rx), done=rx.succeeded)

@@ -90,6 +90,8 @@ class SHMPuller:
         Raises:
             TransferError: refused, not confirmed, or not complete by `deadline`.
         """
+        if loc.heads is not None:  # shared memory serves kvwire's own pools, which are never head-sliced
+            raise TransferError(loc.request_id, loc.producer, "shared memory does not pull head slices")
         try:
             return self._pull(_shm_offer(loc), dst_blocks, hidden, deadline)
         except BaseException as exc:

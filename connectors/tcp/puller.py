@@ -66,8 +66,7 @@ class TCPPuller(ConfirmedPulls):
             TransferError: refused, failed, malformed stream, or not complete by `deadline`.
         """
         try:
-            parts = consumer_parts(self._region, loc.block_ids, dst_blocks, hidden, loc.request_id, loc.producer,
-                                   layer_major=loc.layerwise)
+            parts = consumer_parts(self._region, loc, dst_blocks, hidden, layer_major=loc.layerwise)
         except ValueError as exc:
             raise TransferError(loc.request_id, loc.producer, str(exc)) from exc
         transfer_id = next(self._transfer_ids)
@@ -77,7 +76,8 @@ class TCPPuller(ConfirmedPulls):
             inbound = _Inbound(loc, sock, transfer_id, stream, deadline)
             self._channel.send(loc.side_channel, PullRequest(
                 request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
-                transport_address=self._token, dst_block_ids=dst_blocks, first_block=loc.first_block, layer_major=True))
+                transport_address=self._token, dst_block_ids=dst_blocks, first_block=loc.first_block,
+                heads=loc.heads, layer_major=True))
             # Every byte after a header naming this transfer is this transfer's (one stream, in order; the
             # producer never refuses after the header): done is proof enough, the ok is skipped when it comes.
             self._channel.wait(loc, transfer_id, deadline, fds=[sock.fileno()], progress=inbound.progress,

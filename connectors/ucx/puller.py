@@ -71,15 +71,14 @@ class UCXPuller(ConfirmedPulls):
         Raises:
             TransferError: refused, failed, or not complete by `deadline`.
         """
-        parts = consumer_parts(self._region, loc.block_ids, dst_blocks, hidden, loc.request_id, loc.producer,
-                               MAX_PIECES, layer_major=loc.layerwise)
+        parts = consumer_parts(self._region, loc, dst_blocks, hidden, MAX_PIECES, layer_major=loc.layerwise)
         transfer_id = next(self._transfer_ids)
         # Ask first, then post the receives while the producer handles the request: a send that
         # arrives before its receive waits in UCX's unexpected queue (rendezvous: only its header).
         self._channel.send(loc.side_channel, PullRequest(
             request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
             transport_address=self._lanes.address, dst_block_ids=dst_blocks, first_block=loc.first_block,
-            pack_below=self._pack_below,
+            heads=loc.heads, pack_below=self._pack_below,
             layer_major=True))  # a layer-wise location's blocks land layer by layer, as it sends them
         try:
             layer_pieces = (len(parts) - len(hidden)) // self._region.layout.num_layers if loc.layerwise else 0

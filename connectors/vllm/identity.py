@@ -77,3 +77,8 @@ def _who(info: NodeInfo) -> str:
     host = info.host.split("/", 1)[0] or "an unknown host"  # host_identity(): the hostname, then ids of it
     where = info.work_endpoint or f"pid {info.pid or '?'} on {host}"
     return f"{info.engine} {info.role}, {where}, epoch {info.epoch}"
+
+
+def rank_node_id(server: str, rank: int, tp: int) -> str:
+    """The directory name of one tensor-parallel rank of server `server` (the server's own name at TP=1)."""
+    return server if tp == 1 else f"{server}-tp{rank}"
