@@ -54,6 +54,10 @@ class VLLMServerSpec:
     dtype: str = "auto"  # vLLM's --dtype (auto: bf16 on CPU)
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()  # e.g. NIXL's VLLM_NIXL_SIDE_CHANNEL_PORT, one per server
+    # vLLM's --tensor-parallel-size. On a host with fewer cores than all servers' ranks, give cpu_cores "nobind":
+    # ranks pinned to a core another server's worker spins on (vLLM's workers busy-poll their queue while KV is
+    # held) get no time there, and the KV they hold is never pulled.
+    tensor_parallel_size: int = 1
     log_path: Path | None = None
 
     def kv_transfer_config(self) -> str:
@@ -70,6 +74,8 @@ class VLLMServerSpec:
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                 "--port", str(port), "--host", "127.0.0.1", "--max-model-len", str(self.max_model_len),
                 "--dtype", self.dtype, "--enforce-eager", "--enable-prompt-tokens-details", *self.extra_args]
+        if self.tensor_parallel_size > 1:
+            args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.kv_role is not None:
             args += ["--kv-transfer-config", self.kv_transfer_config()]
         return args

@@ -17,7 +17,8 @@ import torch
 
 from kvwire.connectors.wire import KVLayout, KVLocation, PoolLayout
 
-HEAD_MAJOR = frozenset({PoolLayout.VLLM_CPU})  # pools whose plane rows hold a block's KV heads one after another
+# pools whose plane rows hold a block's KV heads one after another (a head slice is a byte range of a row)
+HEAD_MAJOR = frozenset({PoolLayout.VLLM_CPU, PoolLayout.VLLM_HNC, PoolLayout.VLLM_MLA})
 
 
 def plan_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:

@@ -153,7 +153,7 @@ class TransferServer:
         self.side_channel = f"tcp://{advertise_host or host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
         self._wakeup = Wakeup()
         self._stop = threading.Event()
-        self._jobs: dict[tuple[str, int], SendJob] = {}
+        self._jobs: dict[tuple[str, str, int], SendJob] = {}  # (request, consumer, its transfer id)
         self._finished: queue.SimpleQueue[tuple[SendJob, BaseException | None]] = queue.SimpleQueue()
         self.rejected_messages = 0
         engine.bind(self)
@@ -269,7 +269,7 @@ class TransferServer:
         if msg.heads is not None:
             region = region.heads(msg.heads.src_head, msg.heads.num_heads, msg.heads.per_block)
         job = SendJob(identity, msg, held, region, runs, time.monotonic() + self._send_deadline_s)
-        self._jobs[(msg.request_id, msg.transfer_id)] = job
+        self._jobs[(msg.request_id, msg.consumer, msg.transfer_id)] = job
         return job
 
     def _trusts(self, consumer: str, address: bytes) -> bool:
@@ -310,7 +310,7 @@ class TransferServer:
         return ""
 
     def _complete(self, job: SendJob, error: BaseException | None) -> None:
-        if self._jobs.pop((job.msg.request_id, job.msg.transfer_id), None) is None:
+        if self._jobs.pop((job.msg.request_id, job.msg.consumer, job.msg.transfer_id), None) is None:
             return  # finished already (e.g. abandoned, then the engine reported)
         if error is not None:
             log.warning("request %s: send to %s failed: %s", job.msg.request_id, job.msg.consumer, error)

@@ -41,8 +41,12 @@ class KvwireConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         _log_like_vllm()
         transfer = self._kv_transfer_config
+        rank = 0
+        if role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            rank = get_tensor_model_parallel_rank()
         self.settings = VLLMSettings.parse(transfer.kv_role, transfer.kv_connector_extra_config or {},
-                                           EngineShape.of(vllm_config))
+                                           EngineShape.of(vllm_config, rank))
         _insist_on_recompute(transfer)
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError("kvwire moves models with one KV cache group (no hybrid attention) for now")
@@ -53,6 +57,19 @@ class KvwireConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerHalf(self.settings, block_size)
         else:
             self._worker = WorkerHalf(self.settings, kv_cache_config.num_blocks, block_size)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """vLLM's KV cache layout kvwire needs: "LBHNC" (as NIXL asks), None for MLA models.
+
+        In LBHNC one KV head of one block is one contiguous run of memory, so tensor-parallel peers
+        move head slices without repacking (layout.py refuses the others). vLLM's default for
+        FlashAttention and Triton, LBNHC, interleaves the heads token by token. MLA caches hold one
+        latent "head", which every layout stores the same way, so kvwire leaves vLLM its choice.
+        """
+        if vllm_config.model_config is None:
+            return None
+        return None if vllm_config.model_config.use_mla else "LBHNC"
 
     # --- scheduler side --------------------------------------------------------------------
 
@@ -75,8 +92,14 @@ class KvwireConnector(KVConnectorBase_V1):
     # --- worker side -----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
         assert self._worker is not None
-        self._worker.register(kv_caches)
+        backends = get_current_attn_backends(self._vllm_config, list(kv_caches))
+        if len(backends) != 1:
+            raise ValueError(f"kvwire moves KV of one attention backend per model; this one has "
+                             f"{[b.get_name() for b in backends]}")
+        self._worker.register(kv_caches, backends[0])
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None

@@ -1,13 +1,15 @@
 """Which name a vLLM server's connector takes in kvwire's directory, and which servers it refuses to be.
 
-1. `EngineShape.of(vllm_config)`: the server's parallel shape and vLLM's `engine_id` (a new uuid per
-   server unless the user sets one; vLLM appends `_dp<rank>` for each data-parallel engine).
+1. `EngineShape.of(vllm_config)`: the server's parallel shape, its model's KV heads, and vLLM's
+   `engine_id` (a new uuid per server unless the user sets one; vLLM appends `_dp<rank>` for each
+   data-parallel engine); a worker adds its tensor-parallel rank.
 2. `node_id_of`: the directory name of one engine. A `node_id` the user gives is kept across restarts
    (so a restarted server fences what its last incarnation published), with `-dp<rank>` when the server
    runs several data-parallel engines; with none, `vllm-<hostname>-<engine id>`, unique per server, so two
-   servers on one host with the minimal config never share a name.
-3. `refuse_shape`: tensor and pipeline parallel servers are refused at start-up, loudly: every rank
-   would hold only its share of the KV under one name, and every prompt would be recomputed.
+   servers on one host with the minimal config never share a name. `rank_node_id`: each tensor-parallel
+   rank's worker is a node of its own, `<engine's name>-tp<rank>` (the engine's name at TP=1).
+3. `refuse_shape`: pipeline-parallel servers are refused at start-up, loudly (a stage holds only its
+   layers' KV, and kvwire does not gather stages).
 4. `refuse_live_duplicate` (the worker, before it registers): a name whose current holder is alive and
    heartbeating is refused, naming that process, instead of silently fencing a live server.
 """
@@ -34,13 +36,19 @@ class EngineShape:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    tensor_rank: int = 0  # a worker's; 0 in the scheduler
+    kv_heads: int = 1  # the model's KV heads, all ranks together (MLA: its one latent)
+    mla: bool = False
 
     @classmethod
-    def of(cls, vllm_config: Any) -> EngineShape:
-        p = vllm_config.parallel_config
+    def of(cls, vllm_config: Any, tensor_rank: int = 0) -> EngineShape:
+        p, model = vllm_config.parallel_config, vllm_config.model_config
+        mla = bool(model is not None and model.use_mla)
+        heads = 1 if model is None or mla else model.get_total_num_kv_heads()
         return cls(engine_id=str(vllm_config.kv_transfer_config.engine_id),
                    tensor_parallel_size=p.tensor_parallel_size, pipeline_parallel_size=p.pipeline_parallel_size,
-                   data_parallel_size=p.data_parallel_size, data_parallel_rank=p.data_parallel_rank)
+                   data_parallel_size=p.data_parallel_size, data_parallel_rank=p.data_parallel_rank,
+                   tensor_rank=tensor_rank, kv_heads=heads, mla=mla)
 
 
 def node_id_of(given: str, engine: EngineShape, hostname: str) -> str:
@@ -53,12 +61,11 @@ def node_id_of(given: str, engine: EngineShape, hostname: str) -> str:
 
 def refuse_shape(engine: EngineShape) -> None:
     """Raises: ValueError for a server shape kvwire would never move KV for."""
-    tp, pp = engine.tensor_parallel_size, engine.pipeline_parallel_size
-    if tp > 1 or pp > 1:
-        raise ValueError(f"kvwire: this vLLM server runs tensor_parallel_size {tp}, pipeline_parallel_size {pp}; "
-                         "kvwire's connector moves the KV of TP=1, PP=1 servers only (each data-parallel engine "
-                         "is a node of its own): with more ranks every prompt would be recomputed on decode. "
-                         "Serve with TP=1 and PP=1, or use another KV connector for this shape")
+    pp = engine.pipeline_parallel_size
+    if pp > 1:
+        raise ValueError(f"kvwire: this vLLM server runs pipeline_parallel_size {pp}; kvwire's connector moves "
+                         "the KV of PP=1 servers only (tensor- and data-parallel ones included): a stage holds "
+                         "only its own layers. Serve with PP=1 (use tensor parallel), or another KV connector")
 
 
 def refuse_live_duplicate(directory: KVDirectory, node_id: str) -> None:

@@ -31,4 +31,4 @@ class Pull:
 class KvwireMetadata(KVConnectorMetadata):
     hold: dict[str, Hold] = field(default_factory=dict)  # vLLM request id -> blocks to hold
     pull: dict[str, Pull] = field(default_factory=dict)  # vLLM request id -> KV to pull
-    abandon: list[str] = field(default_factory=list)  # producers' request ids this instance will never pull
+    abandon: list[RemotePrefill] = field(default_factory=list)  # prompts this instance will never pull

@@ -27,6 +27,7 @@ class RemotePrefill(msgspec.Struct, frozen=True):
     remote_num_tokens: int  # prompt tokens the KV covers
     remote_block_ids: list[int]  # the producer's blocks (informational: the directory's location rules)
     transfer: str = TRANSFER
+    remote_tp_size: int = 1  # the producer's tensor-parallel ranks, each holding its share (connectors/vllm/tp.py)
 
     @classmethod
     def of(cls, request_id: str, params: dict[str, Any] | None) -> RemotePrefill | None:
@@ -50,8 +51,9 @@ def wants_remote_decode(params: dict[str, Any] | None) -> bool:
     return bool(params and params.get("do_remote_decode"))
 
 
-def remote_params(request_id: str, node_id: str, block_ids: list[int], num_tokens: int) -> dict[str, Any]:
+def remote_params(request_id: str, node_id: str, block_ids: list[int], num_tokens: int,
+                  tp_size: int = 1) -> dict[str, Any]:
     """What a producer's `request_finished` hands back for the consumer (step 2 above)."""
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": request_id,
             "remote_engine_id": node_id, "remote_block_ids": list(block_ids), "remote_num_tokens": num_tokens,
-            "transfer": TRANSFER}
+            "transfer": TRANSFER, "remote_tp_size": tp_size}

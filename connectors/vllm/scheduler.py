@@ -63,7 +63,7 @@ class SchedulerHalf:
         assert request.kv_transfer_params is not None
         request.kv_transfer_params["do_remote_prefill"] = False  # one pull per request, even if preempted
         if num_external_tokens == 0:  # all of it in the local prefix cache
-            self._next.abandon.append(remote.remote_request_id)
+            self._next.abandon.append(remote)
             return
         prompt = len(request.prompt_token_ids or ())
         first_block = (prompt - num_external_tokens) // self._block_size
@@ -78,7 +78,7 @@ class SchedulerHalf:
         if remote is not None:  # finished (aborted) before its blocks came: the producer may release
             assert request.kv_transfer_params is not None
             request.kv_transfer_params["do_remote_prefill"] = False
-            self._next.abandon.append(remote.remote_request_id)
+            self._next.abandon.append(remote)
             return False, None
         if not (self._settings.role.produces and wants_remote_decode(request.kv_transfer_params)):
             return False, None
@@ -88,7 +88,8 @@ class SchedulerHalf:
         num_tokens = min(request.num_computed_tokens, len(request.prompt_token_ids or ()))
         block_ids = list(block_ids[:math.ceil(num_tokens / self._block_size)])
         self._next.hold[request.request_id] = Hold(block_ids, num_tokens)
-        return True, remote_params(request.request_id, self._settings.node_id, block_ids, num_tokens)
+        return True, remote_params(request.request_id, self._settings.node_id, block_ids, num_tokens,
+                                   self._settings.engine.tensor_parallel_size)
 
     def build_metadata(self) -> KvwireMetadata:
         meta, self._next = self._next, KvwireMetadata()

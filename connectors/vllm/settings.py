@@ -19,7 +19,8 @@ from typing import Any
 
 from kvwire.connectors.advertise import advertise_host
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from kvwire.connectors.vllm.identity import EngineShape, node_id_of, refuse_shape
+from kvwire.connectors.vllm.identity import EngineShape, node_id_of, rank_node_id, refuse_shape
+from kvwire.connectors.vllm.tp import TPSplit
 
 
 class KVRole(enum.StrEnum):
@@ -56,6 +57,7 @@ class VLLMSettings:
             producer: how long computed KV is held for a consumer that has not pulled it.
         entry_ttl_s: TTL of every directory key of a request.
         pull_lanes: consumer threads moving one pull's pieces (host pools).
+        engine: the server's shape (and, in a worker, its tensor-parallel rank).
     """
 
     role: KVRole
@@ -67,6 +69,17 @@ class VLLMSettings:
     kv_deadline_s: float = 30.0
     entry_ttl_s: float = 120.0
     pull_lanes: int = 2
+    engine: EngineShape = EngineShape("")
+
+    @property
+    def rank_node_id(self) -> str:
+        """This worker's name in the directory: `node_id`, with its tensor-parallel rank when TP > 1."""
+        return rank_node_id(self.node_id, self.engine.tensor_rank, self.engine.tensor_parallel_size)
+
+    @property
+    def split(self) -> TPSplit:
+        """How this server splits the model's KV heads over its tensor-parallel ranks."""
+        return TPSplit(self.engine.kv_heads, self.engine.tensor_parallel_size)
 
     @classmethod
     def parse(cls, kv_role: str | None, extra: dict[str, Any], engine: EngineShape) -> VLLMSettings:
@@ -90,14 +103,16 @@ class VLLMSettings:
             raise ValueError(f"kvwire: a numeric kv_connector_extra_config value is malformed: {exc}") from None
         host = str(extra.get("host", "127.0.0.1"))
         advertised = advertise_host(host, str(extra.get("advertise_host") or "") or None, extra["redis_url"])
-        settings = cls(role, extra["redis_url"], transport, node_id, host, advertised, pull_lanes=lanes, **numbers)
+        settings = cls(role, extra["redis_url"], transport, node_id, host, advertised, pull_lanes=lanes, engine=engine,
+                       **numbers)
+        settings.split  # noqa: B018 - refuses a head count that does not split over the ranks, now
         settings.connector_config()  # the checks ConnectorConfig makes, now rather than at the first request
         return settings
 
     def connector_config(self) -> ConnectorConfig:
         """The kvwire transfer-plane config of this instance's worker."""
         return ConnectorConfig(kind=self.transport, role=NodeRole.PREFILL if self.role.produces else NodeRole.DECODE,
-                               node_id=self.node_id, redis_url=self.redis_url, host=self.host,
+                               node_id=self.rank_node_id, redis_url=self.redis_url, host=self.host,
                                advertise_host=self.advertise_host,
                                kv_deadline_s=self.kv_deadline_s, entry_ttl_s=self.entry_ttl_s,
                                pull_lanes=self.pull_lanes)

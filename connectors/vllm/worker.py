@@ -6,8 +6,10 @@
    and/or a `KVConsumer` over them, and register with a heartbeat (`kvwire status` lists it;
    the beats keep the epoch counter alive).
 2. Each step, `start` (vLLM's start_load_kv) takes the scheduler's metadata: holds and
-   announces finished prompts (producer), starts waiting for the KV of parked requests
-   (consumer). A request's pull runs on the pull thread once its location is known.
+   announces finished prompts (producer: this rank's copy, under its rank's key), starts
+   waiting for the KV of parked requests (consumer: one part per prefill rank this rank
+   reads, tp.py). A part's pull runs on the pull thread once its location is known; the
+   request's pull ends when all its parts have.
 3. `transfer_results` (each step): requests whose held KV was pulled or whose hold lapsed
    (vLLM frees their blocks now), requests whose pull ended; a failed pull's request is
    reported failed and its blocks as load errors, so vLLM recomputes its prompt.
@@ -23,6 +25,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,13 +37,18 @@ from kvwire.connectors.factory import create_transport
 from kvwire.connectors.heartbeat import Heartbeat
 from kvwire.connectors.host import host_identity
 from kvwire.connectors.producer import KVProducer
-from kvwire.connectors.vllm.identity import refuse_live_duplicate
+from kvwire.connectors.vllm.identity import rank_node_id, refuse_live_duplicate
 from kvwire.connectors.vllm.layout import region_of
 from kvwire.connectors.vllm.metadata import KvwireMetadata, Pull
+from kvwire.connectors.vllm.params import RemotePrefill
 from kvwire.connectors.vllm.settings import VLLMSettings
 from kvwire.connectors.vllm.tally import Tally
-from kvwire.connectors.wire import NodeEngine, NodeInfo
+from kvwire.connectors.vllm.tp import RankPull, TPSplit, plan, rank_key
+from kvwire.connectors.wire import HeadSlice, NodeEngine, NodeInfo
 from kvwire.observability.labels import TransferFailure
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backend import AttentionBackend
 
 log = logging.getLogger(__name__)
 
@@ -70,16 +78,24 @@ class WorkerHalf:
         self._received: set[str] = set()  # consumer: requests whose pull ended, well or not
         self._failed: set[str] = set()  # consumer: ... not
         self._bad_blocks: set[int] = set()  # consumer: blocks of failed pulls
-        self._waiting: dict[str, tuple[str, Pull]] = {}  # producer's request id -> (ours, what to pull)
+        self._waiting: dict[str, tuple[str, Pull, RankPull]] = {}  # a prefill rank's key -> (ours, pull, part)
+        self._parts: dict[str, _Parts] = {}  # our request id -> its parts' progress
+        self._held_ids: dict[str, str] = {}  # producer: the key this rank holds a request under -> its id
         self._pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwire-pull")
         self._epoch = 0
         self._heartbeat: Heartbeat | None = None
         self.tally = Tally()  # what vLLM's /metrics gets (stats.py)
         self._warned: set[tuple[str, TransferFailure]] = set()  # (peer, reason) already warned about
 
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Raises: ValueError for a KV layout or transport kvwire cannot serve; DirectoryError."""
-        region = region_of(kv_caches, self._num_blocks, self._block_size)
+    def register(self, kv_caches: dict[str, torch.Tensor], backend: type[AttentionBackend] | None = None) -> None:
+        """`backend`: vLLM's attention backend class of these layers (layout.py).
+
+        Raises: ValueError for a KV layout or transport kvwire cannot serve; DirectoryError."""
+        region = region_of(kv_caches, self._num_blocks, self._block_size, backend=backend)
+        split = self._settings.split
+        if region.layout.num_kv_heads != split.per_rank:
+            raise ValueError(f"kvwire: this rank's KV tensors hold {region.layout.num_kv_heads} KV heads; the "
+                             f"model's {split.heads} over {split.tp} ranks should give {split.per_rank}")
         if region.planes[0].device.type == "cpu":
             _allow_amx()
         config = self._settings.connector_config()
@@ -114,8 +130,8 @@ class WorkerHalf:
             self._hold(rid, hold.block_ids, hold.num_tokens)
         for rid, pull in meta.pull.items():
             self._expect(rid, pull)
-        for key in meta.abandon:
-            self._abandon(key)
+        for remote in meta.abandon:
+            self._abandon(remote)
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """`(finished sending, finished receiving, failed receiving)` since the last call."""
@@ -151,35 +167,52 @@ class WorkerHalf:
     # --- producer --------------------------------------------------------------------------
 
     def _hold(self, rid: str, block_ids: list[int], num_tokens: int) -> None:
+        """Hold this rank's copy of `rid`'s KV (under its rank's key) for the consumer ranks that read it."""
+        key = rank_key(rid, self._settings.engine.tensor_rank, self._settings.engine.tensor_parallel_size)
+        with self._lock:
+            self._held_ids[key] = rid
         if self._producer is None:
             log.error("request %s: asked to hold KV, but this instance does not produce", rid)
-            self._released(rid, block_ids)
+            self._released(key, block_ids)
             return
         try:
-            self._producer.hold(rid, block_ids, num_tokens)
+            self._producer.hold(key, block_ids, num_tokens)
         except Exception as exc:  # noqa: BLE001 - vLLM must get its blocks back whatever went wrong
             log.error("request %s: cannot hold its KV for a consumer (it will recompute): %s", rid, exc)
-            self._producer.fail(rid, f"producer could not hold the KV: {exc}")
-            if not self._producer.holds(rid):
-                self._released(rid, block_ids)
+            self._producer.fail(key, f"producer could not hold the KV: {exc}")
+            if not self._producer.holds(key):
+                self._released(key, block_ids)
 
-    def _released(self, rid: str, block_ids: list[int]) -> None:
+    def _released(self, key: str, block_ids: list[int]) -> None:
         with self._lock:
-            self._sent.add(rid)
+            self._sent.add(self._held_ids.pop(key, key))
 
     # --- consumer --------------------------------------------------------------------------
 
     def _expect(self, rid: str, pull: Pull) -> None:
-        key = pull.remote.remote_request_id
+        remote = pull.remote
         if self._consumer is None:
             log.error("request %s: asked to pull KV, but this instance does not consume (kv_role %s); vLLM "
                       "recomputes its prompt", rid, self._settings.role)
             self.tally.failed(TransferFailure.MISMATCH)
             self._ended(rid, pull, ok=False)
             return
+        try:
+            parts = plan(TPSplit(self._settings.split.heads, remote.remote_tp_size), self._settings.split,
+                         self._settings.engine.tensor_rank)
+        except ValueError as exc:
+            log.error("request %s: cannot pull from %s (vLLM recomputes its prompt): %s", rid,
+                      remote.remote_engine_id, exc)
+            self.tally.failed(TransferFailure.MISMATCH)
+            self._ended(rid, pull, ok=False)
+            return
         with self._lock:
-            self._waiting[key] = (rid, pull)
-        self._consumer.expect(key, pull.remote.remote_engine_id)  # _located fires once it can be pulled
+            self._parts[rid] = _Parts(len(parts))
+            for part in parts:
+                self._waiting[rank_key(remote.remote_request_id, part.rank, remote.remote_tp_size)] = (rid, pull, part)
+        for part in parts:  # _located fires once each part can be pulled
+            self._consumer.expect(rank_key(remote.remote_request_id, part.rank, remote.remote_tp_size),
+                                  rank_node_id(remote.remote_engine_id, part.rank, remote.remote_tp_size))
 
     def _located(self, key: str) -> None:
         """A watcher thread: the KV of `key` can be pulled now (or never will be: the pull then fails fast)."""
@@ -190,20 +223,39 @@ class WorkerHalf:
 
     def _pull(self, key: str) -> None:
         with self._lock:
-            rid, pull = self._waiting.pop(key, (None, None))
-        if rid is None or pull is None or self._consumer is None:
+            rid, pull, part = self._waiting.pop(key, (None, None, None))
+        if rid is None or pull is None or part is None or self._consumer is None:
             return
         try:
-            got = self._consumer.receive_blocks(key, pull.num_tokens, pull.block_ids, first_block=pull.first_block)
+            got = self._consumer.receive_blocks(key, pull.num_tokens, pull.block_ids, first_block=pull.first_block,
+                                                heads=_slice(part.heads))
         except TransferError as exc:
-            self._failed_pull(rid, exc)
-            self._ended(rid, pull, ok=False)
+            self._part_ended(rid, pull, part, exc)
             return
-        self.tally.pulled(got.kv_bytes, got.transfer_s)
-        log.debug("request %s: %d bytes from %s over %s in %.2f ms", rid, got.kv_bytes, got.producer,
-                  got.transport, got.transfer_s * 1e3)
-        self._ended(rid, pull, ok=True)
+        if part.heads.num_heads:
+            self.tally.pulled(got.kv_bytes, got.transfer_s)
+            log.debug("request %s: %d bytes from %s over %s in %.2f ms", rid, got.kv_bytes, got.producer,
+                      got.transport, got.transfer_s * 1e3)
+        self._part_ended(rid, pull, part, None)
         self._consumer.flush()  # vLLM learns of the pull at its next step; the producer may release meanwhile
+
+    def _part_ended(self, rid: str, pull: Pull, part: RankPull, error: TransferError | None) -> None:
+        """One part of a request's pull ended; once all have, so has the request's (failed if any part's did:
+        a declined copy's failure only costs its producer the wait for its hold deadline)."""
+        if error is not None and not part.heads.num_heads:
+            log.info("request %s: could not decline %s's copy (it lapses at its hold deadline): %s", rid,
+                     error.peer, error)
+            error = None
+        with self._lock:
+            parts = self._parts[rid]
+            parts.left -= 1
+            parts.error = parts.error or error
+            if parts.left:
+                return
+            del self._parts[rid]
+        if parts.error is not None:
+            self._failed_pull(rid, parts.error)
+        self._ended(rid, pull, ok=parts.error is None)
 
     def _failed_pull(self, rid: str, exc: TransferError) -> None:
         """Counted by reason (vLLM's /metrics); the first failure of each peer and reason is a warning that
@@ -224,15 +276,33 @@ class WorkerHalf:
                 self._failed.add(rid)
                 self._bad_blocks.update(pull.block_ids[pull.first_block:])
 
-    def _abandon(self, key: str) -> None:
-        """This instance will not pull `key`: its entry is failed, so nobody waits for it (the producer's
-        hold lapses at its deadline)."""
+    def _abandon(self, remote: RemotePrefill) -> None:
+        """This instance will not pull `remote`'s KV: the entries of the prefill ranks this rank answers for
+        are failed, so nobody waits for them (the producers' holds lapse at their deadline)."""
         if self._directory is None:
             return
-        try:
-            self._directory.fail(key, "the consumer computed or cached the prompt itself")
-        except DirectoryError as exc:
-            log.warning("request %s: cannot mark abandoned: %s", key, exc)
+        split = self._settings.split
+        for p in range(remote.remote_tp_size):
+            if p % split.tp != self._settings.engine.tensor_rank:
+                continue
+            key = rank_key(remote.remote_request_id, p, remote.remote_tp_size)
+            try:
+                self._directory.fail(key, "the consumer computed or cached the prompt itself")
+            except DirectoryError as exc:
+                log.warning("request %s: cannot mark abandoned: %s", key, exc)
+
+
+@dataclasses.dataclass
+class _Parts:
+    """A request's pull in progress on this rank: its parts still to end, and the first failure."""
+
+    left: int
+    error: TransferError | None = None
+
+
+def _slice(heads: HeadSlice) -> HeadSlice | None:
+    """The slice to ask for, or None for a whole copy only this rank reads (a plain pull, as at TP=1)."""
+    return None if not heads.per_block and heads.pullers == 1 else heads
 
 
 def _allow_amx() -> None:

@@ -23,6 +23,19 @@ from kvwire.connectors.wire import PoolLayout
 LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 3, 2, 8, 4, 24
 
 
+class _Backend:
+    """What region_of asks of vLLM's attention backend class: its name, and whether it is MLA."""
+
+    def __init__(self, name: str, mla: bool):
+        self._name, self._mla = name, mla
+
+    def get_name(self) -> str:
+        return self._name
+
+    def is_mla(self) -> bool:
+        return self._mla
+
+
 def _region(pool: PoolLayout, device: str = "cpu", seed: int = 0) -> KVRegion:
     """A small pool of random bytes in `pool`'s layout."""
     gen = torch.Generator().manual_seed(seed)
@@ -35,8 +48,12 @@ def _region(pool: PoolLayout, device: str = "cpu", seed: int = 0) -> KVRegion:
         return KVRegion.from_kv_caches([base[:, layer] for layer in range(LAYERS)])
     shape = {PoolLayout.VLLM: (2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM),
              PoolLayout.VLLM_CPU: (NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM),
+             PoolLayout.VLLM_HNC: (NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM),
+             PoolLayout.VLLM_MLA: (NUM_BLOCKS, 1, BLOCK_SIZE, 4 * HEAD_DIM),
              PoolLayout.VLLM_BLOCK_FIRST: (NUM_BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD_DIM)}[pool]
-    region = region_of({f"layer.{i}": rand(*shape) for i in range(LAYERS)}, NUM_BLOCKS, BLOCK_SIZE)
+    backend = {PoolLayout.VLLM_HNC: _Backend("FLASH_ATTN", False), PoolLayout.VLLM_MLA: _Backend("TRITON_MLA", True)}
+    region = region_of({f"layer.{i}": rand(*shape) for i in range(LAYERS)}, NUM_BLOCKS, BLOCK_SIZE,
+                       backend=backend.get(pool))  # type: ignore[arg-type]
     assert region.layout.pool == pool
     return region
 

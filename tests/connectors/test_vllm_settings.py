@@ -42,11 +42,19 @@ def test_each_data_parallel_engine_is_its_own_node():
         "a given id is kept as it is: a restart under it fences its last incarnation"
 
 
-@pytest.mark.parametrize("shape", [EngineShape("e", tensor_parallel_size=2),
-                                   EngineShape("e", pipeline_parallel_size=2)], ids=["tp2", "pp2"])
-def test_tensor_and_pipeline_parallel_servers_are_refused_at_start_up(shape):
-    with pytest.raises(ValueError, match="moves the KV of TP=1, PP=1 servers only"):
-        VLLMSettings.parse("kv_producer", {"redis_url": URL}, shape)
+def test_pipeline_parallel_servers_and_uneven_splits_are_refused_at_start_up():
+    with pytest.raises(ValueError, match="moves the KV of PP=1 servers only"):
+        VLLMSettings.parse("kv_producer", {"redis_url": URL}, EngineShape("e", pipeline_parallel_size=2))
+    with pytest.raises(ValueError, match="do not split evenly"):
+        VLLMSettings.parse("kv_producer", {"redis_url": URL}, EngineShape("e", tensor_parallel_size=4, kv_heads=6))
+
+
+def test_each_tensor_parallel_rank_is_its_own_node():
+    ranks = [EngineShape("e", tensor_parallel_size=2, tensor_rank=r, kv_heads=4) for r in (0, 1)]
+    settings = [VLLMSettings.parse("kv_producer", {"redis_url": URL, "node_id": "p"}, e) for e in ranks]
+    assert [s.node_id for s in settings] == ["p", "p"], "the server's name, what kv_transfer_params carry"
+    assert [s.connector_config().node_id for s in settings] == ["p-tp0", "p-tp1"]
+    assert VLLMSettings.parse("kv_producer", {"redis_url": URL, "node_id": "p"}, ONE).connector_config().node_id == "p"
 
 
 @pytest.mark.parametrize(("role", "extra", "match"), [
@@ -75,6 +83,7 @@ def test_params_round_trip_from_producer_to_consumer():
     params = remote_params("cmpl-1-0", "prefill-0", [4, 5, 6], 300)
     remote = RemotePrefill.of("decode-req", params)
     assert remote == RemotePrefill("cmpl-1-0", "prefill-0", 300, [4, 5, 6])
+    assert RemotePrefill.of("d", remote_params("c", "p", [1], 9, tp_size=2)).remote_tp_size == 2
     assert not wants_remote_decode(params) and wants_remote_decode({"do_remote_decode": True})
 
 
