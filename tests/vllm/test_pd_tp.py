@@ -1,0 +1,68 @@
+"""Tensor-parallel vLLM servers with KvwireConnector, each side its own TP, against one plain vLLM server.
+
+The minimal connector config (no node_id) on both servers, the kvwire router in front, the official
+`openai` client: a TP=2 prefill server feeding a TP=1 decode server, and the reverse. Each decode rank
+pulls its KV heads from the prefill ranks that hold them (connectors/vllm/tp.py); the answers equal the
+plain server's and the decode server computes no prompt token itself. The tiny model has 2 KV heads: at
+TP=2 each rank holds one.
+
+This host has 2 cores, fewer than the two servers' ranks: every rank runs unbound ("nobind"). vLLM's
+engines step without pause while a transfer is pending (its workers poll their queues), so a rank pinned to a
+core that others spin on too gets too little of it to serve or pull the KV before the deadline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from kvwire.cli.vllm_cluster import VLLMServer, VLLMServerSpec
+from kvwire.cli.vllm_pd import kvwire_pair, pd_cluster_of
+from kvwire.connectors.config import ConnectorKind
+from tests.vllm.conftest import PROMPTS
+from tests.vllm.test_pd_servers import _chat, _client, _complete
+
+pytest.importorskip("openai")
+
+
+def _tp(spec: VLLMServerSpec, size: int) -> VLLMServerSpec:
+    return dataclasses.replace(spec, tensor_parallel_size=size, cpu_cores="nobind")
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)], ids=["P-TP2-D-TP1", "P-TP1-D-TP2"])
+def test_tensor_parallel_pairs_equal_plain(plain_server: VLLMServer, vllm_model_dir: Path, redis_url: str,
+                                           tmp_path: Path, p_tp: int, d_tp: int):
+    model = str(vllm_model_dir)
+    plain = _client(plain_server.url)
+    prefill, decode = kvwire_pair(vllm_model_dir, redis_url, ConnectorKind.UCX, tmp_path, named=False)
+    with pd_cluster_of(_tp(prefill, p_tp), _tp(decode, d_tp), tmp_path) as cluster:
+        routed = _client(cluster.router_url)
+        for prompt in PROMPTS:
+            got, want = _complete(routed, model, prompt), _complete(plain, model, prompt)
+            assert got.text == want.text
+            for mine, theirs in zip(got.top_logprobs, want.top_logprobs):
+                assert sorted(mine) == sorted(theirs) and mine == pytest.approx(theirs, abs=2e-3)
+            assert _chat(routed, model, prompt).text == _chat(plain, model, prompt).text
+        by_source = cluster.prompt_tokens_by_source()
+        pulls, failed = cluster.kv_pulls(), cluster.kv_failed_by_reason()
+        groups = [s.proc.pid for s in (cluster.prefill, cluster.decode) if s.proc is not None]
+    assert by_source["local_compute"] == 0, f"decode computed prompt tokens itself: {by_source}"
+    assert by_source["external_kv_transfer"] > 0, by_source
+    assert pulls >= 2 * len(PROMPTS), f"every prompt's KV comes in one part per prefill rank read: {pulls}"
+    assert sum(failed.values()) == 0, f"recomputed prompts, by reason: {failed}"
+    assert [pid for g in groups for pid in _alive_in_group(g)] == [], "a server's rank outlived it"
+
+
+def _alive_in_group(pgid: int) -> list[int]:
+    """Processes of process group `pgid` that are not zombies (a killed rank waits for init to reap it)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
