@@ -70,8 +70,9 @@ def test_vllm_pools_replace_kvwire_nodes(objects):
         assert int(_value(argv, "--port")) == ports["http"]
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             assert pool.spec[probe]["httpGet"] == {"path": "/health", "port": "http"}
+        tp = int(_value(argv, "--tensor-parallel-size")) if "--tensor-parallel-size" in argv else 1
         for resources in (pool.spec["resources"]["requests"], pool.spec["resources"]["limits"]):
-            assert resources["nvidia.com/gpu"] == "1"
+            assert resources["nvidia.com/gpu"] == str(tp), "one GPU per tensor-parallel rank"
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
         models = next(v for v in pod["volumes"] if v["name"] == "models")
         assert models["persistentVolumeClaim"] == {"claimName": "kvwire-models", "readOnly": True}
@@ -82,6 +83,8 @@ def test_vllm_pools_replace_kvwire_nodes(objects):
     prefill, decode = (_argv(_pool(objects, name)) for name in ROLES)
     for flag in ("--model", "--served-model-name"):  # KV computed by one model is only good for the same model
         assert _value(prefill, flag) == _value(decode, flag)
+    assert _value(prefill, "--tensor-parallel-size") == "2" and "--tensor-parallel-size" not in decode, \
+        "the overlay shows a TP=2 prefill pool feeding a TP=1 decode pool"
 
 
 def test_kv_transfer_config_loads_kvwire_in_the_pools_role(objects):
