@@ -55,10 +55,13 @@ class VLLMBenchConfig:
     max_tokens: int = 32
     concurrency: int = 4  # 0: no concurrent pass
     nixl: bool = True
+    shapes: tuple[tuple[int, int], ...] = ((1, 1),)  # (prefill TP, decode TP) of the pairs
 
     def setups(self) -> list[Setup]:
-        return [Setup(SetupKind.PLAIN), *(Setup(SetupKind.KVWIRE, t) for t in self.transports),
-                *([Setup(SetupKind.NIXL)] if self.nixl else [])]
+        pairs = [Setup(kind, t, p, d) for p, d in self.shapes
+                 for kind, t in [*((SetupKind.KVWIRE, t) for t in self.transports),
+                                 *([(SetupKind.NIXL, None)] if self.nixl else [])]]
+        return [Setup(SetupKind.PLAIN), *pairs]
 
 
 class VLLMRow(msgspec.Struct, frozen=True):

@@ -2,7 +2,7 @@
 
 1. PLAIN: one vLLM server with no KV connector, pinned to core 0: the single-node baseline.
 2. KVWIRE: prefill (core 0) and decode (core 1) with KvwireConnector over one transport, the
-   kvwire router in front (cli/vllm_pd.py).
+   kvwire router in front (cli/vllm_pd.py); with a tensor-parallel shape, every rank unbound.
 3. NIXL: the same pair and router with vLLM's own NixlConnector on host memory. It needs the
    `nixl` Python package (vLLM imports `nixl._api`; the `nixl-cu12` wheel alone provides
    `nixl_cu12`); without it, or when the servers fail, the setup is reported with the reason.
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvwire.cli.vllm_cluster import VLLMServerSpec, start_all
-from kvwire.cli.vllm_pd import DTYPE, kvwire_pair, nixl_pair, pd_cluster_of
+from kvwire.cli.vllm_pd import DTYPE, kvwire_pair, nixl_pair, pd_cluster_of, with_tp
 from kvwire.connectors.config import ConnectorKind
 
 # a vLLM log line at ERROR, or the last line of a traceback, either behind vLLM's "(EngineCore pid=N) " prefix
@@ -39,12 +39,15 @@ class SetupKind(enum.StrEnum):
 class Setup(NamedTuple):
     kind: SetupKind
     transport: ConnectorKind | None = None  # KVWIRE only
+    prefill_tp: int = 1  # a pair's tensor-parallel sizes
+    decode_tp: int = 1
 
     @property
     def name(self) -> str:
-        if self.kind == SetupKind.KVWIRE:
-            return f"kvwire {self.transport}"
-        return "plain vLLM" if self.kind == SetupKind.PLAIN else "vLLM NixlConnector"
+        name = f"kvwire {self.transport}" if self.kind == SetupKind.KVWIRE else \
+            "plain vLLM" if self.kind == SetupKind.PLAIN else "vLLM NixlConnector"
+        tp = (self.prefill_tp, self.decode_tp)
+        return name if tp == (1, 1) else f"{name} TP{tp[0]}->TP{tp[1]}"
 
     @property
     def slug(self) -> str:
@@ -87,8 +90,8 @@ def started(setup: Setup, model_dir: Path, redis_url: str, log_dir: Path) -> Ite
         pair = nixl_pair(model_dir, log_dir)
     else:
         assert setup.transport is not None  # a KVWIRE setup names its transport
-        pair = kvwire_pair(model_dir, redis_url, setup.transport, log_dir)
-    with pd_cluster_of(*pair, log_dir) as cluster:
+        pair = kvwire_pair(model_dir, redis_url, setup.transport, log_dir, named=False)
+    with pd_cluster_of(*with_tp(pair, setup.prefill_tp, setup.decode_tp), log_dir) as cluster:
         yield Target(cluster.router_url, cluster.prompt_tokens_by_source)
 
 

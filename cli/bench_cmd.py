@@ -296,6 +296,17 @@ def handoff(
         for r in results] + [f"median over the prompts of (after other - after itself): {extra:.3f} ms"]))
 
 
+def _shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """"1x1,2x1" -> ((1, 1), (2, 1)): the (prefill TP, decode TP) of each pair."""
+    out = []
+    for item in _csv(text, str):
+        p, _, d = item.partition("x")
+        if not (p.isdigit() and d.isdigit() and int(p) >= 1 and int(d) >= 1):
+            raise typer.BadParameter(f"{item!r} is not PREFILLxDECODE, e.g. 2x1", param_hint="--shapes")
+        out.append((int(p), int(d)))
+    return tuple(out)
+
+
 @app.command()
 def vllm(
     model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a tiny random one (byte tokenizer) "
@@ -311,6 +322,9 @@ def vllm(
                                              "pass (as many requests as the sequential ones); 0 skips it.")] = 4,
     nixl: Annotated[bool, typer.Option("--nixl/--no-nixl", help="Also vLLM's NixlConnector through the router "
                                        "(a row saying why where it cannot run).")] = True,
+    shapes: Annotated[str, typer.Option("--shapes", help="Tensor-parallel sizes of the pairs, PREFILLxDECODE, "
+                                        "comma-separated: 1x1, 2x1, 1x2 (with TP > 1 every rank runs unbound).")]
+        = "1x1",
     log_dir: Annotated[Path | None, typer.Option("--log-dir", help="Server and router logs; a new temp folder "
                                                  "by default.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
@@ -346,7 +360,7 @@ def vllm(
         cfg = VLLMBenchConfig(model_dir=model or _vllm_model(logs / "model"), redis_url=_url(redis_url, redis),
                               log_dir=logs, transports=tuple(_csv(transports, ConnectorKind)), rounds=rounds,
                               prompt_tokens=tuple(lengths), max_tokens=max_tokens,
-                              concurrency=concurrency, nixl=nixl)
+                              concurrency=concurrency, nixl=nixl, shapes=_shapes(shapes))
         try:
             result = bench_vllm(cfg, lambda line: typer.echo(line, err=True))
         except BenchError as exc:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -103,6 +104,18 @@ def nixl_pair(model_dir: Path, log_dir: Path) -> tuple[VLLMServerSpec, VLLMServe
                               extra_env=(("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port())),))
 
     return spec("prefill", "kv_producer", "0"), spec("decode", "kv_consumer", "1")
+
+
+def with_tp(pair: tuple[VLLMServerSpec, VLLMServerSpec], prefill_tp: int,
+            decode_tp: int) -> tuple[VLLMServerSpec, VLLMServerSpec]:
+    """`pair` with each server's tensor-parallel size. With more ranks than this host's 2 cores every rank runs
+    unbound ("nobind"): vLLM's ranks poll without pause while a transfer is pending, and a rank pinned to a core
+    that others poll on too gets too little of it to serve or pull its KV before the deadline."""
+    if (prefill_tp, decode_tp) == (1, 1):
+        return pair
+    prefill, decode = pair
+    return (dataclasses.replace(prefill, tensor_parallel_size=prefill_tp, cpu_cores="nobind"),
+            dataclasses.replace(decode, tensor_parallel_size=decode_tp, cpu_cores="nobind"))
 
 
 @contextmanager

@@ -14,6 +14,7 @@ from typing import Any, TypeVar, overload
 import msgspec
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.observability.labels import TransferFailure
 
 WIRE_VERSION = 1
 M = TypeVar("M")
@@ -180,6 +181,10 @@ class NodeInfo(_Msg, tag="node", frozen=True):
     engine: NodeEngine = NodeEngine.KVWIRE
     host: str = ""  # host_identity() of the process behind the id ("": an older node)
     pid: int = 0  # its process id there (0: an older node)
+    # A vLLM server's consumer rank (KvwireConnector): its pulls so far, and the prompts it was meant to receive and
+    # recomputed instead, by reason (connectors/vllm/tally.py). kvwire's own nodes count these in their metrics.
+    pulls: int = 0
+    recomputed: dict[TransferFailure, int] = {}
 
 
 # --- transfer side channel ---------------------------------------------------------------

@@ -9,6 +9,7 @@ import msgspec
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory import AgedEntry, KVDirectory, TransferState
 from kvwire.connectors.wire import NodeEngine, NodeInfo, TransportCheck
+from kvwire.observability.labels import TransferFailure
 
 
 class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -27,6 +28,8 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     draining: bool = False  # shutting down: finishing what it holds, taking no new work
     transport_checks: list[TransportCheck] = []  # its start-up self-test (empty: an older node)
     engine: NodeEngine = NodeEngine.KVWIRE
+    pulls: int = 0  # a vLLM consumer rank's pulls so far
+    recomputed: dict[TransferFailure, int] = {}  # ... and the prompts it recomputed instead, by reason
 
 
 class TransferStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -51,7 +54,8 @@ def node_status(info: NodeInfo, now: float) -> NodeStatus:
     return NodeStatus(node_id=info.node_id, role=info.role, address=address, connector=info.connector,
                       epoch=info.epoch, queue_depth=info.queue_depth, running=info.running,
                       free_blocks=info.free_blocks, total_blocks=info.total_blocks, heartbeat_age_s=age,
-                      draining=info.draining, transport_checks=info.transport_checks, engine=info.engine)
+                      draining=info.draining, transport_checks=info.transport_checks, engine=info.engine,
+                      pulls=info.pulls, recomputed=info.recomputed)
 
 
 def transfer_status(aged: AgedEntry) -> TransferStatus:
@@ -92,6 +96,14 @@ def _paths(checks: list[TransportCheck]) -> str:
     return " ".join(f"{c.transport}:{c.path if c.ok else 'FAILED'}" for c in checks) or "-"
 
 
+def _kv(n: NodeStatus) -> list[str]:
+    """PULLS, RECOMPUTED: a vLLM consumer rank's ("deadline:2 producer:1"; "0"); "-" for others (kvwire's own
+    nodes count them in their /metrics)."""
+    if n.engine != NodeEngine.VLLM or n.role == NodeRole.PREFILL:
+        return ["-", "-"]
+    return [str(n.pulls), " ".join(f"{r}:{c}" for r, c in sorted(n.recomputed.items()) if c) or "0"]
+
+
 def _load(n: NodeStatus) -> list[str]:
     """QUEUED, RUNNING, FREE BLOCKS; a vLLM server's rank knows its pool's size only (vLLM's own /metrics
     has the rest)."""
@@ -103,11 +115,12 @@ def _load(n: NodeStatus) -> list[str]:
 def render(status: ClusterStatus) -> str:
     """The status as two plain-text tables: live nodes, then request entries."""
     node_rows = [[n.node_id, f"{n.role} (draining)" if n.draining else str(n.role), n.address, str(n.connector),
-                  str(n.epoch), *_load(n), _age(n.heartbeat_age_s), _paths(n.transport_checks)] for n in status.nodes]
+                  str(n.epoch), *_load(n), _age(n.heartbeat_age_s), _paths(n.transport_checks), *_kv(n)]
+                 for n in status.nodes]
     transfer_rows = [[t.request_id, str(t.state), t.producer, _age(t.age_s), t.reason] for t in status.transfers]
     lines = [f"directory {status.directory}", "", f"nodes ({len(status.nodes)} live)"]
     lines += _table(["NODE", "ROLE", "ADDRESS", "CONNECTOR", "EPOCH", "QUEUED", "RUNNING", "FREE BLOCKS",
-                     "HEARTBEAT", "TRANSPORT PATH"], node_rows) if node_rows else ["  (none)"]
+                     "HEARTBEAT", "TRANSPORT PATH", "PULLS", "RECOMPUTED"], node_rows) if node_rows else ["  (none)"]
     lines += ["", f"transfers ({len(status.transfers)} in the directory)"]
     lines += _table(["REQUEST", "STATE", "PRODUCER", "AGE", "REASON"], transfer_rows) if transfer_rows else ["  (none)"]
     return "\n".join(lines)

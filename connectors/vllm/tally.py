@@ -22,15 +22,24 @@ class Tally:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._data = empty()
+        self._pulls = 0  # since the start, for `kvwire status` (the heartbeat)
+        self._recomputed: dict[TransferFailure, int] = {}
+
+    def totals(self) -> tuple[int, dict[TransferFailure, int]]:
+        """Pulls and failed pulls by reason since the start (vLLM's takes do not reset them)."""
+        with self._lock:
+            return self._pulls, dict(self._recomputed)
 
     def pulled(self, nbytes: int, seconds: float) -> None:
         with self._lock:
+            self._pulls += 1
             self._data["pulls"] += 1
             self._data["pull_bytes"] += nbytes
             self._data["pull_seconds"].append(seconds)
 
     def failed(self, reason: TransferFailure) -> None:
         with self._lock:
+            self._recomputed[reason] = self._recomputed.get(reason, 0) + 1
             failed = self._data["failed"]
             failed[str(reason)] = failed.get(str(reason), 0) + 1
 

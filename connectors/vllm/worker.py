@@ -160,9 +160,10 @@ class WorkerHalf:
             self._directory.close()
 
     def _node_info(self, config: ConnectorConfig, epoch: int) -> NodeInfo:
+        pulls, recomputed = self.tally.totals()
         return NodeInfo(node_id=config.node_id, role=config.role, epoch=epoch, work_endpoint="",
                         connector=config.kind, free_blocks=0, total_blocks=self._num_blocks, engine=NodeEngine.VLLM,
-                        host=host_identity(), pid=os.getpid())
+                        host=host_identity(), pid=os.getpid(), pulls=pulls, recomputed=recomputed)
 
     # --- producer --------------------------------------------------------------------------
 

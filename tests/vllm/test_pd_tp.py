@@ -13,13 +13,12 @@ core that others spin on too gets too little of it to serve or pull the KV befor
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 
-from kvwire.cli.vllm_cluster import VLLMServer, VLLMServerSpec
-from kvwire.cli.vllm_pd import kvwire_pair, pd_cluster_of
+from kvwire.cli.vllm_cluster import VLLMServer
+from kvwire.cli.vllm_pd import kvwire_pair, pd_cluster_of, with_tp
 from kvwire.connectors.config import ConnectorKind
 from tests.vllm.conftest import PROMPTS
 from tests.vllm.test_pd_servers import _chat, _client, _complete
@@ -27,17 +26,13 @@ from tests.vllm.test_pd_servers import _chat, _client, _complete
 pytest.importorskip("openai")
 
 
-def _tp(spec: VLLMServerSpec, size: int) -> VLLMServerSpec:
-    return dataclasses.replace(spec, tensor_parallel_size=size, cpu_cores="nobind")
-
-
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)], ids=["P-TP2-D-TP1", "P-TP1-D-TP2"])
 def test_tensor_parallel_pairs_equal_plain(plain_server: VLLMServer, vllm_model_dir: Path, redis_url: str,
                                            tmp_path: Path, p_tp: int, d_tp: int):
     model = str(vllm_model_dir)
     plain = _client(plain_server.url)
-    prefill, decode = kvwire_pair(vllm_model_dir, redis_url, ConnectorKind.UCX, tmp_path, named=False)
-    with pd_cluster_of(_tp(prefill, p_tp), _tp(decode, d_tp), tmp_path) as cluster:
+    pair = with_tp(kvwire_pair(vllm_model_dir, redis_url, ConnectorKind.UCX, tmp_path, named=False), p_tp, d_tp)
+    with pd_cluster_of(*pair, tmp_path) as cluster:
         routed = _client(cluster.router_url)
         for prompt in PROMPTS:
             got, want = _complete(routed, model, prompt), _complete(plain, model, prompt)
