@@ -53,7 +53,10 @@ class PDCluster:
     def _by_label(self, name: str, label: str) -> dict[str, float]:
         text = httpx.get(f"{self.decode.url}/metrics", timeout=10).text
         pattern = rf'^{re.escape(name)}\{{[^}}]*{label}="([^"]+)"[^}}]*\}} (\S+)$'
-        return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.M)}
+        out: dict[str, float] = {}
+        for m in re.finditer(pattern, text, re.M):  # one line per engine of a data-parallel server: summed
+            out[m[1]] = out.get(m[1], 0.0) + float(m[2])
+        return out
 
 
 def start_router(prefill_urls: list[str], decode_urls: list[str], log_path: Path) -> tuple[str, subprocess.Popen]:
