@@ -52,7 +52,7 @@ class Setup(NamedTuple):
     @property
     def slug(self) -> str:
         """The name as a folder name, for the setup's logs."""
-        return self.name.replace(" ", "-")
+        return self.name.replace(" ", "-").replace("->", "-to-")
 
 
 class Target(NamedTuple):
