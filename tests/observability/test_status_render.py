@@ -39,7 +39,8 @@ def test_table_has_a_row_per_node_and_transfer_in_aligned_columns():
     assert decode.split() == ["decode-0", "decode", "tcp://127.0.0.1:5001", "tcp", "3", "2", "5", "100/512", "1.2s",
                               "tcp:tcp", "-", "-"]
     assert header.index("ROLE") == decode.index(" decode ") + 1 and header.index("HEARTBEAT") == decode.index("1.2s")
-    assert next(line for line in lines if line.startswith("prefill-0")).split()[-5:] == ["-", "shm:shm", "ucx:FAILED", "-", "-"]
+    prefill = next(line for line in lines if line.startswith("prefill-0"))
+    assert prefill.split()[-5:] == ["-", "shm:shm", "ucx:FAILED", "-", "-"]
     failed = next(line for line in lines if line.startswith("cmpl-2"))
     assert failed.split()[:4] == ["cmpl-2", "failed", "prefill-0", "12.0s"] and failed.endswith("prefill failed")
     assert "nodes (2 live)" in lines and "transfers (2 in the directory)" in lines
