@@ -161,7 +161,7 @@ class KVRegion:
 
     def _plane_parts(self, p: int, runs: list[tuple[int, int]]) -> list[Part]:
         flat, plane = self._flat_planes[p], self.planes[p]
-        step = plane.stride(0)  # a row's start to the next one's, in bytes
+        step = plane.shape[1]
         if self.rows is None:
             return [flat[start * step:(start + n) * step] for start, n in runs]
         lo, hi = self.rows
@@ -187,9 +187,7 @@ class KVRegion:
 
     @cached_property
     def _flat_planes(self) -> tuple[Part, ...]:
-        """Each plane's bytes from its first row's start to its last row's end (rows may be strided)."""
-        return tuple(_flat_part(torch.as_strided(plane, (plane.stride(0) * (plane.shape[0] - 1) + plane.shape[1],),
-                                                 (1,))) for plane in self.planes)
+        return tuple(_flat_part(plane.view(-1)) for plane in self.planes)
 
 
 def _block_major(base: torch.Tensor, kv_caches: list[torch.Tensor]) -> bool:
