@@ -50,6 +50,10 @@ class PDCluster:
         """The decode server's vllm:kvwire_kv_pulls_total."""
         return sum(self._by_label("vllm:kvwire_kv_pulls_total", "engine").values())
 
+    def kv_pull_bytes(self) -> float:
+        """The decode server's vllm:kvwire_kv_pull_bytes_total."""
+        return sum(self._by_label("vllm:kvwire_kv_pull_bytes_total", "engine").values())
+
     def _by_label(self, name: str, label: str) -> dict[str, float]:
         text = httpx.get(f"{self.decode.url}/metrics", timeout=10).text
         pattern = rf'^{re.escape(name)}\{{[^}}]*{label}="([^"]+)"[^}}]*\}} (\S+)$'

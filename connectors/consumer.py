@@ -218,10 +218,12 @@ class KVConsumer:
 
     def receive_blocks(self, request_id: str, num_tokens: int, dst_blocks: list[int],
                        record: ExpectedKV | None = None, first_block: int = 0,
-                       heads: HeadSlice | None = None) -> Received:
+                       heads: HeadSlice | None = None, pick: list[int] | None = None) -> Received:
         """Pull the KV of a prompt of `num_tokens` from block `first_block` of the producer's on into
         `dst_blocks` (the consumer holds the blocks before it already, e.g. in vLLM's prefix cache);
         `heads`: only that slice of each block's KV heads (tensor parallel; 0 heads declines the copy).
+        `pick` (instead of `first_block`): `dst_blocks` pairs with the producer's whole block list, which
+        must be as long, and the pull moves the blocks at these positions of both (vLLM's KV cache groups).
 
         Raises:
             TransferError: the KV did not come; the entry is now FAILED.
@@ -231,7 +233,7 @@ class KVConsumer:
         if time.monotonic() - self._addresses_published > self._config.entry_ttl_s / 3:
             self.publish_addresses()  # they expire with entry_ttl_s: producers refuse pulls to unknown addresses
         try:
-            received = self._receive(request_id, num_tokens, dst_blocks, record, first_block, heads)
+            received = self._receive(request_id, num_tokens, dst_blocks, record, first_block, heads, pick)
             self._notes_due()
             return received
         except (TransferError, DirectoryError) as exc:
@@ -317,25 +319,24 @@ class KVConsumer:
     # --- the pull --------------------------------------------------------------------------
 
     def _receive(self, rid: str, num_tokens: int, dst_blocks: list[int], record: ExpectedKV,
-                 first_block: int, heads: HeadSlice | None) -> Received:
+                 first_block: int, heads: HeadSlice | None, pick: list[int] | None = None) -> Received:
         if not record.settled and record.watched:
             record.wait(record.deadline - time.monotonic())
         if not record.settled:  # nobody announced it, or the watcher is late: look here
             self._settle(record)
         if record.location is None:
             raise ReceiveError(rid, record.producer or "unknown producer", record.failure, record.failure_kind)
-        loc = self._check(rid, num_tokens, dst_blocks, first_block, record.location, heads)
+        loc, dst = self._check(rid, num_tokens, dst_blocks, first_block, record.location, heads, pick)
         loc = self._transport.choose(loc)
         if loc.heads is not None and loc.heads.num_heads == 0:
-            return self._decline(loc, dst_blocks[first_block:first_block + len(loc.block_ids)], record)
+            return self._decline(loc, dst, record)
         if refusal := self._fast_path.refusal(loc):
             raise ReceiveError(rid, loc.producer, refusal, TransferFailure.SLOW_PATH)
         hidden = self._hidden_for(record, loc)
         start = time.monotonic()
-        dst = dst_blocks[first_block:first_block + len(loc.block_ids)]
         nbytes = self._puller.pull(loc, dst, hidden, record.deadline)
         elapsed = time.monotonic() - start
-        self._verify(rid, dst_blocks[:len(loc.block_ids) + first_block], loc)
+        self._verify(rid, dst, loc)
         self._metrics.observe_transfer(str(loc.kind), nbytes, elapsed)  # the producer marks the entry CONSUMED
         log.info("request %s: %d bytes from %s over %s in %.2f ms", rid, nbytes, loc.producer, loc.kind,
                  elapsed * 1e3)
@@ -360,7 +361,8 @@ class KVConsumer:
         transfer_id = next(self._decline_ids)
         self._declines.send(loc.side_channel, PullRequest(
             request_id=loc.request_id, transfer_id=transfer_id, consumer=self._config.node_id,
-            transport_address=address, dst_block_ids=dst, first_block=loc.first_block, heads=loc.heads))
+            transport_address=address, dst_block_ids=dst, first_block=loc.first_block, heads=loc.heads,
+            src_block_ids=loc.block_ids))
         try:
             self._declines.wait(loc, transfer_id, record.deadline)
         except TransferError:
@@ -369,10 +371,10 @@ class KVConsumer:
         record.stats = Received([], loc.hidden, loc.intermediate, 0, 0.0, loc.producer, loc.kind)
         return record.stats
 
-    def _check(self, rid: str, num_tokens: int, dst_blocks: list[int], first_block: int,
-               loc: KVLocation, heads: HeadSlice | None = None) -> KVLocation:
-        """`loc` if it fits what we need, from `first_block` on (`KVLocation.first_block`), narrowed to
-        `heads`; raises otherwise."""
+    def _check(self, rid: str, num_tokens: int, dst_blocks: list[int], first_block: int, loc: KVLocation,
+               heads: HeadSlice | None = None, pick: list[int] | None = None) -> tuple[KVLocation, list[int]]:
+        """`(loc, destination blocks)` if `loc` fits what we need, from `first_block` on
+        (`KVLocation.first_block`) or at `pick`'s positions, narrowed to `heads`; raises otherwise."""
         def bad(reason: str) -> TransferError:
             return ReceiveError(rid, loc.producer, reason, TransferFailure.MISMATCH)
 
@@ -383,18 +385,33 @@ class KVConsumer:
             raise bad(f"producer layout {loc.layout} does not match ours {layout}")
         if loc.num_tokens != num_tokens:
             raise bad(f"producer has {loc.num_tokens} prompt tokens, we need {num_tokens}")
+        if any(d.shape[:1] != (num_tokens,) for d in loc.hidden):
+            raise bad("hidden states do not cover the prompt")
+        if pick is not None:
+            return self._check_pick(loc, dst_blocks, pick, bad)
         n_blocks = math.ceil(loc.num_tokens / layout.block_size)
         if len(loc.block_ids) != n_blocks or len(dst_blocks) < n_blocks:
             raise bad(f"block count mismatch: producer {len(loc.block_ids)}, needed {n_blocks}, "
                       f"ours {len(dst_blocks)}")
-        if any(d.shape[:1] != (num_tokens,) for d in loc.hidden):
-            raise bad("hidden states do not cover the prompt")
         if first_block == 0:
-            return loc
+            return loc, dst_blocks[:n_blocks]
         if not 0 < first_block < n_blocks or loc.layerwise or loc.hidden or self._config.verify_kv:
             raise bad(f"cannot pull from block {first_block} of {n_blocks} (layer-wise, hidden states or "
                       "checksums need the whole prompt)")
-        return msgspec.structs.replace(loc, block_ids=loc.block_ids[first_block:], first_block=first_block)
+        return (msgspec.structs.replace(loc, block_ids=loc.block_ids[first_block:], first_block=first_block),
+                dst_blocks[first_block:n_blocks])
+
+    def _check_pick(self, loc: KVLocation, dst_blocks: list[int], pick: list[int],
+                    bad: Callable[[str], TransferError]) -> tuple[KVLocation, list[int]]:
+        """`loc` narrowed to the blocks at `pick`'s positions of its list, and ours at the same positions."""
+        if len(loc.block_ids) != len(dst_blocks):
+            raise bad(f"block count mismatch: producer {len(loc.block_ids)}, ours {len(dst_blocks)}")
+        if not pick or any(not 0 <= i < len(dst_blocks) for i in pick):
+            raise bad(f"a pick of {len(pick)} positions not among {len(dst_blocks)} blocks")
+        if (len(pick) < len(dst_blocks)) and (loc.layerwise or loc.hidden or self._config.verify_kv):
+            raise bad("layer-wise KV, hidden states and checksums need the whole prompt")
+        return (msgspec.structs.replace(loc, block_ids=[loc.block_ids[i] for i in pick]),
+                [dst_blocks[i] for i in pick])
 
     def _check_heads(self, loc: KVLocation, heads: HeadSlice, bad: Callable[[str], TransferError]) -> KVLocation:
         """`loc` narrowed to a head slice, if both pools allow it (same layout but for their head counts)."""

@@ -264,7 +264,7 @@ class TransferServer:
             log.warning("request %s: pull from %s refused: %s", msg.request_id, msg.consumer, reason)
             self._held.end_pull(msg.request_id, msg.consumer)  # a stranger must not make us drop the real KV
             return reason
-        runs = [(s, n) for s, _, n in plan_runs(held.location.block_ids[msg.first_block:], msg.dst_block_ids)]
+        runs = [(s, n) for s, _, n in plan_runs(_sources(msg, held), msg.dst_block_ids)]
         region = self._region
         if msg.heads is not None:
             region = region.heads(msg.heads.src_head, msg.heads.num_heads, msg.heads.per_block)
@@ -295,11 +295,8 @@ class TransferServer:
             return "layer-wise KV needs a transport and a consumer that stream layer by layer"
         if held.gate is not None and held.gate.failure:
             return f"prefill failed: {held.gate.failure}"
-        if held.gate is not None and msg.first_block:
-            return "layer-wise KV is pulled whole"
-        sources = len(held.location.block_ids) - msg.first_block
-        if msg.first_block < 0 or len(msg.dst_block_ids) != sources:
-            return f"{len(msg.dst_block_ids)} destination blocks for {sources} source blocks (from {msg.first_block})"
+        if reason := _source_refusal(msg, held):
+            return reason
         if msg.heads is not None:
             try:
                 self._region.heads(msg.heads.src_head, msg.heads.num_heads, msg.heads.per_block)
@@ -323,3 +320,27 @@ class TransferServer:
     def _reply(self, identity: bytes, msg: PullRequest, ok: bool, reason: str = "") -> None:
         reply = PullReply(request_id=msg.request_id, transfer_id=msg.transfer_id, ok=ok, reason=reason)
         self._sock.send_multipart([identity, pack(reply)])
+
+
+def _sources(msg: PullRequest, held: HeldRequest) -> list[int]:
+    """The held blocks `msg` asks for, in its destination order (`_source_refusal` passed)."""
+    return msg.src_block_ids or held.location.block_ids[msg.first_block:]
+
+
+def _source_refusal(msg: PullRequest, held: HeldRequest) -> str:
+    """Why `msg`'s source blocks cannot be sent ("" if they can): a pick of blocks not held for the request
+    (a consumer never reads other memory), a count unlike its destination's, a layer-wise pull not whole."""
+    blocks = held.location.block_ids
+    if msg.src_block_ids:
+        if not set(msg.src_block_ids) <= set(blocks):
+            return "source blocks not held for this request"
+        sources = len(msg.src_block_ids)
+    elif msg.first_block < 0:
+        return f"first block {msg.first_block}"
+    else:
+        sources = len(blocks) - msg.first_block
+    if len(msg.dst_block_ids) != sources:
+        return f"{len(msg.dst_block_ids)} destination blocks for {sources} source blocks"
+    if held.gate is not None and _sources(msg, held) != blocks:
+        return "layer-wise KV is pulled whole"
+    return ""

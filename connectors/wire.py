@@ -206,6 +206,10 @@ class PullRequest(_Msg, tag="pull", frozen=True):
     pack_below: int = 0  # UCX: pieces smaller than this come packed, many per message (connectors/ucx/packing.py)
     first_block: int = 0  # send the location's blocks from this one on (KVLocation.first_block)
     heads: HeadSlice | None = None  # tensor parallel: send only these heads of each block (KVLocation.heads)
+    # The location's blocks to send, in `dst_block_ids` order (each must be one the producer holds for the
+    # request; first_block is then ignored): a consumer's pick, e.g. the blocks of each of vLLM's KV cache
+    # groups that it lacks. Empty: every block from first_block on (as producers before it read it).
+    src_block_ids: list[int] = []
 
 
 class PullReply(_Msg, tag="pull_reply", frozen=True):

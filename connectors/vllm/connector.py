@@ -3,6 +3,9 @@
 vLLM builds one connector per role: in the scheduler (`KVConnectorRole.SCHEDULER`, the
 `SchedulerHalf` decides what to pull and hold) and in each worker (`WORKER`, the
 `WorkerHalf` moves the bytes). This class only routes vLLM's calls to them.
+
+kvwire is `SupportsHMA`: vLLM keeps its hybrid KV cache manager on, and a model of several KV
+cache groups (sliding-window beside full attention) hands per-group block lists (groups.py).
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
+from kvwire.connectors.vllm.groups import Groups
 from kvwire.connectors.vllm.identity import EngineShape
 from kvwire.connectors.vllm.metadata import KvwireMetadata
 from kvwire.connectors.vllm.scheduler import SchedulerHalf
@@ -36,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class KvwireConnector(KVConnectorBase_V1):
+class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         _log_like_vllm()
@@ -48,15 +53,13 @@ class KvwireConnector(KVConnectorBase_V1):
         self.settings = VLLMSettings.parse(transfer.kv_role, transfer.kv_connector_extra_config or {},
                                            EngineShape.of(vllm_config, rank))
         _insist_on_recompute(transfer)
-        if len(kv_cache_config.kv_cache_groups) != 1:
-            raise ValueError("kvwire moves models with one KV cache group (no hybrid attention) for now")
-        block_size = vllm_config.cache_config.block_size
+        self._groups = Groups.of(kv_cache_config)
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerHalf(self.settings, block_size)
+            self._scheduler = SchedulerHalf(self.settings, self._groups)
         else:
-            self._worker = WorkerHalf(self.settings, kv_cache_config.num_blocks, block_size)
+            self._worker = WorkerHalf(self.settings, kv_cache_config.num_blocks, self._groups.block_size)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -87,6 +90,11 @@ class KvwireConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
+        return self._scheduler.finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
         return self._scheduler.finished(request, block_ids)
 
     # --- worker side -----------------------------------------------------------------------
@@ -99,7 +107,7 @@ class KvwireConnector(KVConnectorBase_V1):
         if len(backends) != 1:
             raise ValueError(f"kvwire moves KV of one attention backend per model; this one has "
                              f"{[b.get_name() for b in backends]}")
-        self._worker.register(kv_caches, backends[0])
+        self._worker.register(self._groups.planes(kv_caches), backends[0])
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None

@@ -13,18 +13,20 @@ from kvwire.connectors.vllm.params import RemotePrefill
 class Hold:
     """Producer: a finished prompt whose blocks wait for a consumer."""
 
-    block_ids: list[int]
+    block_ids: list[int]  # those a consumer may pull, group after group (groups.py)
     num_tokens: int
+    error: str = ""  # why there is nothing to hold after all: the worker fails the entry with it
 
 
 @dataclass(frozen=True)
 class Pull:
-    """Consumer: a prompt whose KV lands in `block_ids[first_block:]` (the ones before are prefix-cached)."""
+    """Consumer: a prompt whose KV lands in `block_ids` at the positions `pick` (the others are prefix-cached
+    or out of a sliding window)."""
 
     remote: RemotePrefill
     num_tokens: int  # the prompt's length here (must equal the producer's)
-    block_ids: list[int]  # the request's blocks covering the prompt
-    first_block: int
+    block_ids: list[int]  # the request's blocks, paired with the producer's held list (groups.py)
+    pick: list[int]
 
 
 @dataclass

@@ -25,7 +25,8 @@ class RemotePrefill(msgspec.Struct, frozen=True):
     remote_request_id: str  # the producer's request id: the directory key of the KV
     remote_engine_id: str  # the producer's node id
     remote_num_tokens: int  # prompt tokens the KV covers
-    remote_block_ids: list[int]  # the producer's blocks (informational: the directory's location rules)
+    remote_block_ids: list[list[int]]  # the producer's blocks per KV cache group (informational: the directory's
+    # location rules); a flat list (one group, as kvwire sent before it moved hybrid models) is read as such
     transfer: str = TRANSFER
     remote_tp_size: int = 1  # the producer's tensor-parallel ranks, each holding its share (connectors/vllm/tp.py)
 
@@ -34,6 +35,9 @@ class RemotePrefill(msgspec.Struct, frozen=True):
         """The remote prefill `params` announce, or None (none announced, or malformed: logged)."""
         if not params or not params.get("do_remote_prefill"):
             return None
+        blocks = params.get("remote_block_ids")
+        if isinstance(blocks, list) and blocks and not isinstance(blocks[0], list):
+            params = {**params, "remote_block_ids": [blocks]}
         try:
             remote = msgspec.convert(params, cls)
         except msgspec.ValidationError as exc:
@@ -51,9 +55,11 @@ def wants_remote_decode(params: dict[str, Any] | None) -> bool:
     return bool(params and params.get("do_remote_decode"))
 
 
-def remote_params(request_id: str, node_id: str, block_ids: list[int], num_tokens: int,
+def remote_params(request_id: str, node_id: str, block_ids: tuple[list[int], ...], num_tokens: int,
                   tp_size: int = 1) -> dict[str, Any]:
-    """What a producer's `request_finished` hands back for the consumer (step 2 above)."""
+    """What a producer's `request_finished` hands back for the consumer (step 2 above); `block_ids` per KV
+    cache group (a list of lists, as NIXL sends them)."""
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": request_id,
-            "remote_engine_id": node_id, "remote_block_ids": list(block_ids), "remote_num_tokens": num_tokens,
+            "remote_engine_id": node_id, "remote_block_ids": [list(b) for b in block_ids],
+            "remote_num_tokens": num_tokens,
             "transfer": TRANSFER, "remote_tp_size": tp_size}

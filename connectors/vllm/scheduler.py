@@ -14,14 +14,17 @@ A producer's request (`do_remote_decode`):
    announce them; the returned params tell the consumer where they are. The worker reports
    the request "finished sending" once the consumer pulled it or the hold lapsed, and only
    then does vLLM free the blocks.
+
+Block lists are per KV cache group (vLLM's hybrid allocator); groups.py picks the blocks of
+each that move.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from typing import TYPE_CHECKING, Any
 
+from kvwire.connectors.vllm.groups import Groups
 from kvwire.connectors.vllm.metadata import Hold, KvwireMetadata, Pull
 from kvwire.connectors.vllm.params import RemotePrefill, remote_params, wants_remote_decode
 from kvwire.connectors.vllm.settings import VLLMSettings
@@ -36,9 +39,10 @@ log = logging.getLogger(__name__)
 
 
 class SchedulerHalf:
-    def __init__(self, settings: VLLMSettings, block_size: int):
+    def __init__(self, settings: VLLMSettings, groups: Groups):
         self._settings = settings
-        self._block_size = block_size
+        self._groups = groups
+        self._block_size = groups.block_size
         self._next = KvwireMetadata()  # what the next step's metadata carries
         self.tally = Tally()  # prompts not pulled for want of a match (stats.py)
 
@@ -67,11 +71,12 @@ class SchedulerHalf:
             return
         prompt = len(request.prompt_token_ids or ())
         first_block = (prompt - num_external_tokens) // self._block_size
-        block_ids = list(blocks.get_block_ids()[0][:math.ceil(prompt / self._block_size)])
-        self._next.pull[request.request_id] = Pull(remote, prompt, block_ids, first_block)
+        block_ids, pick = self._groups.pull(blocks.get_block_ids(), prompt, first_block)
+        self._next.pull[request.request_id] = Pull(remote, prompt, block_ids, pick)
 
-    def finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM's request_finished: whether the blocks stay (held for a consumer), and the params for it."""
+    def finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's request_finished(_all_groups): whether the blocks stay (held for a consumer), and the params
+        for it. `block_ids`: the request's blocks, per KV cache group."""
         from vllm.v1.request import RequestStatus
 
         remote = self._remote(request)
@@ -83,13 +88,18 @@ class SchedulerHalf:
         if not (self._settings.role.produces and wants_remote_decode(request.kv_transfer_params)):
             return False, None
         done = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-        if not done or not block_ids:  # aborted, or nothing computed: nothing to hand over
+        if not done or not any(block_ids):  # aborted, or nothing computed: nothing to hand over
             return False, None
         num_tokens = min(request.num_computed_tokens, len(request.prompt_token_ids or ()))
-        block_ids = list(block_ids[:math.ceil(num_tokens / self._block_size)])
-        self._next.hold[request.request_id] = Hold(block_ids, num_tokens)
-        return True, remote_params(request.request_id, self._settings.node_id, block_ids, num_tokens,
-                                   self._settings.engine.tensor_parallel_size)
+        params = remote_params(request.request_id, self._settings.node_id, block_ids, num_tokens,
+                               self._settings.engine.tensor_parallel_size)
+        try:
+            held = self._groups.held(block_ids, num_tokens)
+        except ValueError as exc:  # the worker fails its entry: the consumer counts it and recomputes
+            self._next.hold[request.request_id] = Hold([], num_tokens, error=str(exc))
+            return False, params
+        self._next.hold[request.request_id] = Hold(held, num_tokens)
+        return True, params
 
     def build_metadata(self) -> KvwireMetadata:
         meta, self._next = self._next, KvwireMetadata()

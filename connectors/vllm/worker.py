@@ -39,7 +39,7 @@ from kvwire.connectors.host import host_identity
 from kvwire.connectors.producer import KVProducer
 from kvwire.connectors.vllm.identity import rank_node_id, refuse_live_duplicate
 from kvwire.connectors.vllm.layout import region_of
-from kvwire.connectors.vllm.metadata import KvwireMetadata, Pull
+from kvwire.connectors.vllm.metadata import Hold, KvwireMetadata, Pull
 from kvwire.connectors.vllm.params import RemotePrefill
 from kvwire.connectors.vllm.settings import VLLMSettings
 from kvwire.connectors.vllm.tally import Tally
@@ -127,7 +127,7 @@ class WorkerHalf:
 
     def start(self, meta: KvwireMetadata) -> None:
         for rid, hold in meta.hold.items():
-            self._hold(rid, hold.block_ids, hold.num_tokens)
+            self._hold(rid, hold)
         for rid, pull in meta.pull.items():
             self._expect(rid, pull)
         for remote in meta.abandon:
@@ -167,17 +167,24 @@ class WorkerHalf:
 
     # --- producer --------------------------------------------------------------------------
 
-    def _hold(self, rid: str, block_ids: list[int], num_tokens: int) -> None:
+    def _hold(self, rid: str, hold: Hold) -> None:
         """Hold this rank's copy of `rid`'s KV (under its rank's key) for the consumer ranks that read it."""
         key = rank_key(rid, self._settings.engine.tensor_rank, self._settings.engine.tensor_parallel_size)
+        block_ids = hold.block_ids
         with self._lock:
             self._held_ids[key] = rid
         if self._producer is None:
             log.error("request %s: asked to hold KV, but this instance does not produce", rid)
             self._released(key, block_ids)
             return
+        if hold.error:  # vLLM frees its blocks itself (not delayed): nothing to release
+            log.error("request %s: no KV to hold for a consumer (it will recompute): %s", rid, hold.error)
+            self._producer.fail(key, hold.error)
+            with self._lock:
+                self._held_ids.pop(key, None)
+            return
         try:
-            self._producer.hold(key, block_ids, num_tokens)
+            self._producer.hold(key, block_ids, hold.num_tokens)
         except Exception as exc:  # noqa: BLE001 - vLLM must get its blocks back whatever went wrong
             log.error("request %s: cannot hold its KV for a consumer (it will recompute): %s", rid, exc)
             self._producer.fail(key, f"producer could not hold the KV: {exc}")
@@ -228,8 +235,8 @@ class WorkerHalf:
         if rid is None or pull is None or part is None or self._consumer is None:
             return
         try:
-            got = self._consumer.receive_blocks(key, pull.num_tokens, pull.block_ids, first_block=pull.first_block,
-                                                heads=_slice(part.heads))
+            got = self._consumer.receive_blocks(key, pull.num_tokens, pull.block_ids, heads=_slice(part.heads),
+                                                pick=pull.pick)
         except TransferError as exc:
             self._part_ended(rid, pull, part, exc)
             return
@@ -275,7 +282,7 @@ class WorkerHalf:
             self._received.add(rid)
             if not ok:
                 self._failed.add(rid)
-                self._bad_blocks.update(pull.block_ids[pull.first_block:])
+                self._bad_blocks.update(pull.block_ids[i] for i in pull.pick)
 
     def _abandon(self, remote: RemotePrefill) -> None:
         """This instance will not pull `remote`'s KV: the entries of the prefill ranks this rank answers for

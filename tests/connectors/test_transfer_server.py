@@ -72,6 +72,17 @@ def test_block_count_mismatch_is_refused_and_the_request_stays_pullable(server):
     assert released == [] and len(held) == 1 and held.begin_pull("r") is not None
 
 
+def test_a_pick_of_blocks_not_held_for_the_request_is_refused(server):
+    _, held, released, sock = server
+    _hold(held, "r3", [2, 3, 4])
+    for transfer_id, src in enumerate(([2, 5], [2, 3, 4]), start=1):  # another request's block; one too many
+        sock.send(encode(PullRequest(request_id="r3", transfer_id=transfer_id, consumer="c", transport_address=b"x",
+                                     dst_block_ids=[6, 7], src_block_ids=src)))
+        reply = _reply(sock)
+        assert not reply.ok and ("not held" in reply.reason or "destination blocks" in reply.reason), reply.reason
+    assert released == [] and len(held) == 1
+
+
 def test_address_the_consumer_did_not_publish_is_refused(server):
     _, held, released, sock = server
     _hold(held, "r2", [3])

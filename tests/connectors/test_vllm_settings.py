@@ -80,18 +80,20 @@ def test_advertise_host_is_what_peers_are_told():
 
 
 def test_params_round_trip_from_producer_to_consumer():
-    params = remote_params("cmpl-1-0", "prefill-0", [4, 5, 6], 300)
+    params = remote_params("cmpl-1-0", "prefill-0", ([4, 5, 6], [0, 7, 8]), 300)
     remote = RemotePrefill.of("decode-req", params)
-    assert remote == RemotePrefill("cmpl-1-0", "prefill-0", 300, [4, 5, 6])
-    assert RemotePrefill.of("d", remote_params("c", "p", [1], 9, tp_size=2)).remote_tp_size == 2
+    assert remote == RemotePrefill("cmpl-1-0", "prefill-0", 300, [[4, 5, 6], [0, 7, 8]])
+    assert RemotePrefill.of("d", remote_params("c", "p", ([1],), 9, tp_size=2)).remote_tp_size == 2
+    flat = {**params, "remote_block_ids": [4, 5, 6]}  # one group's list, as kvwire sent before groups
+    assert RemotePrefill.of("decode-req", flat) == RemotePrefill("cmpl-1-0", "prefill-0", 300, [[4, 5, 6]])
     assert not wants_remote_decode(params) and wants_remote_decode({"do_remote_decode": True})
 
 
 @pytest.mark.parametrize("params", [
     None, {}, {"do_remote_decode": True},
     {"do_remote_prefill": True, "remote_request_id": "r"},  # incomplete
-    {**remote_params("r", "p", [1], 10), "remote_num_tokens": "ten"},  # malformed
-    {**remote_params("r", "p", [1], 10), "transfer": "nixl"},  # another connector's
+    {**remote_params("r", "p", ([1],), 10), "remote_num_tokens": "ten"},  # malformed
+    {**remote_params("r", "p", ([1],), 10), "transfer": "nixl"},  # another connector's
 ])
 def test_params_that_announce_no_usable_remote_prefill(params):
     assert RemotePrefill.of("req", params) is None

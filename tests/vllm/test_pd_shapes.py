@@ -8,7 +8,9 @@ P/D pair (UCX, the kvwire router in front), float32. Every prompt through the ro
 
 Shapes: MLA with prefill TP=1 and TP=2 (each prefill rank holds the whole latent: the decode rank pulls
 one rank's copy and declines the other's, connectors/vllm/tp.py), and Gemma 3 (5 sliding-window layers,
-1 full; with a connector vLLM keeps one KV cache group, every layer's blocks, as kvwire requires).
+1 full) with vLLM's hybrid KV cache manager on (kvwire is SupportsHMA): one KV cache group per layer,
+and a pull moves only the window's blocks of the sliding layers (connectors/vllm/groups.py), which
+4. the bytes the decode server counts show, exactly.
 Servers are shared by a shape's tests (module-scoped fixtures, parametrized: pytest stops a shape's pair
 before it starts the next one's, and a model's plain server when the model changes).
 """
@@ -31,7 +33,7 @@ from kvwire.cli.vllm_cluster import VLLMServer, VLLMServerSpec
 from kvwire.cli.vllm_pd import DTYPE, PDCluster, kvwire_pair, pd_cluster_of, with_tp
 from kvwire.connectors.config import ConnectorKind
 from tests.vllm.conftest import PROMPTS
-from tests.vllm.models import write_tiny_deepseek_v3, write_tiny_gemma3
+from tests.vllm.models import GEMMA3_SLIDING_WINDOW, write_tiny_deepseek_v3, write_tiny_gemma3
 from tests.vllm.test_pd_servers import _client
 
 openai = pytest.importorskip("openai")
@@ -46,6 +48,7 @@ class Shape:
     model: str  # a key of WRITERS
     prefill_tp: int
     logprob_tol: float
+    window: int = 0  # the sliding window of all but the last layer (tokens); 0: every layer attends fully
 
 
 # MLA: the plain server computes a prompt's first token on the prefill path (latent expanded into K and V),
@@ -57,7 +60,7 @@ MLA_TOL = 1e-2
 SHAPES = {
     "mla-tp1": Shape("deepseek_v3", 1, MLA_TOL),
     "mla-tp2-tp1": Shape("deepseek_v3", 2, MLA_TOL),
-    "gemma3": Shape("gemma3", 1, 2e-3),
+    "gemma3": Shape("gemma3", 1, 2e-3, window=GEMMA3_SLIDING_WINDOW),
 }
 
 
@@ -70,6 +73,7 @@ class Answer(NamedTuple):
     tokens: list[str]  # "token_id:N"
     text: str
     top_logprobs: list[dict[str, float]]
+    prompt_tokens: int
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +118,7 @@ def _complete(client: openai.OpenAI, model: str, prompt: str) -> Answer:
     out = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=2,
                                     extra_body={"return_tokens_as_token_ids": True})
     logprobs = out.choices[0].logprobs
-    return Answer(list(logprobs.tokens), out.choices[0].text, list(logprobs.top_logprobs))
+    return Answer(list(logprobs.tokens), out.choices[0].text, list(logprobs.top_logprobs), out.usage.prompt_tokens)
 
 
 def _gauge(url: str, name: str) -> float:
@@ -142,6 +146,7 @@ def test_prompt_through_pair_equals_plain(model_dir: Path, plain: VLLMServer, pa
     plain.wait_ready()
     prompt, model = PROMPTS[prompt_index], str(model_dir)
     computed, pulls = cluster.prompt_tokens_by_source().get("local_compute", 0.0), cluster.kv_pulls()
+    pulled = cluster.kv_pull_bytes()
     got = _complete(_client(cluster.router_url), model, prompt)
     want = _complete(_client(plain.url), model, prompt)
     assert got.tokens == want.tokens and got.text == want.text
@@ -152,3 +157,17 @@ def test_prompt_through_pair_equals_plain(model_dir: Path, plain: VLLMServer, pa
     assert cluster.kv_pulls() > pulls, "the decode server pulled no KV for this prompt"
     assert sum(cluster.kv_failed_by_reason().values()) == 0, cluster.kv_failed_by_reason()
     assert _wait_released(cluster.prefill.url) < RELEASE_S, "the prefill server still holds the prompt's KV"
+    if shape.window:
+        moved, full = _gemma3_kv_bytes(cluster.decode.url, got.prompt_tokens, shape.window)
+        assert cluster.kv_pull_bytes() - pulled == moved < full
+
+
+def _gemma3_kv_bytes(url: str, num_tokens: int, window: int) -> tuple[int, int]:
+    """`(moved, full)`: the bytes of a prompt's KV that the tiny Gemma 3's pull moves (5 sliding layers: the
+    blocks from the one holding token `num_tokens - window` on; the full layer: all), and its full length."""
+    block_size = int(re.search(r'^vllm:cache_config_info\{[^}]*block_size="(\d+)"', httpx.get(
+        f"{url}/metrics", timeout=10).text, re.M)[1])
+    page = 2 * block_size * 2 * 32 * 4  # a layer's block: 2 KV heads x tokens x (K and V of head_dim 32), float32
+    blocks = -(-num_tokens // block_size)
+    window_blocks = blocks - max(0, num_tokens - window) // block_size
+    return (5 * window_blocks + blocks) * page, 6 * blocks * page
