@@ -24,6 +24,7 @@ import httpx
 
 from kvwire.connectors.config import NodeRole
 from kvwire.observability.labels import InstanceState
+from kvwire.router.vllm_upstream import PEER_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class HealthProbe:
     async def __call__(self, url: str) -> str | None:
         try:
             resp = await self._client.get(f"{url}/health", timeout=self._timeout)
-        except httpx.HTTPError as exc:
+        except PEER_ERRORS as exc:
             return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return None if resp.status_code == 200 else f"GET /health answered {resp.status_code}"
 

@@ -42,7 +42,13 @@ def is_instance_fault(status: int) -> bool:
     return status >= 500
 
 
-def _failure(exc: httpx.HTTPError, request_id: str, peer: str) -> InstanceError:
+# What a call to an instance may raise when the instance fails, beside httpx's own errors: httpcore over anyio
+# raises AttributeError ('NoneType' object has no attribute 'getpeername') when the peer dies while the
+# connection is being set up (its socket is closed under it), and an OSError can escape the same way.
+PEER_ERRORS = (httpx.HTTPError, OSError, AttributeError)
+
+
+def _failure(exc: Exception, request_id: str, peer: str) -> InstanceError:
     if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
         kind = FailureKind.UNREACHABLE
     elif isinstance(exc, httpx.TimeoutException):
@@ -68,7 +74,7 @@ async def post(client: httpx.AsyncClient, request_id: str, peer: str, endpoint: 
     """
     try:
         return await client.post(f"{peer}{endpoint}", json=body, headers=headers)
-    except httpx.HTTPError as exc:
+    except PEER_ERRORS as exc:
         raise _failure(exc, request_id, peer) from exc
 
 
@@ -82,12 +88,12 @@ async def open_stream(client: httpx.AsyncClient, request_id: str, peer: str, end
     req = client.build_request("POST", f"{peer}{endpoint}", json=body, headers=headers)
     try:
         resp = await client.send(req, stream=True)
-    except httpx.HTTPError as exc:
+    except PEER_ERRORS as exc:
         raise _failure(exc, request_id, peer) from exc
     if resp.status_code != 200:
         try:
             await resp.aread()
-        except httpx.HTTPError as exc:
+        except PEER_ERRORS as exc:
             raise _failure(exc, request_id, peer) from exc
         finally:
             await resp.aclose()
@@ -99,7 +105,7 @@ async def get(client: httpx.AsyncClient, request_id: str, peer: str, path: str,
     """GET `path` of `peer`. Returns: the answer, whatever its status. Raises: InstanceError."""
     try:
         return await client.get(f"{peer}{path}", headers=headers)
-    except httpx.HTTPError as exc:
+    except PEER_ERRORS as exc:
         raise _failure(exc, request_id, peer) from exc
 
 
@@ -108,5 +114,5 @@ async def stream_bytes(resp: httpx.Response, request_id: str, peer: str) -> Asyn
     try:
         async for chunk in resp.aiter_bytes():
             yield chunk
-    except httpx.HTTPError as exc:
+    except PEER_ERRORS as exc:
         raise _failure(exc, request_id, peer) from exc
