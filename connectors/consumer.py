@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 WATCHERS = 128  # requests a consumer can be waiting on at once without delaying each other
 WATCH_SLICE_S = 0.25  # a watcher notices within this that the direct word settled its record
+WATCH_RETRY_S = 0.5  # a watcher asks a directory that did not answer again after this
 # a decode node's producer tells it directly where the KV is: its watcher first reads the directory (the
 # fallback: a lost word, a FAILED entry) this long after the request came, unless the word came first
 DIRECT_HEAD_START_S = 0.05
@@ -292,8 +293,7 @@ class KVConsumer:
             if head_start_s > 0:
                 record.wait(min(head_start_s, record.deadline - time.monotonic()))
             while not settled and not record.settled:
-                slice_end = min(record.deadline, time.monotonic() + WATCH_SLICE_S)
-                entry = self._directory.wait_for(record.request_id, {TransferState.READY}, slice_end)
+                entry = self._watch_slice(record)
                 if entry is not None or time.monotonic() >= record.deadline:
                     settled = self._settle_from(record, entry)
         except Exception as exc:  # noqa: BLE001 - the request must still be admitted (and recomputed)
@@ -301,6 +301,22 @@ class KVConsumer:
             settled = record.give_up(f"watching the directory failed: {exc}", TransferFailure.DIRECTORY)
         if settled:
             self._on_ready(record.request_id)
+
+    def _watch_slice(self, record: ExpectedKV) -> DirectoryEntry | None:
+        """The record's entry if READY or terminal within WATCH_SLICE_S, else None. A directory that does not
+        answer (a Redis restart or failover, a stall of the host) is asked again until the record's deadline,
+        WATCH_RETRY_S apart: a blip shorter than the deadline costs no recompute. Raises DirectoryError past it."""
+        try:
+            return self._directory.wait_for(record.request_id, {TransferState.READY},
+                                            min(record.deadline, time.monotonic() + WATCH_SLICE_S))
+        except DirectoryError as exc:
+            left = record.deadline - time.monotonic()
+            if left <= 0:
+                raise
+            log.info("request %s: the directory did not answer (%s); asking again within its deadline",
+                     record.request_id, exc)
+            record.wait(min(WATCH_RETRY_S, left))
+            return None
 
     def _settle(self, record: ExpectedKV) -> bool:
         """Wait (until the record's deadline) for the directory to say READY or terminal; returns whether that
