@@ -260,7 +260,8 @@ def _run(step: Step, out: Path, limit_s: float) -> StepResult:
     log = out / f"{step.name}.log"
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         proc = subprocess.Popen(step.argv, cwd=ROOT, stdout=stdout, stderr=stderr, start_new_session=True,
-                                env={**os.environ, **OFFLINE, "PYTHONUNBUFFERED": "1", **step.env})
+                                env={**os.environ, **OFFLINE, "PYTHONUNBUFFERED": "1", **step.env},
+                                preexec_fn=_interruptible)
         rc = _wait(proc, limit_s)
         _kill_group(proc.pid, signal.SIGKILL)  # whatever the step left running
         stdout.seek(0)
@@ -285,6 +286,13 @@ def _wait(proc: subprocess.Popen, limit_s: float) -> int | None:
             _kill_group(proc.pid, signal.SIGKILL)
             proc.wait()
         return None
+
+
+def _interruptible() -> None:
+    """In the step's process before it runs: SIGINT back to its default. A runner started in the background
+    (`cmd &` in a script, nohup) has SIGINT ignored, and a step would inherit that, never see the interrupt at
+    its limit, and lose its summary to the SIGKILL GRACE_S later."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _kill_group(pgid: int, sig: signal.Signals) -> None:

@@ -9,6 +9,8 @@ vLLM is imported only when vLLM asks for the class, so kvwire itself never needs
     identity.py   which name an engine takes in the directory; shapes and duplicates refused
     stats.py      what vLLM's /metrics gets: pulls, and prompts recomputed by reason (tally.py counts)
     layout.py     vLLM's per-layer KV tensors as kvwire planes
+    groups.py     vLLM's KV cache groups (hybrid attention): which blocks of each a pull moves
+    tp.py         tensor parallel: which prefill ranks' head slices each decode rank reads
     params.py     the kv_transfer_params a P/D proxy carries from prefill to decode
     metadata.py   what the scheduler half tells the worker half each step
     settings.py   kv_connector_extra_config
