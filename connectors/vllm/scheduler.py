@@ -42,7 +42,6 @@ class SchedulerHalf:
     def __init__(self, settings: VLLMSettings, groups: Groups):
         self._settings = settings
         self._groups = groups
-        self._block_size = groups.block_size
         self._next = KvwireMetadata()  # what the next step's metadata carries
         self.tally = Tally()  # prompts not pulled for want of a match (stats.py)
 
@@ -70,7 +69,7 @@ class SchedulerHalf:
             self._next.abandon.append(remote)
             return
         prompt = len(request.prompt_token_ids or ())
-        first_block = (prompt - num_external_tokens) // self._block_size
+        first_block = (prompt - num_external_tokens) // self._groups.block_size
         block_ids, pick = self._groups.pull(blocks.get_block_ids(), prompt, first_block)
         self._next.pull[request.request_id] = Pull(remote, prompt, block_ids, pick)
 

@@ -171,17 +171,15 @@ class WorkerHalf:
         """Hold this rank's copy of `rid`'s KV (under its rank's key) for the consumer ranks that read it."""
         key = rank_key(rid, self._settings.engine.tensor_rank, self._settings.engine.tensor_parallel_size)
         block_ids = hold.block_ids
+        if hold.error and self._producer is not None:  # vLLM frees the blocks itself (not delayed)
+            log.error("request %s: no KV to hold for a consumer (it will recompute): %s", rid, hold.error)
+            self._producer.fail(key, hold.error)
+            return
         with self._lock:
             self._held_ids[key] = rid
         if self._producer is None:
             log.error("request %s: asked to hold KV, but this instance does not produce", rid)
             self._released(key, block_ids)
-            return
-        if hold.error:  # vLLM frees its blocks itself (not delayed): nothing to release
-            log.error("request %s: no KV to hold for a consumer (it will recompute): %s", rid, hold.error)
-            self._producer.fail(key, hold.error)
-            with self._lock:
-                self._held_ids.pop(key, None)
             return
         try:
             self._producer.hold(key, block_ids, hold.num_tokens)
