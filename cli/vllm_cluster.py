@@ -58,6 +58,9 @@ class VLLMServerSpec:
     # ranks pinned to a core another server's worker spins on (vLLM's workers busy-poll their queue while KV is
     # held) get no time there, and the KV they hold is never pulled.
     tensor_parallel_size: int = 1
+    # Run the server (every process of it) under Linux's SCHED_IDLE: any ordinary process that wants a core gets it
+    # first. For servers whose ranks spin on a host with too few cores for them (see cli/vllm_pd.py's with_tp).
+    idle_priority: bool = False
     log_path: Path | None = None
 
     def kv_transfer_config(self) -> str:
@@ -101,10 +104,13 @@ class VLLMServer:
         if self.spec.log_path is not None:
             self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
             out = open(self.spec.log_path, "ab")  # noqa: SIM115 - owned by the child
+        idle = os.sched_param(0)
         try:
             self.proc = subprocess.Popen(self.spec.argv(self.port), env=env, stdout=out,
                                          stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=(  # noqa: PLW1509 - one syscall
+                                             (lambda: os.sched_setscheduler(0, os.SCHED_IDLE, idle))
+                                             if self.spec.idle_priority else None))
         finally:
             if out is not None:
                 out.close()

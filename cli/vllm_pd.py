@@ -115,14 +115,22 @@ def nixl_pair(model_dir: Path, log_dir: Path) -> tuple[VLLMServerSpec, VLLMServe
 
 def with_tp(pair: tuple[VLLMServerSpec, VLLMServerSpec], prefill_tp: int,
             decode_tp: int) -> tuple[VLLMServerSpec, VLLMServerSpec]:
-    """`pair` with each server's tensor-parallel size. With more ranks than this host's 2 cores every rank runs
-    unbound ("nobind"): vLLM's ranks poll without pause while a transfer is pending, and a rank pinned to a core
-    that others poll on too gets too little of it to serve or pull its KV before the deadline."""
+    """`pair` with each server's tensor-parallel size, for this host's 2 cores.
+
+    Every rank runs unbound ("nobind"): vLLM's ranks poll without pause while a transfer is pending, and a rank
+    pinned to a core that others poll on too gets too little of it to serve or pull its KV before the deadline.
+    A server of more than one rank also runs at idle priority: its ranks spin on sched_yield for as long as it
+    holds KV for a pull, and on this host's kernel (6.18) two of them left every other process (redis-server,
+    the router, the other server) without a core for up to 30 s (perf: the ranks in do_sched_yield), so that
+    heartbeats lapsed and pulls missed their deadline. Nothing in what the servers compute changes.
+    """
     if (prefill_tp, decode_tp) == (1, 1):
         return pair
     prefill, decode = pair
-    return (dataclasses.replace(prefill, tensor_parallel_size=prefill_tp, cpu_cores="nobind"),
-            dataclasses.replace(decode, tensor_parallel_size=decode_tp, cpu_cores="nobind"))
+    return (dataclasses.replace(prefill, tensor_parallel_size=prefill_tp, cpu_cores="nobind",
+                                idle_priority=prefill_tp > 1),
+            dataclasses.replace(decode, tensor_parallel_size=decode_tp, cpu_cores="nobind",
+                                idle_priority=decode_tp > 1))
 
 
 @contextmanager

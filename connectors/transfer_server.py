@@ -174,7 +174,8 @@ class TransferServer:
     def close(self) -> None:
         self._stop.set()
         self.wake()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():  # closed without start(): nothing to join
+            self._thread.join(timeout=5)
         self._sock.close(0)
         self._engine.close()
         self._wakeup.close()
@@ -272,25 +273,33 @@ class TransferServer:
         self._jobs[(msg.request_id, msg.consumer, msg.transfer_id)] = job
         return job
 
-    def _trusts(self, consumer: str, address: bytes) -> bool:
-        """Whether `address` is what `consumer` published; a match is remembered for TRUST_TTL_S (a
-        directory round trip saved per pull), anything else is looked up."""
+    def _distrust(self, consumer: str, address: bytes) -> str:
+        """Why `address` is not trusted as `consumer`'s ("" when it is): it must be what `consumer` published.
+
+        A match is remembered for TRUST_TTL_S (a directory round trip saved per pull); after that it is looked up
+        again. A lookup that fails (the directory timed out: a stalled redis-server) keeps the address this
+        consumer was last verified with, since nothing says it changed; a consumer never verified is refused.
+        """
         now = time.monotonic()
         known, when = self._trusted.get(consumer, (b"", 0.0))
         if known == address and now - when < TRUST_TTL_S:
-            return True
+            return ""
         try:
-            ok = self._trusted_endpoint(consumer) == address
-        except Exception as exc:  # noqa: BLE001 - no directory, no trust
-            log.warning("cannot look up consumer %s: %s", consumer, exc)
-            return False
-        if ok:
-            self._trusted[consumer] = (address, now)
-        return ok
+            published = self._trusted_endpoint(consumer)
+        except Exception as exc:  # noqa: BLE001 - no directory: only what was verified before
+            if known == address:
+                log.warning("cannot look up consumer %s (%s); its last verified address stands", consumer, exc)
+                return ""
+            return f"cannot verify the transport address of {consumer!r}: {exc}"
+        if published != address:
+            self._trusted.pop(consumer, None)  # it moved (restarted): the old address is no fallback
+            return f"transport address of {consumer!r} is not the one it published"
+        self._trusted[consumer] = (address, now)
+        return ""
 
     def _refusal(self, msg: PullRequest, held: HeldRequest) -> str:
-        if not self._trusts(msg.consumer, msg.transport_address):
-            return f"transport address of {msg.consumer!r} is not the one it published"
+        if reason := self._distrust(msg.consumer, msg.transport_address):
+            return reason
         if held.gate is not None and not (self._engine.streams_layers and msg.layer_major):
             return "layer-wise KV needs a transport and a consumer that stream layer by layer"
         if held.gate is not None and held.gate.failure:

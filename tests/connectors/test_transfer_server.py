@@ -6,10 +6,12 @@ import msgspec
 import pytest
 import zmq
 
+from kvwire.connectors import transfer_server
 from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.directory import DirectoryError
 from kvwire.connectors.held import HeldRequest, HeldTable
 from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.transfer_server import TransferServer
+from kvwire.connectors.transfer_server import SendJob, TransferServer
 from kvwire.connectors.ucx.send_engine import UCXSendEngine
 from kvwire.connectors.wire import WIRE_VERSION, KVLocation, PullReply, PullRequest, ShmHello, decode, encode
 from kvwire.engine.kv_cache import KVPool
@@ -95,3 +97,36 @@ def test_address_the_consumer_did_not_publish_is_refused(server):
     sock.send(encode(PullRequest(request_id="r2", transfer_id=2, consumer="nobody", transport_address=b"x",
                                  dst_block_ids=[4])))
     assert not _reply(sock).ok
+
+
+def test_a_directory_that_fails_keeps_a_verified_consumer_and_refuses_the_rest(monkeypatch):
+    """A lookup that times out (a stalled redis-server) must not refuse a consumer verified before: its last
+    verified address stands. A consumer never verified, or one whose address changed, is refused."""
+    monkeypatch.setattr(transfer_server, "TRUST_TTL_S", 0.0)  # every pull looks the consumer up
+    published: dict[str, bytes] = {"c": b"x"}
+    directory_up = True
+
+    def lookup(consumer: str) -> bytes | None:
+        if not directory_up:
+            raise DirectoryError("get transport address: TimeoutError: Timeout reading from socket")
+        return published.get(consumer)
+
+    held = HeldTable(lambda rid, blocks: None)
+    srv = TransferServer("127.0.0.1", KVRegion.from_kv_caches(KVPool.allocate(peer.layout(), 8).kv_caches), held,
+                         UCXSendEngine(), 5.0, lookup)
+    try:
+        def claim(rid: str, consumer: str) -> SendJob | str:
+            _hold(held, rid, [1])
+            return srv.claim(PullRequest(request_id=rid, transfer_id=1, consumer=consumer, transport_address=b"x",
+                                         dst_block_ids=[2]))
+
+        assert isinstance(claim("r1", "c"), SendJob)  # verified
+        directory_up = False
+        assert isinstance(claim("r2", "c"), SendJob)  # the directory failed, not the consumer
+        assert "cannot verify" in claim("r3", "d")  # never verified
+        directory_up, published["c"] = True, b"y"
+        assert "not the one it published" in claim("r4", "c")  # c restarted at another address
+        directory_up = False
+        assert "cannot verify" in claim("r5", "c")  # its old address is no fallback
+    finally:
+        srv.close()

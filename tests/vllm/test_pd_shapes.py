@@ -85,11 +85,21 @@ def model_dir(request, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def plain(model_dir: Path, tmp_path_factory) -> Iterator[VLLMServer]:
     """A plain vLLM server (no connector) of the model: what the pair must match. Started, not waited for
-    (tests wait), so that its start-up overlaps the pair's."""
+    (`want` waits), so that its start-up overlaps the pair's: tests name it before `pair`."""
     log = tmp_path_factory.mktemp(f"plain-{model_dir.name}") / "plain.log"
     server = VLLMServer(VLLMServerSpec(model_dir, cpu_cores="0", dtype=DTYPE, log_path=log)).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def want(model_dir: Path, plain: VLLMServer) -> list[Answer]:
+    """The plain server's answer to each of PROMPTS, after which it is stopped: the pair then serves alone on
+    these 2 cores (a vLLM worker spins on sched_yield for a second after each step; see with_tp)."""
+    plain.wait_ready()
+    answers = [_complete(_client(plain.url), str(model_dir), prompt) for prompt in PROMPTS]
+    plain.stop()
+    return answers
 
 
 @pytest.fixture(scope="module")
@@ -141,16 +151,15 @@ SHAPE_PARAMS = [pytest.param(shape.model, name, id=name) for name, shape in SHAP
 # two marks: one of fixtures only keeps model_dir and pair module-scoped (shared by a shape's prompts)
 @pytest.mark.parametrize("prompt_index", range(len(PROMPTS)), ids=lambda i: f"prompt{i}")
 @pytest.mark.parametrize(("model_dir", "pair"), SHAPE_PARAMS, indirect=True)
-def test_prompt_through_pair_equals_plain(model_dir: Path, plain: VLLMServer, pair: Pair, prompt_index: int):
+def test_prompt_through_pair_equals_plain(model_dir: Path, plain: VLLMServer, pair: Pair, want: list[Answer],
+                                          prompt_index: int):
     shape, cluster = pair
-    plain.wait_ready()
     prompt, model = PROMPTS[prompt_index], str(model_dir)
     computed, pulls = cluster.prompt_tokens_by_source().get("local_compute", 0.0), cluster.kv_pulls()
     pulled = cluster.kv_pull_bytes()
     got = _complete(_client(cluster.router_url), model, prompt)
-    want = _complete(_client(plain.url), model, prompt)
-    assert got.tokens == want.tokens and got.text == want.text
-    for mine, theirs in zip(got.top_logprobs, want.top_logprobs):
+    assert got.tokens == want[prompt_index].tokens and got.text == want[prompt_index].text
+    for mine, theirs in zip(got.top_logprobs, want[prompt_index].top_logprobs):
         assert sorted(mine) == sorted(theirs) and mine == pytest.approx(theirs, abs=shape.logprob_tol)
     computed_here = cluster.prompt_tokens_by_source()["local_compute"] - computed
     assert computed_here == 0, f"decode computed {computed_here} prompt tokens itself"
