@@ -323,7 +323,8 @@ def vllm(
     nixl: Annotated[bool, typer.Option("--nixl/--no-nixl", help="Also vLLM's NixlConnector through the router "
                                        "(a row saying why where it cannot run).")] = True,
     shapes: Annotated[str, typer.Option("--shapes", help="Tensor-parallel sizes of the pairs, PREFILLxDECODE, "
-                                        "comma-separated: 1x1, 2x1, 1x2 (with TP > 1 every rank runs unbound).")]
+                                        "comma-separated: 1x1, 2x1, 1x2 (with TP > 1 every rank runs unbound, and a "
+                                        "server of more than one rank at idle priority).")]
         = "1x1",
     log_dir: Annotated[Path | None, typer.Option("--log-dir", help="Server and router logs; a new temp folder "
                                                  "by default.")] = None,

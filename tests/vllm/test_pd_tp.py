@@ -9,7 +9,8 @@ TP=2 each rank holds one.
 
 This host has 2 cores, fewer than the two servers' ranks: every rank runs unbound ("nobind"). vLLM's
 engines step without pause while a transfer is pending (its workers poll their queues), so a rank pinned to a
-core that others spin on too gets too little of it to serve or pull the KV before the deadline.
+core that others spin on too gets too little of it to serve or pull the KV before the deadline. The server of
+two ranks runs at idle priority (cli/vllm_pd.py's with_tp says why).
 """
 
 from __future__ import annotations
