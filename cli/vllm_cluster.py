@@ -84,6 +84,11 @@ class VLLMServerSpec:
         return args
 
 
+def _idle_priority() -> None:
+    """In the child before exec: it, and every process it starts, run under SCHED_IDLE."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
 @dataclass
 class VLLMServer:
     spec: VLLMServerSpec
@@ -104,13 +109,11 @@ class VLLMServer:
         if self.spec.log_path is not None:
             self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
             out = open(self.spec.log_path, "ab")  # noqa: SIM115 - owned by the child
-        idle = os.sched_param(0)
         try:
             self.proc = subprocess.Popen(self.spec.argv(self.port), env=env, stdout=out,
                                          stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, preexec_fn=(  # noqa: PLW1509 - one syscall
-                                             (lambda: os.sched_setscheduler(0, os.SCHED_IDLE, idle))
-                                             if self.spec.idle_priority else None))
+                                         start_new_session=True,
+                                         preexec_fn=_idle_priority if self.spec.idle_priority else None)
         finally:
             if out is not None:
                 out.close()
