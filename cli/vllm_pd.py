@@ -91,13 +91,14 @@ def start_router(prefill_urls: list[str], decode_urls: list[str], log_path: Path
 
 
 def kvwire_pair(model_dir: Path, redis_url: str, transport: ConnectorKind, log_dir: Path,
-                kv_deadline_s: float = 30.0, named: bool = True) -> tuple[VLLMServerSpec, VLLMServerSpec]:
+                kv_deadline_s: float = 30.0, named: bool = True,
+                dtype: str = DTYPE) -> tuple[VLLMServerSpec, VLLMServerSpec]:
     """Prefill (core 0) and decode (core 1) with KvwireConnector over `transport`, given node ids
     `prefill-<transport>` and `decode-<transport>`, or with `named=False` none (the connector's default)."""
     def spec(role: str, kv_role: str, core: str) -> VLLMServerSpec:
         return VLLMServerSpec(model_dir, kv_role=kv_role, redis_url=redis_url, transport=transport,
                               node_id=f"{role}-{transport}" if named else "", kv_deadline_s=kv_deadline_s,
-                              cpu_cores=core, dtype=DTYPE, log_path=log_dir / f"{role}.log")
+                              cpu_cores=core, dtype=dtype, log_path=log_dir / f"{role}.log")
 
     return spec("prefill", "kv_producer", "0"), spec("decode", "kv_consumer", "1")
 

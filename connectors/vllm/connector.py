@@ -54,6 +54,7 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
                                            EngineShape.of(vllm_config, rank))
         _insist_on_recompute(transfer)
         self._groups = Groups.of(kv_cache_config)
+        self._groups.check_ranks(self.settings.engine.tensor_parallel_size)
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -75,6 +76,10 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
         return None if vllm_config.model_config.use_mla else "LBHNC"
 
     # --- scheduler side --------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.new_request(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
@@ -103,11 +108,12 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
         assert self._worker is not None
-        backends = get_current_attn_backends(self._vllm_config, list(kv_caches))
+        planes = self._groups.planes(kv_caches)  # attention layers' views (a state layer's share their pages)
+        backends = get_current_attn_backends(self._vllm_config, list(planes))
         if len(backends) != 1:
             raise ValueError(f"kvwire moves KV of one attention backend per model; this one has "
                              f"{[b.get_name() for b in backends]}")
-        self._worker.register(self._groups.planes(kv_caches), backends[0])
+        self._worker.register(planes, backends[0])
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None

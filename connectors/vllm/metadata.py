@@ -24,9 +24,10 @@ class Pull:
     or out of a sliding window)."""
 
     remote: RemotePrefill
-    num_tokens: int  # the prompt's length here (must equal the producer's)
+    num_tokens: int  # the prompt tokens loaded (must equal the producer's): all, or all but the backoff
     block_ids: list[int]  # the request's blocks, paired with the producer's held list (groups.py)
     pick: list[int]
+    error: str = ""  # why it cannot be pulled after all: the worker fails the request with it (vLLM recomputes)
 
 
 @dataclass

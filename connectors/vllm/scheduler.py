@@ -3,13 +3,16 @@
 A consumer's request (its `kv_transfer_params` name a remote prefill):
 
 1. `matched_tokens`: its prompt tokens beyond the local prefix cache are "external", loaded
-   asynchronously (vLLM parks the request until the worker reports it received).
+   asynchronously (vLLM parks the request until the worker reports it received). With state
+   groups (Mamba) the last prompt token is not: the consumer computes it (groups.py).
 2. `after_alloc`: its blocks are known; the next step's metadata asks the worker to pull
    into those past the cached prefix. A request that will not pull (everything cached, or
    aborted before its blocks) is abandoned: the producer is told to release now.
 
 A producer's request (`do_remote_decode`):
 
+0. `new_request`: with state groups, its last prompt token is dropped (as vLLM's NixlConnector
+   does): the prompt's state is then the one the consumer continues from.
 3. `finished`: its blocks are kept (delayed free) and the worker is asked to hold and
    announce them; the returned params tell the consumer where they are. The worker reports
    the request "finished sending" once the consumer pulled it or the hold lapsed, and only
@@ -37,6 +40,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+TRUNCATED = "kvwire_truncated"  # in a producer's kv_transfer_params: its last prompt token was dropped
+
 
 class SchedulerHalf:
     def __init__(self, settings: VLLMSettings, groups: Groups):
@@ -45,18 +50,35 @@ class SchedulerHalf:
         self._next = KvwireMetadata()  # what the next step's metadata carries
         self.tally = Tally()  # prompts not pulled for want of a match (stats.py)
 
+    def new_request(self, request: Request) -> None:
+        """A producer's request: with state groups, drop its last prompt token (module docstring, step 0); it
+        then answers one token, from the shortened prompt, which a P/D proxy discards."""
+        params = request.kv_transfer_params
+        backoff = self._groups.backoff
+        if not (backoff and self._settings.role.produces and wants_remote_decode(params)) or params is None:
+            return
+        if params.get(TRUNCATED) or request.prompt_token_ids is None or request.num_prompt_tokens <= backoff:
+            return
+        del request.prompt_token_ids[-backoff:]
+        del request._all_token_ids[-backoff:]
+        request.num_prompt_tokens -= backoff
+        request.max_tokens = 1
+        params[TRUNCATED] = True  # once, even if preempted and scheduled again
+
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Prompt tokens a producer holds beyond `num_computed_tokens`, and whether they load asynchronously."""
         remote = self._remote(request)
         if remote is None:
             return 0, False
         prompt = len(request.prompt_token_ids or ())
-        if remote.remote_num_tokens != prompt:
-            log.warning("request %s: producer %s computed %d prompt tokens, this prompt has %d; computing it here",
-                        request.request_id, remote.remote_engine_id, remote.remote_num_tokens, prompt)
+        loaded = self._loaded(prompt)
+        if remote.remote_num_tokens != loaded:
+            log.warning("request %s: producer %s computed %d prompt tokens, this prompt has %d (%d to load); "
+                        "computing it here", request.request_id, remote.remote_engine_id, remote.remote_num_tokens,
+                        prompt, loaded)
             self.tally.failed(TransferFailure.MISMATCH)
             return 0, False
-        count = prompt - num_computed_tokens
+        count = loaded - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -68,10 +90,15 @@ class SchedulerHalf:
         if num_external_tokens == 0:  # all of it in the local prefix cache
             self._next.abandon.append(remote)
             return
-        prompt = len(request.prompt_token_ids or ())
-        first_block = (prompt - num_external_tokens) // self._groups.block_size
-        block_ids, pick = self._groups.pull(blocks.get_block_ids(), prompt, first_block)
-        self._next.pull[request.request_id] = Pull(remote, prompt, block_ids, pick)
+        loaded = self._loaded(len(request.prompt_token_ids or ()))
+        first_block = (loaded - num_external_tokens) // self._groups.block_size
+        try:
+            block_ids, pick = self._groups.pull(blocks.get_block_ids(), loaded, first_block)
+        except ValueError as exc:  # the worker fails it: vLLM recomputes the prompt
+            log.error("request %s: cannot take the KV of %s: %s", request.request_id, remote.remote_engine_id, exc)
+            self._next.pull[request.request_id] = Pull(remote, loaded, [], [], error=str(exc))
+            return
+        self._next.pull[request.request_id] = Pull(remote, loaded, block_ids, pick)
 
     def finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's request_finished(_all_groups): whether the blocks stay (held for a consumer), and the params
@@ -103,6 +130,10 @@ class SchedulerHalf:
     def build_metadata(self) -> KvwireMetadata:
         meta, self._next = self._next, KvwireMetadata()
         return meta
+
+    def _loaded(self, prompt: int) -> int:
+        """The tokens of a prompt of `prompt` whose KV (and state) a consumer loads: all but the backoff."""
+        return prompt - self._groups.backoff if prompt > self._groups.backoff else prompt
 
     def _remote(self, request: Request) -> RemotePrefill | None:
         if not self._settings.role.consumes:

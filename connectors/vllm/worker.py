@@ -204,6 +204,8 @@ class WorkerHalf:
             self._ended(rid, pull, ok=False)
             return
         try:
+            if pull.error:
+                raise ValueError(pull.error)
             parts = plan(TPSplit(self._settings.split.heads, remote.remote_tp_size), self._settings.split,
                          self._settings.engine.tensor_rank)
         except ValueError as exc:

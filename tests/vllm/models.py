@@ -5,6 +5,8 @@
   is dense (`first_k_dense_replace` >= the layers), so no MoE kernel runs.
 - `write_tiny_gemma3`: Gemma 3's hybrid attention, 5 sliding-window layers then 1 full layer, with a
   window shorter than the test prompts so that it matters.
+- `write_tiny_qwen3_next`: Qwen3-Next's hybrid of linear attention (3 Gated DeltaNet layers, whose
+  cache is a Mamba-style state, not per-token KV) and 1 full-attention layer, MoE MLPs.
 
 Both speak kvwire's byte vocabulary (engine/byte_tokenizer_files.py: ids 0..255 bytes, 256 bos,
 257 eos, 320 rows), are seeded, float32, and are written with `save_pretrained` (safetensors) next to
@@ -25,6 +27,8 @@ from transformers import (
     Gemma3TextConfig,
     PretrainedConfig,
     PreTrainedModel,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 from kvwire.engine.byte_tokenizer_files import write_byte_tokenizer, write_chat_template
@@ -71,6 +75,23 @@ def write_tiny_gemma3(path: Path) -> Path:
         max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=BOS, eos_token_id=EOS,
         pad_token_id=None, initializer_range=INIT_STD)
     return _save(Gemma3ForCausalLM, config, path, SEED)
+
+
+def write_tiny_qwen3_next(path: Path) -> Path:
+    """A 4-layer Qwen3-Next: 3 Gated DeltaNet (linear attention) layers, then 1 full-attention layer.
+
+    Returns:
+        `path`, holding config.json, model.safetensors and the tokenizer files.
+    """
+    config = Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=BOS, eos_token_id=EOS,
+        pad_token_id=None, initializer_range=INIT_STD)
+    return _save(Qwen3NextForCausalLM, config, path, SEED)
 
 
 def _save(model_class: type[PreTrainedModel], config: PretrainedConfig, path: Path, seed: int) -> Path:
