@@ -59,6 +59,8 @@ class SchedulerHalf:
             return
         if params.get(TRUNCATED) or request.prompt_token_ids is None or request.num_prompt_tokens <= backoff:
             return
+        if request.get_skip_reading_prefix_cache():  # prompt logprobs: a consumer computes the whole prompt
+            return
         del request.prompt_token_ids[-backoff:]
         del request._all_token_ids[-backoff:]
         request.num_prompt_tokens -= backoff

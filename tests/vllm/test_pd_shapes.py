@@ -8,8 +8,8 @@ P/D pair (UCX, the kvwire router in front), float32 (Qwen3-Next: bf16). Every pr
    state, the last one, which the decode server computes from the pulled state);
 3. count a pull and no failure on the decode server, and leave nothing held on the prefill server.
 
-Shapes: MLA with prefill TP=1 and TP=2 (each prefill rank holds the whole latent: the decode rank pulls
-one rank's copy and declines the other's, connectors/vllm/tp.py), and Gemma 3 (5 sliding-window layers,
+Shapes: MLA with prefill TP=2 (each prefill rank holds the whole latent: the decode rank pulls one rank's
+copy and declines the other's, connectors/vllm/tp.py), and Gemma 3 (5 sliding-window layers,
 1 full) with vLLM's hybrid KV cache manager on (kvwire is SupportsHMA): one KV cache group per layer,
 and a pull moves only the window's blocks of the sliding layers (connectors/vllm/groups.py), which
 4. the bytes the decode server counts show, exactly; and Qwen3-Next (3 Gated DeltaNet layers, 1 full),
@@ -74,8 +74,9 @@ MLA_TOL = 1e-2
 # over 6 prompts, 16 tokens each, and greedy choices flipped only where the top two were 0.016 apart. With
 # the state left out of the pull (the attention KV alone) every first token differed, logprobs by 0.3 and more.
 QWEN3_NEXT_TOL = 4 * 2**-6
+# MLA at TP1 -> TP1 is left out (tests/vllm must stay under 15 minutes): its pull is the one the TP2 shape's
+# decode rank makes of prefill rank 0's whole latent (a plain pull, no head slice), without the declined copy.
 SHAPES = {
-    "mla-tp1": Shape("deepseek_v3", 1, MLA_TOL),
     "mla-tp2-tp1": Shape("deepseek_v3", 2, MLA_TOL),
     "gemma3": Shape("gemma3", 1, 2e-3, window=GEMMA3_SLIDING_WINDOW),
     "qwen3-next": Shape("qwen3_next", 1, QWEN3_NEXT_TOL, computed=1, ties=True),
