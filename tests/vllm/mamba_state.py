@@ -4,11 +4,12 @@
 
 With vLLM's prefix caching on (its Mamba cache mode "align") and then off ("none"): a plain server
 answers each prompt (max_tokens 16, greedy, top-2 logprobs), then a kvwire UCX pair behind the router
-(kvwire.cli.vllm_pd, minimal config), bf16. Prompts: three of tests/vllm, one of 1,585 tokens (two
-attention blocks of 1,152) twice (the second finds its first block in the decode server's prefix cache
-when it is on), and its cuts at 1,152, 1,153 and 1,154 tokens. For each: the bytes pulled, whether the
-tokens are equal, the largest logprob difference up to the first differing token, and the plain
-server's top-two gap there. docs/BENCHMARKS.md holds a run.
+(kvwire.cli.vllm_pd, minimal config), bf16. Prompts: three of tests/vllm, one of 1,584 tokens (two
+attention blocks of 1,152) twice, and its cuts at 1,152, 1,153 and 1,154 tokens (the decode server
+loads 1,151, 1,152 and 1,153: the state in the first block, at its end, in the second; with prefix
+caching on, the last finds its first block and the state after it in the decode server's cache).
+For each: the bytes pulled, whether the tokens are equal, the largest logprob difference up to the
+first differing token, and the plain server's top-two gap there. docs/BENCHMARKS.md holds a run.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tests.vllm.test_pd_servers import _client
 from tests.vllm.test_pd_shapes import Answer, _complete
 
 LONG = "The long prompt crosses an attention block of 1152 tokens, and the state sits in its second block. " * 16
-TEXTS = PROMPTS + [LONG, LONG, LONG[:1151], LONG[:1152], LONG[:1153]]  # + bos: 1,585 and 1,152..1,154 tokens
+TEXTS = PROMPTS + [LONG, LONG, LONG[:1152], LONG[:1153], LONG[:1154]]  # 1,584 and 1,152..1,154 tokens
 
 
 def compare(want: Answer, got: Answer) -> str:
