@@ -54,8 +54,9 @@ def _chat(client: openai.OpenAI, model: str, prompt: str) -> Answer:
     return Answer(out.choices[0].message.content or "", out.usage.prompt_tokens, [])
 
 
-@pytest.mark.parametrize("transport", [ConnectorKind.TCP, ConnectorKind.UCX, ConnectorKind.NCCL, ConnectorKind.AUTO],
-                         ids=str)
+# UCX runs as `auto` (what auto resolves to over vLLM's KV cache), with both servers kv_both; UCX between a
+# kv_producer and a kv_consumer runs in test_pd_tp.py and test_pd_shapes.py (tests/vllm's 15 minutes)
+@pytest.mark.parametrize("transport", [ConnectorKind.TCP, ConnectorKind.NCCL, ConnectorKind.AUTO], ids=str)
 def test_disaggregated_equals_plain(plain_server: VLLMServer, vllm_model_dir: Path, redis_url: str, tmp_path: Path,
                                     transport: ConnectorKind):
     model = str(vllm_model_dir)
