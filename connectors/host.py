@@ -24,6 +24,12 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}/net:{_namespace('net')}/ipc:{_namespace('ipc')}"
 
 
+def elsewhere(identity: str) -> bool:
+    """A peer's `host_identity()` names another host (or container) than ours; "" (a peer that did not
+    say) counts as ours."""
+    return bool(identity) and identity != host_identity()
+
+
 def _namespace(kind: str) -> int:
     """The inode of this process's `kind` namespace (0 where /proc does not say)."""
     try:

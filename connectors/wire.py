@@ -210,6 +210,7 @@ class PullRequest(_Msg, tag="pull", frozen=True):
     # request; first_block is then ignored): a consumer's pick, e.g. the blocks of each of vLLM's KV cache
     # groups that it lacks. Empty: every block from first_block on (as producers before it read it).
     src_block_ids: list[int] = []
+    host: str = ""  # the consumer's host_identity() (UCX: error handling on between hosts); "": not said
 
 
 class PullReply(_Msg, tag="pull_reply", frozen=True):

@@ -43,7 +43,7 @@ import torch
 from kvwire.connectors.base import TransferError
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.hidden import INLINE_MAX, desc_nbytes, fill_tensors
-from kvwire.connectors.host import host_identity
+from kvwire.connectors.host import elsewhere
 from kvwire.connectors.kv_region import KVRegion, plan_runs
 from kvwire.connectors.shm.channel import close_fds, connect, hung_up, recv_msg, send_msg
 from kvwire.connectors.shm.copier import BlockCopier
@@ -302,7 +302,7 @@ def _shm_offer(loc: KVLocation) -> KVLocation:
     Raises:
         TransferError: the producer runs on another host, or offers no shared memory.
     """
-    if loc.host and loc.host != host_identity():
+    if elsewhere(loc.host):
         raise TransferError(loc.request_id, loc.producer,
                             f"producer is on host {loc.host}: shared memory needs one host")
     offer = next((o for o in loc.offers if o.kind == ConnectorKind.SHM), None)

@@ -82,14 +82,16 @@ class SendFlow(_Flow):
     Args:
         gate: a layer-wise request's; its parts then hold `layer_pieces` pieces per layer, layer-major,
             and no pack spans two layers.
+        guarded: endpoint error handling on (the consumer is on another host: worker.py).
     Raises:
         ValueError: `peer` is not a well-formed address, or `pack_below` is out of range.
     """
 
     def __init__(self, transport: UCXWorker, peer: bytes, parts: list[Part], transfer_id: int,
-                 pack_below: int, staging: Staging, gate: LayerGate | None = None, layer_pieces: int = 0):
+                 pack_below: int, staging: Staging, gate: LayerGate | None = None, layer_pieces: int = 0,
+                 guarded: bool = False):
         super().__init__(parts, transfer_id, pack_below, staging, layer_pieces=layer_pieces)
-        self._eps = transport.endpoints_for(peer)
+        self._eps = transport.endpoints_for(peer, guarded)
         self._gate, self._layer_pieces = gate, layer_pieces
         self._todo.extend(self._mine)  # every message goes in order
         self._fill()
@@ -147,14 +149,16 @@ class ReceiveFlow(_Flow):
 
     Posted through an endpoint to that worker: receives posted on the worker itself cannot
     be cancelled from Python, an endpoint's can (`UCXWorker.abandon`). `layer_pieces`: a
-    layer-wise stream's pieces per layer (no pack spans two layers), as the producer has it.
+    layer-wise stream's pieces per layer (no pack spans two layers), as the producer has it. `guarded`:
+    endpoint error handling on (the producer is on another host: worker.py).
     """
 
     def __init__(self, transport: UCXWorker, peer: bytes, parts: list[Part], transfer_id: int,
-                 pack_below: int, staging: Staging, lane: int = 0, lanes: int = 1, layer_pieces: int = 0):
+                 pack_below: int, staging: Staging, lane: int = 0, lanes: int = 1, layer_pieces: int = 0,
+                 guarded: bool = False):
         super().__init__(parts, transfer_id, pack_below, staging, lane, lanes, layer_pieces)
         self._transport = transport
-        self._ep = transport.endpoints_for(peer)[0]
+        self._ep = transport.endpoints_for(peer, guarded)[0]
         for i, m in self._mine:  # every unpacked piece's receive now; packs as slots free up
             if m.packed:
                 self._todo.append((i, m))

@@ -101,18 +101,19 @@ class ReceiveLanes:
         self.address = pack_lanes([t.address for t in self._transports])
 
     def post(self, producer: bytes, parts: list[Part], transfer_id: int, pack_below: int = 0,
-             layer_pieces: int = 0) -> None:
+             layer_pieces: int = 0, guarded: bool = False) -> None:
         """Post every lane's receives for the producer's worker at `producer` (pieces smaller than
-        `pack_below` come packed, no pack across a multiple of `layer_pieces`); set the lane threads going."""
+        `pack_below` come packed, no pack across a multiple of `layer_pieces`; `guarded`: the producer is on
+        another host, worker.py); set the lane threads going."""
         n = len(self._transports)
-        self._flows = [ReceiveFlow(t, producer, parts, transfer_id, pack_below, s, lane, n, layer_pieces)
+        self._flows = [ReceiveFlow(t, producer, parts, transfer_id, pack_below, s, lane, n, layer_pieces, guarded)
                        for lane, (t, s) in enumerate(zip(self._transports, self._staging))]
         for thread, flow in zip(self._threads, self._flows[1:]):
             thread.start(flow)
 
-    def path_to(self, producer: bytes) -> DataPath:
+    def path_to(self, producer: bytes, guarded: bool = False) -> DataPath:
         """What UCX selected between lane 0 and the producer's worker at `producer` (every lane's the same)."""
-        return self._transports[0].path_to(producer)
+        return self._transports[0].path_to(producer, guarded)
 
     def progress(self) -> None:
         """Advance lane 0 (the caller's own); once it is complete, wait a little for another lane instead,

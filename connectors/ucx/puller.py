@@ -32,6 +32,7 @@ import torch
 
 from kvwire.connectors.base import TransferError
 from kvwire.connectors.data_path import DataPath
+from kvwire.connectors.host import elsewhere, host_identity
 from kvwire.connectors.kv_region import KVRegion, consumer_parts, part_nbytes
 from kvwire.connectors.side_channel import SideChannelClient
 from kvwire.connectors.transport import ConfirmedPulls
@@ -61,7 +62,7 @@ class UCXPuller(ConfirmedPulls):
 
     def path_to(self, loc: KVLocation) -> DataPath:
         """The transports UCX selected to `loc`'s producer (pulling thread only, like `pull`)."""
-        return self._lanes.path_to(loc.transport_address)
+        return self._lanes.path_to(loc.transport_address, elsewhere(loc.host))
 
     def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
         """Receive `loc`'s blocks into `dst_blocks` and its hidden tensors into `hidden`.
@@ -79,11 +80,12 @@ class UCXPuller(ConfirmedPulls):
             request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
             transport_address=self._lanes.address, dst_block_ids=dst_blocks, first_block=loc.first_block,
             src_block_ids=loc.block_ids,
-            heads=loc.heads, pack_below=self._pack_below,
+            heads=loc.heads, pack_below=self._pack_below, host=host_identity(),
             layer_major=True))  # a layer-wise location's blocks land layer by layer, as it sends them
         try:
             layer_pieces = (len(parts) - len(hidden)) // self._region.layout.num_layers if loc.layerwise else 0
-            self._lanes.post(loc.transport_address, parts, transfer_id, self._pack_below, layer_pieces)
+            self._lanes.post(loc.transport_address, parts, transfer_id, self._pack_below, layer_pieces,
+                             elsewhere(loc.host))
             # Spin until done: blocking on the side channel could miss a lane finishing on its own
             # thread (nothing would wake us; a producer's ok may have come already).
             self._channel.wait(loc, transfer_id, deadline, progress=self._lanes.progress,

@@ -9,6 +9,7 @@ waits for a layer and has nothing in flight the server thread sleeps (the gate w
 
 from __future__ import annotations
 
+from kvwire.connectors.host import elsewhere
 from kvwire.connectors.transfer_server import SendEngine, SendJob
 from kvwire.connectors.ucx.flows import SendFlow
 from kvwire.connectors.ucx.packing import Staging
@@ -56,7 +57,8 @@ class UCXSendEngine(SendEngine):
             raise ValueError(f"{job.num_pieces} pieces exceed {MAX_PIECES}")
         gate = job.held.gate
         job.state = SendFlow(self._transport, job.msg.transport_address, job.parts(), job.msg.transfer_id,
-                             job.msg.pack_below, self._staging, gate, job.layer_pieces if gate else 0)
+                             job.msg.pack_below, self._staging, gate, job.layer_pieces if gate else 0,
+                             elsewhere(job.msg.host))
         self._active.append(job)
 
     def abandon(self, job: SendJob) -> None:

@@ -5,11 +5,16 @@ wake-up per step cost much of the throughput (docs/BENCHMARKS.md). Between trans
 (the owner blocks on its zmq sockets instead); the worker is created without UCX's
 wake-up feature, which is why it has no event fd to wait on.
 
-Endpoints are made from the peer's *worker address* with endpoint error handling
-off: that is what lets UCX pick shared memory and cross-memory attach between two
-processes on one host (listener endpoints, or error handling on, fall back to
-loopback TCP). The price is that UCX does not notice a dead peer, so every wait
-here has a deadline and the directory's TTLs clean up after it.
+Endpoints are made from the peer's *worker address*. To a peer on this host, endpoint
+error handling is off: that is what lets UCX pick shared memory and cross-memory attach
+between two processes (listener endpoints, or error handling on, fall back to loopback
+TCP). The price is that UCX does not notice a dead peer, so every wait here has a
+deadline and the directory's TTLs clean up after it. To a peer on another host (or in
+another network namespace) error handling is on (`guarded`): there UCX would pick TCP
+anyway, and with it off a refused or broken connection aborts the whole process
+(openucx/ucx#11629, seen as SIGABRT in `stubs.c` when a link went down mid-pull) instead
+of failing the one transfer. Both sides decide alike: the consumer from the producer's
+published host, the producer from the consumer's `PullRequest.host`.
 
 A consumer may read with several *lanes* (lanes.py): one worker each, each polled
 by its own thread, so that one pull's cross-memory-attach reads run on several cores.
@@ -64,7 +69,8 @@ class UCXWorker:
     def __init__(self, role: Role) -> None:
         self._ctx = ucx.UCXContext(config_dict=_config(role), feature_flags=(ucx.Feature.TAG,))
         self._worker = ucx.UCXWorker(self._ctx)
-        self._endpoints: dict[bytes, list[ucx.UCXEndpoint]] = {}  # a peer's (packed) address -> one per lane
+        # a peer's (packed) address, and whether error handling is on -> one endpoint per lane
+        self._endpoints: dict[tuple[bytes, bool], list[ucx.UCXEndpoint]] = {}
         self._paths: dict[bytes, DataPath] = {}  # what UCX selected for those endpoints: fixed for their life
         self.address: bytes = self._worker.address.tobytes()
 
@@ -81,27 +87,31 @@ class UCXWorker:
 
     def forget_peer(self, peer: bytes) -> None:
         self._paths.pop(peer, None)
-        for ep in self._endpoints.pop(peer, []):
-            ep.close()
+        for guarded in (False, True):
+            for ep in self._endpoints.pop((peer, guarded), []):
+                ep.close()
 
     def close(self) -> None:
-        for peer in list(self._endpoints):
+        for peer, _ in list(self._endpoints):
             self.forget_peer(peer)
 
-    def endpoints_for(self, peer: bytes) -> list[ucx.UCXEndpoint]:
+    def endpoints_for(self, peer: bytes, guarded: bool = False) -> list[ucx.UCXEndpoint]:
         """One endpoint per lane of the worker(s) at `peer` (made once, kept until `forget_peer`).
 
+        Args:
+            guarded: endpoint error handling on (a peer on another host: see the module docstring).
         Raises:
             ValueError: `peer` is not a well-formed address.
         """
-        eps = self._endpoints.get(peer)
+        eps = self._endpoints.get((peer, guarded))
         if eps is None:
-            eps = [ucx.UCXEndpoint.create_from_worker_address(self._worker, ucx.UCXAddress.create_from_buffer(a), False)
+            eps = [ucx.UCXEndpoint.create_from_worker_address(self._worker, ucx.UCXAddress.create_from_buffer(a),
+                                                              guarded)
                    for a in unpack_lanes(peer)]
-            self._endpoints[peer] = eps
+            self._endpoints[(peer, guarded)] = eps
         return eps
 
-    def path_to(self, peer: bytes) -> DataPath:
+    def path_to(self, peer: bytes, guarded: bool = False) -> DataPath:
         """The transports UCX selected for the endpoints to `peer` (made now if need be: UCX picks its
         lanes when an endpoint is made from a worker address, so one query per endpoint's life); unknown, with
         the reason, if it cannot say."""
@@ -109,7 +119,8 @@ class UCXWorker:
         if path is not None:
             return path
         try:
-            path = DataPath.of([name for ep in self.endpoints_for(peer) for name, _ in endpoint_transports(ep.handle)])
+            path = DataPath.of([name for ep in self.endpoints_for(peer, guarded)
+                                for name, _ in endpoint_transports(ep.handle)])
         except Exception as exc:  # noqa: BLE001 - QueryUnavailable, a bad address, UCX's own errors: all "unknown"
             return DataPath.unknown(str(exc))
         self._paths[peer] = path
