@@ -94,9 +94,9 @@ class _RowGiven(KVConnectorBase):
 
 def _engine(model_dir: Path, num_blocks: int, connector: KVConnectorBase | None):
     from kvwire.connectors.config import NodeRole
+    from kvwire.connectors.kv_pool import KVPool
     from kvwire.engine.block_allocator import BlockAllocator
     from kvwire.engine.gc_pauses import freeze_startup_heap
-    from kvwire.engine.kv_cache import KVPool
     from kvwire.engine.llm_engine import LLMEngine
     from kvwire.engine.loader import load_model
     from kvwire.engine.model_config import kv_layout
@@ -114,8 +114,8 @@ def _engine(model_dir: Path, num_blocks: int, connector: KVConnectorBase | None)
 
 def _decode_process(model_dir: Path, num_blocks: int, client: str, pipe) -> None:
     """Serve Compute and Handoff messages: the first token to the client at once, Finished at the end."""
+    from kvwire.connectors.kv_pool import TORCH_DTYPES
     from kvwire.connectors.wire import SamplingParams
-    from kvwire.engine.kv_cache import TORCH_DTYPES
 
     given = _RowGiven()
     engine = _engine(model_dir, num_blocks, given)
@@ -143,7 +143,7 @@ def _decode_process(model_dir: Path, num_blocks: int, client: str, pipe) -> None
 
 def _prefill_process(model_dir: Path, num_blocks: int, decode: str, pipe) -> None:
     """Serve Prefill messages: compute the prompt, send its last hidden row on to the decode process."""
-    from kvwire.engine.model_input import ModelInput, SequenceInput
+    from kvwire.connectors.model_input import ModelInput, SequenceInput
 
     engine = _engine(model_dir, num_blocks, None)
     ctx = zmq.Context()

@@ -28,12 +28,12 @@ from kvwire.bench.cpu import CpuTally, CpuTicks
 from kvwire.bench.memory import PeakTracker
 from kvwire.bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from kvwire.connectors.framing import unpack
-from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.control.framing import unpack
+from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.standalone import open_consumer, open_producer
+from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.wire import KVReady, PoolLayout
 from kvwire.engine.gc_pauses import freeze_startup_heap
-from kvwire.engine.model_input import ModelInput, SequenceInput
 
 MEASURE = "!measure"  # tells the producer the measured trials start (not a request id: those start "bench-")
 

@@ -24,8 +24,8 @@ import msgspec
 
 from kvwire.bench.workload import LLAMA3_8B
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.directory import DirectoryEntry, KVDirectory, TransferState
-from kvwire.connectors.directory_batch import DirectoryBatch
+from kvwire.connectors.directory.batch import DirectoryBatch
+from kvwire.connectors.directory.directory import DirectoryEntry, KVDirectory, TransferState
 from kvwire.connectors.wire import KVLocation
 
 STEPS_PER_REQUEST = 4  # publish, lookup, state change, delete

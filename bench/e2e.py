@@ -27,8 +27,8 @@ import httpx
 import msgspec
 
 from kvwire.bench.load import scrape_samples
-from kvwire.cli.demo_cmd import PROMPTS
-from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.bench.prompts import PROMPTS
+from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind, NodeRole
 
 MODES = ("disaggregated", "single-node")

@@ -43,10 +43,10 @@ def _engine_process(model_dir: Path, num_blocks: int, pipe) -> None:
 
     import torch
 
+    from kvwire.connectors.kv_pool import KVPool
     from kvwire.connectors.wire import SamplingParams
     from kvwire.engine.block_allocator import BlockAllocator
     from kvwire.engine.gc_pauses import freeze_startup_heap
-    from kvwire.engine.kv_cache import KVPool
     from kvwire.engine.llm_engine import LLMEngine
     from kvwire.engine.loader import load_model
     from kvwire.engine.model_config import kv_layout
@@ -75,7 +75,7 @@ def _engine_process(model_dir: Path, num_blocks: int, pipe) -> None:
 
 def demo_prompt_lengths(model_dir: Path) -> list[int]:
     """The token counts of the demo's prompts (what `kvwire bench e2e` sends) under the model's tokenizer."""
-    from kvwire.cli.demo_cmd import PROMPTS
+    from kvwire.bench.prompts import PROMPTS
     from kvwire.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)

@@ -28,8 +28,8 @@ import torch
 from kvwire.bench.connector_run import bench_config, bench_pool, request_input
 from kvwire.bench.workload import Workload, checksum, fill_random, zero_blocks
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.kv_region import KVRegion
 from kvwire.connectors.standalone import open_consumer, open_producer
+from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.engine.gc_pauses import freeze_startup_heap
 
 

@@ -15,9 +15,9 @@ import torch
 
 from kvwire.bench.cpu import CpuTally, CpuTicks
 from kvwire.bench.workload import Device, Workload, allocate_pool, checksum, fill_random, zero_blocks
-from kvwire.connectors.block_copy import copy_blocks
-from kvwire.connectors.kv_region import KVRegion, plan_runs
-from kvwire.connectors.tcp.stream import pump
+from kvwire.connectors.transports.block_copy import copy_blocks
+from kvwire.connectors.transports.kv_region import KVRegion, plan_runs
+from kvwire.connectors.transports.tcp.stream import pump
 
 
 def _region(work: Workload, filled: bool) -> KVRegion:

@@ -30,10 +30,10 @@ import httpx
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwire.cli.demo_cmd import PROMPTS
-from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.bench.prompts import PROMPTS
+from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.directory import KVDirectory, TransferState
+from kvwire.connectors.directory.directory import KVDirectory, TransferState
 from kvwire.connectors.wire import SamplingParams
 from kvwire.observability.labels import BlockState
 

@@ -29,7 +29,7 @@ import torch
 from kvwire.bench.cpu import CpuTally, CpuTicks
 from kvwire.bench.sides import TIMEOUT_S, Sides
 from kvwire.bench.workload import Workload, allocate_pool, checksum, fill_random, piece_table, zero_blocks
-from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.transports.kv_region import KVRegion
 
 
 class NixlOp(enum.StrEnum):

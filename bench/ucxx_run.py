@@ -1,6 +1,6 @@
 """ucxx's own tag send / receive of the benchmark's pieces, with nothing of kvwire's control path around it.
 
-The floor under kvwire's UCX connector: the same transport settings (connectors/ucx/worker.py),
+The floor under kvwire's UCX connector: the same transport settings (connectors/transports/ucx/worker.py),
 one worker on each side, one tagged message per piece, no directory, no pull request, no lanes,
 no packing. The consumer posts a receive per piece, tells the producer to go, and times until
 every receive has completed; the producer posts a send per piece and polls until they complete.
@@ -21,14 +21,14 @@ import time
 from kvwire.bench.cpu import CpuTally, CpuTicks
 from kvwire.bench.sides import TIMEOUT_S, Sides
 from kvwire.bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
-from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.transports.kv_region import KVRegion
 
 
 def _side(work: Workload, trials: int, warmup: int, side: int, pipe) -> None:
     """side 0 sends (producer), side 1 receives and times (consumer)."""
     import torch
 
-    from kvwire.connectors.ucx.worker import Array, Role, UCXWorker, tag_of, ucx
+    from kvwire.connectors.transports.ucx.worker import Array, Role, UCXWorker, tag_of, ucx
 
     torch.set_num_threads(1)
     region = KVRegion.from_kv_caches(allocate_pool(work))

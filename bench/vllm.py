@@ -35,7 +35,7 @@ import msgspec
 from kvwire.bench.vllm_host import ForeignLoad
 from kvwire.bench.vllm_mix import Ask, RequestError, Sample, concurrent_asks, sequential_asks, stream_one
 from kvwire.bench.vllm_setups import Setup, SetupKind, Target, failure_reason, nixl_missing, started
-from kvwire.cli.local_cluster import ClusterError
+from kvwire.cluster.local_cluster import ClusterError
 from kvwire.connectors.config import ConnectorKind
 from kvwire.observability.labels import ProxyPath
 

@@ -2,7 +2,7 @@
 
 1. PLAIN: one vLLM server with no KV connector, pinned to core 0: the single-node baseline.
 2. KVWIRE: prefill (core 0) and decode (core 1) with KvwireConnector over one transport, the
-   kvwire router in front (cli/vllm_pd.py); with a tensor-parallel shape, every rank unbound.
+   kvwire router in front (cluster/vllm_pd.py); with a tensor-parallel shape, every rank unbound.
 3. NIXL: the same pair and router with vLLM's own NixlConnector on host memory. It needs the
    `nixl` Python package (vLLM imports `nixl._api`; the `nixl-cu12` wheel alone provides
    `nixl_cu12`); without it, or when the servers fail, the setup is reported with the reason.
@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
-from kvwire.cli.vllm_cluster import VLLMServerSpec, start_all
-from kvwire.cli.vllm_pd import DTYPE, kvwire_pair, nixl_pair, pd_cluster_of, with_tp
+from kvwire.cluster.vllm_cluster import VLLMServerSpec, start_all
+from kvwire.cluster.vllm_pd import DTYPE, kvwire_pair, nixl_pair, pd_cluster_of, with_tp
 from kvwire.connectors.config import ConnectorKind
 
 # a vLLM log line at ERROR, or the last line of a traceback, either behind vLLM's "(EngineCore pid=N) " prefix

@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 import torch
 
-from kvwire.connectors.kv_region import KVRegion, plan_runs
+from kvwire.connectors.transports.kv_region import KVRegion, plan_runs
 from kvwire.connectors.wire import DType, KVLayout, PoolLayout
 
 LLAMA3_8B = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=DType.BFLOAT16)
@@ -77,7 +77,7 @@ class Workload:
 
 def allocate_pool(work: Workload) -> list[torch.Tensor]:
     """A zeroed pool in the workload's layout, as the per-layer tensors the connector contract takes."""
-    from kvwire.engine.kv_cache import TORCH_DTYPES, KVPool
+    from kvwire.connectors.kv_pool import TORCH_DTYPES, KVPool
 
     layout = msgspec.structs.replace(work.layout, pool=work.pool)
     if work.pool == PoolLayout.KVWIRE:

@@ -16,7 +16,7 @@ from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.wire import PoolLayout
 
 if TYPE_CHECKING:
-    from kvwire.cli.redis_server import LocalRedis
+    from kvwire.cluster.redis_server import LocalRedis
 
 app = typer.Typer(help="Benchmarks of the transfer plane.", no_args_is_help=True)
 
@@ -73,7 +73,7 @@ def transfer(
 
     from kvwire.bench.report import table, to_json
     from kvwire.bench.transfer import bench_transfer, combinations, target_lines
-    from kvwire.cli.redis_server import LocalRedis
+    from kvwire.cluster.redis_server import LocalRedis
 
     sizes = _csv(tokens, int)
     chosen, where, whose = _csv(methods, Method), _csv(placements, Placement), _csv(pools, PoolLayout)
@@ -123,7 +123,7 @@ def directory(
     import msgspec
 
     from kvwire.bench.directory import bench_directory
-    from kvwire.cli.redis_server import LocalRedis
+    from kvwire.cluster.redis_server import LocalRedis
 
     with LocalRedis() if redis_url is None else contextlib.nullcontext() as redis:
         result = bench_directory(_url(redis_url, redis), requests, batch)
@@ -165,7 +165,7 @@ def e2e(
     import msgspec
 
     from kvwire.bench.e2e import bench_e2e
-    from kvwire.cli.paths import default_model_dir
+    from kvwire.cluster.paths import default_model_dir
 
     result = bench_e2e(model or default_model_dir(), connector, rounds, max_tokens, layerwise, bare)
     if as_json:
@@ -253,7 +253,7 @@ def load(
     import msgspec
 
     from kvwire.bench.load import LoadConfig, bench_load, table
-    from kvwire.cli.paths import default_model_dir
+    from kvwire.cluster.paths import default_model_dir
 
     cfg = LoadConfig(model_dir=model or default_model_dir(), connector=connector, requests=requests,
                      concurrency=concurrency, max_tokens=max_tokens, seed=seed, kv_deadline_s=kv_deadline,
@@ -281,7 +281,7 @@ def handoff(
     import msgspec
 
     from kvwire.bench.handoff import bench_handoff, demo_prompt_lengths
-    from kvwire.cli.paths import default_model_dir
+    from kvwire.cluster.paths import default_model_dir
 
     model_dir = model or default_model_dir()
     lengths = _csv(tokens, int) or demo_prompt_lengths(model_dir)
@@ -346,8 +346,8 @@ def vllm(
     import msgspec
 
     from kvwire.bench.vllm import BenchError, VLLMBenchConfig, bench_vllm, table
-    from kvwire.cli.redis_server import LocalRedis
-    from kvwire.cli.vllm_cluster import VLLM_MAX_MODEL_LEN
+    from kvwire.cluster.redis_server import LocalRedis
+    from kvwire.cluster.vllm_cluster import VLLM_MAX_MODEL_LEN
 
     lengths = _csv(prompt_tokens, int)
     if not lengths or not all(16 <= n <= VLLM_MAX_MODEL_LEN - max_tokens for n in lengths):

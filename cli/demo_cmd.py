@@ -11,22 +11,12 @@ from typing import Annotated
 import httpx
 import typer
 
-from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.bench.prompts import PROMPTS
 from kvwire.cli.options import Connector, LogLevel, setup_logging
-from kvwire.cli.paths import default_model_dir
+from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
+from kvwire.cluster.paths import default_model_dir
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.wire import SamplingParams
-
-PROMPTS = [
-    "a",  # one token
-    "Disaggregated prefill moves KV!",  # fits in the first block
-    "0123456789abcdef" * 2,  # exactly 2 x block_size bytes
-    "0123456789abcdef" * 2 + "!",  # 2 x block_size + 1
-    "The quick brown fox jumps over the lazy dog. " * 3,
-    "Decode nodes skip the prompt when its KV arrives.",
-    "kvwire " * 160,  # over 1,000 tokens
-    "Hello, world",
-]
 
 
 @dataclass

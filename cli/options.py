@@ -10,8 +10,8 @@ from typing import Annotated
 
 import typer
 
-from kvwire.connectors import advertise
 from kvwire.connectors.config import MAX_PULL_LANES, ConnectorConfig, ConnectorKind, NodeRole
+from kvwire.connectors.directory import advertise
 from kvwire.engine.engine_config import EngineConfig
 from kvwire.node.config import NodeConfig
 
@@ -62,7 +62,7 @@ def auth_secret(path: Path | None) -> bytes | None:
     """The secret in `path` (None: authentication off). Raises typer.BadParameter."""
     if path is None:
         return None
-    from kvwire.connectors.auth import read_secret_file
+    from kvwire.connectors.control.auth import read_secret_file
 
     try:
         return read_secret_file(path)

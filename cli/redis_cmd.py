@@ -12,7 +12,7 @@ import typer
 def redis(port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port on 127.0.0.1.")] = 6379) -> None:
     """Run a redis-server on 127.0.0.1 for kvwire's directory (e.g. for vLLM servers with KvwireConnector);
     Ctrl-C or SIGTERM stops it."""
-    from kvwire.cli.redis_server import LocalRedis
+    from kvwire.cluster.redis_server import LocalRedis
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -64,7 +64,7 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
 
 def _kvwire_app(model: Path | None, redis_url: str | None, host: str, port: int, request_timeout: float,
                 auth_secret_file: Path | None, names: tuple[str, ...], lenient: bool):
-    from kvwire.connectors import auth
+    from kvwire.connectors.control import auth
     from kvwire.engine.gc_pauses import freeze_startup_heap
     from kvwire.router.app import create_app
 

@@ -7,8 +7,8 @@ from typing import Annotated
 import typer
 
 from kvwire.cli.options import RedisUrl
-from kvwire.connectors.directory import DirectoryError, KVDirectory
-from kvwire.observability.status import read_status, render, to_json
+from kvwire.cluster.status import read_status, render, to_json
+from kvwire.connectors.directory.directory import DirectoryError, KVDirectory
 
 
 def status(redis_url: RedisUrl,

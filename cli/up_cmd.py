@@ -1,6 +1,6 @@
 """`kvwire up`: a whole local cluster in the foreground until Ctrl-C or SIGTERM.
 
-A child that crashes is restarted (cli/supervisor.py) while the others keep serving; only
+A child that crashes is restarted (cluster/supervisor.py) while the others keep serving; only
 Ctrl-C, SIGTERM or `--max-restarts` used up stops everything.
 """
 
@@ -13,7 +13,6 @@ from typing import Annotated
 
 import typer
 
-from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
 from kvwire.cli.options import (
     AuthSecretFile,
     Connector,
@@ -28,7 +27,8 @@ from kvwire.cli.options import (
     served_model_names,
     setup_logging,
 )
-from kvwire.cli.paths import default_model_dir
+from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
+from kvwire.cluster.paths import default_model_dir
 from kvwire.connectors.config import LAYERWISE_KINDS, ConnectorKind
 
 

@@ -1,30 +1,40 @@
-"""The KV transfer plane: two roles, their transports, the Redis directory, and the connector contract.
+"""The KV transfer plane: the connector contract, its two roles, the directory, the control plane, transports.
 
-Glossary (the code uses these words, and only these, for these things):
+File map (folder, then file: what it holds). A word in **bold** is the glossary's: the code uses it,
+and only it, for that thing.
 
-- **prefill node / decode node**: the two server processes (prefill_node/, decode_node/).
-- **producer / consumer**: the transfer plane's two roles. A prefill node's producer
-  (producer.py) holds computed KV and serves it; a decode node's consumer (consumer.py)
-  learns where a request's KV is and pulls it. Usable without any node (standalone.py).
-- **request**: one completion, named by its request id everywhere (router, nodes, directory).
-- **block**: `block_size` tokens' K and V for every layer, the pool's unit (a block id).
-- **run**: blocks consecutive on both sides of a pull, moved as one piece.
-- **piece**: one buffer a transport moves (a run of one pool plane, or a hidden-states tensor).
-- **location** (`wire.KVLocation`): where a request's KV and hidden states lie on its producer:
-  block ids, layout, the transports it is offered over.
-- **transport** (a `ConnectorKind`: ucx, tcp, shm, nccl, auto): how bytes move. Each has a
-  folder with `send_engine.py` (the producer's half, run by a transfer server),
-  `puller.py` (the consumer's half) and `transport.py` (makes both; transport.py here).
-- **transport address**: the bytes a transport reaches a peer by (a UCX worker address,
-  TCP `host:port`, a consumer's token); consumers publish theirs in the directory.
-- **control endpoint**, or **endpoint**: a zmq URL a process takes control messages on: a
-  node's work endpoint, a router's reply endpoint, a producer's side channel.
-- **pull**: a consumer asks a producer (`PullRequest` on its side channel) to move a
-  request's blocks into the consumer's blocks; the transfer server answers it.
-- **release**: the producer no longer needs a request's blocks (pulled, refused, expired):
-  the held table (held.py), their one owner, hands them back.
-- **epoch**: a node incarnation's number, higher at each restart; the directory refuses
-  locations an older incarnation publishes (fencing).
-- **connector**: the contract the engine's runner calls (base.py): send after a prompt's
-  forward, receive before it; connector.py builds it from a role.
+- Here, the contract and what builds it:
+  - base.py: the **connector** contract the engine's runner calls (vLLM's classic KV connector);
+    connector.py: its two faces, one per role; types.py, model_input.py: the contract's data types;
+    kv_pool.py: a node's paged KV **pool** (a **block** is `block_size` tokens of every layer's K and V);
+    hidden.py: hidden states per request.
+  - config.py: the one frozen `ConnectorConfig`; factory.py: a **transport** by name;
+    standalone.py: a role with no node around it; self_test.py: a node's start-up transport self-test.
+  - wire.py: every message that crosses a process boundary (tagged msgspec structs, one wire version).
+  - deferred.py, wakeup.py: calls run a little later on a thread of their own; a wake-up fd.
+- producer/: the **producer** role (role.py) a prefill node runs: it holds a computed prompt's KV
+  (held.py, the **held table**, the blocks' one owner until their **release**), publishes its
+  **location**, and answers **pulls** in a transfer server per transport (transfer_server.py);
+  layer_gate.py: how far a layer-wise prefill has got; incarnations.py: its first directory act.
+- consumer/: the **consumer** role (role.py) a decode node runs: it learns a request's location
+  (expected.py), pulls it, and says what it moved or why not; producer_watch.py: KV a dead producer
+  owed is given up at once; fast_path.py: no silent slow path on one host; offers.py: which of a
+  producer's transports to pull over.
+- directory/: the Redis **directory** (directory.py) of locations and live nodes, with batch.py
+  (many requests in one round trip), scripts.py (its atomic steps), heartbeat.py (a node's
+  registration), redis_url.py (how to reach Redis) and advertise.py (the address a node publishes).
+- control/: **control endpoints** (zmq URLs a process takes control messages on) and what crosses
+  them: sockets.py, framing.py, auth.py (HMAC when a secret is set), side_channel.py (a consumer's
+  end of producers' **side channels**, where a `PullRequest` goes).
+- transports/: how bytes move. transport.py: the `Transport` contract, a producer's half (a
+  send engine) and a consumer's half (a puller); kv_region.py: the pool as bytes, a request's
+  blocks as **pieces** (one buffer a transport moves; a **run** is blocks consecutive on both
+  sides, moved as one piece); block_copy.py, data_path.py, host.py, kv_checksum.py. One folder
+  per transport (a `ConnectorKind`: ucx/, tcp/, shm/, nccl/, auto/), each with send_engine.py,
+  puller.py and transport.py. A **transport address** is the bytes a transport reaches a peer by.
+- vllm/: the vLLM V1 KV connector (`kvwire.connectors.vllm`), over the same roles and transports.
+
+Other words: **prefill node / decode node** are the two server processes (prefill_node/,
+decode_node/); a **request** is one completion, named by its request id everywhere; an **epoch** is a
+node incarnation's number, higher at each restart (the directory refuses an older one's locations).
 """

@@ -1,6 +1,6 @@
 """The connector contract the engine's runner calls (vLLM's classic KV connector).
 
-1. A node builds its role (producer.py or consumer.py) over its transport and pool, and
+1. A node builds its role (producer/role.py or consumer/role.py) over its transport and pool, and
    the contract's face for that role (connector.py) around it.
 2. The runner hands it the pool's per-layer views once (`register_kv_caches`).
 3. Prefill: `send_kv_caches_and_hidden_states` after each prompt forward (or, when the
@@ -25,7 +25,7 @@ from kvwire.connectors.types import IntermediateTensors
 
 if TYPE_CHECKING:
     from kvwire.connectors.config import ConnectorConfig
-    from kvwire.engine.model_input import ModelInput
+    from kvwire.connectors.model_input import ModelInput
 
 HiddenStates = torch.Tensor | IntermediateTensors
 

@@ -38,18 +38,21 @@ class ConnectorConfig:
         host: address the node's sockets bind (work socket, side channel, data listeners); may be a
             wildcard (0.0.0.0, ::) when advertise_host is set.
         advertise_host: the address peers reach this node at, published in the directory (work endpoint,
-            side channel, TCP and NCCL transport addresses); "": host itself. connectors/advertise.py picks it.
+            side channel, TCP and NCCL transport addresses); "": host itself.
+            connectors/directory/advertise.py picks it.
         kv_deadline_s: how long a consumer waits for a request's KV before recomputing.
         entry_ttl_s: TTL on every directory key of a request; held KV is released after it.
         verify_kv: producer: publish a crc32 per layer; consumer: require and check them (a mismatch recomputes).
         pull_lanes: consumer: threads that move one pull's pieces in parallel, on host pools: UCX workers
-            polled by a thread each (connectors/ucx/lanes.py), shared-memory copies (connectors/shm/copier.py);
+            polled by a thread each (connectors/transports/ucx/lanes.py), shared-memory copies
+            (connectors/transports/shm/copier.py);
             1: the engine thread alone.
         layerwise: producer: publish each prompt's KV before its forward and send it layer by layer as
-            the layers are computed (connectors/layer_gate.py); tcp and ucx only, and not with verify_kv
+            the layers are computed (connectors/producer/layer_gate.py); tcp and ucx only, and not with verify_kv
             (the checksums would come after the bytes).
         require_fast_path: consumer: refuse (and recompute) a same-host producer's KV whose path crosses the
-            network stack where shared memory was expected (connectors/fast_path.py); off: warn once per producer.
+            network stack where shared memory was expected (connectors/consumer/fast_path.py); off: warn once per
+            producer.
     """
 
     kind: ConnectorKind

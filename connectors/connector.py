@@ -12,9 +12,9 @@ import torch
 
 from kvwire.connectors.base import HiddenStates, KVConnectorBase
 from kvwire.connectors.config import ConnectorConfig
-from kvwire.connectors.consumer import NOTE_AGE_S, KVConsumer
-from kvwire.connectors.producer import KVProducer
-from kvwire.engine.model_input import ModelInput
+from kvwire.connectors.consumer.role import NOTE_AGE_S, KVConsumer
+from kvwire.connectors.model_input import ModelInput
+from kvwire.connectors.producer.role import KVProducer
 
 
 def _check_views(kv_caches: list[torch.Tensor], node_id: str) -> None:

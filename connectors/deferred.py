@@ -1,7 +1,7 @@
 """Calls run a little later on one thread of their own: work that must happen, but not now.
 
 A producer that has told its consumer directly where the KV is writes the directory's READY
-a few milliseconds later through this (producer.py), so that the write, Redis's work on it
+a few milliseconds later through this (producer/role.py), so that the write, Redis's work on it
 and the consumer's directory watcher waking up for it do not compete for the cores with the
 consumer's pull and first token.
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind
 
 if TYPE_CHECKING:
-    from kvwire.connectors.transport import Transport
+    from kvwire.connectors.transports.transport import Transport
 
 _REGISTRY: dict[ConnectorKind, tuple[str, str]] = {}
 
@@ -51,8 +51,8 @@ def create_transport(config: ConnectorConfig, epoch: int) -> Transport:
     return transport_class(config.kind)(config, epoch)
 
 
-register_transport(ConnectorKind.UCX, "kvwire.connectors.ucx.transport", "UCXTransport")
-register_transport(ConnectorKind.TCP, "kvwire.connectors.tcp.transport", "TCPTransport")
-register_transport(ConnectorKind.SHM, "kvwire.connectors.shm.transport", "SHMTransport")
-register_transport(ConnectorKind.NCCL, "kvwire.connectors.nccl.transport", "NCCLTransport")
-register_transport(ConnectorKind.AUTO, "kvwire.connectors.auto.transport", "AutoTransport")
+register_transport(ConnectorKind.UCX, "kvwire.connectors.transports.ucx.transport", "UCXTransport")
+register_transport(ConnectorKind.TCP, "kvwire.connectors.transports.tcp.transport", "TCPTransport")
+register_transport(ConnectorKind.SHM, "kvwire.connectors.transports.shm.transport", "SHMTransport")
+register_transport(ConnectorKind.NCCL, "kvwire.connectors.transports.nccl.transport", "NCCLTransport")
+register_transport(ConnectorKind.AUTO, "kvwire.connectors.transports.auto.transport", "AutoTransport")

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
+from kvwire.connectors.kv_pool import TORCH_DTYPES
 from kvwire.connectors.types import IntermediateTensors
 from kvwire.connectors.wire import DType, KVLocation, TensorDesc
-from kvwire.engine.kv_cache import TORCH_DTYPES
 
 HIDDEN_KEY = "hidden_states"  # the name a plain hidden-states tensor travels under
 _DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}

@@ -31,13 +31,13 @@ import torch
 
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind
 from kvwire.connectors.factory import create_transport
-from kvwire.connectors.held import HeldRequest, HeldTable
-from kvwire.connectors.host import host_identity
-from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.transfer_server import TransferServer
-from kvwire.connectors.transport import Puller, Transport
+from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.producer.held import HeldRequest, HeldTable
+from kvwire.connectors.producer.transfer_server import TransferServer
+from kvwire.connectors.transports.host import host_identity
+from kvwire.connectors.transports.kv_region import KVRegion
+from kvwire.connectors.transports.transport import Puller, Transport
 from kvwire.connectors.wire import DType, KVLayout, KVLocation, TransportCheck, TransportOffer
-from kvwire.engine.kv_cache import KVPool
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ import torch
 
 from kvwire.connectors.config import ConnectorConfig
 from kvwire.connectors.connector import ConsumerConnector, ProducerConnector
-from kvwire.connectors.consumer import KVConsumer
-from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.consumer.role import KVConsumer
+from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.factory import create_transport
-from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.producer import KVProducer
+from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.producer.role import KVProducer
+from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.wire import KVLayout
-from kvwire.engine.kv_cache import KVPool
 
 
 @dataclass

@@ -89,7 +89,8 @@ class TransportOffer(msgspec.Struct, frozen=True, array_like=True):
 
 
 class ShmHold(msgspec.Struct, frozen=True, array_like=True):
-    """A shared-memory producer's word that says a request's blocks are still held (connectors/shm/hold_board.py).
+    """A shared-memory producer's word that says a request's blocks are still held
+    (connectors/transports/shm/hold_board.py).
 
     Word `slot` of the producer's hold board holds `token` from before the request is announced until
     its blocks are released; a consumer whose read of the pool began and ended with the word still
@@ -203,7 +204,8 @@ class PullRequest(_Msg, tag="pull", frozen=True):
     transport_address: bytes
     dst_block_ids: list[int]
     layer_major: bool = False  # the consumer lands a layer-wise location's blocks layer by layer
-    pack_below: int = 0  # UCX: pieces smaller than this come packed, many per message (connectors/ucx/packing.py)
+    # UCX: pieces smaller than this come packed, many per message (connectors/transports/ucx/packing.py)
+    pack_below: int = 0
     first_block: int = 0  # send the location's blocks from this one on (KVLocation.first_block)
     heads: HeadSlice | None = None  # tensor parallel: send only these heads of each block (KVLocation.heads)
     # The location's blocks to send, in `dst_block_ids` order (each must be one the producer holds for the

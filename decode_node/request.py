@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvwire.connectors.expected import ExpectedKV
+from kvwire.connectors.consumer.expected import ExpectedKV
 from kvwire.connectors.wire import DecodeWork
 
 

@@ -36,16 +36,16 @@ import zmq
 
 from kvwire.connectors.config import NodeRole
 from kvwire.connectors.connector import ConsumerConnector
-from kvwire.connectors.consumer import DIRECT_HEAD_START_S, KVConsumer
-from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.sockets import PushSockets
+from kvwire.connectors.consumer.role import DIRECT_HEAD_START_S, KVConsumer
+from kvwire.connectors.control.sockets import PushSockets
+from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.transports.kv_region import KVRegion
+from kvwire.connectors.wakeup import Wakeup
 from kvwire.connectors.wire import CancelWork, DecodeStats, DecodeWork, ErrorKind, KVReady, TokenChunk, WorkError
 from kvwire.decode_node.request import DecodeRequest
-from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.llm_engine import InvalidRequest, LLMEngine, StepOutput
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.sequence import Sequence
-from kvwire.engine.wakeup import Wakeup
 from kvwire.node.config import NodeConfig
 from kvwire.node.drain import Drain
 from kvwire.node.runtime import NodeLoad, NodeRuntime

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kvwire.engine.kv_cache import TORCH_DTYPES
+from kvwire.connectors.kv_pool import TORCH_DTYPES
 from kvwire.engine.model_config import PRESETS, ModelConfig
 
 LOGIT_STD = 2.0

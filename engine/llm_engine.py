@@ -24,10 +24,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.types import ModelRunnerOutput
 from kvwire.connectors.wire import SamplingParams, TokenLogprobs
 from kvwire.engine.block_allocator import BlockAllocator
-from kvwire.engine.model_input import ModelInput, SequenceInput
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.sampler import TokenHistory, check_params, make_generator, sample
 from kvwire.engine.sequence import FinishReason, Sequence

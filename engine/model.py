@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvwire.engine.kv_cache import TORCH_DTYPES
+from kvwire.connectors.kv_pool import TORCH_DTYPES
+from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.engine.model_config import ModelConfig
-from kvwire.engine.model_input import ModelInput, SequenceInput
 from kvwire.engine.ops import batch_invariant_linear, rms_norm, silu_mul
 from kvwire.engine.rope import rope_tables
 

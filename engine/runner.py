@@ -24,10 +24,10 @@ import torch
 
 from kvwire.connectors.base import KVConnectorBase
 from kvwire.connectors.config import NodeRole
+from kvwire.connectors.kv_pool import TORCH_DTYPES, KVPool
+from kvwire.connectors.model_input import ModelInput
 from kvwire.connectors.types import IntermediateTensors
-from kvwire.engine.kv_cache import TORCH_DTYPES, KVPool
 from kvwire.engine.model import LlamaForCausalLM
-from kvwire.engine.model_input import ModelInput
 from kvwire.observability.metrics import process_metrics
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ class NodeConfig:
         work_port: zmq port taking work from routers; 0 picks a free one.
         heartbeat_ttl_s: the node's directory entry expires this long after its last heartbeat.
         http_port: port of the node's /healthz, /readyz and /metrics endpoint; 0: none.
-        auth_secret: shared secret sealing control messages (connectors/auth.py); None: no authentication.
+        auth_secret: shared secret sealing control messages (connectors/control/auth.py); None: no authentication.
         drain_timeout_s: on SIGTERM, how long the node may take to finish what it holds before it exits.
     """
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import time
 
-from kvwire.connectors.directory import DirectoryError
-from kvwire.connectors.sockets import PushSockets
+from kvwire.connectors.control.sockets import PushSockets
+from kvwire.connectors.directory.directory import DirectoryError
 from kvwire.connectors.wire import DecodeWork, NodeInfo, PrefillWork
 from kvwire.node.runtime import NodeRuntime
 

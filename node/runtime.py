@@ -28,17 +28,17 @@ from typing import NamedTuple, Protocol
 import torch
 import zmq
 
-from kvwire.connectors import auth
-from kvwire.connectors.auth import AuthError
 from kvwire.connectors.config import NodeRole
-from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.control import auth
+from kvwire.connectors.control.auth import AuthError
+from kvwire.connectors.control.framing import unpack
+from kvwire.connectors.control.sockets import limit_receive
+from kvwire.connectors.directory.directory import KVDirectory
+from kvwire.connectors.directory.heartbeat import Heartbeat
 from kvwire.connectors.factory import create_transport
-from kvwire.connectors.framing import unpack
-from kvwire.connectors.heartbeat import Heartbeat
-from kvwire.connectors.host import host_identity
 from kvwire.connectors.self_test import run_self_test
-from kvwire.connectors.sockets import limit_receive
-from kvwire.connectors.transport import Transport
+from kvwire.connectors.transports.host import host_identity
+from kvwire.connectors.transports.transport import Transport
 from kvwire.connectors.wire import KVLayout, Message, NodeInfo, TransportCheck, WireError
 from kvwire.engine.block_allocator import BlockAllocator
 from kvwire.engine.gc_pauses import freeze_startup_heap

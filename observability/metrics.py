@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -28,8 +28,19 @@ from kvwire.observability.labels import (
     TransferFailure,
 )
 
-if TYPE_CHECKING:
-    from kvwire.connectors.wire import TransportCheck
+
+class TransportCheck(Protocol):
+    """What a node's start-up self-test says of one transport (connectors.wire.TransportCheck)."""
+
+    @property
+    def transport(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def ok(self) -> bool: ...
+    @property
+    def ms(self) -> float: ...
+
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -93,7 +104,7 @@ class Metrics:
         self.kv_transfer_bytes.labels(connector).inc(nbytes)
         self.kv_transfer_seconds.labels(connector).observe(seconds)
 
-    def report_transport_checks(self, checks: list[TransportCheck]) -> None:
+    def report_transport_checks(self, checks: Sequence[TransportCheck]) -> None:
         """Export a node's start-up transport self-test (connectors/self_test.py)."""
         for c in checks:
             outcome = SelfTestOutcome.OK if c.ok else SelfTestOutcome.FAILED

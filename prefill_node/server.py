@@ -32,13 +32,13 @@ import zmq
 
 from kvwire.connectors.config import NodeRole
 from kvwire.connectors.connector import ProducerConnector
-from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.producer import KVProducer
+from kvwire.connectors.model_input import ModelInput, SequenceInput
+from kvwire.connectors.producer.role import KVProducer
+from kvwire.connectors.transports.kv_region import KVRegion
+from kvwire.connectors.wakeup import Wakeup
 from kvwire.connectors.wire import PrefillWork
-from kvwire.engine.model_input import ModelInput, SequenceInput
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.validation import prompt_problem
-from kvwire.engine.wakeup import Wakeup
 from kvwire.node.config import NodeConfig
 from kvwire.node.drain import Drain
 from kvwire.node.runtime import NodeLoad, NodeRuntime

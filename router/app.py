@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvwire.connectors.config import NodeRole
-from kvwire.connectors.directory import DirectoryError, KVDirectory
+from kvwire.connectors.directory.directory import DirectoryError, KVDirectory
 from kvwire.engine.loader import load_config
 from kvwire.engine.tokenizer import load_tokenizer
 from kvwire.observability.labels import RequestStatus

@@ -31,9 +31,9 @@ import zmq
 import zmq.asyncio
 
 from kvwire.connectors.config import NodeRole
-from kvwire.connectors.directory import DirectoryError, KVDirectory
-from kvwire.connectors.framing import pack, unpack
-from kvwire.connectors.sockets import PushSockets, limit_receive
+from kvwire.connectors.control.framing import pack, unpack
+from kvwire.connectors.control.sockets import PushSockets, limit_receive
+from kvwire.connectors.directory.directory import DirectoryError, KVDirectory
 from kvwire.connectors.wire import (
     CancelWork,
     DecodeWork,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvwire.cli.redis_server import LocalRedis
+from kvwire.cluster.redis_server import LocalRedis
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""What `pip install` puts on the path: one `kvwire` package, its folders as subpackages, no import cycle."""
+"""What `pip install` puts on the path: one `kvwire` package, its folders as subpackages in layers, no import cycle."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBPACKAGES = ("bench", "cli", "connectors", "decode_node", "engine", "node", "observability", "prefill_node",
-               "router")
+# The layers, bottom first: a module imports only from its own package or a layer below (README, "Layout").
+# The two nodes share a layer and import nothing of each other.
+LAYERS = (("observability",), ("connectors",), ("engine",), ("node",), ("prefill_node", "decode_node"), ("router",),
+          ("cluster",), ("bench",), ("cli",))
+SUBPACKAGES = tuple(sorted(p for layer in LAYERS for p in layer))
 
 
 def _package_dirs() -> list[Path]:
@@ -38,11 +41,13 @@ def test_the_installed_package_is_kvwire_and_nothing_generic():
     assert done.stdout.strip() == "[]", f"generic top-level modules installed: {done.stdout}"
 
 
-def _runtime_imports(path: Path) -> set[str]:
-    """kvwire modules `path` imports when it runs (imports under `if TYPE_CHECKING:` left out)."""
+def _runtime_imports(path: Path, type_checking: bool = False) -> set[str]:
+    """kvwire modules `path` imports when it runs, at the top or inside a function (imports under
+    `if TYPE_CHECKING:` too where `type_checking`)."""
     tree = ast.parse(path.read_text(), str(path))
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node.test)
-            for child in node.body for n in ast.walk(child)}
+    skip = set() if type_checking else {
+        id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node.test)
+        for child in node.body for n in ast.walk(child)}
     found: set[str] = set()
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -60,10 +65,35 @@ def _is_type_checking(test: ast.expr) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
     """Module -> the kvwire modules it imports at run time (a package's import counts as its __init__)."""
     files = {_module_name(p): p for d in _package_dirs() for p in d.glob("*.py")}
-    return {mod: {m for m in _runtime_imports(path) if m in files and m != mod} for mod, path in files.items()}
+    return {mod: {m for m in _runtime_imports(path, type_checking) if m in files and m != mod}
+            for mod, path in files.items()}
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module in a layer above the importer's, or in another package of its layer."""
+    rank = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+    out = []
+    for mod, deps in sorted(graph.items()):
+        here = mod.split(".")[1]
+        out += [f"{mod} -> {dep}" for dep in sorted(deps)
+                if (there := dep.split(".")[1]) != here and rank[there] >= rank[here]]
+    return out
+
+
+def test_imports_only_go_down():
+    """Lazy imports (inside functions) and type-only ones count: a layer names nothing above it."""
+    assert upward_imports(import_graph(type_checking=True)) == []
+
+
+def test_the_layer_check_sees_an_upward_import():
+    graph = import_graph(type_checking=True)
+    graph["kvwire.engine.model"] = graph["kvwire.engine.model"] | {"kvwire.router.app"}
+    graph["kvwire.prefill_node.server"] = graph["kvwire.prefill_node.server"] | {"kvwire.decode_node.server"}
+    assert upward_imports(graph) == ["kvwire.engine.model -> kvwire.router.app",
+                                     "kvwire.prefill_node.server -> kvwire.decode_node.server"]
 
 
 def test_no_module_imports_a_top_level_sibling_by_its_old_name():

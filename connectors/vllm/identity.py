@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.wire import NodeInfo
 
 _UUID = re.compile(r"^([0-9a-f]{8})-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")

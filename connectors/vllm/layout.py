@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvwire.connectors.hidden import dtype_of
-from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.wire import KVLayout, PoolLayout
 
 if TYPE_CHECKING:

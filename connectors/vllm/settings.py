@@ -17,8 +17,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from kvwire.connectors.advertise import advertise_host
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
+from kvwire.connectors.directory.advertise import advertise_host
 from kvwire.connectors.vllm.identity import EngineShape, node_id_of, rank_node_id, refuse_shape
 from kvwire.connectors.vllm.tp import TPSplit
 
@@ -51,7 +51,7 @@ class VLLMSettings:
             off what the earlier incarnation published. Default: `vllm-<hostname>-<engine id>`, unique per
             server; a given one gets `-dp<rank>` on a data-parallel server.
         host: the address this instance's transfer servers bind (a wildcard, 0.0.0.0, needs advertise_host
-            or picks the source address of the route to Redis: connectors/advertise.py).
+            or picks the source address of the route to Redis: connectors/directory/advertise.py).
         advertise_host: the address peers reach them at, published in the directory; "": as picked above.
         kv_deadline_s: consumer: how long a request waits for its KV before it is recomputed;
             producer: how long computed KV is held for a consumer that has not pulled it.

@@ -31,12 +31,12 @@ import torch
 
 from kvwire.connectors.base import TransferError
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind
-from kvwire.connectors.consumer import KVConsumer, failure_of
-from kvwire.connectors.directory import DirectoryError, KVDirectory
+from kvwire.connectors.consumer.role import KVConsumer, failure_of
+from kvwire.connectors.directory.directory import DirectoryError, KVDirectory
+from kvwire.connectors.directory.heartbeat import Heartbeat
 from kvwire.connectors.factory import create_transport
-from kvwire.connectors.heartbeat import Heartbeat
-from kvwire.connectors.host import host_identity
-from kvwire.connectors.producer import KVProducer
+from kvwire.connectors.producer.role import KVProducer
+from kvwire.connectors.transports.host import host_identity
 from kvwire.connectors.vllm.identity import rank_node_id, refuse_live_duplicate
 from kvwire.connectors.vllm.layout import region_of
 from kvwire.connectors.vllm.metadata import Hold, KvwireMetadata, Pull

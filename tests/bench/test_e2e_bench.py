@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvwire.bench.e2e import bench_e2e
-from kvwire.cli.demo_cmd import PROMPTS
+from kvwire.bench.prompts import PROMPTS
 from kvwire.connectors.config import ConnectorKind
 
 pytestmark = pytest.mark.slow

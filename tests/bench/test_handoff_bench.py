@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvwire.bench.handoff import bench_handoff, demo_prompt_lengths
-from kvwire.cli.demo_cmd import PROMPTS
+from kvwire.bench.prompts import PROMPTS
 
 pytestmark = pytest.mark.slow
 

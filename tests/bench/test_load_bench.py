@@ -21,7 +21,7 @@ from kvwire.bench.load import (
     summarize,
     table,
 )
-from kvwire.cli.demo_cmd import PROMPTS
+from kvwire.bench.prompts import PROMPTS
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.wire import SamplingParams
 

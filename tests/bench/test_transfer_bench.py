@@ -11,7 +11,7 @@ import torch
 
 from kvwire.bench.transfer import Method, bench_transfer, combinations
 from kvwire.bench.workload import Placement, Workload, allocate_pool, piece_table
-from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.wire import PoolLayout
 
 pytestmark = pytest.mark.slow

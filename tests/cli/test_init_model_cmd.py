@@ -11,11 +11,11 @@ import transformers
 from typer.testing import CliRunner
 
 from kvwire.cli.main import app
+from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.engine.byte_tokenizer_files import CHAT_TEMPLATE
-from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.loader import load_model
 from kvwire.engine.model_config import PRESETS, Architecture, kv_layout
-from kvwire.engine.model_input import ModelInput, SequenceInput
 
 runner = CliRunner()
 PROMPT = list(b"Hello from a tiny random model.")

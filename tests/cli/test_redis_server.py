@@ -18,8 +18,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-import kvwire.cli.redis_server as redis_server_module
-from kvwire.cli.redis_server import LocalRedis, LocalRedisError
+import kvwire.cluster.redis_server as redis_server_module
+from kvwire.cluster.redis_server import LocalRedis, LocalRedisError
 
 REPO = Path(__file__).resolve().parents[2]
 NO_RETRY = Retry(NoBackoff(), 0)
@@ -152,7 +152,7 @@ def test_start_fails_cleanly_with_a_broken_binary(tmp_path: Path) -> None:
 def test_server_dies_with_its_parent(ending: str, cleans_up: bool) -> None:
     script = textwrap.dedent(f"""
         import os, signal, sys
-        from kvwire.cli.redis_server import LocalRedis
+        from kvwire.cluster.redis_server import LocalRedis
         server = LocalRedis().start()
         print(server.pid, server._dir, flush=True)
         sys.stdin.readline()

@@ -8,9 +8,9 @@ import msgspec
 from typer.testing import CliRunner
 
 from kvwire.cli.main import app
+from kvwire.cluster.status import ClusterStatus
 from kvwire.connectors.config import NodeRole
-from kvwire.connectors.directory import KVDirectory
-from kvwire.observability.status import ClusterStatus
+from kvwire.connectors.directory.directory import KVDirectory
 from tests.connectors.test_directory import node
 
 runner = CliRunner()

@@ -7,8 +7,8 @@ import signal
 import sys
 import time
 
-from kvwire.cli import supervisor as sup
-from kvwire.cli.supervisor import Supervisor
+from kvwire.cluster import supervisor as sup
+from kvwire.cluster.supervisor import Supervisor
 
 PY = (sys.executable, "-c")
 SLEEP = "import time; time.sleep(60)"

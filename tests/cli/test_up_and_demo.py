@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from kvwire.cli.ports import free_port
+from kvwire.cluster.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvwire.cli.ports import free_port
+from kvwire.cluster.ports import free_port
 from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.reference import generate
 from tests.cli.test_up_and_demo import _alive, _children, _wait_for_line

@@ -14,13 +14,13 @@ import zlib
 import torch
 
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.producer import KVProducer
+from kvwire.connectors.kv_pool import TORCH_DTYPES, KVPool
+from kvwire.connectors.model_input import ModelInput, SequenceInput
+from kvwire.connectors.producer.role import KVProducer
 from kvwire.connectors.standalone import open_producer
+from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.types import IntermediateTensors
 from kvwire.connectors.wire import DType, KVLayout
-from kvwire.engine.kv_cache import TORCH_DTYPES, KVPool
-from kvwire.engine.model_input import ModelInput, SequenceInput
 
 HIDDEN = 24
 
@@ -62,8 +62,8 @@ def _die_on_first_send(producer: KVProducer) -> None:
     """Make this process SIGKILL itself right after any of its transports starts the first pull (shared memory,
     where the consumer reads by itself: when the first read is claimed, before it is confirmed; reads with no
     claim are turned off, as they need no live producer: tests/connectors/test_shm_direct.py)."""
-    import kvwire.connectors.tcp.send_engine as tcp_engine
-    from kvwire.connectors.shm.send_engine import SHMSendEngine
+    import kvwire.connectors.transports.tcp.send_engine as tcp_engine
+    from kvwire.connectors.transports.shm.send_engine import SHMSendEngine
 
     tcp_engine.TURN_BUDGET_BYTES = 1  # TCP's start() then writes one batch (what the socket takes), not the lot
     producer._board = None  # test-only reach: no hold words, so every shared-memory read claims

@@ -6,9 +6,9 @@ import pytest
 import typer
 
 from kvwire.cli.options import node_config
-from kvwire.connectors import advertise
-from kvwire.connectors.advertise import advertise_host, directory_address, route_source
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
+from kvwire.connectors.directory import advertise
+from kvwire.connectors.directory.advertise import advertise_host, directory_address, route_source
 
 
 def _local_address() -> str:

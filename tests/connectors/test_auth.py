@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from kvwire.connectors import auth
-from kvwire.connectors.auth import AuthError
-from kvwire.connectors.framing import pack, unpack
+from kvwire.connectors.control import auth
+from kvwire.connectors.control.auth import AuthError
+from kvwire.connectors.control.framing import pack, unpack
 from kvwire.connectors.wire import PullReply, WireError, encode
 
 SECRET = b"s" * 32

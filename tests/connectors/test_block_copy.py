@@ -1,4 +1,4 @@
-"""connectors/block_copy.py: a request's blocks moved by one gather/scatter per plane land as a copy per piece does."""
+"""connectors/transports/block_copy.py: blocks moved by one gather/scatter per plane land as a copy per piece does."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import random
 import pytest
 import torch
 
-from kvwire.connectors.block_copy import (
+from kvwire.connectors.transports.block_copy import (
     batched_pays,
     copy_blocks,
     gather_parts,
     plane_groups,
     scatter_parts,
 )
-from kvwire.connectors.kv_region import KVRegion, plan_runs
-from kvwire.connectors.tcp.stream import ByteStream, Staging
-from kvwire.connectors.ucx.packing import PACK_BYTES, Message, gather, scatter
+from kvwire.connectors.transports.kv_region import KVRegion, plan_runs
+from kvwire.connectors.transports.tcp.stream import ByteStream, Staging
+from kvwire.connectors.transports.ucx.packing import PACK_BYTES, Message, gather, scatter
 from kvwire.connectors.vllm.layout import region_of
 from kvwire.connectors.wire import PoolLayout
 

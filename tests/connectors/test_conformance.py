@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.directory.directory import KVDirectory
+from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.standalone import ConsumerSide, open_consumer
 from kvwire.connectors.types import IntermediateTensors
 from kvwire.connectors.wire import DType
-from kvwire.engine.kv_cache import KVPool
-from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
 CTX = mp.get_context("spawn")

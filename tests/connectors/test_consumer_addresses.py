@@ -10,7 +10,7 @@ import pytest
 
 from kvwire.connectors.base import TransferError
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.standalone import open_consumer
 from tests.connectors import peer
 

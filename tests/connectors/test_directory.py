@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
-from kvwire.cli.redis_server import LocalRedis
+from kvwire.cluster.redis_server import LocalRedis
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.directory import (
+from kvwire.connectors.directory.directory import (
     LEGAL_TRANSITIONS,
     TERMINAL_STATES,
     DirectoryError,
@@ -20,7 +20,7 @@ from kvwire.connectors.directory import (
     StaleNodeError,
     TransferState,
 )
-from kvwire.connectors.heartbeat import Heartbeat
+from kvwire.connectors.directory.heartbeat import Heartbeat
 from kvwire.connectors.wire import DType, KVLayout, KVLocation, NodeInfo, TensorDesc
 
 S = TransferState
@@ -399,7 +399,7 @@ def test_heartbeat_survives_an_outage(crashable: LocalRedis, caplog: pytest.LogC
     beat = Heartbeat(directory, lambda: node("prefill-0", NodeRole.PREFILL))
     beat.start()
     try:
-        with caplog.at_level(logging.ERROR, logger="kvwire.connectors.directory"):
+        with caplog.at_level(logging.ERROR, logger="kvwire.connectors.directory.directory"):
             crashable.kill()
             time.sleep(0.3)
         assert any("heartbeat of node prefill-0 failed" in r.getMessage() for r in caplog.records)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvwire.bench.directory import _location
-from kvwire.connectors.directory import KVDirectory, TransferState
-from kvwire.connectors.directory_batch import DirectoryBatch
+from kvwire.connectors.directory.batch import DirectoryBatch
+from kvwire.connectors.directory.directory import KVDirectory, TransferState
 
 
 def test_batch_runs_the_same_checks_as_single_steps(redis_url):

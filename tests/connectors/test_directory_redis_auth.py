@@ -18,11 +18,11 @@ import uuid
 
 import pytest
 
-from kvwire.cli.redis_sentinel import LocalSentinel
-from kvwire.cli.redis_server import LocalRedis
+from kvwire.cluster.redis_sentinel import LocalSentinel
+from kvwire.cluster.redis_server import LocalRedis
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.directory import DirectoryError, KVDirectory, TransferState
-from kvwire.connectors.heartbeat import Heartbeat
+from kvwire.connectors.directory.directory import DirectoryError, KVDirectory, TransferState
+from kvwire.connectors.directory.heartbeat import Heartbeat
 from kvwire.connectors.wire import NodeInfo
 from tests.connectors.test_directory import location
 

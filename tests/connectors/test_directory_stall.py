@@ -10,13 +10,13 @@ import time
 
 import torch
 
-from kvwire.cli.redis_server import LocalRedis
-from kvwire.connectors import directory as directory_module
+from kvwire.cluster.redis_server import LocalRedis
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from kvwire.connectors.consumer import KVConsumer
-from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.consumer.role import KVConsumer
+from kvwire.connectors.directory import directory as directory_module
+from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.factory import create_transport
-from kvwire.connectors.producer import KVProducer
+from kvwire.connectors.producer.role import KVProducer
 from kvwire.connectors.vllm.layout import region_of
 
 TIMEOUT_S = 0.5  # the directory's socket timeouts here (5 s and 10 s in production): a stall outlasts them

@@ -3,7 +3,7 @@ import pytest
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 from kvwire.connectors.factory import available_transports, create_transport, register_transport, transport_class
 from kvwire.connectors.standalone import open_consumer
-from kvwire.connectors.transport import Transport
+from kvwire.connectors.transports.transport import Transport
 from tests.connectors import peer
 
 
@@ -21,7 +21,7 @@ def test_unknown_name_fails_loudly():
 
 def test_double_registration_is_refused():
     with pytest.raises(ValueError, match="already registered"):
-        register_transport(ConnectorKind.UCX, "kvwire.connectors.ucx.transport", "UCXTransport")
+        register_transport(ConnectorKind.UCX, "kvwire.connectors.transports.ucx.transport", "UCXTransport")
 
 
 def test_create_transport_builds_the_configured_kind():

@@ -7,12 +7,12 @@ import logging
 import pytest
 
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from kvwire.connectors.data_path import DataPath, PathClass, classify
-from kvwire.connectors.fast_path import FastPathGuard, expects_shared_memory
-from kvwire.connectors.host import host_identity
-from kvwire.connectors.ucx import worker as ucx_worker
-from kvwire.connectors.ucx.query import QueryUnavailable, endpoint_transports
-from kvwire.connectors.ucx.worker import Role, UCXWorker, ucx
+from kvwire.connectors.consumer.fast_path import FastPathGuard, expects_shared_memory
+from kvwire.connectors.transports.data_path import DataPath, PathClass, classify
+from kvwire.connectors.transports.host import host_identity
+from kvwire.connectors.transports.ucx import worker as ucx_worker
+from kvwire.connectors.transports.ucx.query import QueryUnavailable, endpoint_transports
+from kvwire.connectors.transports.ucx.worker import Role, UCXWorker, ucx
 from kvwire.connectors.wire import KVLocation
 from tests.connectors import peer
 
@@ -55,7 +55,7 @@ def test_shared_memory_is_expected_only_of_same_host_producers_over_a_connector_
 def test_a_slow_same_host_path_is_warned_about_once_per_producer(caplog):
     asked = []
     guard = FastPathGuard(_config(ConnectorKind.UCX), lambda loc: asked.append(loc) or DataPath.of(["tcp"]))
-    with caplog.at_level(logging.WARNING, "kvwire.connectors.fast_path"):
+    with caplog.at_level(logging.WARNING, "kvwire.connectors.consumer.fast_path"):
         for producer in ("prefill-0", "prefill-0", "prefill-1"):
             assert guard.refusal(_loc(host_identity(), producer=producer)) is None
         assert guard.refusal(_loc("elsewhere/boot")) is None  # remote: not even asked
@@ -69,7 +69,7 @@ def test_require_fast_path_refuses_only_the_network_stack(caplog):
     paths = {"prefill-0": DataPath.of(["tcp"]), "prefill-1": DataPath.of(["sysv", "cma"]),
              "prefill-2": DataPath.unknown("no ucp_ep_query")}
     guard = FastPathGuard(_config(ConnectorKind.AUTO, require=True), lambda loc: paths[loc.producer])
-    with caplog.at_level(logging.INFO, "kvwire.connectors.fast_path"):
+    with caplog.at_level(logging.INFO, "kvwire.connectors.consumer.fast_path"):
         refusal = guard.refusal(_loc(host_identity(), producer="prefill-0"))
         assert refusal is not None and "actual tcp" in refusal
         assert guard.refusal(_loc(host_identity(), producer="prefill-1")) is None
@@ -127,7 +127,7 @@ def test_a_producer_in_another_container_on_this_machine_is_warned_about(caplog)
     hostname, boot, *_ = host_identity().split("/")
     pod_beside = _loc(f"{hostname}/{boot}/net:1/ipc:2")
     guard = FastPathGuard(_config(ConnectorKind.AUTO), lambda loc: DataPath.of(["tcp"]))
-    with caplog.at_level(logging.WARNING, "kvwire.connectors.fast_path"):
+    with caplog.at_level(logging.WARNING, "kvwire.connectors.consumer.fast_path"):
         assert guard.refusal(pod_beside) is None
         assert guard.refusal(_loc("other-machine/other-boot/net:1/ipc:2")) is None  # another machine: silent
     warnings = [r.getMessage() for r in caplog.records]

@@ -8,12 +8,12 @@ import pytest
 
 from kvwire.bench.directory import _location
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.directory import KVDirectory, StaleNodeError, TransferState
-from kvwire.connectors.directory_batch import DirectoryBatch
+from kvwire.connectors.directory.batch import DirectoryBatch
+from kvwire.connectors.directory.directory import KVDirectory, StaleNodeError, TransferState
 from kvwire.connectors.factory import create_transport
-from kvwire.connectors.incarnations import fail_earlier_incarnations
-from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.producer import KVProducer
+from kvwire.connectors.producer.incarnations import fail_earlier_incarnations
+from kvwire.connectors.producer.role import KVProducer
+from kvwire.connectors.transports.kv_region import KVRegion
 from tests.connectors import peer
 
 

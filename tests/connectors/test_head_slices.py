@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from kvwire.connectors.consumer import KVConsumer
-from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.consumer.role import KVConsumer
+from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.factory import create_transport
-from kvwire.connectors.producer import KVProducer
+from kvwire.connectors.producer.role import KVProducer
 from kvwire.connectors.vllm.identity import rank_node_id
 from kvwire.connectors.vllm.layout import region_of
 from kvwire.connectors.vllm.tp import TPSplit, plan, rank_key

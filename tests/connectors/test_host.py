@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from kvwire.connectors.host import host_identity
+from kvwire.connectors.transports.host import host_identity
 
-PRINT_IDENTITY = "from kvwire.connectors.host import host_identity; print(host_identity())"
+PRINT_IDENTITY = "from kvwire.connectors.transports.host import host_identity; print(host_identity())"
 
 
 def _identity_in(*unshare_flags: str) -> str:

@@ -10,13 +10,13 @@ import torch
 import zmq
 
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from kvwire.connectors.directory import KVDirectory, TransferState
-from kvwire.connectors.framing import unpack
-from kvwire.connectors.producer import ADVERTISE_DELAY_S
+from kvwire.connectors.control.framing import unpack
+from kvwire.connectors.directory.directory import KVDirectory, TransferState
+from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.model_input import ModelInput, SequenceInput
+from kvwire.connectors.producer.role import ADVERTISE_DELAY_S
 from kvwire.connectors.standalone import open_consumer, open_producer
 from kvwire.connectors.wire import KVLocation, KVReady, PullRequest
-from kvwire.engine.kv_cache import KVPool
-from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
 CTX = mp.get_context("spawn")

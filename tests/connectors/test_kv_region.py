@@ -2,9 +2,9 @@ import msgspec
 import pytest
 import torch
 
-from kvwire.connectors.kv_region import KVRegion, plan_runs
+from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.transports.kv_region import KVRegion, plan_runs
 from kvwire.connectors.wire import DType, KVLayout, PoolLayout
-from kvwire.engine.kv_cache import KVPool
 
 
 def test_plan_runs_merges_only_where_both_sides_are_consecutive():

@@ -12,12 +12,12 @@ import torch
 
 from kvwire.bench.workload import Placement, Workload, allocate_pool
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from kvwire.connectors.kv_region import KVRegion, plan_runs
-from kvwire.connectors.layer_gate import LayerGate
+from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.model_input import ModelInput, SequenceInput
+from kvwire.connectors.producer.layer_gate import LayerGate
 from kvwire.connectors.standalone import ConsumerSide, open_consumer, open_producer
+from kvwire.connectors.transports.kv_region import KVRegion, plan_runs
 from kvwire.connectors.wire import DType, KVLayout, PoolLayout
-from kvwire.engine.kv_cache import KVPool
-from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
 CTX = mp.get_context("spawn")
@@ -179,7 +179,7 @@ def test_layerwise_needs_tcp_or_ucx_and_no_checksums():
 
 
 def test_a_layerwise_request_released_during_its_forward_is_never_published_again(redis_url):
-    from kvwire.connectors.directory import TransferState
+    from kvwire.connectors.directory.directory import TransferState
 
     released: list[tuple[str, list[int]]] = []
     hold_s = 0.3  # the hold deadline passes mid-forward

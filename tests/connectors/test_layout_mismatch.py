@@ -9,10 +9,10 @@ import torch
 
 from kvwire.bench.workload import Placement, Workload, allocate_pool
 from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.standalone import open_consumer, open_producer
 from kvwire.connectors.wire import DType, PoolLayout
-from kvwire.engine.kv_cache import KVPool
-from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
 BASE = peer.layout(DType.FLOAT32, layers=3, block_size=4)

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.nccl.pairs import MAX_PIECES, Backend, backend_for, parse_address, tag_for
+from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.standalone import ConsumerSide, open_consumer
+from kvwire.connectors.transports.nccl.pairs import MAX_PIECES, Backend, backend_for, parse_address, tag_for
 from kvwire.connectors.wire import DType
-from kvwire.engine.kv_cache import KVPool
-from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
 CTX = mp.get_context("spawn")

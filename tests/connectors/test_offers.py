@@ -2,11 +2,11 @@
 
 import pytest
 
-from kvwire.connectors.auto.puller import preference
 from kvwire.connectors.base import TransferError
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.host import host_identity
-from kvwire.connectors.offers import narrow
+from kvwire.connectors.consumer.offers import narrow
+from kvwire.connectors.transports.auto.puller import preference
+from kvwire.connectors.transports.host import host_identity
 from kvwire.connectors.wire import DType, KVLayout, KVLocation, TransportOffer
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, dtype=DType.FLOAT32)

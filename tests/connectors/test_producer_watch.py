@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.directory import KVDirectory
-from kvwire.connectors.expected import ExpectedKV
-from kvwire.connectors.producer_watch import ProducerWatch
+from kvwire.connectors.consumer.expected import ExpectedKV
+from kvwire.connectors.consumer.producer_watch import ProducerWatch
+from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.wire import NodeInfo
 
 

@@ -6,8 +6,8 @@ import pytest
 import redis
 from redis.sentinel import SentinelConnectionPool, SentinelManagedSSLConnection
 
-from kvwire.connectors.directory import KVDirectory
-from kvwire.connectors.redis_url import (
+from kvwire.connectors.directory.directory import KVDirectory
+from kvwire.connectors.directory.redis_url import (
     DEFAULT_SENTINEL_PORT,
     connection_pool,
     is_sentinel_url,

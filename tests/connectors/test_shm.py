@@ -24,12 +24,20 @@ import pytest
 import torch
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.directory import KVDirectory
-from kvwire.connectors.shm.channel import close_fds, connect, node_prefix, recv_msg, remove_stale, send_msg, socket_dir
+from kvwire.connectors.directory.directory import KVDirectory
+from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.standalone import ConsumerSide, ProducerSide, open_consumer, open_producer
+from kvwire.connectors.transports.shm.channel import (
+    close_fds,
+    connect,
+    node_prefix,
+    recv_msg,
+    remove_stale,
+    send_msg,
+    socket_dir,
+)
 from kvwire.connectors.wire import KVLocation, PullReply, PullRequest, ShmHello, ShmReadDone, ShmSegment
-from kvwire.engine.kv_cache import KVPool
-from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
 CTX = mp.get_context("spawn")
@@ -351,7 +359,7 @@ def test_a_claimer_whose_connection_ends_releases_the_blocks(redis_url):
 
 
 def test_a_read_that_outlasts_its_hold_is_discarded(redis_url, monkeypatch):
-    from kvwire.connectors.shm import copier
+    from kvwire.connectors.transports.shm import copier
 
     slow_copy = copier.BlockCopier.copy
 

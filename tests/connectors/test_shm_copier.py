@@ -1,4 +1,4 @@
-"""connectors/shm/copier.py: one pull's block copies split over several threads."""
+"""connectors/transports/shm/copier.py: one pull's block copies split over several threads."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from kvwire.connectors.kv_region import plan_runs
-from kvwire.connectors.shm.copier import BlockCopier, split_runs
+from kvwire.connectors.transports.kv_region import plan_runs
+from kvwire.connectors.transports.shm.copier import BlockCopier, split_runs
 
 
 @pytest.mark.parametrize("lanes", [1, 2, 3])
@@ -51,7 +51,7 @@ def test_a_lane_that_fails_fails_the_copy_after_every_lane_stopped():
 def test_small_pulls_stay_on_the_calling_thread(monkeypatch):
     import threading
 
-    import kvwire.connectors.shm.copier as copier_module
+    import kvwire.connectors.transports.shm.copier as copier_module
 
     threads = set()
     original = copier_module._copy

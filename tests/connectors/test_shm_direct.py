@@ -11,15 +11,15 @@ import torch
 import zmq
 
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.directory import KVDirectory
-from kvwire.connectors.expected import ExpectedKV
-from kvwire.connectors.framing import unpack
+from kvwire.connectors.consumer.expected import ExpectedKV
+from kvwire.connectors.control.framing import unpack
+from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.hidden import INLINE_MAX
-from kvwire.connectors.shm import puller as puller_module
-from kvwire.connectors.shm.copier import BlockCopier
-from kvwire.connectors.shm.hold_board import PAGE, BoardView, HoldBoard, map_board
+from kvwire.connectors.model_input import ModelInput, SequenceInput
+from kvwire.connectors.transports.shm import puller as puller_module
+from kvwire.connectors.transports.shm.copier import BlockCopier
+from kvwire.connectors.transports.shm.hold_board import PAGE, BoardView, HoldBoard, map_board
 from kvwire.connectors.wire import KVLocation, KVReady, PullRequest, ShmRead
-from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 from tests.connectors.test_shm import NODE, _consumer, _location, _producer
 

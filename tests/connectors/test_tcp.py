@@ -21,10 +21,12 @@ import zmq
 
 from kvwire.connectors.base import TransferError
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.held import HeldRequest, HeldTable
-from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.tcp import send_engine as tcp_engine
-from kvwire.connectors.tcp.frames import (
+from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.producer.held import HeldRequest, HeldTable
+from kvwire.connectors.producer.transfer_server import TransferServer
+from kvwire.connectors.transports.kv_region import KVRegion
+from kvwire.connectors.transports.tcp import send_engine as tcp_engine
+from kvwire.connectors.transports.tcp.frames import (
     ACK,
     DATA_MAGIC,
     HEADER,
@@ -34,12 +36,10 @@ from kvwire.connectors.tcp.frames import (
     encode_address,
     parse_address,
 )
-from kvwire.connectors.tcp.puller import TCPPuller
-from kvwire.connectors.tcp.send_engine import TCPSendEngine
-from kvwire.connectors.tcp.stream import ByteStream, Staging, byte_parts
-from kvwire.connectors.transfer_server import TransferServer
+from kvwire.connectors.transports.tcp.puller import TCPPuller
+from kvwire.connectors.transports.tcp.send_engine import TCPSendEngine
+from kvwire.connectors.transports.tcp.stream import ByteStream, Staging, byte_parts
 from kvwire.connectors.wire import DType, KVLocation, PullReply, PullRequest, TensorDesc, decode, encode
-from kvwire.engine.kv_cache import KVPool
 from tests.connectors import peer
 
 LAYOUT = peer.layout(DType.FLOAT32, layers=4, block_size=16)  # 8 KiB blocks

@@ -6,15 +6,15 @@ import msgspec
 import pytest
 import zmq
 
-from kvwire.connectors import transfer_server
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.directory import DirectoryError
-from kvwire.connectors.held import HeldRequest, HeldTable
-from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.transfer_server import SendJob, TransferServer
-from kvwire.connectors.ucx.send_engine import UCXSendEngine
+from kvwire.connectors.directory.directory import DirectoryError
+from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.producer import transfer_server
+from kvwire.connectors.producer.held import HeldRequest, HeldTable
+from kvwire.connectors.producer.transfer_server import SendJob, TransferServer
+from kvwire.connectors.transports.kv_region import KVRegion
+from kvwire.connectors.transports.ucx.send_engine import UCXSendEngine
 from kvwire.connectors.wire import WIRE_VERSION, KVLocation, PullReply, PullRequest, ShmHello, decode, encode
-from kvwire.engine.kv_cache import KVPool
 from tests.connectors import peer
 
 

@@ -1,4 +1,4 @@
-"""UCX endpoints to a peer on another host have error handling on (connectors/ucx/worker.py).
+"""UCX endpoints to a peer on another host have error handling on (connectors/transports/ucx/worker.py).
 
 Without it a refused or broken TCP connection aborts the whole process inside UCX (openucx/ucx#11629);
 with it the one transfer fails and the process goes on.
@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from kvwire.connectors.data_path import PathClass
-from kvwire.connectors.host import elsewhere, host_identity
-from kvwire.connectors.ucx.flows import ReceiveFlow, SendFlow
-from kvwire.connectors.ucx.packing import Staging
-from kvwire.connectors.ucx.worker import Role, UCXWorker
+from kvwire.connectors.transports.data_path import PathClass
+from kvwire.connectors.transports.host import elsewhere, host_identity
+from kvwire.connectors.transports.ucx.flows import ReceiveFlow, SendFlow
+from kvwire.connectors.transports.ucx.packing import Staging
+from kvwire.connectors.transports.ucx.worker import Role, UCXWorker
 
 CTX = mp.get_context("spawn")
 

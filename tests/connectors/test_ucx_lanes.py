@@ -1,4 +1,4 @@
-"""UCX lanes: a consumer reading one pull with several workers, one thread each (connectors/ucx/lanes.py)."""
+"""UCX lanes: a consumer reading one pull with several workers, one thread each (connectors/transports/ucx/lanes.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
+from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.standalone import open_consumer
-from kvwire.connectors.ucx.flows import SendFlow
-from kvwire.connectors.ucx.packing import Staging
-from kvwire.connectors.ucx.worker import LANES_MAGIC, Role, UCXWorker, pack_lanes, unpack_lanes
+from kvwire.connectors.transports.ucx.flows import SendFlow
+from kvwire.connectors.transports.ucx.packing import Staging
+from kvwire.connectors.transports.ucx.worker import LANES_MAGIC, Role, UCXWorker, pack_lanes, unpack_lanes
 from kvwire.connectors.wire import DType
-from kvwire.engine.kv_cache import KVPool
-from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
 CTX = mp.get_context("spawn")
@@ -94,7 +94,7 @@ def test_pulls_over_any_number_of_lanes_are_byte_exact(redis_url, lanes):
 def test_lanes_cancel_what_never_came_and_serve_the_next_transfer():
     """A producer that never sends: stopping cancels every lane's receives (none can land late), the
     threads let go, and the same lanes then receive a real transfer byte for byte."""
-    from kvwire.connectors.ucx.lanes import ReceiveLanes
+    from kvwire.connectors.transports.ucx.lanes import ReceiveLanes
 
     producer = UCXWorker(Role.PRODUCER)
     lanes = ReceiveLanes(3)

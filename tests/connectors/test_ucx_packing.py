@@ -1,4 +1,4 @@
-"""Small pieces packed into UCX messages (connectors/ucx/packing.py, flows.py)."""
+"""Small pieces packed into UCX messages (connectors/transports/ucx/packing.py, flows.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from kvwire.connectors.ucx.flows import SendFlow
-from kvwire.connectors.ucx.lanes import ReceiveLanes
-from kvwire.connectors.ucx.packing import PACK_BYTES, Message, Staging, gather, plan_messages, scatter
-from kvwire.connectors.ucx.worker import Role, UCXWorker
+from kvwire.connectors.transports.ucx.flows import SendFlow
+from kvwire.connectors.transports.ucx.lanes import ReceiveLanes
+from kvwire.connectors.transports.ucx.packing import PACK_BYTES, Message, Staging, gather, plan_messages, scatter
+from kvwire.connectors.transports.ucx.worker import Role, UCXWorker
 
 KIB = 1 << 10
 
@@ -133,7 +133,7 @@ def test_a_producer_refuses_a_threshold_out_of_range_before_sending_anything():
 def test_a_consumer_that_stops_reading_holds_only_its_share_of_the_producers_slots():
     """The producer's slots serve every pull: one pull whose consumer never posts its receives (hung, but alive)
     holds at most PULL_SLOTS of them until its deadline, and the next pull still finds slots."""
-    from kvwire.connectors.ucx.flows import PULL_SLOTS
+    from kvwire.connectors.transports.ucx.flows import PULL_SLOTS
 
     producer, stuck = UCXWorker(Role.PRODUCER), ReceiveLanes(1)
     staging = Staging(2 * PULL_SLOTS)

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.kv_checksum import layer_checksums
-from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.standalone import open_consumer, open_producer
-from kvwire.engine.kv_cache import KVPool
-from kvwire.engine.model_input import ModelInput, SequenceInput
+from kvwire.connectors.transports.kv_checksum import layer_checksums
+from kvwire.connectors.transports.kv_region import KVRegion
 from tests.connectors import peer
 
 LAY = peer.layout(layers=4, block_size=4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvwire.connectors.kv_region import KVRegion, plan_runs
+from kvwire.connectors.transports.kv_region import KVRegion, plan_runs
 from kvwire.connectors.vllm.layout import region_of
 from kvwire.connectors.wire import PoolLayout
 

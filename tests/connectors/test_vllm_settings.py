@@ -101,8 +101,8 @@ def test_params_that_announce_no_usable_remote_prefill(params):
 
 def test_a_node_id_a_live_server_holds_is_refused_and_freed_when_it_stops(redis_url):
     """Two servers given one node_id: the second is refused, naming the first, instead of fencing it."""
-    from kvwire.connectors.directory import KVDirectory
-    from kvwire.connectors.heartbeat import Heartbeat
+    from kvwire.connectors.directory.directory import KVDirectory
+    from kvwire.connectors.directory.heartbeat import Heartbeat
     from kvwire.connectors.vllm.identity import refuse_live_duplicate
     from kvwire.connectors.wire import NodeEngine, NodeInfo
 

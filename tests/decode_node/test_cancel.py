@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from kvwire.connectors.framing import pack, unpack
+from kvwire.connectors.control.framing import pack, unpack
 from kvwire.connectors.wire import CancelWork, DecodeWork, ErrorKind, SamplingParams, TokenChunk, WorkError
 from kvwire.decode_node.server import DecodeNode
 from kvwire.engine.engine_config import EngineConfig

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.engine.block_allocator import BlockAllocator
-from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.loader import load_model
 from kvwire.engine.model import LlamaForCausalLM
 from kvwire.engine.model_config import kv_layout
-from kvwire.engine.model_input import ModelInput, SequenceInput
 
 TINY_SEED = 0
 

@@ -12,9 +12,9 @@ import pytest
 
 from kvwire.connectors.base import KVConnectorBase
 from kvwire.connectors.config import NodeRole
+from kvwire.connectors.kv_pool import KVPool
 from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.block_allocator import BlockAllocator
-from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.loader import load_model
 from kvwire.engine.model_config import kv_layout

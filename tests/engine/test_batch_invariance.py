@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvwire.engine.model_input import SequenceInput
+from kvwire.connectors.model_input import SequenceInput
 from kvwire.engine.ops import batch_invariant_linear, map_row_chunks, rms_norm
 
 TARGET = list(b"batch invariance is what lets two processes agree")

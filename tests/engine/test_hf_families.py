@@ -10,10 +10,10 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from kvwire.connectors.model_input import SequenceInput
 from kvwire.connectors.wire import DType
 from kvwire.engine.loader import load_model
 from kvwire.engine.model_config import Architecture
-from kvwire.engine.model_input import SequenceInput
 from kvwire.engine.rope import inv_freq
 from tests.engine.hf_checkpoints import Family, make_hf_checkpoint
 

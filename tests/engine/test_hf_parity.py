@@ -8,10 +8,10 @@ import pytest
 import torch
 import transformers
 
+from kvwire.connectors.model_input import SequenceInput
 from kvwire.engine.init_model import write_checkpoint
 from kvwire.engine.loader import load_model
 from kvwire.engine.model_config import PRESETS
-from kvwire.engine.model_input import SequenceInput
 
 PROMPT = list(b"The quick brown fox jumps over the lazy dog, twice.")
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvwire.connectors.kv_pool import KVPool
 from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.block_allocator import BlockAllocator
-from kvwire.engine.kv_cache import KVPool
 from kvwire.engine.llm_engine import InvalidRequest, LLMEngine
 from kvwire.engine.loader import load_model
 from kvwire.engine.model_config import kv_layout

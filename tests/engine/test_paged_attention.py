@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvwire.engine.model_input import ModelInput, SequenceInput
+from kvwire.connectors.model_input import ModelInput, SequenceInput
 
 SEQ = list(b"Paged attention must not care where a sequence's blocks live.")  # 61 tokens
 PROMPT_LEN = 13

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import select
 
-from kvwire.engine.wakeup import Wakeup
+from kvwire.connectors.wakeup import Wakeup
 
 
 def test_wake_makes_the_fd_readable_and_drain_clears_it():

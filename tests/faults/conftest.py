@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind
 from tests.faults.harness import BS, KV_DEADLINE_S, REQUEST_TIMEOUT_S, Tally, wait_restarted
 

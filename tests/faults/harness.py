@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import httpx
 import redis
 
-from kvwire.cli.local_cluster import LocalCluster
-from kvwire.connectors.directory import TERMINAL_STATES, KVDirectory
+from kvwire.cluster.local_cluster import LocalCluster
+from kvwire.connectors.directory.directory import TERMINAL_STATES, KVDirectory
 
 BS = 16
 KV_DEADLINE_S = 2.0
@@ -152,7 +152,7 @@ def wait_until(pred: Callable[[], bool], timeout_s: float, step_s: float = 0.1) 
 
 def crash(cluster: LocalCluster, name: str, sig: int = signal.SIGKILL) -> int:
     """Kill child `name` with `sig` behind the cluster's back, as a crash would; returns its pid. The
-    cluster's supervisor restarts it (cli/supervisor.py)."""
+    cluster's supervisor restarts it (cluster/supervisor.py)."""
     pid = cluster.procs[name].pid
     os.kill(pid, sig)
     return pid

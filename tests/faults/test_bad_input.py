@@ -23,7 +23,7 @@ import pytest
 import zmq
 
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.directory import KVDirectory, TransferState
+from kvwire.connectors.directory.directory import KVDirectory, TransferState
 from kvwire.connectors.wire import (
     WIRE_VERSION,
     DecodeWork,

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import redis
 
-from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.directory.directory import KVDirectory
 from tests.faults.harness import (
     REQUEST_TIMEOUT_S,
     SLACK_S,

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.reference import generate
 from tests.integration.cluster import complete_all

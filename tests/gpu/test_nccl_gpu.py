@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.standalone import ConsumerSide, open_consumer
 from kvwire.connectors.types import IntermediateTensors
 from kvwire.connectors.wire import DType
-from kvwire.engine.kv_cache import KVPool
-from kvwire.engine.model_input import ModelInput, SequenceInput
 from tests.connectors import peer
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

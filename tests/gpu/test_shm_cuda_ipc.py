@@ -23,7 +23,7 @@ CTX = mp.get_context("spawn")
 
 
 def _read_by_handle(payload: bytes, blocks: list[int], requests, replies) -> None:
-    from kvwire.connectors.shm.cuda_ipc import map_cuda, synchronize
+    from kvwire.connectors.transports.shm.cuda_ipc import map_cuda, synchronize
 
     src = map_cuda(decode(payload, expect=ShmSegment))
     while requests.get(timeout=60) == "read":
@@ -36,7 +36,7 @@ def _read_by_handle(payload: bytes, blocks: list[int], requests, replies) -> Non
 
 @pytest.mark.skipif(GPUS < 1, reason=f"CUDA IPC needs a CUDA device, found {GPUS}")
 def test_another_process_reads_the_pool_itself_by_ipc_handle():
-    from kvwire.connectors.shm.cuda_ipc import CudaSegment
+    from kvwire.connectors.transports.shm.cuda_ipc import CudaSegment
 
     segment = CudaSegment.create("ipc-producer", 1, peer.layout(DType.BFLOAT16, 4, 16), 8, torch.device("cuda:0"))
     pool = segment.pool.blocks_as_bytes()  # [8, block_nbytes] uint8 view of the pool

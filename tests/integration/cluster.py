@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.directory.directory import KVDirectory
 
 
 def complete(url: str, prompt, *, max_tokens: int = 12, temperature: float = 0.0, seed=None,

@@ -7,11 +7,11 @@ import time
 import pytest
 import zmq
 
-from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
-from kvwire.connectors import auth
+from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.directory import KVDirectory
-from kvwire.connectors.framing import pack
+from kvwire.connectors.control import auth
+from kvwire.connectors.control.framing import pack
+from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.wire import PrefillWork, encode
 from tests.integration.cluster import complete_all
 from tests.integration.test_observability import one, scrape

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.reference import generate
@@ -128,7 +128,7 @@ def test_nodes_reject_malformed_work_and_keep_serving(cluster):
     import msgspec
     import zmq
 
-    from kvwire.connectors.directory import KVDirectory
+    from kvwire.connectors.directory.directory import KVDirectory
     from kvwire.connectors.wire import WIRE_VERSION, PrefillWork, encode
 
     directory = KVDirectory(cluster.redis_url)
@@ -152,7 +152,7 @@ def test_nodes_reject_malformed_work_and_keep_serving(cluster):
 
 
 def test_transport_is_reported_in_response_and_directory(cluster):
-    from kvwire.connectors.directory import KVDirectory
+    from kvwire.connectors.directory.directory import KVDirectory
 
     directory = KVDirectory(cluster.redis_url)
     before = directory.transfers("decode-0").get("ucx:count", 0)

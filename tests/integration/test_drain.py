@@ -16,11 +16,11 @@ import msgspec
 import pytest
 import zmq
 
-from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
-from kvwire.cli.ports import free_port
+from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
+from kvwire.cluster.ports import free_port
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.directory import KVDirectory
-from kvwire.connectors.framing import pack, unpack
+from kvwire.connectors.control.framing import pack, unpack
+from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.wire import DecodeWork, SamplingParams, TokenChunk, WorkError
 from kvwire.engine.reference import generate
 from tests.integration.cluster import complete, wait_pools_full_and_directory_empty

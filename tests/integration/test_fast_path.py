@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvwire.cli.ports import free_port
+from kvwire.cluster.ports import free_port
 from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.reference import generate
 from tests.integration.cluster import complete
@@ -102,6 +102,6 @@ def test_ucx_on_tcp_between_same_host_nodes_is_reported_and_warned_or_refused(cl
     recomputed = one(decode, "kvwire_recomputes_total", reason="kv_not_received")
     assert (refused, recomputed) == ((len(PROMPTS), len(PROMPTS)) if require else (0, 0))
     log = decode_log.read_text()
-    warned = [line for line in log.splitlines() if "kvwire.connectors.fast_path" in line]
+    warned = [line for line in log.splitlines() if "kvwire.connectors.consumer.fast_path" in line]
     assert len(warned) == 1 and WARNING in warned[0], log[-3000:]  # once per producer, however many pulls
     assert ("refusing its KV (--require-fast-path)" in warned[0]) is require

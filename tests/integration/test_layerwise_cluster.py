@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.reference import generate

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind
 from tests.engine.hf_checkpoints import make_hf_checkpoint
 

@@ -10,9 +10,9 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
+from kvwire.cluster.status import ClusterStatus
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.observability.status import ClusterStatus
 from tests.integration.cluster import complete_all
 
 pytestmark = pytest.mark.slow

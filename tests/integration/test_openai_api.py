@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.reference import generate_with_logprobs

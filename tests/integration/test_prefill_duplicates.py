@@ -7,9 +7,9 @@ import time
 import pytest
 import zmq
 
-from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.wire import PrefillWork, encode
 from tests.integration.test_observability import one, scrape
 

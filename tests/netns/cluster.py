@@ -10,7 +10,7 @@ prefill node in namespace A, the decode node in namespace B.
    sees them. Calling it again replaces both nodes.
 3. `stop()` ends every child (SIGCONT first, in case a test left one stopped) and Redis.
 
-Its children are supervised like `kvwire up`'s (cli/supervisor.py): one that crashes once the
+Its children are supervised like `kvwire up`'s (cluster/supervisor.py): one that crashes once the
 nodes are up is restarted with its command line; `stop_process` stops one for good.
 
 It offers what tests/faults/harness.py reads of a cluster (`url`, `redis_url`, `ops_urls`,
@@ -30,8 +30,8 @@ from pathlib import Path
 import httpx
 import redis
 
-from kvwire.cli.redis_server import find_redis_server
-from kvwire.cli.supervisor import Supervisor
+from kvwire.cluster.redis_server import find_redis_server
+from kvwire.cluster.supervisor import Supervisor
 from kvwire.connectors.config import ConnectorKind
 from tests.faults.harness import KV_DEADLINE_S, REQUEST_TIMEOUT_S, wait_until
 from tests.netns.topology import Namespace, Topology

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.reference import generate
 from tests.faults.harness import (
@@ -44,7 +44,7 @@ REDIS_CUT_S = 9.0  # past the decode node's 5 s lease, and its 5 s Redis command
 LONG = [list(range(i, i + 250)) * 2 + [i] for i in range(4)]  # 501 tokens: KV worth pulling
 SHORT = [[ord(c) for c in f"silent host {i}"] for i in range(3)]
 MAX_TOKENS = 6
-HEARTBEAT_S = 5.0 / 3  # NodeConfig.heartbeat_ttl_s / 3 (connectors/heartbeat.py)
+HEARTBEAT_S = 5.0 / 3  # NodeConfig.heartbeat_ttl_s / 3 (connectors/directory/heartbeat.py)
 
 
 @pytest.fixture(scope="module", params=[ConnectorKind.TCP, ConnectorKind.UCX, ConnectorKind.NCCL, ConnectorKind.AUTO],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.reference import generate
 from tests.faults.harness import REQUEST_TIMEOUT_S, SLACK_S, send_all, wait_recovered

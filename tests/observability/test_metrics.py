@@ -9,13 +9,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvwire.connectors.base import TransferError
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from kvwire.connectors.consumer import KVConsumer
-from kvwire.connectors.directory import KVDirectory, TransferState
-from kvwire.connectors.expected import ExpectedKV
-from kvwire.connectors.kv_region import KVRegion
-from kvwire.connectors.transport import Transport
-from kvwire.engine.kv_cache import KVPool
-from kvwire.engine.model_input import SequenceInput
+from kvwire.connectors.consumer.expected import ExpectedKV
+from kvwire.connectors.consumer.role import KVConsumer
+from kvwire.connectors.directory.directory import KVDirectory, TransferState
+from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.model_input import SequenceInput
+from kvwire.connectors.transports.kv_region import KVRegion
+from kvwire.connectors.transports.transport import Transport
 from kvwire.observability.labels import DirectoryOp, Queue, RecomputeReason, RequestStatus, TransferFailure
 from kvwire.observability.metrics import Metrics, process_metrics
 from tests.connectors.test_directory import location

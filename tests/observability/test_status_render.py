@@ -6,10 +6,10 @@ import time
 
 import msgspec
 
+from kvwire.cluster.status import ClusterStatus, NodeStatus, TransferStatus, read_status, render, to_json
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.directory import KVDirectory, TransferState
+from kvwire.connectors.directory.directory import KVDirectory, TransferState
 from kvwire.connectors.wire import NodeEngine, TransportCheck
-from kvwire.observability.status import ClusterStatus, NodeStatus, TransferStatus, read_status, render, to_json
 from tests.connectors.test_directory import node
 
 

@@ -9,8 +9,8 @@ import time
 import zmq
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.directory import KVDirectory
-from kvwire.connectors.framing import pack
+from kvwire.connectors.control.framing import pack
+from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.wire import ErrorKind, NodeInfo, SamplingParams, TokenChunk, WorkError
 from kvwire.router.dispatch import LEFT_GRACE_S, WATCH_PERIOD_S, Dispatcher
 

@@ -6,7 +6,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvwire.connectors.config import NodeRole
-from kvwire.connectors.directory import KVDirectory
+from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.observability.metrics import Metrics
 from kvwire.router.app import create_app
 from kvwire.router.config import RouterConfig

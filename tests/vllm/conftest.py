@@ -37,7 +37,7 @@ def vllm_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def plain_server(vllm_model_dir: Path, tmp_path_factory) -> Iterator:
     """One plain vLLM server (no connector): what the disaggregated pairs must match."""
-    from kvwire.cli.vllm_cluster import VLLMServerSpec, start_all
+    from kvwire.cluster.vllm_cluster import VLLMServerSpec, start_all
     from tests.vllm.pd import DTYPE
 
     log = tmp_path_factory.mktemp("plain") / "plain.log"

@@ -2,7 +2,7 @@
 
     .venv-vllm/bin/python -m tests.vllm.hybrid_bytes [WORK_DIR]
 
-A kvwire UCX pair behind the router (kvwire.cli.vllm_pd, minimal config) serves three distinct prompts
+A kvwire UCX pair behind the router (kvwire.cluster.vllm_pd, minimal config) serves three distinct prompts
 (about 270, 980 and 1,870 tokens, max_tokens 8); each prompt's growth of the decode server's
 vllm:kvwire_kv_pull_bytes_total is printed, first with the manager on (vLLM's default: kvwire is
 SupportsHMA), then with --disable-hybrid-kv-cache-manager on both servers (every layer's full-length KV).
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from kvwire.cli.redis_server import LocalRedis
-from kvwire.cli.vllm_pd import kvwire_pair, pd_cluster_of
+from kvwire.cluster.redis_server import LocalRedis
+from kvwire.cluster.vllm_pd import kvwire_pair, pd_cluster_of
 from kvwire.connectors.config import ConnectorKind
 from tests.vllm.models import write_tiny_gemma3
 

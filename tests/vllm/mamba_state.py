@@ -4,7 +4,7 @@
 
 With vLLM's prefix caching on (its Mamba cache mode "align") and then off ("none"): a plain server
 answers each prompt (max_tokens 16, greedy, top-2 logprobs), then a kvwire UCX pair behind the router
-(kvwire.cli.vllm_pd, minimal config), bf16. Prompts: three of tests/vllm, one of 1,584 tokens (two
+(kvwire.cluster.vllm_pd, minimal config), bf16. Prompts: three of tests/vllm, one of 1,584 tokens (two
 attention blocks of 1,152) twice, and its cuts at 1,152, 1,153 and 1,154 tokens (the decode server
 loads 1,151, 1,152 and 1,153: the state in the first block, at its end, in the second; with prefix
 caching on, the last finds its first block and the state after it in the decode server's cache).
@@ -19,9 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvwire.cli.redis_server import LocalRedis
-from kvwire.cli.vllm_cluster import VLLMServer, VLLMServerSpec
-from kvwire.cli.vllm_pd import kvwire_pair, pd_cluster_of
+from kvwire.cluster.redis_server import LocalRedis
+from kvwire.cluster.vllm_cluster import VLLMServer, VLLMServerSpec
+from kvwire.cluster.vllm_pd import kvwire_pair, pd_cluster_of
 from kvwire.connectors.config import ConnectorKind
 from tests.vllm.conftest import PROMPTS
 from tests.vllm.models import write_tiny_qwen3_next

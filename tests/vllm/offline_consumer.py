@@ -20,7 +20,7 @@ def main(model: str, redis_url: str, prompt: str, deadline_s: float) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from kvwire.connectors.directory import KVDirectory
+    from kvwire.connectors.directory.directory import KVDirectory
 
     transfer = KVTransferConfig(kv_connector="KvwireConnector", kv_connector_module_path="kvwire.connectors.vllm",
                                 kv_role="kv_consumer",

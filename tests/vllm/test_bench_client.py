@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvwire.cli.local_cluster import ClusterSpec, LocalCluster
+from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind
 
 PROMPTS, INPUT_LEN, OUTPUT_LEN = 12, 48, 10

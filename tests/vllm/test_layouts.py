@@ -32,7 +32,7 @@ from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec
 from vllm.v1.worker.utils import allocate_kv_cache, customize_attention_spec, prepare_kernel_block_sizes
 
-from kvwire.connectors.kv_region import KVRegion
+from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.vllm.connector import KvwireConnector
 from kvwire.connectors.vllm.layout import region_of
 from kvwire.connectors.wire import PoolLayout

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 
-from kvwire.cli.vllm_cluster import VLLMServer
+from kvwire.cluster.vllm_cluster import VLLMServer
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.directory import KVDirectory, TransferState
+from kvwire.connectors.directory.directory import KVDirectory, TransferState
 from tests.vllm.conftest import PROMPTS
 from tests.vllm.pd import pd_cluster
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvwire.cli.local_cluster import ClusterError
-from kvwire.cli.vllm_cluster import VLLMServer
+from kvwire.cluster.local_cluster import ClusterError
+from kvwire.cluster.vllm_cluster import VLLMServer
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.directory import KVDirectory, TransferState
+from kvwire.connectors.directory.directory import KVDirectory, TransferState
 from tests.vllm.conftest import PROMPTS
 from tests.vllm.pd import pd_cluster
 

@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import pytest
 
-from kvwire.cli.vllm_cluster import VLLMServer
-from kvwire.cli.vllm_pd import kvwire_pair, pd_cluster_of
+from kvwire.cluster.vllm_cluster import VLLMServer
+from kvwire.cluster.vllm_pd import kvwire_pair, pd_cluster_of
 from kvwire.connectors.config import ConnectorKind
 from tests.vllm.conftest import PROMPTS
 

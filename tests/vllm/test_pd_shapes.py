@@ -31,9 +31,9 @@ import httpx
 import pytest
 import redis
 
-from kvwire.cli.redis_server import LocalRedis
-from kvwire.cli.vllm_cluster import VLLMServer, VLLMServerSpec
-from kvwire.cli.vllm_pd import DTYPE, PDCluster, kvwire_pair, pd_cluster_of, with_tp
+from kvwire.cluster.redis_server import LocalRedis
+from kvwire.cluster.vllm_cluster import VLLMServer, VLLMServerSpec
+from kvwire.cluster.vllm_pd import DTYPE, PDCluster, kvwire_pair, pd_cluster_of, with_tp
 from kvwire.connectors.config import ConnectorKind
 from tests.vllm.conftest import PROMPTS
 from tests.vllm.models import (

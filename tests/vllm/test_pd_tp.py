@@ -10,7 +10,7 @@ TP=2 each rank holds one.
 This host has 2 cores, fewer than the two servers' ranks: every rank runs unbound ("nobind"). vLLM's
 engines step without pause while a transfer is pending (its workers poll their queues), so a rank pinned to a
 core that others spin on too gets too little of it to serve or pull the KV before the deadline. The server of
-two ranks runs at idle priority (cli/vllm_pd.py's with_tp says why).
+two ranks runs at idle priority (cluster/vllm_pd.py's with_tp says why).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from kvwire.cli.vllm_cluster import VLLMServer, VLLMServerSpec
-from kvwire.cli.vllm_pd import kvwire_pair, pd_cluster_of, with_tp
+from kvwire.cluster.vllm_cluster import VLLMServer, VLLMServerSpec
+from kvwire.cluster.vllm_pd import kvwire_pair, pd_cluster_of, with_tp
 from kvwire.connectors.config import ConnectorKind
 from tests.vllm.conftest import PROMPTS
 from tests.vllm.test_pd_servers import _chat, _client, _complete

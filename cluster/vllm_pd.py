@@ -1,0 +1,166 @@
+"""A disaggregated vLLM pair on this host, the kvwire router in front: for tests, benchmarks and demos.
+
+1. `kvwire_pair(...)` or `nixl_pair(...)` describe the two servers: prefill pinned to core 0,
+   decode to core 1, with KvwireConnector over one transport or with vLLM's NixlConnector.
+2. `pd_cluster_of(prefill, decode, log_dir)` starts both side by side (cluster/vllm_cluster.py),
+   then `kvwire router --vllm-prefill ... --vllm-decode ...` in front, and yields a `PDCluster`.
+3. Leaving the `with` block (an exception and Ctrl-C included) stops the router, then both
+   servers, each with its whole process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from kvwire.cluster.local_cluster import ClusterError
+from kvwire.cluster.ports import free_port
+from kvwire.cluster.vllm_cluster import VLLMConnector, VLLMServer, VLLMServerSpec, start_all
+from kvwire.connectors.config import ConnectorKind
+
+DTYPE = "float32"  # bf16's rounding differs between a prompt's forward and a one-token step over pulled KV
+ROUTER_START_S = 60.0
+
+
+@dataclass
+class PDCluster:
+    prefill: VLLMServer
+    decode: VLLMServer
+    router_url: str
+    router: subprocess.Popen
+
+    def prompt_tokens_by_source(self) -> dict[str, float]:
+        """The decode server's vllm:prompt_tokens_by_source_total, by source."""
+        return self._by_label("vllm:prompt_tokens_by_source_total", "source")
+
+    def kv_failed_by_reason(self) -> dict[str, float]:
+        """The decode server's vllm:kvwire_kv_transfers_failed_total (prompts recomputed), by reason."""
+        return self._by_label("vllm:kvwire_kv_transfers_failed_total", "reason")
+
+    def kv_pulls(self) -> float:
+        """The decode server's vllm:kvwire_kv_pulls_total."""
+        return sum(self._by_label("vllm:kvwire_kv_pulls_total", "engine").values())
+
+    def kv_pull_bytes(self) -> float:
+        """The decode server's vllm:kvwire_kv_pull_bytes_total."""
+        return sum(self._by_label("vllm:kvwire_kv_pull_bytes_total", "engine").values())
+
+    def _by_label(self, name: str, label: str) -> dict[str, float]:
+        text = httpx.get(f"{self.decode.url}/metrics", timeout=10).text
+        pattern = rf'^{re.escape(name)}\{{[^}}]*{label}="([^"]+)"[^}}]*\}} (\S+)$'
+        out: dict[str, float] = {}
+        for m in re.finditer(pattern, text, re.M):  # one line per engine of a data-parallel server: summed
+            out[m[1]] = out.get(m[1], 0.0) + float(m[2])
+        return out
+
+
+def start_router(prefill_urls: list[str], decode_urls: list[str], log_path: Path) -> tuple[str, subprocess.Popen]:
+    """`kvwire router` in vLLM mode on a free port; returns its URL and process once /healthz answers.
+
+    Raises:
+        ClusterError: the router exited or did not answer within ROUTER_START_S (it is killed then).
+    """
+    port = free_port()
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvwire.cli.main", "router", "--vllm-prefill",
+                                 ",".join(prefill_urls), "--vllm-decode", ",".join(decode_urls), "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ROUTER_START_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ClusterError(f"router exited ({proc.returncode}); see {log_path}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return url, proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    raise ClusterError(f"router not ready; see {log_path}")
+
+
+def kvwire_pair(model_dir: Path, redis_url: str, transport: ConnectorKind, log_dir: Path,
+                kv_deadline_s: float = 30.0, named: bool = True,
+                dtype: str = DTYPE) -> tuple[VLLMServerSpec, VLLMServerSpec]:
+    """Prefill (core 0) and decode (core 1) with KvwireConnector over `transport`, given node ids
+    `prefill-<transport>` and `decode-<transport>`, or with `named=False` none (the connector's default)."""
+    def spec(role: str, kv_role: str, core: str) -> VLLMServerSpec:
+        return VLLMServerSpec(model_dir, kv_role=kv_role, redis_url=redis_url, transport=transport,
+                              node_id=f"{role}-{transport}" if named else "", kv_deadline_s=kv_deadline_s,
+                              cpu_cores=core, dtype=dtype, log_path=log_dir / f"{role}.log")
+
+    return spec("prefill", "kv_producer", "0"), spec("decode", "kv_consumer", "1")
+
+
+def nixl_pair(model_dir: Path, log_dir: Path) -> tuple[VLLMServerSpec, VLLMServerSpec]:
+    """Prefill (core 0) and decode (core 1) with vLLM's NixlConnector on host memory, each with its
+    own side-channel port (NIXL's handshake)."""
+    def spec(role: str, kv_role: str, core: str) -> VLLMServerSpec:
+        return VLLMServerSpec(model_dir, kv_role=kv_role, connector=VLLMConnector.NIXL, cpu_cores=core,
+                              dtype=DTYPE, log_path=log_dir / f"{role}.log",
+                              extra_env=(("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port())),))
+
+    return spec("prefill", "kv_producer", "0"), spec("decode", "kv_consumer", "1")
+
+
+def with_tp(pair: tuple[VLLMServerSpec, VLLMServerSpec], prefill_tp: int,
+            decode_tp: int) -> tuple[VLLMServerSpec, VLLMServerSpec]:
+    """`pair` with each server's tensor-parallel size, for this host's 2 cores.
+
+    Every rank runs unbound ("nobind"): vLLM's ranks poll without pause while a transfer is pending, and a rank
+    pinned to a core that others poll on too gets too little of it to serve or pull its KV before the deadline.
+    A server of more than one rank also runs at idle priority: its ranks spin on sched_yield for as long as it
+    holds KV for a pull, and on this host's kernel (6.18) two of them left every other process (redis-server,
+    the router, the other server) without a core for up to 30 s (perf: the ranks in do_sched_yield), so that
+    heartbeats lapsed and pulls missed their deadline. Nothing in what the servers compute changes.
+    """
+    if (prefill_tp, decode_tp) == (1, 1):
+        return pair
+    prefill, decode = pair
+    return (dataclasses.replace(prefill, tensor_parallel_size=prefill_tp, cpu_cores="nobind",
+                                idle_priority=prefill_tp > 1),
+            dataclasses.replace(decode, tensor_parallel_size=decode_tp, cpu_cores="nobind",
+                                idle_priority=decode_tp > 1))
+
+
+@contextmanager
+def pd_cluster_of(prefill_spec: VLLMServerSpec, decode_spec: VLLMServerSpec, log_dir: Path) -> Iterator[PDCluster]:
+    """Both servers started side by side, the router in front; everything stopped on exit.
+
+    Raises:
+        ClusterError: a server or the router did not start (what did start is stopped).
+    """
+    prefill, decode = start_all([prefill_spec, decode_spec])
+    router = None
+    try:
+        url, router = start_router([prefill.url], [decode.url], log_dir / "router.log")
+        yield PDCluster(prefill, decode, url, router)
+    finally:
+        if router is not None:
+            router.terminate()
+            try:
+                router.wait(10)
+            except subprocess.TimeoutExpired:
+                router.kill()
+                router.wait()
+        prefill.stop()
+        decode.stop()
+
+
+@contextmanager
+def pd_cluster(model_dir: Path, redis_url: str, transport: ConnectorKind, log_dir: Path,
+               kv_deadline_s: float = 30.0) -> Iterator[PDCluster]:
+    """Prefill on core 0, decode on core 1, KvwireConnector over `transport`, router in front."""
+    with pd_cluster_of(*kvwire_pair(model_dir, redis_url, transport, log_dir, kv_deadline_s), log_dir) as cluster:
+        yield cluster

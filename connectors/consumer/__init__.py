@@ -1,0 +1,1 @@
+"""The consumer role: learn where a request's KV is, pull it, report what it moved or why not."""

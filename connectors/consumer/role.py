@@ -1,0 +1,477 @@
+"""The consumer role, transport-agnostic: learn where a request's KV is, pull it, report what it moved.
+
+A request here:
+
+1. `expect(request_id, producer)`: a request whose KV a producer is computing has arrived.
+   Its record (expected.py) gets the KV deadline, and a watcher thread waits on the
+   directory for it.
+2. The record is settled by whichever answers first: `located` (the producer's direct
+   `KVReady`), the watcher (the directory's READY, or a FAILED / EXPIRED entry), or the
+   deadline. `on_ready(request_id)`, given at construction, then fires once: the node may
+   admit the request.
+3. `receive` (the runner's pull, one at a time): check the producer's layout matches ours
+   and that a same-host producer is not reached through the network stack (fast_path.py),
+   let the transport's puller move the blocks and hidden states into ours, write the
+   record's `stats`. A request nobody announced is looked up in the directory right there.
+   A tensor-parallel consumer rank pulls a head slice (`HeadSlice`), or declines a copy it
+   reads elsewhere (one side-channel round trip: the producer releases it sooner).
+   The producer, having confirmed the pull, marks the entry CONSUMED and deletes it: no
+   directory write on the way to the first token.
+4. Any failure marks the entry FAILED (a late producer then releases its blocks at once)
+   and raises TransferError: the caller recomputes. Bytes and time of each pull, and each
+   failure by reason, go to the process's metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import torch
+
+from kvwire.connectors.base import HiddenStates, TransferError
+from kvwire.connectors.config import ConnectorConfig
+from kvwire.connectors.consumer.expected import ExpectedKV, Received
+from kvwire.connectors.consumer.fast_path import FastPathGuard
+from kvwire.connectors.consumer.producer_watch import ProducerWatch
+from kvwire.connectors.control.side_channel import SideChannelClient
+from kvwire.connectors.deferred import Deferred
+from kvwire.connectors.directory.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState
+from kvwire.connectors.hidden import empty_like_descs, join_requests, tensors_from_bytes
+from kvwire.connectors.model_input import ModelInput, SequenceInput
+from kvwire.connectors.transports.kv_checksum import layer_checksums
+from kvwire.connectors.transports.kv_region import KVRegion
+from kvwire.connectors.transports.transport import Transport
+from kvwire.connectors.wire import HeadSlice, KVLocation, PullRequest
+from kvwire.observability.labels import TransferFailure
+from kvwire.observability.metrics import Metrics, process_metrics
+
+log = logging.getLogger(__name__)
+
+WATCHERS = 128  # requests a consumer can be waiting on at once without delaying each other
+WATCH_SLICE_S = 0.25  # a watcher notices within this that the direct word settled its record
+WATCH_RETRY_S = 0.5  # a watcher asks a directory that did not answer again after this
+# a decode node's producer tells it directly where the KV is: its watcher first reads the directory (the
+# fallback: a lost word, a FAILED entry) this long after the request came, unless the word came first
+DIRECT_HEAD_START_S = 0.05
+NOTE_AGE_S = 0.002  # a busy node tells producers of reads this old (its first tokens are out by then)
+NOTE_LATEST_S = 0.05  # a caller that never calls after_step (the classic contract alone): notes go this late
+EARLY_WORDS = 1024  # direct words kept for requests not expected yet (their work is still on its way)
+MAX_RECORDS = 64 * WATCHERS  # past this, records of requests never pulled (aborted) are dropped once settled
+
+
+class ReceiveError(TransferError):
+    """A TransferError the consumer itself found, with its kind for kvwire_kv_transfers_failed_total."""
+
+    def __init__(self, request_id: str, peer: str, reason: str, failure: TransferFailure):
+        super().__init__(request_id, peer, reason)
+        self.failure = failure
+
+
+def failure_of(exc: Exception) -> TransferFailure:
+    """Why a pull failed, for kvwire_kv_transfers_failed_total (and vLLM's counterpart: connectors/vllm/stats.py)."""
+    if isinstance(exc, ReceiveError):
+        return exc.failure
+    return TransferFailure.DIRECTORY if isinstance(exc, DirectoryError) else TransferFailure.TRANSPORT
+
+
+class KVConsumer:
+    def __init__(self, config: ConnectorConfig, directory: KVDirectory, transport: Transport, region: KVRegion,
+                 on_ready: Callable[[str], None] = lambda request_id: None, metrics: Metrics | None = None):
+        """Build the transport's puller over `region` and publish where it receives.
+
+        Args:
+            config: the node's transfer-plane settings.
+            directory: where locations are looked up (the caller owns and closes it).
+            transport: makes the puller, picks an offer per pull; closed with this consumer.
+            region: the pool's bytes, where pulled KV lands.
+            on_ready: `(request_id)`, possibly on a watcher thread, once an expected request's KV can be
+                pulled at once or will never come.
+        """
+        self._config = config
+        self._directory = directory
+        self._transport = transport
+        self._region = region
+        self._on_ready = on_ready
+        self._metrics = metrics or process_metrics()
+        self._puller = transport.puller(region)
+        self._fast_path = FastPathGuard(config, lambda loc: transport.data_path(self._puller, loc))
+        self._expected: dict[str, ExpectedKV] = {}  # announced, not yet pulled; guarded by _lock
+        self._early: OrderedDict[str, tuple[float, KVLocation]] = OrderedDict()  # (when, word); guarded by _lock
+        self._lock = threading.Lock()
+        self._watchers = ThreadPoolExecutor(max_workers=WATCHERS, thread_name_prefix="kv-watch")
+        self._pulling = threading.Lock()  # the puller moves one request at a time, whichever thread asks
+        self._addresses_published = 0.0
+        self._stepping = False  # the caller calls `flush` (after_step); until it does, a timer sends the notes
+        self._late_notes: Deferred | None = None
+        self._declines = SideChannelClient()  # the pulling thread's, for declined copies (HeadSlice)
+        self._decline_ids = itertools.count(1 << 62)  # transfer ids apart from the puller's
+        self.publish_addresses()
+        self._producer_watch = ProducerWatch(directory, self._waiting, on_ready, directory.node_ttl_s)
+        self._producer_watch.start()
+
+    def expect(self, request_id: str, producer: str = "", producer_epoch: int = 0,
+               head_start_s: float = 0.0) -> ExpectedKV:
+        """A request whose KV `producer` is computing has arrived; its KV deadline starts now.
+
+        Args:
+            producer_epoch: the producer's incarnation that was sent the work (0: unknown); if another
+                incarnation registers, or none for a heartbeat TTL, the KV is given up at once.
+            head_start_s: how long the producer's direct word has before the directory is first read
+                (DIRECT_HEAD_START_S where the producer tells this consumer directly; 0: read it at once).
+                While a prompt is computed the consumer's node then makes no Redis round trip, which on a
+                shared host would take cores from the forward; a FAILED entry is seen this much later.
+        Returns:
+            Its record, whose `stats` the pull fills in.
+        """
+        record = ExpectedKV(request_id, producer, time.monotonic() + self._config.kv_deadline_s, watched=True,
+                            producer_epoch=producer_epoch)
+        with self._lock:
+            if len(self._expected) > MAX_RECORDS:
+                self._expected = {r: e for r, e in self._expected.items() if not e.settled}
+            self._expected[request_id] = record
+            when, early = self._early.pop(request_id, (0.0, None))
+        if early is not None and time.monotonic() - when < self._config.kv_deadline_s:
+            self.located(early)  # the word beat the work here: the pull can start now
+        self._watchers.submit(self._watch, record, head_start_s)
+        return record
+
+    def located(self, location: KVLocation) -> bool:
+        """The producer says directly where an expected request's KV is (sooner than the directory).
+
+        Returns:
+            Whether it was taken: False for a request not expected here (or from another producer than
+            the one asked), or one whose KV was already located or given up on. A word for a request not
+            expected yet is kept (the last EARLY_WORDS, for the KV deadline) and taken by its `expect`.
+        """
+        with self._lock:
+            record = self._expected.get(location.request_id)
+            if record is None:  # kept a while: the request's work may come next
+                self._early[location.request_id] = (time.monotonic(), location)
+                while len(self._early) > EARLY_WORDS:
+                    self._early.popitem(last=False)
+        if record is None:
+            log.info("request %s: KVReady from %s before its work; kept for it", location.request_id,
+                     location.producer)
+            return False
+        if record.producer and record.producer != location.producer:
+            log.info("request %s: KVReady from %s, not the producer asked; ignored", location.request_id,
+                     location.producer)
+            return False
+        location = self._read_ahead(location)
+        settled = record.locate(location)
+        if location.inline_hidden and record.location is location:  # off the pull's way: the word just came
+            with contextlib.suppress(ValueError):  # a size that does not match: the pull makes its own
+                record.hidden = tensors_from_bytes(location.hidden, location.inline_hidden,
+                                                   self._region.planes[0].device)
+        if not settled:
+            return False
+        self._on_ready(location.request_id)
+        return True
+
+    def _read_ahead(self, location: KVLocation) -> KVLocation:
+        """`location` holding its hidden states when the puller can read them now (shared memory), as a direct
+        word carries small ones: they become tensors off the pull's way; the pull's check vouches for them."""
+        if location.shm_hold is None or location.inline_hidden:
+            return location
+        ahead = self._puller.read_ahead(location)
+        return msgspec.structs.replace(location, inline_hidden=ahead) if ahead else location
+
+    def forget(self, request_id: str) -> None:
+        """The node dropped the request before pulling it (aborted, failed)."""
+        with self._lock:
+            self._expected.pop(request_id, None)
+
+    def receive_batch(self, model_input: ModelInput) -> tuple[HiddenStates | None, bool, ModelInput]:
+        """The contract's receive for a prompt batch: every request's KV, or none (the caller recomputes)."""
+        with self._pulling:
+            records = [self._take(seq.request_id) for seq in model_input.sequences]
+            received: list[Received] = []
+            for seq, record in zip(model_input.sequences, records):
+                try:
+                    received.append(self.receive(seq, record))
+                except TransferError as exc:
+                    log.warning("%s", exc)
+                    return None, False, model_input
+        if not received:
+            return None, False, model_input
+        return join_requests([r.hidden for r in received], received[0].descs, received[0].intermediate), True, \
+            model_input
+
+    def receive(self, seq: SequenceInput, record: ExpectedKV | None = None) -> Received:
+        """Pull one request's KV into `seq.block_ids` (a whole prompt: `seq.start_pos` is 0).
+
+        Args:
+            record: its record, if already taken from this consumer's table.
+        Raises:
+            TransferError: the KV did not come; the entry is now FAILED.
+        """
+        tokens = seq.num_tokens if seq.start_pos == 0 else -1  # a prompt's tail never matches a location
+        return self.receive_blocks(seq.request_id, tokens, list(seq.block_ids), record)
+
+    def receive_blocks(self, request_id: str, num_tokens: int, dst_blocks: list[int],
+                       record: ExpectedKV | None = None, first_block: int = 0,
+                       heads: HeadSlice | None = None, pick: list[int] | None = None) -> Received:
+        """Pull the KV of a prompt of `num_tokens` from block `first_block` of the producer's on into
+        `dst_blocks` (the consumer holds the blocks before it already, e.g. in vLLM's prefix cache);
+        `heads`: only that slice of each block's KV heads (tensor parallel; 0 heads declines the copy).
+        `pick` (instead of `first_block`): `dst_blocks` pairs with the producer's whole block list, which
+        must be as long, and the pull moves the blocks at these positions of both (vLLM's KV cache groups).
+
+        Raises:
+            TransferError: the KV did not come; the entry is now FAILED.
+        """
+        record = record or self._take(request_id)
+        self._puller.flush(NOTE_AGE_S)  # notes earlier receives left, if their caller did not flush them
+        if time.monotonic() - self._addresses_published > self._config.entry_ttl_s / 3:
+            self.publish_addresses()  # they expire with entry_ttl_s: producers refuse pulls to unknown addresses
+        try:
+            received = self._receive(request_id, num_tokens, dst_blocks, record, first_block, heads, pick)
+            self._notes_due()
+            return received
+        except (TransferError, DirectoryError) as exc:
+            self._addresses_published = 0.0  # a restarted Redis forgets our addresses: republish
+            self._metrics.kv_transfers_failed.labels(str(failure_of(exc))).inc()
+            self._mark_failed(request_id, str(exc))
+            if isinstance(exc, TransferError):
+                raise
+            raise TransferError(request_id, "directory", str(exc)) from exc
+
+    def flush(self, older_than_s: float = 0.0) -> None:
+        """Tell producers what the receives so far read without a round trip (shared memory) at least
+        `older_than_s` ago, so they release those blocks. The caller does it once the received requests' first
+        tokens are well out (a node: after later steps, and whenever it goes idle); a receive also sends what
+        is NOTE_AGE_S old."""
+        self._stepping = True
+        self._puller.flush(older_than_s)
+
+    def _notes_due(self) -> None:
+        """A caller that has never flushed (it drives the classic contract's two calls only) still releases
+        what it read: its notes go NOTE_LATEST_S after the receive."""
+        if self._stepping:
+            return
+        if self._late_notes is None:
+            self._late_notes = Deferred(f"kv-notes-{self._config.node_id}")
+        self._late_notes.call_in(NOTE_LATEST_S, lambda: self._puller.flush(NOTE_AGE_S))
+
+    def close(self) -> None:
+        self._declines.close()
+        self.flush()
+        if self._late_notes is not None:
+            self._late_notes.close()
+        self._producer_watch.close()
+        self._watchers.shutdown(wait=False, cancel_futures=True)
+        self._puller.close()
+        self._transport.close()
+
+    # --- where the KV is -------------------------------------------------------------------
+
+    def _take(self, request_id: str) -> ExpectedKV:
+        with self._lock:
+            record = self._expected.pop(request_id, None)
+        return record or ExpectedKV(request_id, "", time.monotonic() + self._config.kv_deadline_s)
+
+    def _waiting(self) -> list[ExpectedKV]:
+        with self._lock:
+            return [r for r in self._expected.values() if not r.settled]
+
+    def _watch(self, record: ExpectedKV, head_start_s: float = 0.0) -> None:
+        """A watcher thread: settle the record from the directory, then tell the node. It looks first after
+        `head_start_s`, then again every WATCH_SLICE_S, and stops once the producer's direct word has settled
+        the record (its entry may be consumed and gone by then: without that check the thread would wait
+        out the whole deadline)."""
+        try:
+            settled = False
+            if head_start_s > 0:
+                record.wait(min(head_start_s, record.deadline - time.monotonic()))
+            while not settled and not record.settled:
+                entry = self._watch_slice(record)
+                if entry is not None or time.monotonic() >= record.deadline:
+                    settled = self._settle_from(record, entry)
+        except Exception as exc:  # noqa: BLE001 - the request must still be admitted (and recomputed)
+            log.warning("request %s: watching the directory failed: %s", record.request_id, exc)
+            settled = record.give_up(f"watching the directory failed: {exc}", TransferFailure.DIRECTORY)
+        if settled:
+            self._on_ready(record.request_id)
+
+    def _watch_slice(self, record: ExpectedKV) -> DirectoryEntry | None:
+        """The record's entry if READY or terminal within WATCH_SLICE_S, else None. A directory that does not
+        answer (a Redis restart or failover, a stall of the host) is asked again until the record's deadline,
+        WATCH_RETRY_S apart: a blip shorter than the deadline costs no recompute. Raises DirectoryError past it."""
+        try:
+            return self._directory.wait_for(record.request_id, {TransferState.READY},
+                                            min(record.deadline, time.monotonic() + WATCH_SLICE_S))
+        except DirectoryError as exc:
+            left = record.deadline - time.monotonic()
+            if left <= 0:
+                raise
+            log.info("request %s: the directory did not answer (%s); asking again within its deadline",
+                     record.request_id, exc)
+            record.wait(min(WATCH_RETRY_S, left))
+            return None
+
+    def _settle(self, record: ExpectedKV) -> bool:
+        """Wait (until the record's deadline) for the directory to say READY or terminal; returns whether that
+        settled the record. Raises DirectoryError."""
+        entry = self._directory.wait_for(record.request_id, {TransferState.READY}, record.deadline)
+        return self._settle_from(record, entry)
+
+    @staticmethod
+    def _settle_from(record: ExpectedKV, entry: DirectoryEntry | None) -> bool:
+        if entry is None:
+            return record.give_up("KV not ready before the deadline", TransferFailure.DEADLINE)
+        if entry.state == TransferState.READY and entry.location is not None:
+            return record.locate(entry.location)
+        return record.give_up(f"entry is {entry.state}: {entry.reason}", TransferFailure.PRODUCER)
+
+    # --- the pull --------------------------------------------------------------------------
+
+    def _receive(self, rid: str, num_tokens: int, dst_blocks: list[int], record: ExpectedKV,
+                 first_block: int, heads: HeadSlice | None, pick: list[int] | None = None) -> Received:
+        if not record.settled and record.watched:
+            record.wait(record.deadline - time.monotonic())
+        if not record.settled:  # nobody announced it, or the watcher is late: look here
+            self._settle(record)
+        if record.location is None:
+            raise ReceiveError(rid, record.producer or "unknown producer", record.failure, record.failure_kind)
+        loc, dst = self._check(rid, num_tokens, dst_blocks, first_block, record.location, heads, pick)
+        loc = self._transport.choose(loc)
+        if loc.heads is not None and loc.heads.num_heads == 0:
+            return self._decline(loc, dst, record)
+        if refusal := self._fast_path.refusal(loc):
+            raise ReceiveError(rid, loc.producer, refusal, TransferFailure.SLOW_PATH)
+        hidden = self._hidden_for(record, loc)
+        start = time.monotonic()
+        nbytes = self._puller.pull(loc, dst, hidden, record.deadline)
+        elapsed = time.monotonic() - start
+        self._verify(rid, dst, loc)
+        self._metrics.observe_transfer(str(loc.kind), nbytes, elapsed)  # the producer marks the entry CONSUMED
+        log.info("request %s: %d bytes from %s over %s in %.2f ms", rid, nbytes, loc.producer, loc.kind,
+                 elapsed * 1e3)
+        record.stats = Received(hidden, loc.hidden, loc.intermediate, nbytes, elapsed, loc.producer, loc.kind)
+        return record.stats
+
+    def _hidden_for(self, record: ExpectedKV, loc: KVLocation) -> list[torch.Tensor]:
+        """Where the pull puts `loc`'s hidden states: already holding them when the direct word carried them
+        (made as it came, by `located`, or here if the pull started first). The shm puller's read with no
+        round trip relies on it: it moves only the blocks."""
+        device = self._region.planes[0].device
+        if loc.inline_hidden:
+            if record.hidden is not None:
+                return record.hidden
+            with contextlib.suppress(ValueError):  # a size that does not match: pulled like any other
+                return tensors_from_bytes(loc.hidden, loc.inline_hidden, device)
+        return empty_like_descs(loc.hidden, device)
+
+    def _decline(self, loc: KVLocation, dst: list[int], record: ExpectedKV) -> Received:
+        """Tell `loc`'s producer this rank pulls nothing of its copy (a replica read elsewhere) and take its ok."""
+        address = self._transport.published_addresses(self._puller).get(loc.kind, b"")
+        transfer_id = next(self._decline_ids)
+        self._declines.send(loc.side_channel, PullRequest(
+            request_id=loc.request_id, transfer_id=transfer_id, consumer=self._config.node_id,
+            transport_address=address, dst_block_ids=dst, first_block=loc.first_block, heads=loc.heads,
+            src_block_ids=loc.block_ids))
+        try:
+            self._declines.wait(loc, transfer_id, record.deadline)
+        except TransferError:
+            self._declines.drop(loc.side_channel)
+            raise
+        record.stats = Received([], loc.hidden, loc.intermediate, 0, 0.0, loc.producer, loc.kind)
+        return record.stats
+
+    def _check(self, rid: str, num_tokens: int, dst_blocks: list[int], first_block: int, loc: KVLocation,
+               heads: HeadSlice | None = None, pick: list[int] | None = None) -> tuple[KVLocation, list[int]]:
+        """`(loc, destination blocks)` if `loc` fits what we need, from `first_block` on
+        (`KVLocation.first_block`) or at `pick`'s positions, narrowed to `heads`; raises otherwise."""
+        def bad(reason: str) -> TransferError:
+            return ReceiveError(rid, loc.producer, reason, TransferFailure.MISMATCH)
+
+        layout = self._region.layout
+        if heads is not None:
+            loc = self._check_heads(loc, heads, bad)
+        elif loc.layout != layout:
+            raise bad(f"producer layout {loc.layout} does not match ours {layout}")
+        if loc.num_tokens != num_tokens:
+            raise bad(f"producer has {loc.num_tokens} prompt tokens, we need {num_tokens}")
+        if any(d.shape[:1] != (num_tokens,) for d in loc.hidden):
+            raise bad("hidden states do not cover the prompt")
+        if pick is not None:
+            return self._check_pick(loc, dst_blocks, pick, bad)
+        n_blocks = math.ceil(loc.num_tokens / layout.block_size)
+        if len(loc.block_ids) != n_blocks or len(dst_blocks) < n_blocks:
+            raise bad(f"block count mismatch: producer {len(loc.block_ids)}, needed {n_blocks}, "
+                      f"ours {len(dst_blocks)}")
+        if first_block == 0:
+            return loc, dst_blocks[:n_blocks]
+        if not 0 < first_block < n_blocks or loc.layerwise or loc.hidden or self._config.verify_kv:
+            raise bad(f"cannot pull from block {first_block} of {n_blocks} (layer-wise, hidden states or "
+                      "checksums need the whole prompt)")
+        return (msgspec.structs.replace(loc, block_ids=loc.block_ids[first_block:], first_block=first_block),
+                dst_blocks[first_block:n_blocks])
+
+    def _check_pick(self, loc: KVLocation, dst_blocks: list[int], pick: list[int],
+                    bad: Callable[[str], TransferError]) -> tuple[KVLocation, list[int]]:
+        """`loc` narrowed to the blocks at `pick`'s positions of its list, and ours at the same positions."""
+        if len(loc.block_ids) != len(dst_blocks):
+            raise bad(f"block count mismatch: producer {len(loc.block_ids)}, ours {len(dst_blocks)}")
+        if not pick or any(not 0 <= i < len(dst_blocks) for i in pick):
+            raise bad(f"a pick of {len(pick)} positions not among {len(dst_blocks)} blocks")
+        if (len(pick) < len(dst_blocks)) and (loc.layerwise or loc.hidden or self._config.verify_kv):
+            raise bad("layer-wise KV, hidden states and checksums need the whole prompt")
+        return (msgspec.structs.replace(loc, block_ids=[loc.block_ids[i] for i in pick]),
+                [dst_blocks[i] for i in pick])
+
+    def _check_heads(self, loc: KVLocation, heads: HeadSlice, bad: Callable[[str], TransferError]) -> KVLocation:
+        """`loc` narrowed to a head slice, if both pools allow it (same layout but for their head counts)."""
+        layout = self._region.layout
+        theirs = msgspec.structs.replace(loc.layout, num_kv_heads=layout.num_kv_heads)
+        if theirs != layout:
+            raise bad(f"producer layout {loc.layout} does not match ours {layout} (head counts aside)")
+        if loc.layerwise or loc.hidden or self._config.verify_kv:
+            raise bad("a head slice of layer-wise KV, of hidden states or with checksums is not pulled")
+        if heads.src_head + heads.num_heads > loc.layout.num_kv_heads:
+            raise bad(f"heads {heads} are not among the producer's {loc.layout.num_kv_heads}")
+        try:
+            self._region.heads(heads.dst_head, heads.num_heads, heads.per_block)
+        except ValueError as exc:
+            raise bad(f"heads {heads}: {exc}") from None
+        return msgspec.structs.replace(loc, heads=heads)
+
+    def _verify(self, rid: str, dst_blocks: list[int], loc: KVLocation) -> None:
+        """--verify-kv: the blocks we hold now must match the producer's per-layer checksums."""
+        if not self._config.verify_kv:
+            return
+
+        def bad(reason: str) -> TransferError:
+            return ReceiveError(rid, loc.producer, reason, TransferFailure.TRANSPORT)
+
+        if not loc.layer_checksums:
+            raise bad("producer published no KV checksums (run it with --verify-kv too)")
+        got = layer_checksums(self._region, dst_blocks)
+        if got != loc.layer_checksums:
+            wrong = [i for i, (a, b) in enumerate(zip(got, loc.layer_checksums)) if a != b]
+            raise bad(f"KV checksum mismatch in layers {wrong}")
+
+    def _mark_failed(self, request_id: str, reason: str) -> None:
+        log.warning("request %s: transfer failed, recomputing: %s", request_id, reason)
+        try:
+            self._directory.fail(request_id, reason)
+        except DirectoryError as exc:
+            log.warning("request %s: cannot mark failed: %s", request_id, exc)
+
+    def publish_addresses(self) -> None:
+        """Tell producers where this consumer receives KV (refreshed well within its TTL)."""
+        try:
+            for kind, address in self._transport.published_addresses(self._puller).items():
+                self._directory.publish_transport_address(self._config.node_id, kind, address)
+            self._addresses_published = time.monotonic()
+        except DirectoryError as exc:
+            log.warning("node %s: cannot publish its transport addresses: %s", self._config.node_id, exc)

@@ -1,0 +1,1 @@
+"""Control messages between kvwire processes: zmq sockets, framing, authentication, side channels."""

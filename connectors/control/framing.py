@@ -1,0 +1,34 @@
+"""Control messages as they cross a socket: encoded (../wire.py), then sealed (auth.py) when a secret is set.
+
+Every control socket sends `pack(msg)` and reads `unpack(data, expect=...)`; ../wire.py stays
+pure data and auth.py knows only bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar, overload
+
+from kvwire.connectors.control.auth import seal, unseal
+from kvwire.connectors.wire import Message, decode, encode
+
+M = TypeVar("M")
+
+
+def pack(msg: Message) -> bytes:
+    """A control message for another process: encoded, and sealed when an auth secret is installed."""
+    return seal(encode(msg))
+
+
+@overload
+def unpack(data: bytes | memoryview, expect: type[M]) -> M: ...
+@overload
+def unpack(data: bytes | memoryview, expect: tuple[type, ...] | None = None) -> Message: ...
+
+
+def unpack(data: bytes | memoryview, expect: type | tuple[type, ...] | None = None) -> Any:
+    """A control message from another process: its seal checked (when configured), then decoded.
+
+    Raises:
+        WireError: unauthenticated (AuthError), or not a valid message of the expected types.
+    """
+    return decode(unseal(data), expect=expect)

@@ -1,0 +1,1 @@
+"""The producer role: hold a computed prompt's KV, publish where it is, serve pulls of it."""

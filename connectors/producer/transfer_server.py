@@ -1,0 +1,355 @@
+"""The producer's transfer server, one per transport it serves over: answers consumers' pulls.
+
+A pull here:
+
+1. `start()` has bound a zmq ROUTER side channel and started the one thread that owns the
+   transport's send engine.
+2. A `PullRequest` arrives. It is granted when the request is held and not already in
+   flight, the consumer's transport address is the one that consumer published in the
+   directory, and the block counts match; otherwise it is refused (`PullReply` not ok)
+   and the request stays pullable by its real consumer.
+3. The pieces are planned (one per run of blocks consecutive on both sides, per plane,
+   then each hidden tensor) and the send engine is handed a `SendJob`.
+4. When the engine finishes the job, the server replies `PullReply`, the held table
+   releases the request's blocks, and a successful pull is reported (`on_delivered`).
+   A job past its deadline is abandoned and released.
+
+Requests nobody pulls are released at their hold deadline (`on_expired`). Malformed
+messages are logged with the peer, counted and dropped. `close()` stops the thread and the
+engine, and releases everything still held.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import zmq
+
+from kvwire.connectors.control.framing import pack, unpack
+from kvwire.connectors.control.sockets import limit_receive
+from kvwire.connectors.producer.held import HeldRequest, HeldTable
+from kvwire.connectors.transports.kv_region import KVRegion, Part, byte_parts, plan_runs
+from kvwire.connectors.wakeup import Wakeup
+from kvwire.connectors.wire import PullReply, PullRequest, WireError
+
+if TYPE_CHECKING:
+    from kvwire.connectors.transports.shm.hold_board import HoldBoard
+
+log = logging.getLogger(__name__)
+
+IDLE_WAKE_S = 1.0  # upper bound between hold-deadline checks
+TRUST_TTL_S = 5.0  # a consumer's verified transport address is trusted this long without a lookup
+
+
+@dataclass(eq=False)
+class SendJob:
+    """One granted pull: move the blocks of `runs`, then the hidden tensors, to the consumer named in `msg`."""
+
+    identity: bytes  # the consumer's zmq identity on the side channel
+    msg: PullRequest
+    held: HeldRequest
+    region: KVRegion
+    runs: list[tuple[int, int]]  # (first source block, num_blocks), one per run consecutive on both sides
+    deadline: float
+    replied: bool = False  # the engine answered the consumer itself (shared memory, on its own socket)
+    state: object = field(default=None)  # the engine's own per-job data
+
+    def pieces(self) -> list[torch.Tensor]:
+        """What to send, in the order the consumer receives it, as tensors."""
+        return self.region.pieces(self.runs) + self.held.hidden
+
+    def parts(self) -> list[Part]:
+        """The same, as buffers (cheaper to build on the CPU); a layer-wise request's blocks layer by layer."""
+        kv = self.region.layer_major_parts(self.runs) if self.held.gate else self.region.parts(self.runs)
+        return kv + byte_parts(self.held.hidden)
+
+    @property
+    def layer_nbytes(self) -> int:
+        """One layer's share of the blocks' bytes (a layer-wise stream's unit)."""
+        return sum(n for _, n in self.runs) * self.region.block_nbytes // self.region.layout.num_layers
+
+    @property
+    def layer_pieces(self) -> int:
+        """How many of `parts()` one layer is, for a layer-wise request (they come layer after layer)."""
+        return len(self.region.layer_parts(self.runs, 0))
+
+    @property
+    def num_pieces(self) -> int:
+        return self.region.num_parts(self.runs) + len(self.held.hidden)
+
+    @property
+    def nbytes(self) -> int:
+        blocks = sum(n for _, n in self.runs)
+        return blocks * self.region.block_nbytes + sum(h.numel() * h.element_size() for h in self.held.hidden)
+
+
+class SendEngine(ABC):
+    """A transport's producer half. Runs on the server thread unless it says otherwise."""
+
+    transport_address: bytes = b""
+    streams_layers: bool = False  # sends a layer-wise request's layers as its gate opens them
+    holds: HoldBoard | None = None  # shared memory: a word per held request, for reads with no claim
+
+    def bind(self, server: TransferServer) -> None:
+        self.server = server
+
+    def fds(self) -> list[int]:
+        """File descriptors the server loop should wake on (e.g. UCX's event fd)."""
+        return []
+
+    def progress(self) -> None:
+        """Called every loop turn: advance transfers, call `server.finish` for done ones."""
+
+    def can_block(self) -> bool:
+        """False when progress must run again before the loop may sleep."""
+        return True
+
+    @abstractmethod
+    def start(self, job: SendJob) -> None:
+        """Begin the job; `server.finish(job, error)` must follow exactly once (any thread)."""
+
+    def abandon(self, job: SendJob) -> None:
+        """The job missed its deadline; stop touching its pieces if the transport can."""
+
+    def close(self) -> None:
+        pass
+
+
+class TransferServer:
+    def __init__(self, host: str, region: KVRegion, held: HeldTable, engine: SendEngine, send_deadline_s: float,
+                 trusted_address: Callable[[str], bytes | None], on_expired: Callable[[str], None] | None = None,
+                 on_delivered: Callable[[PullRequest, int], None] | None = None, advertise_host: str | None = None):
+        """Args:
+        host: address the side channel binds.
+        region: the pool's bytes.
+        held: requests whose KV is waiting to be pulled.
+        engine: the transport's send engine.
+        send_deadline_s: how long one pull may take once granted.
+        trusted_address: the transport address a consumer published in the directory;
+            pulls naming any other address are refused (UCX aborts on a malformed one).
+        on_expired: called for a held request released at its hold deadline.
+        on_delivered: called with the pull and its bytes once a pull is confirmed to its consumer
+            (the directory bookkeeping then happens here, off the consumer's path to its first token).
+        advertise_host: the address consumers reach the side channel at (published); None: host.
+        """
+        self._region, self._held, self._engine = region, held, engine
+        self._send_deadline_s = send_deadline_s
+        self._trusted_endpoint = trusted_address
+        self._trusted: dict[str, tuple[bytes, float]] = {}  # consumer -> (verified address, when)
+        self._on_expired = on_expired or (lambda rid: None)
+        self._on_delivered = on_delivered or (lambda msg, nbytes: None)
+        self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        limit_receive(self._sock)
+        self.side_channel = f"tcp://{advertise_host or host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
+        self._wakeup = Wakeup()
+        self._stop = threading.Event()
+        self._jobs: dict[tuple[str, str, int], SendJob] = {}  # (request, consumer, its transfer id)
+        self._finished: queue.SimpleQueue[tuple[SendJob, BaseException | None]] = queue.SimpleQueue()
+        self.rejected_messages = 0
+        engine.bind(self)
+        self.transport_address = engine.transport_address
+        self._thread = threading.Thread(target=self._run, name="kv-transfer-server", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wakeup.wake()
+
+    def finish(self, job: SendJob, error: BaseException | None) -> None:
+        """The engine is done with `job` (error None on success). Thread-safe."""
+        self._finished.put((job, error))
+        self._wakeup.wake()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.wake()
+        if self._thread.is_alive():  # closed without start(): nothing to join
+            self._thread.join(timeout=5)
+        self._sock.close(0)
+        self._engine.close()
+        self._wakeup.close()
+        self._held.release_all()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for fd in [self._sock, self._wakeup.fd, *self._engine.fds()]:
+            poller.register(fd, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                self._step()
+            except Exception:  # noqa: BLE001 - the server must outlive any one bad transfer
+                log.exception("transfer server step failed")
+            if self._engine.can_block() and self._finished.empty():
+                poller.poll(self._timeout_ms())
+                self._wakeup.drain()
+            else:
+                os.sched_yield()  # spinning: let this core's other threads (zmq's I/O thread) run
+
+    def _step(self) -> None:
+        self._engine.progress()
+        while self._sock.poll(0):
+            self._handle(self._sock.recv_multipart(copy=False))
+        while not self._finished.empty():
+            self._complete(*self._finished.get())
+        now = time.monotonic()
+        for job in [j for j in self._jobs.values() if j.deadline <= now]:
+            log.warning("request %s: pull by %s missed its deadline", job.msg.request_id, job.msg.consumer)
+            self._engine.abandon(job)
+            self._complete(job, TimeoutError("pull missed its deadline"))
+        for rid in self._held.expire_due(now):
+            log.info("request %s: KV not pulled before its hold deadline; released", rid)
+            self._on_expired(rid)
+
+    def _timeout_ms(self) -> int:
+        now = time.monotonic()
+        wake = min([now + IDLE_WAKE_S, *(j.deadline for j in self._jobs.values())])
+        nxt = self._held.next_deadline()
+        if nxt is not None:
+            wake = min(wake, nxt)
+        return max(0, int((wake - now) * 1000) + 1)
+
+    def _handle(self, frames: list) -> None:
+        if len(frames) != 2:
+            self._reject(frames[0].bytes if frames else b"?", f"{len(frames)} frames")
+            return
+        identity, payload = frames[0].bytes, frames[1].buffer
+        try:
+            msg = unpack(payload, expect=PullRequest)
+        except WireError as exc:
+            self._reject(identity, str(exc))
+            return
+        self._start_pull(identity, msg)
+
+    def _reject(self, identity: bytes, reason: str) -> None:
+        self.rejected_messages += 1
+        log.warning("side channel: rejected message from peer %s: %s", identity.hex(), reason)
+
+    def _start_pull(self, identity: bytes, msg: PullRequest) -> None:
+        job = self.claim(msg, identity)
+        if isinstance(job, str):
+            self._reply(identity, msg, False, job)
+            return
+        if msg.heads is not None and msg.heads.num_heads == 0:  # declined: nothing moves, one puller less
+            self._complete(job, None)
+            return
+        try:
+            self._engine.start(job)
+        except Exception as exc:  # noqa: BLE001 - a bad peer must not kill the server
+            self._complete(job, exc)
+
+    def claim(self, msg: PullRequest, identity: bytes = b"") -> SendJob | str:
+        """Let `msg` pull its request, if it may: the request is then in flight until `finish`.
+
+        Server thread only. Engines that take pulls on their own channel (shared memory)
+        call this themselves and answer on that channel (`job.replied` set).
+        Returns:
+            The job, or why the pull is refused (the request stays pullable by its real consumer).
+        """
+        pullers = msg.heads.pullers if msg.heads is not None else 1
+        held = self._held.begin_pull(msg.request_id, msg.consumer, pullers)
+        if held is None:
+            return "request unknown, released, already being pulled, or pulled by this consumer"
+        reason = self._refusal(msg, held)
+        if reason:
+            log.warning("request %s: pull from %s refused: %s", msg.request_id, msg.consumer, reason)
+            self._held.end_pull(msg.request_id, msg.consumer)  # a stranger must not make us drop the real KV
+            return reason
+        runs = [(s, n) for s, _, n in plan_runs(_sources(msg, held), msg.dst_block_ids)]
+        region = self._region
+        if msg.heads is not None:
+            region = region.heads(msg.heads.src_head, msg.heads.num_heads, msg.heads.per_block)
+        job = SendJob(identity, msg, held, region, runs, time.monotonic() + self._send_deadline_s)
+        self._jobs[(msg.request_id, msg.consumer, msg.transfer_id)] = job
+        return job
+
+    def _distrust(self, consumer: str, address: bytes) -> str:
+        """Why `address` is not trusted as `consumer`'s ("" when it is): it must be what `consumer` published.
+
+        A match is remembered for TRUST_TTL_S (a directory round trip saved per pull); after that it is looked up
+        again. A lookup that fails (the directory timed out: a stalled redis-server) keeps the address this
+        consumer was last verified with, since nothing says it changed; a consumer never verified is refused.
+        """
+        now = time.monotonic()
+        known, when = self._trusted.get(consumer, (b"", 0.0))
+        if known == address and now - when < TRUST_TTL_S:
+            return ""
+        try:
+            published = self._trusted_endpoint(consumer)
+        except Exception as exc:  # noqa: BLE001 - no directory: only what was verified before
+            if known == address:
+                log.warning("cannot look up consumer %s (%s); its last verified address stands", consumer, exc)
+                return ""
+            return f"cannot verify the transport address of {consumer!r}: {exc}"
+        if published != address:
+            self._trusted.pop(consumer, None)  # it moved (restarted): the old address is no fallback
+            return f"transport address of {consumer!r} is not the one it published"
+        self._trusted[consumer] = (address, now)
+        return ""
+
+    def _refusal(self, msg: PullRequest, held: HeldRequest) -> str:
+        if reason := self._distrust(msg.consumer, msg.transport_address):
+            return reason
+        if held.gate is not None and not (self._engine.streams_layers and msg.layer_major):
+            return "layer-wise KV needs a transport and a consumer that stream layer by layer"
+        if held.gate is not None and held.gate.failure:
+            return f"prefill failed: {held.gate.failure}"
+        if reason := _source_refusal(msg, held):
+            return reason
+        if msg.heads is not None:
+            try:
+                self._region.heads(msg.heads.src_head, msg.heads.num_heads, msg.heads.per_block)
+            except ValueError as exc:
+                return f"head slice {msg.heads}: {exc}"
+            if held.gate is not None or held.hidden:
+                return "a head slice of layer-wise KV or of hidden states is not served"
+        return ""
+
+    def _complete(self, job: SendJob, error: BaseException | None) -> None:
+        if self._jobs.pop((job.msg.request_id, job.msg.consumer, job.msg.transfer_id), None) is None:
+            return  # finished already (e.g. abandoned, then the engine reported)
+        if error is not None:
+            log.warning("request %s: send to %s failed: %s", job.msg.request_id, job.msg.consumer, error)
+        if not job.replied:
+            self._reply(job.identity, job.msg, error is None, "" if error is None else f"send failed: {error}")
+        released = self._held.finish_pull(job.msg.request_id, job.msg.consumer)
+        if error is None and released:  # the last puller: the entry is consumed (others may still need it)
+            self._on_delivered(job.msg, job.nbytes)
+
+    def _reply(self, identity: bytes, msg: PullRequest, ok: bool, reason: str = "") -> None:
+        reply = PullReply(request_id=msg.request_id, transfer_id=msg.transfer_id, ok=ok, reason=reason)
+        self._sock.send_multipart([identity, pack(reply)])
+
+
+def _sources(msg: PullRequest, held: HeldRequest) -> list[int]:
+    """The held blocks `msg` asks for, in its destination order (`_source_refusal` passed)."""
+    return msg.src_block_ids or held.location.block_ids[msg.first_block:]
+
+
+def _source_refusal(msg: PullRequest, held: HeldRequest) -> str:
+    """Why `msg`'s source blocks cannot be sent ("" if they can): a pick of blocks not held for the request
+    (a consumer never reads other memory), a count unlike its destination's, a layer-wise pull not whole."""
+    blocks = held.location.block_ids
+    if msg.src_block_ids:
+        if not set(msg.src_block_ids) <= set(blocks):
+            return "source blocks not held for this request"
+        sources = len(msg.src_block_ids)
+    elif msg.first_block < 0:
+        return f"first block {msg.first_block}"
+    else:
+        sources = len(blocks) - msg.first_block
+    if len(msg.dst_block_ids) != sources:
+        return f"{len(msg.dst_block_ids)} destination blocks for {sources} source blocks"
+    if held.gate is not None and _sources(msg, held) != blocks:
+        return "layer-wise KV is pulled whole"
+    return ""

@@ -1,0 +1,42 @@
+"""The auto transport: shared memory with peers on this host, UCX with the rest.
+
+A producer's pool lives in a shared-memory segment (so same-host consumers can read it)
+that UCX serves as well; each transport gets its own transfer server, sharing the held
+table, and every published location offers both plus the producer's host identity. A
+consumer publishes an address for each, and pulls over shared memory from producers on
+its host and over UCX from the rest (`choose`).
+"""
+
+from __future__ import annotations
+
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.consumer.offers import narrow
+from kvwire.connectors.producer.transfer_server import SendEngine
+from kvwire.connectors.transports.auto.puller import AutoPuller, preference
+from kvwire.connectors.transports.data_path import DataPath
+from kvwire.connectors.transports.kv_region import KVRegion
+from kvwire.connectors.transports.shm.transport import SHMTransport
+from kvwire.connectors.transports.transport import Puller
+from kvwire.connectors.transports.ucx.send_engine import UCXSendEngine
+from kvwire.connectors.wire import KVLocation
+
+
+class AutoTransport(SHMTransport):
+    kind = ConnectorKind.AUTO
+
+    def send_engines(self, region: KVRegion) -> dict[ConnectorKind, SendEngine]:
+        return {ConnectorKind.SHM: self._send_engine(region), ConnectorKind.UCX: UCXSendEngine()}
+
+    def puller(self, region: KVRegion) -> Puller:
+        return AutoPuller(self.config.node_id, region, self.config.pull_lanes)
+
+    def published_addresses(self, puller: Puller) -> dict[ConnectorKind, bytes]:
+        assert isinstance(puller, AutoPuller)
+        return puller.transport_addresses
+
+    def data_path(self, puller: Puller, loc: KVLocation) -> DataPath:
+        assert isinstance(puller, AutoPuller)
+        return puller.path_to(loc)
+
+    def choose(self, loc: KVLocation) -> KVLocation:
+        return narrow(loc, preference(loc))

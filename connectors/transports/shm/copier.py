@@ -1,0 +1,65 @@
+"""Copy runs of blocks from a producer's mapped pool into the consumer's on several threads at once.
+
+One core's copy does not saturate this kind of machine's memory: two threads copying
+disjoint pieces move more bytes per second than one (torch's `copy_` releases the GIL).
+Host pools only: a CUDA copy is asynchronous already, and moves every run in a few
+launches (transports/block_copy.py).
+
+Lifecycle:
+
+1. `BlockCopier(lanes)` starts lanes - 1 worker threads (none for one lane).
+2. `copy` splits the work into chunks, hands every lane its share, copies lane 0's itself
+   and returns only once every lane is done, so no thread writes after a pull returns or
+   fails.
+3. `close` stops the threads.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from kvwire.connectors.transports.block_copy import Run, copy_blocks
+
+
+def split_runs(runs: list[Run], lanes: int) -> list[list[Run]]:
+    """Each lane's share of `runs`: runs cut into chunks of at most total / (4 * lanes) blocks, dealt round-robin."""
+    total = sum(n for _, _, n in runs)
+    step = max(1, total // (4 * lanes))
+    chunks = [(s + k, d + k, min(step, n - k)) for s, d, n in runs for k in range(0, n, step)]
+    return [chunks[lane::lanes] for lane in range(lanes)]
+
+
+MIN_PARALLEL_BYTES = 8 << 20  # below this a pull is copied on the calling thread: a hand-off costs more than it saves
+
+
+class BlockCopier:
+    def __init__(self, lanes: int, min_parallel_bytes: int = MIN_PARALLEL_BYTES):
+        self.lanes = lanes
+        self._min_parallel_bytes = min_parallel_bytes
+        self._pool = ThreadPoolExecutor(max_workers=lanes - 1, thread_name_prefix="kv-shm-copy") if lanes > 1 else None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, runs: list[Run]) -> None:
+        """dst[d:d+n] = src[s:s+n] for every (s, d, n) in `runs`; dst, src: [num_blocks, block_nbytes] uint8."""
+        nbytes = sum(n for _, _, n in runs) * dst.shape[1]
+        if self._pool is None or dst.device.type != "cpu" or nbytes < self._min_parallel_bytes:
+            _copy(dst, src, runs)
+            return
+        shares = split_runs(runs, self.lanes)
+        futures = [self._pool.submit(_copy, dst, src, share) for share in shares[1:]]
+        try:
+            _copy(dst, src, shares[0])
+        finally:
+            for f in futures:
+                f.exception()  # wait for every lane, even after a failure here
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, runs: list[Run]) -> None:
+    copy_blocks([dst], [src], runs)  # a gather/scatter on a GPU or for many small host runs, else a copy_ per run

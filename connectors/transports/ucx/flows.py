@@ -1,0 +1,182 @@
+"""One pull's UCX messages on each side: what is posted, what is in flight, what is left.
+
+Lifecycle on the producer (`SendFlow`, one per pull, on the server thread):
+
+1. Built when the pull is granted, it posts its messages in order: an unpacked piece
+   zero-copy from the blocks, a pack (packing.py) once a staging slot is free (copy the
+   pieces in, send the slot). Message i goes to the consumer's lane i mod n.
+2. `advance` (once the engine progressed the worker) takes back the slots whose sends
+   completed and posts what may go next. A layer-wise request's pieces come layer after
+   layer (`KVRegion.layer_major_parts`), and a message goes only once every layer it
+   carries is written (its `LayerGate`), the hidden states last.
+3. Done when every message was sent and completed.
+
+Lifecycle on the consumer (`ReceiveFlow`, one per lane and pull, on that lane's thread):
+
+1. Built when the pull is asked for, it posts a receive for each of its unpacked pieces
+   straight into the destination, and for its packs as slots free up.
+2. `advance` copies each completed pack out to its blocks and posts the next.
+3. Done when every receive completed.
+
+Packs are posted in the order the producer sends them, so the oldest pack in flight on
+the producer always has a receive or a free slot waiting for it: neither side can stall
+the other. After a failure, on either side, `discard_slots` drops the slots still in use,
+never to be reused (the worker's `abandon` cancels their receives).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kvwire.connectors.producer.layer_gate import LayerGate
+from kvwire.connectors.transports.kv_region import Part, part_nbytes
+from kvwire.connectors.transports.ucx.packing import Message, Staging, gather, plan_messages, scatter
+
+# ucxx only through worker.py, which sets UCX's environment before importing it
+from kvwire.connectors.transports.ucx.worker import Array, Requests, UCXWorker, all_done, check_errors, tag_of, ucx
+
+PULL_SLOTS = 8  # staging slots one pull's sends may hold at once: a consumer that stops reading cannot hold them all
+_Pack = tuple[ucx.UCXRequest, Array, memoryview, Message]  # a posted pack: request, its buffer, the slot, the message
+
+
+class _Flow:
+    """What both sides share: the plan, the unpacked requests, the packs waiting for a slot or in flight."""
+
+    def __init__(self, parts: list[Part], transfer_id: int, pack_below: int, staging: Staging,
+                 lane: int = 0, lanes: int = 1, layer_pieces: int = 0):
+        self._parts, self._staging = parts, staging
+        self._transfer_id, self._packed = transfer_id, pack_below > 0
+        plan = plan_messages([part_nbytes(p) for p in parts], pack_below, layer_pieces)
+        self._mine = [(i, m) for i, m in enumerate(plan) if i % lanes == lane]
+        self._todo: deque[tuple[int, Message]] = deque()  # messages not posted yet, in order
+        self._packs: list[_Pack] = []
+        self.requests: Requests = []  # unpacked pieces' requests
+
+    def done(self) -> bool:
+        return not self._todo and not self._packs and all_done(self.requests)
+
+    def check_errors(self) -> None:
+        check_errors(self.requests)
+
+    def discard_slots(self) -> None:
+        for _, _, slot, _ in self._packs:
+            self._staging.discard(slot)
+        self._packs, self._todo = [], deque()
+
+    def _tag(self, index: int) -> ucx.UCXXTag:
+        return ucx.UCXXTag(tag_of(self._transfer_id, index, self._packed))
+
+    def _reap(self) -> list[_Pack]:
+        """The packs whose requests completed (removed from those in flight); raises a failed one's error."""
+        done = [p for p in self._packs if p[0].completed]
+        for pack in done:
+            pack[0].check_error()  # raising, every slot is still in `_packs` for `discard_slots`
+        gone = {id(p) for p in done}
+        self._packs = [p for p in self._packs if id(p) not in gone]
+        return done
+
+
+class SendFlow(_Flow):
+    """A producer's messages of one pull, to every lane of the consumer at `peer`.
+
+    Args:
+        gate: a layer-wise request's; its parts then hold `layer_pieces` pieces per layer, layer-major,
+            and no pack spans two layers.
+        guarded: endpoint error handling on (the consumer is on another host: worker.py).
+    Raises:
+        ValueError: `peer` is not a well-formed address, or `pack_below` is out of range.
+    """
+
+    def __init__(self, transport: UCXWorker, peer: bytes, parts: list[Part], transfer_id: int,
+                 pack_below: int, staging: Staging, gate: LayerGate | None = None, layer_pieces: int = 0,
+                 guarded: bool = False):
+        super().__init__(parts, transfer_id, pack_below, staging, layer_pieces=layer_pieces)
+        self._eps = transport.endpoints_for(peer, guarded)
+        self._gate, self._layer_pieces = gate, layer_pieces
+        self._todo.extend(self._mine)  # every message goes in order
+        self._fill()
+
+    @property
+    def waiting_on_gate(self) -> bool:
+        """Nothing in flight, and the next message waits for a layer the forward has not written yet."""
+        gate = self._gate
+        if gate is None or not self._todo or self._packs or not all_done(self.requests) or gate.needs_polling():
+            return False
+        if gate.failure:
+            return False  # the next `advance` raises it
+        _, m = self._todo[0]
+        return m.first + m.count > self._sendable()
+
+    def advance(self) -> None:
+        """After the worker was progressed: take back the slots of completed sends, pack the next."""
+        for _, _, slot, _ in self._reap():
+            self._staging.give(slot)
+        self._fill()
+
+    def _sendable(self) -> int:
+        """How many pieces, from the first, may go now (all but for a layer-wise request still computing).
+
+        Raises:
+            RuntimeError: the request's forward failed; what is not sent never will be.
+        """
+        gate = self._gate
+        if gate is None or gate.complete_and_ready:
+            return len(self._parts)
+        if gate.failure:
+            raise RuntimeError(f"prefill of {gate.request_id} failed: {gate.failure}")
+        return self._layer_pieces * gate.ready_layers()
+
+    def _fill(self) -> None:
+        limit = self._sendable()
+        while self._todo:
+            i, m = self._todo[0]
+            if m.first + m.count > limit:
+                return
+            ep = self._eps[i % len(self._eps)]
+            if not m.packed:
+                buf = Array(self._parts[m.first])
+                self.requests.append((ep.tag_send(buf, self._tag(i)), buf))
+            elif len(self._packs) < PULL_SLOTS and (slot := self._staging.take()) is not None:
+                buf = Array(gather(self._parts, m, slot))
+                self._packs.append((ep.tag_send(buf, self._tag(i)), buf, slot, m))
+            else:
+                return
+            self._todo.popleft()
+
+
+class ReceiveFlow(_Flow):
+    """One consumer lane's receives of one pull from the producer's worker at `peer`.
+
+    Posted through an endpoint to that worker: receives posted on the worker itself cannot
+    be cancelled from Python, an endpoint's can (`UCXWorker.abandon`). `layer_pieces`: a
+    layer-wise stream's pieces per layer (no pack spans two layers), as the producer has it. `guarded`:
+    endpoint error handling on (the producer is on another host: worker.py).
+    """
+
+    def __init__(self, transport: UCXWorker, peer: bytes, parts: list[Part], transfer_id: int,
+                 pack_below: int, staging: Staging, lane: int = 0, lanes: int = 1, layer_pieces: int = 0,
+                 guarded: bool = False):
+        super().__init__(parts, transfer_id, pack_below, staging, lane, lanes, layer_pieces)
+        self._transport = transport
+        self._ep = transport.endpoints_for(peer, guarded)[0]
+        for i, m in self._mine:  # every unpacked piece's receive now; packs as slots free up
+            if m.packed:
+                self._todo.append((i, m))
+            else:
+                buf = Array(parts[m.first])
+                self.requests.append((self._ep.tag_recv(buf, self._tag(i)), buf))
+        self._fill()
+
+    def advance(self) -> None:
+        """Progress the worker, unpack the packs that came, post the next."""
+        self._transport.progress()
+        for _, _, slot, m in self._reap():
+            scatter(slot, self._parts, m)
+            self._staging.give(slot)
+        self._fill()
+
+    def _fill(self) -> None:
+        while self._todo and (slot := self._staging.take()) is not None:
+            i, m = self._todo.popleft()
+            buf = Array(slot[:m.nbytes])
+            self._packs.append((self._ep.tag_recv(buf, self._tag(i)), buf, slot, m))

@@ -1,0 +1,112 @@
+"""The consumer's side of a UCX transfer: pull one request's KV into its blocks.
+
+One pull:
+
+1. Ask the producer over the side channel to send.
+2. Post a tagged receive for every piece straight into the destination blocks and
+   hidden-state tensors (small pieces, on a host pool, come packed into staging slots and
+   are copied out: packing.py), spread over the lanes (lanes.py: one worker and thread
+   each).
+3. Poll the lanes and the reply socket until the receives complete, the producer
+   refuses, or the deadline passes.
+
+Completed receives are the whole proof: their tags name this transfer, which only the
+producer's sends of it carry, and it posts those only for a request it holds, and
+releases the blocks only once the sends complete, after our reads. So the producer's ok
+is not awaited (it costs a zmq round trip); a later pull skips it as stale.
+
+On any failure the receives still posted are cancelled, and then the lanes are replaced
+(`_fence`): a receive UCX has already matched to the producer's rendezvous cannot be
+cancelled, and once a cut link comes back the producer's data for it would still land in
+memory the node has since freed or given to another request (heap corruption, seen with
+a data link taken down mid-transfer). Dropping the workers, with their contexts and memory
+registrations, is the one fence UCX offers; the new lanes have a new address, which the
+consumer republishes before its next pull.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from kvwire.connectors.base import TransferError
+from kvwire.connectors.control.side_channel import SideChannelClient
+from kvwire.connectors.transports.data_path import DataPath
+from kvwire.connectors.transports.host import elsewhere, host_identity
+from kvwire.connectors.transports.kv_region import KVRegion, consumer_parts, part_nbytes
+from kvwire.connectors.transports.transport import ConfirmedPulls
+from kvwire.connectors.transports.ucx.lanes import ReceiveLanes
+from kvwire.connectors.transports.ucx.packing import PACK_BELOW
+from kvwire.connectors.transports.ucx.worker import MAX_PIECES
+from kvwire.connectors.wire import KVLocation, PullRequest
+
+
+class UCXPuller(ConfirmedPulls):
+    def __init__(self, node_id: str, region: KVRegion, lanes: int = 1):
+        """Args:
+        lanes: workers reading each pull, each on its own thread (host pools; a CUDA pool uses one).
+        """
+        self._node_id = node_id
+        self._region = region
+        on_host = region.planes[0].device.type == "cpu"
+        self._num_lanes = lanes if on_host else 1
+        self._lanes = ReceiveLanes(self._num_lanes)
+        self._pack_below = PACK_BELOW if on_host else 0  # a device pool takes every piece straight
+        self._channel = SideChannelClient()
+        self._transfer_ids = itertools.count(1)
+
+    @property
+    def transport_address(self) -> bytes:
+        return self._lanes.address
+
+    def path_to(self, loc: KVLocation) -> DataPath:
+        """The transports UCX selected to `loc`'s producer (pulling thread only, like `pull`)."""
+        return self._lanes.path_to(loc.transport_address, elsewhere(loc.host))
+
+    def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
+        """Receive `loc`'s blocks into `dst_blocks` and its hidden tensors into `hidden`.
+
+        Returns:
+            Bytes received.
+        Raises:
+            TransferError: refused, failed, or not complete by `deadline`.
+        """
+        parts = consumer_parts(self._region, loc, dst_blocks, hidden, MAX_PIECES, layer_major=loc.layerwise)
+        transfer_id = next(self._transfer_ids)
+        # Ask first, then post the receives while the producer handles the request: a send that
+        # arrives before its receive waits in UCX's unexpected queue (rendezvous: only its header).
+        self._channel.send(loc.side_channel, PullRequest(
+            request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
+            transport_address=self._lanes.address, dst_block_ids=dst_blocks, first_block=loc.first_block,
+            src_block_ids=loc.block_ids,
+            heads=loc.heads, pack_below=self._pack_below, host=host_identity(),
+            layer_major=True))  # a layer-wise location's blocks land layer by layer, as it sends them
+        try:
+            layer_pieces = (len(parts) - len(hidden)) // self._region.layout.num_layers if loc.layerwise else 0
+            self._lanes.post(loc.transport_address, parts, transfer_id, self._pack_below, layer_pieces,
+                             elsewhere(loc.host))
+            # Spin until done: blocking on the side channel could miss a lane finishing on its own
+            # thread (nothing would wake us; a producer's ok may have come already).
+            self._channel.wait(loc, transfer_id, deadline, progress=self._lanes.progress,
+                               can_block=lambda: False, done=self._lanes.done, reply_needed=False)
+            self._lanes.check_errors()
+            self._lanes.flush()  # the producer's sends complete on our acknowledgements
+        except BaseException as exc:
+            self._lanes.stop(loc.transport_address)
+            self._fence()
+            self._channel.drop(loc.side_channel)
+            if isinstance(exc, (TransferError, KeyboardInterrupt)):
+                raise
+            raise TransferError(loc.request_id, loc.producer, f"receive failed: {exc}") from exc
+        return sum(map(part_nbytes, parts))
+
+    def _fence(self) -> None:
+        """Replace the lanes after a failed pull (see the module docstring): the old workers are never
+        progressed again, and go with their contexts once closed."""
+        old, self._lanes = self._lanes, ReceiveLanes(self._num_lanes)
+        old.close()
+
+    def close(self) -> None:
+        self._channel.close()
+        self._lanes.close()

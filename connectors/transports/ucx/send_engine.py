@@ -1,0 +1,80 @@
+"""The producer's UCX send engine: each pull a `SendFlow` (flows.py), advanced on the server thread.
+
+Unpacked pieces go zero-copy, one tagged send each; small pieces, if the consumer asked,
+packed through SEND_SLOTS staging slots shared by every pull this engine serves (at most
+flows.PULL_SLOTS each, so that a consumer that stops reading stalls only itself). A
+layer-wise request's messages go as its prefill writes their layers: while every pull
+waits for a layer and has nothing in flight the server thread sleeps (the gate wakes it).
+"""
+
+from __future__ import annotations
+
+from kvwire.connectors.producer.transfer_server import SendEngine, SendJob
+from kvwire.connectors.transports.host import elsewhere
+from kvwire.connectors.transports.ucx.flows import SendFlow
+from kvwire.connectors.transports.ucx.packing import Staging
+from kvwire.connectors.transports.ucx.worker import MAX_PIECES, Role, UCXWorker
+
+SEND_SLOTS = 16  # staging slots (of PACK_BYTES) for packed sends, all pulls together
+
+
+class UCXSendEngine(SendEngine):
+    streams_layers = True
+
+    def __init__(self) -> None:
+        self._transport = UCXWorker(Role.PRODUCER)
+        self._staging = Staging(SEND_SLOTS)
+        self.transport_address = self._transport.address
+        self._active: list[SendJob] = []
+
+    def fds(self) -> list[int]:
+        return []
+
+    def progress(self) -> None:
+        self._transport.progress()
+        for job in list(self._active):
+            flow = _flow(job)
+            try:
+                flow.advance()
+                if not flow.done():
+                    continue
+                flow.check_errors()
+            except Exception as exc:  # noqa: BLE001 - UCX raises its own error types
+                self._drop(job)
+                self.server.finish(job, exc)
+                continue
+            self._active.remove(job)
+            self.server.finish(job, None)
+
+    def can_block(self) -> bool:
+        # While sends are in flight the server thread spins on progress: every rendezvous step needs
+        # both workers progressed, and an epoll wake-up per step cost much of the throughput
+        # (docs/BENCHMARKS.md).
+        return all(_flow(job).waiting_on_gate for job in self._active)
+
+    def start(self, job: SendJob) -> None:
+        if job.num_pieces > MAX_PIECES:
+            raise ValueError(f"{job.num_pieces} pieces exceed {MAX_PIECES}")
+        gate = job.held.gate
+        job.state = SendFlow(self._transport, job.msg.transport_address, job.parts(), job.msg.transfer_id,
+                             job.msg.pack_below, self._staging, gate, job.layer_pieces if gate else 0,
+                             elsewhere(job.msg.host))
+        self._active.append(job)
+
+    def abandon(self, job: SendJob) -> None:
+        if job in self._active:
+            self._drop(job)
+        self._transport.forget_peer(job.msg.transport_address)
+
+    def _drop(self, job: SendJob) -> None:
+        self._active.remove(job)
+        _flow(job).discard_slots()
+
+    def close(self) -> None:
+        self._transport.close()
+
+
+def _flow(job: SendJob) -> SendFlow:
+    flow = job.state
+    assert isinstance(flow, SendFlow)  # set by start()
+    return flow

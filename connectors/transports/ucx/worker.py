@@ -1,0 +1,168 @@
+"""One UCX context and worker per role (producer, consumer), polled while a transfer is in flight.
+
+Polling, not epoll wake-ups: every rendezvous step needs both workers progressed, and a
+wake-up per step cost much of the throughput (docs/BENCHMARKS.md). Between transfers nothing polls
+(the owner blocks on its zmq sockets instead); the worker is created without UCX's
+wake-up feature, which is why it has no event fd to wait on.
+
+Endpoints are made from the peer's *worker address*. To a peer on this host, endpoint
+error handling is off: that is what lets UCX pick shared memory and cross-memory attach
+between two processes (listener endpoints, or error handling on, fall back to loopback
+TCP). The price is that UCX does not notice a dead peer, so every wait here has a
+deadline and the directory's TTLs clean up after it. To a peer on another host (or in
+another network namespace) error handling is on (`guarded`): there UCX would pick TCP
+anyway, and with it off a refused or broken connection aborts the whole process
+(openucx/ucx#11629, seen as SIGABRT in `stubs.c` when a link went down mid-pull) instead
+of failing the one transfer. Both sides decide alike: the consumer from the producer's
+published host, the producer from the consumer's `PullRequest.host`.
+
+A consumer may read with several *lanes* (lanes.py): one worker each, each polled
+by its own thread, so that one pull's cross-memory-attach reads run on several cores.
+Its published address then packs every lane's worker address, and a producer sends
+message i to lane i mod n.
+
+Not thread-safe: one thread at a time uses a worker (the producer's server thread,
+or, during a pull, the consumer's engine thread or that lane's thread).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import struct
+
+# ucxx sets UCX_MEMTYPE_CACHE, which UCX 1.21 no longer knows and warns about at every start.
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+import ucxx._lib.libucxx as ucx  # noqa: E402
+from ucxx._lib.arr import Array  # noqa: E402
+
+from kvwire.connectors.config import MAX_PULL_LANES as MAX_LANES  # noqa: E402
+from kvwire.connectors.transports.data_path import DataPath  # noqa: E402
+from kvwire.connectors.transports.ucx.query import endpoint_transports  # noqa: E402
+
+SEGMENT_BITS = 24  # low tag bits: message index within one transfer, and whether it is packed
+PACKED_BIT = 1 << (SEGMENT_BITS - 1)  # set in every tag of a packed transfer (packing.py)
+MAX_PIECES = PACKED_BIT  # messages (and pieces) one transfer may have
+Requests = list[tuple[ucx.UCXRequest, Array]]  # posted UCX requests, each with the buffer it must keep alive
+LANES_MAGIC = b"kvwire-ucx-lanes\x00"  # starts an address packing several lanes' worker addresses
+
+
+class Role(enum.Enum):
+    PRODUCER = "producer"  # a producer's send engine
+    CONSUMER = "consumer"  # a consumer's puller
+
+
+# Rendezvous scheme per side: a producer on put_zcopy with a consumer on get_zcopy was the fastest
+# pairing measured over UCX-over-TCP (UCX's defaults were the slowest), and as fast as any over
+# shared memory / CMA (docs/BENCHMARKS.md). The environment (UCX_RNDV_SCHEME) still wins.
+_RNDV_SCHEME = {Role.PRODUCER: "put_zcopy", Role.CONSUMER: "get_zcopy"}
+
+
+def _config(role: Role) -> dict[str, str]:
+    """UCX settings kvwire picks unless the environment sets them (UCX_<NAME> wins)."""
+    ours = {"RNDV_SCHEME": _RNDV_SCHEME[role]}
+    return {k: v for k, v in ours.items() if f"UCX_{k}" not in os.environ}
+
+
+class UCXWorker:
+    def __init__(self, role: Role) -> None:
+        self._ctx = ucx.UCXContext(config_dict=_config(role), feature_flags=(ucx.Feature.TAG,))
+        self._worker = ucx.UCXWorker(self._ctx)
+        # a peer's (packed) address, and whether error handling is on -> one endpoint per lane
+        self._endpoints: dict[tuple[bytes, bool], list[ucx.UCXEndpoint]] = {}
+        self._paths: dict[bytes, DataPath] = {}  # what UCX selected for those endpoints: fixed for their life
+        self.address: bytes = self._worker.address.tobytes()
+
+    def progress(self) -> None:
+        self._worker.progress()
+
+    def abandon(self, peer: bytes) -> int:
+        """Cancel every receive posted for `peer` (after a failure): none of them can land late.
+        Returns how many were still in flight."""
+        self.forget_peer(peer)  # closing an endpoint schedules its requests for cancelling
+        cancelled = self._worker.cancel_inflight_requests()
+        self._worker.progress()
+        return cancelled
+
+    def forget_peer(self, peer: bytes) -> None:
+        self._paths.pop(peer, None)
+        for guarded in (False, True):
+            for ep in self._endpoints.pop((peer, guarded), []):
+                ep.close()
+
+    def close(self) -> None:
+        for peer, _ in list(self._endpoints):
+            self.forget_peer(peer)
+
+    def endpoints_for(self, peer: bytes, guarded: bool = False) -> list[ucx.UCXEndpoint]:
+        """One endpoint per lane of the worker(s) at `peer` (made once, kept until `forget_peer`).
+
+        Args:
+            guarded: endpoint error handling on (a peer on another host: see the module docstring).
+        Raises:
+            ValueError: `peer` is not a well-formed address.
+        """
+        eps = self._endpoints.get((peer, guarded))
+        if eps is None:
+            eps = [ucx.UCXEndpoint.create_from_worker_address(self._worker, ucx.UCXAddress.create_from_buffer(a),
+                                                              guarded)
+                   for a in unpack_lanes(peer)]
+            self._endpoints[(peer, guarded)] = eps
+        return eps
+
+    def path_to(self, peer: bytes, guarded: bool = False) -> DataPath:
+        """The transports UCX selected for the endpoints to `peer` (made now if need be: UCX picks its
+        lanes when an endpoint is made from a worker address, so one query per endpoint's life); unknown, with
+        the reason, if it cannot say."""
+        path = self._paths.get(peer)
+        if path is not None:
+            return path
+        try:
+            path = DataPath.of([name for ep in self.endpoints_for(peer, guarded)
+                                for name, _ in endpoint_transports(ep.handle)])
+        except Exception as exc:  # noqa: BLE001 - QueryUnavailable, a bad address, UCX's own errors: all "unknown"
+            return DataPath.unknown(str(exc))
+        self._paths[peer] = path
+        return path
+
+
+def pack_lanes(addresses: list[bytes]) -> bytes:
+    """One address for a consumer's lanes: a lone worker address as it is, several packed."""
+    if len(addresses) == 1:
+        return addresses[0]
+    return LANES_MAGIC + b"".join(struct.pack("!I", len(a)) + a for a in addresses)
+
+
+def unpack_lanes(address: bytes) -> list[bytes]:
+    """The worker addresses `pack_lanes` packed. Raises ValueError on a malformed packing."""
+    if not address.startswith(LANES_MAGIC):
+        return [address]
+    out, pos = [], len(LANES_MAGIC)
+    while pos < len(address):
+        if pos + 4 > len(address):
+            raise ValueError("truncated lane address")
+        (n,), pos = struct.unpack_from("!I", address, pos), pos + 4
+        if n == 0 or pos + n > len(address):
+            raise ValueError("truncated lane address")
+        out.append(address[pos:pos + n])
+        pos += n
+    if not 1 <= len(out) <= MAX_LANES:
+        raise ValueError(f"{len(out)} lanes (1..{MAX_LANES} allowed)")
+    return out
+
+
+def tag_of(transfer_id: int, index: int, packed: bool) -> int:
+    """The tag of message `index` of a transfer (a lane's messages are those with index mod lanes = lane)."""
+    return (transfer_id << SEGMENT_BITS) | (PACKED_BIT if packed else 0) | index
+
+
+def all_done(requests: Requests) -> bool:
+    # newest first: while a transfer runs, its last piece is the likeliest unfinished, so a poll costs one call
+    return all(req.completed for req, _ in reversed(requests))
+
+
+def check_errors(requests: Requests) -> None:
+    """Raise the first UCX error among completed requests."""
+    for req, _ in requests:
+        req.check_error()
