@@ -133,7 +133,8 @@ def test_importing_the_ucx_puller_first_keeps_ucx_quiet():
     import subprocess
     import sys
 
-    code = ("from connectors.ucx.puller import UCXPuller; from connectors.ucx.lanes import ReceiveLanes; "
+    code = ("from kvwire.connectors.transports.ucx.puller import UCXPuller; "
+            "from kvwire.connectors.transports.ucx.lanes import ReceiveLanes; "
             "ReceiveLanes(2).close()")
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}  # as a fresh shell has it
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True, env=env)
