@@ -13,8 +13,9 @@ import time
 
 import torch
 
+from kvwire.bench.choices import Device
 from kvwire.bench.cpu import CpuTally, CpuTicks
-from kvwire.bench.workload import Device, Workload, allocate_pool, checksum, fill_random, zero_blocks
+from kvwire.bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
 from kvwire.connectors.transports.block_copy import copy_blocks
 from kvwire.connectors.transports.kv_region import KVRegion, plan_runs
 from kvwire.connectors.transports.tcp.stream import pump

@@ -2,36 +2,21 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 
+from kvwire.bench.choices import Device, Method, Placement
 from kvwire.bench.connector_run import run_connector
 from kvwire.bench.cpu import CpuTally, CpuTicks
 from kvwire.bench.limits import limit_memcpy, limit_tcp
 from kvwire.bench.nixl_run import NixlOp, run_nixl
 from kvwire.bench.report import Row, make_row
 from kvwire.bench.ucxx_run import run_ucxx_raw
-from kvwire.bench.workload import Device, Placement, Workload
+from kvwire.bench.workload import Workload
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.wire import PoolLayout
 
 # UCX over TCP only, and over the loopback device: on these machines traffic must stay on loopback
 TCP_ONLY = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
-
-
-class Method(enum.StrEnum):
-    LIMIT_MEMCPY = "limit-memcpy"
-    LIMIT_TCP = "limit-tcp"
-    NIXL = "nixl"  # NIXL, UCX backend, UCX's default transports
-    NIXL_TCP = "nixl-tcp"  # NIXL with UCX_TLS=tcp
-    UCX = "ucx"
-    UCX_TCP = "ucx-tcp"  # UCX restricted to TCP (UCX_TLS=tcp)
-    UCXX_RAW = "ucxx-raw"  # ucxx's tag send / receive of the pieces, nothing of kvwire around it (bench/ucxx_run.py)
-    UCXX_RAW_TCP = "ucxx-raw-tcp"
-    SHM = "shm"
-    TCP = "tcp"
-    NCCL = "nccl"
-    AUTO = "auto"
 
 
 # NIXL's faster operation on each transport here (measured both ways; see docs/BENCHMARKS.md)

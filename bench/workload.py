@@ -7,7 +7,6 @@ tensors). Every method moves exactly the pieces `KVRegion` makes of it.
 
 from __future__ import annotations
 
-import enum
 import random
 import zlib
 from dataclasses import dataclass
@@ -16,22 +15,11 @@ import msgspec
 import numpy as np
 import torch
 
+from kvwire.bench.choices import Device, Placement
 from kvwire.connectors.transports.kv_region import KVRegion, plan_runs
 from kvwire.connectors.wire import DType, KVLayout, PoolLayout
 
 LLAMA3_8B = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=DType.BFLOAT16)
-
-
-class Placement(enum.StrEnum):
-    SCATTERED = "scattered"  # random, different block ids on each side: nothing merges
-    CONTIGUOUS = "contiguous"  # blocks 0..n-1 on both sides: one run
-
-
-class Device(enum.StrEnum):
-    """Where both sides' pools live (each process uses its first device of the kind)."""
-
-    CPU = "cpu"
-    CUDA = "cuda"
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvwire.bench.transfer import Method
-from kvwire.bench.workload import Device, Placement
+from kvwire.bench.choices import Device, Method, Placement
 from kvwire.cli.options import Connector, OptionalRedisUrl
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.wire import PoolLayout

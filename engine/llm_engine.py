@@ -29,9 +29,9 @@ from kvwire.connectors.types import ModelRunnerOutput
 from kvwire.connectors.wire import SamplingParams, TokenLogprobs
 from kvwire.engine.block_allocator import BlockAllocator
 from kvwire.engine.runner import ModelRunner
-from kvwire.engine.sampler import TokenHistory, check_params, make_generator, sample
+from kvwire.engine.sampler import TokenHistory, make_generator, sample
 from kvwire.engine.sequence import FinishReason, Sequence
-from kvwire.engine.validation import prompt_problem
+from kvwire.engine.validation import check_params, prompt_problem
 
 
 class InvalidRequest(ValueError):

@@ -14,23 +14,10 @@ import torch
 from safetensors import safe_open
 
 from kvwire.engine.model import LlamaForCausalLM
-from kvwire.engine.model_config import ModelConfig
+from kvwire.engine.model_config import ModelConfig, load_config
 
 INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers older transformers saved; recomputed here
-
-
-def load_config(model_dir: Path) -> ModelConfig:
-    """Read `model_dir/config.json`.
-
-    Raises:
-        FileNotFoundError: no config.json.
-        ValueError: the config describes something this engine cannot run.
-    """
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found")
-    return ModelConfig.from_hf_dict(json.loads(path.read_text()))
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:

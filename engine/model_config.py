@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvwire.connectors.wire import DType, KVLayout
-from kvwire.engine.rope import RopeScaling, RopeType
+from kvwire.engine.rope_scaling import RopeScaling, RopeType
 
 
 class Architecture(enum.StrEnum):
@@ -338,3 +340,16 @@ PRESETS |= {
     "tiny-qwen3": PRESETS["tiny"].replace(architecture=Architecture.QWEN3, head_dim=48, rms_norm_eps=1e-6,
                                           rope_theta=1000000.0),
 }
+
+
+def load_config(model_dir: Path) -> ModelConfig:
+    """Read `model_dir/config.json`.
+
+    Raises:
+        FileNotFoundError: no config.json.
+        ValueError: the config describes something this engine cannot run.
+    """
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found")
+    return ModelConfig.from_hf_dict(json.loads(path.read_text()))

@@ -16,9 +16,7 @@ from typing import NamedTuple
 import torch
 
 from kvwire.connectors.wire import SamplingParams, TokenLogprobs
-
-MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
-MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
+from kvwire.engine.validation import check_params
 
 
 class Sampled(NamedTuple):
@@ -88,38 +86,6 @@ class TokenHistory:
         self.num_output += 1
         if self.output_counts is not None:
             self.output_counts[token] += 1
-
-
-class ParamError(ValueError):
-    """A `SamplingParams` field out of its range; `param` names it."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
-def check_params(params: SamplingParams) -> None:
-    """The one check of sampling parameters (the router's 400s and the nodes' refusals both come from it).
-
-    Raises:
-        ParamError: the first field out of its range (NaN is out of every range).
-    """
-    p, pen = params, f"in [-{MAX_PENALTY}, {MAX_PENALTY}]"
-    rules = [
-        ("temperature", p.temperature >= 0 and math.isfinite(p.temperature), ">= 0"),
-        ("top_p", 0 < p.top_p <= 1, "in (0, 1]"),
-        ("top_k", p.top_k >= -1, ">= -1 (0 or -1: all tokens)"),
-        ("min_p", 0 <= p.min_p <= 1, "in [0, 1]"),
-        ("repetition_penalty", p.repetition_penalty > 0 and math.isfinite(p.repetition_penalty), "> 0"),
-        ("presence_penalty", -MAX_PENALTY <= p.presence_penalty <= MAX_PENALTY, pen),
-        ("frequency_penalty", -MAX_PENALTY <= p.frequency_penalty <= MAX_PENALTY, pen),
-        ("min_tokens", 0 <= p.min_tokens <= p.max_tokens, "in [0, max_tokens]"),
-        ("logprobs", p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, f"None or in [0, {MAX_LOGPROBS}]"),
-        ("stop_token_ids", all(t >= 0 for t in p.stop_token_ids), "non-negative"),
-    ]
-    for name, ok, rule in rules:
-        if not ok:
-            raise ParamError(name, f"{name} must be {rule}, got {getattr(p, name)!r}")
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvwire.connectors.config import NodeRole
 from kvwire.connectors.directory.directory import DirectoryError, KVDirectory
-from kvwire.engine.loader import load_config
+from kvwire.engine.model_config import load_config
 from kvwire.engine.tokenizer import load_tokenizer
 from kvwire.observability.labels import RequestStatus
 from kvwire.observability.metrics import CONTENT_TYPE, Metrics, process_metrics

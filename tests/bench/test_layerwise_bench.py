@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
+from kvwire.bench.choices import Placement
 from kvwire.bench.layerwise import bench_layerwise
-from kvwire.bench.workload import Placement, Workload
+from kvwire.bench.workload import Workload
 from kvwire.connectors.config import ConnectorKind
 
 pytestmark = pytest.mark.slow

@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 
-from kvwire.bench.transfer import Method, bench_transfer, combinations
-from kvwire.bench.workload import Placement, Workload, allocate_pool, piece_table
+from kvwire.bench.choices import Method, Placement
+from kvwire.bench.transfer import bench_transfer, combinations
+from kvwire.bench.workload import Workload, allocate_pool, piece_table
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.wire import PoolLayout
 
@@ -101,8 +102,8 @@ def test_target_lines_compare_medians_of_the_same_work():
 
 
 def test_gpu_runs_only_the_methods_that_move_device_memory_on_one_gpu():
+    from kvwire.bench.choices import Device
     from kvwire.bench.transfer import supports
-    from kvwire.bench.workload import Device
 
     on_gpu = {m for m in Method if supports(m, KVWIRE, Device.CUDA)}
     assert on_gpu == {Method.LIMIT_MEMCPY, Method.UCX, Method.SHM, Method.TCP, Method.AUTO}

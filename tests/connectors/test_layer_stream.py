@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from kvwire.bench.workload import Placement, Workload, allocate_pool
+from kvwire.bench.choices import Placement
+from kvwire.bench.workload import Workload, allocate_pool
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 from kvwire.connectors.kv_pool import KVPool
 from kvwire.connectors.model_input import ModelInput, SequenceInput

@@ -6,7 +6,7 @@ import pytest
 
 from kvwire.connectors.wire import DType
 from kvwire.engine.model_config import PRESETS, Architecture, ModelConfig, kv_layout
-from kvwire.engine.rope import RopeScaling, RopeType
+from kvwire.engine.rope_scaling import RopeScaling, RopeType
 
 
 def test_hf_dict_round_trip() -> None:

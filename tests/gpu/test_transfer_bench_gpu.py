@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvwire.bench.transfer import Method, bench_transfer
-from kvwire.bench.workload import Device, Placement
+from kvwire.bench.choices import Device, Method, Placement
+from kvwire.bench.transfer import bench_transfer
 from kvwire.connectors.wire import PoolLayout
 
 pytestmark = pytest.mark.gpu
