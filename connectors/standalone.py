@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -55,10 +54,10 @@ class ConsumerSide(_Side):
         return self.connector.consumer
 
 
-def open_producer(config: ConnectorConfig, on_release: Callable[[str, list[int]], None] = lambda rid, blocks: None,
-                  *, layout: KVLayout | None = None, num_blocks: int = 0, device: str | torch.device = "cpu",
-                  kv_caches: list[torch.Tensor] | None = None) -> ProducerSide:
-    """A producer serving a pool of `num_blocks` of `layout` placed by its transport, or `kv_caches`."""
+def open_producer(config: ConnectorConfig, *, layout: KVLayout | None = None, num_blocks: int = 0,
+                  device: str | torch.device = "cpu", kv_caches: list[torch.Tensor] | None = None) -> ProducerSide:
+    """A producer serving a pool of `num_blocks` of `layout` placed by its transport, or `kv_caches`. Released
+    blocks: `side.producer.released()`, its `wakeup.fd` readable when there are some."""
     with ExitStack() as undo:  # what is opened here is closed again if the producer cannot be built
         directory = KVDirectory(config.redis_url, entry_ttl_s=config.entry_ttl_s)
         undo.callback(directory.close)
@@ -68,15 +67,15 @@ def open_producer(config: ConnectorConfig, on_release: Callable[[str, list[int]]
         if kv_caches is None:
             assert layout is not None, "a layout, or the pool's kv_caches"
             kv_caches = transport.producer_pool(layout, num_blocks, device).kv_caches
-        producer = KVProducer(config, directory, epoch, transport, KVRegion.from_kv_caches(kv_caches), on_release)
+        producer = KVProducer(config, directory, epoch, transport, KVRegion.from_kv_caches(kv_caches))
         undo.pop_all()
     return ProducerSide(ProducerConnector(0, 0, config, producer), kv_caches, directory)
 
 
-def open_consumer(config: ConnectorConfig, on_ready: Callable[[str], None] = lambda rid: None,
-                  *, layout: KVLayout | None = None, num_blocks: int = 0, device: str | torch.device = "cpu",
-                  kv_caches: list[torch.Tensor] | None = None) -> ConsumerSide:
-    """A consumer landing KV in a new pool of `num_blocks` of `layout`, or in `kv_caches`."""
+def open_consumer(config: ConnectorConfig, *, layout: KVLayout | None = None, num_blocks: int = 0,
+                  device: str | torch.device = "cpu", kv_caches: list[torch.Tensor] | None = None) -> ConsumerSide:
+    """A consumer landing KV in a new pool of `num_blocks` of `layout`, or in `kv_caches`. Expected requests
+    whose KV can be pulled: `side.consumer.ready()`, its `wakeup.fd` readable when there are some."""
     with ExitStack() as undo:  # what is opened here is closed again if the consumer cannot be built
         directory = KVDirectory(config.redis_url, entry_ttl_s=config.entry_ttl_s)
         undo.callback(directory.close)
@@ -85,6 +84,6 @@ def open_consumer(config: ConnectorConfig, on_ready: Callable[[str], None] = lam
         if kv_caches is None:
             assert layout is not None, "a layout, or the pool's kv_caches"
             kv_caches = KVPool.allocate(layout, num_blocks, device).kv_caches
-        consumer = KVConsumer(config, directory, transport, KVRegion.from_kv_caches(kv_caches), on_ready)
+        consumer = KVConsumer(config, directory, transport, KVRegion.from_kv_caches(kv_caches))
         undo.pop_all()
     return ConsumerSide(ConsumerConnector(0, 0, config, consumer), kv_caches, directory)

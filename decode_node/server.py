@@ -29,7 +29,6 @@ each scrape; TTFT, time per output token and recomputes are recorded as requests
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 
 import zmq
@@ -58,16 +57,15 @@ class DecodeNode:
     def __init__(self, config: NodeConfig):
         self.rt = rt = NodeRuntime.open(config, self._load)
         self._requests: dict[str, DecodeRequest] = {}  # every request accepted and not yet answered
-        self._kv_ready: queue.SimpleQueue[str] = queue.SimpleQueue()  # from the consumer's threads
-        self._wakeup = Wakeup()
+        self._wakeup = Wakeup()  # the consumer (a request settled) and the engine (a pull ended) wake us
         self._replies = PushSockets()  # TokenChunk / WorkError to routers
         pool = KVPool.allocate(rt.layout, config.engine.num_blocks, config.engine.device)
         self._consumer = KVConsumer(config.connector, rt.directory, rt.transport,
-                                    KVRegion.from_kv_caches(pool.kv_caches), on_ready=self._on_kv_ready)
+                                    KVRegion.from_kv_caches(pool.kv_caches), wakeup=self._wakeup)
         self._connector = ConsumerConnector(0, 0, config.connector, self._consumer)
         runner = ModelRunner(rt.model, pool, self._connector, NodeRole.DECODE)
         self.engine = LLMEngine(runner, rt.allocator, rt.max_model_len, rt.model.config.eos_token_id,
-                                on_received=self.wake)
+                                wakeup=self._wakeup)
         self._drain = Drain(rt)
         m, alloc = rt.metrics, rt.allocator
         m.watch_blocks(lambda: alloc.num_free, alloc.num_blocks)
@@ -90,7 +88,7 @@ class DecodeNode:
                 self._drain.begin()
             if self._drain.active and (self._idle() or self._drain.expired()):
                 break
-            if not self.engine.can_step() and self._kv_ready.empty():  # a pull ending wakes us
+            if not self.engine.can_step():  # a settled request or a pull ending wakes us
                 self.engine.runner.after_step(idle=True)  # and what we read just now, before we wait
                 poller.poll(self._drain.remaining_ms())
                 self._wakeup.drain()
@@ -102,7 +100,7 @@ class DecodeNode:
                     self._accept(msg)
                 elif isinstance(msg, CancelWork):  # draining or not: the router no longer wants it
                     self._cancel(msg.request_id)
-            self._admit_ready()
+            self._admit(self._consumer.ready())
             if self.engine.can_step():
                 self._step()
         self._give_up()
@@ -176,14 +174,10 @@ class DecodeNode:
         self.engine.abort(rid)
         log.info("node %s: request %s cancelled by the router", self.rt.config.node_id, rid)
 
-    def _on_kv_ready(self, request_id: str) -> None:
-        """The consumer's ready callback (any thread): the request's KV can be pulled now, or never."""
-        self._kv_ready.put(request_id)
-        self.wake()
-
-    def _admit_ready(self) -> None:
-        while not self._kv_ready.empty():
-            record = self._requests.get(self._kv_ready.get())
+    def _admit(self, ready: list[str]) -> None:
+        """Hand the engine the requests whose KV can be pulled now, or never will be (they then recompute)."""
+        for rid in ready:
+            record = self._requests.get(rid)
             if record is not None and not record.admitted:
                 record.admitted = True
                 self.engine.add_request(record.request_id, record.work.prompt_token_ids, record.work.sampling)

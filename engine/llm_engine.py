@@ -7,8 +7,8 @@ A request here:
    max_tokens are reserved up front, so a running request never runs out).
 3. Its prompt is computed, or its KV received: within the step when nothing else runs
    (no thread hand-off on the way to its first token); otherwise on the runner's pull
-   thread (`receiving`) while steps go on decoding the others, `on_received` firing as
-   the pull ends and a later step taking it (bypassed, or computed then).
+   thread (`receiving`) while steps go on decoding the others; the pull's end wakes the
+   owner's loop (`wakeup`) and a later step takes it (bypassed, or computed then).
 4. Its first token is sampled; every later step decodes one more token for it, until EOS (unless
    ignore_eos) or one of stop_token_ids (reason "stop", never before min_tokens), or max_tokens ("length").
 5. Finished or aborted, its blocks are freed at once, unless a pull may still be
@@ -20,12 +20,12 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.types import ModelRunnerOutput
+from kvwire.connectors.wakeup import Wakeup
 from kvwire.connectors.wire import SamplingParams, TokenLogprobs
 from kvwire.engine.block_allocator import BlockAllocator
 from kvwire.engine.runner import ModelRunner
@@ -49,9 +49,9 @@ class StepOutput:
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, allocator: BlockAllocator, max_model_len: int,
-                 eos_token_id: int | None = None, on_received: Callable[[], None] = lambda: None):
+                 eos_token_id: int | None = None, wakeup: Wakeup | None = None):
         """Args:
-        on_received: called, on the runner's pull thread, as each pull ends (the node's wake).
+        wakeup: woken, from the runner's pull thread, as each pull ends (the owner's loop waits on its fd).
         """
         self.runner = runner
         self.allocator = allocator
@@ -61,7 +61,7 @@ class LLMEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.receiving: dict[str, tuple[Sequence, Future]] = {}  # admitted, KV being pulled on the pull thread
-        self._on_received = on_received
+        self._wakeup = wakeup
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     receive_kv: bool = True) -> Sequence:
@@ -110,7 +110,7 @@ class LLMEngine:
         return bool(self.waiting or self.running or self.receiving)
 
     def can_step(self) -> bool:
-        """Whether `step()` has anything to do now (else wait for new work or `on_received`)."""
+        """Whether `step()` has anything to do now (else wait for new work or a pull ending: `wakeup`)."""
         return bool(self.running or any(f.done() for _, f in self.receiving.values())
                     or (self.waiting and self._fits(self.waiting[0])))
 
@@ -164,11 +164,17 @@ class LLMEngine:
             if seq.receive_kv and self.runner.receives_async and not inline:
                 received = self.runner.start_receive(self._prompt_input(seq))
                 self.receiving[seq.request_id] = (seq, received)
-                received.add_done_callback(lambda _: self._on_received())
+                if self._wakeup is not None:
+                    received.add_done_callback(self._wake)
                 continue
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def _wake(self, _: Future) -> None:
+        """A pull ended (the pull thread): wake the owner's loop."""
+        if self._wakeup is not None:
+            self._wakeup.wake()
 
     def _received(self) -> list[tuple[Sequence, Future]]:
         """Requests whose pull has ended, now running; aborted ones are dropped and their blocks freed."""

@@ -10,7 +10,9 @@ A request here:
    `KVReady` straight to the decode node the router chose, READY in the directory (with
    --layerwise: before the forward, each layer sent as it is computed).
 4. The producer's held table keeps the blocks until the decode node pulled them, refused
-   them, or never came; its release callback gives them back to the allocator.
+   them, or never came. The producer then wakes the loop (the node's wake-up fd), and the
+   loop takes its releases (`released()`) and gives the blocks back to the allocator: the
+   allocator and every request's state change on the loop's thread only.
 
 On SIGTERM the node drains (node/drain.py): it computes the prompts it accepted and keeps
 their KV until pulled or the hold deadline passes; work still arriving goes to another
@@ -59,7 +61,7 @@ class PrefillNode:
         self._wakeup = Wakeup()
         pool = rt.transport.producer_pool(rt.layout, config.engine.num_blocks, config.engine.device)
         self._producer = KVProducer(config.connector, rt.directory, rt.epoch, rt.transport,
-                                    KVRegion.from_kv_caches(pool.kv_caches), on_release=self._on_release)
+                                    KVRegion.from_kv_caches(pool.kv_caches), wakeup=self._wakeup)
         self._connector = ProducerConnector(0, 0, config.connector, self._producer)
         self._runner = ModelRunner(rt.model, pool, self._connector, NodeRole.PREFILL)
         self._drain = Drain(rt)
@@ -85,6 +87,7 @@ class PrefillNode:
                 break
             poller.poll(self._poll_timeout_ms())
             self._wakeup.drain()
+            self._free_released()
             while self.rt.work_socket.poll(0):
                 work = self.rt.read_work(PrefillWork)
                 if isinstance(work, PrefillWork):
@@ -183,7 +186,7 @@ class PrefillNode:
             return "prompt needs more KV blocks than the pool has"
         return ""
 
-    def _on_release(self, rid: str, blocks: list[int]) -> None:
-        """The producer's release callback (any thread): the request's blocks are free again."""
-        self.rt.allocator.free(blocks)
-        self.wake()
+    def _free_released(self) -> None:
+        """Free the blocks of every request the producer released since the last turn (it woke us)."""
+        for released in self._producer.released():
+            self.rt.allocator.free(released.block_ids)

@@ -10,7 +10,7 @@ would wait out the whole KV deadline before recomputing. Lifecycle:
    and gives up every unsettled record whose producer
    - is registered with a higher epoch: it restarted, and the new incarnation never got the work;
    - has not been registered for `absent_grace_s` (its heartbeat TTL): it is dead.
-   `on_given_up(request_id)` then fires, so the node admits the request and recomputes it.
+   `on_given_up(request_id)` then fires: the consumer queues it for its owner, which recomputes it.
 3. A directory that cannot be read changes nothing: the records keep their deadline.
 4. `close()` ends the thread.
 """

@@ -7,8 +7,8 @@ A request here:
    directory for it.
 2. The record is settled by whichever answers first: `located` (the producer's direct
    `KVReady`), the watcher (the directory's READY, or a FAILED / EXPIRED entry), or the
-   deadline. `on_ready(request_id)`, given at construction, then fires once: the node may
-   admit the request.
+   deadline. Its id is then queued, once, and the owner's `wakeup` woken: the owner's loop
+   takes it with `ready()`, on its own thread, and may admit the request.
 3. `receive` (the runner's pull, one at a time): check the producer's layout matches ours
    and that a same-host producer is not reached through the network stack (fast_path.py),
    let the transport's puller move the blocks and hidden states into ours, write the
@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import logging
 import math
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -50,6 +51,7 @@ from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.transports.kv_checksum import layer_checksums
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.transports.transport import Transport
+from kvwire.connectors.wakeup import Wakeup
 from kvwire.connectors.wire import HeadSlice, KVLocation, PullRequest
 from kvwire.observability.labels import TransferFailure
 from kvwire.observability.metrics import Metrics, process_metrics
@@ -85,7 +87,7 @@ def failure_of(exc: Exception) -> TransferFailure:
 
 class KVConsumer:
     def __init__(self, config: ConnectorConfig, directory: KVDirectory, transport: Transport, region: KVRegion,
-                 on_ready: Callable[[str], None] = lambda request_id: None, metrics: Metrics | None = None):
+                 wakeup: Wakeup | None = None, metrics: Metrics | None = None):
         """Build the transport's puller over `region` and publish where it receives.
 
         Args:
@@ -93,14 +95,16 @@ class KVConsumer:
             directory: where locations are looked up (the caller owns and closes it).
             transport: makes the puller, picks an offer per pull; closed with this consumer.
             region: the pool's bytes, where pulled KV lands.
-            on_ready: `(request_id)`, possibly on a watcher thread, once an expected request's KV can be
-                pulled at once or will never come.
+            wakeup: woken once an expected request is queued for `ready()` (the owner's loop waits on its
+                fd); None: the consumer's own (`self.wakeup`), closed with it.
         """
         self._config = config
         self._directory = directory
         self._transport = transport
         self._region = region
-        self._on_ready = on_ready
+        self._owns_wakeup = wakeup is None
+        self.wakeup = wakeup or Wakeup()
+        self._ready: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._metrics = metrics or process_metrics()
         self._puller = transport.puller(region)
         self._fast_path = FastPathGuard(config, lambda loc: transport.data_path(self._puller, loc))
@@ -115,7 +119,7 @@ class KVConsumer:
         self._declines = SideChannelClient()  # the pulling thread's, for declined copies (HeadSlice)
         self._decline_ids = itertools.count(1 << 62)  # transfer ids apart from the puller's
         self.publish_addresses()
-        self._producer_watch = ProducerWatch(directory, self._waiting, on_ready, directory.node_ttl_s)
+        self._producer_watch = ProducerWatch(directory, self._waiting, self._settled, directory.node_ttl_s)
         self._producer_watch.start()
 
     def expect(self, request_id: str, producer: str = "", producer_epoch: int = 0,
@@ -174,7 +178,7 @@ class KVConsumer:
                                                    self._region.planes[0].device)
         if not settled:
             return False
-        self._on_ready(location.request_id)
+        self._settled(location.request_id)
         return True
 
     def _read_ahead(self, location: KVLocation) -> KVLocation:
@@ -184,6 +188,19 @@ class KVConsumer:
             return location
         ahead = self._puller.read_ahead(location)
         return msgspec.structs.replace(location, inline_hidden=ahead) if ahead else location
+
+    def ready(self) -> list[str]:
+        """The expected requests settled since the last call, each once: their KV can be pulled now, or never
+        will be (the pull then fails at once and the caller recomputes)."""
+        out = []
+        while not self._ready.empty():
+            out.append(self._ready.get())
+        return out
+
+    def _settled(self, request_id: str) -> None:
+        """A record was settled (any thread): queued for `ready()`, the owner woken."""
+        self._ready.put(request_id)
+        self.wakeup.wake()
 
     def forget(self, request_id: str) -> None:
         """The node dropped the request before pulling it (aborted, failed)."""
@@ -271,6 +288,8 @@ class KVConsumer:
         self._watchers.shutdown(wait=False, cancel_futures=True)
         self._puller.close()
         self._transport.close()
+        if self._owns_wakeup:
+            self.wakeup.close()
 
     # --- where the KV is -------------------------------------------------------------------
 
@@ -300,7 +319,7 @@ class KVConsumer:
             log.warning("request %s: watching the directory failed: %s", record.request_id, exc)
             settled = record.give_up(f"watching the directory failed: {exc}", TransferFailure.DIRECTORY)
         if settled:
-            self._on_ready(record.request_id)
+            self._settled(record.request_id)
 
     def _watch_slice(self, record: ExpectedKV) -> DirectoryEntry | None:
         """The record's entry if READY or terminal within WATCH_SLICE_S, else None. A directory that does not

@@ -10,9 +10,10 @@ A request here:
 3. A consumer pulls it through one of the transfer servers (one per transport this
    producer serves over, sharing the held table). A pull confirmed to its consumer moves
    the entry to CONSUMED and deletes it, here, off the consumer's way to its first token.
-4. The held table releases the blocks (`on_release(request_id, block_ids)`, given at
-   construction) when the pull ends, when nobody will pull (the consumer gave up; the
-   layer-wise forward failed), or at the hold deadline (the entry becomes EXPIRED).
+4. The held table releases the blocks when the pull ends, when nobody will pull (the
+   consumer gave up; the layer-wise forward failed), or at the hold deadline (the entry
+   becomes EXPIRED). Releases happen on the transfer servers' threads: each is queued and
+   the owner's `wakeup` woken; the owner's loop takes them with `released()`, on its thread.
 
 A prompt this producer will not compute is `fail`ed: its consumer recomputes at once.
 When it starts, a producer fails the READY entries its earlier incarnations left.
@@ -22,9 +23,11 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import zmq
@@ -45,6 +48,7 @@ from kvwire.connectors.transports.kv_checksum import layer_checksums
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.transports.transport import Transport
 from kvwire.connectors.types import IntermediateTensors
+from kvwire.connectors.wakeup import Wakeup
 from kvwire.connectors.wire import KVLocation, KVReady, PullRequest, TensorDesc, TransportOffer
 
 log = logging.getLogger(__name__)
@@ -52,9 +56,16 @@ log = logging.getLogger(__name__)
 ADVERTISE_DELAY_S = 0.005  # a told consumer has usually pulled by then: the READY is its fallback
 
 
+class Released(NamedTuple):
+    """A request whose blocks the producer no longer needs."""
+
+    request_id: str
+    block_ids: list[int]
+
+
 class KVProducer:
     def __init__(self, config: ConnectorConfig, directory: KVDirectory, epoch: int, transport: Transport,
-                 region: KVRegion, on_release: Callable[[str, list[int]], None]):
+                 region: KVRegion, wakeup: Wakeup | None = None):
         """Start serving `region` over each send engine.
 
         Args:
@@ -63,14 +74,18 @@ class KVProducer:
             epoch: this incarnation's epoch (fences off older ones).
             transport: makes the send engines (one per transport served over); closed with this producer.
             region: the pool's bytes (from `transport.producer_pool`, where the transport needs it there).
-            on_release: `(request_id, block_ids)` once a published request's blocks are free again.
+            wakeup: woken once a release is queued for `released()` (the owner's loop waits on its fd);
+                None: the producer's own (`self.wakeup`), closed with it.
         """
         self._config = config
         self._directory = directory
         self._epoch = epoch
         self._region = region
         self._layout = region.layout
-        self._held = HeldTable(on_release, before_release=self._unhold)
+        self._owns_wakeup = wakeup is None
+        self.wakeup = wakeup or Wakeup()
+        self._released: queue.SimpleQueue[Released] = queue.SimpleQueue()
+        self._held = HeldTable(self._queue_release, before_release=self._unhold)
         self._fail_earlier_incarnations()
         self._transport = transport
         engines = transport.send_engines(region)
@@ -90,8 +105,20 @@ class KVProducer:
         return len(self._held)
 
     def holds(self, request_id: str) -> bool:
-        """Whether the request's blocks are held here (`on_release` will fire for them)."""
+        """Whether the request's blocks are held here (`released()` will return them)."""
         return self._held.get(request_id) is not None
+
+    def released(self) -> list[Released]:
+        """The requests whose blocks were released since the last call: the caller may reuse those blocks."""
+        out = []
+        while not self._released.empty():
+            out.append(self._released.get())
+        return out
+
+    def _queue_release(self, request_id: str, block_ids: list[int]) -> None:
+        """The held table's release (a transfer server's thread): queued for `released()`, the owner woken."""
+        self._released.put(Released(request_id, block_ids))
+        self.wakeup.wake()
 
     def publish(self, model_input: ModelInput, hidden: torch.Tensor | IntermediateTensors) -> None:
         """Hold and announce every request of a computed prompt batch (layer-wise ones: complete them).
@@ -190,6 +217,8 @@ class KVProducer:
             server.close()
         self._consumers.close()
         self._transport.close()
+        if self._owns_wakeup:
+            self.wakeup.close()
 
     # --- internals -------------------------------------------------------------------------
 

@@ -8,8 +8,9 @@
 2. Each step, `start` (vLLM's start_load_kv) takes the scheduler's metadata: holds and
    announces finished prompts (producer: this rank's copy, under its rank's key), starts
    waiting for the KV of parked requests (consumer: one part per prefill rank this rank
-   reads, tp.py). A part's pull runs on the pull thread once its location is known; the
-   request's pull ends when all its parts have.
+   reads, tp.py). A part's pull runs on the pull thread once its location is known (the
+   `kvwire-ready` thread waits on the consumer's wake-up fd and hands it the parts the
+   consumer says are `ready()`); the request's pull ends when all its parts have.
 3. `transfer_results` (each step): requests whose held KV was pulled or whose hold lapsed
    (vLLM frees their blocks now), requests whose pull ended; a failed pull's request is
    reported failed and its blocks as load errors, so vLLM recomputes its prompt.
@@ -22,6 +23,7 @@ import dataclasses
 import functools
 import logging
 import os
+import select
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+DISPATCH_IDLE_S = 0.5  # the kvwire-ready thread looks whether it is closing at least this often
 MAX_WARNED = 4096  # (peer, reason) pairs remembered as warned about
 HINTS = {  # what to do when pulls fail for this reason
     TransferFailure.DEADLINE: "the KV was not announced within kv_deadline_s: is the prefill server overloaded, "
@@ -82,6 +85,8 @@ class WorkerHalf:
         self._parts: dict[str, _Parts] = {}  # our request id -> its parts' progress
         self._held_ids: dict[str, str] = {}  # producer: the key this rank holds a request under -> its id
         self._pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwire-pull")
+        self._closing = threading.Event()
+        self._ready_thread: threading.Thread | None = None
         self._epoch = 0
         self._heartbeat: Heartbeat | None = None
         self.tally = Tally()  # what vLLM's /metrics gets (stats.py)
@@ -111,13 +116,15 @@ class WorkerHalf:
             refuse_live_duplicate(directory, config.node_id)
             self._epoch = epoch = directory.next_epoch(config.node_id)
             if self._settings.role.produces:
-                self._producer = KVProducer(config, directory, epoch, create_transport(config, epoch), region,
-                                            self._released)
+                self._producer = KVProducer(config, directory, epoch, create_transport(config, epoch), region)
                 undo.callback(self._producer.close)
             if self._settings.role.consumes:
-                self._consumer = KVConsumer(config, directory, create_transport(config, epoch), region,
-                                            self._located)
+                self._consumer = KVConsumer(config, directory, create_transport(config, epoch), region)
                 undo.callback(self._consumer.close)
+                self._ready_thread = threading.Thread(target=self._dispatch, args=(self._consumer,),
+                                                      name="kvwire-ready", daemon=True)
+                self._ready_thread.start()
+                undo.callback(self._stop_dispatch)
             self._heartbeat = Heartbeat(directory, functools.partial(self._node_info, config, epoch))
             self._heartbeat.start()  # registered: `kvwire status` lists it; its epoch counter is kept alive
             undo.pop_all()
@@ -135,6 +142,9 @@ class WorkerHalf:
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """`(finished sending, finished receiving, failed receiving)` since the last call."""
+        if self._producer is not None:
+            for released in self._producer.released():
+                self._released(released.request_id, released.block_ids)
         with self._lock:
             out = (self._sent, self._received, self._failed)
             self._sent, self._received, self._failed = set(), set(), set()
@@ -152,6 +162,7 @@ class WorkerHalf:
             except DirectoryError as exc:
                 log.warning("kvwire: node %s: cannot deregister (its registration expires): %s",
                             self._settings.node_id, exc)
+        self._stop_dispatch()
         self._pulls.shutdown(wait=True, cancel_futures=True)
         for role in (self._consumer, self._producer):
             if role is not None:
@@ -218,16 +229,28 @@ class WorkerHalf:
             self._parts[rid] = _Parts(len(parts))
             for part in parts:
                 self._waiting[rank_key(remote.remote_request_id, part.rank, remote.remote_tp_size)] = (rid, pull, part)
-        for part in parts:  # _located fires once each part can be pulled
+        for part in parts:  # _dispatch hands each part to the pull thread once it can be pulled
             self._consumer.expect(rank_key(remote.remote_request_id, part.rank, remote.remote_tp_size),
                                   rank_node_id(remote.remote_engine_id, part.rank, remote.remote_tp_size))
 
-    def _located(self, key: str) -> None:
-        """A watcher thread: the KV of `key` can be pulled now (or never will be: the pull then fails fast)."""
-        try:
-            self._pulls.submit(self._pull, key)
-        except RuntimeError:  # shutting down
-            pass
+    def _dispatch(self, consumer: KVConsumer) -> None:
+        """The kvwire-ready thread: each part whose KV can be pulled now (or never will be: the pull then fails
+        fast) goes to the pull thread as soon as the consumer says so."""
+        while not self._closing.is_set():
+            select.select([consumer.wakeup.fd], [], [], DISPATCH_IDLE_S)
+            consumer.wakeup.drain()
+            for key in consumer.ready():
+                try:
+                    self._pulls.submit(self._pull, key)
+                except RuntimeError:  # shutting down
+                    return
+
+    def _stop_dispatch(self) -> None:
+        self._closing.set()
+        if self._consumer is not None:
+            self._consumer.wakeup.wake()
+        if self._ready_thread is not None:
+            self._ready_thread.join(timeout=5)
 
     def _pull(self, key: str) -> None:
         with self._lock:

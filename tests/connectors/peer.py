@@ -7,8 +7,9 @@ standalone producer (`open_producer`): no node, engine or router around it.
 from __future__ import annotations
 
 import os
+import select
 import signal
-import threading
+import time
 import zlib
 
 import torch
@@ -87,16 +88,8 @@ def produce(redis_url: str, kind: ConnectorKind, lay: KVLayout, requests: list[t
             hidden_width: int = HIDDEN) -> None:
     """Publish each (request_id, num_tokens, src_blocks), telling `consumer_endpoint` directly when one is
     given; report {request_id: released block ids} once all are released."""
-    released: dict[str, list[int]] = {}
-    done = threading.Event()
-
-    def on_release(rid: str, block_ids: list[int]) -> None:
-        released[rid] = list(block_ids)
-        if len(released) == len(requests):
-            done.set()
-
-    side = open_producer(config(kind, NodeRole.PREFILL, node_id, redis_url, deadline_s), on_release,
-                         layout=lay, num_blocks=num_blocks, device=device)
+    side = open_producer(config(kind, NodeRole.PREFILL, node_id, redis_url, deadline_s), layout=lay,
+                         num_blocks=num_blocks, device=device)
     pool = pool_of(side.kv_caches)
     if die_mid_transfer:
         _die_on_first_send(side.producer)
@@ -108,6 +101,17 @@ def produce(redis_url: str, kind: ConnectorKind, lay: KVLayout, requests: list[t
         seq = SequenceInput(rid, [0] * tokens, 0, blocks, consumer_endpoint=consumer_endpoint)
         side.connector.send_kv_caches_and_hidden_states(None, ModelInput([seq]), side.kv_caches, hidden)
     results.put(("published", len(requests)))
-    done.wait(deadline_s * 3 + 10)
-    results.put(("released", dict(released)))
+    results.put(("released", wait_released(side.producer, len(requests), deadline_s * 3 + 10)))
     side.close()
+
+
+def wait_released(producer: KVProducer, want: int, timeout_s: float) -> dict[str, list[int]]:
+    """{request_id: block ids} of the first `want` requests the producer releases, as a node loop takes them
+    (woken by its fd); fewer if `timeout_s` passes first."""
+    released: dict[str, list[int]] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(released) < want and (left := deadline - time.monotonic()) > 0:
+        select.select([producer.wakeup.fd], [], [], left)
+        producer.wakeup.drain()
+        released.update({r.request_id: list(r.block_ids) for r in producer.released()})
+    return released

@@ -40,7 +40,7 @@ def test_a_watch_outlives_a_directory_stall_shorter_than_the_deadline(monkeypatc
         _, src = _region(7.0)
         dst_tensors, dst = _region(0.0)
         prod_config, cons_config = config(NodeRole.PREFILL, "prefill"), config(NodeRole.DECODE, "decode")
-        producer = KVProducer(prod_config, directories[0], 1, create_transport(prod_config, 1), src, lambda *_: None)
+        producer = KVProducer(prod_config, directories[0], 1, create_transport(prod_config, 1), src)
         consumer = KVConsumer(cons_config, directories[1], create_transport(cons_config, 1), dst)
         try:
             consumer.expect("r", "prefill")  # its watcher waits on the directory from now on

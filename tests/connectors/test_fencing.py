@@ -77,8 +77,7 @@ def test_a_restarted_prefill_connector_fails_the_entries_it_left(redis_url):
         transport = create_transport(config, epoch)
         pool = transport.producer_pool(peer.layout(), 4, "cpu")
         assert d.get("left-behind").state == TransferState.READY  # no producer serves the pool yet
-        producer = KVProducer(config, d, epoch, transport, KVRegion.from_kv_caches(pool.kv_caches),
-                              lambda rid, blocks: None)
+        producer = KVProducer(config, d, epoch, transport, KVRegion.from_kv_caches(pool.kv_caches))
         assert d.get("left-behind").state == TransferState.FAILED
     finally:
         if producer is not None:

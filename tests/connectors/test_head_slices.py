@@ -24,6 +24,7 @@ from kvwire.connectors.producer.role import KVProducer
 from kvwire.connectors.vllm.identity import rank_node_id
 from kvwire.connectors.vllm.layout import region_of
 from kvwire.connectors.vllm.tp import TPSplit, plan, rank_key
+from tests.connectors import peer
 
 CTX = mp.get_context("spawn")
 LAYERS, BLOCKS, BLOCK, HEAD_DIM = 2, 16, 4, 8
@@ -53,23 +54,15 @@ def prefill_rank(redis_url: str, kind: ConnectorKind, split: TPSplit, rank: int,
         for layer, t in enumerate(tensors.values()):
             for local in range(split.per_rank):
                 t[blocks, local] = head_kv(rid, layer, split.first_head(rank) + local, len(blocks))
-    released = threading.Event()
-    gone: list[str] = []
-
-    def on_release(key: str, block_ids: list[int]) -> None:
-        gone.append(key)
-        if len(gone) == len(REQUESTS):
-            released.set()
-
     config = _config(kind, NodeRole.PREFILL, rank_node_id("prefill", rank, split.tp), redis_url)
     directory = KVDirectory(redis_url)
     epoch = directory.next_epoch(config.node_id)
     producer = KVProducer(config, directory, epoch, create_transport(config, epoch),
-                          region_of(tensors, BLOCKS, BLOCK), on_release)
+                          region_of(tensors, BLOCKS, BLOCK))
     for rid, tokens, blocks in REQUESTS:
         producer.hold(rank_key(rid, rank, split.tp), blocks, tokens)
     results.put(("held", rank))
-    results.put(("released", rank, released.wait(HOLD_S / 2)))
+    results.put(("released", rank, len(peer.wait_released(producer, len(REQUESTS), HOLD_S / 2)) == len(REQUESTS)))
     producer.close()
     directory.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import select
 import time
 
 import msgspec
@@ -34,10 +35,22 @@ def _work_socket() -> tuple[zmq.Socket, str]:
     return sock, f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
 
 
-def _consumer(node_id: str, redis_url: str, on_ready):
+def _consumer(node_id: str, redis_url: str):
     """A TCP consumer with an 8-block pool and a 5 s KV deadline."""
-    return open_consumer(_config(NodeRole.DECODE, node_id, redis_url, deadline_s=5.0), on_ready,
-                         layout=peer.layout(), num_blocks=8)
+    return open_consumer(_config(NodeRole.DECODE, node_id, redis_url, deadline_s=5.0), layout=peer.layout(),
+                         num_blocks=8)
+
+
+def _ready_as_told(consumer, want: int, timeout_s: float) -> list[tuple[str, float]]:
+    """What the consumer queues for its owner, with when its wake-up fd said so, as a node loop reads it."""
+    told: list[tuple[str, float]] = []
+    deadline = time.monotonic() + timeout_s
+    while len(told) < want and (left := deadline - time.monotonic()) > 0:
+        select.select([consumer.wakeup.fd], [], [], left)
+        now = time.monotonic()
+        consumer.wakeup.drain()
+        told += [(rid, now) for rid in consumer.ready()]
+    return told
 
 
 def _location(rid: str) -> KVLocation:
@@ -108,17 +121,17 @@ def _wait_until(predicate, timeout_s: float = 5.0) -> None:
 
 
 def test_the_consumer_takes_a_direct_location_only_for_a_request_it_expects(redis_url):
-    woke: list[str] = []
-    side = _consumer("d-ready", redis_url, woke.append)
+    side = _consumer("d-ready", redis_url)
     consumer = side.consumer
     loc = _location("direct-1")
     try:
         record = consumer.expect("direct-1", producer="p")
         assert not consumer.located(msgspec.structs.replace(loc, producer="p-other")), "another producer's word"
-        assert record.location is None and not record.settled and woke == []
+        assert record.location is None and not record.settled and consumer.ready() == []
         assert consumer.located(loc)
         assert record.settled and record.location == loc  # the pull starts from it: no directory read
-        assert woke == ["direct-1"]
+        assert select.select([consumer.wakeup.fd], [], [], 0)[0], "the owner's loop is woken"
+        assert consumer.ready() == ["direct-1"]
         assert not consumer.located(loc), "located once"
     finally:
         side.close()
@@ -127,15 +140,14 @@ def test_the_consumer_takes_a_direct_location_only_for_a_request_it_expects(redi
 def test_a_direct_word_that_beats_its_work_is_kept_for_it(redis_url):
     """The producer's word can reach the decode node before the router's work does: it is kept, and the work's
     `expect` takes it at once (from the producer the work names only)."""
-    woke: list[str] = []
-    side = _consumer("d-early", redis_url, woke.append)
+    side = _consumer("d-early", redis_url)
     consumer = side.consumer
     loc = _location("early-1")
     try:
         assert not consumer.located(loc), "not expected yet: kept, not taken"
         assert not consumer.located(msgspec.structs.replace(loc, request_id="early-2"))
         record = consumer.expect("early-1", producer="p", head_start_s=1.0)
-        assert record.settled and record.location == loc and woke == ["early-1"]
+        assert record.settled and record.location == loc and consumer.ready() == ["early-1"]
         other = consumer.expect("early-2", producer="p-other", head_start_s=1.0)
         assert not other.settled and other.location is None, "a word from another producer than the work's"
     finally:
@@ -147,9 +159,8 @@ def test_producer_tells_the_consumer_directly_and_the_consumer_pulls(redis_url):
     lay, rid, tokens = peer.layout(), "direct-pull", 10
     src, dst = [5, 2, 9], [1, 12, 13]
     sock, endpoint = _work_socket()
-    woke: list[str] = []
     pool = KVPool.allocate(lay, 16)
-    side = open_consumer(_config(NodeRole.DECODE, "d-direct", redis_url), woke.append, kv_caches=pool.kv_caches)
+    side = open_consumer(_config(NodeRole.DECODE, "d-direct", redis_url), kv_caches=pool.kv_caches)
     consumer = side.consumer
     results = CTX.Queue()
     proc = CTX.Process(target=peer.produce, args=(redis_url, ConnectorKind.TCP, lay, [(rid, tokens, src)], False,
@@ -172,7 +183,7 @@ def test_producer_tells_the_consumer_directly_and_the_consumer_pulls(redis_url):
         assert results.get(timeout=30) == ("released", {rid: src})
         proc.join(30)
         assert proc.exitcode == 0
-        assert woke == [rid], "the node is told once (by the direct word or the directory, whichever came first)"
+        assert consumer.ready() == [rid], "the owner is told once (by the direct word or the directory, first)"
         directory = KVDirectory(redis_url)
         try:
             assert directory.request_ids() == [], "the producer deletes the entry once the pull is confirmed"
@@ -189,8 +200,7 @@ def test_a_head_start_keeps_the_directory_unread_until_it_ends_and_a_direct_word
     """With a head start (a decode node's producer tells it directly), the watcher reads the directory only once
     it has passed: a FAILED entry is seen then, not at once, and a direct word within it settles the request with
     no directory read at all. Without one, the FAILED entry is seen at once."""
-    woke: list[tuple[str, float]] = []
-    side = _consumer("d-head", redis_url, lambda rid: woke.append((rid, time.monotonic())))
+    side = _consumer("d-head", redis_url)
     consumer, head_s = side.consumer, 0.3
     reads: list[str] = []
     wait_for = side.directory.wait_for
@@ -204,10 +214,7 @@ def test_a_head_start_keeps_the_directory_unread_until_it_ends_and_a_direct_word
         at_once = consumer.expect("no-head-failed", producer="p")
         word = consumer.expect("head-word", producer="p", head_start_s=head_s)
         assert consumer.located(loc)
-        deadline = time.monotonic() + 3.0
-        while len(woke) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        when = dict(woke)
+        when = dict(_ready_as_told(consumer, 3, 3.0))
         assert set(when) == {"head-failed", "no-head-failed", "head-word"}
         assert when["no-head-failed"] - start < head_s and when["head-word"] - start < head_s
         assert when["head-failed"] - start >= head_s

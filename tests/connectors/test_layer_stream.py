@@ -4,7 +4,6 @@ a consumer pulling over TCP or UCX while the layers are still being computed, an
 from __future__ import annotations
 
 import multiprocessing as mp
-import threading
 import time
 
 import pytest
@@ -36,9 +35,7 @@ def _stream(redis_url: str, kind: ConnectorKind, rid: str, tokens: int, blocks: 
             results) -> None:
     """Publish `rid` layer-wise; write each layer's KV only just before handing that layer over."""
     lay = peer.layout(layers=4, block_size=4)
-    released = threading.Event()
-    side = open_producer(_config(NodeRole.PREFILL, "producer-lw", redis_url, True, kind), lambda r, b: released.set(),
-                         layout=lay, num_blocks=64)
+    side = open_producer(_config(NodeRole.PREFILL, "producer-lw", redis_url, True, kind), layout=lay, num_blocks=64)
     conn, pool = side.connector, peer.pool_of(side.kv_caches)
     batch = ModelInput([SequenceInput(rid, [0] * tokens, 0, blocks)])
     kv = peer.request_kv(rid, lay, len(blocks))  # [blocks, layers, 2, block_size, heads, head_dim]
@@ -54,7 +51,7 @@ def _stream(redis_url: str, kind: ConnectorKind, rid: str, tokens: int, blocks: 
     else:
         results.put(("last layer", time.monotonic()))
         conn.send_kv_caches_and_hidden_states(None, batch, side.kv_caches, peer.request_hidden(rid, tokens, False))
-    results.put(("released", released.wait(30)))
+    results.put(("released", rid in peer.wait_released(side.producer, 1, 30)))
     side.close()
 
 
@@ -182,12 +179,10 @@ def test_layerwise_needs_tcp_or_ucx_and_no_checksums():
 def test_a_layerwise_request_released_during_its_forward_is_never_published_again(redis_url):
     from kvwire.connectors.directory.directory import TransferState
 
-    released: list[tuple[str, list[int]]] = []
     hold_s = 0.3  # the hold deadline passes mid-forward
     config = ConnectorConfig(kind=ConnectorKind.TCP, role=NodeRole.PREFILL, node_id="p-lw", redis_url=redis_url,
                              kv_deadline_s=hold_s, layerwise=True)
-    side = open_producer(config, lambda rid, blocks: released.append((rid, blocks)), layout=peer.layout(),
-                         num_blocks=8)
+    side = open_producer(config, layout=peer.layout(), num_blocks=8)
     sender, directory = side.producer, side.directory
     try:
         batch = ModelInput([SequenceInput("lw-gone", [0] * 5, 0, [2, 3])])
@@ -197,12 +192,13 @@ def test_a_layerwise_request_released_during_its_forward_is_never_published_agai
         while sender.holds("lw-gone"):  # released at its hold deadline, mid-forward
             assert time.monotonic() < deadline, "the hold deadline did not release the request"
             time.sleep(0.02)
+        released = [tuple(r) for r in sender.released()]
         assert released == [("lw-gone", [2, 3])]
         assert directory.get("lw-gone").state == TransferState.EXPIRED
         for layer in range(peer.layout().num_layers):
             on_layer(layer)
         sender.publish(batch, torch.zeros(5, peer.HIDDEN))
-        assert released == [("lw-gone", [2, 3])] and not sender.holds("lw-gone")
+        assert sender.released() == [] and not sender.holds("lw-gone"), "released once"
         assert directory.get("lw-gone").state == TransferState.EXPIRED
     finally:
         side.close()

@@ -9,7 +9,6 @@ hold exactly those blocks' bytes, nothing written elsewhere (prefix-cached or nu
 from __future__ import annotations
 
 import multiprocessing as mp
-import time
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from kvwire.connectors.factory import create_transport
 from kvwire.connectors.producer.role import KVProducer
 from kvwire.connectors.vllm.groups import Groups
 from kvwire.connectors.vllm.layout import region_of
+from tests.connectors import peer
 
 CTX = mp.get_context("spawn")
 BLOCKS, BLOCK, HEADS, HEAD_DIM = 32, 4, 2, 8
@@ -83,15 +83,11 @@ def producer(redis_url: str, kind: ConnectorKind, results) -> None:
                              kv_deadline_s=60.0)
     directory = KVDirectory(redis_url)
     epoch = directory.next_epoch(config.node_id)
-    gone: list[str] = []
     prod = KVProducer(config, directory, epoch, create_transport(config, epoch),
-                      region_of(GROUPS.planes(caches(tensors)), BLOCKS, BLOCK), lambda key, _: gone.append(key))
+                      region_of(GROUPS.planes(caches(tensors)), BLOCKS, BLOCK))
     prod.hold("r", GROUPS.held(PREFILL, TOKENS), TOKENS)
     results.put("held")
-    end = time.monotonic() + 30
-    while not gone and time.monotonic() < end:
-        time.sleep(0.01)
-    results.put(("released", gone))
+    results.put(("released", list(peer.wait_released(prod, 1, 30))))
     prod.close()
     directory.close()
 

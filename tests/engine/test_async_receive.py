@@ -5,6 +5,7 @@ prompt into the engine's own blocks when the test lets it."""
 
 from __future__ import annotations
 
+import select
 import threading
 import time
 
@@ -13,6 +14,7 @@ import pytest
 from kvwire.connectors.base import KVConnectorBase
 from kvwire.connectors.config import NodeRole
 from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.wakeup import Wakeup
 from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.block_allocator import BlockAllocator
 from kvwire.engine.llm_engine import LLMEngine
@@ -47,10 +49,10 @@ def model(tiny_model_dir):
     return load_model(tiny_model_dir)
 
 
-def _engine(model, connector=None, num_blocks=64, on_received=lambda: None) -> LLMEngine:
+def _engine(model, connector=None, num_blocks=64, wakeup: Wakeup | None = None) -> LLMEngine:
     pool = KVPool.allocate(kv_layout(model.config, 4), num_blocks)
     runner = ModelRunner(model, pool, connector, NodeRole.DECODE if connector else None)
-    return LLMEngine(runner, BlockAllocator(num_blocks), 256, model.config.eos_token_id, on_received)
+    return LLMEngine(runner, BlockAllocator(num_blocks), 256, model.config.eos_token_id, wakeup)
 
 
 def _alone(model, prompt) -> list[int]:
@@ -70,8 +72,8 @@ def _wait_received(eng: LLMEngine) -> None:
 
 def test_running_requests_decode_while_a_prompt_is_pulled(model):
     conn = _GatedPull(model)
-    woke = []
-    eng = _engine(model, conn, on_received=lambda: woke.append(1))
+    wakeup = Wakeup()
+    eng = _engine(model, conn, wakeup=wakeup)
     a = eng.add_request("a", PROMPT_A, PARAMS, receive_kv=False)
     eng.step()
     b = eng.add_request("b", PROMPT_B, PARAMS)
@@ -81,7 +83,8 @@ def test_running_requests_decode_while_a_prompt_is_pulled(model):
     assert len(a.output_ids) == 4 and b.output_ids == [], "a decodes while b's KV is being pulled"
     conn.go.set()
     _wait_received(eng)
-    assert woke == [1] and eng.can_step()
+    assert select.select([wakeup.fd], [], [], 5)[0] and eng.can_step(), "the pull's end wakes the owner's loop"
+    wakeup.close()
     while eng.has_unfinished():
         eng.step()
     assert b.bypassed and b.output_ids == _alone(model, PROMPT_B)
