@@ -7,10 +7,12 @@ standalone producer (`open_producer`): no node, engine or router around it.
 from __future__ import annotations
 
 import os
+import queue
 import select
 import signal
 import time
 import zlib
+from collections import deque
 
 import torch
 
@@ -108,10 +110,39 @@ def produce(redis_url: str, kind: ConnectorKind, lay: KVLayout, requests: list[t
 def wait_released(producer: KVProducer, want: int, timeout_s: float) -> dict[str, list[int]]:
     """{request_id: block ids} of the first `want` requests the producer releases, as a node loop takes them
     (woken by its fd); fewer if `timeout_s` passes first."""
-    released: dict[str, list[int]] = {}
+    releases, released = Releases(producer), {}
     deadline = time.monotonic() + timeout_s
-    while len(released) < want and (left := deadline - time.monotonic()) > 0:
-        select.select([producer.wakeup.fd], [], [], left)
-        producer.wakeup.drain()
-        released.update({r.request_id: list(r.block_ids) for r in producer.released()})
+    while len(released) < want:
+        try:
+            rid, blocks = releases.get(timeout=deadline - time.monotonic())
+        except queue.Empty:
+            break
+        released[rid] = blocks
     return released
+
+
+class Releases:
+    """A producer's releases, taken as a node loop takes them (`released()` once its fd is readable), read with a
+    queue's `get` and `empty`."""
+
+    def __init__(self, producer: KVProducer):
+        self._producer = producer
+        self._got: deque[tuple[str, list[int]]] = deque()
+
+    def get(self, timeout: float) -> tuple[str, list[int]]:
+        """The next `(request_id, block_ids)`. Raises queue.Empty if none comes within `timeout`."""
+        deadline = time.monotonic() + timeout
+        while not self._take():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise queue.Empty
+            select.select([self._producer.wakeup.fd], [], [], left)
+        return self._got.popleft()
+
+    def empty(self) -> bool:
+        return not self._take()
+
+    def _take(self) -> int:
+        self._producer.wakeup.drain()
+        self._got.extend((r.request_id, list(r.block_ids)) for r in self._producer.released())
+        return len(self._got)

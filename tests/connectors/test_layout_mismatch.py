@@ -34,10 +34,9 @@ def _caches(layout):
 
 @pytest.mark.parametrize("what", list(VARIANTS))
 def test_mismatched_layout_recomputes(redis_url, what):
-    released = []
     pk, ck = _caches(BASE), _caches(VARIANTS[what])
     prod = open_producer(peer.config(ConnectorKind.TCP, NodeRole.PREFILL, f"p-{what}", redis_url, 1.0),
-                         lambda rid, blocks: released.append((rid, blocks)), kv_caches=pk)
+                         kv_caches=pk)
     cons = open_consumer(peer.config(ConnectorKind.TCP, NodeRole.DECODE, f"c-{what}", redis_url, 1.0), kv_caches=ck)
     rid = f"mismatch-{what}"
     try:
@@ -52,4 +51,5 @@ def test_mismatched_layout_recomputes(redis_url, what):
     finally:
         cons.close()
         prod.close()
-    assert released == [(rid, [0, 1])]  # closing (or the hold deadline) released the producer's blocks
+    # closing (or the hold deadline) released the producer's blocks
+    assert [tuple(r) for r in prod.producer.released()] == [(rid, [0, 1])]

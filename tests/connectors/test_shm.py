@@ -10,7 +10,6 @@ import gc
 import json
 import multiprocessing as mp
 import os
-import queue
 import signal
 import socket
 import stat
@@ -52,9 +51,9 @@ def _config(role: NodeRole, node_id: str, redis_url: str, deadline_s: float):
 @contextmanager
 def _producer(redis_url: str, node_id: str = NODE, deadline_s: float = 5.0):
     """A producer over a shared-memory pool; yields (side, its pool, a queue of (request_id, block_ids) released)."""
-    released: queue.SimpleQueue[tuple[str, list[int]]] = queue.SimpleQueue()
-    side = open_producer(_config(NodeRole.PREFILL, node_id, redis_url, deadline_s),
-                         lambda rid, blocks: released.put((rid, blocks)), layout=peer.layout(), num_blocks=16)
+    side = open_producer(_config(NodeRole.PREFILL, node_id, redis_url, deadline_s), layout=peer.layout(),
+                         num_blocks=16)
+    released = peer.Releases(side.producer)
     try:
         yield side, peer.pool_of(side.kv_caches), released
     finally:
@@ -192,7 +191,7 @@ def test_close_leaves_no_socket_no_descriptor_and_no_mapping(redis_url):
             assert released.get(timeout=5) == ("c1", [3, 4, 9])
             del pool
         assert not path.exists() and _node_sockets(NODE) == []
-    del producer, consumer
+    del producer, consumer, released  # released reads the producer: it holds it too
     gc.collect()
     assert _memfds() == [], "descriptors left open"
     assert "memfd:kvwire" not in Path("/proc/self/maps").read_text(), "a mapping outlived its connectors"
