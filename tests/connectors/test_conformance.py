@@ -5,7 +5,6 @@ Run one connector's part with `pytest tests/connectors/test_conformance.py --con
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import random
 import time
 
@@ -19,9 +18,10 @@ from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.standalone import ConsumerSide, open_consumer
 from kvwire.connectors.types import IntermediateTensors
 from kvwire.connectors.wire import DType
+from tests import procs
 from tests.connectors import peer
 
-CTX = mp.get_context("spawn")
+CTX = procs.CTX
 
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -9,7 +9,6 @@ declined.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 import zlib
 
@@ -24,9 +23,10 @@ from kvwire.connectors.producer.role import KVProducer
 from kvwire.connectors.vllm.identity import rank_node_id
 from kvwire.connectors.vllm.layout import region_of
 from kvwire.connectors.vllm.tp import TPSplit, plan, rank_key
+from tests import procs
 from tests.connectors import peer
 
-CTX = mp.get_context("spawn")
+CTX = procs.CTX
 LAYERS, BLOCKS, BLOCK, HEAD_DIM = 2, 16, 4, 8
 HOLD_S = 60.0  # the producers' hold deadline: a release that waits for it fails the test
 REQUESTS = [("a", 10, [3, 4, 9]), ("b", 4, [7])]  # (request id, tokens, prefill blocks)

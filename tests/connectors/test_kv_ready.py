@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import select
 import time
 
@@ -18,9 +17,10 @@ from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.producer.role import ADVERTISE_DELAY_S
 from kvwire.connectors.standalone import open_consumer, open_producer
 from kvwire.connectors.wire import KVLocation, KVReady, PullRequest
+from tests import procs
 from tests.connectors import peer
 
-CTX = mp.get_context("spawn")
+CTX = procs.CTX
 
 
 def _config(role: NodeRole, node_id: str, redis_url: str, deadline_s: float = 10.0) -> ConnectorConfig:

@@ -3,7 +3,6 @@ a consumer pulling over TCP or UCX while the layers are still being computed, an
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import pytest
@@ -18,9 +17,10 @@ from kvwire.connectors.producer.layer_gate import LayerGate
 from kvwire.connectors.standalone import ConsumerSide, open_consumer, open_producer
 from kvwire.connectors.transports.kv_region import KVRegion, plan_runs
 from kvwire.connectors.wire import DType, KVLayout, PoolLayout
+from tests import procs
 from tests.connectors import peer
 
-CTX = mp.get_context("spawn")
+CTX = procs.CTX
 SMALL = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=4, dtype=DType.BFLOAT16)
 LAYER_S = 0.05  # the producer's "compute" per layer
 

@@ -6,7 +6,6 @@ the NCCL connector); the directory is the session's redis-server.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -20,9 +19,10 @@ from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.standalone import ConsumerSide, open_consumer
 from kvwire.connectors.transports.nccl.pairs import MAX_PIECES, Backend, backend_for, parse_address, tag_for
 from kvwire.connectors.wire import DType
+from tests import procs
 from tests.connectors import peer
 
-CTX = mp.get_context("spawn")
+CTX = procs.CTX
 NCCL = ConnectorKind.NCCL
 LAYOUT = peer.layout(DType.BFLOAT16, layers=4, block_size=4)
 

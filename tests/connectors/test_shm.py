@@ -8,7 +8,6 @@ from __future__ import annotations
 import fcntl
 import gc
 import json
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -37,9 +36,10 @@ from kvwire.connectors.transports.shm.channel import (
     socket_dir,
 )
 from kvwire.connectors.wire import KVLocation, PullReply, PullRequest, ShmHello, ShmReadDone, ShmSegment
+from tests import procs
 from tests.connectors import peer
 
-CTX = mp.get_context("spawn")
+CTX = procs.CTX
 NODE = "shm-test-producer"
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 

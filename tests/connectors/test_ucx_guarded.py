@@ -6,7 +6,6 @@ with it the one transfer fails and the process goes on.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import pytest
@@ -16,8 +15,9 @@ from kvwire.connectors.transports.host import elsewhere, host_identity
 from kvwire.connectors.transports.ucx.flows import ReceiveFlow, SendFlow
 from kvwire.connectors.transports.ucx.packing import Staging
 from kvwire.connectors.transports.ucx.worker import Role, UCXWorker
+from tests import procs
 
-CTX = mp.get_context("spawn")
+CTX = procs.CTX
 
 
 def test_only_a_named_other_host_is_elsewhere():

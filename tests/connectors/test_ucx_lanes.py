@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import random
 import time
 
@@ -18,9 +17,10 @@ from kvwire.connectors.transports.ucx.flows import SendFlow
 from kvwire.connectors.transports.ucx.packing import Staging
 from kvwire.connectors.transports.ucx.worker import LANES_MAGIC, Role, UCXWorker, pack_lanes, unpack_lanes
 from kvwire.connectors.wire import DType
+from tests import procs
 from tests.connectors import peer
 
-CTX = mp.get_context("spawn")
+CTX = procs.CTX
 
 
 def test_one_lane_is_the_bare_worker_address_and_several_round_trip():

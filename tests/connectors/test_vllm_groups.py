@@ -8,8 +8,6 @@ hold exactly those blocks' bytes, nothing written elsewhere (prefix-cached or nu
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 import torch
 
@@ -20,9 +18,10 @@ from kvwire.connectors.factory import create_transport
 from kvwire.connectors.producer.role import KVProducer
 from kvwire.connectors.vllm.groups import Groups
 from kvwire.connectors.vllm.layout import region_of
+from tests import procs
 from tests.connectors import peer
 
-CTX = mp.get_context("spawn")
+CTX = procs.CTX
 BLOCKS, BLOCK, HEADS, HEAD_DIM = 32, 4, 2, 8
 GROUPS = Groups(windows=(8, 0), block_size=BLOCK, layers=(("sw.0", "sw.1"), ("full.0", "full.1")))
 TOKENS = 18  # 5 blocks; the window's 8 tokens (and one more) lie in blocks 2..4
