@@ -22,7 +22,6 @@ Lifecycle of `bench_bare_chain`:
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import msgspec
 import torch
 import zmq
 
+from kvwire.bench.procs import helper_context
 from kvwire.connectors.base import KVConnectorBase
 
 DECODE_HOST = "127.0.0.1"
@@ -166,7 +166,7 @@ class BareChain:
     """The two processes and the client's sockets; `ask` times one request's first token (one at a time)."""
 
     def __init__(self, model_dir: Path, num_blocks: int):
-        self._mp = mp.get_context("spawn")
+        self._mp = helper_context()
         self._ctx = zmq.Context()
         self._replies = self._ctx.socket(zmq.PULL)
         client = f"tcp://{DECODE_HOST}:{self._replies.bind_to_random_port(f'tcp://{DECODE_HOST}')}"

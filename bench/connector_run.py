@@ -16,7 +16,6 @@ bytes. One trial:
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import time
 from collections.abc import Mapping
@@ -26,6 +25,7 @@ import zmq
 
 from kvwire.bench.cpu import CpuTally, CpuTicks
 from kvwire.bench.memory import PeakTracker
+from kvwire.bench.procs import helper_context
 from kvwire.bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 from kvwire.connectors.control.framing import unpack
@@ -100,7 +100,7 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
     """Seconds of each measured trial, whether every trial's bytes matched, the peak memory either
     process used during the measured trials beyond what it held before them (pools included there),
     and the host's CPU ticks inside the measured trials."""
-    ctx = mp.get_context("spawn")
+    ctx = helper_context()
     ready: zmq.Socket = zmq.Context.instance().socket(zmq.PULL)  # the KVReady a decode node's work socket gets
     ready.setsockopt(zmq.LINGER, 0)
     endpoint = f"tcp://127.0.0.1:{ready.bind_to_random_port('tcp://127.0.0.1')}"

@@ -19,12 +19,13 @@ Lifecycle of `bench_handoff`:
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import random
 import statistics
 from pathlib import Path
 
 import msgspec
+
+from kvwire.bench.procs import helper_context
 
 DECODE_STEPS = 16  # tokens the previous request generates, as in `kvwire bench e2e`
 
@@ -83,7 +84,7 @@ def demo_prompt_lengths(model_dir: Path) -> list[int]:
 
 
 def bench_handoff(model_dir: Path, tokens: list[int], rounds: int) -> list[HandoffResult]:
-    ctx = mp.get_context("spawn")
+    ctx = helper_context()
     blocks = 2 * (max(tokens) + DECODE_STEPS) // 16 + 8
     pipes, procs = [], []
     for _ in range(2):

@@ -18,7 +18,6 @@ one layer's transfer.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import statistics
 import time
 
@@ -26,6 +25,7 @@ import msgspec
 import torch
 
 from kvwire.bench.connector_run import bench_config, bench_pool, request_input
+from kvwire.bench.procs import helper_context
 from kvwire.bench.workload import Workload, checksum, fill_random, zero_blocks
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.standalone import open_consumer, open_producer
@@ -95,7 +95,7 @@ def _trials(work: Workload, compute_s: float, n: int, tag: str, pipe, conn, kv_c
 def bench_layerwise(work: Workload, kind: ConnectorKind, runs: int, warmup: int, compute_ms: float | None,
                     redis_url: str) -> LayerwiseResult:
     """compute_ms None: one layer's measured transfer time (compute just covers transfer)."""
-    ctx = mp.get_context("spawn")
+    ctx = helper_context()
     here, there = ctx.Pipe()
     proc = ctx.Process(target=_producer, args=(work, kind, redis_url, there), daemon=True)
     proc.start()

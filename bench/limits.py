@@ -7,7 +7,6 @@ and a V plane per layer in vLLM's).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import socket
 import time
 
@@ -15,6 +14,7 @@ import torch
 
 from kvwire.bench.choices import Device
 from kvwire.bench.cpu import CpuTally, CpuTicks
+from kvwire.bench.procs import helper_context
 from kvwire.bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
 from kvwire.connectors.transports.block_copy import copy_blocks
 from kvwire.connectors.transports.kv_region import KVRegion, plan_runs
@@ -63,7 +63,7 @@ def _tcp_sender(work: Workload, port_q, trials: int) -> None:
 
 def limit_tcp(work: Workload, runs: int, warmup: int) -> tuple[list[float], bool, CpuTicks]:
     """A raw TCP loopback stream between two processes, scatter/gather on both ends."""
-    ctx = mp.get_context("spawn")
+    ctx = helper_context()
     port_q = ctx.Queue()
     proc = ctx.Process(target=_tcp_sender, args=(work, port_q, warmup + runs))
     proc.start()

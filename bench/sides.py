@@ -10,9 +10,10 @@ Used by the baselines that run both ends themselves (NIXL, bare ucxx). Lifecycle
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from collections.abc import Callable, Mapping
+
+from kvwire.bench.procs import helper_context
 
 TIMEOUT_S = 120.0
 
@@ -22,7 +23,7 @@ class Sides:
         """Start `target(*args, side, pipe)` for side 0 and side 1, with `env` applied (None unsets)."""
         from kvwire.bench.connector_run import scoped_env
 
-        ctx = mp.get_context("spawn")
+        ctx = helper_context()
         pipes = [ctx.Pipe() for _ in range(2)]
         self._what = what
         with scoped_env(env):

@@ -1,13 +1,11 @@
-"""How tests start their helper processes (a producer, a prefill rank): from one fork server that imported
-torch and kvwire's transfer plane once, so a child starts in milliseconds instead of a fresh interpreter
-importing torch for a second or more (more on a busy host). Each child is still its own process: its own
-UCX context, sockets and pool, as a real peer has. The fork server imports no UCX and starts no thread
-before it forks, so nothing of either is inherited.
+"""How tests start their helper processes (a producer, a prefill rank): forked from one fork server that
+imported torch, kvwire's transfer plane and the tests' peer helpers once (bench/procs.py), so a child starts
+in milliseconds instead of a fresh interpreter importing torch for a second or more. Each child is still
+its own process: its own UCX context, sockets and pool, as a real peer has.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
+from kvwire.bench.procs import helper_context
 
-CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "kvwire.connectors.standalone", "tests.connectors.peer"])
+CTX = helper_context(["tests.connectors.peer"])

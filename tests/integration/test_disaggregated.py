@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
-from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.reference import generate
 from tests.integration.cluster import complete, complete_all, wait_pools_full_and_directory_empty
@@ -116,8 +117,15 @@ def test_prefill_killed_requests_recompute_with_identical_output(tiny_model_dir,
         # failed transfers stay marked FAILED until their TTL, so a late producer lets go at once
         pools, _ = wait_pools_full_and_directory_empty(cluster.redis_url, expect_empty=False)
         assert pools.get("decode-0") == (256, 256)
-        # once the dead node's registration expires the router sends work to decode alone
-        time.sleep(6.0)
+        # once the dead node's registration expires (its TTL, not a sleep) the router sends work to decode alone
+        directory = KVDirectory(cluster.redis_url)
+        try:
+            gone_by = time.monotonic() + 2 * directory.node_ttl_s
+            while directory.live_nodes(NodeRole.PREFILL, include_draining=True):
+                assert time.monotonic() < gone_by, "the killed prefill node is still registered"
+                time.sleep(0.1)
+        finally:
+            directory.close()
         start = time.monotonic()
         got = complete(cluster.url, prompts[0], max_tokens=8)
         assert got["choices"][0]["token_ids"] == expected[0] and got["kvwire"]["bypassed"] is False
