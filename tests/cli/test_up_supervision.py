@@ -98,11 +98,17 @@ def test_up_restarts_what_dies_and_loses_no_request(tiny_model_dir):
         retried = [_wait(lambda i=i: (r := _post(url, PROMPTS[i])) is not None and r.status_code == 200
                          and r.json()["choices"][0]["token_ids"] == expected[i], 60) for i in failed]
         assert all(retried)
+        # the restarted decode node serves before the router dies: when none of the six was in flight at the
+        # kill, nothing above waited for it, and a router back within a second would find only the dead
+        # incarnation's registration (live until its TTL) and answer a retryable 503
+        assert _wait(lambda: (r := _post(url, PROMPTS[2])) is not None and r.status_code == 200, 60)
         # the router dies: another comes back on the same port
         router = _role_pid(up, "router")
         os.kill(router, signal.SIGKILL)
         assert _wait(lambda: _role_pid(up, "router") not in (None, router) and _healthy(url), 60)
-        assert _post(url, PROMPTS[0]).json()["choices"][0]["token_ids"] == expected[0]
+        answer = _post(url, PROMPTS[0])
+        assert answer is not None and answer.status_code == 200, answer and answer.text
+        assert answer.json()["choices"][0]["token_ids"] == expected[0]
         # Redis dies: an empty one comes back on its port, the nodes re-register, requests are served
         redis_pid = _role_pid(up, "redis")
         os.kill(redis_pid, signal.SIGKILL)
