@@ -1,8 +1,12 @@
-"""A self-pipe that lets any thread wake a node loop blocked in zmq.Poller.poll."""
+"""A self-pipe that lets any thread wake a node loop blocked in zmq.Poller.poll, and a mailbox over it."""
 
 from __future__ import annotations
 
 import os
+import queue
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 
 class Wakeup:
@@ -35,3 +39,29 @@ class Wakeup:
         if w >= 0:
             os.close(self.fd)
             os.close(w)
+
+
+class Mailbox(Generic[T]):
+    """What other threads tell a loop: each item queued and the loop's `wakeup` woken; the loop takes them
+    all at once, on its own thread (`take`). Given no wakeup, it makes its own and closes it in `close`."""
+
+    def __init__(self, wakeup: Wakeup | None = None) -> None:
+        self._owns_wakeup = wakeup is None
+        self.wakeup = wakeup or Wakeup()
+        self._items: queue.SimpleQueue[T] = queue.SimpleQueue()
+
+    def put(self, item: T) -> None:
+        """Any thread."""
+        self._items.put(item)
+        self.wakeup.wake()
+
+    def take(self) -> list[T]:
+        """Everything put since the last call, in order."""
+        out = []
+        while not self._items.empty():
+            out.append(self._items.get())
+        return out
+
+    def close(self) -> None:
+        if self._owns_wakeup:
+            self.wakeup.close()

@@ -172,9 +172,9 @@ class LLMEngine:
         return admitted
 
     def _wake(self, _: Future) -> None:
-        """A pull ended (the pull thread): wake the owner's loop."""
-        if self._wakeup is not None:
-            self._wakeup.wake()
+        """A pull ended (the pull thread): wake the owner's loop (registered only where there is a wakeup)."""
+        assert self._wakeup is not None
+        self._wakeup.wake()
 
     def _received(self) -> list[tuple[Sequence, Future]]:
         """Requests whose pull has ended, now running; aborted ones are dropped and their blocks freed."""

@@ -28,7 +28,6 @@ import contextlib
 import itertools
 import logging
 import math
-import queue
 import threading
 import time
 from collections import OrderedDict
@@ -51,7 +50,7 @@ from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.transports.kv_checksum import layer_checksums
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.transports.transport import Transport
-from kvwire.connectors.wakeup import Wakeup
+from kvwire.connectors.wakeup import Mailbox, Wakeup
 from kvwire.connectors.wire import HeadSlice, KVLocation, PullRequest
 from kvwire.observability.labels import TransferFailure
 from kvwire.observability.metrics import Metrics, process_metrics
@@ -102,9 +101,8 @@ class KVConsumer:
         self._directory = directory
         self._transport = transport
         self._region = region
-        self._owns_wakeup = wakeup is None
-        self.wakeup = wakeup or Wakeup()
-        self._ready: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._ready: Mailbox[str] = Mailbox(wakeup)
+        self.wakeup = self._ready.wakeup
         self._metrics = metrics or process_metrics()
         self._puller = transport.puller(region)
         self._fast_path = FastPathGuard(config, lambda loc: transport.data_path(self._puller, loc))
@@ -192,15 +190,11 @@ class KVConsumer:
     def ready(self) -> list[str]:
         """The expected requests settled since the last call, each once: their KV can be pulled now, or never
         will be (the pull then fails at once and the caller recomputes)."""
-        out = []
-        while not self._ready.empty():
-            out.append(self._ready.get())
-        return out
+        return self._ready.take()
 
     def _settled(self, request_id: str) -> None:
         """A record was settled (any thread): queued for `ready()`, the owner woken."""
         self._ready.put(request_id)
-        self.wakeup.wake()
 
     def forget(self, request_id: str) -> None:
         """The node dropped the request before pulling it (aborted, failed)."""
@@ -288,8 +282,7 @@ class KVConsumer:
         self._watchers.shutdown(wait=False, cancel_futures=True)
         self._puller.close()
         self._transport.close()
-        if self._owns_wakeup:
-            self.wakeup.close()
+        self._ready.close()
 
     # --- where the KV is -------------------------------------------------------------------
 

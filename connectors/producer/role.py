@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -48,7 +47,7 @@ from kvwire.connectors.transports.kv_checksum import layer_checksums
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.transports.transport import Transport
 from kvwire.connectors.types import IntermediateTensors
-from kvwire.connectors.wakeup import Wakeup
+from kvwire.connectors.wakeup import Mailbox, Wakeup
 from kvwire.connectors.wire import KVLocation, KVReady, PullRequest, TensorDesc, TransportOffer
 
 log = logging.getLogger(__name__)
@@ -82,9 +81,8 @@ class KVProducer:
         self._epoch = epoch
         self._region = region
         self._layout = region.layout
-        self._owns_wakeup = wakeup is None
-        self.wakeup = wakeup or Wakeup()
-        self._released: queue.SimpleQueue[Released] = queue.SimpleQueue()
+        self._released: Mailbox[Released] = Mailbox(wakeup)
+        self.wakeup = self._released.wakeup
         self._held = HeldTable(self._queue_release, before_release=self._unhold)
         self._fail_earlier_incarnations()
         self._transport = transport
@@ -110,15 +108,11 @@ class KVProducer:
 
     def released(self) -> list[Released]:
         """The requests whose blocks were released since the last call: the caller may reuse those blocks."""
-        out = []
-        while not self._released.empty():
-            out.append(self._released.get())
-        return out
+        return self._released.take()
 
     def _queue_release(self, request_id: str, block_ids: list[int]) -> None:
         """The held table's release (a transfer server's thread): queued for `released()`, the owner woken."""
         self._released.put(Released(request_id, block_ids))
-        self.wakeup.wake()
 
     def publish(self, model_input: ModelInput, hidden: torch.Tensor | IntermediateTensors) -> None:
         """Hold and announce every request of a computed prompt batch (layer-wise ones: complete them).
@@ -217,8 +211,7 @@ class KVProducer:
             server.close()
         self._consumers.close()
         self._transport.close()
-        if self._owns_wakeup:
-            self.wakeup.close()
+        self._released.close()
 
     # --- internals -------------------------------------------------------------------------
 
