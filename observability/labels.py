@@ -71,6 +71,8 @@ class DirectoryOp(enum.StrEnum):
     TRANSITION = "transition"
     GET = "get"
     WAIT_FOR = "wait_for"  # includes the time spent waiting for the state
+    LOOK = "look"  # several requests' entries at once
+    WAIT_EVENTS = "wait_events"  # several requests' events at once, includes the wait
     DELETE = "delete"
     WRITE_NODE = "write_node"  # register or heartbeat
     LIVE_NODES = "live_nodes"

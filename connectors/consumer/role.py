@@ -3,8 +3,8 @@
 A request here:
 
 1. `expect(request_id, producer)`: a request whose KV a producer is computing has arrived.
-   Its record (expected.py) gets the KV deadline, and a watcher thread waits on the
-   directory for it.
+   Its record (expected.py) gets the KV deadline, and the consumer's one watcher thread
+   (watcher.py) waits on the directory for it, with every other expected request's.
 2. The record is settled by whichever answers first: `located` (the producer's direct
    `KVReady`), the watcher (the directory's READY, or a FAILED / EXPIRED entry), or the
    deadline. Its id is then queued, once, and the owner's `wakeup` woken: the owner's loop
@@ -30,9 +30,9 @@ import logging
 import math
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import torch
@@ -42,9 +42,10 @@ from kvwire.connectors.config import ConnectorConfig
 from kvwire.connectors.consumer.expected import ExpectedKV, Received
 from kvwire.connectors.consumer.fast_path import FastPathGuard
 from kvwire.connectors.consumer.producer_watch import ProducerWatch
+from kvwire.connectors.consumer.watcher import Watcher, settle_from
 from kvwire.connectors.control.side_channel import SideChannelClient
 from kvwire.connectors.deferred import Deferred
-from kvwire.connectors.directory.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState
+from kvwire.connectors.directory.directory import DirectoryError, KVDirectory, TransferState
 from kvwire.connectors.hidden import empty_like_descs, join_requests, tensors_from_bytes
 from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.transports.kv_checksum import layer_checksums
@@ -57,16 +58,13 @@ from kvwire.observability.metrics import Metrics, process_metrics
 
 log = logging.getLogger(__name__)
 
-WATCHERS = 128  # requests a consumer can be waiting on at once without delaying each other
-WATCH_SLICE_S = 0.25  # a watcher notices within this that the direct word settled its record
-WATCH_RETRY_S = 0.5  # a watcher asks a directory that did not answer again after this
 # a decode node's producer tells it directly where the KV is: its watcher first reads the directory (the
 # fallback: a lost word, a FAILED entry) this long after the request came, unless the word came first
 DIRECT_HEAD_START_S = 0.05
 NOTE_AGE_S = 0.002  # a busy node tells producers of reads this old (its first tokens are out by then)
 NOTE_LATEST_S = 0.05  # a caller that never calls after_step (the classic contract alone): notes go this late
 EARLY_WORDS = 1024  # direct words kept for requests not expected yet (their work is still on its way)
-MAX_RECORDS = 64 * WATCHERS  # past this, records of requests never pulled (aborted) are dropped once settled
+MAX_RECORDS = 8192  # past this, records of requests never pulled (aborted) are dropped once settled
 
 
 class ReceiveError(TransferError):
@@ -109,7 +107,7 @@ class KVConsumer:
         self._expected: dict[str, ExpectedKV] = {}  # announced, not yet pulled; guarded by _lock
         self._early: OrderedDict[str, tuple[float, KVLocation]] = OrderedDict()  # (when, word); guarded by _lock
         self._lock = threading.Lock()
-        self._watchers = ThreadPoolExecutor(max_workers=WATCHERS, thread_name_prefix="kv-watch")
+        self._watcher = Watcher(directory, self._settled, f"{config.node_id}-{uuid.uuid4().hex[:12]}")
         self._pulling = threading.Lock()  # the puller moves one request at a time, whichever thread asks
         self._addresses_published = 0.0
         self._stepping = False  # the caller calls `flush` (after_step); until it does, a timer sends the notes
@@ -143,7 +141,7 @@ class KVConsumer:
             when, early = self._early.pop(request_id, (0.0, None))
         if early is not None and time.monotonic() - when < self._config.kv_deadline_s:
             self.located(early)  # the word beat the work here: the pull can start now
-        self._watchers.submit(self._watch, record, head_start_s)
+        self._watcher.add(record, head_start_s)
         return record
 
     def located(self, location: KVLocation) -> bool:
@@ -279,7 +277,7 @@ class KVConsumer:
         if self._late_notes is not None:
             self._late_notes.close()
         self._producer_watch.close()
-        self._watchers.shutdown(wait=False, cancel_futures=True)
+        self._watcher.close()
         self._puller.close()
         self._transport.close()
         self._ready.close()
@@ -295,54 +293,11 @@ class KVConsumer:
         with self._lock:
             return [r for r in self._expected.values() if not r.settled]
 
-    def _watch(self, record: ExpectedKV, head_start_s: float = 0.0) -> None:
-        """A watcher thread: settle the record from the directory, then tell the node. It looks first after
-        `head_start_s`, then again every WATCH_SLICE_S, and stops once the producer's direct word has settled
-        the record (its entry may be consumed and gone by then: without that check the thread would wait
-        out the whole deadline)."""
-        try:
-            settled = False
-            if head_start_s > 0:
-                record.wait(min(head_start_s, record.deadline - time.monotonic()))
-            while not settled and not record.settled:
-                entry = self._watch_slice(record)
-                if entry is not None or time.monotonic() >= record.deadline:
-                    settled = self._settle_from(record, entry)
-        except Exception as exc:  # noqa: BLE001 - the request must still be admitted (and recomputed)
-            log.warning("request %s: watching the directory failed: %s", record.request_id, exc)
-            settled = record.give_up(f"watching the directory failed: {exc}", TransferFailure.DIRECTORY)
-        if settled:
-            self._settled(record.request_id)
-
-    def _watch_slice(self, record: ExpectedKV) -> DirectoryEntry | None:
-        """The record's entry if READY or terminal within WATCH_SLICE_S, else None. A directory that does not
-        answer (a Redis restart or failover, a stall of the host) is asked again until the record's deadline,
-        WATCH_RETRY_S apart: a blip shorter than the deadline costs no recompute. Raises DirectoryError past it."""
-        try:
-            return self._directory.wait_for(record.request_id, {TransferState.READY},
-                                            min(record.deadline, time.monotonic() + WATCH_SLICE_S))
-        except DirectoryError as exc:
-            left = record.deadline - time.monotonic()
-            if left <= 0:
-                raise
-            log.info("request %s: the directory did not answer (%s); asking again within its deadline",
-                     record.request_id, exc)
-            record.wait(min(WATCH_RETRY_S, left))
-            return None
-
     def _settle(self, record: ExpectedKV) -> bool:
         """Wait (until the record's deadline) for the directory to say READY or terminal; returns whether that
         settled the record. Raises DirectoryError."""
         entry = self._directory.wait_for(record.request_id, {TransferState.READY}, record.deadline)
-        return self._settle_from(record, entry)
-
-    @staticmethod
-    def _settle_from(record: ExpectedKV, entry: DirectoryEntry | None) -> bool:
-        if entry is None:
-            return record.give_up("KV not ready before the deadline", TransferFailure.DEADLINE)
-        if entry.state == TransferState.READY and entry.location is not None:
-            return record.locate(entry.location)
-        return record.give_up(f"entry is {entry.state}: {entry.reason}", TransferFailure.PRODUCER)
+        return settle_from(record, entry)
 
     # --- the pull --------------------------------------------------------------------------
 

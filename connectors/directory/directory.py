@@ -105,6 +105,21 @@ class AgedEntry(NamedTuple):
     age_s: float  # since the entry was created, by the Redis server's clock
 
 
+class Watched(NamedTuple):
+    """What `look` or `wait_events` saw of one request."""
+
+    entry: DirectoryEntry | None  # None: no entry (look), or no READY event among the new ones (wait_events)
+    cursor: bytes  # the id of its newest event: wait after it
+    error: str = ""  # its entry could not be read (then `entry` is None)
+
+
+class Wake(NamedTuple):
+    """A stream that ends a blocked `wait_events` when written (`wake`), and the id read up to."""
+
+    key: str
+    cursor: bytes
+
+
 class DirectoryError(RuntimeError):
     """The directory could not be reached, or holds a record it cannot read.
 
@@ -376,6 +391,78 @@ class KVDirectory:
             pipe.xrevrange(events_key, count=1)
             fields, last = pipe.execute()
         return self._parse_entry(request_id, fields), (last[0][0] if last else b"0-0")
+
+    # --- many requests at once (a consumer's one watcher: connectors/consumer/watcher.py) ------------
+
+    @_timed(DirectoryOp.LOOK)
+    def look(self, request_ids: Iterable[str]) -> dict[str, Watched]:
+        """Each request's entry and the id of its newest event (the cursor to wait after), read in one MULTI.
+        Raises DirectoryError when Redis does not answer; an unreadable entry is that request's `error`."""
+        rids = list(request_ids)
+        with self._errors("look"):
+            pipe = self._redis.pipeline(transaction=True)
+            for rid in rids:
+                entry_key, events_key = self._entry_keys(rid)
+                pipe.hgetall(entry_key)
+                pipe.xrevrange(events_key, count=1)
+            replies = pipe.execute()
+        seen: dict[str, Watched] = {}
+        for i, rid in enumerate(rids):
+            fields, last = cast(_Fields, replies[2 * i]), replies[2 * i + 1]
+            cursor = last[0][0] if last else b"0-0"
+            try:
+                seen[rid] = Watched(self._parse_entry(rid, fields), cursor)
+            except DirectoryError as exc:
+                seen[rid] = Watched(None, cursor, exc.reason)
+        return seen
+
+    @_timed(DirectoryOp.WAIT_EVENTS)
+    def wait_events(self, cursors: dict[str, bytes], wake: Wake, timeout_s: float) -> tuple[dict[str, Watched], Wake]:
+        """Block in one XREAD until some request has an event after its cursor, `wake`'s stream has one after
+        its cursor (`wake()` from another thread), or `timeout_s` passes.
+
+        Returns:
+            Per request with new events: its newest event's id, and the entry when that event is a READY one
+            (it carries the location; otherwise the caller `look`s again); and `wake` moved past what was read.
+        Raises:
+            DirectoryError: Redis does not answer (a server that answers late counts as no event).
+        """
+        prefix = self._entry_keys("")[1]
+        streams = {prefix + rid: cursor for rid, cursor in cursors.items()}
+        streams[wake.key] = wake.cursor
+        try:
+            with self._errors("wait_events"):
+                reply = self._blocking.xread(streams, count=EVENTS_MAXLEN, block=_ms(timeout_s))
+        except DirectoryError as exc:
+            if not isinstance(exc.__cause__, redis.TimeoutError):
+                raise
+            logger.warning("%s; waiting on", exc)
+            return {}, wake
+        seen: dict[str, Watched] = {}
+        for key, events in cast(list[tuple[bytes, list[_StreamEntry]]], reply or []):
+            newest_id, newest = events[-1]
+            if key.decode() == wake.key:
+                wake = Wake(wake.key, newest_id)
+                continue
+            rid = key.decode()[len(prefix):]
+            try:
+                entry = self._parse_entry(rid, newest) if b"location" in newest else None
+                seen[rid] = Watched(entry, newest_id)
+            except DirectoryError as exc:
+                seen[rid] = Watched(None, newest_id, exc.reason)
+        return seen, wake
+
+    def wake_stream(self, owner: str) -> Wake:
+        """A stream for `owner`'s `wait_events` to wake on, read from now on."""
+        return Wake(f"{self.namespace}:wake:{owner}", b"0-0")
+
+    def wake(self, wake: Wake) -> None:
+        """End `wait_events` on `wake` now (or the next one, if none is blocked). Raises DirectoryError."""
+        with self._errors("wake"):
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.xadd(wake.key, {b"w": b"1"}, maxlen=1, approximate=False)
+            pipe.pexpire(wake.key, _ms(self.entry_ttl_s))
+            pipe.execute()
 
     @_timed(DirectoryOp.DELETE)
     def delete(self, request_id: str) -> None:

@@ -203,8 +203,14 @@ def test_a_head_start_keeps_the_directory_unread_until_it_ends_and_a_direct_word
     side = _consumer("d-head", redis_url)
     consumer, head_s = side.consumer, 0.3
     reads: list[str] = []
-    wait_for = side.directory.wait_for
-    monkeypatch.setattr(side.directory, "wait_for", lambda rid, *a: reads.append(rid) or wait_for(rid, *a))
+    look = side.directory.look
+
+    def counted_look(rids):
+        rids = list(rids)
+        reads.extend(rids)
+        return look(rids)
+
+    monkeypatch.setattr(side.directory, "look", counted_look)
     loc = _location("head-word")
     try:
         for rid in ("head-failed", "no-head-failed"):
