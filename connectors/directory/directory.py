@@ -45,7 +45,7 @@ from typing import NamedTuple, cast
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from redis.typing import EncodableT
+from redis.typing import EncodableT, KeyT, StreamIdT
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory import redis_url as redis_url_forms
@@ -428,7 +428,7 @@ class KVDirectory:
             DirectoryError: Redis does not answer (a server that answers late counts as no event).
         """
         prefix = self._entry_keys("")[1]
-        streams = {prefix + rid: cursor for rid, cursor in cursors.items()}
+        streams: dict[KeyT, StreamIdT] = {prefix + rid: cursor for rid, cursor in cursors.items()}
         streams[wake.key] = wake.cursor
         try:
             with self._errors("wait_events"):
