@@ -12,6 +12,7 @@ from kvwire.cli.options import (
     BlockSize,
     Connector,
     DrainTimeout,
+    HeartbeatTTL,
     Host,
     HttpPort,
     KVDeadline,
@@ -52,7 +53,8 @@ def prefill(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port
             num_blocks: NumBlocks = 1024, kv_deadline: KVDeadline = 10.0, max_model_len: MaxLen = 0,
             device: Device = "cpu", torch_threads: Threads = 1, http_port: HttpPort = 0,
             auth_secret_file: AuthSecretFile = None, verify_kv: VerifyKV = False, drain_timeout: DrainTimeout = 30.0,
-            layerwise: Layerwise = False, advertise_host: AdvertiseHost = None, log_level: LogLevel = "INFO") -> None:
+            layerwise: Layerwise = False, advertise_host: AdvertiseHost = None, heartbeat_ttl: HeartbeatTTL = 5.0,
+            log_level: LogLevel = "INFO") -> None:
     """Run a prefill node: compute prompts and publish their KV."""
     _run(NodeRole.PREFILL, **locals())
 
@@ -63,6 +65,6 @@ def decode(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port:
            device: Device = "cpu", torch_threads: Threads = 1, http_port: HttpPort = 0,
            auth_secret_file: AuthSecretFile = None, verify_kv: VerifyKV = False, drain_timeout: DrainTimeout = 30.0,
            pull_lanes: PullLanes = 2, advertise_host: AdvertiseHost = None, require_fast_path: RequireFastPath = False,
-           log_level: LogLevel = "INFO") -> None:
+           heartbeat_ttl: HeartbeatTTL = 5.0, log_level: LogLevel = "INFO") -> None:
     """Run a decode node: receive prompts' KV and generate tokens."""
     _run(NodeRole.DECODE, **locals())

@@ -38,6 +38,11 @@ LogLevel = Annotated[str, typer.Option("--log-level", help="DEBUG, INFO, WARNING
 DrainTimeout = Annotated[float, typer.Option(
     "--drain-timeout", min=0, envvar="KVWIRE_DRAIN_TIMEOUT",
     help="On SIGTERM, seconds to finish what the node holds (it takes no new work) before it exits.")]
+HeartbeatTTL = Annotated[float, typer.Option(
+    "--heartbeat-ttl", min=0.5, envvar="KVWIRE_HEARTBEAT_TTL",
+    help="Seconds the node's directory registration lives without a heartbeat (it beats every third of it): "
+         "how soon routers stop picking a node that died, and decode nodes give up on its KV. The same on every "
+         "node of a cluster.")]
 VerifyKV = Annotated[bool, typer.Option(
     "--verify-kv", help="Prefill: publish a crc32 per layer with each request's KV; decode: require and check them, "
                         "recomputing on a mismatch. Costs a read of every KV byte on each side.")]
@@ -83,7 +88,8 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
                 max_model_len: int, device: str, torch_threads: int, http_port: int = 0,
                 auth_secret_file: Path | None = None, verify_kv: bool = False,
                 drain_timeout: float = 30.0, pull_lanes: int = 2, layerwise: bool = False,
-                advertise_host: str | None = None, require_fast_path: bool = False) -> NodeConfig:
+                advertise_host: str | None = None, require_fast_path: bool = False,
+                heartbeat_ttl: float = 5.0) -> NodeConfig:
     """Build a node's one config object from its command-line options."""
     if not (model / "config.json").is_file():
         raise typer.BadParameter(f"{model} has no config.json (create one with `kvwire init-model`)",
@@ -105,7 +111,7 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
                             max_model_len=max_model_len, device=device, torch_threads=torch_threads),
         connector=connector_config,
         work_port=port, http_port=http_port, auth_secret=auth_secret(auth_secret_file),
-        drain_timeout_s=drain_timeout)
+        drain_timeout_s=drain_timeout, heartbeat_ttl_s=heartbeat_ttl)
 
 
 ServedModelName = Annotated[str | None, typer.Option(
