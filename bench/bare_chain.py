@@ -115,7 +115,7 @@ def _engine(model_dir: Path, num_blocks: int, connector: KVConnectorBase | None)
 def _decode_process(model_dir: Path, num_blocks: int, client: str, pipe) -> None:
     """Serve Compute and Handoff messages: the first token to the client at once, Finished at the end."""
     from kvwire.connectors.kv_pool import TORCH_DTYPES
-    from kvwire.connectors.wire import SamplingParams
+    from kvwire.protocol.work import SamplingParams
 
     given = _RowGiven()
     engine = _engine(model_dir, num_blocks, given)

@@ -45,13 +45,13 @@ def _engine_process(model_dir: Path, num_blocks: int, pipe) -> None:
     import torch
 
     from kvwire.connectors.kv_pool import KVPool
-    from kvwire.connectors.wire import SamplingParams
     from kvwire.engine.block_allocator import BlockAllocator
     from kvwire.engine.gc_pauses import freeze_startup_heap
     from kvwire.engine.llm_engine import LLMEngine
     from kvwire.engine.loader import load_model
     from kvwire.engine.model_config import kv_layout
     from kvwire.engine.runner import ModelRunner
+    from kvwire.protocol.work import SamplingParams
 
     torch.set_num_threads(1)  # as nodes run (--torch-threads 1)
     model = load_model(model_dir, "cpu")

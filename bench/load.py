@@ -34,8 +34,8 @@ from kvwire.bench.prompts import PROMPTS
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory.directory import KVDirectory, TransferState
-from kvwire.connectors.wire import SamplingParams
 from kvwire.observability.labels import BlockState
+from kvwire.protocol.work import SamplingParams
 
 _MIB = 1024 * 1024
 _ASCII = string.ascii_letters + string.digits + string.punctuation + " "

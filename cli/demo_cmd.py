@@ -16,7 +16,7 @@ from kvwire.cli.options import Connector, LogLevel, setup_logging
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.cluster.paths import default_model_dir
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.wire import SamplingParams
+from kvwire.protocol.work import SamplingParams
 
 
 @dataclass

@@ -10,14 +10,16 @@ and only it, for that thing.
     hidden.py: hidden states per request.
   - config.py: the one frozen `ConnectorConfig`; factory.py: a **transport** by name;
     standalone.py: a role with no node around it; self_test.py: a node's start-up transport self-test.
-  - wire.py: every message that crosses a process boundary (tagged msgspec structs, one wire version).
+  - wire.py: the transfer plane's messages (tagged msgspec structs) and the envelope with the wire version
+    that every message rides in; the router ↔ node work messages are kvwire.protocol's (protocol/work.py).
   - deferred.py, wakeup.py: calls run a little later on a thread of their own; a wake-up fd.
 - producer/: the **producer** role (role.py) a prefill node runs: it holds a computed prompt's KV
   (held.py, the **held table**, the blocks' one owner until their **release**), publishes its
   **location**, and answers **pulls** in a transfer server per transport (transfer_server.py);
   layer_gate.py: how far a layer-wise prefill has got; incarnations.py: its first directory act.
 - consumer/: the **consumer** role (role.py) a decode node runs: it learns a request's location
-  (expected.py), pulls it, and says what it moved or why not; producer_watch.py: KV a dead producer
+  (expected.py), waits on the directory for every expected request in one thread (watcher.py), pulls it,
+  and says what it moved or why not; producer_watch.py: KV a dead producer
   owed is given up at once; fast_path.py: no silent slow path on one host; offers.py: which of a
   producer's transports to pull over.
 - directory/: the Redis **directory** (directory.py) of locations and live nodes, with batch.py

@@ -213,6 +213,9 @@ class PullRequest(_Msg, tag="pull", frozen=True):
     # groups that it lacks. Empty: every block from first_block on (as producers before it read it).
     src_block_ids: list[int] = []
     host: str = ""  # the consumer's host_identity() (UCX: error handling on between hosts); "": not said
+    # The consumer will not pull it (it refused the location, or failed before or during its pull): one puller
+    # less and nothing delivered, so the producer releases the blocks now rather than at the hold deadline.
+    abandon: bool = False
 
 
 class PullReply(_Msg, tag="pull_reply", frozen=True):
@@ -295,48 +298,7 @@ class ShmSegment(_Msg, tag="shm_segment", frozen=True):
     hold_hidden_bytes: int = 0  # the board's hidden area, from the first page after the words
 
 
-# --- work: router → nodes, decode node → router -------------------------------------------
-
-
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    """How the decode node picks each token, and when it stops (engine/sampler.py, engine/llm_engine.py).
-
-    The logits go through, in order: repetition, frequency and presence penalties (counting the prompt's
-    tokens for repetition, the output's for all three, as vLLM does), min_tokens' ban on stop tokens, then
-    temperature, top_k, top_p and min_p. Logprobs are always of the raw float32 logits, before any of that.
-    Stop strings are the router's: it cuts the text and cancels the request (`CancelWork`).
-    """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    # Added after WIRE_VERSION 1 shipped; the defaults change nothing.
-    top_k: int = 0  # 0 (or -1): all tokens
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop_token_ids: list[int] = []  # finish (reason "stop") on any of these, as on EOS
-    ignore_eos: bool = False  # EOS does not finish the request
-    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
-    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the k most likely
-
-
-class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
-    """One sampled token's log-probability under the raw logits, and the `SamplingParams.logprobs` most
-    likely tokens' (ids and logprobs, most likely first; ties to the lower id)."""
-
-    logprob: float
-    top_ids: list[int]
-    top_logprobs: list[float]
-
-
-class PrefillWork(_Msg, tag="prefill", frozen=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    # the decode node's work endpoint: told `KVReady` directly, ahead of the directory
-    decode_endpoint: str = msgspec.field(default="", name="notify")
+# --- the direct word: prefill → decode, on the decode node's work socket ---------------------
 
 
 class KVReady(_Msg, tag="kv_ready", frozen=True):
@@ -350,82 +312,51 @@ class KVReady(_Msg, tag="kv_ready", frozen=True):
     location: KVLocation
 
 
-class DecodeWork(_Msg, tag="decode", frozen=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    prefill_node: str  # "" when no prefill node was available: decode computes the prompt itself
-    reply_to: str  # router's zmq endpoint for TokenChunk messages
-    prefill_epoch: int = 0  # the incarnation of prefill_node the router picked; 0: unknown
-
-
-class DecodeStats(msgspec.Struct, frozen=True, kw_only=True):
-    bypassed: bool
-    transport: str  # the ConnectorKind value that moved the KV; "" when nothing was received
-    kv_bytes: int
-    transfer_ms: float
-    ttft_ms: float
-    prefill_node: str
-    decode_node: str
-
-
-class TokenChunk(_Msg, tag="tokens", frozen=True):
-    request_id: str
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    stats: DecodeStats | None = None
-    logprobs: list[TokenLogprobs] = []  # one per token_ids entry when SamplingParams.logprobs is set
-
-
-class CancelWork(_Msg, tag="cancel", frozen=True):
-    """Router → decode node: stop generating request_id (a stop string matched, or the client left).
-
-    The node frees its blocks (or drops its wait for KV) and sends nothing more for it. Unknown ids are ignored.
-    """
-
-    request_id: str
-
-
-class ErrorKind(enum.StrEnum):
-    INVALID_REQUEST = "invalid_request"  # the request can never be served as sent
-    INTERNAL = "internal"  # the node failed; the request itself may be fine
-    DRAINING = "draining"  # the node is shutting down and no other node of its role could take the request
-    NODE_LOST = "node_lost"  # the decode node serving the request left the cluster (died, or a new incarnation)
-
-
-class WorkError(_Msg, tag="error", frozen=True):
-    request_id: str
-    node: str
-    reason: str
-    kind: ErrorKind = ErrorKind.INTERNAL
-
-
 Message = (
-    KVLayout | KVLocation | NodeInfo | PullRequest | PullReply | ShmHello | ShmSegment | ShmReadDone | ShmRead
-    | PrefillWork | KVReady | DecodeWork | TokenChunk | WorkError | CancelWork
+    KVLayout | KVLocation | NodeInfo | PullRequest | PullReply | ShmHello | ShmSegment | ShmReadDone | ShmRead | KVReady
 )
+AnyMessage = _Msg  # a message of this module's, or of a union `register`ed with it (kvwire.protocol's)
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True):
     version: int
-    body: Message
+    body: msgspec.Raw  # one of the registered unions' messages, decoded in a second step
 
 
+_registered: list[Any] = [Message]
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Envelope)
 _version_probe = msgspec.msgpack.Decoder(tuple)
 
 
-def encode(msg: Message) -> bytes:
+def _body_decoder() -> msgspec.msgpack.Decoder:
+    union = _registered[0]
+    for more in _registered[1:]:
+        union = union | more
+    return msgspec.msgpack.Decoder(union)
+
+
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+_decoder = _body_decoder()
+
+
+def register(union: Any) -> None:
+    """Let `decode` accept `union`'s messages too: kvwire.protocol's (router ↔ node work) ride the same envelope
+    and wire version as the transfer plane's, on sockets that carry both (a decode node's work socket)."""
+    global _decoder
+    if union not in _registered:
+        _registered.append(union)
+        _decoder = _body_decoder()
+
+
+def encode(msg: AnyMessage) -> bytes:
     """Serialise one message with the current wire version."""
-    return _encoder.encode(Envelope(WIRE_VERSION, msg))
+    return _encoder.encode(Envelope(WIRE_VERSION, msgspec.Raw(_encoder.encode(msg))))
 
 
 @overload
 def decode(data: bytes | memoryview, expect: type[M]) -> M: ...
 @overload
-def decode(data: bytes | memoryview, expect: tuple[type, ...] | None = None) -> Message: ...
+def decode(data: bytes | memoryview, expect: tuple[type, ...] | None = None) -> AnyMessage: ...
 
 
 def decode(data: bytes | memoryview, expect: type | tuple[type, ...] | None = None) -> Any:
@@ -442,14 +373,18 @@ def decode(data: bytes | memoryview, expect: type | tuple[type, ...] | None = No
     if len(data) > MAX_MESSAGE_BYTES:
         raise WireError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
-        env = _decoder.decode(data)
+        env = _envelope_decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise WireError(_explain(data, exc)) from None
     if env.version != WIRE_VERSION:
         raise WireError(f"wire version {env.version!r} is not {WIRE_VERSION}")
-    if expect is not None and not isinstance(env.body, expect):
-        raise WireError(f"unexpected message type {type(env.body).__name__}")
-    return env.body
+    try:
+        body = _decoder.decode(env.body)
+    except msgspec.DecodeError as exc:
+        raise WireError(f"malformed message: {exc}") from None
+    if expect is not None and not isinstance(body, expect):
+        raise WireError(f"unexpected message type {type(body).__name__}")
+    return body
 
 
 def _explain(data: bytes | memoryview, exc: Exception) -> str:

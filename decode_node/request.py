@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvwire.connectors.consumer.expected import ExpectedKV
-from kvwire.connectors.wire import DecodeWork
+from kvwire.protocol.work import DecodeWork
 
 
 @dataclass(eq=False)

@@ -40,7 +40,7 @@ from kvwire.connectors.control.sockets import PushSockets
 from kvwire.connectors.kv_pool import KVPool
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.wakeup import Wakeup
-from kvwire.connectors.wire import CancelWork, DecodeStats, DecodeWork, ErrorKind, KVReady, TokenChunk, WorkError
+from kvwire.connectors.wire import KVReady
 from kvwire.decode_node.request import DecodeRequest
 from kvwire.engine.llm_engine import InvalidRequest, LLMEngine, StepOutput
 from kvwire.engine.runner import ModelRunner
@@ -49,6 +49,7 @@ from kvwire.node.config import NodeConfig
 from kvwire.node.drain import Drain
 from kvwire.node.runtime import NodeLoad, NodeRuntime
 from kvwire.observability.labels import Queue, RecomputeReason
+from kvwire.protocol.work import CancelWork, DecodeStats, DecodeWork, ErrorKind, TokenChunk, WorkError
 
 log = logging.getLogger(__name__)
 

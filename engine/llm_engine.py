@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.types import ModelRunnerOutput
 from kvwire.connectors.wakeup import Wakeup
-from kvwire.connectors.wire import SamplingParams, TokenLogprobs
 from kvwire.engine.block_allocator import BlockAllocator
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.sampler import TokenHistory, make_generator, sample
 from kvwire.engine.sequence import FinishReason, Sequence
 from kvwire.engine.validation import check_params, prompt_problem
+from kvwire.protocol.work import SamplingParams, TokenLogprobs
 
 
 class InvalidRequest(ValueError):

@@ -7,13 +7,13 @@ import uuid
 from pathlib import Path
 
 from kvwire.connectors.kv_pool import KVPool
-from kvwire.connectors.wire import SamplingParams, TokenLogprobs
 from kvwire.engine.block_allocator import BlockAllocator
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.loader import load_model
 from kvwire.engine.model_config import kv_layout
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.sequence import Sequence
+from kvwire.protocol.work import SamplingParams, TokenLogprobs
 
 
 def generate(model_dir: Path, prompts: list[list[int]], params: SamplingParams, *,

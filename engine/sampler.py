@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import torch
 
-from kvwire.connectors.wire import SamplingParams, TokenLogprobs
 from kvwire.engine.validation import check_params
+from kvwire.protocol.work import SamplingParams, TokenLogprobs
 
 
 class Sampled(NamedTuple):

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvwire.connectors.types import RequestMetrics
-from kvwire.connectors.wire import SamplingParams, TokenLogprobs
 from kvwire.engine.sampler import TokenHistory
+from kvwire.protocol.work import SamplingParams, TokenLogprobs
 
 
 class FinishReason(enum.StrEnum):

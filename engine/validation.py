@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from kvwire.connectors.wire import SamplingParams
+from kvwire.protocol.work import SamplingParams
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]

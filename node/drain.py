@@ -18,8 +18,9 @@ import time
 
 from kvwire.connectors.control.sockets import PushSockets
 from kvwire.connectors.directory.directory import DirectoryError
-from kvwire.connectors.wire import DecodeWork, NodeInfo, PrefillWork
+from kvwire.connectors.wire import NodeInfo
 from kvwire.node.runtime import NodeRuntime
+from kvwire.protocol.work import DecodeWork, PrefillWork
 
 log = logging.getLogger(__name__)
 

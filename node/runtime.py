@@ -39,7 +39,7 @@ from kvwire.connectors.factory import create_transport
 from kvwire.connectors.self_test import run_self_test
 from kvwire.connectors.transports.host import host_identity
 from kvwire.connectors.transports.transport import Transport
-from kvwire.connectors.wire import KVLayout, Message, NodeInfo, TransportCheck, WireError
+from kvwire.connectors.wire import AnyMessage, KVLayout, NodeInfo, TransportCheck, WireError
 from kvwire.engine.block_allocator import BlockAllocator
 from kvwire.engine.gc_pauses import freeze_startup_heap
 from kvwire.engine.loader import load_model
@@ -127,7 +127,7 @@ class NodeRuntime:
         log.info("node %s (%s, epoch %d) serving on %s", self.config.node_id, self.config.connector.role,
                  self.epoch, self.work_endpoint)
 
-    def read_work(self, expect: type | tuple[type, ...]) -> Message | None:
+    def read_work(self, expect: type | tuple[type, ...]) -> AnyMessage | None:
         """The next message on the work socket if it is an `expect`; malformed ones are logged and counted."""
         frame = self.work_socket.recv(copy=False)
         try:

@@ -38,13 +38,13 @@ from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.producer.role import KVProducer
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.wakeup import Wakeup
-from kvwire.connectors.wire import PrefillWork
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.validation import prompt_problem
 from kvwire.node.config import NodeConfig
 from kvwire.node.drain import Drain
 from kvwire.node.runtime import NodeLoad, NodeRuntime
 from kvwire.observability.labels import Queue
+from kvwire.protocol.work import PrefillWork
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 
-from kvwire.connectors.wire import DecodeStats, TokenChunk, TokenLogprobs
 from kvwire.engine.tokenizer import Tokenizer
+from kvwire.protocol.work import DecodeStats, TokenChunk, TokenLogprobs
 from kvwire.router.sampling import Plan
 
 REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to, until its last byte arrives

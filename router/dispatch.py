@@ -34,17 +34,8 @@ from kvwire.connectors.config import NodeRole
 from kvwire.connectors.control.framing import pack, unpack
 from kvwire.connectors.control.sockets import PushSockets, limit_receive
 from kvwire.connectors.directory.directory import DirectoryError, KVDirectory
-from kvwire.connectors.wire import (
-    CancelWork,
-    DecodeWork,
-    ErrorKind,
-    NodeInfo,
-    PrefillWork,
-    SamplingParams,
-    TokenChunk,
-    WireError,
-    WorkError,
-)
+from kvwire.connectors.wire import NodeInfo, WireError
+from kvwire.protocol.work import CancelWork, DecodeWork, ErrorKind, PrefillWork, SamplingParams, TokenChunk, WorkError
 from kvwire.router.schemas import APIError
 
 log = logging.getLogger(__name__)

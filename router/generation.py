@@ -19,7 +19,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
-from kvwire.connectors.wire import ErrorKind, TokenChunk, WorkError
+from kvwire.protocol.work import ErrorKind, TokenChunk, WorkError
 from kvwire.router.choice import Choice
 from kvwire.router.dispatch import Dispatcher
 from kvwire.router.sampling import Plan

@@ -10,8 +10,8 @@ from __future__ import annotations
 import enum
 import time
 
-from kvwire.connectors.wire import TokenLogprobs
 from kvwire.engine.tokenizer import Tokenizer
+from kvwire.protocol.work import TokenLogprobs
 from kvwire.router.choice import Choice
 from kvwire.router.sampling import Plan
 

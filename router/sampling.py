@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.validation import MAX_LOGPROBS, ParamError, check_params, prompt_problem
+from kvwire.protocol.work import SamplingParams
 from kvwire.router.schemas import APIError, ChatRequest, CompletionRequest, _Sampling
 
 MAX_CHOICES = 128  # prompts x best_of in one request

@@ -11,8 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # The layers, bottom first: a module imports only from its own package or a layer below (README, "Layout").
 # The two nodes share a layer and import nothing of each other.
-LAYERS = (("observability",), ("connectors",), ("engine",), ("node",), ("prefill_node", "decode_node"), ("router",),
-          ("cluster",), ("bench",), ("cli",))
+LAYERS = (("observability",), ("connectors",), ("protocol",), ("engine",), ("node",), ("prefill_node", "decode_node"),
+          ("router",), ("cluster",), ("bench",), ("cli",))
 SUBPACKAGES = tuple(sorted(p for layer in LAYERS for p in layer))
 
 
@@ -39,6 +39,23 @@ def test_the_installed_package_is_kvwire_and_nothing_generic():
     done = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"generic top-level modules installed: {done.stdout}"
+
+
+def test_kvwire_is_a_regular_package_with_a_version_and_only_its_own_folders():
+    """`kvwire` has a docstring and pyproject's version; the repository's tests, deploy and docs folders do not
+    import as kvwire's (run from outside the checkout, as a user would)."""
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    code = ("import importlib, kvwire\n"
+            "print(kvwire.__file__, kvwire.__version__, bool(kvwire.__doc__))\n"
+            "for name in ('kvwire.tests', 'kvwire.deploy', 'kvwire.docs', 'kvwire.tests.procs'):\n"
+            "    try:\n"
+            "        importlib.import_module(name)\n"
+            "        print('imported', name)\n"
+            "    except ModuleNotFoundError:\n"
+            "        pass\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(ROOT / "__init__.py"), version, "True"]
 
 
 def _runtime_imports(path: Path, type_checking: bool = False) -> set[str]:

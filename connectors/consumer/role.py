@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import msgspec
 import torch
+import zmq
 
 from kvwire.connectors.base import HiddenStates, TransferError
 from kvwire.connectors.config import ConnectorConfig
@@ -250,6 +251,7 @@ class KVConsumer:
             self._addresses_published = 0.0  # a restarted Redis forgets our addresses: republish
             self._metrics.kv_transfers_failed.labels(str(failure_of(exc))).inc()
             self._mark_failed(request_id, str(exc))
+            self._abandon(record)
             if isinstance(exc, TransferError):
                 raise
             raise TransferError(request_id, "directory", str(exc)) from exc
@@ -337,6 +339,21 @@ class KVConsumer:
             with contextlib.suppress(ValueError):  # a size that does not match: pulled like any other
                 return tensors_from_bytes(loc.hidden, loc.inline_hidden, device)
         return empty_like_descs(loc.hidden, device)
+
+    def _abandon(self, record: ExpectedKV) -> None:
+        """Tell the producer of a location this rank will not pull (refused, or failed before or during the pull)
+        to release it now, not at its hold deadline. Best effort: its answer is not waited for (a later wait on
+        that side channel skips it), and a producer that already ended the pull refuses harmlessly."""
+        loc = record.location
+        if loc is None:
+            return
+        address = self._transport.published_addresses(self._puller).get(loc.kind, b"")
+        try:
+            self._declines.send(loc.side_channel, PullRequest(
+                request_id=loc.request_id, transfer_id=next(self._decline_ids), consumer=self._config.node_id,
+                transport_address=address, dst_block_ids=[], heads=loc.heads, abandon=True))
+        except zmq.ZMQError as exc:
+            log.info("request %s: could not tell %s it will not be pulled: %s", loc.request_id, loc.producer, exc)
 
     def _decline(self, loc: KVLocation, dst: list[int], record: ExpectedKV) -> Received:
         """Tell `loc`'s producer this rank pulls nothing of its copy (a replica read elsewhere) and take its ok."""

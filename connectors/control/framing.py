@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import Any, TypeVar, overload
 
 from kvwire.connectors.control.auth import seal, unseal
-from kvwire.connectors.wire import Message, decode, encode
+from kvwire.connectors.wire import AnyMessage, decode, encode
 
 M = TypeVar("M")
 
 
-def pack(msg: Message) -> bytes:
+def pack(msg: AnyMessage) -> bytes:
     """A control message for another process: encoded, and sealed when an auth secret is installed."""
     return seal(encode(msg))
 
@@ -22,7 +22,7 @@ def pack(msg: Message) -> bytes:
 @overload
 def unpack(data: bytes | memoryview, expect: type[M]) -> M: ...
 @overload
-def unpack(data: bytes | memoryview, expect: tuple[type, ...] | None = None) -> Message: ...
+def unpack(data: bytes | memoryview, expect: tuple[type, ...] | None = None) -> AnyMessage: ...
 
 
 def unpack(data: bytes | memoryview, expect: type | tuple[type, ...] | None = None) -> Any:

@@ -12,7 +12,7 @@ import zmq
 
 from kvwire.connectors.control.auth import SEAL_BYTES
 from kvwire.connectors.control.framing import pack
-from kvwire.connectors.wire import MAX_MESSAGE_BYTES, Message
+from kvwire.connectors.wire import MAX_MESSAGE_BYTES, AnyMessage
 
 MAX_FRAME_BYTES = MAX_MESSAGE_BYTES + SEAL_BYTES
 LINGER_MS = 1000  # what is queued still goes out as the process exits (a decode node's last chunks)
@@ -57,7 +57,7 @@ class PushSockets:
             self._sockets[endpoint] = sock
         return sock
 
-    def send(self, endpoint: str, msg: Message, *, block: bool = True) -> None:
+    def send(self, endpoint: str, msg: AnyMessage, *, block: bool = True) -> None:
         """Pack `msg` and queue it for `endpoint`.
 
         Raises:

@@ -236,6 +236,9 @@ class TransferServer:
         log.warning("side channel: rejected message from peer %s: %s", identity.hex(), reason)
 
     def _start_pull(self, identity: bytes, msg: PullRequest) -> None:
+        if msg.abandon:
+            self._abandoned(identity, msg)
+            return
         job = self.claim(msg, identity)
         if isinstance(job, str):
             self._reply(identity, msg, False, job)
@@ -247,6 +250,20 @@ class TransferServer:
             self._engine.start(job)
         except Exception as exc:  # noqa: BLE001 - a bad peer must not kill the server
             self._complete(job, exc)
+
+    def _abandoned(self, identity: bytes, msg: PullRequest) -> None:
+        """`msg`'s consumer will not pull its request: its pull ends, failed, before it began (the blocks go once
+        every puller's has). Only the consumer the request's address belongs to may say so."""
+        refusal = self._distrust(msg.consumer, msg.transport_address)
+        pullers = msg.heads.pullers if msg.heads is not None else 1
+        if not refusal and self._held.begin_pull(msg.request_id, msg.consumer, pullers) is None:
+            refusal = "request unknown, released, being pulled, or pulled by this consumer"
+        if refusal:
+            self._reply(identity, msg, False, refusal)
+            return
+        released = self._held.finish_pull(msg.request_id, msg.consumer)
+        log.info("request %s: %s will not pull it%s", msg.request_id, msg.consumer, "; released" if released else "")
+        self._reply(identity, msg, True)
 
     def claim(self, msg: PullRequest, identity: bytes = b"") -> SendJob | str:
         """Let `msg` pull its request, if it may: the request is then in flight until `finish`.

@@ -23,7 +23,7 @@ from kvwire.bench.load import (
 )
 from kvwire.bench.prompts import PROMPTS
 from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.wire import SamplingParams
+from kvwire.protocol.work import SamplingParams
 
 
 def test_prompt_mix_is_deterministic_and_varied(tmp_path):

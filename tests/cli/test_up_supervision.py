@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from kvwire.cluster.ports import free_port
-from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.reference import generate
+from kvwire.protocol.work import SamplingParams
 from tests.cli.test_up_and_demo import _alive, _children, _wait_for_line
 
 pytestmark = pytest.mark.slow

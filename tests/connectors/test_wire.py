@@ -4,20 +4,18 @@ import pytest
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.wire import (
     WIRE_VERSION,
-    DecodeWork,
     DType,
     KVLayout,
     KVLocation,
     NodeInfo,
     PullReply,
     PullRequest,
-    SamplingParams,
     TensorDesc,
-    TokenChunk,
     WireError,
     decode,
     encode,
 )
+from kvwire.protocol.work import DecodeWork, SamplingParams, TokenChunk
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype=DType.BFLOAT16)
 

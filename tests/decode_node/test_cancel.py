@@ -12,10 +12,10 @@ import zmq
 
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 from kvwire.connectors.control.framing import pack, unpack
-from kvwire.connectors.wire import CancelWork, DecodeWork, ErrorKind, SamplingParams, TokenChunk, WorkError
 from kvwire.decode_node.server import DecodeNode
 from kvwire.engine.engine_config import EngineConfig
 from kvwire.node.config import NodeConfig
+from kvwire.protocol.work import CancelWork, DecodeWork, ErrorKind, SamplingParams, TokenChunk, WorkError
 
 NUM_BLOCKS = 64
 PROMPT = [65, 66, 67]

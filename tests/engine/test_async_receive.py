@@ -15,12 +15,12 @@ from kvwire.connectors.base import KVConnectorBase
 from kvwire.connectors.config import NodeRole
 from kvwire.connectors.kv_pool import KVPool
 from kvwire.connectors.wakeup import Wakeup
-from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.block_allocator import BlockAllocator
 from kvwire.engine.llm_engine import LLMEngine
 from kvwire.engine.loader import load_model
 from kvwire.engine.model_config import kv_layout
 from kvwire.engine.runner import ModelRunner
+from kvwire.protocol.work import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0)
 PROMPT_A, PROMPT_B = list(range(10, 30)), list(range(60, 97))

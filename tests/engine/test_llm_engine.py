@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from kvwire.connectors.kv_pool import KVPool
-from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.block_allocator import BlockAllocator
 from kvwire.engine.llm_engine import InvalidRequest, LLMEngine
 from kvwire.engine.loader import load_model
@@ -15,6 +14,7 @@ from kvwire.engine.model_config import kv_layout
 from kvwire.engine.reference import generate, generate_with_logprobs
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.sequence import FinishReason
+from kvwire.protocol.work import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.sampler import (
     TokenHistory,
     apply_penalties,
@@ -16,6 +15,7 @@ from kvwire.engine.sampler import (
     top_k_filter,
     top_p_filter,
 )
+from kvwire.protocol.work import SamplingParams
 
 LOGITS = torch.tensor([1.0, 3.0, 0.5, 2.9, -1.0, 0.0])
 

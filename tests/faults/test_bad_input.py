@@ -26,20 +26,16 @@ from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.directory.directory import KVDirectory, TransferState
 from kvwire.connectors.wire import (
     WIRE_VERSION,
-    DecodeWork,
     DType,
     KVLayout,
     KVLocation,
     KVReady,
-    PrefillWork,
     PullReply,
     PullRequest,
-    SamplingParams,
-    TokenChunk,
-    WorkError,
     decode,
     encode,
 )
+from kvwire.protocol.work import DecodeWork, PrefillWork, SamplingParams, TokenChunk, WorkError
 from tests.faults.harness import (
     REQUEST_TIMEOUT_S,
     SLACK_S,

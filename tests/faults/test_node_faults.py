@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.reference import generate
+from kvwire.protocol.work import SamplingParams
 from tests.faults.harness import (
     BS,
     KV_DEADLINE_S,

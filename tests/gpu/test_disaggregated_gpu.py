@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
-from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.reference import generate
+from kvwire.protocol.work import SamplingParams
 from tests.integration.cluster import complete_all
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

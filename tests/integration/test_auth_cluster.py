@@ -12,7 +12,8 @@ from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.control import auth
 from kvwire.connectors.control.framing import pack
 from kvwire.connectors.directory.directory import KVDirectory
-from kvwire.connectors.wire import PrefillWork, encode
+from kvwire.connectors.wire import encode
+from kvwire.protocol.work import PrefillWork
 from tests.integration.cluster import complete_all
 from tests.integration.test_observability import one, scrape
 

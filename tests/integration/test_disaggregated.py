@@ -14,8 +14,8 @@ import pytest
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory.directory import KVDirectory
-from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.reference import generate
+from kvwire.protocol.work import SamplingParams
 from tests.integration.cluster import complete, complete_all, wait_pools_full_and_directory_empty
 
 pytestmark = pytest.mark.slow
@@ -137,7 +137,8 @@ def test_nodes_reject_malformed_work_and_keep_serving(cluster):
     import zmq
 
     from kvwire.connectors.directory.directory import KVDirectory
-    from kvwire.connectors.wire import WIRE_VERSION, PrefillWork, encode
+    from kvwire.connectors.wire import WIRE_VERSION, encode
+    from kvwire.protocol.work import PrefillWork
 
     directory = KVDirectory(cluster.redis_url)
     nodes = directory.live_nodes()

@@ -21,8 +21,8 @@ from kvwire.cluster.ports import free_port
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.control.framing import pack, unpack
 from kvwire.connectors.directory.directory import KVDirectory
-from kvwire.connectors.wire import DecodeWork, SamplingParams, TokenChunk, WorkError
 from kvwire.engine.reference import generate
+from kvwire.protocol.work import DecodeWork, SamplingParams, TokenChunk, WorkError
 from tests.integration.cluster import complete, wait_pools_full_and_directory_empty
 
 pytestmark = pytest.mark.slow

@@ -18,8 +18,9 @@ import httpx
 import pytest
 
 from kvwire.cluster.ports import free_port
-from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.reference import generate
+from kvwire.protocol.work import SamplingParams
+from tests.faults.harness import pool, wait_until
 from tests.integration.cluster import complete
 from tests.integration.test_observability import one, scrape
 
@@ -101,6 +102,8 @@ def test_ucx_on_tcp_between_same_host_nodes_is_reported_and_warned_or_refused(cl
     refused = one(decode, "kvwire_kv_transfers_failed_total", reason="slow_path")
     recomputed = one(decode, "kvwire_recomputes_total", reason="kv_not_received")
     assert (refused, recomputed) == ((len(PROMPTS), len(PROMPTS)) if require else (0, 0))
+    # the refused KV is released at once (the decode node abandons its pull), not at the 10 s hold deadline
+    assert wait_until(lambda: (p := pool(ops["prefill"])) is not None and p[0] == p[1], 3.0, 0.05), pool(ops["prefill"])
     log = decode_log.read_text()
     warned = [line for line in log.splitlines() if "kvwire.connectors.consumer.fast_path" in line]
     assert len(warned) == 1 and WARNING in warned[0], log[-3000:]  # once per producer, however many pulls

@@ -7,8 +7,8 @@ import pytest
 
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.reference import generate
+from kvwire.protocol.work import SamplingParams
 from tests.faults.harness import (
     BS,
     KV_DEADLINE_S,

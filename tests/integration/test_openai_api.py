@@ -15,8 +15,8 @@ import pytest
 
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.reference import generate_with_logprobs
+from kvwire.protocol.work import SamplingParams
 from tests.integration.cluster import wait_pools_full_and_directory_empty
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,8 @@ import zmq
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory.directory import KVDirectory
-from kvwire.connectors.wire import PrefillWork, encode
+from kvwire.connectors.wire import encode
+from kvwire.protocol.work import PrefillWork
 from tests.integration.test_observability import one, scrape
 
 pytestmark = pytest.mark.slow

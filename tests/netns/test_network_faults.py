@@ -18,8 +18,8 @@ import pytest
 
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.directory.directory import KVDirectory
-from kvwire.connectors.wire import SamplingParams
 from kvwire.engine.reference import generate
+from kvwire.protocol.work import SamplingParams
 from tests.faults.harness import (
     REQUEST_TIMEOUT_S,
     Outcome,

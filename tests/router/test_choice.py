@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvwire.connectors.wire import SamplingParams, TokenChunk, TokenLogprobs
 from kvwire.engine.tokenizer import ByteTokenizer
+from kvwire.protocol.work import SamplingParams, TokenChunk, TokenLogprobs
 from kvwire.router.choice import Choice
 from kvwire.router.sampling import Plan
 

@@ -11,7 +11,8 @@ import zmq
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.control.framing import pack
 from kvwire.connectors.directory.directory import KVDirectory
-from kvwire.connectors.wire import ErrorKind, NodeInfo, SamplingParams, TokenChunk, WorkError
+from kvwire.connectors.wire import NodeInfo
+from kvwire.protocol.work import ErrorKind, SamplingParams, TokenChunk, WorkError
 from kvwire.router.dispatch import LEFT_GRACE_S, WATCH_PERIOD_S, Dispatcher
 
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvwire.connectors.control.framing import pack, unpack
-from kvwire.connectors.wire import Message, WireError
+from kvwire.connectors.wire import AnyMessage, Message, WireError
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ def send_msg(sock: socket.socket, msg: Message, fds: Sequence[int] = ()) -> None
         sock.send(data)
 
 
-def recv_msg(sock: socket.socket, expect: type | tuple[type, ...]) -> tuple[Message, list[int]]:
+def recv_msg(sock: socket.socket, expect: type | tuple[type, ...]) -> tuple[AnyMessage, list[int]]:
     """Receive one message and the file descriptors attached to it (the caller closes them).
 
     Raises:

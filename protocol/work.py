@@ -1,0 +1,111 @@
+"""Router ↔ node messages: the work (`PrefillWork`, `DecodeWork`, `CancelWork`) and the answers (`TokenChunk`,
+`WorkError`), with how the decode node samples (`SamplingParams`).
+
+They ride the transfer plane's envelope and wire version (connectors/wire.py, which `decode`s them once
+this module is imported: `register`): a decode node's work socket carries them beside the producer's
+direct `KVReady`. Peers' bytes are data: only these structs decode.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from kvwire.connectors.wire import AnyMessage, KVReady, register
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How the decode node picks each token, and when it stops (engine/sampler.py, engine/llm_engine.py).
+
+    The logits go through, in order: repetition, frequency and presence penalties (counting the prompt's
+    tokens for repetition, the output's for all three, as vLLM does), min_tokens' ban on stop tokens, then
+    temperature, top_k, top_p and min_p. Logprobs are always of the raw float32 logits, before any of that.
+    Stop strings are the router's: it cuts the text and cancels the request (`CancelWork`).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    # Added after WIRE_VERSION 1 shipped; the defaults change nothing.
+    top_k: int = 0  # 0 (or -1): all tokens
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] = []  # finish (reason "stop") on any of these, as on EOS
+    ignore_eos: bool = False  # EOS does not finish the request
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the k most likely
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One sampled token's log-probability under the raw logits, and the `SamplingParams.logprobs` most
+    likely tokens' (ids and logprobs, most likely first; ties to the lower id)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class PrefillWork(AnyMessage, tag="prefill", frozen=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    # the decode node's work endpoint: told `KVReady` directly, ahead of the directory
+    decode_endpoint: str = msgspec.field(default="", name="notify")
+
+
+class DecodeWork(AnyMessage, tag="decode", frozen=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    prefill_node: str  # "" when no prefill node was available: decode computes the prompt itself
+    reply_to: str  # router's zmq endpoint for TokenChunk messages
+    prefill_epoch: int = 0  # the incarnation of prefill_node the router picked; 0: unknown
+
+
+class DecodeStats(msgspec.Struct, frozen=True, kw_only=True):
+    bypassed: bool
+    transport: str  # the ConnectorKind value that moved the KV; "" when nothing was received
+    kv_bytes: int
+    transfer_ms: float
+    ttft_ms: float
+    prefill_node: str
+    decode_node: str
+
+
+class TokenChunk(AnyMessage, tag="tokens", frozen=True):
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    stats: DecodeStats | None = None
+    logprobs: list[TokenLogprobs] = []  # one per token_ids entry when SamplingParams.logprobs is set
+
+
+class CancelWork(AnyMessage, tag="cancel", frozen=True):
+    """Router → decode node: stop generating request_id (a stop string matched, or the client left).
+
+    The node frees its blocks (or drops its wait for KV) and sends nothing more for it. Unknown ids are ignored.
+    """
+
+    request_id: str
+
+
+class ErrorKind(enum.StrEnum):
+    INVALID_REQUEST = "invalid_request"  # the request can never be served as sent
+    INTERNAL = "internal"  # the node failed; the request itself may be fine
+    DRAINING = "draining"  # the node is shutting down and no other node of its role could take the request
+    NODE_LOST = "node_lost"  # the decode node serving the request left the cluster (died, or a new incarnation)
+
+
+class WorkError(AnyMessage, tag="error", frozen=True):
+    request_id: str
+    node: str
+    reason: str
+    kind: ErrorKind = ErrorKind.INTERNAL
+
+
+WorkMessage = PrefillWork | KVReady | DecodeWork | TokenChunk | WorkError | CancelWork
+register(WorkMessage)
