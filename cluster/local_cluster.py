@@ -58,6 +58,7 @@ class ClusterSpec:
     served_model_names: tuple[str, ...] = ()  # the router's --served-model-name; empty: the checkpoint's name
     lenient: bool = False  # the router's --lenient: unknown request fields dropped, not refused
     require_fast_path: bool = False  # the decode node's --require-fast-path: a same-host slow path is refused
+    heartbeat_ttl_s: float = 5.0  # both nodes' --heartbeat-ttl: how long a dead node stays registered
 
 
 @dataclass
@@ -133,7 +134,8 @@ class LocalCluster:
                 "--node-id", f"{role}-0", "--connector", str(s.connector), "--block-size", str(s.block_size),
                 "--num-blocks", str(s.num_blocks), "--kv-deadline", str(s.kv_deadline_s),
                 "--device", s.prefill_device if role == "prefill" else s.decode_device, "--log-level", s.log_level,
-                "--http-port", str(self.http_ports[role]), *self._auth_args(),
+                "--http-port", str(self.http_ports[role]), "--heartbeat-ttl", str(s.heartbeat_ttl_s),
+                *self._auth_args(),
                 *(["--layerwise"] if s.layerwise and role == "prefill" else []),
                 *(["--require-fast-path"] if s.require_fast_path and role == "decode" else [])]
 

@@ -100,9 +100,9 @@ def test_bad_requests_get_openai_errors(cluster, body, param):
 
 def test_prefill_killed_requests_recompute_with_identical_output(tiny_model_dir, tmp_path):
     deadline_s = 2.0
+    heartbeat_ttl_s = 2.0
     spec = ClusterSpec(model_dir=tiny_model_dir, connector=ConnectorKind.UCX, block_size=BS, num_blocks=256,
-                       kv_deadline_s=deadline_s,
-                       log_dir=tmp_path / "logs")
+                       kv_deadline_s=deadline_s, heartbeat_ttl_s=heartbeat_ttl_s, log_dir=tmp_path / "logs")
     prompts = [PROMPTS[3], PROMPTS[4]]
     expected = generate(tiny_model_dir, prompts, SamplingParams(max_tokens=8, temperature=0.0), block_size=BS)
     with LocalCluster(spec) as cluster:
@@ -120,7 +120,7 @@ def test_prefill_killed_requests_recompute_with_identical_output(tiny_model_dir,
         # once the dead node's registration expires (its TTL, not a sleep) the router sends work to decode alone
         directory = KVDirectory(cluster.redis_url)
         try:
-            gone_by = time.monotonic() + 2 * directory.node_ttl_s
+            gone_by = time.monotonic() + 2 * heartbeat_ttl_s
             while directory.live_nodes(NodeRole.PREFILL, include_draining=True):
                 assert time.monotonic() < gone_by, "the killed prefill node is still registered"
                 time.sleep(0.1)
