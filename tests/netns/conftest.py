@@ -33,13 +33,17 @@ def netns_cluster(topology, tiny_model_dir, tmp_path_factory):
         print(f"\nnetns cluster logs: {logs}")
 
 
+@pytest.fixture(scope="session", params=[ConnectorKind.TCP, ConnectorKind.UCX, ConnectorKind.NCCL, ConnectorKind.AUTO],
+                ids=str)
+def connector(request) -> ConnectorKind:
+    """Every test here runs over each connector. Session-scoped: pytest runs every test of both modules over one
+    connector before the next, so the nodes restart once per connector."""
+    return request.param
+
+
 @pytest.fixture
 def cluster(netns_cluster: NetnsCluster, connector: ConnectorKind) -> NetnsCluster:
-    """The shared cluster with both nodes up over the module's `connector` (restarted only when they are not).
-
-    Test modules parametrize a module-scoped `connector` fixture; pytest then runs every test of
-    one connector before the next, so nodes restart once per connector and module.
-    """
+    """The shared cluster with both nodes up over `connector` (restarted only when they are not)."""
     cluster = netns_cluster
     alive = all(r in cluster.procs and cluster.procs[r].poll() is None for r in ("prefill", "decode"))
     if cluster.connector != connector or not alive:

@@ -16,7 +16,6 @@ import time
 
 import pytest
 
-from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.engine.reference import generate
 from kvwire.protocol.work import SamplingParams
@@ -45,12 +44,6 @@ LONG = [list(range(i, i + 250)) * 2 + [i] for i in range(4)]  # 501 tokens: KV w
 SHORT = [[ord(c) for c in f"silent host {i}"] for i in range(3)]
 MAX_TOKENS = 6
 HEARTBEAT_S = HEARTBEAT_TTL_S / 3  # connectors/directory/heartbeat.py
-
-
-@pytest.fixture(scope="module", params=[ConnectorKind.TCP, ConnectorKind.UCX, ConnectorKind.NCCL, ConnectorKind.AUTO],
-                ids=str)
-def connector(request) -> ConnectorKind:
-    return request.param
 
 
 def reference(model_dir, prompts) -> list[list[int]]:

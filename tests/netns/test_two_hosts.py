@@ -24,12 +24,6 @@ MAX_TOKENS = 6
 EXPECTED_TRANSPORT = {ConnectorKind.AUTO: "ucx"}
 
 
-@pytest.fixture(scope="module", params=[ConnectorKind.TCP, ConnectorKind.UCX, ConnectorKind.NCCL, ConnectorKind.AUTO],
-                ids=str)
-def connector(request) -> ConnectorKind:
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def expected(tiny_model_dir) -> list[list[int]]:
     return generate(tiny_model_dir, PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), block_size=BS)
