@@ -26,6 +26,8 @@ from kvwire.cluster.local_cluster import ClusterError
 from kvwire.cluster.ports import free_port
 from kvwire.connectors.config import ConnectorKind
 
+GROUP_EXIT_S = 10.0  # how long `stop` waits for SIGKILLed ranks to finish exiting
+
 START_TIMEOUT_S = 240.0
 VLLM_MAX_MODEL_LEN = 2048
 
@@ -143,16 +145,22 @@ class VLLMServer:
             self.proc.wait()
 
     def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM to the process group, SIGKILL to whatever is left after `grace_s`; returns once every rank
+        has exited (a rank tearing down gigabytes of memory takes a moment after its SIGKILL)."""
         if self.proc is None or self.proc.poll() is not None:
             self._signal(signal.SIGKILL)  # the leader is gone; its engine and workers may not be
-            return
-        self._signal(signal.SIGTERM)
-        try:
-            self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        self._signal(signal.SIGKILL)
-        self.proc.wait()
+        else:
+            self._signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+            self._signal(signal.SIGKILL)
+            self.proc.wait()
+        if self.proc is not None:
+            deadline = time.monotonic() + GROUP_EXIT_S
+            while live_group_members(self.proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)  # nothing to wait on but /proc: the ranks are not our children
 
     def _signal(self, sig: int) -> None:
         if self.proc is None:
@@ -161,6 +169,19 @@ class VLLMServer:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Processes of process group `pgid` that are not zombies (a killed rank waits for init to reap it)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
 
 
 def start_all(specs: list[VLLMServerSpec], timeout_s: float = START_TIMEOUT_S) -> list[VLLMServer]:

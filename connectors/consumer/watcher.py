@@ -114,6 +114,8 @@ class Watcher:
                 self._kick.wait(timeout_s)
                 return
             with self._lock:
+                if self._added:  # added since this turn began, unwoken: take them first
+                    return
                 self._redis_until = time.monotonic() + timeout_s
             try:
                 seen, self._wake = self._directory.wait_events(waiting, self._wake, timeout_s)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvwire.cluster.vllm_cluster import VLLMServer, VLLMServerSpec
+from kvwire.cluster.vllm_cluster import VLLMServer, VLLMServerSpec, live_group_members
 from kvwire.cluster.vllm_pd import kvwire_pair, pd_cluster_of, with_tp
 from kvwire.connectors.config import ConnectorKind
 from tests.vllm.conftest import PROMPTS
@@ -62,17 +62,4 @@ def test_parallel_pairs_equal_plain(plain_server: VLLMServer, vllm_model_dir: Pa
     assert by_source["external_kv_transfer"] > 0, by_source
     assert pulls >= len(PROMPTS) * (2 if "TP2" in shape else 1), f"one part per prefill rank read: {pulls}"
     assert sum(failed.values()) == 0, f"recomputed prompts, by reason: {failed}"
-    assert [pid for g in groups for pid in _alive_in_group(g)] == [], "a server's rank outlived it"
-
-
-def _alive_in_group(pgid: int) -> list[int]:
-    """Processes of process group `pgid` that are not zombies (a killed rank waits for init to reap it)."""
-    alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            alive.append(int(stat.parent.name))
-    return alive
+    assert [pid for g in groups for pid in live_group_members(g)] == [], "a server's rank outlived it"
