@@ -1,7 +1,8 @@
 """Every message that crosses a process boundary, as tagged msgspec structs.
 
 Peers' bytes are data, never code: `decode` accepts only the structs listed in
-`Message`, checks the wire version, and raises `WireError` on anything else.
+`Message` or in a union `register`ed here (kvwire.protocol's router ↔ node work, which
+rides the same envelope), checks the wire version, and raises `WireError` on anything else.
 Tensors never travel inside these messages; they move as raw buffers over the
 transport, described here by `TensorDesc`.
 """

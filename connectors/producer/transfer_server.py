@@ -50,6 +50,13 @@ IDLE_WAKE_S = 1.0  # upper bound between hold-deadline checks
 TRUST_TTL_S = 5.0  # a consumer's verified transport address is trusted this long without a lookup
 
 
+@dataclass(frozen=True)
+class Refused:
+    """Why a pull may not go ahead (`TransferServer.claim`); the request stays pullable by its real consumer."""
+
+    reason: str
+
+
 @dataclass(eq=False)
 class SendJob:
     """One granted pull: move the blocks of `runs`, then the hidden tensors, to the consumer named in `msg`."""
@@ -240,8 +247,8 @@ class TransferServer:
             self._abandoned(identity, msg)
             return
         job = self.claim(msg, identity)
-        if isinstance(job, str):
-            self._reply(identity, msg, False, job)
+        if isinstance(job, Refused):
+            self._reply(identity, msg, False, job.reason)
             return
         if msg.heads is not None and msg.heads.num_heads == 0:  # declined: nothing moves, one puller less
             self._complete(job, None)
@@ -265,23 +272,23 @@ class TransferServer:
         log.info("request %s: %s will not pull it%s", msg.request_id, msg.consumer, "; released" if released else "")
         self._reply(identity, msg, True)
 
-    def claim(self, msg: PullRequest, identity: bytes = b"") -> SendJob | str:
+    def claim(self, msg: PullRequest, identity: bytes = b"") -> SendJob | Refused:
         """Let `msg` pull its request, if it may: the request is then in flight until `finish`.
 
         Server thread only. Engines that take pulls on their own channel (shared memory)
         call this themselves and answer on that channel (`job.replied` set).
         Returns:
-            The job, or why the pull is refused (the request stays pullable by its real consumer).
+            The job, or why the pull is refused.
         """
         pullers = msg.heads.pullers if msg.heads is not None else 1
         held = self._held.begin_pull(msg.request_id, msg.consumer, pullers)
         if held is None:
-            return "request unknown, released, already being pulled, or pulled by this consumer"
+            return Refused("request unknown, released, already being pulled, or pulled by this consumer")
         reason = self._refusal(msg, held)
         if reason:
             log.warning("request %s: pull from %s refused: %s", msg.request_id, msg.consumer, reason)
             self._held.end_pull(msg.request_id, msg.consumer)  # a stranger must not make us drop the real KV
-            return reason
+            return Refused(reason)
         runs = [(s, n) for s, _, n in plan_runs(_sources(msg, held), msg.dst_block_ids)]
         region = self._region
         if msg.heads is not None:

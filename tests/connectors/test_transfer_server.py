@@ -11,7 +11,7 @@ from kvwire.connectors.directory.directory import DirectoryError
 from kvwire.connectors.kv_pool import KVPool
 from kvwire.connectors.producer import transfer_server
 from kvwire.connectors.producer.held import HeldRequest, HeldTable
-from kvwire.connectors.producer.transfer_server import SendJob, TransferServer
+from kvwire.connectors.producer.transfer_server import Refused, SendJob, TransferServer
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.transports.ucx.send_engine import UCXSendEngine
 from kvwire.connectors.wire import WIRE_VERSION, KVLocation, PullReply, PullRequest, ShmHello, decode, encode
@@ -115,10 +115,11 @@ def test_a_directory_that_fails_keeps_a_verified_consumer_and_refuses_the_rest(m
     srv = TransferServer("127.0.0.1", KVRegion.from_kv_caches(KVPool.allocate(peer.layout(), 8).kv_caches), held,
                          UCXSendEngine(), 5.0, lookup)
     try:
-        def claim(rid: str, consumer: str) -> SendJob | str:
+        def claim(rid: str, consumer: str) -> SendJob | str:  # the refusal's reason
             _hold(held, rid, [1])
-            return srv.claim(PullRequest(request_id=rid, transfer_id=1, consumer=consumer, transport_address=b"x",
-                                         dst_block_ids=[2]))
+            job = srv.claim(PullRequest(request_id=rid, transfer_id=1, consumer=consumer, transport_address=b"x",
+                                        dst_block_ids=[2]))
+            return job.reason if isinstance(job, Refused) else job
 
         assert isinstance(claim("r1", "c"), SendJob)  # verified
         directory_up = False

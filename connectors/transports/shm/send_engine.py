@@ -42,7 +42,7 @@ from pathlib import Path
 import msgspec
 
 from kvwire.connectors.hidden import INLINE_MAX, host_bytes
-from kvwire.connectors.producer.transfer_server import SendEngine, SendJob
+from kvwire.connectors.producer.transfer_server import Refused, SendEngine, SendJob
 from kvwire.connectors.transports.shm.channel import (
     SOCKET_ROOT,
     close_fds,
@@ -175,8 +175,8 @@ class SHMSendEngine(SendEngine):
             refuse("the read names another consumer than the one that mapped the pool")
             return
         job = self.server.claim(msg)
-        if isinstance(job, str):
-            refuse(job)
+        if isinstance(job, Refused):
+            refuse(job.reason)
             return
         job.replied = True
         hold_s = max(0.0, job.deadline - time.monotonic())
@@ -237,8 +237,8 @@ class SHMSendEngine(SendEngine):
                            transport_address=msg.transport_address, dst_block_ids=msg.dst_block_ids,
                            first_block=msg.first_block)
         job = self.server.claim(pull)
-        if isinstance(job, str):
-            log.info("request %s: direct read by %s not recorded: %s", msg.request_id, msg.consumer, job)
+        if isinstance(job, Refused):
+            log.info("request %s: direct read by %s not recorded: %s", msg.request_id, msg.consumer, job.reason)
             return
         job.replied = True
         self.server.finish(job, None)
