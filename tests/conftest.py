@@ -7,8 +7,15 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 
 from kvwire.cluster.redis_server import LocalRedis
+
+# The suite's own computations (the in-process reference generations) run on one thread, as every node it
+# starts does (--torch-threads 1). With intra-op threads, two busy loops on this 2-core machine made them
+# crawl: test_up_supervision's reference took about 4 minutes instead of a few seconds (OpenMP's workers
+# spinning against the busy cores), and the fault tests are run under such loads.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
