@@ -62,13 +62,6 @@ def blocked_clients(url: str) -> int:
 
 
 @pytest.fixture
-def directory(redis_url: str):
-    d = KVDirectory(redis_url, entry_ttl_s=5.0, node_ttl_s=0.5)
-    yield d
-    d.close()
-
-
-@pytest.fixture
 def raw(redis_url: str):
     client = redis.Redis.from_url(redis_url)
     yield client

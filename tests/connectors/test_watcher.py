@@ -16,13 +16,6 @@ from tests.connectors.test_directory import location
 
 
 @pytest.fixture
-def directory(redis_url: str):
-    d = KVDirectory(redis_url, entry_ttl_s=30.0, node_ttl_s=5.0)
-    yield d
-    d.close()
-
-
-@pytest.fixture
 def watched(directory: KVDirectory):
     """A watcher, and the queue its settled request ids arrive on (with when)."""
     got: queue.Queue[tuple[str, float]] = queue.Queue()
