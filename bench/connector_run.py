@@ -146,8 +146,8 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
 
 
 def _take_kv_ready(side, ready: zmq.Socket, rid: str) -> None:
-    """The producer's direct word for `rid`, handed to the consumer as a decode node does."""
+    """The producer's KVReady for `rid`, handed to the consumer as a decode node does."""
     assert ready.poll(120_000), f"no KVReady for {rid}"
     msg = unpack(ready.recv(), expect=KVReady)
     assert isinstance(msg, KVReady) and msg.location.request_id == rid, msg
-    side.consumer.located(msg.location)
+    side.consumer.take_kv_ready(msg.location)

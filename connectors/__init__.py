@@ -15,13 +15,14 @@ and only it, for that thing.
   - deferred.py, wakeup.py: calls run a little later on a thread of their own; a wake-up fd.
 - producer/: the **producer** role (role.py) a prefill node runs: it holds a computed prompt's KV
   (held.py, the **held table**, the blocks' one owner until their **release**), publishes its
-  **location**, and answers **pulls** in a transfer server per transport (transfer_server.py);
+  **location** (in the directory, and straight to the consumer the router named as a **KVReady**:
+  `_send_kv_ready`), and answers **pulls** in a transfer server per transport (transfer_server.py);
   layer_gate.py: how far a layer-wise prefill has got; incarnations.py: its first directory act.
 - consumer/: the **consumer** role (role.py) a decode node runs: it learns a request's location
-  (expected.py), waits on the directory for every expected request in one thread (watcher.py), pulls it,
-  and says what it moved or why not; producer_watch.py: KV a dead producer
-  owed is given up at once; fast_path.py: no silent slow path on one host; offers.py: which of a
-  producer's transports to pull over.
+  (expected.py; from a KVReady, `take_kv_ready`, or the directory, whichever comes first), waits on
+  the directory for every expected request in one thread (watcher.py), pulls it, and says what it
+  moved or why not; producer_watch.py: KV a dead producer owed is given up at once; fast_path.py: no
+  silent slow path on one host; offers.py: which of a producer's transports to pull over.
 - directory/: the Redis **directory** (directory.py) of locations and live nodes, with batch.py
   (many requests in one round trip), scripts.py (its atomic steps), heartbeat.py (a node's
   registration), redis_url.py (how to reach Redis) and advertise.py (the address a node publishes).
@@ -34,6 +35,7 @@ and only it, for that thing.
   sides, moved as one piece); block_copy.py, data_path.py, host.py, kv_checksum.py. One folder
   per transport (a `ConnectorKind`: ucx/, tcp/, shm/, nccl/, auto/), each with send_engine.py,
   puller.py and transport.py. A **transport address** is the bytes a transport reaches a peer by.
+  Shared memory's **hold word** (shm/hold_board.py) says a request's blocks are still held.
 - vllm/: the vLLM V1 KV connector (`kvwire.connectors.vllm`), over the same roles and transports.
 
 Other words: **prefill node / decode node** are the two server processes (prefill_node/,

@@ -82,7 +82,7 @@ def join_requests(
     return joined[HIDDEN_KEY]
 
 
-INLINE_MAX = 64 << 10  # hidden states up to this size travel inline (direct word; shm reply packet), not a memfd
+INLINE_MAX = 64 << 10  # hidden states up to this size travel inline (KVReady; shm reply packet), not a memfd
 
 
 def host_bytes(tensors: list[torch.Tensor]) -> memoryview:
@@ -113,7 +113,7 @@ def fill_tensors(tensors: list[torch.Tensor], data: memoryview) -> int:
     return total
 
 
-def direct_word(loc: KVLocation, hidden: Sequence[torch.Tensor]) -> KVLocation:
+def kv_ready_location(loc: KVLocation, hidden: Sequence[torch.Tensor]) -> KVLocation:
     """What the producer tells its consumer directly: `loc`, plus the hidden states' bytes when the location
     has a shared-memory hold word and they are small (the consumer then reads with no round trip)."""
     nbytes = sum(t.numel() * t.element_size() for t in hidden)

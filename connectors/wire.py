@@ -156,9 +156,9 @@ class KVLocation(_Msg, tag="location", frozen=True):
     # consumer has the ones before it already, e.g. vLLM's prefix cache); block_ids then holds the rest.
     first_block: int = 0
     shm_hold: ShmHold | None = None  # shared memory: the request's hold word (None: claim before reading)
-    # The direct word only (KVReady), never published: the hidden states' bytes, back to back in `hidden`
+    # The KVReady only (KVReady), never published: the hidden states' bytes, back to back in `hidden`
     # order, when small; with `shm_hold` a same-host consumer reads the request without a round trip. A
-    # consumer's view of a direct word also holds here what its puller read ahead (SHMPuller.read_ahead).
+    # consumer's view of a KVReady also holds here what its puller read ahead (SHMPuller.read_ahead).
     inline_hidden: bytes = b""
     # A consumer's view only, never published: the pull takes this head slice (tensor parallel, HeadSlice).
     heads: HeadSlice | None = None
@@ -286,7 +286,7 @@ class ShmSegment(_Msg, tag="shm_segment", frozen=True):
     request with a `PullRequest` and reads while the producer answers `PullReply` (ok: the
     blocks are held for the read; the hidden states ride along as a memfd), and says
     `ShmReadDone` once it has read. A request whose location carries a hold word and its hidden
-    states (the direct word) is read with no claim: the consumer checks the word before and after its
+    states (the KVReady) is read with no claim: the consumer checks the word before and after its
     copy and then says `ShmRead`.
     """
 
@@ -299,7 +299,7 @@ class ShmSegment(_Msg, tag="shm_segment", frozen=True):
     hold_hidden_bytes: int = 0  # the board's hidden area, from the first page after the words
 
 
-# --- the direct word: prefill → decode, on the decode node's work socket ---------------------
+# --- the KVReady: prefill → decode, on the decode node's work socket ---------------------
 
 
 class KVReady(_Msg, tag="kv_ready", frozen=True):

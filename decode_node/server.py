@@ -96,7 +96,7 @@ class DecodeNode:
             while self.rt.work_socket.poll(0):
                 msg = self.rt.read_work((DecodeWork, KVReady, CancelWork))
                 if isinstance(msg, KVReady):
-                    self._consumer.located(msg.location)  # admitted below, if it was awaited
+                    self._consumer.take_kv_ready(msg.location)  # admitted below, if it was awaited
                 elif isinstance(msg, DecodeWork):
                     self._accept(msg)
                 elif isinstance(msg, CancelWork):  # draining or not: the router no longer wants it

@@ -2,9 +2,9 @@
 
 1. Made by `KVConsumer.expect` (or by a pull of a request nobody announced), with its
    producer and the deadline its KV must be pullable by.
-2. Settled once, by whichever source answers first: the producer's direct word (a
+2. Settled once, by whichever source answers first: the producer's KVReady (a
    location), the directory (a READY location, or a terminal state), or the deadline.
-   A direct word that comes after the directory's READY still replaces its location when
+   A KVReady that comes after the directory's READY still replaces its location when
    it is the same one with the hidden states inline (a same-host read then needs no round
    trip).
 3. Pulled (or failed) by the consumer, which writes its `stats`.
@@ -50,7 +50,7 @@ class ExpectedKV:
     stats: Received | None = None  # once pulled
     watched: bool = False  # a directory watcher settles it
     producer_epoch: int = 0  # the producer's incarnation the router picked; 0: unknown (not watched for restarts)
-    hidden: list[torch.Tensor] | None = None  # the direct word's hidden states as tensors, made as it came
+    hidden: list[torch.Tensor] | None = None  # the KVReady's hidden states as tensors, made as it came
     _settled: threading.Event = field(default_factory=threading.Event, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

@@ -5,7 +5,7 @@ A request here:
 1. `expect(request_id, producer)`: a request whose KV a producer is computing has arrived.
    Its record (expected.py) gets the KV deadline, and the consumer's one watcher thread
    (watcher.py) waits on the directory for it, with every other expected request's.
-2. The record is settled by whichever answers first: `located` (the producer's direct
+2. The record is settled by whichever answers first: `take_kv_ready` (the producer's direct
    `KVReady`), the watcher (the directory's READY, or a FAILED / EXPIRED entry), or the
    deadline. Its id is then queued, once, and the owner's `wakeup` woken: the owner's loop
    takes it with `ready()`, on its own thread, and may admit the request.
@@ -60,11 +60,11 @@ from kvwire.observability.metrics import Metrics, process_metrics
 log = logging.getLogger(__name__)
 
 # a decode node's producer tells it directly where the KV is: its watcher first reads the directory (the
-# fallback: a lost word, a FAILED entry) this long after the request came, unless the word came first
+# fallback: a lost KVReady, a FAILED entry) this long after the request came, unless the KVReady came first
 DIRECT_HEAD_START_S = 0.05
 NOTE_AGE_S = 0.002  # a busy node tells producers of reads this old (its first tokens are out by then)
 NOTE_LATEST_S = 0.05  # a caller that never calls after_step (the classic contract alone): notes go this late
-EARLY_WORDS = 1024  # direct words kept for requests not expected yet (their work is still on its way)
+EARLY_KV_READY = 1024  # KVReady messages kept for requests not expected yet (their work is still on its way)
 MAX_RECORDS = 8192  # past this, records of requests never pulled (aborted) are dropped once settled
 
 
@@ -106,7 +106,7 @@ class KVConsumer:
         self._puller = transport.puller(region)
         self._fast_path = FastPathGuard(config, lambda loc: transport.data_path(self._puller, loc))
         self._expected: dict[str, ExpectedKV] = {}  # announced, not yet pulled; guarded by _lock
-        self._early: OrderedDict[str, tuple[float, KVLocation]] = OrderedDict()  # (when, word); guarded by _lock
+        self._early: OrderedDict[str, tuple[float, KVLocation]] = OrderedDict()  # (when, location); guarded by _lock
         self._lock = threading.Lock()
         self._watcher = Watcher(directory, self._settled, f"{config.node_id}-{uuid.uuid4().hex[:12]}")
         self._pulling = threading.Lock()  # the puller moves one request at a time, whichever thread asks
@@ -126,7 +126,7 @@ class KVConsumer:
         Args:
             producer_epoch: the producer's incarnation that was sent the work (0: unknown); if another
                 incarnation registers, or none for a heartbeat TTL, the KV is given up at once.
-            head_start_s: how long the producer's direct word has before the directory is first read
+            head_start_s: how long the producer's KVReady has before the directory is first read
                 (DIRECT_HEAD_START_S where the producer tells this consumer directly; 0: read it at once).
                 While a prompt is computed the consumer's node then makes no Redis round trip, which on a
                 shared host would take cores from the forward; a FAILED entry is seen this much later.
@@ -141,23 +141,23 @@ class KVConsumer:
             self._expected[request_id] = record
             when, early = self._early.pop(request_id, (0.0, None))
         if early is not None and time.monotonic() - when < self._config.kv_deadline_s:
-            self.located(early)  # the word beat the work here: the pull can start now
+            self.take_kv_ready(early)  # the KVReady beat the work here: the pull can start now
         self._watcher.add(record, head_start_s)
         return record
 
-    def located(self, location: KVLocation) -> bool:
+    def take_kv_ready(self, location: KVLocation) -> bool:
         """The producer says directly where an expected request's KV is (sooner than the directory).
 
         Returns:
             Whether it was taken: False for a request not expected here (or from another producer than
-            the one asked), or one whose KV was already located or given up on. A word for a request not
-            expected yet is kept (the last EARLY_WORDS, for the KV deadline) and taken by its `expect`.
+            the one asked), or one whose KV was already located or given up on. A KVReady for a request not
+            expected yet is kept (the last EARLY_KV_READY, for the KV deadline) and taken by its `expect`.
         """
         with self._lock:
             record = self._expected.get(location.request_id)
             if record is None:  # kept a while: the request's work may come next
                 self._early[location.request_id] = (time.monotonic(), location)
-                while len(self._early) > EARLY_WORDS:
+                while len(self._early) > EARLY_KV_READY:
                     self._early.popitem(last=False)
         if record is None:
             log.info("request %s: KVReady from %s before its work; kept for it", location.request_id,
@@ -169,7 +169,7 @@ class KVConsumer:
             return False
         location = self._read_ahead(location)
         settled = record.locate(location)
-        if location.inline_hidden and record.location is location:  # off the pull's way: the word just came
+        if location.inline_hidden and record.location is location:  # off the pull's way: the KVReady just came
             with contextlib.suppress(ValueError):  # a size that does not match: the pull makes its own
                 record.hidden = tensors_from_bytes(location.hidden, location.inline_hidden,
                                                    self._region.planes[0].device)
@@ -179,8 +179,8 @@ class KVConsumer:
         return True
 
     def _read_ahead(self, location: KVLocation) -> KVLocation:
-        """`location` holding its hidden states when the puller can read them now (shared memory), as a direct
-        word carries small ones: they become tensors off the pull's way; the pull's check vouches for them."""
+        """`location` holding its hidden states when the puller can read them now (shared memory), as a KVReady
+        carries small ones: they become tensors off the pull's way; the pull's check vouches for them."""
         if location.shm_hold is None or location.inline_hidden:
             return location
         ahead = self._puller.read_ahead(location)
@@ -329,8 +329,8 @@ class KVConsumer:
         return record.stats
 
     def _hidden_for(self, record: ExpectedKV, loc: KVLocation) -> list[torch.Tensor]:
-        """Where the pull puts `loc`'s hidden states: already holding them when the direct word carried them
-        (made as it came, by `located`, or here if the pull started first). The shm puller's read with no
+        """Where the pull puts `loc`'s hidden states: already holding them when the KVReady carried them
+        (made as it came, by `take_kv_ready`, or here if the pull started first). The shm puller's read with no
         round trip relies on it: it moves only the blocks."""
         device = self._region.planes[0].device
         if loc.inline_hidden:

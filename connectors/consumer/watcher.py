@@ -1,7 +1,7 @@
 """A consumer's one directory watcher: a thread that waits on the directory for every expected request at once.
 
 1. `KVConsumer.expect` hands it a record (`add`), with a head start: until that passes the
-   directory is not read for it (the producer's direct word usually settles it first).
+   directory is not read for it (the producer's KVReady usually settles it first).
 2. Each turn, the records whose head start has passed and that have no cursor yet are read in one
    round trip (`KVDirectory.look`: the entry, and the id of its newest event); then one XREAD
    (`KVDirectory.wait_events`) blocks on all their event streams and on this watcher's wake
@@ -9,7 +9,7 @@
    With no record to read, the thread waits on an in-process event instead: no Redis traffic.
 3. A READY entry or event settles its record with the location, a terminal entry settles it as
    failed (PRODUCER), and a record whose deadline passes is given up (DEADLINE, or DIRECTORY when
-   Redis did not answer the last time it was asked). Records settled elsewhere (the direct word,
+   Redis did not answer the last time it was asked). Records settled elsewhere (the KVReady,
    the producer watch) are dropped at the next turn. Every settling made here is handed to
    `settled(request_id)` (the consumer's mailbox, which wakes its node).
 4. A record added with no head start while the XREAD blocks ends that wait (`KVDirectory.wake`:

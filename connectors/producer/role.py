@@ -36,7 +36,7 @@ from kvwire.connectors.control.sockets import PushSockets
 from kvwire.connectors.deferred import Deferred
 from kvwire.connectors.directory.batch import DirectoryBatch
 from kvwire.connectors.directory.directory import DirectoryError, KVDirectory, StaleNodeError, TransferState
-from kvwire.connectors.hidden import HIDDEN_KEY, direct_word, dtype_of, empty_like_descs, split_request
+from kvwire.connectors.hidden import HIDDEN_KEY, dtype_of, empty_like_descs, kv_ready_location, split_request
 from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.producer.held import HeldRequest, HeldTable
 from kvwire.connectors.producer.incarnations import fail_earlier_incarnations
@@ -282,7 +282,7 @@ class KVProducer:
         if not consumer_endpoint:
             self._advertise_now(loc)
             return
-        self._tell(direct_word(loc, hidden), consumer_endpoint)
+        self._send_kv_ready(kv_ready_location(loc, hidden), consumer_endpoint)
         self._later.call_in(ADVERTISE_DELAY_S, lambda: self._advertise_now(loc))
 
     def _advertise_now(self, loc: KVLocation) -> None:
@@ -296,7 +296,7 @@ class KVProducer:
         if early is not None:
             self._record_delivery(*early)
 
-    def _tell(self, loc: KVLocation, consumer_endpoint: str) -> None:
+    def _send_kv_ready(self, loc: KVLocation, consumer_endpoint: str) -> None:
         """`KVReady` to the consumer's node; never blocks: a consumer not reading (or a bad endpoint) still
         learns the location from the directory."""
         try:

@@ -133,7 +133,7 @@ def test_many_in_flight_complete_out_of_order(connector_kind, redis_url, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_hidden_states_wider_than_the_direct_word_arrive_whole(connector_kind, redis_url, device):
+def test_hidden_states_wider_than_the_kv_ready_arrive_whole(connector_kind, redis_url, device):
     """A real model's hidden states (Llama-3-8B: 8 KiB a token) pass INLINE_MAX at a few tokens: over shared
     memory they lie in the hold board's hidden area, beside a pool that is a memfd or, on CUDA, read by IPC."""
     producer_device, consumer_device = _devices(connector_kind, device)

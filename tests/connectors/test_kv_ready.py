@@ -1,4 +1,4 @@
-"""KVReady, the producer's direct word to the consumer: ordering against the directory, and who may use it."""
+"""KVReady, the producer's KVReady to the consumer: ordering against the directory, and who may use it."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def _ready_as_told(consumer, want: int, timeout_s: float) -> list[tuple[str, flo
 
 
 def _location(rid: str) -> KVLocation:
-    """A TCP location from producer "p", as its direct word carries it."""
+    """A TCP location from producer "p", as its KVReady carries it."""
     return KVLocation(request_id=rid, producer="p", producer_epoch=1, kind=ConnectorKind.TCP,
                       side_channel="tcp://127.0.0.1:1", transport_address=b"127.0.0.1:2", layout=peer.layout(),
                       block_ids=[0], num_tokens=3, hidden=[])
@@ -74,7 +74,7 @@ def test_a_pull_delivered_before_the_ready_lands_is_recorded_after_it(redis_url,
     publish_ready = side.directory.publish_ready
     seen: list[KVLocation] = []
 
-    def pulled_before_the_ready(loc: KVLocation) -> bool:  # the whole pull, between the direct word and READY
+    def pulled_before_the_ready(loc: KVLocation) -> bool:  # the whole pull, between the KVReady and READY
         seen.append(_kv_ready(sock).location)
         server._on_delivered(PullRequest(request_id=loc.request_id, transfer_id=1, consumer="d",
                                          transport_address=b"", dst_block_ids=[0, 1]), 100)
@@ -84,7 +84,7 @@ def test_a_pull_delivered_before_the_ready_lands_is_recorded_after_it(redis_url,
     try:
         seq = SequenceInput("early-1", [0] * 5, 0, [2, 3], consumer_endpoint=endpoint)
         side.producer.publish(ModelInput([seq]), torch.zeros(5, peer.HIDDEN))
-        _wait_until(lambda: seen)  # the READY goes ADVERTISE_DELAY_S after the direct word
+        _wait_until(lambda: seen)  # the READY goes ADVERTISE_DELAY_S after the KVReady
         assert [loc.request_id for loc in seen] == ["early-1"] and seen[0].block_ids == [2, 3]
         _wait_until(lambda: side.directory.get("early-1") is None)  # CONSUMED and deleted, not left READY
     finally:
@@ -92,7 +92,7 @@ def test_a_pull_delivered_before_the_ready_lands_is_recorded_after_it(redis_url,
         sock.close(0)
 
 
-def test_the_ready_of_a_request_told_directly_comes_after_the_direct_word(redis_url):
+def test_the_ready_of_a_request_told_directly_comes_after_the_kv_ready_location(redis_url):
     """Told directly, the consumer pulls first; the directory's READY (its fallback) follows a few ms later,
     off the way to the first token. A request nobody was told of is advertised at once."""
     sock, endpoint = _work_socket()
@@ -126,30 +126,30 @@ def test_the_consumer_takes_a_direct_location_only_for_a_request_it_expects(redi
     loc = _location("direct-1")
     try:
         record = consumer.expect("direct-1", producer="p")
-        assert not consumer.located(msgspec.structs.replace(loc, producer="p-other")), "another producer's word"
+        assert not consumer.take_kv_ready(msgspec.structs.replace(loc, producer="p-other")), "not its producer"
         assert record.location is None and not record.settled and consumer.ready() == []
-        assert consumer.located(loc)
+        assert consumer.take_kv_ready(loc)
         assert record.settled and record.location == loc  # the pull starts from it: no directory read
         assert select.select([consumer.wakeup.fd], [], [], 0)[0], "the owner's loop is woken"
         assert consumer.ready() == ["direct-1"]
-        assert not consumer.located(loc), "located once"
+        assert not consumer.take_kv_ready(loc), "located once"
     finally:
         side.close()
 
 
-def test_a_direct_word_that_beats_its_work_is_kept_for_it(redis_url):
-    """The producer's word can reach the decode node before the router's work does: it is kept, and the work's
+def test_a_kv_ready_that_beats_its_work_is_kept_for_it(redis_url):
+    """The producer's KVReady can reach the decode node before the router's work does: it is kept, and the work's
     `expect` takes it at once (from the producer the work names only)."""
     side = _consumer("d-early", redis_url)
     consumer = side.consumer
     loc = _location("early-1")
     try:
-        assert not consumer.located(loc), "not expected yet: kept, not taken"
-        assert not consumer.located(msgspec.structs.replace(loc, request_id="early-2"))
+        assert not consumer.take_kv_ready(loc), "not expected yet: kept, not taken"
+        assert not consumer.take_kv_ready(msgspec.structs.replace(loc, request_id="early-2"))
         record = consumer.expect("early-1", producer="p", head_start_s=1.0)
         assert record.settled and record.location == loc and consumer.ready() == ["early-1"]
         other = consumer.expect("early-2", producer="p-other", head_start_s=1.0)
-        assert not other.settled and other.location is None, "a word from another producer than the work's"
+        assert not other.settled and other.location is None, "a KVReady from another producer than the work's"
     finally:
         side.close()
 
@@ -173,7 +173,7 @@ def test_producer_tells_the_consumer_directly_and_the_consumer_pulls(redis_url):
         ready = _kv_ready(sock)
         assert ready.location.request_id == rid and ready.location.producer == "p-direct"
         assert ready.location.block_ids == src
-        consumer.located(ready.location)  # False only if the directory's READY settled the record first
+        consumer.take_kv_ready(ready.location)  # False only if the directory's READY settled the record first
         assert record.settled and record.location == ready.location
         hidden, bypass, _ = consumer.receive_batch(ModelInput([SequenceInput(rid, [0] * tokens, 0, dst)]))
         assert bypass
@@ -183,7 +183,7 @@ def test_producer_tells_the_consumer_directly_and_the_consumer_pulls(redis_url):
         assert results.get(timeout=30) == ("released", {rid: src})
         proc.join(30)
         assert proc.exitcode == 0
-        assert consumer.ready() == [rid], "the owner is told once (by the direct word or the directory, first)"
+        assert consumer.ready() == [rid], "the owner is told once (by the KVReady or the directory, first)"
         directory = KVDirectory(redis_url)
         try:
             assert directory.request_ids() == [], "the producer deletes the entry once the pull is confirmed"
@@ -196,9 +196,9 @@ def test_producer_tells_the_consumer_directly_and_the_consumer_pulls(redis_url):
         proc.kill()
 
 
-def test_a_head_start_keeps_the_directory_unread_until_it_ends_and_a_direct_word_skips_it(redis_url, monkeypatch):
+def test_a_head_start_keeps_the_directory_unread_until_it_ends_and_a_kv_ready_skips_it(redis_url, monkeypatch):
     """With a head start (a decode node's producer tells it directly), the watcher reads the directory only once
-    it has passed: a FAILED entry is seen then, not at once, and a direct word within it settles the request with
+    it has passed: a FAILED entry is seen then, not at once, and a KVReady within it settles the request with
     no directory read at all. Without one, the FAILED entry is seen at once."""
     side = _consumer("d-head", redis_url)
     consumer, head_s = side.consumer, 0.3
@@ -211,21 +211,21 @@ def test_a_head_start_keeps_the_directory_unread_until_it_ends_and_a_direct_word
         return look(rids)
 
     monkeypatch.setattr(side.directory, "look", counted_look)
-    loc = _location("head-word")
+    loc = _location("head-kv-ready")
     try:
         for rid in ("head-failed", "no-head-failed"):
             side.directory.fail(rid, "the prefill node refused it", producer="p")
         start = time.monotonic()
         failed = consumer.expect("head-failed", producer="p", head_start_s=head_s)
         at_once = consumer.expect("no-head-failed", producer="p")
-        word = consumer.expect("head-word", producer="p", head_start_s=head_s)
-        assert consumer.located(loc)
+        word = consumer.expect("head-kv-ready", producer="p", head_start_s=head_s)
+        assert consumer.take_kv_ready(loc)
         when = dict(_ready_as_told(consumer, 3, 3.0))
-        assert set(when) == {"head-failed", "no-head-failed", "head-word"}
-        assert when["no-head-failed"] - start < head_s and when["head-word"] - start < head_s
+        assert set(when) == {"head-failed", "no-head-failed", "head-kv-ready"}
+        assert when["no-head-failed"] - start < head_s and when["head-kv-ready"] - start < head_s
         assert when["head-failed"] - start >= head_s
         assert failed.location is None and at_once.location is None and word.location == loc
         time.sleep(0.05)
-        assert "head-word" not in reads, "the direct word came within the head start: no directory read"
+        assert "head-kv-ready" not in reads, "the KVReady came within the head start: no directory read"
     finally:
         side.close()

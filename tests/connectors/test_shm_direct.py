@@ -1,4 +1,4 @@
-"""Shared-memory reads with no round trip: the hold board, the direct word's hidden states, the read note."""
+"""Shared-memory reads with no round trip: the hold board, the KVReady's hidden states, the read note."""
 
 from __future__ import annotations
 
@@ -78,13 +78,13 @@ def test_the_boards_hidden_area_holds_hidden_states_until_unmarked_and_reuses_fr
         board.close()
 
 
-def test_a_later_direct_word_gives_a_settled_record_its_hidden_states_and_nothing_else():
+def test_a_later_kv_ready_gives_a_settled_record_its_hidden_states_and_nothing_else():
     loc = KVLocation(request_id="r", producer="p", producer_epoch=1, kind=ConnectorKind.SHM, side_channel="s",
                      transport_address=b"a", layout=peer.layout(), block_ids=[1], num_tokens=3, hidden=[])
     record = ExpectedKV("r", "p", time.monotonic() + 5)
     assert record.locate(loc)  # the directory's READY came first
     assert not record.locate(msgspec.structs.replace(loc, inline_hidden=b"x" * 4))
-    assert record.location.inline_hidden == b"x" * 4, "the direct word's hidden states are taken"
+    assert record.location.inline_hidden == b"x" * 4, "the KVReady's hidden states are taken"
     assert not record.locate(msgspec.structs.replace(loc, block_ids=[2], inline_hidden=b"y"))
     assert record.location.block_ids == [1], "another location never replaces the settled one"
 
@@ -99,23 +99,23 @@ def _work_socket() -> tuple[zmq.Socket, str]:
 
 
 def _wide_hidden(rid: str, tokens: int) -> torch.Tensor:
-    """Hidden states too big for the direct word, as a real model's are: `[tokens, width]`."""
+    """Hidden states too big for the KVReady, as a real model's are: `[tokens, width]`."""
     width = INLINE_MAX // 4 // tokens + 1
     return torch.randn(tokens, width, generator=torch.Generator().manual_seed(len(rid)))
 
 
 def _publish_directly(producer, pool, consumer, rid: str, blocks: list[int], tokens: int, endpoint: str,
                       sock: zmq.Socket, hidden: torch.Tensor | None = None) -> KVLocation:
-    """Publish `rid` with a direct word to `endpoint`; the consumer expects it and takes the word."""
+    """Publish `rid` with a KVReady to `endpoint`; the consumer expects it and takes it."""
     consumer.consumer.expect(rid, producer=NODE)
     pool.data[blocks] = peer.request_kv(rid, pool.layout, len(blocks))
     seq = SequenceInput(rid, [0] * tokens, 0, blocks, consumer_endpoint=endpoint)
     hidden = peer.request_hidden(rid, tokens, False) if hidden is None else hidden
     producer.connector.send_kv_caches_and_hidden_states(None, ModelInput([seq]), producer.kv_caches, hidden)
     assert sock.poll(5000), "no KVReady"
-    word = unpack(sock.recv(), expect=KVReady).location
-    consumer.consumer.located(word)
-    return word
+    told = unpack(sock.recv(), expect=KVReady).location
+    consumer.consumer.take_kv_ready(told)
+    return told
 
 
 @pytest.fixture
@@ -142,17 +142,17 @@ def _map_pool(producer, pool, consumer, cpool, released, sent: list[type], endpo
     sent.clear()
 
 
-def test_a_direct_word_is_read_with_no_claim_and_told_after_the_step(redis_url, sent):
+def test_a_kv_ready_is_read_with_no_claim_and_told_after_the_step(redis_url, sent):
     sock, endpoint = _work_socket()
     with _producer(redis_url) as (producer, pool, released), _consumer(redis_url) as (consumer, cpool):
         try:
             _map_pool(producer, pool, consumer, cpool, released, sent, endpoint, sock)
 
-            word = _publish_directly(producer, pool, consumer, "direct", [6, 7], 6, endpoint, sock)
-            assert word.shm_hold is not None and len(word.inline_hidden) == 6 * peer.HIDDEN * 4
+            told = _publish_directly(producer, pool, consumer, "direct", [6, 7], 6, endpoint, sock)
+            assert told.shm_hold is not None and len(told.inline_hidden) == 6 * peer.HIDDEN * 4
             _wait_until(lambda: _location_or_none(redis_url, "direct") is not None)  # READY: a few ms later
             published = _location(redis_url, "direct")
-            assert published.shm_hold == word.shm_hold and published.inline_hidden == b"", \
+            assert published.shm_hold == told.shm_hold and published.inline_hidden == b"", \
                 "the directory gets the hold word, never the hidden states"
             mi = ModelInput([SequenceInput("direct", [0] * 6, 0, [2, 3])])
             hidden, bypass, _ = consumer.connector.recv_kv_caches_and_hidden_states(None, mi, cpool.kv_caches)
@@ -170,11 +170,11 @@ def test_a_direct_word_is_read_with_no_claim_and_told_after_the_step(redis_url, 
             sock.close(0)
 
 
-@pytest.mark.parametrize("told_directly", [True, False], ids=["direct-word", "directory-only"])
-def test_hidden_states_too_big_for_the_word_are_read_from_the_board_with_no_claim(redis_url, sent, told_directly,
+@pytest.mark.parametrize("told_directly", [True, False], ids=["kv-ready", "directory-only"])
+def test_hidden_states_too_big_for_the_kv_ready_are_read_from_the_board_with_no_claim(redis_url, sent, told_directly,
                                                                                 monkeypatch):
     """A real model's hidden states pass INLINE_MAX at a few tokens: they lie in the board's hidden area, so the
-    read still needs no round trip, whether the consumer was told directly (it reads them ahead, as the word
+    read still needs no round trip, whether the consumer was told directly (it reads them ahead, as the KVReady
     comes) or found the location itself (the pull reads them)."""
     sock, endpoint = _work_socket()
     hidden = _wide_hidden("wide", 6)
@@ -185,8 +185,8 @@ def test_hidden_states_too_big_for_the_word_are_read_from_the_board_with_no_clai
         try:
             _map_pool(producer, pool, consumer, cpool, released, sent, endpoint, sock)
             if told_directly:
-                word = _publish_directly(producer, pool, consumer, "wide", [6, 7], 6, endpoint, sock, hidden)
-                assert word.inline_hidden == b"" and word.shm_hold.hidden_at >= 0
+                told = _publish_directly(producer, pool, consumer, "wide", [6, 7], 6, endpoint, sock, hidden)
+                assert told.inline_hidden == b"" and told.shm_hold.hidden_at >= 0
             else:
                 consumer.consumer.expect("wide", producer=NODE)
                 pool.data[[6, 7]] = peer.request_kv("wide", pool.layout, 2)
@@ -205,8 +205,8 @@ def test_hidden_states_too_big_for_the_word_are_read_from_the_board_with_no_clai
 
 
 def test_hidden_states_read_ahead_and_then_reused_are_never_used(redis_url, sent):
-    """Read ahead as the word came, then the request released and its pages given to another request: the
-    pull's check finds the word changed, so neither those bytes nor the blocks are used (recomputed)."""
+    """Read ahead as the KVReady came, then the request released and its pages given to another request: the
+    pull's check finds the hold word changed, so neither those bytes nor the blocks are used (recomputed)."""
     sock, endpoint = _work_socket()
     with _producer(redis_url) as (producer, pool, released), _consumer(redis_url) as (consumer, cpool):
         try:
@@ -226,7 +226,7 @@ def test_hidden_states_read_ahead_and_then_reused_are_never_used(redis_url, sent
             sock.close(0)
 
 
-@pytest.mark.parametrize("wide", [False, True], ids=["hidden-in-word", "hidden-in-board"])
+@pytest.mark.parametrize("wide", [False, True], ids=["hidden-in-kv-ready", "hidden-in-board"])
 def test_a_hold_word_that_changes_during_the_copy_discards_the_read(redis_url, sent, monkeypatch, wide):
     """The producer releases the request (its hold deadline, say) while the consumer copies: what was copied
     may be torn, so the read is discarded; the claim that follows is refused and the prompt recomputed."""

@@ -87,7 +87,7 @@ def test_a_failure_after_the_watch_began_is_seen_and_a_deadline_gives_up(directo
 
 
 def test_a_record_settled_elsewhere_is_dropped_and_not_handed_on(directory, watched):
-    """The producer's direct word settles a record first: the watcher hands on nothing for it."""
+    """The producer's KVReady settles a record first: the watcher hands on nothing for it."""
     watcher, got = watched
     record = _record("told")
     directory.create_pending("told", "prefill-0")

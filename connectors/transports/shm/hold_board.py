@@ -6,7 +6,7 @@ the producer:
 1. Publish (producer, engine thread): `mark` takes a free slot and writes a fresh token (never
    0, never reused in this incarnation) into it, and copies the request's hidden states into
    the board's hidden area when they fit; the location carries (slot, token, where the hidden
-   states lie) as its `ShmHold`. The direct word also carries small hidden states, so they are
+   states lie) as its `ShmHold`. The KVReady also carries small hidden states, so they are
    tensors before the pull starts.
 2. Read (consumer): the word must be the token before the copy starts and still be it after
    the copy (of blocks and hidden states) ends (CUDA: synchronized). Then no byte it copied
@@ -22,7 +22,7 @@ the producer:
 
 A full board (more requests held than slots) marks nothing: those requests are read after a
 claim, as before; so are those whose hidden states find no room in the area (the location
-says so with `hidden_at` = -1) unless the direct word carries them. The consumer maps the
+says so with `hidden_at` = -1) unless the KVReady carries them. The consumer maps the
 board read-only from the descriptor that follows the pool's in `ShmSegment`: `hold_slots`
 words of 8 bytes, then from the next page on `hold_hidden_bytes` of hidden area. The area is
 sparse: a page takes memory once a request's hidden states were written to it.

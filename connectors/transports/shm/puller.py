@@ -10,8 +10,8 @@ One pull, every wait of which ends at the pull's deadline:
 
 1. Map the producer's pool and hold board, if not mapped yet.
 2. Read with no round trip when the location gives the request's hold word and its hidden
-   states are in the direct word or the board's hidden area (hold_board.py): check the word,
-   copy, check it again, say `ShmRead` (no answer awaited) and return. A word that changed
+   states are in the KVReady or the board's hidden area (hold_board.py): check the hold word,
+   copy, check it again, say `ShmRead` (no answer awaited) and return. A hold word that changed
    discards the read; the pull goes on as below (a claim, refused for a released request).
 3. Otherwise claim the request: a `PullRequest` on the Unix socket ("hold these blocks for my read").
 4. Meanwhile, copy each run of blocks consecutive on both sides (copier.py; the only copy
@@ -136,7 +136,7 @@ class SHMPuller:
                      dst_blocks: list[int], hidden: list[torch.Tensor], transfer_id: int) -> int | None:
         """The read with no round trip, where the location allows it; None: not made, or discarded.
 
-        `hidden` holds the location's `inline_hidden` already when it has them (the direct word's, or what
+        `hidden` holds the location's `inline_hidden` already when it has them (the KVReady's, or what
         `read_ahead` read; made by `KVConsumer._hidden_for`); otherwise they come from the board's hidden
         area, inside the check."""
         hold, board = loc.shm_hold, mapping.board

@@ -9,7 +9,7 @@ Lifecycle:
 2. A consumer connects and says `ShmHello`; we answer `ShmSegment` with the pool's
    read-only memfd (or CUDA IPC handle) and the hold board's (hold_board.py).
 3. A request whose location carries its hold word, and whose hidden states the consumer has
-   (in the direct word, `KVReady`, or the board's hidden area), is read with no claim: the
+   (in the KVReady, `KVReady`, or the board's hidden area), is read with no claim: the
    consumer checks the word around its copy and says `ShmRead`, which claims and finishes the
    request at once here (its blocks are released).
    Otherwise a consumer claims a READY request with a `PullRequest` on this socket ("hold these
