@@ -142,10 +142,11 @@ def pd_cluster_of(prefill_spec: VLLMServerSpec, decode_spec: VLLMServerSpec, log
         ClusterError: a server or the router did not start (what did start is stopped).
     """
     prefill, decode = start_all([prefill_spec, decode_spec])
-    router = None
+    router, cluster = None, None
     try:
         url, router = start_router([prefill.url], [decode.url], log_dir / "router.log")
-        yield PDCluster(prefill, decode, url, router)
+        cluster = PDCluster(prefill, decode, url, router)
+        yield cluster
     finally:
         if router is not None:
             router.terminate()
@@ -154,13 +155,8 @@ def pd_cluster_of(prefill_spec: VLLMServerSpec, decode_spec: VLLMServerSpec, log
             except subprocess.TimeoutExpired:
                 router.kill()
                 router.wait()
-        prefill.stop()
-        decode.stop()
+        servers = [prefill, decode] + ([] if cluster is None else [cluster.prefill, cluster.decode])
+        for i, server in enumerate(servers):  # and a server the caller put in the cluster's place (a restart)
+            if all(server is not other for other in servers[:i]):
+                server.stop()
 
-
-@contextmanager
-def pd_cluster(model_dir: Path, redis_url: str, transport: ConnectorKind, log_dir: Path,
-               kv_deadline_s: float = 30.0) -> Iterator[PDCluster]:
-    """Prefill on core 0, decode on core 1, KvwireConnector over `transport`, router in front."""
-    with pd_cluster_of(*kvwire_pair(model_dir, redis_url, transport, log_dir, kv_deadline_s), log_dir) as cluster:
-        yield cluster

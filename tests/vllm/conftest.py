@@ -38,7 +38,7 @@ def vllm_model_dir(tmp_path_factory) -> Path:
 def plain_server(vllm_model_dir: Path, tmp_path_factory) -> Iterator:
     """One plain vLLM server (no connector): what the disaggregated pairs must match."""
     from kvwire.cluster.vllm_cluster import VLLMServerSpec, start_all
-    from tests.vllm.pd import DTYPE
+    from kvwire.cluster.vllm_pd import DTYPE
 
     log = tmp_path_factory.mktemp("plain") / "plain.log"
     (server,) = start_all([VLLMServerSpec(vllm_model_dir, cpu_cores="0", dtype=DTYPE, log_path=log)])

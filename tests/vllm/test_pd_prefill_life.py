@@ -1,0 +1,213 @@
+"""One named KvwireConnector pair over TCP (`prefill-tcp`, `decode-tcp`, the router in front) through its
+prefill server's life, started once for the module's three tests, which run in this order:
+
+1. Delayed free: two prompts computed with do_remote_decode and never pulled keep their blocks in use
+   (vLLM's KV cache usage above zero) until the prefill server's kv_deadline_s (LEASE_S), then the connector
+   reports them finished sending, vLLM frees them, and their directory entries say EXPIRED.
+2. The node id: a second server started under the live prefill server's id is refused at start-up, naming
+   the live one, and the live one goes on serving (it is not fenced). Then the live one is killed and
+   restarted under the same id: the entry of a prompt the first incarnation computed (its kv_transfer_params
+   handed out, its KV never pulled) is FAILED by the second one as it starts, so a decode server sent that
+   prompt recomputes it at once (well within the decode server's kv_deadline_s, WAIT_S); the router takes the
+   restarted server back and disaggregates again. The restarted server is the pair's prefill server from then on.
+3. SIGKILL mid-load: some requests are mid-way through the router when the prefill server dies; three more had
+   their KV computed and held (their kv_transfer_params handed out) but not pulled yet. Decode recomputes
+   what it cannot pull; afterwards no directory entry is left READY and every one expires.
+
+One pair instead of three saves two pairs' start-up (about 25 s each on this host). The module's Redis
+database is emptied once, before the pair starts, not before each test: the nodes' registrations live there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from kvwire.cluster.local_cluster import ClusterError
+from kvwire.cluster.redis_server import LocalRedis
+from kvwire.cluster.vllm_cluster import VLLMServer
+from kvwire.cluster.vllm_pd import PDCluster, kvwire_pair, pd_cluster_of
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.directory.directory import KVDirectory, TransferState
+from tests.vllm.conftest import PROMPTS
+
+LEASE_S = 4.0  # the prefill server's kv_deadline_s: how long it holds KV nobody pulls
+WAIT_S = 20.0  # the decode server's kv_deadline_s: how long a request waits for KV that is not announced
+MAX_TOKENS = 16
+PROMPT_MIX = [p + f" variant {i}." for i in range(3) for p in PROMPTS]  # 9 distinct prompts
+
+
+@pytest.fixture(scope="module")
+def pair(vllm_model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -> Iterator[PDCluster]:
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+    log_dir = tmp_path_factory.mktemp("prefill-life")
+    prefill, decode = kvwire_pair(vllm_model_dir, redis_server.url, ConnectorKind.TCP, log_dir, kv_deadline_s=WAIT_S)
+    with pd_cluster_of(dataclasses.replace(prefill, kv_deadline_s=LEASE_S), decode, log_dir) as cluster:
+        yield cluster
+
+
+def _body(model: str, prompt: str, **extra) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+
+
+def _text(url: str, body: dict) -> str:
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"]
+
+
+def _held_params(cluster: PDCluster, model: str, prompt: str) -> dict:
+    """`prompt` computed on the prefill server alone (do_remote_decode): the kv_transfer_params it hands out."""
+    body = _body(model, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    return httpx.post(f"{cluster.prefill.url}/v1/completions", json=body, timeout=60).json()["kv_transfer_params"]
+
+
+# --- 1. delayed free -------------------------------------------------------------------------------------------
+
+def _usage(server: VLLMServer) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return float(re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", text, re.M)[1])
+
+
+def test_unpulled_kv_is_held_until_its_lease_lapses(pair: PDCluster, vllm_model_dir: Path, redis_server: LocalRedis):
+    ids = [_held_params(pair, str(vllm_model_dir), prompt)["remote_request_id"] for prompt in PROMPTS[:2]]
+    time.sleep(1.0)  # metrics are published once a step
+    assert _usage(pair.prefill) > 0, "the blocks handed over are still in use (delayed free)"
+    deadline = time.monotonic() + LEASE_S + 15
+    while _usage(pair.prefill) > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _usage(pair.prefill) == 0, "the blocks were freed once the lease lapsed"
+    directory = KVDirectory(redis_server.url)
+    try:
+        states = {rid: directory.get(rid) for rid in ids}
+    finally:
+        directory.close()
+    assert all(e is not None and e.state == TransferState.EXPIRED for e in states.values()), states
+
+
+# --- 2. the node id, and a restart -----------------------------------------------------------------------------
+
+def test_a_live_prefills_id_is_refused_to_others_and_its_restart_fences_and_serves(
+        plain_server: VLLMServer, pair: PDCluster, vllm_model_dir: Path, redis_server: LocalRedis, tmp_path: Path):
+    model, redis_url = str(vllm_model_dir), redis_server.url
+    want = _text(plain_server.url, _body(model, PROMPTS[1]))
+    _duplicate_refused(pair, tmp_path / "duplicate.log")
+    _used_again(model, pair)  # the live one was not fenced
+    params = _held_params(pair, model, PROMPTS[1])
+    _wait_ready_entry(redis_url, params["remote_request_id"])  # held and announced: what the restart fences
+    pair.prefill.kill()
+    # the restarted server is the pair's prefill server from here on; the fixture stops it
+    pair.prefill = VLLMServer(dataclasses.replace(pair.prefill.spec, port=pair.prefill.port)).start()
+    pair.prefill.wait_ready()
+    _fenced_and_recomputed(model, redis_url, pair.decode.url, params, want)
+    _counted_where_vllm_users_look(pair)
+    _used_again(model, pair)
+
+
+def _duplicate_refused(cluster, log: Path) -> None:
+    duplicate = VLLMServer(dataclasses.replace(cluster.prefill.spec, port=0, log_path=log)).start()
+    try:
+        with pytest.raises(ClusterError, match="exited during start-up"):
+            duplicate.wait_ready()
+    finally:
+        duplicate.stop()
+    said = f"kvwire: node id '{cluster.prefill.spec.node_id}' is in use by a live server (vllm prefill, pid "
+    assert said in log.read_text(), log.read_text()[-3000:]
+
+
+def _wait_ready_entry(redis_url: str, request_id: str, timeout_s: float = 10.0) -> None:
+    """The producer announces KV one engine step after it answered; a busy machine makes that step late."""
+    directory = KVDirectory(redis_url)
+    try:
+        entry = directory.wait_for(request_id, {TransferState.READY}, time.monotonic() + timeout_s)
+    finally:
+        directory.close()
+    assert entry is not None and entry.state == TransferState.READY, entry
+
+
+def _fenced_and_recomputed(model: str, redis_url: str, decode_url: str, params: dict, want: str) -> None:
+    directory = KVDirectory(redis_url)
+    try:
+        entry = directory.get(params["remote_request_id"])
+    finally:
+        directory.close()
+    assert entry is not None and entry.state == TransferState.FAILED and "restarted" in entry.reason, entry
+    start = time.monotonic()
+    assert _text(decode_url, _body(model, PROMPTS[1], kv_transfer_params=params)) == want
+    assert time.monotonic() - start < WAIT_S / 2, "a fenced entry is recomputed at once, not at the KV deadline"
+
+
+def _counted_where_vllm_users_look(cluster) -> None:
+    """The recompute shows on the decode server's own /metrics, by reason (stats reach it a step later)."""
+    deadline = time.monotonic() + 10
+    while (failed := cluster.kv_failed_by_reason()).get("producer", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)  # vLLM records connector stats with its next engine step's
+    assert failed["producer"] == 1 and sum(failed.values()) == 1, failed
+
+
+def _used_again(model: str, cluster) -> None:
+    before = cluster.prompt_tokens_by_source()
+    deadline = time.monotonic() + 15  # the router's health check takes the restarted server back
+    while True:
+        r = httpx.post(f"{cluster.router_url}/v1/completions", json=_body(model, PROMPTS[2]), timeout=60)
+        if r.headers["x-kvwire-path"] == "disaggregated" or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert r.headers["x-kvwire-path"] == "disaggregated"
+    after = cluster.prompt_tokens_by_source()
+    assert after["external_kv_transfer"] > before["external_kv_transfer"]
+
+
+# --- 3. SIGKILL mid-load ------------------------------------------------------------------------------------------
+
+def test_prefill_killed_mid_load(plain_server: VLLMServer, pair: PDCluster, vllm_model_dir: Path,
+                                 redis_server: LocalRedis):
+    model = str(vllm_model_dir)
+    want = {p: _text(plain_server.url, _body(model, p)) for p in PROMPT_MIX}
+    held = {p: _held_params(pair, model, p) for p in PROMPT_MIX[:3]}  # computed, handed over, not pulled yet
+    assert all(h["do_remote_prefill"] and h["remote_engine_id"] == "prefill-tcp" for h in held.values()), held
+    with ThreadPoolExecutor(len(PROMPT_MIX)) as pool:
+        routed = {p: pool.submit(_text, pair.router_url, _body(model, p)) for p in PROMPT_MIX}
+        time.sleep(0.5)  # some of them are on the prefill server now
+        pair.prefill.kill()
+        late = {p: pool.submit(_text, pair.decode.url, _body(model, p, kv_transfer_params=params))
+                for p, params in held.items()}
+        got = {p: f.result(timeout=120) for p, f in routed.items()}
+        got_late = {p: f.result(timeout=120) for p, f in late.items()}
+    assert got == want
+    assert got_late == {p: want[p] for p in held}
+    assert pair.router.poll() is None and httpx.get(f"{pair.decode.url}/health").status_code == 200
+    _no_entry_left_ready(redis_server.url)
+
+
+def _no_entry_left_ready(redis_url: str) -> None:
+    directory = KVDirectory(redis_url)
+    try:
+        entries = directory.entries_with_age()
+        assert entries, "the held requests left entries (FAILED by the consumer)"
+        ready = [a.entry.request_id for a in entries if a.entry.state == TransferState.READY]
+        assert not ready, f"entries of a dead producer still READY: {ready}"
+    finally:
+        directory.close()
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = [*client.scan_iter("*:req:*"), *client.scan_iter("*:ev:*")]  # a request's keys (directory.py)
+        ttls = {k: client.ttl(k) for k in keys}
+        assert all(t > 0 for t in ttls.values()), f"keys that never expire: {[k for k, t in ttls.items() if t <= 0]}"
+    finally:
+        client.close()
+
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
