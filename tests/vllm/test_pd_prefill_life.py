@@ -1,6 +1,8 @@
 """One named KvwireConnector pair over TCP (`prefill-tcp`, `decode-tcp`, the router in front) through its
-prefill server's life, started once for the module's three tests, which run in this order:
+prefill server's life, started once for the module's tests, which run in this order:
 
+0. Over TCP, test_pd_servers.py's checks (`routed_equals_plain`: whole, streamed and chat answers equal a
+   plain server's, and the decode server computes no prompt token itself), on the fresh pair.
 1. Delayed free: two prompts computed with do_remote_decode and never pulled keep their blocks in use
    (vLLM's KV cache usage above zero) until the prefill server's kv_deadline_s (LEASE_S), then the connector
    reports them finished sending, vLLM frees them, and their directory entries say EXPIRED.
@@ -14,7 +16,7 @@ prefill server's life, started once for the module's three tests, which run in t
    their KV computed and held (their kv_transfer_params handed out) but not pulled yet. Decode recomputes
    what it cannot pull; afterwards no directory entry is left READY and every one expires.
 
-One pair instead of three saves two pairs' start-up (about 25 s each on this host). The module's Redis
+One pair instead of four saves three pairs' start-up (about 25 s each on this host). The module's Redis
 database is emptied once, before the pair starts, not before each test: the nodes' registrations live there.
 """
 
@@ -38,8 +40,9 @@ from kvwire.cluster.vllm_pd import PDCluster, kvwire_pair, pd_cluster_of
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.directory.directory import KVDirectory, TransferState
 from tests.vllm.conftest import PROMPTS
+from tests.vllm.test_pd_servers import routed_equals_plain
 
-LEASE_S = 4.0  # the prefill server's kv_deadline_s: how long it holds KV nobody pulls
+LEASE_S = 8.0  # the prefill server's kv_deadline_s: how long it holds KV nobody pulls (test 0's are pulled)
 WAIT_S = 20.0  # the decode server's kv_deadline_s: how long a request waits for KV that is not announced
 MAX_TOKENS = 16
 PROMPT_MIX = [p + f" variant {i}." for i in range(3) for p in PROMPTS]  # 9 distinct prompts
@@ -72,6 +75,10 @@ def _held_params(cluster: PDCluster, model: str, prompt: str) -> dict:
     """`prompt` computed on the prefill server alone (do_remote_decode): the kv_transfer_params it hands out."""
     body = _body(model, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     return httpx.post(f"{cluster.prefill.url}/v1/completions", json=body, timeout=60).json()["kv_transfer_params"]
+
+
+def test_disaggregated_equals_plain_over_tcp(plain_server: VLLMServer, pair: PDCluster, vllm_model_dir: Path):
+    routed_equals_plain(pair, plain_server, str(vllm_model_dir))  # first: the decode server's metrics are fresh
 
 
 # --- 1. delayed free -------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Through the official `openai` client: completions (whole and streamed, with top 
 chat give the plain server's tokens; the decode server's metrics show every prompt token as
 moved by the connector and none computed there. Over `auto` both servers run as kv_both.
 Both servers on this one host take the minimal config, as in vLLM's and NIXL's examples: no
-node_id, so each names itself (connectors/vllm/identity.py).
+node_id, so each names itself (connectors/vllm/identity.py). Over TCP the same checks run on
+test_pd_prefill_life.py's named pair (`routed_equals_plain`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import NamedTuple
 import pytest
 
 from kvwire.cluster.vllm_cluster import VLLMServer
-from kvwire.cluster.vllm_pd import kvwire_pair, pd_cluster_of
+from kvwire.cluster.vllm_pd import PDCluster, kvwire_pair, pd_cluster_of
 from kvwire.connectors.config import ConnectorKind
 from tests.vllm.conftest import PROMPTS
 
@@ -55,36 +56,42 @@ def _chat(client: openai.OpenAI, model: str, prompt: str) -> Answer:
 
 
 # UCX runs as `auto` (what auto resolves to over vLLM's KV cache), with both servers kv_both; UCX between a
-# kv_producer and a kv_consumer runs in test_pd_tp.py and test_pd_shapes.py (tests/vllm's 15 minutes)
-@pytest.mark.parametrize("transport", [ConnectorKind.TCP, ConnectorKind.NCCL, ConnectorKind.AUTO], ids=str)
+# kv_producer and a kv_consumer runs in test_pd_tp.py and test_pd_shapes.py. TCP runs on the named pair of
+# test_pd_prefill_life.py (one start-up fewer), before that module's faults.
+@pytest.mark.parametrize("transport", [ConnectorKind.NCCL, ConnectorKind.AUTO], ids=str)
 def test_disaggregated_equals_plain(plain_server: VLLMServer, vllm_model_dir: Path, redis_url: str, tmp_path: Path,
                                     transport: ConnectorKind):
-    model = str(vllm_model_dir)
-    plain = _client(plain_server.url)
     specs = kvwire_pair(vllm_model_dir, redis_url, transport, tmp_path, named=False)
     if transport == ConnectorKind.AUTO:  # both servers may do either, as each request's params say
         specs = tuple(dataclasses.replace(s, kv_role="kv_both") for s in specs)
     with pd_cluster_of(*specs, tmp_path) as cluster:
-        routed = _client(cluster.router_url)
-        sent = 0  # prompt tokens the decode server was asked to continue
-        for prompt in PROMPTS:
-            got, want = _complete(routed, model, prompt), _complete(plain, model, prompt)
-            assert got.text == want.text
-            assert [sorted(t) for t in got.top_logprobs] == [sorted(t) for t in want.top_logprobs]
-            for mine, theirs in zip(got.top_logprobs, want.top_logprobs):
-                assert mine == pytest.approx(theirs, abs=2e-3)
-            streamed = _stream(routed, model, prompt)
-            assert streamed.text == want.text
-            chat = _chat(routed, model, prompt)
-            assert chat.text == _chat(plain, model, prompt).text
-            sent += got.prompt_tokens + streamed.prompt_tokens + chat.prompt_tokens
-        # the decode server has this prompt's first blocks cached (above): only the rest is pulled
-        longer = PROMPTS[0] + "And then some more words follow, to make one more block at least. " * 3
-        got = _complete(routed, model, longer)
-        assert got.text == _complete(plain, model, longer).text
-        sent += got.prompt_tokens
-        by_source = cluster.prompt_tokens_by_source()
-        pulls, failed = cluster.kv_pulls(), cluster.kv_failed_by_reason()
+        routed_equals_plain(cluster, plain_server, str(vllm_model_dir))
+
+
+def routed_equals_plain(cluster: PDCluster, plain_server: VLLMServer, model: str) -> None:
+    """Every prompt through `cluster`'s router, whole, streamed and as chat, gives the plain server's tokens, and
+    the decode server computed none of them itself (its metrics count from its start: a fresh pair)."""
+    plain = _client(plain_server.url)
+    routed = _client(cluster.router_url)
+    sent = 0  # prompt tokens the decode server was asked to continue
+    for prompt in PROMPTS:
+        got, want = _complete(routed, model, prompt), _complete(plain, model, prompt)
+        assert got.text == want.text
+        assert [sorted(t) for t in got.top_logprobs] == [sorted(t) for t in want.top_logprobs]
+        for mine, theirs in zip(got.top_logprobs, want.top_logprobs):
+            assert mine == pytest.approx(theirs, abs=2e-3)
+        streamed = _stream(routed, model, prompt)
+        assert streamed.text == want.text
+        chat = _chat(routed, model, prompt)
+        assert chat.text == _chat(plain, model, prompt).text
+        sent += got.prompt_tokens + streamed.prompt_tokens + chat.prompt_tokens
+    # the decode server has this prompt's first blocks cached (above): only the rest is pulled
+    longer = PROMPTS[0] + "And then some more words follow, to make one more block at least. " * 3
+    got = _complete(routed, model, longer)
+    assert got.text == _complete(plain, model, longer).text
+    sent += got.prompt_tokens
+    by_source = cluster.prompt_tokens_by_source()
+    pulls, failed = cluster.kv_pulls(), cluster.kv_failed_by_reason()
     assert by_source["local_compute"] == 0, f"decode computed prompt tokens itself: {by_source}"
     assert pulls > 0 and set(failed) >= {"deadline", "producer", "mismatch", "transport"}, (pulls, failed)
     assert sum(failed.values()) == 0, f"vLLM's /metrics counts recomputed prompts: {failed}"
