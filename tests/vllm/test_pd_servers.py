@@ -36,22 +36,22 @@ class Answer(NamedTuple):
     top_logprobs: list[dict[str, float]]
 
 
-def _complete(client: openai.OpenAI, model: str, prompt: str) -> Answer:
-    out = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=2)
+def _complete(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> Answer:
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=2)
     return Answer(out.choices[0].text, out.usage.prompt_tokens, list(out.choices[0].logprobs.top_logprobs))
 
 
-def _stream(client: openai.OpenAI, model: str, prompt: str) -> Answer:
-    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+def _stream(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> Answer:
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
     usage = [c.usage for c in chunks if c.usage is not None]
     assert len(usage) == 1, "include_usage: one chunk carries the usage"
     return Answer("".join(c.choices[0].text for c in chunks if c.choices), usage[0].prompt_tokens, [])
 
 
-def _chat(client: openai.OpenAI, model: str, prompt: str) -> Answer:
+def _chat(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> Answer:
     out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                         max_tokens=MAX_TOKENS, temperature=0)
+                                         max_tokens=max_tokens, temperature=0)
     return Answer(out.choices[0].message.content or "", out.usage.prompt_tokens, [])
 
 

@@ -24,7 +24,7 @@ from kvwire.cluster.vllm_cluster import VLLMServer, VLLMServerSpec, live_group_m
 from kvwire.cluster.vllm_pd import kvwire_pair, pd_cluster_of, with_tp
 from kvwire.connectors.config import ConnectorKind
 from tests.vllm.conftest import PROMPTS
-from tests.vllm.test_pd_servers import _chat, _client, _complete
+from tests.vllm.test_pd_servers import Answer, _chat, _client, _complete
 
 pytest.importorskip("openai")
 
@@ -41,20 +41,34 @@ SHAPES = {"P-TP2-D-TP1": lambda pair: with_tp(pair, 2, 1), "P-TP1-D-TP2": lambda
           "P-DP2-D-TP1": _data_parallel_prefill}
 
 
+# Tokens per answer. A TP=2 decode server makes 2 to 6 tokens/s here (two ranks at idle priority sharing what
+# the prefill server's spinning worker leaves of 2 cores); the pulled KV is in every token's top-2 logprobs from
+# the first one on, so 8 tell what 24 did (test_pd_servers.py's TP=1 pairs answer 24).
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def plain_answers(plain_server: VLLMServer, vllm_model_dir: Path) -> dict[str, tuple[Answer, Answer]]:
+    """The plain server's completion and chat answer to each of PROMPTS, asked once for every shape (and not
+    between a pair's requests, where the plain server's worker spinning after its step starves idle ranks)."""
+    plain, model = _client(plain_server.url), str(vllm_model_dir)
+    return {p: (_complete(plain, model, p, MAX_TOKENS), _chat(plain, model, p, MAX_TOKENS)) for p in PROMPTS}
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_parallel_pairs_equal_plain(plain_server: VLLMServer, vllm_model_dir: Path, redis_url: str, tmp_path: Path,
-                                    shape: str):
+def test_parallel_pairs_equal_plain(plain_answers: dict[str, tuple[Answer, Answer]], vllm_model_dir: Path,
+                                    redis_url: str, tmp_path: Path, shape: str):
     model = str(vllm_model_dir)
-    plain = _client(plain_server.url)
     pair = SHAPES[shape](kvwire_pair(vllm_model_dir, redis_url, ConnectorKind.UCX, tmp_path, named=False))
     with pd_cluster_of(*pair, tmp_path) as cluster:
         routed = _client(cluster.router_url)
         for prompt in PROMPTS:
-            got, want = _complete(routed, model, prompt), _complete(plain, model, prompt)
-            assert got.text == want.text
+            want, want_chat = plain_answers[prompt]
+            got = _complete(routed, model, prompt, MAX_TOKENS)
+            assert got.text == want.text and len(got.top_logprobs) == MAX_TOKENS
             for mine, theirs in zip(got.top_logprobs, want.top_logprobs):
                 assert sorted(mine) == sorted(theirs) and mine == pytest.approx(theirs, abs=2e-3)
-            assert _chat(routed, model, prompt).text == _chat(plain, model, prompt).text
+            assert _chat(routed, model, prompt, MAX_TOKENS).text == want_chat.text
         by_source = cluster.prompt_tokens_by_source()
         pulls, failed = cluster.kv_pulls(), cluster.kv_failed_by_reason()
         groups = [s.proc.pid for s in (cluster.prefill, cluster.decode) if s.proc is not None]
