@@ -6,10 +6,16 @@ wake-up per step cost much of the throughput (docs/BENCHMARKS.md). Between trans
 wake-up feature, which is why it has no event fd to wait on.
 
 Endpoints are made from the peer's *worker address*. To a peer on this host, endpoint
-error handling is off: that is what lets UCX pick shared memory and cross-memory attach
-between two processes (listener endpoints, or error handling on, fall back to loopback
-TCP). The price is that UCX does not notice a dead peer, so every wait here has a
-deadline and the directory's TTLs clean up after it. To a peer on another host (or in
+error handling is off: that is what lets UCX pick shared memory between two processes
+(listener endpoints, or error handling on, fall back to loopback TCP). The price is that
+UCX does not notice a dead peer, so every wait here has a deadline and the directory's
+TTLs clean up after it. Cross-memory attach (UCX's `cma`: the consumer reads the producer's
+pool with process_vm_readv) is left out unless UCX_TLS says otherwise: with error handling
+off, a read of a producer that died mid-pull (ESRCH) is fatal to the whole consumer process
+(SIGABRT in `cma_ep.c`; tests/connectors/test_ucx_dead_producer.py), while the shared-memory
+FIFOs (sysv, posix) just stop delivering and the pull ends at its deadline. It costs UCX
+about half its bandwidth between two processes on one host (docs/BENCHMARKS.md);
+`--connector auto` moves same-host KV over kvwire's own shared memory anyway. To a peer on another host (or in
 another network namespace) error handling is on (`guarded`): there UCX would pick TCP
 anyway, and with it off a refused or broken connection aborts the whole process
 (openucx/ucx#11629, seen as SIGABRT in `stubs.c` when a link went down mid-pull) instead
@@ -59,9 +65,14 @@ class Role(enum.Enum):
 _RNDV_SCHEME = {Role.PRODUCER: "put_zcopy", Role.CONSUMER: "get_zcopy"}
 
 
+# Every transport but cross-memory attach (see the module docstring): a dead peer must fail one pull, never
+# abort the process. UCX_TLS in the environment still wins (e.g. "all" for CMA's speed, at that risk).
+_TRANSPORTS = "^cma"
+
+
 def _config(role: Role) -> dict[str, str]:
     """UCX settings kvwire picks unless the environment sets them (UCX_<NAME> wins)."""
-    ours = {"RNDV_SCHEME": _RNDV_SCHEME[role]}
+    ours = {"RNDV_SCHEME": _RNDV_SCHEME[role], "TLS": _TRANSPORTS}
     return {k: v for k, v in ours.items() if f"UCX_{k}" not in os.environ}
 
 
