@@ -155,8 +155,8 @@ def pd_cluster_of(prefill_spec: VLLMServerSpec, decode_spec: VLLMServerSpec, log
             except subprocess.TimeoutExpired:
                 router.kill()
                 router.wait()
-        servers = [prefill, decode] + ([] if cluster is None else [cluster.prefill, cluster.decode])
-        for i, server in enumerate(servers):  # and a server the caller put in the cluster's place (a restart)
-            if all(server is not other for other in servers[:i]):
-                server.stop()
+        now = [] if cluster is None else [cluster.prefill, cluster.decode]
+        replaced = [s for s in now if s is not prefill and s is not decode]  # put in the cluster by a restart
+        for server in (prefill, decode, *replaced):
+            server.stop()
 
