@@ -2,7 +2,7 @@
 server that imported torch and kvwire's transfer plane once, instead of a fresh interpreter importing them
 for each (a second or more; more on a busy host). Each child is still its own process, with its own UCX
 context, sockets and pools: the server imports no UCX, touches no device and starts no thread before it
-forks. The server is one per process: the first child started fixes its preload.
+forks. The server is one per process: it preloads every module asked for until its first child starts.
 """
 
 from __future__ import annotations
@@ -14,8 +14,13 @@ from multiprocessing.context import ForkServerContext
 PRELOAD = ("torch", "kvwire.connectors.standalone", "kvwire.bench.workload")
 
 
+_preload: list[str] = list(PRELOAD)  # what every caller so far asked for, in order
+
+
 def helper_context(extra: Sequence[str] = ()) -> ForkServerContext:
-    """The fork-server context, its server preloading PRELOAD and `extra` (modules, imported in order)."""
+    """The fork-server context, its server preloading PRELOAD, `extra` and what earlier callers asked for
+    (modules, imported in order; once its first child has started, it has what it has)."""
+    _preload.extend(m for m in extra if m not in _preload)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([*PRELOAD, *extra])
+    ctx.set_forkserver_preload(list(_preload))
     return ctx

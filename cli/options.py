@@ -43,6 +43,10 @@ HeartbeatTTL = Annotated[float, typer.Option(
     help="Seconds the node's directory registration lives without a heartbeat (it beats every third of it): "
          "how soon routers stop picking a node that died, and decode nodes give up on its KV. The same on every "
          "node of a cluster.")]
+RedisTimeout = Annotated[float, typer.Option(
+    "--redis-timeout", min=0.1, envvar="KVWIRE_REDIS_TIMEOUT",
+    help="Seconds one Redis command may wait on a silent Redis before it fails (a heartbeat retries at its next "
+         "beat; a request's KV wait goes on until its deadline, then recomputes).")]
 VerifyKV = Annotated[bool, typer.Option(
     "--verify-kv", help="Prefill: publish a crc32 per layer with each request's KV; decode: require and check them, "
                         "recomputing on a mismatch. Costs a read of every KV byte on each side.")]
@@ -89,7 +93,7 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
                 auth_secret_file: Path | None = None, verify_kv: bool = False,
                 drain_timeout: float = 30.0, pull_lanes: int = 2, layerwise: bool = False,
                 advertise_host: str | None = None, require_fast_path: bool = False,
-                heartbeat_ttl: float = 5.0) -> NodeConfig:
+                heartbeat_ttl: float = 5.0, redis_timeout: float = 5.0) -> NodeConfig:
     """Build a node's one config object from its command-line options."""
     if not (model / "config.json").is_file():
         raise typer.BadParameter(f"{model} has no config.json (create one with `kvwire init-model`)",
@@ -111,7 +115,7 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
                             max_model_len=max_model_len, device=device, torch_threads=torch_threads),
         connector=connector_config,
         work_port=port, http_port=http_port, auth_secret=auth_secret(auth_secret_file),
-        drain_timeout_s=drain_timeout, heartbeat_ttl_s=heartbeat_ttl)
+        drain_timeout_s=drain_timeout, heartbeat_ttl_s=heartbeat_ttl, redis_timeout_s=redis_timeout)
 
 
 ServedModelName = Annotated[str | None, typer.Option(

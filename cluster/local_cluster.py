@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ import httpx
 
 from kvwire.cluster.ports import free_port
 from kvwire.cluster.redis_server import LocalRedis, LocalRedisError
-from kvwire.cluster.supervisor import Supervisor
+from kvwire.cluster.supervisor import ChildProcess, Launcher, Supervisor
 from kvwire.connectors.config import ConnectorKind
 
 log = logging.getLogger(__name__)
@@ -59,6 +58,7 @@ class ClusterSpec:
     lenient: bool = False  # the router's --lenient: unknown request fields dropped, not refused
     require_fast_path: bool = False  # the decode node's --require-fast-path: a same-host slow path is refused
     heartbeat_ttl_s: float = 5.0  # both nodes' --heartbeat-ttl: how long a dead node stays registered
+    launch: Launcher | None = None  # how children start; None: `python -m kvwire.cli.main` (cluster/forked.py)
 
 
 @dataclass
@@ -71,10 +71,10 @@ class LocalCluster:
     http_ports: dict[str, int] = field(default_factory=dict)  # node role -> its ops endpoint's port
 
     def __post_init__(self) -> None:
-        self.supervisor = Supervisor(self.spec.log_dir, self.spec.max_restarts)
+        self.supervisor = Supervisor(self.spec.log_dir, self.spec.max_restarts, launch=self.spec.launch)
 
     @property
-    def procs(self) -> dict[str, subprocess.Popen]:
+    def procs(self) -> dict[str, ChildProcess]:
         """Each child's current process (a restart replaces it)."""
         return self.supervisor.procs
 
@@ -139,7 +139,7 @@ class LocalCluster:
                 *(["--layerwise"] if s.layerwise and role == "prefill" else []),
                 *(["--require-fast-path"] if s.require_fast_path and role == "decode" else [])]
 
-    def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def spawn(self, name: str, args: list[str]) -> ChildProcess:
         """Start `python -m kvwire.cli.main ARGS` as a supervised child named `name`."""
         return self.supervisor.start(name, args)
 

@@ -3,7 +3,8 @@
 Lifecycle of a supervised child:
 
 1. `start(name, argv)` spawns it (`python -m kvwire.cli.main ARGV`, dying with this process
-   through PR_SET_PDEATHSIG) and remembers its command line.
+   through PR_SET_PDEATHSIG; or, given a launcher, whatever it starts for ARGV, such as a fork of a
+   preloaded fork server: cluster/forked.py) and remembers its command line.
 2. Once the owner has seen the cluster come up and set `armed` (a crash during start-up is
    the owner's to report), the watch thread looks at every child each POLL_S. A child that
    exited without being asked to:
@@ -30,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 POLL_S = 0.1  # a dead child is noticed within this (a child's exit has no event a thread can wait on portably)
 BACKOFF_FIRST_S = 0.5
@@ -58,12 +60,28 @@ def describe_exit(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
+class ChildProcess(Protocol):
+    """What the supervisor and its users do with a child: subprocess.Popen, or cluster/forked.py's ForkedChild."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
+
+
+Launcher = Callable[[list[str], int | None], ChildProcess]  # (argv, output fd or None: inherited) -> started child
+
+
 @dataclass
 class Child:
     name: str
     command: list[str]  # what argv is appended to
     argv: list[str]
-    proc: subprocess.Popen
+    proc: ChildProcess
     started_at: float
     backoff_s: float  # the wait before the next restart
     restart_at: float | None = None  # dead, to be restarted at this time
@@ -78,11 +96,15 @@ class Supervisor:
         max_restarts: restarts allowed in all before giving up; None: unlimited.
         report: where death and restart lines go (stderr by default).
         command: what a child's ARGV is appended to.
+        launch: starts a child for its ARGV instead (cluster/forked.py); `command` is then not used, and
+            `start` takes none.
     """
 
     def __init__(self, log_dir: Path | None = None, max_restarts: int | None = None,
-                 report: Callable[[str], None] | None = None, command: Sequence[str] = KVWIRE):
-        self._command = list(command)
+                 report: Callable[[str], None] | None = None, command: Sequence[str] = KVWIRE,
+                 launch: Launcher | None = None):
+        self._command = [] if launch is not None else list(command)
+        self._launch = launch
         self._log_dir = log_dir
         self._max_restarts = max_restarts
         self._report = report or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -96,14 +118,16 @@ class Supervisor:
         self.armed = threading.Event()  # restarts happen only once armed (a crash during start-up is fatal)
 
     @property
-    def procs(self) -> dict[str, subprocess.Popen]:
+    def procs(self) -> dict[str, ChildProcess]:
         """The current process of each child (a restart replaces it)."""
         with self._lock:
             return {name: c.proc for name, c in self._children.items()}
 
-    def start(self, name: str, argv: list[str], command: Sequence[str] | None = None) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str], command: Sequence[str] | None = None) -> ChildProcess:
         """Spawn `python -m kvwire.cli.main ARGV` (or COMMAND ARGV; the supervisor's command by default) as
         child `name`, replacing a stopped one of that name."""
+        if command is not None and self._launch is not None:
+            raise ValueError(f"{name}: this supervisor's launcher starts every child; it takes no command")
         cmd = list(self._command if command is None else command)
         with self._lock:
             old = self._children.get(name)
@@ -115,12 +139,14 @@ class Supervisor:
             self._thread.start()
         return child.proc
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str]) -> ChildProcess:
         out = None
         if self._log_dir is not None:
             self._log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self._log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         try:
+            if self._launch is not None:
+                return self._launch(args, None if out is None else out.fileno())
             return subprocess.Popen(args, stdout=out,
                                     stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL,
                                     preexec_fn=_die_with_parent, cwd=os.getcwd())
@@ -178,7 +204,7 @@ class Supervisor:
         with self._lock:
             return self._children[name].stopped
 
-    def resume(self, name: str) -> subprocess.Popen:
+    def resume(self, name: str) -> ChildProcess:
         """Start child `name` again with its command line, after `stop` (or a clean exit) left it down."""
         with self._lock:
             child = self._children[name]

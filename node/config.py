@@ -17,6 +17,7 @@ class NodeConfig:
         connector: transport and directory settings (carries node_id, role, redis_url).
         work_port: zmq port taking work from routers; 0 picks a free one.
         heartbeat_ttl_s: the node's directory entry expires this long after its last heartbeat.
+        redis_timeout_s: how long one directory command may wait on a silent Redis before it fails.
         http_port: port of the node's /healthz, /readyz and /metrics endpoint; 0: none.
         auth_secret: shared secret sealing control messages (connectors/control/auth.py); None: no authentication.
         drain_timeout_s: on SIGTERM, how long the node may take to finish what it holds before it exits.
@@ -26,6 +27,7 @@ class NodeConfig:
     connector: ConnectorConfig
     work_port: int = 0
     heartbeat_ttl_s: float = 5.0
+    redis_timeout_s: float = 5.0
     http_port: int = 0
     auth_secret: bytes | None = field(default=None, repr=False)
     drain_timeout_s: float = 30.0

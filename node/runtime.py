@@ -90,7 +90,7 @@ class NodeRuntime:
             torch.set_num_threads(eng.torch_threads)
         model = load_model(eng.model_dir, eng.device)
         directory = KVDirectory(config.connector.redis_url, entry_ttl_s=config.connector.entry_ttl_s,
-                                node_ttl_s=config.heartbeat_ttl_s)
+                                node_ttl_s=config.heartbeat_ttl_s, command_timeout_s=config.redis_timeout_s)
         epoch = directory.next_epoch(config.node_id)
         sock: zmq.Socket = zmq.Context.instance().socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)

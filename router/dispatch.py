@@ -52,8 +52,17 @@ class Route:
 
 
 class Dispatcher:
-    def __init__(self, directory: KVDirectory, host: str):
+    """Routes requests to nodes and their replies back to the waiting handler.
+
+    Args:
+        watch_period_s: how often the watchdog reads the live decode nodes.
+        left_grace_s: how long a request's decode node is missing before the request fails.
+    """
+
+    def __init__(self, directory: KVDirectory, host: str, *, watch_period_s: float = WATCH_PERIOD_S,
+                 left_grace_s: float = LEFT_GRACE_S):  # fmt: skip
         self._directory = directory
+        self._watch_period_s, self._left_grace_s = watch_period_s, left_grace_s
         self._ctx = zmq.asyncio.Context.instance()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
@@ -150,9 +159,9 @@ class Dispatcher:
         self._serving.pop(request_id, None)
         self._missing_since.pop(request_id, None)
 
-    async def _watch_decode_nodes(self, period_s: float = WATCH_PERIOD_S) -> None:
+    async def _watch_decode_nodes(self) -> None:
         while True:
-            await asyncio.sleep(period_s)
+            await asyncio.sleep(self._watch_period_s)
             if not self._serving:
                 continue
             try:  # draining nodes still finish what they hold
@@ -162,14 +171,14 @@ class Dispatcher:
             self._fail_orphaned({(n.node_id, n.epoch) for n in live}, time.monotonic())
 
     def _fail_orphaned(self, alive: set[tuple[str, int]], now: float) -> None:
-        """Fail each request whose decode node has been missing from `alive` for LEFT_GRACE_S."""
+        """Fail each request whose decode node has been missing from `alive` for the left grace."""
         for rid, (node, epoch) in list(self._serving.items()):
             if (node, epoch) in alive:
                 self._missing_since.pop(rid, None)
                 continue
             since = self._missing_since.setdefault(rid, now)
             queue = self._queues.get(rid)
-            if now - since >= LEFT_GRACE_S and queue is not None:
+            if now - since >= self._left_grace_s and queue is not None:
                 del self._serving[rid]
                 del self._missing_since[rid]
                 log.warning("request %s: decode node %s (epoch %d) left the cluster", rid, node, epoch)

@@ -62,7 +62,7 @@ from kvwire.observability.metrics import Metrics, process_metrics
 
 logger = logging.getLogger(__name__)
 
-_COMMAND_TIMEOUT_S = 5.0  # socket timeout of ordinary commands
+COMMAND_TIMEOUT_S = 5.0  # socket timeout of ordinary commands, by default
 _BLOCK_SLICE_S = 5.0  # longest single blocking read; longer waits loop
 _MAX_CONNECTIONS = 64
 _MAX_BLOCKING_CONNECTIONS = 256  # one per concurrent wait_for
@@ -186,15 +186,19 @@ class KVDirectory:
         entry_ttl_s: TTL of a request's keys, refreshed on every transition.
         node_ttl_s: TTL of a node's registration, refreshed by each heartbeat.
         namespace: prefix of every key, so deployments can share one Redis.
+        command_timeout_s: how long one command may wait on a silent Redis before it raises DirectoryError
+            (and a connection attempt; a blocking read waits its block on top).
         metrics: where operation latencies go; this process's metrics by default.
     Raises:
-        ValueError: a non-positive TTL, or a namespace outside [A-Za-z0-9_.-].
+        ValueError: a non-positive TTL or timeout, or a namespace outside [A-Za-z0-9_.-].
     """
 
     def __init__(self, redis_url: str, *, entry_ttl_s: float = 60.0, node_ttl_s: float = 5.0,
-                 namespace: str = "kvwire", metrics: Metrics | None = None):  # fmt: skip
-        if entry_ttl_s <= 0 or node_ttl_s <= 0:
-            raise ValueError(f"TTLs must be positive, got entry {entry_ttl_s}, node {node_ttl_s}")
+                 namespace: str = "kvwire", command_timeout_s: float = COMMAND_TIMEOUT_S,
+                 metrics: Metrics | None = None):  # fmt: skip
+        if entry_ttl_s <= 0 or node_ttl_s <= 0 or command_timeout_s <= 0:
+            raise ValueError(f"TTLs and timeouts must be positive, got entry {entry_ttl_s}, node {node_ttl_s}, "
+                             f"command {command_timeout_s}")
         if not _NAMESPACE_RE.fullmatch(namespace):
             raise ValueError(f"namespace {namespace!r} must match {_NAMESPACE_RE.pattern}")
         self.entry_ttl_s, self.node_ttl_s, self.namespace = entry_ttl_s, node_ttl_s, namespace
@@ -203,14 +207,14 @@ class KVDirectory:
         self._epoch_ttl_ms = _ms(_EPOCH_TTL_FACTOR * max(entry_ttl_s, node_ttl_s))
         # One retry without backoff replaces a pooled connection broken by a server restart,
         # yet fails fast while the server is down.
-        common = dict(retry=Retry(NoBackoff(), 1), socket_connect_timeout=_COMMAND_TIMEOUT_S)
+        common = dict(retry=Retry(NoBackoff(), 1), socket_connect_timeout=command_timeout_s)
         self._pool = redis_url_forms.connection_pool(
-            redis_url, max_connections=_MAX_CONNECTIONS, socket_timeout=_COMMAND_TIMEOUT_S, **common)
+            redis_url, max_connections=_MAX_CONNECTIONS, socket_timeout=command_timeout_s, **common)
         # Blocking reads hold a connection for their whole wait: a pool of their own, whose
         # socket timeout exceeds the longest block.
         self._blocking_pool = redis_url_forms.connection_pool(
             redis_url, max_connections=_MAX_BLOCKING_CONNECTIONS,
-            socket_timeout=_BLOCK_SLICE_S + _COMMAND_TIMEOUT_S, **common)  # fmt: skip
+            socket_timeout=_BLOCK_SLICE_S + command_timeout_s, **common)  # fmt: skip
         self._redis = redis.Redis(connection_pool=self._pool)
         self._blocking = redis.Redis(connection_pool=self._blocking_pool)
         self._create = self._redis.register_script(LUA_CREATE)

@@ -30,3 +30,8 @@ def test_layerwise_reaches_the_config_and_needs_tcp_or_ucx(tiny_model_dir):
     assert _config(tiny_model_dir, connector=ConnectorKind.UCX, layerwise=True).connector.layerwise
     with pytest.raises(typer.BadParameter, match="tcp and ucx connectors"):
         _config(tiny_model_dir, connector=ConnectorKind.SHM, layerwise=True)
+
+
+def test_redis_timeout_reaches_the_config(tiny_model_dir):
+    assert _config(tiny_model_dir).redis_timeout_s == 5.0
+    assert _config(tiny_model_dir, redis_timeout=1.5).redis_timeout_s == 1.5

@@ -7,11 +7,25 @@ import signal
 import sys
 import time
 
+import pytest
+
 from kvwire.cluster import supervisor as sup
+from kvwire.cluster.forked import ForkLauncher
 from kvwire.cluster.supervisor import Supervisor
+from tests.procs import CTX
 
 PY = (sys.executable, "-c")
 SLEEP = "import time; time.sleep(60)"
+
+
+def run_code(argv: list[str]) -> None:
+    """A forked child's entry: run argv[0] as Python, as `python -c` does."""
+    exec(argv[0], {"__name__": "__main__"})
+
+
+def _supervisor(how: str, **kw) -> Supervisor:
+    """Children exec'd as `python -c CODE`, or forked from the tests' fork server running CODE."""
+    return Supervisor(command=PY, **kw) if how == "exec" else Supervisor(launch=ForkLauncher(CTX, run_code), **kw)
 
 
 def _wait(pred, timeout_s: float = 10.0) -> bool:
@@ -49,9 +63,10 @@ def test_a_crashed_child_is_restarted_with_doubling_backoff(monkeypatch):
         s.close(order=[])
 
 
-def test_clean_exit_and_stop_stay_down_and_a_signal_death_is_named():
+@pytest.mark.parametrize("how", ["exec", "fork"])
+def test_clean_exit_and_stop_stay_down_and_a_signal_death_is_named(how):
     lines: list[str] = []
-    s = Supervisor(report=lines.append, command=PY)
+    s = _supervisor(how, report=lines.append)
     try:
         s.start("clean", ["pass"])
         victim = s.start("victim", [SLEEP])
@@ -89,5 +104,18 @@ def test_not_armed_a_crash_is_left_for_the_owner_to_report():
         assert proc.wait(10) == 2
         time.sleep(3 * sup.POLL_S)
         assert s.restarts == 0 and s.procs["early"] is proc
+    finally:
+        s.close(order=[])
+
+
+def test_a_forked_child_writes_to_its_log_and_exits_with_its_status(tmp_path):
+    s = _supervisor("fork", log_dir=tmp_path, report=lambda line: None)
+    try:
+        child = s.start("talker", ["import os, sys; print('out', os.getpid()); print('err', file=sys.stderr); "
+                                   "sys.exit(7)"])
+        assert child.wait(30) == 7 and child.returncode == 7
+        assert sorted((tmp_path / "talker.log").read_text().split()) == sorted(["out", str(child.pid), "err"])
+        with pytest.raises(ValueError, match="takes no command"):
+            s.start("other", ["pass"], command=PY)
     finally:
         s.close(order=[])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -385,6 +387,24 @@ def test_directory_error_when_redis_is_down(crashable: LocalRedis) -> None:
         assert directory.get("r1") is None and directory.create_pending("r1", "p")
     finally:
         directory.close()
+
+
+def test_a_command_to_a_silent_redis_fails_at_the_command_timeout(crashable: LocalRedis) -> None:
+    directory = KVDirectory(crashable.url, command_timeout_s=0.3)
+    assert crashable.pid is not None
+    try:
+        directory.create_pending("r1", "p")
+        os.kill(crashable.pid, signal.SIGSTOP)  # up, connected, and answering nothing
+        start = time.monotonic()
+        with pytest.raises(DirectoryError) as info:
+            directory.get("r1")
+        took = time.monotonic() - start
+        assert isinstance(info.value.__cause__, redis.TimeoutError) and 0.3 <= took < 2.0, took
+    finally:
+        os.kill(crashable.pid, signal.SIGCONT)
+        directory.close()
+    with pytest.raises(ValueError, match="timeouts must be positive"):
+        KVDirectory(crashable.url, command_timeout_s=0)
 
 
 def test_heartbeat_survives_an_outage(crashable: LocalRedis, caplog: pytest.LogCaptureFixture) -> None:

@@ -20,7 +20,7 @@ from kvwire.connectors.producer.role import KVProducer
 from kvwire.connectors.vllm.layout import region_of
 
 TIMEOUT_S = 0.5  # the directory's socket timeouts here (5 s and 10 s in production): a stall outlasts them
-STALL_S = 3.0
+STALL_S = 1.5  # past both: 0.5 s for a command, 0.5 + 0.5 s for a blocking read
 
 
 def _region(fill: float):
@@ -29,14 +29,13 @@ def _region(fill: float):
 
 
 def test_a_watch_outlives_a_directory_stall_shorter_than_the_deadline(monkeypatch):
-    monkeypatch.setattr(directory_module, "_COMMAND_TIMEOUT_S", TIMEOUT_S)
     monkeypatch.setattr(directory_module, "_BLOCK_SLICE_S", TIMEOUT_S)
     with LocalRedis() as redis:
         def config(role: NodeRole, node: str) -> ConnectorConfig:
             return ConnectorConfig(kind=ConnectorKind.TCP, role=role, node_id=node, redis_url=redis.url,
                                    kv_deadline_s=30.0)
 
-        directories = [KVDirectory(redis.url), KVDirectory(redis.url)]
+        directories = [KVDirectory(redis.url, command_timeout_s=TIMEOUT_S) for _ in range(2)]
         _, src = _region(7.0)
         dst_tensors, dst = _region(0.0)
         prod_config, cons_config = config(NodeRole.PREFILL, "prefill"), config(NodeRole.DECODE, "decode")

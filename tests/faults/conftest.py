@@ -9,6 +9,7 @@ import pytest
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind
 from tests.faults.harness import BS, KV_DEADLINE_S, REQUEST_TIMEOUT_S, Tally, wait_restarted
+from tests.procs import FORK
 
 TOTALS = Tally()
 
@@ -18,7 +19,7 @@ def fault_cluster(tiny_model_dir, tmp_path_factory):
     """prefill + decode + router over TCP (shm would collide with other runs on this host), short deadlines."""
     logs = tmp_path_factory.mktemp("fault-logs")
     spec = ClusterSpec(model_dir=tiny_model_dir, connector=ConnectorKind.TCP, block_size=BS, num_blocks=256,
-                       kv_deadline_s=KV_DEADLINE_S, log_dir=logs, request_timeout_s=REQUEST_TIMEOUT_S)
+                       kv_deadline_s=KV_DEADLINE_S, log_dir=logs, request_timeout_s=REQUEST_TIMEOUT_S, launch=FORK)
     with LocalCluster(spec) as cluster:
         yield cluster
     print(f"\nfault cluster logs: {logs}")

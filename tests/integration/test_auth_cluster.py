@@ -16,6 +16,7 @@ from kvwire.connectors.wire import encode
 from kvwire.protocol.work import PrefillWork
 from tests.integration.cluster import complete_all
 from tests.integration.test_observability import one, scrape
+from tests.procs import FORK
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +34,7 @@ def test_authenticated_cluster_serves_and_drops_strangers(tiny_model_dir, tmp_pa
     secret.write_bytes(b"cluster-secret-0123456789abcdef\n")
     secret.chmod(0o600)
     spec = ClusterSpec(model_dir=tiny_model_dir, connector=ConnectorKind.TCP, num_blocks=128,
-                       auth_secret_file=secret, log_dir=tmp_path / "logs")
+                       auth_secret_file=secret, log_dir=tmp_path / "logs", launch=FORK)
     with LocalCluster(spec) as cluster:
         [first] = complete_all(cluster.url, ["sealed end to end"], max_tokens=4)
         assert first["kvwire"]["bypassed"]

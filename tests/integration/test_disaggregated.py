@@ -17,6 +17,7 @@ from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.engine.reference import generate
 from kvwire.protocol.work import SamplingParams
 from tests.integration.cluster import complete, complete_all, wait_pools_full_and_directory_empty
+from tests.procs import FORK
 
 pytestmark = pytest.mark.slow
 BS = 16
@@ -29,7 +30,7 @@ PROMPTS = [[72], list(range(40, 40 + BS)), list(range(3 * BS)), list(range(2 * B
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
     spec = ClusterSpec(model_dir=tiny_model_dir, connector=ConnectorKind.UCX, block_size=BS, num_blocks=512,
-                       log_dir=tmp_path_factory.mktemp("cluster-logs"))
+                       log_dir=tmp_path_factory.mktemp("cluster-logs"), launch=FORK)
     with LocalCluster(spec) as c:
         yield c
 
@@ -102,7 +103,8 @@ def test_prefill_killed_requests_recompute_with_identical_output(tiny_model_dir,
     deadline_s = 2.0
     heartbeat_ttl_s = 2.0
     spec = ClusterSpec(model_dir=tiny_model_dir, connector=ConnectorKind.UCX, block_size=BS, num_blocks=256,
-                       kv_deadline_s=deadline_s, heartbeat_ttl_s=heartbeat_ttl_s, log_dir=tmp_path / "logs")
+                       kv_deadline_s=deadline_s, heartbeat_ttl_s=heartbeat_ttl_s, log_dir=tmp_path / "logs",
+                       launch=FORK)
     prompts = [PROMPTS[3], PROMPTS[4]]
     expected = generate(tiny_model_dir, prompts, SamplingParams(max_tokens=8, temperature=0.0), block_size=BS)
     with LocalCluster(spec) as cluster:

@@ -24,6 +24,7 @@ from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.engine.reference import generate
 from kvwire.protocol.work import DecodeWork, SamplingParams, TokenChunk, WorkError
 from tests.integration.cluster import complete, wait_pools_full_and_directory_empty
+from tests.procs import FORK
 
 pytestmark = pytest.mark.slow
 BS = 16
@@ -38,7 +39,7 @@ LONG_MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
     spec = ClusterSpec(model_dir=tiny_model_dir, connector=ConnectorKind.TCP, block_size=BS, num_blocks=NUM_BLOCKS,
-                       log_dir=tmp_path_factory.mktemp("drain-logs"))
+                       log_dir=tmp_path_factory.mktemp("drain-logs"), launch=FORK)
     with LocalCluster(spec) as c:
         args = c._node_args("decode")
         args[args.index("--node-id") + 1] = "decode-1"

@@ -24,6 +24,7 @@ from tests.faults.harness import (
     wait_until,
 )
 from tests.integration.cluster import complete_all, wait_pools_full_and_directory_empty
+from tests.procs import FORK
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[72], list(range(16)), list(range(33)), list(range(100, 200)) * 11]
@@ -33,7 +34,8 @@ LONG = [list(range(i, i + 250)) * 2 + [i] for i in range(4)]  # the prefill node
 @pytest.fixture(scope="module", params=[ConnectorKind.TCP, ConnectorKind.UCX])
 def cluster(request, tiny_model_dir, tmp_path_factory):
     spec = ClusterSpec(model_dir=tiny_model_dir, connector=request.param, num_blocks=256, block_size=BS,
-                       kv_deadline_s=KV_DEADLINE_S, layerwise=True, log_dir=tmp_path_factory.mktemp("lw-logs"))
+                       kv_deadline_s=KV_DEADLINE_S, layerwise=True, log_dir=tmp_path_factory.mktemp("lw-logs"),
+                       launch=FORK)
     with LocalCluster(spec) as c:
         yield c
 

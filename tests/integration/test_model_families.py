@@ -18,6 +18,7 @@ import transformers
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind
 from tests.engine.hf_checkpoints import make_hf_checkpoint
+from tests.procs import FORK
 
 pytestmark = pytest.mark.slow
 PROMPT = list(b"Paged attention moves blocks; ")
@@ -31,7 +32,7 @@ TOLERANCE = {"float32": 1e-4, "float16": 0.02, "bfloat16": 0.2}  # logprob units
 def test_family_matches_transformers_through_the_cluster(family, dtype, tied, tmp_path: Path, redis_url: str):
     path = make_hf_checkpoint(family, tmp_path / family, dtype=dtype, tied=tied)
     spec = ClusterSpec(model_dir=path, connector=ConnectorKind.TCP, redis_url=redis_url, num_blocks=64,
-                       log_dir=tmp_path / "logs")
+                       log_dir=tmp_path / "logs", launch=FORK)
     with LocalCluster(spec) as cluster:
         resp = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
             "prompt": PROMPT, "max_tokens": STEPS, "temperature": 0, "logprobs": TOP, "ignore_eos": True,

@@ -14,6 +14,7 @@ from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.cluster.status import ClusterStatus
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from tests.integration.cluster import complete_all
+from tests.procs import FORK
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
     spec = ClusterSpec(model_dir=tiny_model_dir, connector=ConnectorKind.TCP, num_blocks=256,
-                       log_dir=tmp_path_factory.mktemp("observability-logs"))
+                       log_dir=tmp_path_factory.mktemp("observability-logs"), launch=FORK)
     with LocalCluster(spec) as c:
         results = complete_all(c.url, ["metrics one", [5, 6, 7, 8, 9] * 7], max_tokens=6)
         assert all(r["kvwire"]["bypassed"] for r in results)

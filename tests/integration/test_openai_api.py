@@ -18,6 +18,7 @@ from kvwire.connectors.config import ConnectorKind
 from kvwire.engine.reference import generate_with_logprobs
 from kvwire.protocol.work import SamplingParams
 from tests.integration.cluster import wait_pools_full_and_directory_empty
+from tests.procs import FORK
 
 pytestmark = pytest.mark.slow
 PROMPT = list(b"The quick brown fox jumps over the lazy dog")
@@ -36,7 +37,7 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory):
     spec = ClusterSpec(model_dir=model_dir, connector=ConnectorKind.TCP, served_model_names=(MODEL, "alias"),
-                       log_dir=tmp_path_factory.mktemp("openai-logs"))
+                       log_dir=tmp_path_factory.mktemp("openai-logs"), launch=FORK)
     with LocalCluster(spec) as c:
         yield c
 

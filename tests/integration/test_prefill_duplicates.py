@@ -13,13 +13,14 @@ from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.wire import encode
 from kvwire.protocol.work import PrefillWork
 from tests.integration.test_observability import one, scrape
+from tests.procs import FORK
 
 pytestmark = pytest.mark.slow
 
 
 def test_duplicate_prefill_work_is_dropped_and_blocks_return(tiny_model_dir, tmp_path):
     spec = ClusterSpec(model_dir=tiny_model_dir, connector=ConnectorKind.TCP, num_blocks=64, kv_deadline_s=1.0,
-                       log_dir=tmp_path / "logs")
+                       log_dir=tmp_path / "logs", launch=FORK)
     with LocalCluster(spec) as cluster:
         directory = KVDirectory(cluster.redis_url)
         [prefill] = directory.live_nodes(NodeRole.PREFILL)

@@ -38,6 +38,7 @@ from tests.netns.topology import Namespace, Topology
 
 BS = 16
 HEARTBEAT_TTL_S = 2.0  # the nodes' lease (--heartbeat-ttl): the faults outlast it sooner than at the default 5 s
+REDIS_TIMEOUT_S = 2.0  # the nodes' --redis-timeout: a cut from Redis outlasts it sooner than the default 5 s
 WORK_PORT, OPS_PORT = 17100, 17180  # in each node's own namespace: nothing else listens there
 ROUTER_PORT = 17200
 READY_TIMEOUT_S = 120.0
@@ -112,7 +113,7 @@ class NetnsCluster:
                 "--port", str(WORK_PORT), "--http-port", str(OPS_PORT), "--node-id", f"{role}-0",
                 "--connector", str(self.connector), "--block-size", str(BS), "--num-blocks", "256",
                 "--kv-deadline", str(KV_DEADLINE_S), "--torch-threads", "1", "--drain-timeout", "3",
-                "--heartbeat-ttl", str(HEARTBEAT_TTL_S)]
+                "--heartbeat-ttl", str(HEARTBEAT_TTL_S), "--redis-timeout", str(REDIS_TIMEOUT_S)]
 
     def start_nodes(self, connector: ConnectorKind) -> None:
         """(Re)start both nodes over `connector` and wait until the router sees them."""

@@ -32,14 +32,14 @@ from tests.faults.harness import (
     wait_recovered,
     wait_until,
 )
-from tests.netns.cluster import BS, HEARTBEAT_TTL_S, NetnsCluster
+from tests.netns.cluster import BS, HEARTBEAT_TTL_S, REDIS_TIMEOUT_S, NetnsCluster
 from tests.netns.matrix import record
 
 pytestmark = pytest.mark.slow
 
 DEADLINE_S = REQUEST_TIMEOUT_S + 2.0  # the bound: a request's deadline + 2 s
 HEAL_AFTER_S = 3.0  # past the KV deadline (KV_DEADLINE_S, 2 s): pulls in flight give up, then it heals
-REDIS_CUT_S = 7.0  # past the decode node's lease (HEARTBEAT_TTL_S), and its 5 s Redis command timeout
+REDIS_CUT_S = HEARTBEAT_TTL_S + REDIS_TIMEOUT_S  # past the decode node's lease and its Redis command timeout
 LONG = [list(range(i, i + 250)) * 2 + [i] for i in range(4)]  # 501 tokens: KV worth pulling
 SHORT = [[ord(c) for c in f"silent host {i}"] for i in range(3)]
 MAX_TOKENS = 6

@@ -13,7 +13,10 @@ from kvwire.connectors.control.framing import pack
 from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.wire import NodeInfo
 from kvwire.protocol.work import ErrorKind, SamplingParams, TokenChunk, WorkError
-from kvwire.router.dispatch import LEFT_GRACE_S, WATCH_PERIOD_S, Dispatcher
+from kvwire.router.dispatch import Dispatcher
+
+WATCH_PERIOD_S = 0.1  # the watchdog's period here (0.5 s by default)
+LEFT_GRACE_S = 0.3  # how long a node is missing before its requests fail (1 s by default)
 
 
 def _node(epoch: int, draining: bool = False) -> NodeInfo:
@@ -31,14 +34,14 @@ def test_request_fails_fast_when_its_decode_node_goes_and_not_while_it_drains(re
     directory = KVDirectory(redis_url, namespace="watchdog-test", node_ttl_s=30.0)
 
     async def scenario():
-        dispatcher = Dispatcher(directory, "127.0.0.1")
+        dispatcher = Dispatcher(directory, "127.0.0.1", watch_period_s=WATCH_PERIOD_S, left_grace_s=LEFT_GRACE_S)
         dispatcher.start()
         try:
             epoch = directory.next_epoch("decode-w")
             directory.register_node(_node(epoch))
             _, queue = await dispatcher.submit("r-gone", [1, 2], SamplingParams(max_tokens=2))
             directory.register_node(_node(epoch, draining=True))  # draining: still finishing, no verdict
-            await asyncio.sleep(2.5)
+            await asyncio.sleep(2 * LEFT_GRACE_S + 2 * WATCH_PERIOD_S)
             assert queue.empty()
             directory.deregister_node("decode-w")
             msg, waited = await _first_error(queue, 5.0)
@@ -61,7 +64,7 @@ def test_last_chunk_sent_before_the_node_left_still_completes_the_request(redis_
     push.setsockopt(zmq.LINGER, 0)
 
     async def scenario():
-        dispatcher = Dispatcher(directory, "127.0.0.1")
+        dispatcher = Dispatcher(directory, "127.0.0.1", watch_period_s=WATCH_PERIOD_S, left_grace_s=LEFT_GRACE_S)
         dispatcher.start()
         try:
             directory.register_node(_node(directory.next_epoch("decode-w")))
