@@ -27,6 +27,12 @@ class Wakeup:
         except OSError:
             pass  # closed meanwhile: nobody is left to wake
 
+    @property
+    def write_fd(self) -> int:
+        """The end `wake` writes to (non-blocking), for `signal.set_wakeup_fd`: a signal wakes the loop
+        whichever thread the kernel hands it to."""
+        return self._w
+
     def drain(self) -> None:
         try:
             while os.read(self.fd, 4096):

@@ -109,6 +109,10 @@ class DecodeNode:
     def wake(self) -> None:
         self._wakeup.wake()
 
+    @property
+    def wakeup_fd(self) -> int:
+        return self._wakeup.write_fd
+
     def close(self) -> None:
         """Leave the directory, stop pulling, send what is queued for routers, close the rest."""
         self.rt.deregister()

@@ -63,6 +63,8 @@ class Node(Protocol):
 
     def serve(self, stop: threading.Event) -> None: ...
     def wake(self) -> None: ...
+    @property
+    def wakeup_fd(self) -> int: ...  # written to wake the loop (Wakeup.write_fd)
     def close(self) -> None: ...
 
 
@@ -191,9 +193,13 @@ def serve_until_signalled(node: Node) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # Python runs on_signal on this thread, once it runs Python again; the kernel may hand the signal to any
+    # thread, and this one may be asleep in a poll with a long timeout. The wakeup fd ends that sleep.
+    previous = signal.set_wakeup_fd(node.wakeup_fd, warn_on_full_buffer=False)
     try:
         node.serve(stop)
     finally:
+        signal.set_wakeup_fd(previous)
         node.close()
 
 

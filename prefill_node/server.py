@@ -98,6 +98,10 @@ class PrefillNode:
     def wake(self) -> None:
         self._wakeup.wake()
 
+    @property
+    def wakeup_fd(self) -> int:
+        return self._wakeup.write_fd
+
     def close(self) -> None:
         """Leave the directory, stop serving pulls (what is still held is released), close the rest."""
         self.rt.deregister()
