@@ -16,6 +16,7 @@ import pytest
 
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.connectors.config import ConnectorKind
+from tests.procs import FORK
 
 PROMPTS, INPUT_LEN, OUTPUT_LEN = 12, 48, 10
 BENCH = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
@@ -26,7 +27,7 @@ BENCH = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
 @pytest.fixture(scope="module")
 def cluster(vllm_model_dir: Path, tmp_path_factory):
     spec = ClusterSpec(model_dir=vllm_model_dir, connector=ConnectorKind.TCP, served_model_names=("tiny-bench",),
-                       log_dir=tmp_path_factory.mktemp("bench-client-logs"), log_level="WARNING")
+                       log_dir=tmp_path_factory.mktemp("bench-client-logs"), log_level="WARNING", launch=FORK)
     with LocalCluster(spec) as c:
         yield c
 
