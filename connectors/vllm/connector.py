@@ -139,10 +139,6 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        assert self._worker is not None
-        return self._worker.load_errors()
-
     # --- stats (vLLM's /metrics: stats.py) --------------------------------------------------
 
     def get_kv_connector_stats(self) -> KvwireStats | None:

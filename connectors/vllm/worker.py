@@ -80,7 +80,6 @@ class WorkerHalf:
         self._sent: set[str] = set()  # producer: held requests released (pulled, lapsed, never held)
         self._received: set[str] = set()  # consumer: requests whose pull ended, well or not
         self._failed: set[str] = set()  # consumer: ... not
-        self._bad_blocks: set[int] = set()  # consumer: blocks of failed pulls
         self._waiting: dict[str, tuple[str, Pull, RankPull]] = {}  # a prefill rank's key -> (ours, pull, part)
         self._parts: dict[str, _Parts] = {}  # our request id -> its parts' progress
         self._held_ids: dict[str, str] = {}  # producer: the key this rank holds a request under -> its id
@@ -148,11 +147,6 @@ class WorkerHalf:
         with self._lock:
             out = (self._sent, self._received, self._failed)
             self._sent, self._received, self._failed = set(), set(), set()
-        return out
-
-    def load_errors(self) -> set[int]:
-        with self._lock:
-            out, self._bad_blocks = self._bad_blocks, set()
         return out
 
     def close(self) -> None:
@@ -303,9 +297,8 @@ class WorkerHalf:
     def _ended(self, rid: str, pull: Pull, ok: bool) -> None:
         with self._lock:
             self._received.add(rid)
-            if not ok:
-                self._failed.add(rid)
-                self._bad_blocks.update(pull.block_ids[i] for i in pull.pick)
+            if not ok:  # failed_recving: vLLM recomputes the whole prompt (blocks are not named: with several
+                self._failed.add(rid)  # KV cache groups a block id is ambiguous, and vLLM's engine dies on them)
 
     def _abandon(self, remote: RemotePrefill) -> None:
         """This instance will not pull `remote`'s KV: the entries of the prefill ranks this rank answers for

@@ -38,6 +38,7 @@ from kvwire.cluster.redis_server import LocalRedis
 from kvwire.cluster.vllm_cluster import VLLMServer
 from kvwire.cluster.vllm_pd import DTYPE, PDCluster, kvwire_pair, pd_cluster_of, with_tp
 from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.directory.directory import KVDirectory
 from tests.vllm.conftest import PROMPTS
 from tests.vllm.models import (
     GEMMA3_SLIDING_WINDOW,
@@ -145,11 +146,11 @@ def _assert_same(got: Answer, want: Answer, shape: Shape) -> None:
     assert len(got.tokens) == len(want.tokens)
 
 
-def _complete(client: openai.OpenAI, model: str, prompt: str) -> Answer:
+def _complete(client: openai.OpenAI, model: str, prompt: str, **extra) -> Answer:
     """A greedy completion with top-2 logprobs keyed by token id (byte tokens of random text often decode to
-    the same replacement string)."""
+    the same replacement string); `extra` goes into the request's body."""
     out = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=2,
-                                    extra_body={"return_tokens_as_token_ids": True})
+                                    extra_body={"return_tokens_as_token_ids": True, **extra})
     logprobs = out.choices[0].logprobs
     return Answer(list(logprobs.tokens), out.choices[0].text, list(logprobs.top_logprobs), out.usage.prompt_tokens)
 
@@ -192,6 +193,29 @@ def test_prompt_through_pair_equals_one_server(model_dir: Path, pair: Pair, prom
     if shape.computed:
         assert cluster.kv_pull_bytes() - pulled == _qwen3_next_kv_bytes(cluster.decode, got.prompt_tokens)
 
+
+
+@pytest.mark.parametrize(("model_dir", "pair"), SHAPE_PARAMS, indirect=True)
+def test_a_pull_that_fails_is_recomputed_and_the_server_serves_on(model_dir: Path, pair: Pair,
+                                                                   redis_server: LocalRedis):
+    """A request whose KV never comes (its directory entry failed): the decode server counts the failure,
+    computes the prompt itself, and lives (with several KV cache groups vLLM's engine dies if a connector
+    names the failed blocks instead of the request)."""
+    shape, cluster = pair
+    prompt, model = PROMPTS[0], str(model_dir)
+    want = _complete(_client(cluster.prefill.url), model, prompt)
+    directory = KVDirectory(redis_server.url)
+    try:
+        directory.fail(f"never-{shape.model}", "the test says so")
+    finally:
+        directory.close()
+    params = {"do_remote_prefill": True, "remote_request_id": f"never-{shape.model}", "transfer": "kvwire",
+              "remote_engine_id": "ghost-producer", "remote_num_tokens": want.prompt_tokens, "remote_block_ids": [[1]]}
+    failed = sum(cluster.kv_failed_by_reason().values())
+    got = _complete(_client(cluster.decode.url), model, prompt, kv_transfer_params=params)
+    assert sum(cluster.kv_failed_by_reason().values()) == failed + 1, cluster.kv_failed_by_reason()
+    _assert_same(got, want, dataclasses.replace(shape, ties=True) if shape.computed else shape)
+    assert httpx.get(f"{cluster.decode.url}/health", timeout=10).status_code == 200
 
 def _block_size(url: str) -> int:
     """The block size (tokens) the vLLM server at `url` runs with."""

@@ -72,7 +72,7 @@ def test_a_pull_asked_of_a_server_that_does_not_consume_is_counted_and_recompute
     worker = WorkerHalf(settings, num_blocks=8, block_size=16)
     try:
         worker._expect("r", Pull(RemotePrefill("p-r", "p", 20, [[1, 2]]), 20, [3, 4], [0, 1]))
-        assert worker.transfer_results() == (set(), {"r"}, {"r"}) and worker.load_errors() == {3, 4}
+        assert worker.transfer_results() == (set(), {"r"}, {"r"})  # failed_recving: vLLM recomputes the prompt
         assert worker.tally.take()["failed"] == {"mismatch": 1}
     finally:
         worker.close()
