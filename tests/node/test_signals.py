@@ -53,8 +53,8 @@ def _serve_then_signal_a_helper_thread(out) -> None:
     node = SleepyNode()
     helper = threading.Thread(target=lambda: (time.sleep(0.3), signal.pthread_kill(threading.get_ident(),
                                                                                  signal.SIGTERM)))
-    helper.start()
     start = time.monotonic()
+    helper.start()
     serve_until_signalled(node)  # type: ignore[arg-type]  # a Node as far as this function looks
     out.put(time.monotonic() - start)
     helper.join()
