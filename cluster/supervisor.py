@@ -95,15 +95,17 @@ class Supervisor:
         log_dir: each child's output goes to `<log_dir>/<name>.log` (appended across restarts); None: inherited.
         max_restarts: restarts allowed in all before giving up; None: unlimited.
         report: where death and restart lines go (stderr by default).
-        command: what a child's ARGV is appended to.
+        command: what a child's ARGV is appended to (`python -m kvwire.cli.main` by default).
         launch: starts a child for its ARGV instead (cluster/forked.py); `command` is then not used, and
             `start` takes none.
     """
 
     def __init__(self, log_dir: Path | None = None, max_restarts: int | None = None,
-                 report: Callable[[str], None] | None = None, command: Sequence[str] = KVWIRE,
+                 report: Callable[[str], None] | None = None, command: Sequence[str] | None = None,
                  launch: Launcher | None = None):
-        self._command = [] if launch is not None else list(command)
+        if launch is not None and command is not None:
+            raise ValueError("a supervisor with a launcher takes no command: the launcher starts every child")
+        self._command = [] if launch is not None else list(KVWIRE if command is None else command)
         self._launch = launch
         self._log_dir = log_dir
         self._max_restarts = max_restarts

@@ -117,5 +117,7 @@ def test_a_forked_child_writes_to_its_log_and_exits_with_its_status(tmp_path):
         assert sorted((tmp_path / "talker.log").read_text().split()) == sorted(["out", str(child.pid), "err"])
         with pytest.raises(ValueError, match="takes no command"):
             s.start("other", ["pass"], command=PY)
+        with pytest.raises(ValueError, match="takes no command"):
+            Supervisor(command=PY, launch=ForkLauncher(CTX, run_code))
     finally:
         s.close(order=[])
