@@ -206,7 +206,7 @@ class WorkerHalf:
             log.error("request %s: asked to pull KV, but this instance does not consume (kv_role %s); vLLM "
                       "recomputes its prompt", rid, self._settings.role)
             self.tally.failed(TransferFailure.MISMATCH)
-            self._ended(rid, pull, ok=False)
+            self._ended(rid, ok=False)
             return
         try:
             if pull.error:
@@ -217,7 +217,7 @@ class WorkerHalf:
             log.error("request %s: cannot pull from %s (vLLM recomputes its prompt): %s", rid,
                       remote.remote_engine_id, exc)
             self.tally.failed(TransferFailure.MISMATCH)
-            self._ended(rid, pull, ok=False)
+            self._ended(rid, ok=False)
             return
         with self._lock:
             self._parts[rid] = _Parts(len(parts))
@@ -255,16 +255,16 @@ class WorkerHalf:
             got = self._consumer.receive_blocks(key, pull.num_tokens, pull.block_ids, heads=_slice(part.heads),
                                                 pick=pull.pick)
         except TransferError as exc:
-            self._part_ended(rid, pull, part, exc)
+            self._part_ended(rid, part, exc)
             return
         if part.heads.num_heads:
             self.tally.pulled(got.kv_bytes, got.transfer_s)
             log.debug("request %s: %d bytes from %s over %s in %.2f ms", rid, got.kv_bytes, got.producer,
                       got.transport, got.transfer_s * 1e3)
-        self._part_ended(rid, pull, part, None)
+        self._part_ended(rid, part, None)
         self._consumer.flush()  # vLLM learns of the pull at its next step; the producer may release meanwhile
 
-    def _part_ended(self, rid: str, pull: Pull, part: RankPull, error: TransferError | None) -> None:
+    def _part_ended(self, rid: str, part: RankPull, error: TransferError | None) -> None:
         """One part of a request's pull ended; once all have, so has the request's (failed if any part's did:
         a declined copy's failure only costs its producer the wait for its hold deadline)."""
         if error is not None and not part.heads.num_heads:
@@ -280,7 +280,7 @@ class WorkerHalf:
             del self._parts[rid]
         if parts.error is not None:
             self._failed_pull(rid, parts.error)
-        self._ended(rid, pull, ok=parts.error is None)
+        self._ended(rid, ok=parts.error is None)
 
     def _failed_pull(self, rid: str, exc: TransferError) -> None:
         """Counted by reason (vLLM's /metrics); the first failure of each peer and reason is a warning that
@@ -294,7 +294,7 @@ class WorkerHalf:
                 exc, f" (vllm:kvwire_kv_transfers_failed_total{{reason=\"{reason}\"}}; {HINTS[reason]}; "
                      "said once per peer and reason)" if first else "")
 
-    def _ended(self, rid: str, pull: Pull, ok: bool) -> None:
+    def _ended(self, rid: str, ok: bool) -> None:
         with self._lock:
             self._received.add(rid)
             if not ok:  # failed_recving: vLLM recomputes the whole prompt (blocks are not named: with several
