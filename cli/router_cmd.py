@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 import typer
 
@@ -33,18 +33,31 @@ VLLMDecode = Annotated[str | None, typer.Option(
 HealthInterval = Annotated[float, typer.Option(
     "--health-interval", min=0.1, help="vLLM mode: seconds between GET /health probes of each instance.")]
 ConnectTimeout = Annotated[float, typer.Option(
-    "--connect-timeout", min=0.1, help="vLLM mode: seconds to connect before an instance leaves rotation.")]
+    "--connect-timeout", min=0.1, help="vLLM mode: seconds to connect to an instance before trying again (the "
+                                       "instance counts as busy, not gone).")]
+InstanceWait = Annotated[float, typer.Option(
+    "--instance-wait", min=0.0, help="vLLM mode: seconds a request may wait for a decode instance to take it "
+                                     "(none up, or none accepting connections) before it gets a 503.")]
+MaxFailures = Annotated[int, typer.Option(
+    "--max-failures", min=1, help="vLLM mode: broken calls or 5xx answers in a row that take an instance out of "
+                                  "rotation (a refused connection takes it out at once).")]
+UnresponsiveAfter = Annotated[float, typer.Option(
+    "--unresponsive-after", min=0.1, help="vLLM mode: seconds an instance may answer nothing (only timeouts) "
+                                          "before it leaves rotation; until then it is weighed as loaded.")]
 Port = Annotated[int, typer.Option("--port", min=1, max=65535, help="HTTP port.")]
 RequestTimeout = Annotated[float, typer.Option(
     "--request-timeout", min=0.1, help="Seconds before a request gets a 504 (vLLM mode: between the bytes of an "
                                        "instance's answer).")]
 _KVWIRE_ONLY = ("model", "redis_url", "auth_secret_file", "served_model_name", "lenient")
+_VLLM_ONLY = ("health_interval", "connect_timeout", "instance_wait", "max_failures", "unresponsive_after")
 
 
 def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedisUrl = None,
            vllm_prefill: VLLMPrefill = None, vllm_decode: VLLMDecode = None, host: Host = "127.0.0.1",
            port: Port = 8000, request_timeout: RequestTimeout = 120.0, health_interval: HealthInterval = 2.0,
-           connect_timeout: ConnectTimeout = 2.0, auth_secret_file: AuthSecretFile = None,
+           connect_timeout: ConnectTimeout = 2.0, instance_wait: InstanceWait = 30.0,
+           max_failures: MaxFailures = 3, unresponsive_after: UnresponsiveAfter = 30.0,
+           auth_secret_file: AuthSecretFile = None,
            served_model_name: ServedModelName = None, lenient: Lenient = False, log_level: LogLevel = "INFO") -> None:
     """Serve the OpenAI API (POST /v1/completions and /v1/chat/completions), GET /v1/models,
     /healthz, /readyz and /metrics: over kvwire's nodes (--model, --redis-url), or over vLLM servers
@@ -55,21 +68,32 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
     if vllm_prefill is not None or vllm_decode is not None:
         if log_level.upper() != "DEBUG":  # httpx logs every call at INFO, health probes included
             logging.getLogger("httpx").setLevel(logging.WARNING)
-        app = _vllm_app(ctx, vllm_prefill, vllm_decode, host, port, request_timeout, health_interval, connect_timeout)
+        timing = VLLMTiming(request_timeout, connect_timeout, health_interval, instance_wait, max_failures,
+                            unresponsive_after)
+        app = _vllm_app(ctx, vllm_prefill, vllm_decode, host, port, timing)
     else:
-        app = _kvwire_app(model, redis_url, host, port, request_timeout, auth_secret_file,
+        app = _kvwire_app(ctx, model, redis_url, host, port, request_timeout, auth_secret_file,
                           served_model_names(served_model_name), lenient)
     uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
 
 
-def _kvwire_app(model: Path | None, redis_url: str | None, host: str, port: int, request_timeout: float,
-                auth_secret_file: Path | None, names: tuple[str, ...], lenient: bool):
+def _refuse_given(ctx: typer.Context, names: tuple[str, ...], why: str) -> None:
+    """Raises: typer.BadParameter naming those of `names` given on the command line, `why` they do not apply."""
+    # typer bundles its own click: its ParameterSource is not click's, so compare by name
+    given = [name for name in names if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
+    if given:
+        raise typer.BadParameter(f"{', '.join('--' + name.replace('_', '-') for name in given)}: {why}")
+
+
+def _kvwire_app(ctx: typer.Context, model: Path | None, redis_url: str | None, host: str, port: int,
+                request_timeout: float, auth_secret_file: Path | None, names: tuple[str, ...], lenient: bool):
     from kvwire.connectors.control import auth
     from kvwire.engine.gc_pauses import freeze_startup_heap
     from kvwire.router.app import create_app
 
     if model is None:
         raise typer.BadParameter("needed unless --vllm-decode fronts vLLM servers", param_hint="--model")
+    _refuse_given(ctx, _VLLM_ONLY, "for vLLM servers (--vllm-decode), not with kvwire's own nodes")
     if redis_url is None:
         raise typer.BadParameter("needed unless --vllm-decode fronts vLLM servers", param_hint="--redis-url")
     config = RouterConfig(model_dir=model, redis_url=redis_url, host=host, port=port, request_timeout_s=request_timeout,
@@ -80,22 +104,30 @@ def _kvwire_app(model: Path | None, redis_url: str | None, host: str, port: int,
     return app
 
 
-def _vllm_app(ctx: typer.Context, prefill: str | None, decode: str | None, host: str, port: int,
-              request_timeout: float, health_interval: float, connect_timeout: float):
+class VLLMTiming(NamedTuple):
+    """The vLLM mode's flags of timing and tolerance, as given."""
+
+    request_timeout: float
+    connect_timeout: float
+    health_interval: float
+    instance_wait: float
+    max_failures: int
+    unresponsive_after: float
+
+
+def _vllm_app(ctx: typer.Context, prefill: str | None, decode: str | None, host: str, port: int, timing: VLLMTiming):
     from kvwire.router.vllm_proxy import create_vllm_app
 
-    # typer bundles its own click: its ParameterSource is not click's, so compare by name
-    given = [name for name in _KVWIRE_ONLY if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
-    if given:
-        flags = ", ".join("--" + name.replace("_", "-") for name in given)
-        raise typer.BadParameter(f"{flags}: for kvwire's own nodes, not with --vllm-prefill/--vllm-decode")
+    _refuse_given(ctx, _KVWIRE_ONLY, "for kvwire's own nodes, not with --vllm-prefill/--vllm-decode")
     if decode is None:
         raise typer.BadParameter("--vllm-prefill needs --vllm-decode: a prefill instance does not answer clients",
                                  param_hint="--vllm-decode")
     try:
         config = VLLMRouterConfig(prefill_urls=vllm_urls(prefill or ""), decode_urls=vllm_urls(decode), host=host,
-                                  port=port, request_timeout_s=request_timeout, connect_timeout_s=connect_timeout,
-                                  health_interval_s=health_interval)
+                                  port=port, request_timeout_s=timing.request_timeout,
+                                  connect_timeout_s=timing.connect_timeout, health_interval_s=timing.health_interval,
+                                  instance_wait_s=timing.instance_wait, max_failures=timing.max_failures,
+                                  unresponsive_s=timing.unresponsive_after)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     return create_vllm_app(config)

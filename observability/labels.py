@@ -87,6 +87,15 @@ class ProxyPath(enum.StrEnum):
     DECODE_ONLY = "decode-only"  # the decode instance computed the prompt itself
 
 
+class PathReason(enum.StrEnum):
+    """Why the router in vLLM mode took a request's path (its x-kvwire-reason header)."""
+
+    PREFILLED = "prefilled"  # a prefill instance computed the prompt and handed out where its KV waits
+    NO_PREFILL_INSTANCE = "no-prefill-instance"  # none configured, or none up
+    PREFILL_FAILED = "prefill-failed"  # the prefill instance was not reached, timed out, broke or answered 5xx
+    NO_KV_PARAMS = "no-kv-transfer-params"  # it answered without them (a vLLM started with no KV connector)
+
+
 class InstanceState(enum.StrEnum):
     """Whether a vLLM instance is in the router's rotation."""
 

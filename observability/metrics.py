@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from kvwire.observability.labels import (
     BlockState,
     InstanceState,
+    PathReason,
     ProxyPath,
     Queue,
     RecomputeReason,
@@ -81,6 +82,10 @@ class Metrics:
                                          "by reason", ["reason"], registry=r)
         self.vllm_requests = Counter("kvwire_vllm_requests", "Requests the router sent on to vLLM instances, by path",
                                      ["path"], registry=r)
+        self.vllm_path_reasons = Counter("kvwire_vllm_path_reasons", "Requests the router sent on to vLLM instances, "
+                                         "by the path it took and why", ["path", "reason"], registry=r)
+        self.vllm_instance_failures = Counter("kvwire_vllm_instance_failures", "Calls from the router to vLLM "
+                                              "instances that failed, by role and how", ["role", "kind"], registry=r)
         # `path` is what UCX reported (e.g. "sysv/cma"), not a closed set: one series per transport served
         self.transport_info = Gauge("kvwire_transport_info", "The start-up transport self-test: 1 for each transport "
                                     "served, with the path that carried its bytes and whether it passed",
@@ -95,6 +100,9 @@ class Metrics:
                                 (self.vllm_requests, ProxyPath)):
             for value in labels:
                 counter.labels(str(value))
+        for reason in PathReason:
+            path = ProxyPath.DISAGGREGATED if reason == PathReason.PREFILLED else ProxyPath.DECODE_ONLY
+            self.vllm_path_reasons.labels(str(path), str(reason))
 
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format (serve with CONTENT_TYPE)."""

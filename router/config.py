@@ -53,8 +53,12 @@ class VLLMRouterConfig:
         decode_urls: base URLs of the vLLM instances that generate; at least one.
         host, port: where the HTTP API listens.
         request_timeout_s: longest wait for an instance's next bytes (a whole answer unless streaming): then 504.
-        connect_timeout_s: an instance that does not accept a connection by then is taken out of rotation.
+        connect_timeout_s: a call that has no connection by then is tried again (the instance counts as slow).
         health_interval_s: seconds between GET /health probes of every instance.
+        instance_wait_s: how long after its arrival a request may wait for a decode instance to take it (none
+            up, or none accepting connections) before it gets a 503 (or a 502 with the last one's error).
+        max_failures: broken calls or 5xx answers in a row that take an instance out of rotation.
+        unresponsive_s: an instance that answered nothing for this long (timeouts only) leaves rotation.
     Raises:
         ValueError: no decode URL, a URL that is not http(s)://host[:port][/prefix], or one named twice in a role
             (one instance may serve both roles: vLLM's kv_both).
@@ -67,6 +71,9 @@ class VLLMRouterConfig:
     request_timeout_s: float = 120.0
     connect_timeout_s: float = 2.0
     health_interval_s: float = 2.0
+    instance_wait_s: float = 30.0
+    max_failures: int = 3
+    unresponsive_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.decode_urls:
@@ -80,5 +87,7 @@ class VLLMRouterConfig:
         for urls in (self.prefill_urls, self.decode_urls):
             if len(set(urls)) != len(urls):
                 raise ValueError(f"a vLLM instance is named twice in {', '.join(urls)}")
-        if min(self.request_timeout_s, self.connect_timeout_s, self.health_interval_s) <= 0:
+        if min(self.request_timeout_s, self.connect_timeout_s, self.health_interval_s, self.unresponsive_s) <= 0:
             raise ValueError("timeouts and the health interval must be positive")
+        if self.instance_wait_s < 0 or self.max_failures < 1:
+            raise ValueError("the instance wait must not be negative, and max_failures must be 1 or more")

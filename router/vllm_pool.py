@@ -1,12 +1,18 @@
-"""The vLLM instances of one role that the router sends requests to, in rotation or out of it.
+"""The vLLM instances of one role that the router sends requests to, weighed by load, in rotation or out of it.
 
 Lifecycle of an instance:
 
-1. UP from the start: `pick()` hands it out in turn with the other UP instances (round robin).
-2. DOWN when a request to it fails to connect, times out or gets a 5xx (`take_out`), or
-   when a health probe fails: `pick()` skips it.
-3. UP again when a later probe of GET /health answers 200 (`check`, run every
-   `health_interval_s` by `run_health_checks`).
+1. UP from the start: `pick()` hands out the UP instance with the fewest requests in flight
+   through this router (`started` .. `ended`), an instance that answered slowly counted as SLOW_WEIGHT more,
+   ties in turn (round robin).
+2. What each call or health probe says of it (`observe`):
+   - an answer (any HTTP status below 500): it serves; its failures and slowness are forgotten;
+   - REFUSED (nobody accepts connections there): it is gone, DOWN at once;
+   - BUSY or TIMEOUT (a connection or an answer not made in time): slow, weighed as loaded; it
+     goes DOWN only once nothing it did succeeded for `unresponsive_s` (a hung process);
+   - BROKEN or a 5xx: a failure; DOWN after `max_failures` in a row.
+3. DOWN: `pick()` skips it; a later probe of GET /health that answers 200 puts it back UP
+   (`check`, run every `health_interval_s` by `run_health_checks`).
 
 A pool lives on one event loop and is not shared between threads.
 """
@@ -18,51 +24,89 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import httpx
 
 from kvwire.connectors.config import NodeRole
 from kvwire.observability.labels import InstanceState
-from kvwire.router.vllm_upstream import PEER_ERRORS
+from kvwire.router.vllm_upstream import PEER_ERRORS, FailureKind, failure_kind
 
 log = logging.getLogger(__name__)
+
+SLOW_WEIGHT = 4  # requests in flight an instance that last answered slowly counts as, on top of its own
+
+
+class Problem(NamedTuple):
+    """What went wrong with one call to an instance: how, and the transport's (or HTTP's) words."""
+
+    kind: FailureKind
+    reason: str
 
 
 class Probe(Protocol):
     """Asks one instance whether it serves."""
 
-    async def __call__(self, url: str) -> str | None:
-        """Args: url, an instance's base URL. Returns: None when it serves, else why not."""
+    async def __call__(self, url: str) -> Problem | None:
+        """Args: url, an instance's base URL. Returns: None when it serves, else what went wrong."""
         ...
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How much failure an instance is allowed before it leaves rotation (module docstring, step 2)."""
+
+    max_failures: int = 3
+    unresponsive_s: float = 30.0
 
 
 @dataclass
 class Instance:
-    """One vLLM instance: its base URL and whether it is in rotation, since when and why not."""
+    """One vLLM instance: its base URL, whether it is in rotation (since when, why not), and its load."""
 
     url: str
     state: InstanceState = InstanceState.UP
     since: float = 0.0
     reason: str = ""
+    in_flight: int = 0  # requests of this router it is working on
+    failures: int = 0  # BROKEN or 5xx in a row
+    slow: bool = False  # its last call timed out
+    last_ok: float = 0.0  # when it last answered
 
 
 class InstancePool:
-    """The instances of one role; `pick()` rotates over those UP."""
+    """The instances of one role; `pick()` hands out the least loaded of those UP."""
 
-    def __init__(self, role: NodeRole, urls: Sequence[str], clock: Callable[[], float] = time.monotonic):
+    def __init__(self, role: NodeRole, urls: Sequence[str], clock: Callable[[], float] = time.monotonic,
+                 tolerance: Tolerance = Tolerance()):
         self.role = role
         self._clock = clock
-        self._instances = {url: Instance(url, since=clock()) for url in urls}
+        self._tolerance = tolerance
+        self._instances = {url: Instance(url, since=clock(), last_ok=clock()) for url in urls}
         self._turn = 0
 
-    def pick(self) -> str | None:
-        """Returns: the next UP instance's URL in round-robin order; None when none is UP."""
-        up = self.urls(InstanceState.UP)
+    def pick(self, avoid: frozenset[str] = frozenset()) -> str | None:
+        """Returns: the URL of the UP instance (not in `avoid`, unless only those are UP) with the least load, ties
+        in round-robin order; None when none is UP."""
+        up = [i for i in self._instances.values() if i.state == InstanceState.UP]
+        up = [i for i in up if i.url not in avoid] or up
         if not up:
             return None
         self._turn += 1
-        return up[(self._turn - 1) % len(up)]
+        start = (self._turn - 1) % len(up)
+        rotated = up[start:] + up[:start]
+        return min(rotated, key=lambda i: i.in_flight + (SLOW_WEIGHT if i.slow else 0)).url
+
+    def started(self, url: str) -> None:
+        """A request of this router went to `url`: it counts in its load until `ended`."""
+        self._instances[url].in_flight += 1
+
+    def ended(self, url: str) -> None:
+        """A request `started` on `url` has its whole answer (or failed)."""
+        self._instances[url].in_flight -= 1
+
+    def in_flight(self, url: str) -> int:
+        return self._instances[url].in_flight
 
     def urls(self, state: InstanceState) -> list[str]:
         """Returns: the URLs of the instances in `state`, in the order they were configured."""
@@ -71,12 +115,25 @@ class InstancePool:
     def count(self, state: InstanceState) -> int:
         return sum(1 for i in self._instances.values() if i.state == state)
 
-    def take_out(self, url: str, reason: str) -> None:
-        """Take `url` out of rotation until a health probe re-admits it.
+    def observe(self, url: str, problem: Problem | None) -> None:
+        """What one call to (or probe of) `url` showed: None, that it answered. Raises: KeyError, not an instance."""
+        instance, now = self._instances[url], self._clock()
+        if problem is None:
+            instance.failures, instance.slow, instance.last_ok = 0, False, now
+            return
+        if problem.kind == FailureKind.REFUSED:
+            self.take_out(url, problem.reason)
+        elif problem.kind in (FailureKind.BUSY, FailureKind.TIMEOUT):
+            instance.slow = True
+            if now - instance.last_ok >= self._tolerance.unresponsive_s:
+                self.take_out(url, f"nothing answered for {now - instance.last_ok:.0f} s; last: {problem.reason}")
+        else:
+            instance.failures += 1
+            if instance.failures >= self._tolerance.max_failures:
+                self.take_out(url, f"{instance.failures} failures in a row; last: {problem.reason}")
 
-        Raises:
-            KeyError: `url` is not one of this pool's instances.
-        """
+    def take_out(self, url: str, reason: str) -> None:
+        """Take `url` out of rotation until a health probe re-admits it. Raises: KeyError, as `observe`."""
         instance = self._instances[url]
         if instance.state == InstanceState.UP:
             log.warning("vLLM %s instance %s out of rotation: %s", self.role, url, reason)
@@ -84,25 +141,28 @@ class InstancePool:
         instance.reason = reason
 
     def readmit(self, url: str) -> None:
-        """Put `url` back in rotation. Raises: KeyError, as `take_out`."""
+        """Put `url` back in rotation. Raises: KeyError, as `observe`."""
         instance = self._instances[url]
         if instance.state == InstanceState.DOWN:
             log.info("vLLM %s instance %s back in rotation", self.role, url)
             instance.state, instance.since, instance.reason = InstanceState.UP, self._clock(), ""
+            instance.failures, instance.slow, instance.last_ok = 0, False, self._clock()
 
     async def check(self, probe: Probe) -> None:
-        """Probe every instance at once; re-admit those that serve, take out those that do not."""
+        """Probe every instance at once: re-admit those that serve, observe what the others showed."""
         urls = list(self._instances)
         for url, problem in zip(urls, await asyncio.gather(*(probe(url) for url in urls))):
             if problem is None:
                 self.readmit(url)
             else:
-                self.take_out(url, f"health check: {problem}")
+                problem = Problem(problem.kind, f"health check: {problem.reason}")
+            self.observe(url, problem)
 
     def describe(self) -> dict[str, object]:
-        """Returns: the instances UP and those DOWN with why, for /healthz."""
+        """Returns: the instances UP (and those of them slow) and those DOWN with why, for /healthz."""
         now = self._clock()
         return {"up": self.urls(InstanceState.UP),
+                "slow": [i.url for i in self._instances.values() if i.state == InstanceState.UP and i.slow],
                 "down": [{"url": i.url, "reason": i.reason, "down_s": round(now - i.since, 1)}
                          for i in self._instances.values() if i.state == InstanceState.DOWN]}
 
@@ -114,12 +174,14 @@ class HealthProbe:
         self._client = client
         self._timeout = timeout
 
-    async def __call__(self, url: str) -> str | None:
+    async def __call__(self, url: str) -> Problem | None:
         try:
             resp = await self._client.get(f"{url}/health", timeout=self._timeout)
         except PEER_ERRORS as exc:
-            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        return None if resp.status_code == 200 else f"GET /health answered {resp.status_code}"
+            return Problem(failure_kind(exc), f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+        if resp.status_code == 200:
+            return None
+        return Problem(FailureKind.BROKEN, f"GET /health answered {resp.status_code}")
 
 
 async def run_health_checks(pools: Sequence[InstancePool], probe: Probe, interval_s: float) -> None:

@@ -5,22 +5,24 @@ Lifecycle of a request:
 
 1. ARRIVED: its body is read as JSON (400 if it is not an object) and it gets a request id
    (the client's X-Request-Id, or a new one), sent to both instances and back to the client.
-   With no decode instance up it is answered 503 at once.
-2. PREFILL: the next prefill instance up gets the body with max_tokens=1, stream=false and
-   kv_transfer_params={"do_remote_decode": true}. Its 4xx goes back to the client unchanged.
-   With no prefill instance up, or one that fails or answers 5xx (taken out of rotation), or
-   an answer without kv_transfer_params (a vLLM with no KV connector), the request goes on
-   decode-only.
-3. DECODE: the next decode instance up gets the client's body with the prefill's
-   kv_transfer_params. One that cannot be reached is taken out and the next one tried; one
-   that times out or breaks is taken out and the client gets a 504 or 502.
-4. ANSWERED: the decode instance's answer, whole or as its SSE stream chunk by chunk, goes
-   back with an x-kvwire-path header (disaggregated or decode-only).
+   With no decode instance up it waits for one, up to `instance_wait_s`, then gets a 503.
+2. PREFILL: the least loaded prefill instance up gets the body with max_tokens=1, stream=false
+   and kv_transfer_params={"do_remote_decode": true}. Its 4xx goes back to the client unchanged.
+   With no prefill instance up, or one that fails or answers 5xx, or an answer without
+   kv_transfer_params (a vLLM with no KV connector), the request goes on decode-only.
+3. DECODE: the least loaded decode instance up gets the client's body with the prefill's
+   kv_transfer_params. A call that never reached its instance (refused, or no connection in
+   time) is tried again, on another instance if one is up, with back-off until `instance_wait_s`
+   after arrival; one that reached it and timed out or broke gives the client a 504 or 502.
+4. ANSWERED: the decode instance's answer, whole or as its SSE stream chunk by chunk, goes back
+   with x-kvwire-path (disaggregated or decode-only), x-kvwire-reason (why: PathReason),
+   x-kvwire-decode and, when one computed the prompt, x-kvwire-prefill (the instances' base URLs).
 
 Each answer counts in kvwire_requests_total{status} (a stream when it ends) and each one a
-decode instance gave in kvwire_vllm_requests_total{path}; a stream's first chunk's time since
-arrival goes to kvwire_ttft_seconds (a whole answer's time is not its time to first token).
-Instances leave rotation and come back as router/vllm_pool.py tells.
+decode instance gave in kvwire_vllm_requests_total{path} and kvwire_vllm_path_reasons_total{path,
+reason}; each failed call in kvwire_vllm_instance_failures_total{role,kind}. A stream's first chunk's
+time since arrival goes to kvwire_ttft_seconds (a whole answer's time is not its time to first token).
+Instances are weighed, leave rotation and come back as router/vllm_pool.py tells.
 """
 
 from __future__ import annotations
@@ -39,26 +41,42 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvwire.connectors.config import NodeRole
-from kvwire.observability.labels import InstanceState, ProxyPath, RequestStatus
+from kvwire.observability.labels import InstanceState, PathReason, ProxyPath, RequestStatus
 from kvwire.observability.metrics import CONTENT_TYPE, Metrics, process_metrics
 from kvwire.router import vllm_upstream as upstream
 from kvwire.router.config import VLLMRouterConfig
 from kvwire.router.schemas import APIError
 from kvwire.router.vllm_bodies import Endpoint, decode_body, is_stream, kv_transfer_params_of, parse_body, prefill_body
-from kvwire.router.vllm_pool import HealthProbe, InstancePool, run_health_checks
-from kvwire.router.vllm_upstream import FailureKind, InstanceError
+from kvwire.router.vllm_pool import HealthProbe, InstancePool, Problem, Tolerance, run_health_checks
+from kvwire.router.vllm_upstream import FailureKind, InstanceError, unsent
 
 log = logging.getLogger(__name__)
 PATH_HEADER = "x-kvwire-path"
-_PROBE_READ_TIMEOUT_S = 5.0  # vLLM answers /health at once; a busy event loop may not
+REASON_HEADER = "x-kvwire-reason"
+DECODE_HEADER = "x-kvwire-decode"
+PREFILL_HEADER = "x-kvwire-prefill"
+_FIRST_RETRY_S = 0.05  # back-off before a request tries an instance again, doubled each time up to _LAST_RETRY_S
+_LAST_RETRY_S = 1.0
 
 
 class Prefilled(NamedTuple):
     """What the prefill step left: the kv_transfer_params for the decode instance (None:
-    decode-only), or a prefill instance's 4xx to give the client instead."""
+    decode-only) and why, the prefill instance that computed the prompt, or a prefill
+    instance's 4xx to give the client instead."""
 
     kv_transfer_params: dict[str, Any] | None
+    reason: PathReason
+    prefill: str | None = None
     refusal: httpx.Response | None = None
+
+    @property
+    def path(self) -> ProxyPath:
+        return ProxyPath.DECODE_ONLY if self.kv_transfer_params is None else ProxyPath.DISAGGREGATED
+
+    def headers(self, decode: str) -> dict[str, str]:
+        """The x-kvwire-* headers of an answer `decode` gave."""
+        out = {PATH_HEADER: str(self.path), REASON_HEADER: str(self.reason), DECODE_HEADER: decode}
+        return out | ({PREFILL_HEADER: self.prefill} if self.prefill and self.kv_transfer_params is not None else {})
 
 
 class VLLMRouter:
@@ -67,8 +85,9 @@ class VLLMRouter:
     def __init__(self, config: VLLMRouterConfig, metrics: Metrics):
         self.config = config
         self.metrics = metrics
-        self.prefill = InstancePool(NodeRole.PREFILL, config.prefill_urls)
-        self.decode = InstancePool(NodeRole.DECODE, config.decode_urls)
+        tolerance = Tolerance(config.max_failures, config.unresponsive_s)
+        self.prefill = InstancePool(NodeRole.PREFILL, config.prefill_urls, tolerance=tolerance)
+        self.decode = InstancePool(NodeRole.DECODE, config.decode_urls, tolerance=tolerance)
         self._client: httpx.AsyncClient | None = None
         self._without_params: set[str] = set()  # prefill instances that answered no kv_transfer_params
         for pool in (self.prefill, self.decode):
@@ -86,7 +105,8 @@ class VLLMRouter:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)  # streams hold theirs
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             self._client = client
-            probe = HealthProbe(client, httpx.Timeout(max(_PROBE_READ_TIMEOUT_S, connect), connect=connect))
+            probe_s = max(self.config.health_interval_s, connect)  # answered before the next probe is due
+            probe = HealthProbe(client, httpx.Timeout(probe_s, connect=connect))
             pools = (self.prefill, self.decode)
             await asyncio.gather(*(pool.check(probe) for pool in pools))  # serve knowing who is up
             checks = asyncio.create_task(run_health_checks(pools, probe, self.config.health_interval_s))
@@ -122,9 +142,10 @@ class VLLMRouter:
             try:
                 resp = await upstream.get(self.client, rid, url, "/v1/models", _upstream_headers(request, rid))
             except InstanceError as exc:
-                self.decode.take_out(url, exc.reason)
+                self._observe(self.decode, url, exc)
                 continue
-            return _whole(resp, rid, None)
+            self.decode.observe(url, None)
+            return _whole(resp, rid, {})
         raise _no_decode(rid)
 
     async def completions(self, request: Request):
@@ -138,16 +159,15 @@ class VLLMRouter:
         rid = _request_id(request)
         try:
             body = parse_body(await request.body())
-            if not self.decode.count(InstanceState.UP):
-                raise _no_decode(rid)
+            deadline = started + self.config.instance_wait_s
+            await self._wait_for_decode(rid, deadline)
             headers = _upstream_headers(request, rid)
             prefilled = await self._prefill(rid, endpoint, body, headers)
             if prefilled.refusal is not None:
                 self._count(prefilled.refusal.status_code)
-                return _whole(prefilled.refusal, rid, None)
-            path = ProxyPath.DECODE_ONLY if prefilled.kv_transfer_params is None else ProxyPath.DISAGGREGATED
-            return await self._decode(rid, endpoint, decode_body(body, prefilled.kv_transfer_params), headers, path,
-                                      started)
+                return _whole(prefilled.refusal, rid, {})
+            return await self._decode(rid, endpoint, decode_body(body, prefilled.kv_transfer_params), headers,
+                                      prefilled, started, deadline)
         except APIError as exc:
             self._count(exc.status)
             return JSONResponse(exc.body(), status_code=exc.status, headers={"x-request-id": rid})
@@ -155,22 +175,36 @@ class VLLMRouter:
             self._count(500)
             raise
 
+    async def _wait_for_decode(self, rid: str, deadline: float) -> None:
+        """Returns once a decode instance is up. Raises: APIError(503) when none is by `deadline`."""
+        delay = _FIRST_RETRY_S
+        while not self.decode.count(InstanceState.UP):
+            if time.monotonic() + delay > deadline:
+                raise _no_decode(rid)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, _LAST_RETRY_S)
+
     async def _prefill(self, rid: str, endpoint: Endpoint, body: dict[str, Any], headers: dict[str, str]) -> Prefilled:
         url = self.prefill.pick()
         if url is None:
-            return Prefilled(None)
+            return Prefilled(None, PathReason.NO_PREFILL_INSTANCE)
+        self.prefill.started(url)
         try:
             resp = await upstream.post(self.client, rid, url, endpoint, prefill_body(body, endpoint), headers)
         except InstanceError as exc:
-            self.prefill.take_out(url, exc.reason)
+            self._observe(self.prefill, url, exc)
             log.warning("%s; request %s goes on decode-only", exc, rid)
-            return Prefilled(None)
+            return Prefilled(None, PathReason.PREFILL_FAILED, url)
+        finally:
+            self.prefill.ended(url)
         if upstream.is_instance_fault(resp.status_code):
-            self.prefill.take_out(url, f"answered {resp.status_code}")
+            self._observe(self.prefill, url, InstanceError(rid, url, FailureKind.BROKEN,
+                                                           f"answered {resp.status_code}"))
             log.warning("request %s: prefill instance %s answered %d; decode-only", rid, url, resp.status_code)
-            return Prefilled(None)
+            return Prefilled(None, PathReason.PREFILL_FAILED, url)
+        self.prefill.observe(url, None)
         if resp.status_code != 200:
-            return Prefilled(None, refusal=resp)
+            return Prefilled(None, PathReason.PREFILL_FAILED, url, refusal=resp)
         params = kv_transfer_params_of(resp.content)
         if params is None:
             # a vLLM with no KV connector answers null every time: say so once per instance
@@ -178,33 +212,52 @@ class VLLMRouter:
             self._without_params.add(url)
             log.log(level, "request %s: prefill instance %s answered no kv_transfer_params (started without "
                     "--kv-transfer-config?); decode-only", rid, url)
-        return Prefilled(params)
+            return Prefilled(None, PathReason.NO_KV_PARAMS, url)
+        return Prefilled(params, PathReason.PREFILLED, url)
 
     async def _decode(self, rid: str, endpoint: Endpoint, body: dict[str, Any], headers: dict[str, str],
-                      path: ProxyPath, started: float) -> Response:
+                      prefilled: Prefilled, started: float, deadline: float) -> Response:
+        """The first decode instance that takes the request answers it (module docstring, steps 3 and 4)."""
         stream = is_stream(body)
         call = upstream.open_stream if stream else upstream.post
-        for _ in self.config.decode_urls:
-            url = self.decode.pick()
-            if url is None:
-                break
-            try:
-                resp = await call(self.client, rid, url, endpoint, body, headers)
-            except InstanceError as exc:
-                self.decode.take_out(url, exc.reason)
-                if exc.kind == FailureKind.UNREACHABLE:
-                    log.warning("%s; trying the next decode instance", exc)
-                    continue
-                raise _failed(exc) from None
-            self.metrics.vllm_requests.labels(str(path)).inc()
-            if upstream.is_instance_fault(resp.status_code):
-                self.decode.take_out(url, f"answered {resp.status_code}")
-            if not stream or resp.status_code != 200:  # open_stream read and closed an answer other than 200
-                self._count(resp.status_code)
-                return _whole(resp, rid, path)
-            return StreamingResponse(self._relay(resp, rid, url, started), media_type=resp.headers.get("content-type"),
-                                     headers={"x-request-id": rid, PATH_HEADER: str(path)})
-        raise _no_decode(rid)
+        tried: set[str] = set()
+        delay, last = _FIRST_RETRY_S, None
+        while True:
+            url = self.decode.pick(avoid=frozenset(tried))
+            if url is not None:
+                self.decode.started(url)
+                try:
+                    resp = await call(self.client, rid, url, endpoint, body, headers)
+                except InstanceError as exc:
+                    self.decode.ended(url)
+                    self._observe(self.decode, url, exc)
+                    if not unsent(exc.kind):
+                        raise _failed(exc) from None
+                    log.warning("%s; trying again", exc)
+                    tried.add(url)
+                    last = exc
+                else:
+                    return self._answer(resp, rid, url, prefilled, started, stream)
+            if time.monotonic() + delay > deadline:
+                raise _no_decode(rid) if last is None else _failed(last)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, _LAST_RETRY_S)
+
+    def _answer(self, resp: httpx.Response, rid: str, url: str, prefilled: Prefilled, started: float,
+                stream: bool) -> Response:
+        """The client's answer from decode instance `url`'s (a stream's `ended` comes when its relay ends)."""
+        self.metrics.vllm_requests.labels(str(prefilled.path)).inc()
+        self.metrics.vllm_path_reasons.labels(str(prefilled.path), str(prefilled.reason)).inc()
+        if upstream.is_instance_fault(resp.status_code):
+            self._observe(self.decode, url, InstanceError(rid, url, FailureKind.BROKEN, f"answered {resp.status_code}"))
+        else:
+            self.decode.observe(url, None)
+        if not stream or resp.status_code != 200:  # open_stream read and closed an answer other than 200
+            self.decode.ended(url)
+            self._count(resp.status_code)
+            return _whole(resp, rid, prefilled.headers(url))
+        return StreamingResponse(self._relay(resp, rid, url, started), media_type=resp.headers.get("content-type"),
+                                 headers={"x-request-id": rid} | prefilled.headers(url))
 
     async def _relay(self, resp: httpx.Response, rid: str, peer: str, started: float):
         """The decode instance's stream, chunk by chunk; an SSE error event if it breaks."""
@@ -217,14 +270,20 @@ class VLLMRouter:
                 yield chunk
         except InstanceError as exc:
             log.warning("%s; stream cut", exc)
-            self.decode.take_out(peer, exc.reason)
+            self._observe(self.decode, peer, exc)
             err = _failed(exc)
             status = err.status
             yield f"\n\ndata: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
         finally:
+            self.decode.ended(peer)
             with anyio.CancelScope(shield=True):  # the client may have gone: close the instance's stream anyway
                 await resp.aclose()
         self._count(status)
+
+    def _observe(self, pool: InstancePool, url: str, exc: InstanceError) -> None:
+        """A failed call to `url`: counted, and weighed by `pool`."""
+        self.metrics.vllm_instance_failures.labels(str(pool.role), str(exc.kind)).inc()
+        pool.observe(url, Problem(exc.kind, exc.reason))
 
     def _count(self, http_status: int) -> None:
         self.metrics.requests.labels(str(_request_status(http_status))).inc()
@@ -260,9 +319,9 @@ def _upstream_headers(request: Request, rid: str) -> dict[str, str]:
     return headers
 
 
-def _whole(resp: httpx.Response, rid: str, path: ProxyPath | None) -> Response:
-    """An instance's whole answer, as it gave it."""
-    headers = {"x-request-id": rid} | ({PATH_HEADER: str(path)} if path else {})
+def _whole(resp: httpx.Response, rid: str, kvwire_headers: dict[str, str]) -> Response:
+    """An instance's whole answer, as it gave it, with the request id and `kvwire_headers`."""
+    headers = {"x-request-id": rid} | kvwire_headers
     return Response(resp.content, status_code=resp.status_code, headers=headers,
                     media_type=resp.headers.get("content-type"))
 

@@ -14,7 +14,8 @@ from kvwire.router.vllm_bodies import Endpoint
 class FailureKind(enum.StrEnum):
     """How a call to an instance failed (an HTTP answer, even a 5xx, is not a failure here)."""
 
-    UNREACHABLE = "unreachable"  # no connection: the request never reached it, another instance may take it
+    REFUSED = "refused"  # no connection, refused: nobody serves there (the request never reached it)
+    BUSY = "busy"  # no connection within the connect timeout: a loaded host (the request never reached it)
     TIMEOUT = "timeout"  # connected, but no answer within the request timeout
     BROKEN = "broken"  # the connection broke or the answer was not HTTP
 
@@ -48,14 +49,24 @@ def is_instance_fault(status: int) -> bool:
 PEER_ERRORS = (httpx.HTTPError, OSError, AttributeError)
 
 
+def failure_kind(exc: Exception) -> FailureKind:
+    """How a call that raised `exc` (one of PEER_ERRORS) failed."""
+    if isinstance(exc, httpx.ConnectError):
+        return FailureKind.REFUSED
+    if isinstance(exc, httpx.ConnectTimeout):
+        return FailureKind.BUSY
+    if isinstance(exc, httpx.TimeoutException):
+        return FailureKind.TIMEOUT
+    return FailureKind.BROKEN
+
+
+def unsent(kind: FailureKind) -> bool:
+    """Whether a call that failed so never reached the instance (another may take the request)."""
+    return kind in (FailureKind.REFUSED, FailureKind.BUSY)
+
+
 def _failure(exc: Exception, request_id: str, peer: str) -> InstanceError:
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-        kind = FailureKind.UNREACHABLE
-    elif isinstance(exc, httpx.TimeoutException):
-        kind = FailureKind.TIMEOUT
-    else:
-        kind = FailureKind.BROKEN
-    return InstanceError(request_id, peer, kind, str(exc) or type(exc).__name__)
+    return InstanceError(request_id, peer, failure_kind(exc), str(exc) or type(exc).__name__)
 
 
 async def post(client: httpx.AsyncClient, request_id: str, peer: str, endpoint: Endpoint, body: dict[str, Any],

@@ -23,6 +23,8 @@ def _must_not_serve(*args, **kwargs):
     (["--vllm-decode", "d:8200"], "not a vLLM base URL"),
     ([], "--model"),
     (["--model", "/tmp/m"], "--redis-url"),
+    (["--model", "/tmp/m", "--redis-url", "redis://r:6379/0", "--instance-wait", "5", "--max-failures", "2"],
+     "--instance-wait, --max-failures: for vLLM servers"),
 ])
 def test_router_refuses_mixed_or_missing_modes(args, message, monkeypatch):
     monkeypatch.setattr("uvicorn.run", _must_not_serve)
@@ -44,6 +46,19 @@ def test_decode_alone_serves_in_vllm_mode(monkeypatch):
     result = runner.invoke(app, ["router", "--vllm-decode", "http://d:8200/", "--port", "8123"], env=NO_ENV)
     assert result.exit_code == 0, result.output
     assert served == [("kvwire router (vLLM)", 8123)]
+
+
+def test_vllm_mode_flags_reach_its_config(monkeypatch):
+    served = []
+    monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: served.append(app))
+    monkeypatch.setattr("kvwire.router.vllm_proxy.create_vllm_app", lambda config: config)
+    result = runner.invoke(app, ["router", "--vllm-decode", "http://d:1", "--instance-wait", "7", "--max-failures",
+                                 "5", "--unresponsive-after", "9", "--connect-timeout", "0.5", "--health-interval",
+                                 "3", "--request-timeout", "11"], env=NO_ENV)
+    assert result.exit_code == 0, result.output
+    (config,) = served
+    assert (config.instance_wait_s, config.max_failures, config.unresponsive_s, config.connect_timeout_s,
+            config.health_interval_s, config.request_timeout_s) == (7, 5, 9, 0.5, 3, 11)
 
 
 def test_vllm_urls_split_on_commas_and_drop_trailing_slashes():

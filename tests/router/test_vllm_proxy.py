@@ -17,7 +17,8 @@ NOBODY = ("http://127.0.0.1:1", "http://127.0.0.1:2")  # ports nothing listens o
 
 @pytest.fixture
 def client():
-    config = VLLMRouterConfig(prefill_urls=NOBODY[:1], decode_urls=NOBODY[1:], health_interval_s=60.0)
+    config = VLLMRouterConfig(prefill_urls=NOBODY[:1], decode_urls=NOBODY[1:], health_interval_s=60.0,
+                              instance_wait_s=0.3)
     with TestClient(create_vllm_app(config, Metrics())) as c:
         yield c
 

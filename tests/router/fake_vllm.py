@@ -1,0 +1,80 @@
+"""A stand-in for a vLLM server's HTTP API, for the router's unit tests: real sockets, scripted behaviour.
+
+`FakeVLLM(port)` serves in a thread once `start()`ed, until `stop()` (and may start again on the same port):
+GET /health (after `health_delay_s`), GET /v1/models, and POST /v1/completions and /v1/chat/completions,
+which answer (after `answer_delay_s`) a prefill's body with `kv_transfer_params` naming `name` (unless
+`hands_out_params` is off) and a decode's with the `kv_transfer_params` it got echoed in its text; streams
+as two SSE chunks. `bodies` records what each POST carried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+
+class FakeVLLM:
+    def __init__(self, name: str, port: int):
+        self.name = name
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.health_delay_s = 0.0
+        self.answer_delay_s = 0.0
+        self.hands_out_params = True
+        self.bodies: list[dict[str, Any]] = []
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> FakeVLLM:
+        config = uvicorn.Config(self._app(), host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        self._server = server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=server.run, name=f"fake-vllm-{self.name}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"fake vLLM {self.name} did not start on port {self.port}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+        self._server = self._thread = None
+
+    def _app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health():
+            await asyncio.sleep(self.health_delay_s)
+            return JSONResponse({})
+
+        @app.get("/v1/models")
+        async def models():
+            return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+        async def generate(request: Request):
+            body = await request.json()
+            self.bodies.append(body)
+            await asyncio.sleep(self.answer_delay_s)
+            params = body.get("kv_transfer_params") or {}
+            prefill = bool(params.get("do_remote_decode"))
+            text = f"{self.name} got {json.dumps(params, sort_keys=True)}"
+            handed = {"do_remote_prefill": True, "remote_engine_id": self.name} if self.hands_out_params else None
+            if body.get("stream") and not prefill:
+                chunks = [f"data: {json.dumps({'choices': [{'text': t}]})}\n\n" for t in (self.name, " done")]
+                return StreamingResponse(iter([*chunks, "data: [DONE]\n\n"]), media_type="text/event-stream")
+            return JSONResponse({"choices": [{"text": text}], "kv_transfer_params": handed if prefill else None})
+
+        app.add_api_route("/v1/completions", generate, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", generate, methods=["POST"])
+        return app

@@ -1,0 +1,130 @@
+"""The vLLM-mode router against stand-in vLLM servers on real sockets (tests/router/fake_vllm.py): what its
+answers' x-kvwire-* headers say, and how it treats an instance that is slow, gone, or gone and back.
+
+Real vLLM servers behind the router run in tests/vllm/.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvwire.cluster.ports import free_port
+from kvwire.observability.metrics import Metrics
+from kvwire.router.config import VLLMRouterConfig
+from kvwire.router.vllm_proxy import create_vllm_app
+from tests.router.fake_vllm import FakeVLLM
+
+HEALTH_S = 0.1  # the router's health interval here
+CONNECT_S = 0.2  # its connect timeout, and so its probes' read timeout (the longer of the two)
+BODY = {"model": "fake", "prompt": "hello", "max_tokens": 4}
+
+
+@pytest.fixture
+def fakes() -> Iterator[dict[str, FakeVLLM]]:
+    made = {name: FakeVLLM(name, free_port()) for name in ("p", "d1", "d2")}
+    for fake in made.values():
+        fake.start()
+    yield made
+    for fake in made.values():
+        fake.stop()
+
+
+def _router(prefill: list[FakeVLLM], decode: list[FakeVLLM], **config) -> TestClient:
+    config = VLLMRouterConfig(prefill_urls=tuple(f.url for f in prefill), decode_urls=tuple(f.url for f in decode),
+                              health_interval_s=HEALTH_S, connect_timeout_s=CONNECT_S, **config)
+    return TestClient(create_vllm_app(config, Metrics()))
+
+
+def test_answers_say_which_path_why_and_which_instances(fakes):
+    p, d1 = fakes["p"], fakes["d1"]
+    with _router([p], [d1]) as router:
+        whole = router.post("/v1/completions", json=BODY)
+        streamed = router.post("/v1/completions", json={**BODY, "stream": True})
+        p.hands_out_params = False
+        without = router.post("/v1/chat/completions", json={"model": "fake", "messages": []})
+        metrics = router.get("/metrics").text
+    assert whole.status_code == 200 and streamed.status_code == 200 and without.status_code == 200
+    for resp in (whole, streamed):
+        assert (resp.headers["x-kvwire-path"], resp.headers["x-kvwire-reason"]) == ("disaggregated", "prefilled")
+        assert (resp.headers["x-kvwire-prefill"], resp.headers["x-kvwire-decode"]) == (p.url, d1.url)
+    assert '"remote_engine_id": "p"' in whole.json()["choices"][0]["text"], "the prefill's params reached decode"
+    assert '"text": "d1"' in streamed.text and streamed.text.endswith("data: [DONE]\n\n")
+    assert (without.headers["x-kvwire-path"], without.headers["x-kvwire-reason"]) == ("decode-only",
+                                                                                      "no-kv-transfer-params")
+    assert "x-kvwire-prefill" not in without.headers and without.headers["x-kvwire-decode"] == d1.url
+    assert 'kvwire_vllm_path_reasons_total{path="disaggregated",reason="prefilled"} 2.0' in metrics
+    assert 'kvwire_vllm_path_reasons_total{path="decode-only",reason="no-kv-transfer-params"} 1.0' in metrics
+
+
+def test_no_prefill_instance_is_said_and_counted(fakes):
+    with _router([], [fakes["d1"]]) as router:
+        resp = router.post("/v1/completions", json=BODY)
+    assert (resp.headers["x-kvwire-path"], resp.headers["x-kvwire-reason"]) == ("decode-only", "no-prefill-instance")
+
+
+def test_a_slow_decode_instance_stays_in_rotation_and_serves(fakes):
+    d1 = fakes["d1"]
+    d1.health_delay_s = 3 * CONNECT_S  # every probe times out: busy, not gone
+    with _router([], [d1], unresponsive_s=30.0) as router:
+        time.sleep(3 * (HEALTH_S + CONNECT_S))
+        health = router.get("/healthz").json()
+        resp = router.post("/v1/completions", json=BODY)
+    assert health["decode"]["up"] == [d1.url] and health["decode"]["slow"] == [d1.url], health
+    assert resp.status_code == 200 and resp.headers["x-kvwire-decode"] == d1.url
+
+
+def test_requests_go_to_the_less_loaded_decode_instance(fakes):
+    d1, d2 = fakes["d1"], fakes["d2"]
+    d1.answer_delay_s = d2.answer_delay_s = 1.0
+    with _router([], [d1, d2]) as router:
+        slow = threading.Thread(target=router.post, args=("/v1/completions",), kwargs={"json": BODY})
+        slow.start()
+        while not d1.bodies and not d2.bodies:
+            time.sleep(0.01)
+        busy, idle = (d1, d2) if d1.bodies else (d2, d1)
+        idle.answer_delay_s = 0.0
+        others = [router.post("/v1/completions", json=BODY).headers["x-kvwire-decode"] for _ in range(3)]
+        slow.join()
+    assert others == [idle.url] * 3, f"{busy.url} was busy with the slow request"
+
+
+def test_a_gone_decode_instance_leaves_and_its_request_goes_to_another(fakes):
+    d1, d2 = fakes["d1"], fakes["d2"]
+    with _router([], [d1, d2], instance_wait_s=5.0) as router:
+        d1.stop()
+        served = [router.post("/v1/completions", json=BODY) for _ in range(4)]
+        health = router.get("/healthz").json()
+    assert [r.status_code for r in served] == [200] * 4
+    assert {r.headers["x-kvwire-decode"] for r in served} == {d2.url}
+    assert [d["url"] for d in health["decode"]["down"]] == [d1.url]
+
+
+def test_a_request_waits_for_the_only_decode_instance_to_come_back(fakes):
+    d1 = fakes["d1"]
+    with _router([], [d1], instance_wait_s=10.0) as router:
+        d1.stop()
+        restarted = threading.Timer(1.0, d1.start)
+        restarted.start()
+        started = time.monotonic()
+        resp = router.post("/v1/completions", json=BODY)
+        waited = time.monotonic() - started
+        restarted.join()
+    assert resp.status_code == 200 and resp.headers["x-kvwire-decode"] == d1.url
+    assert 0.5 < waited < 10.0, waited
+
+
+def test_a_request_gets_503_once_no_decode_instance_came_back_within_the_wait(fakes):
+    d1 = fakes["d1"]
+    with _router([], [d1], instance_wait_s=1.0) as router:
+        d1.stop()
+        started = time.monotonic()
+        resp = router.post("/v1/completions", json=BODY, headers={"x-request-id": "req-9"})
+        waited = time.monotonic() - started
+    assert resp.status_code in (502, 503) and "req-9" in json.dumps(resp.json())
+    assert 0.5 < waited < 3.0, waited
