@@ -5,6 +5,9 @@ KvwireConnector pair per transport, then vLLM's NixlConnector pair):
 
 1. STARTED: the setup's servers (and router) are up; a setup that does not start becomes a
    row saying why (the plain server failing ends the bench: there is nothing to compare with).
+   Steps 2-4 run once per way in: a kvwire pair's routers, one per Dispatch (a row each, with
+   prompts of their own), or the setup's one URL (the plain server also answers every other
+   Dispatch's prompts, unmeasured: the reference tokens).
 2. WARMED: one unmeasured pass over the mix.
 3. SEQUENTIAL: `rounds` passes over the mix, one streamed request at a time: TTFT and time
    per output token at the client.
@@ -34,7 +37,7 @@ import msgspec
 
 from kvwire.bench.vllm_host import ForeignLoad
 from kvwire.bench.vllm_mix import Ask, RequestError, Sample, concurrent_asks, sequential_asks, stream_one
-from kvwire.bench.vllm_setups import Setup, SetupKind, Target, failure_reason, nixl_missing, started
+from kvwire.bench.vllm_setups import Dispatch, Setup, SetupKind, Target, failure_reason, nixl_missing, started
 from kvwire.cluster.local_cluster import ClusterError
 from kvwire.connectors.config import ConnectorKind
 from kvwire.observability.labels import ProxyPath
@@ -42,6 +45,7 @@ from kvwire.observability.labels import ProxyPath
 DEFAULT_MIX = (320, 480, 640, 800, 1000)
 REQUEST_TIMEOUT_S = 120.0
 _PULLED = "external_kv_transfer"  # vllm:prompt_tokens_by_source_total's source for KV a connector moved
+_PREFIX = {None: "", Dispatch.ALONGSIDE: "", Dispatch.SEQUENTIAL: "s-"}  # opens the tags of each way in's prompts
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class VLLMBenchConfig:
     concurrency: int = 4  # 0: no concurrent pass
     nixl: bool = True
     shapes: tuple[tuple[int, int], ...] = ((1, 1),)  # (prefill TP, decode TP) of the pairs
+    dispatches: tuple[Dispatch, ...] = (Dispatch.ALONGSIDE, Dispatch.SEQUENTIAL)  # a kvwire pair's routers
 
     def setups(self) -> list[Setup]:
         pairs = [Setup(kind, t, p, d) for p, d in self.shapes
@@ -120,16 +125,17 @@ def bench_vllm(cfg: VLLMBenchConfig, on_progress: Callable[[str], None] = lambda
             continue
         on_progress(f"{setup.name}: starting (logs in {log_dir})")
         try:
-            row, outputs = _measure(setup, cfg, log_dir, reference, on_progress)
+            measured, outputs = _measure(setup, cfg, log_dir, reference, on_progress)
         except ClusterError as exc:
-            row, outputs = VLLMRow(setup.name, setup.kind, ran=False, reason=failure_reason(exc, log_dir)), {}
-        if setup.kind == SetupKind.PLAIN:
-            if not row.ran or row.errors:
+            measured, outputs = [VLLMRow(setup.name, setup.kind, ran=False, reason=failure_reason(exc, log_dir))], {}
+        for row in measured:
+            if setup.kind == SetupKind.PLAIN and (not row.ran or row.errors):
                 raise BenchError(f"the plain vLLM server: {row.reason or row.first_error}")
+            on_progress(f"{row.setup}: {'done' if row.ran else 'did not run: ' + row.reason}"
+                        f"{f'; {row.errors} request(s) failed, the first: {row.first_error}' if row.errors else ''}")
+        if setup.kind == SetupKind.PLAIN:
             reference = outputs
-        on_progress(f"{setup.name}: {'done' if row.ran else 'did not run: ' + row.reason}"
-                    f"{f'; {row.errors} request(s) failed, the first: {row.first_error}' if row.errors else ''}")
-        rows.append(row)
+        rows += measured
     return VLLMBenchResult(model=str(cfg.model_dir), prompt_tokens=list(cfg.prompt_tokens), rounds=cfg.rounds,
                            max_tokens=cfg.max_tokens, concurrency=cfg.concurrency, rows=rows)
 
@@ -143,29 +149,56 @@ class _Pass(NamedTuple):
 
 
 def _measure(setup: Setup, cfg: VLLMBenchConfig, log_dir: Path, reference: dict[str, list[int]],
-             on_progress: Callable[[str], None]) -> tuple[VLLMRow, dict[str, list[int]]]:
-    """One setup, started, measured and stopped; its row and every answer's token ids by tag.
+             on_progress: Callable[[str], None]) -> tuple[list[VLLMRow], dict[str, list[int]]]:
+    """One setup, started, measured (steps 2-4 per way in) and stopped; its rows and every answer's token ids by tag.
 
     Raises:
         ClusterError: the setup did not start.
     """
-    lengths = list(cfg.prompt_tokens)
-    with started(setup, cfg.model_dir, cfg.redis_url, log_dir) as target, \
+    rows: list[VLLMRow] = []
+    outputs: dict[str, list[int]] = {}
+    with started(setup, cfg.model_dir, cfg.redis_url, log_dir, cfg.dispatches) as target, \
             httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
-        def send(asks: list[Ask], concurrency: int) -> _Pass:
-            return _send(client, target.url, str(cfg.model_dir), asks, cfg.max_tokens, concurrency)
+        ways = list(target.urls.items())
+        if setup.kind == SetupKind.PLAIN:  # the first measured, the others' prompts answered for their reference
+            ways = [(d, target.urls[None]) for d in cfg.dispatches] or ways
+        for i, (dispatch, url) in enumerate(ways):
+            name = f"{setup.name} {dispatch}" if setup.kind == SetupKind.KVWIRE and dispatch == Dispatch.SEQUENTIAL \
+                else setup.name
+            on_progress(f"{name}: up; {len(cfg.prompt_tokens) * cfg.rounds} sequential requests")
+            row, out = _way_in(client, url, _PREFIX[dispatch], name, setup.kind, cfg, target, reference)
+            outputs |= out
+            if setup.kind != SetupKind.PLAIN or i == 0:
+                rows.append(row)
+    return rows, outputs
 
-        on_progress(f"{setup.name}: up; {len(lengths) * cfg.rounds} sequential requests")
-        warm = send([Ask(f"warm-up-p{i}", n) for i, n in enumerate(lengths)], 1)  # each shape's first forward
-        load = ForeignLoad()
-        load.start()
-        seq = send(sequential_asks(lengths, cfg.rounds), 1)
-        conc = send(concurrent_asks(lengths, cfg.rounds), cfg.concurrency) if cfg.concurrency else _Pass([], [], 0)
-        foreign = load.stop()
-        by_source = _tokens_by_source(target)
+
+def _way_in(client: httpx.Client, url: str, prefix: str, name: str, kind: SetupKind, cfg: VLLMBenchConfig,
+            target: Target, reference: dict[str, list[int]]) -> tuple[VLLMRow, dict[str, list[int]]]:
+    """Steps 2-4 through `url`, every tag opening with `prefix`; the row named `name`, and the answers' tokens."""
+    lengths = list(cfg.prompt_tokens)
+
+    def send(asks: list[Ask], concurrency: int) -> _Pass:
+        return _send(client, url, str(cfg.model_dir), asks, cfg.max_tokens, concurrency)
+
+    before = _tokens_by_source(target)
+    warm = send([Ask(f"{prefix}warm-up-p{i}", n) for i, n in enumerate(lengths)], 1)  # each shape's first forward
+    load = ForeignLoad()
+    load.start()
+    seq = send(sequential_asks(lengths, cfg.rounds, prefix), 1)
+    conc = send(concurrent_asks(lengths, cfg.rounds, prefix), cfg.concurrency) if cfg.concurrency else _Pass([], [], 0)
+    foreign = load.stop()
+    by_source = _since(_tokens_by_source(target), before)
     outputs = {s.tag: s.token_ids for s in seq.samples + conc.samples}
-    row = _row(setup, (warm, seq, conc), outputs, reference, by_source)
+    row = _row(name, kind, (warm, seq, conc), outputs, reference, by_source)
     return msgspec.structs.replace(row, foreign_cores=foreign), outputs
+
+
+def _since(after: dict[str, float] | None, before: dict[str, float] | None) -> dict[str, float] | None:
+    """Counters' growth from `before` to `after` (None if either could not be read)."""
+    if after is None or before is None:
+        return None
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
 
 
 def _tokens_by_source(target: Target) -> dict[str, float] | None:
@@ -176,18 +209,18 @@ def _tokens_by_source(target: Target) -> dict[str, float] | None:
         return None
 
 
-def _row(setup: Setup, passes: tuple[_Pass, _Pass, _Pass], outputs: dict[str, list[int]],
+def _row(name: str, kind: SetupKind, passes: tuple[_Pass, _Pass, _Pass], outputs: dict[str, list[int]],
          reference: dict[str, list[int]], by_source: dict[str, float] | None) -> VLLMRow:
     warm, seq, conc = passes
     errors = warm.errors + seq.errors + conc.errors
     if not seq.samples:
-        return VLLMRow(setup.name, setup.kind, ran=False, reason=f"every request failed: {errors[0]}",
+        return VLLMRow(name, kind, ran=False, reason=f"every request failed: {errors[0]}",
                        errors=len(errors), first_error=errors[0])
     mismatched = sorted(t for t, ids in outputs.items() if reference and ids != reference.get(t))
     pulled = None if by_source is None else by_source.get(_PULLED, 0.0) / max(1.0, sum(by_source.values()))
     ttft, tpot = [s.ttft_ms for s in seq.samples], [s.tpot_ms for s in seq.samples]
     return VLLMRow(
-        setup.name, setup.kind, ran=True, requests=len(seq.samples) + len(seq.errors),
+        name, kind, ran=True, requests=len(seq.samples) + len(seq.errors),
         errors=len(errors), first_error=errors[0] if errors else "",
         ttft_ms_p50=_pct(ttft, 0.5), ttft_ms_p90=_pct(ttft, 0.9), tpot_ms_p50=_pct(tpot, 0.5),
         tpot_ms_p90=_pct(tpot, 0.9), latency_ms_p50=_pct([s.latency_ms for s in seq.samples], 0.5),
@@ -195,7 +228,7 @@ def _row(setup: Setup, passes: tuple[_Pass, _Pass, _Pass], outputs: dict[str, li
         throughput_tok_s=round(sum(s.output_tokens for s in conc.samples) / conc.wall_s, 1) if conc.samples else 0.0,
         disaggregated=sum(s.path == ProxyPath.DISAGGREGATED for s in seq.samples + conc.samples),
         kv_pulled=None if pulled is None else round(pulled, 3),
-        outputs_equal=None if setup.kind == SetupKind.PLAIN else not mismatched, mismatched=mismatched)
+        outputs_equal=None if kind == SetupKind.PLAIN else not mismatched, mismatched=mismatched)
 
 
 def _send(client: httpx.Client, url: str, model: str, asks: list[Ask], max_tokens: int, concurrency: int) -> _Pass:
@@ -228,16 +261,16 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def table(result: VLLMBenchResult) -> str:
-    head = (f"{'setup':<18} {'reqs':>4} {'errs':>4} {'TTFT p50':>8} {'p90':>7} {'TPOT p50':>8} {'p90':>6} "
+    head = (f"{'setup':<26} {'reqs':>4} {'errs':>4} {'TTFT p50':>8} {'p90':>7} {'TPOT p50':>8} {'p90':>6} "
             f"{'e2e p50':>7} {'tok/s':>6} {'disagg':>6} {'KV pulled':>9} {'other':>5}  outputs equal")
     lines, notes = [head, "-" * len(head)], []
     for r in result.rows:
         if not r.ran:
-            lines.append(f"{r.setup:<18} did not run: {r.reason}")
+            lines.append(f"{r.setup:<26} did not run: {r.reason}")
             continue
         total = r.requests + r.concurrent_requests
         equal = "(baseline)" if r.outputs_equal is None else "yes" if r.outputs_equal else f"NO ({len(r.mismatched)})"
-        lines.append(f"{r.setup:<18} {r.requests:>4} {r.errors:>4} {r.ttft_ms_p50:>8.2f} {r.ttft_ms_p90:>7.2f} "
+        lines.append(f"{r.setup:<26} {r.requests:>4} {r.errors:>4} {r.ttft_ms_p50:>8.2f} {r.ttft_ms_p90:>7.2f} "
                      f"{r.tpot_ms_p50:>8.2f} {r.tpot_ms_p90:>6.2f} {r.latency_ms_p50:>7.1f} "
                      f"{r.throughput_tok_s or '-':>6} "
                      f"{f'{r.disaggregated}/{total}' if r.kv_pulled is not None else '-':>6} "

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import httpx
 import msgspec
 
-from kvwire.router.vllm_proxy import PATH_HEADER
+from kvwire.router.vllm_prefill import PATH_HEADER
 
 _WORDS = ("the prefill node computes every prompt token once and the decode node pulls its key value "
           "blocks over the wire before the first step while a router in front picks both instances "
@@ -62,14 +62,15 @@ def make_prompt(tag: str, tokens: int) -> str:
     return text[:tokens]
 
 
-def sequential_asks(lengths: list[int], rounds: int) -> list[Ask]:
-    """`rounds` passes over the mix, one request after another."""
-    return [Ask(f"r{r}-p{i}", n) for r in range(rounds) for i, n in enumerate(lengths)]
+def sequential_asks(lengths: list[int], rounds: int, prefix: str = "") -> list[Ask]:
+    """`rounds` passes over the mix, one request after another; `prefix` opens every tag (a second router in front
+    of the same servers gets prompts of its own, which the first left in no prefix cache)."""
+    return [Ask(f"{prefix}r{r}-p{i}", n) for r in range(rounds) for i, n in enumerate(lengths)]
 
 
-def concurrent_asks(lengths: list[int], rounds: int) -> list[Ask]:
+def concurrent_asks(lengths: list[int], rounds: int, prefix: str = "") -> list[Ask]:
     """As many requests as the sequential passes, with prompts of their own, for the concurrent pass."""
-    return [Ask(f"c{r}-p{i}", n) for r in range(rounds) for i, n in enumerate(lengths)]
+    return [Ask(f"{prefix}c{r}-p{i}", n) for r in range(rounds) for i, n in enumerate(lengths)]
 
 
 def stream_one(client: httpx.Client, url: str, model: str, ask: Ask, max_tokens: int) -> Sample:

@@ -3,6 +3,8 @@
 1. PLAIN: one vLLM server with no KV connector, pinned to core 0: the single-node baseline.
 2. KVWIRE: prefill (core 0) and decode (core 1) with KvwireConnector over one transport, the
    kvwire router in front (cluster/vllm_pd.py); with a tensor-parallel shape, every rank unbound.
+   Measured per Dispatch: the router's default (decode alongside prefill) and, on the same two
+   servers, a second router with `--sequential`.
 3. NIXL: the same pair and router with vLLM's own NixlConnector on host memory. It needs the
    `nixl` Python package (vLLM imports `nixl._api`; the `nixl-cu12` wheel alone provides
    `nixl_cu12`); without it, or when the servers fail, the setup is reported with the reason.
@@ -36,6 +38,13 @@ class SetupKind(enum.StrEnum):
     NIXL = "nixl"
 
 
+class Dispatch(enum.StrEnum):
+    """How the router in front of a KvwireConnector pair starts a request's decode step."""
+
+    ALONGSIDE = "alongside"  # with the prefill step (the router's default)
+    SEQUENTIAL = "sequential"  # once the prefill instance has answered (`kvwire router --sequential`)
+
+
 class Setup(NamedTuple):
     kind: SetupKind
     transport: ConnectorKind | None = None  # KVWIRE only
@@ -56,9 +65,10 @@ class Setup(NamedTuple):
 
 
 class Target(NamedTuple):
-    """A started setup: where requests go, and the decode server's prompt tokens by source (a pair only)."""
+    """A started setup: where requests go (per Dispatch for a kvwire pair; None: the only way), and the decode
+    server's prompt tokens by source (a pair only)."""
 
-    url: str
+    urls: dict[Dispatch | None, str]
     tokens_by_source: Callable[[], dict[str, float]] | None
 
 
@@ -72,8 +82,10 @@ def nixl_missing() -> str | None:
 
 
 @contextmanager
-def started(setup: Setup, model_dir: Path, redis_url: str, log_dir: Path) -> Iterator[Target]:
-    """Start `setup` (logs under `log_dir`), yield its Target, stop it all on exit.
+def started(setup: Setup, model_dir: Path, redis_url: str, log_dir: Path,
+            dispatches: tuple[Dispatch, ...] = (Dispatch.ALONGSIDE,)) -> Iterator[Target]:
+    """Start `setup` (logs under `log_dir`; a kvwire pair with a router per one of `dispatches`), yield its Target,
+    stop it all on exit.
 
     Raises:
         ClusterError: a server or the router did not start (what did start is stopped).
@@ -82,17 +94,21 @@ def started(setup: Setup, model_dir: Path, redis_url: str, log_dir: Path) -> Ite
     if setup.kind == SetupKind.PLAIN:
         (server,) = start_all([VLLMServerSpec(model_dir, cpu_cores="0", dtype=DTYPE, log_path=log_dir / "plain.log")])
         try:
-            yield Target(server.url, None)
+            yield Target({None: server.url}, None)
         finally:
             server.stop()
         return
-    if setup.kind == SetupKind.NIXL:
-        pair = nixl_pair(model_dir, log_dir)
-    else:
-        assert setup.transport is not None  # a KVWIRE setup names its transport
-        pair = kvwire_pair(model_dir, redis_url, setup.transport, log_dir, named=False)
-    with pd_cluster_of(*with_tp(pair, setup.prefill_tp, setup.decode_tp), log_dir) as cluster:
-        yield Target(cluster.router_url, cluster.prompt_tokens_by_source)
+    if setup.kind == SetupKind.NIXL:  # the router's answers show no KvwireConnector: it runs sequential
+        with pd_cluster_of(*with_tp(nixl_pair(model_dir, log_dir), setup.prefill_tp, setup.decode_tp),
+                           log_dir) as cluster:
+            yield Target({None: cluster.router_url}, cluster.prompt_tokens_by_source)
+        return
+    assert setup.transport is not None  # a KVWIRE setup names its transport
+    pair = kvwire_pair(model_dir, redis_url, setup.transport, log_dir, named=False)
+    with pd_cluster_of(*with_tp(pair, setup.prefill_tp, setup.decode_tp), log_dir,
+                       sequential_router=Dispatch.SEQUENTIAL in dispatches) as cluster:
+        urls = {Dispatch.ALONGSIDE: cluster.router_url, Dispatch.SEQUENTIAL: cluster.sequential_url}
+        yield Target({d: urls[d] for d in dispatches}, cluster.prompt_tokens_by_source)
 
 
 def failure_reason(exc: BaseException, log_dir: Path) -> str:

@@ -325,6 +325,10 @@ def vllm(
                                         "comma-separated: 1x1, 2x1, 1x2 (with TP > 1 every rank runs unbound, and a "
                                         "server of more than one rank at idle priority).")]
         = "1x1",
+    dispatch: Annotated[str, typer.Option("--dispatch", help="How the routers in front of each kvwire pair start "
+                                          "decode, comma-separated, a row each on the same servers: alongside (with "
+                                          "prefill: the router's default), sequential (`kvwire router --sequential`)."
+                                          )] = "alongside,sequential",
     log_dir: Annotated[Path | None, typer.Option("--log-dir", help="Server and router logs; a new temp folder "
                                                  "by default.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
@@ -345,6 +349,7 @@ def vllm(
     import msgspec
 
     from kvwire.bench.vllm import BenchError, VLLMBenchConfig, bench_vllm, table
+    from kvwire.bench.vllm_setups import Dispatch
     from kvwire.cluster.redis_server import LocalRedis
     from kvwire.cluster.vllm_cluster import VLLM_MAX_MODEL_LEN
 
@@ -353,6 +358,9 @@ def vllm(
         raise typer.BadParameter(f"prompts of 16 to {VLLM_MAX_MODEL_LEN - max_tokens} tokens (the servers' "
                                  f"--max-model-len {VLLM_MAX_MODEL_LEN} less --max-tokens)",
                                  param_hint="--prompt-tokens")
+    dispatches = tuple(dict.fromkeys(_csv(dispatch, Dispatch)))
+    if not dispatches:
+        raise typer.BadParameter("name alongside, sequential or both", param_hint="--dispatch")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that every setup's processes are stopped, as on Ctrl-C
     logs = log_dir or Path(tempfile.mkdtemp(prefix="kvwire-bench-vllm-"))
     typer.echo(f"logs in {logs}", err=True)
@@ -360,7 +368,7 @@ def vllm(
         cfg = VLLMBenchConfig(model_dir=model or _vllm_model(logs / "model"), redis_url=_url(redis_url, redis),
                               log_dir=logs, transports=tuple(_csv(transports, ConnectorKind)), rounds=rounds,
                               prompt_tokens=tuple(lengths), max_tokens=max_tokens,
-                              concurrency=concurrency, nixl=nixl, shapes=_shapes(shapes))
+                              concurrency=concurrency, nixl=nixl, shapes=_shapes(shapes), dispatches=dispatches)
         try:
             result = bench_vllm(cfg, lambda line: typer.echo(line, err=True))
         except BenchError as exc:

@@ -44,19 +44,23 @@ MaxFailures = Annotated[int, typer.Option(
 UnresponsiveAfter = Annotated[float, typer.Option(
     "--unresponsive-after", min=0.1, help="vLLM mode: seconds an instance may answer nothing (only timeouts) "
                                           "before it leaves rotation; until then it is weighed as loaded.")]
+Sequential = Annotated[bool, typer.Option(
+    "--sequential", help="vLLM mode: send a request to its decode instance only once the prefill instance has "
+                         "answered. By default, once a prefill instance's answers show kvwire's connector, both get "
+                         "it at once and the decode instance waits for the KV.")]
 Port = Annotated[int, typer.Option("--port", min=1, max=65535, help="HTTP port.")]
 RequestTimeout = Annotated[float, typer.Option(
     "--request-timeout", min=0.1, help="Seconds before a request gets a 504 (vLLM mode: between the bytes of an "
                                        "instance's answer).")]
 _KVWIRE_ONLY = ("model", "redis_url", "auth_secret_file", "served_model_name", "lenient")
-_VLLM_ONLY = ("health_interval", "connect_timeout", "instance_wait", "max_failures", "unresponsive_after")
+_VLLM_ONLY = ("health_interval", "connect_timeout", "instance_wait", "max_failures", "unresponsive_after", "sequential")
 
 
 def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedisUrl = None,
            vllm_prefill: VLLMPrefill = None, vllm_decode: VLLMDecode = None, host: Host = "127.0.0.1",
            port: Port = 8000, request_timeout: RequestTimeout = 120.0, health_interval: HealthInterval = 2.0,
            connect_timeout: ConnectTimeout = 2.0, instance_wait: InstanceWait = 30.0,
-           max_failures: MaxFailures = 3, unresponsive_after: UnresponsiveAfter = 30.0,
+           max_failures: MaxFailures = 3, unresponsive_after: UnresponsiveAfter = 30.0, sequential: Sequential = False,
            auth_secret_file: AuthSecretFile = None,
            served_model_name: ServedModelName = None, lenient: Lenient = False, log_level: LogLevel = "INFO") -> None:
     """Serve the OpenAI API (POST /v1/completions and /v1/chat/completions), GET /v1/models,
@@ -69,7 +73,7 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
         if log_level.upper() != "DEBUG":  # httpx logs every call at INFO, health probes included
             logging.getLogger("httpx").setLevel(logging.WARNING)
         timing = VLLMTiming(request_timeout, connect_timeout, health_interval, instance_wait, max_failures,
-                            unresponsive_after)
+                            unresponsive_after, sequential)
         app = _vllm_app(ctx, vllm_prefill, vllm_decode, host, port, timing)
     else:
         app = _kvwire_app(ctx, model, redis_url, host, port, request_timeout, auth_secret_file,
@@ -105,7 +109,7 @@ def _kvwire_app(ctx: typer.Context, model: Path | None, redis_url: str | None, h
 
 
 class VLLMTiming(NamedTuple):
-    """The vLLM mode's flags of timing and tolerance, as given."""
+    """The vLLM mode's flags of timing, tolerance and dispatch, as given."""
 
     request_timeout: float
     connect_timeout: float
@@ -113,6 +117,7 @@ class VLLMTiming(NamedTuple):
     instance_wait: float
     max_failures: int
     unresponsive_after: float
+    sequential: bool
 
 
 def _vllm_app(ctx: typer.Context, prefill: str | None, decode: str | None, host: str, port: int, timing: VLLMTiming):
@@ -127,7 +132,7 @@ def _vllm_app(ctx: typer.Context, prefill: str | None, decode: str | None, host:
                                   port=port, request_timeout_s=timing.request_timeout,
                                   connect_timeout_s=timing.connect_timeout, health_interval_s=timing.health_interval,
                                   instance_wait_s=timing.instance_wait, max_failures=timing.max_failures,
-                                  unresponsive_s=timing.unresponsive_after)
+                                  unresponsive_s=timing.unresponsive_after, sequential=timing.sequential)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     return create_vllm_app(config)

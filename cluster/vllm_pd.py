@@ -3,8 +3,9 @@
 1. `kvwire_pair(...)` or `nixl_pair(...)` describe the two servers: prefill pinned to core 0,
    decode to core 1, with KvwireConnector over one transport or with vLLM's NixlConnector.
 2. `pd_cluster_of(prefill, decode, log_dir)` starts both side by side (cluster/vllm_cluster.py),
-   then `kvwire router --vllm-prefill ... --vllm-decode ...` in front, and yields a `PDCluster`.
-3. Leaving the `with` block (an exception and Ctrl-C included) stops the router, then both
+   then `kvwire router --vllm-prefill ... --vllm-decode ...` in front (and with `sequential_router`
+   a second one, `--sequential`, in front of the same two), and yields a `PDCluster`.
+3. Leaving the `with` block (an exception and Ctrl-C included) stops the routers, then both
    servers, each with its whole process group.
 """
 
@@ -35,8 +36,9 @@ ROUTER_START_S = 60.0
 class PDCluster:
     prefill: VLLMServer
     decode: VLLMServer
-    router_url: str
-    router: subprocess.Popen
+    router_url: str  # the router with its default flags
+    routers: list[subprocess.Popen]
+    sequential_url: str = ""  # the router with --sequential (if asked for)
 
     def prompt_tokens_by_source(self) -> dict[str, float]:
         """The decode server's vllm:prompt_tokens_by_source_total, by source."""
@@ -54,8 +56,12 @@ class PDCluster:
         """The decode server's vllm:kvwire_kv_pull_bytes_total."""
         return sum(self._by_label("vllm:kvwire_kv_pull_bytes_total", "engine").values())
 
-    def _by_label(self, name: str, label: str) -> dict[str, float]:
-        text = httpx.get(f"{self.decode.url}/metrics", timeout=10).text
+    def path_reasons(self) -> dict[str, float]:
+        """The default router's kvwire_vllm_path_reasons_total (answers by why their path was taken), by reason."""
+        return self._by_label("kvwire_vllm_path_reasons_total", "reason", self.router_url)
+
+    def _by_label(self, name: str, label: str, url: str = "") -> dict[str, float]:
+        text = httpx.get(f"{url or self.decode.url}/metrics", timeout=10).text
         pattern = rf'^{re.escape(name)}\{{[^}}]*{label}="([^"]+)"[^}}]*\}} (\S+)$'
         out: dict[str, float] = {}
         for m in re.finditer(pattern, text, re.M):  # one line per engine of a data-parallel server: summed
@@ -63,8 +69,10 @@ class PDCluster:
         return out
 
 
-def start_router(prefill_urls: list[str], decode_urls: list[str], log_path: Path) -> tuple[str, subprocess.Popen]:
-    """`kvwire router` in vLLM mode on a free port; returns its URL and process once /healthz answers.
+def start_router(prefill_urls: list[str], decode_urls: list[str], log_path: Path,
+                 extra_args: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:
+    """`kvwire router` in vLLM mode on a free port (with `extra_args`, e.g. `--sequential`); returns its URL and
+    process once /healthz answers.
 
     Raises:
         ClusterError: the router exited or did not answer within ROUTER_START_S (it is killed then).
@@ -72,7 +80,8 @@ def start_router(prefill_urls: list[str], decode_urls: list[str], log_path: Path
     port = free_port()
     with open(log_path, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "kvwire.cli.main", "router", "--vllm-prefill",
-                                 ",".join(prefill_urls), "--vllm-decode", ",".join(decode_urls), "--port", str(port)],
+                                 ",".join(prefill_urls), "--vllm-decode", ",".join(decode_urls), "--port", str(port),
+                                 *extra_args],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + ROUTER_START_S
@@ -135,20 +144,28 @@ def with_tp(pair: tuple[VLLMServerSpec, VLLMServerSpec], prefill_tp: int,
 
 
 @contextmanager
-def pd_cluster_of(prefill_spec: VLLMServerSpec, decode_spec: VLLMServerSpec, log_dir: Path) -> Iterator[PDCluster]:
-    """Both servers started side by side, the router in front; everything stopped on exit.
+def pd_cluster_of(prefill_spec: VLLMServerSpec, decode_spec: VLLMServerSpec, log_dir: Path,
+                  sequential_router: bool = False) -> Iterator[PDCluster]:
+    """Both servers started side by side, the router in front (and a `--sequential` one with `sequential_router`);
+    everything stopped on exit.
 
     Raises:
-        ClusterError: a server or the router did not start (what did start is stopped).
+        ClusterError: a server or a router did not start (what did start is stopped).
     """
     prefill, decode = start_all([prefill_spec, decode_spec])
-    router, cluster = None, None
+    routers: list[subprocess.Popen] = []
+    cluster = None
     try:
         url, router = start_router([prefill.url], [decode.url], log_dir / "router.log")
-        cluster = PDCluster(prefill, decode, url, router)
+        routers.append(router)
+        cluster = PDCluster(prefill, decode, url, routers)
+        if sequential_router:
+            cluster.sequential_url, router = start_router([prefill.url], [decode.url],
+                                                          log_dir / "router-sequential.log", ("--sequential",))
+            routers.append(router)
         yield cluster
     finally:
-        if router is not None:
+        for router in routers:
             router.terminate()
             try:
                 router.wait(10)

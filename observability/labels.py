@@ -91,9 +91,13 @@ class PathReason(enum.StrEnum):
     """Why the router in vLLM mode took a request's path (its x-kvwire-reason header)."""
 
     PREFILLED = "prefilled"  # a prefill instance computed the prompt and handed out where its KV waits
+    PREFILLED_ALONGSIDE = "prefilled-alongside"  # ... while the decode instance, told where, waited for the KV
     NO_PREFILL_INSTANCE = "no-prefill-instance"  # none configured, or none up
     PREFILL_FAILED = "prefill-failed"  # the prefill instance was not reached, timed out, broke or answered 5xx
     NO_KV_PARAMS = "no-kv-transfer-params"  # it answered without them (a vLLM started with no KV connector)
+
+
+DISAGGREGATED_REASONS = frozenset({PathReason.PREFILLED, PathReason.PREFILLED_ALONGSIDE})
 
 
 class InstanceState(enum.StrEnum):

@@ -17,6 +17,7 @@ from typing import Protocol
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvwire.observability.labels import (
+    DISAGGREGATED_REASONS,
     BlockState,
     InstanceState,
     PathReason,
@@ -101,7 +102,7 @@ class Metrics:
             for value in labels:
                 counter.labels(str(value))
         for reason in PathReason:
-            path = ProxyPath.DISAGGREGATED if reason == PathReason.PREFILLED else ProxyPath.DECODE_ONLY
+            path = ProxyPath.DISAGGREGATED if reason in DISAGGREGATED_REASONS else ProxyPath.DECODE_ONLY
             self.vllm_path_reasons.labels(str(path), str(reason))
 
     def exposition(self) -> bytes:

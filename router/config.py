@@ -59,6 +59,8 @@ class VLLMRouterConfig:
             up, or none accepting connections) before it gets a 503 (or a 502 with the last one's error).
         max_failures: broken calls or 5xx answers in a row that take an instance out of rotation.
         unresponsive_s: an instance that answered nothing for this long (timeouts only) leaves rotation.
+        sequential: start a request's decode step only once its prefill instance has answered, even where its
+            answers showed KvwireConnector (which lets the decode step start alongside: router/vllm_proxy.py).
     Raises:
         ValueError: no decode URL, a URL that is not http(s)://host[:port][/prefix], or one named twice in a role
             (one instance may serve both roles: vLLM's kv_both).
@@ -74,6 +76,7 @@ class VLLMRouterConfig:
     instance_wait_s: float = 30.0
     max_failures: int = 3
     unresponsive_s: float = 30.0
+    sequential: bool = False
 
     def __post_init__(self) -> None:
         if not self.decode_urls:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import enum
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
+from kvwire.connectors.vllm.params import KEY, TRANSFER
 from kvwire.router.schemas import APIError
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
@@ -44,10 +45,19 @@ def is_stream(body: dict[str, Any]) -> bool:
     return body.get("stream") is True
 
 
-def prefill_body(body: dict[str, Any], endpoint: Endpoint) -> dict[str, Any]:
-    """The body a prefill instance gets: one token, no stream, and its KV kept for a decode instance."""
+class Producer(NamedTuple):
+    """What a decode instance must know of a prefill instance's KvwireConnector to wait for its KV before it
+    answers: its tensor-parallel size (each rank holds its share under its own key)."""
+
+    tp_size: int
+
+
+def prefill_body(body: dict[str, Any], endpoint: Endpoint, key: str | None = None) -> dict[str, Any]:
+    """The body a prefill instance gets: one token, no stream, and its KV kept for a decode instance (under the
+    directory key `key` when the router chose one: the decode instance is told it ahead, `ahead_params`)."""
     out = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
-    out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    params: dict[str, Any] = {"do_remote_decode": True} | ({KEY: key} if key is not None else {})
+    out.update(max_tokens=1, stream=False, kv_transfer_params=params)
     if endpoint == Endpoint.CHAT and "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
     return out
@@ -60,6 +70,21 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None)
     if kv_transfer_params is not None:
         out[KV_TRANSFER_PARAMS] = kv_transfer_params
     return out
+
+
+def ahead_params(key: str, producer: Producer) -> dict[str, Any]:
+    """The kv_transfer_params of a decode instance sent a request at the same time as a prefill instance that
+    holds its KV under `key` (connectors/vllm/params.py, "announced ahead")."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": key,
+            "remote_tp_size": producer.tp_size, "transfer": TRANSFER}
+
+
+def producer_of(params: dict[str, Any] | None) -> Producer | None:
+    """The KvwireConnector producer a prefill instance's kv_transfer_params show; None for another connector."""
+    if not params or params.get("transfer") != TRANSFER:
+        return None
+    tp = params.get("remote_tp_size", 1)
+    return Producer(tp) if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 else None
 
 
 def kv_transfer_params_of(response: bytes) -> dict[str, Any] | None:

@@ -6,16 +6,22 @@ Lifecycle of a request:
 1. ARRIVED: its body is read as JSON (400 if it is not an object) and it gets a request id
    (the client's X-Request-Id, or a new one), sent to both instances and back to the client.
    With no decode instance up it waits for one, up to `instance_wait_s`, then gets a 503.
-2. PREFILL: the least loaded prefill instance up gets the body with max_tokens=1, stream=false
-   and kv_transfer_params={"do_remote_decode": true}. Its 4xx goes back to the client unchanged.
+2. PREFILL (router/vllm_prefill.py): the least loaded prefill instance up computes the prompt
+   (max_tokens 1, its KV kept for a decode instance). Its 4xx goes back to the client unchanged.
    With no prefill instance up, or one that fails or answers 5xx, or an answer without
    kv_transfer_params (a vLLM with no KV connector), the request goes on decode-only.
-3. DECODE: the least loaded decode instance up gets the client's body with the prefill's
-   kv_transfer_params. A call that never reached its instance (refused, or no connection in
-   time) is tried again, on another instance if one is up, with back-off until `instance_wait_s`
-   after arrival; one that reached it and timed out or broke gives the client a 504 or 502.
-4. ANSWERED: the decode instance's answer, whole or as its SSE stream chunk by chunk, goes back
-   with x-kvwire-path (disaggregated or decode-only), x-kvwire-reason (why: PathReason),
+   - ALONGSIDE (the default once a prefill instance's answers showed KvwireConnector; not with
+     `sequential`): the router names the KV's directory key itself and sends the decode step at
+     once, its params saying where to wait for the KV; if the prefill step fails before the
+     decode instance answers, that call is cancelled (vLLM aborts the request) and the request
+     goes on decode-only.
+   - SEQUENTIAL: the decode step starts once the prefill instance has answered, with its params.
+3. DECODE: the least loaded decode instance up gets the client's body with those params. A call
+   that never reached its instance (refused, or no connection in time) is tried again, on another
+   instance if one is up, with back-off until `instance_wait_s` after arrival; one that reached it
+   and timed out or broke gives the client a 504 or 502.
+4. ANSWERED: the decode instance's answer, whole or as its SSE stream chunk by chunk (from its first
+   chunk), with x-kvwire-path (disaggregated or decode-only), x-kvwire-reason (why: PathReason),
    x-kvwire-decode and, when one computed the prompt, x-kvwire-prefill (the instances' base URLs).
 
 Each answer counts in kvwire_requests_total{status} (a stream when it ends) and each one a
@@ -33,6 +39,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
 import anyio
@@ -46,37 +53,14 @@ from kvwire.observability.metrics import CONTENT_TYPE, Metrics, process_metrics
 from kvwire.router import vllm_upstream as upstream
 from kvwire.router.config import VLLMRouterConfig
 from kvwire.router.schemas import APIError
-from kvwire.router.vllm_bodies import Endpoint, decode_body, is_stream, kv_transfer_params_of, parse_body, prefill_body
-from kvwire.router.vllm_pool import HealthProbe, InstancePool, Problem, Tolerance, run_health_checks
+from kvwire.router.vllm_bodies import Endpoint, Producer, ahead_params, decode_body, is_stream, parse_body
+from kvwire.router.vllm_pool import HealthProbe, InstancePool, Tolerance, run_health_checks
+from kvwire.router.vllm_prefill import Prefilled, PrefillStep, record_failure
 from kvwire.router.vllm_upstream import FailureKind, InstanceError, unsent
 
 log = logging.getLogger(__name__)
-PATH_HEADER = "x-kvwire-path"
-REASON_HEADER = "x-kvwire-reason"
-DECODE_HEADER = "x-kvwire-decode"
-PREFILL_HEADER = "x-kvwire-prefill"
 _FIRST_RETRY_S = 0.05  # back-off before a request tries an instance again, doubled each time up to _LAST_RETRY_S
 _LAST_RETRY_S = 1.0
-
-
-class Prefilled(NamedTuple):
-    """What the prefill step left: the kv_transfer_params for the decode instance (None:
-    decode-only) and why, the prefill instance that computed the prompt, or a prefill
-    instance's 4xx to give the client instead."""
-
-    kv_transfer_params: dict[str, Any] | None
-    reason: PathReason
-    prefill: str | None = None
-    refusal: httpx.Response | None = None
-
-    @property
-    def path(self) -> ProxyPath:
-        return ProxyPath.DECODE_ONLY if self.kv_transfer_params is None else ProxyPath.DISAGGREGATED
-
-    def headers(self, decode: str) -> dict[str, str]:
-        """The x-kvwire-* headers of an answer `decode` gave."""
-        out = {PATH_HEADER: str(self.path), REASON_HEADER: str(self.reason), DECODE_HEADER: decode}
-        return out | ({PREFILL_HEADER: self.prefill} if self.prefill and self.kv_transfer_params is not None else {})
 
 
 class VLLMRouter:
@@ -88,8 +72,9 @@ class VLLMRouter:
         tolerance = Tolerance(config.max_failures, config.unresponsive_s)
         self.prefill = InstancePool(NodeRole.PREFILL, config.prefill_urls, tolerance=tolerance)
         self.decode = InstancePool(NodeRole.DECODE, config.decode_urls, tolerance=tolerance)
+        self._prefill_step = PrefillStep(self.prefill, metrics)
         self._client: httpx.AsyncClient | None = None
-        self._without_params: set[str] = set()  # prefill instances that answered no kv_transfer_params
+        self._behind: set[asyncio.Task] = set()  # prefill steps still running after their request was answered
         for pool in (self.prefill, self.decode):
             metrics.watch_instances(str(pool.role), pool.count)
 
@@ -113,9 +98,10 @@ class VLLMRouter:
             try:
                 yield
             finally:
-                checks.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await checks
+                for task in (checks, *self._behind):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
 
     async def healthz(self):
         """200 "ok" with prefill and decode instances up, 200 "decode-only" with decode ones alone, else 503."""
@@ -142,7 +128,7 @@ class VLLMRouter:
             try:
                 resp = await upstream.get(self.client, rid, url, "/v1/models", _upstream_headers(request, rid))
             except InstanceError as exc:
-                self._observe(self.decode, url, exc)
+                record_failure(self.metrics, self.decode, url, exc)
                 continue
             self.decode.observe(url, None)
             return _whole(resp, rid, {})
@@ -161,13 +147,18 @@ class VLLMRouter:
             body = parse_body(await request.body())
             deadline = started + self.config.instance_wait_s
             await self._wait_for_decode(rid, deadline)
-            headers = _upstream_headers(request, rid)
-            prefilled = await self._prefill(rid, endpoint, body, headers)
+            call = _Call(rid, endpoint, body, _upstream_headers(request, rid), started, deadline)
+            url = self._prefill_step.pick()
+            if url is None:
+                return await self._decode(call, Prefilled(None, PathReason.NO_PREFILL_INSTANCE))
+            producer = self._prefill_step.producer(url)
+            if producer is not None and not self.config.sequential:
+                return await self._alongside(call, url, producer)
+            prefilled = await self._prefill_step.run(self.client, rid, url, endpoint, body, call.headers)
             if prefilled.refusal is not None:
                 self._count(prefilled.refusal.status_code)
                 return _whole(prefilled.refusal, rid, {})
-            return await self._decode(rid, endpoint, decode_body(body, prefilled.kv_transfer_params), headers,
-                                      prefilled, started, deadline)
+            return await self._decode(call, prefilled)
         except APIError as exc:
             self._count(exc.status)
             return JSONResponse(exc.body(), status_code=exc.status, headers={"x-request-id": rid})
@@ -184,42 +175,31 @@ class VLLMRouter:
             await asyncio.sleep(delay)
             delay = min(2 * delay, _LAST_RETRY_S)
 
-    async def _prefill(self, rid: str, endpoint: Endpoint, body: dict[str, Any], headers: dict[str, str]) -> Prefilled:
-        url = self.prefill.pick()
-        if url is None:
-            return Prefilled(None, PathReason.NO_PREFILL_INSTANCE)
-        self.prefill.started(url)
-        try:
-            resp = await upstream.post(self.client, rid, url, endpoint, prefill_body(body, endpoint), headers)
-        except InstanceError as exc:
-            self._observe(self.prefill, url, exc)
-            log.warning("%s; request %s goes on decode-only", exc, rid)
-            return Prefilled(None, PathReason.PREFILL_FAILED, url)
-        finally:
-            self.prefill.ended(url)
-        if upstream.is_instance_fault(resp.status_code):
-            self._observe(self.prefill, url, InstanceError(rid, url, FailureKind.BROKEN,
-                                                           f"answered {resp.status_code}"))
-            log.warning("request %s: prefill instance %s answered %d; decode-only", rid, url, resp.status_code)
-            return Prefilled(None, PathReason.PREFILL_FAILED, url)
-        self.prefill.observe(url, None)
-        if resp.status_code != 200:
-            return Prefilled(None, PathReason.PREFILL_FAILED, url, refusal=resp)
-        params = kv_transfer_params_of(resp.content)
-        if params is None:
-            # a vLLM with no KV connector answers null every time: say so once per instance
-            level = logging.DEBUG if url in self._without_params else logging.WARNING
-            self._without_params.add(url)
-            log.log(level, "request %s: prefill instance %s answered no kv_transfer_params (started without "
-                    "--kv-transfer-config?); decode-only", rid, url)
-            return Prefilled(None, PathReason.NO_KV_PARAMS, url)
-        return Prefilled(params, PathReason.PREFILLED, url)
+    async def _alongside(self, call: _Call, url: str, producer: Producer) -> Response:
+        """The prefill and the decode step at once (module docstring, ALONGSIDE)."""
+        key = f"kvwire-{uuid.uuid4().hex}"
+        prefill = asyncio.create_task(self._prefill_step.run(self.client, call.rid, url, call.endpoint, call.body,
+                                                             call.headers, key))
+        ahead = Prefilled(ahead_params(key, producer), PathReason.PREFILLED_ALONGSIDE, url)
+        decode = asyncio.create_task(self._decode(call, ahead))
+        await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
+        if not decode.done() and prefill.result().kv_transfer_params is None:
+            decode.cancel()  # the KV will not come: vLLM aborts the request the router stops waiting for
+            with contextlib.suppress(asyncio.CancelledError):
+                await decode
+            log.warning("request %s: prefill instance %s gave no KV (%s); decode-only", call.rid, url,
+                        prefill.result().reason)
+            return await self._decode(call, Prefilled(None, PathReason.PREFILL_FAILED, url))
+        if not prefill.done():
+            self._behind.add(prefill)
+            prefill.add_done_callback(self._behind.discard)
+        return await decode
 
-    async def _decode(self, rid: str, endpoint: Endpoint, body: dict[str, Any], headers: dict[str, str],
-                      prefilled: Prefilled, started: float, deadline: float) -> Response:
+    async def _decode(self, call: _Call, prefilled: Prefilled) -> Response:
         """The first decode instance that takes the request answers it (module docstring, steps 3 and 4)."""
+        body = decode_body(call.body, prefilled.kv_transfer_params)
         stream = is_stream(body)
-        call = upstream.open_stream if stream else upstream.post
+        send = upstream.open_stream if stream else upstream.post
         tried: set[str] = set()
         delay, last = _FIRST_RETRY_S, None
         while True:
@@ -227,50 +207,68 @@ class VLLMRouter:
             if url is not None:
                 self.decode.started(url)
                 try:
-                    resp = await call(self.client, rid, url, endpoint, body, headers)
+                    resp = await send(self.client, call.rid, url, call.endpoint, body, call.headers)
+                    if not stream or resp.status_code != 200:
+                        self.decode.ended(url)
+                        return self._whole_answer(resp, call.rid, url, prefilled)
+                    return await self._stream_answer(resp, call, url, prefilled)
                 except InstanceError as exc:
                     self.decode.ended(url)
-                    self._observe(self.decode, url, exc)
+                    record_failure(self.metrics, self.decode, url, exc)
                     if not unsent(exc.kind):
                         raise _failed(exc) from None
                     log.warning("%s; trying again", exc)
                     tried.add(url)
                     last = exc
-                else:
-                    return self._answer(resp, rid, url, prefilled, started, stream)
-            if time.monotonic() + delay > deadline:
-                raise _no_decode(rid) if last is None else _failed(last)
+                except asyncio.CancelledError:
+                    self.decode.ended(url)
+                    raise
+            if time.monotonic() + delay > call.deadline:
+                raise _no_decode(call.rid) if last is None else _failed(last)
             await asyncio.sleep(delay)
             delay = min(2 * delay, _LAST_RETRY_S)
 
-    def _answer(self, resp: httpx.Response, rid: str, url: str, prefilled: Prefilled, started: float,
-                stream: bool) -> Response:
-        """The client's answer from decode instance `url`'s (a stream's `ended` comes when its relay ends)."""
+    def _whole_answer(self, resp: httpx.Response, rid: str, url: str, prefilled: Prefilled) -> Response:
+        """The client's answer from decode instance `url`'s whole one (or a stream's that was not 200)."""
+        self._answered(resp, rid, url, prefilled)
+        self._count(resp.status_code)
+        return _whole(resp, rid, prefilled.headers(url))
+
+    async def _stream_answer(self, resp: httpx.Response, call: _Call, url: str, prefilled: Prefilled) -> Response:
+        """The client's stream, from decode instance `url`'s first chunk (read here: a stream cut before it is an
+        InstanceError of the call); `url` counts the request until the relay ends."""
+        chunks = upstream.stream_bytes(resp, call.rid, url)
+        try:
+            first = await anext(chunks, b"")
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await resp.aclose()
+            raise
+        self.metrics.ttft_seconds.observe(time.monotonic() - call.started)
+        self._answered(resp, call.rid, url, prefilled)
+        return StreamingResponse(self._relay(resp, chunks, first, call.rid, url),
+                                 media_type=resp.headers.get("content-type"),
+                                 headers={"x-request-id": call.rid} | prefilled.headers(url))
+
+    def _answered(self, resp: httpx.Response, rid: str, url: str, prefilled: Prefilled) -> None:
         self.metrics.vllm_requests.labels(str(prefilled.path)).inc()
         self.metrics.vllm_path_reasons.labels(str(prefilled.path), str(prefilled.reason)).inc()
         if upstream.is_instance_fault(resp.status_code):
-            self._observe(self.decode, url, InstanceError(rid, url, FailureKind.BROKEN, f"answered {resp.status_code}"))
+            record_failure(self.metrics, self.decode, url,
+                           InstanceError(rid, url, FailureKind.BROKEN, f"answered {resp.status_code}"))
         else:
             self.decode.observe(url, None)
-        if not stream or resp.status_code != 200:  # open_stream read and closed an answer other than 200
-            self.decode.ended(url)
-            self._count(resp.status_code)
-            return _whole(resp, rid, prefilled.headers(url))
-        return StreamingResponse(self._relay(resp, rid, url, started), media_type=resp.headers.get("content-type"),
-                                 headers={"x-request-id": rid} | prefilled.headers(url))
 
-    async def _relay(self, resp: httpx.Response, rid: str, peer: str, started: float):
-        """The decode instance's stream, chunk by chunk; an SSE error event if it breaks."""
-        status, first = 200, True
+    async def _relay(self, resp: httpx.Response, chunks: AsyncIterator[bytes], first: bytes, rid: str, peer: str):
+        """The decode instance's stream, chunk by chunk from `first`; an SSE error event if it breaks."""
+        status = 200
         try:
-            async for chunk in upstream.stream_bytes(resp, rid, peer):
-                if first:
-                    self.metrics.ttft_seconds.observe(time.monotonic() - started)
-                    first = False
+            yield first
+            async for chunk in chunks:
                 yield chunk
         except InstanceError as exc:
             log.warning("%s; stream cut", exc)
-            self._observe(self.decode, peer, exc)
+            record_failure(self.metrics, self.decode, peer, exc)
             err = _failed(exc)
             status = err.status
             yield f"\n\ndata: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
@@ -280,13 +278,19 @@ class VLLMRouter:
                 await resp.aclose()
         self._count(status)
 
-    def _observe(self, pool: InstancePool, url: str, exc: InstanceError) -> None:
-        """A failed call to `url`: counted, and weighed by `pool`."""
-        self.metrics.vllm_instance_failures.labels(str(pool.role), str(exc.kind)).inc()
-        pool.observe(url, Problem(exc.kind, exc.reason))
-
     def _count(self, http_status: int) -> None:
         self.metrics.requests.labels(str(_request_status(http_status))).inc()
+
+
+class _Call(NamedTuple):
+    """One client request as the router passes it on."""
+
+    rid: str
+    endpoint: Endpoint
+    body: dict[str, Any]
+    headers: dict[str, str]
+    started: float  # its arrival (time.monotonic())
+    deadline: float  # the last moment it may wait for a decode instance to take it
 
 
 def create_vllm_app(config: VLLMRouterConfig, metrics: Metrics | None = None) -> FastAPI:

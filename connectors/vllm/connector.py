@@ -27,7 +27,7 @@ from kvwire.connectors.vllm.metadata import KvwireMetadata
 from kvwire.connectors.vllm.scheduler import SchedulerHalf
 from kvwire.connectors.vllm.settings import VLLMSettings
 from kvwire.connectors.vllm.stats import KvwirePromMetrics, KvwireStats
-from kvwire.connectors.vllm.worker import WorkerHalf
+from kvwire.connectors.vllm.worker import IDLE_WAIT_S, WorkerHalf
 
 if TYPE_CHECKING:
     import torch
@@ -91,7 +91,9 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_metadata()
+        meta = self._scheduler.build_metadata()
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
@@ -132,7 +134,9 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
-        sent, received, failed = self._worker.transfer_results()
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        idle = isinstance(meta, KvwireMetadata) and meta.idle
+        sent, received, failed = self._worker.transfer_results(IDLE_WAIT_S if idle else 0.0)
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=received, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

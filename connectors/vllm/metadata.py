@@ -16,6 +16,7 @@ class Hold:
     block_ids: list[int]  # those a consumer may pull, group after group (groups.py)
     num_tokens: int
     error: str = ""  # why there is nothing to hold after all: the worker fails the entry with it
+    key: str = ""  # the directory key (params.key_of); "": the request id
 
 
 @dataclass(frozen=True)
@@ -35,3 +36,4 @@ class KvwireMetadata(KVConnectorMetadata):
     hold: dict[str, Hold] = field(default_factory=dict)  # vLLM request id -> blocks to hold
     pull: dict[str, Pull] = field(default_factory=dict)  # vLLM request id -> KV to pull
     abandon: list[RemotePrefill] = field(default_factory=list)  # prompts this instance will never pull
+    idle: bool = False  # the step computes no token: the worker may wait a little for a transfer to end

@@ -29,7 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvwire.connectors.vllm.groups import Groups
 from kvwire.connectors.vllm.metadata import Hold, KvwireMetadata, Pull
-from kvwire.connectors.vllm.params import RemotePrefill, remote_params, wants_remote_decode
+from kvwire.connectors.vllm.params import (
+    ANNOUNCED_AHEAD,
+    RemotePrefill,
+    key_of,
+    remote_params,
+    wants_remote_decode,
+)
 from kvwire.connectors.vllm.settings import VLLMSettings
 from kvwire.connectors.vllm.tally import Tally
 from kvwire.observability.labels import TransferFailure
@@ -74,7 +80,7 @@ class SchedulerHalf:
             return 0, False
         prompt = len(request.prompt_token_ids or ())
         loaded = self._loaded(prompt)
-        if remote.remote_num_tokens != loaded:
+        if remote.remote_num_tokens not in (loaded, ANNOUNCED_AHEAD):
             log.warning("request %s: producer %s computed %d prompt tokens, this prompt has %d (%d to load); "
                         "computing it here", request.request_id, remote.remote_engine_id, remote.remote_num_tokens,
                         prompt, loaded)
@@ -119,14 +125,15 @@ class SchedulerHalf:
         if not done or not any(block_ids):  # aborted, or nothing computed: nothing to hand over
             return False, None
         num_tokens = min(request.num_computed_tokens, len(request.prompt_token_ids or ()))
-        params = remote_params(request.request_id, self._settings.node_id, block_ids, num_tokens,
+        key = key_of(request.request_id, request.kv_transfer_params)
+        params = remote_params(key, self._settings.node_id, block_ids, num_tokens,
                                self._settings.engine.tensor_parallel_size)
         try:
             held = self._groups.held(block_ids, num_tokens)
         except ValueError as exc:  # the worker fails its entry: the consumer counts it and recomputes
-            self._next.hold[request.request_id] = Hold([], num_tokens, error=str(exc))
+            self._next.hold[request.request_id] = Hold([], num_tokens, error=str(exc), key=key)
             return False, params
-        self._next.hold[request.request_id] = Hold(held, num_tokens)
+        self._next.hold[request.request_id] = Hold(held, num_tokens, key=key)
         return True, params
 
     def build_metadata(self) -> KvwireMetadata:

@@ -46,6 +46,7 @@ from kvwire.connectors.vllm.params import RemotePrefill
 from kvwire.connectors.vllm.settings import VLLMSettings
 from kvwire.connectors.vllm.tally import Tally
 from kvwire.connectors.vllm.tp import RankPull, TPSplit, plan, rank_key
+from kvwire.connectors.wakeup import Wakeup
 from kvwire.connectors.wire import HeadSlice, NodeEngine, NodeInfo
 from kvwire.observability.labels import TransferFailure
 
@@ -55,6 +56,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DISPATCH_IDLE_S = 0.5  # the kvwire-ready thread looks whether it is closing at least this often
+# A step that computes nothing (every request waits for KV, or is held for a consumer) waits this long for a
+# transfer to end before it reports none: vLLM steps again at once otherwise (1 ms apart), and its engine and
+# worker then keep a core busy for as long as the wait lasts, which on a host the servers share is the core the
+# other server computes the prompt on. A request that arrives meanwhile is scheduled at most this much later.
+IDLE_WAIT_S = 0.005
 MAX_WARNED = 4096  # (peer, reason) pairs remembered as warned about
 HINTS = {  # what to do when pulls fail for this reason
     TransferFailure.DEADLINE: "the KV was not announced within kv_deadline_s: is the prefill server overloaded, "
@@ -85,6 +91,7 @@ class WorkerHalf:
         self._held_ids: dict[str, str] = {}  # producer: the key this rank holds a request under -> its id
         self._pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwire-pull")
         self._closing = threading.Event()
+        self._news = Wakeup()  # woken when a pull ends (transfer_results may be waiting)
         self._ready_thread: threading.Thread | None = None
         self._epoch = 0
         self._heartbeat: Heartbeat | None = None
@@ -139,8 +146,11 @@ class WorkerHalf:
         for remote in meta.abandon:
             self._abandon(remote)
 
-    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
-        """`(finished sending, finished receiving, failed receiving)` since the last call."""
+    def transfer_results(self, wait_s: float = 0.0) -> tuple[set[str], set[str], set[str]]:
+        """`(finished sending, finished receiving, failed receiving)` since the last call; with none yet while KV is
+        pulled or held, wait up to `wait_s` for one (IDLE_WAIT_S: vLLM's step computes nothing)."""
+        if wait_s > 0:
+            self._wait_for_news(wait_s)
         if self._producer is not None:
             for released in self._producer.released():
                 self._released(released.request_id, released.block_ids)
@@ -148,6 +158,18 @@ class WorkerHalf:
             out = (self._sent, self._received, self._failed)
             self._sent, self._received, self._failed = set(), set(), set()
         return out
+
+    def _wait_for_news(self, wait_s: float) -> None:
+        with self._lock:
+            busy = bool(self._parts or self._held_ids)
+            news = bool(self._sent or self._received)
+        if not busy or news:
+            return
+        wakeups = [self._news] + ([self._producer.wakeup] if self._producer is not None else [])
+        ready, _, _ = select.select([w.fd for w in wakeups], [], [], wait_s)
+        for wakeup in wakeups:  # what woke it is taken after this (released(), the sets)
+            if wakeup.fd in ready:
+                wakeup.drain()
 
     def close(self) -> None:
         if self._heartbeat is not None:
@@ -174,7 +196,7 @@ class WorkerHalf:
 
     def _hold(self, rid: str, hold: Hold) -> None:
         """Hold this rank's copy of `rid`'s KV (under its rank's key) for the consumer ranks that read it."""
-        key = rank_key(rid, self._settings.engine.tensor_rank, self._settings.engine.tensor_parallel_size)
+        key = rank_key(hold.key or rid, self._settings.engine.tensor_rank, self._settings.engine.tensor_parallel_size)
         block_ids = hold.block_ids
         if hold.error and self._producer is not None:  # vLLM frees the blocks itself (not delayed)
             log.error("request %s: no KV to hold for a consumer (it will recompute): %s", rid, hold.error)
@@ -224,8 +246,9 @@ class WorkerHalf:
             for part in parts:
                 self._waiting[rank_key(remote.remote_request_id, part.rank, remote.remote_tp_size)] = (rid, pull, part)
         for part in parts:  # _dispatch hands each part to the pull thread once it can be pulled
-            self._consumer.expect(rank_key(remote.remote_request_id, part.rank, remote.remote_tp_size),
-                                  rank_node_id(remote.remote_engine_id, part.rank, remote.remote_tp_size))
+            producer = remote.remote_engine_id and rank_node_id(remote.remote_engine_id, part.rank,
+                                                                 remote.remote_tp_size)
+            self._consumer.expect(rank_key(remote.remote_request_id, part.rank, remote.remote_tp_size), producer)
 
     def _dispatch(self, consumer: KVConsumer) -> None:
         """The kvwire-ready thread: each part whose KV can be pulled now (or never will be: the pull then fails
@@ -295,6 +318,7 @@ class WorkerHalf:
                      "said once per peer and reason)" if first else "")
 
     def _ended(self, rid: str, ok: bool) -> None:
+        self._news.wake()
         with self._lock:
             self._received.add(rid)
             if not ok:  # failed_recving: vLLM recomputes the whole prompt (blocks are not named: with several

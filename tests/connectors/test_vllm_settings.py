@@ -6,7 +6,14 @@ import pytest
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.vllm.identity import EngineShape
-from kvwire.connectors.vllm.params import RemotePrefill, remote_params, wants_remote_decode
+from kvwire.connectors.vllm.params import (
+    ANNOUNCED_AHEAD,
+    KEY,
+    RemotePrefill,
+    key_of,
+    remote_params,
+    wants_remote_decode,
+)
 from kvwire.connectors.vllm.settings import KVRole, VLLMSettings
 
 URL = "redis://127.0.0.1:6379/0"
@@ -87,6 +94,20 @@ def test_params_round_trip_from_producer_to_consumer():
     flat = {**params, "remote_block_ids": [4, 5, 6]}  # one group's list, as kvwire sent before groups
     assert RemotePrefill.of("decode-req", flat) == RemotePrefill("cmpl-1-0", "prefill-0", 300, [[4, 5, 6]])
     assert not wants_remote_decode(params) and wants_remote_decode({"do_remote_decode": True})
+
+
+def test_params_announced_ahead_name_the_key_and_leave_the_rest_to_the_directory():
+    ahead = {"do_remote_prefill": True, "remote_request_id": "kvwire-9f", "remote_tp_size": 2, "transfer": "kvwire"}
+    remote = RemotePrefill.of("decode-req", ahead)
+    assert remote == RemotePrefill("kvwire-9f", "", ANNOUNCED_AHEAD, [], remote_tp_size=2)
+
+
+def test_a_producer_holds_under_the_proxys_key_when_it_gave_a_usable_one():
+    assert key_of("cmpl-1", {"do_remote_decode": True, KEY: "kvwire-9f"}) == "kvwire-9f"
+    assert key_of("cmpl-1", {"do_remote_decode": True}) == key_of("cmpl-1", None) == "cmpl-1"
+    for bad in ("", "a b", "x" * 201, 7, "k\n"):
+        assert key_of("cmpl-1", {"do_remote_decode": True, KEY: bad}) == "cmpl-1"
+    assert remote_params(key_of("cmpl-1", {KEY: "kvwire-9f"}), "p", ([1],), 9)["remote_request_id"] == "kvwire-9f"
 
 
 @pytest.mark.parametrize("params", [

@@ -2,9 +2,10 @@
 
 `FakeVLLM(port)` serves in a thread once `start()`ed, until `stop()` (and may start again on the same port):
 GET /health (after `health_delay_s`), GET /v1/models, and POST /v1/completions and /v1/chat/completions,
-which answer (after `answer_delay_s`) a prefill's body with `kv_transfer_params` naming `name` (unless
-`hands_out_params` is off) and a decode's with the `kv_transfer_params` it got echoed in its text; streams
-as two SSE chunks. `bodies` records what each POST carried.
+which answer (after `answer_delay_s`) a prefill's body (`do_remote_decode`) as KvwireConnector's producer
+would, `kv_transfer_params` naming `name` and the `kvwire_key` it was given (none while `hands_out_params` is
+off; the HTTP status `prefill_status` instead of 200 when set), and a decode's with the `kv_transfer_params`
+it got echoed in its text; streams as two SSE chunks. `bodies` records what each POST carried.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class FakeVLLM:
         self.health_delay_s = 0.0
         self.answer_delay_s = 0.0
         self.hands_out_params = True
+        self.prefill_status = 200
         self.bodies: list[dict[str, Any]] = []
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -68,12 +70,17 @@ class FakeVLLM:
             await asyncio.sleep(self.answer_delay_s)
             params = body.get("kv_transfer_params") or {}
             prefill = bool(params.get("do_remote_decode"))
+            if prefill and self.prefill_status != 200:
+                return JSONResponse({"error": {"message": "scripted failure"}}, status_code=self.prefill_status)
             text = f"{self.name} got {json.dumps(params, sort_keys=True)}"
-            handed = {"do_remote_prefill": True, "remote_engine_id": self.name} if self.hands_out_params else None
+            handed = {"do_remote_prefill": True, "remote_engine_id": self.name, "remote_num_tokens": 5,
+                      "remote_request_id": params.get("kvwire_key", f"cmpl-{len(self.bodies)}"),
+                      "remote_block_ids": [[1]], "remote_tp_size": 1, "transfer": "kvwire"}
             if body.get("stream") and not prefill:
                 chunks = [f"data: {json.dumps({'choices': [{'text': t}]})}\n\n" for t in (self.name, " done")]
                 return StreamingResponse(iter([*chunks, "data: [DONE]\n\n"]), media_type="text/event-stream")
-            return JSONResponse({"choices": [{"text": text}], "kv_transfer_params": handed if prefill else None})
+            handed = handed if prefill and self.hands_out_params else None
+            return JSONResponse({"choices": [{"text": text}], "kv_transfer_params": handed})
 
         app.add_api_route("/v1/completions", generate, methods=["POST"])
         app.add_api_route("/v1/chat/completions", generate, methods=["POST"])

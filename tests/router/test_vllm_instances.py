@@ -44,22 +44,61 @@ def _router(prefill: list[FakeVLLM], decode: list[FakeVLLM], **config) -> TestCl
 def test_answers_say_which_path_why_and_which_instances(fakes):
     p, d1 = fakes["p"], fakes["d1"]
     with _router([p], [d1]) as router:
-        whole = router.post("/v1/completions", json=BODY)
-        streamed = router.post("/v1/completions", json={**BODY, "stream": True})
-        p.hands_out_params = False
+        whole = router.post("/v1/completions", json=BODY)  # sequential: the first answer shows kvwire's connector
+        streamed = router.post("/v1/completions", json={**BODY, "stream": True})  # alongside from then on
+        p.hands_out_params = False  # say, restarted without kvwire's connector
+        router.post("/v1/completions", json=BODY)  # alongside still: this answer shows the connector gone
         without = router.post("/v1/chat/completions", json={"model": "fake", "messages": []})
         metrics = router.get("/metrics").text
     assert whole.status_code == 200 and streamed.status_code == 200 and without.status_code == 200
-    for resp in (whole, streamed):
-        assert (resp.headers["x-kvwire-path"], resp.headers["x-kvwire-reason"]) == ("disaggregated", "prefilled")
+    for resp, reason in ((whole, "prefilled"), (streamed, "prefilled-alongside")):
+        assert (resp.headers["x-kvwire-path"], resp.headers["x-kvwire-reason"]) == ("disaggregated", reason)
         assert (resp.headers["x-kvwire-prefill"], resp.headers["x-kvwire-decode"]) == (p.url, d1.url)
     assert '"remote_engine_id": "p"' in whole.json()["choices"][0]["text"], "the prefill's params reached decode"
     assert '"text": "d1"' in streamed.text and streamed.text.endswith("data: [DONE]\n\n")
     assert (without.headers["x-kvwire-path"], without.headers["x-kvwire-reason"]) == ("decode-only",
                                                                                       "no-kv-transfer-params")
     assert "x-kvwire-prefill" not in without.headers and without.headers["x-kvwire-decode"] == d1.url
-    assert 'kvwire_vllm_path_reasons_total{path="disaggregated",reason="prefilled"} 2.0' in metrics
+    assert 'kvwire_vllm_path_reasons_total{path="disaggregated",reason="prefilled"} 1.0' in metrics
+    assert 'kvwire_vllm_path_reasons_total{path="disaggregated",reason="prefilled-alongside"} 2.0' in metrics
     assert 'kvwire_vllm_path_reasons_total{path="decode-only",reason="no-kv-transfer-params"} 1.0' in metrics
+
+
+def test_alongside_the_decode_instance_is_told_the_key_the_prefill_instance_holds_the_kv_under(fakes):
+    p, d1 = fakes["p"], fakes["d1"]
+    d1.answer_delay_s = 0.3
+    with _router([p], [d1]) as router:
+        router.post("/v1/completions", json=BODY)
+        resp = router.post("/v1/completions", json={**BODY, "stream": True})
+    assert resp.headers["x-kvwire-reason"] == "prefilled-alongside"
+    key = p.bodies[-1]["kv_transfer_params"]["kvwire_key"]
+    assert key.startswith("kvwire-") and p.bodies[-1]["max_tokens"] == 1
+    assert d1.bodies[-1]["kv_transfer_params"] == {"do_remote_prefill": True, "do_remote_decode": False,
+                                                   "remote_request_id": key, "remote_tp_size": 1,
+                                                   "transfer": "kvwire"}
+
+
+def test_sequential_waits_for_the_prefill_answer_every_time(fakes):
+    p, d1 = fakes["p"], fakes["d1"]
+    with _router([p], [d1], sequential=True) as router:
+        reasons = [router.post("/v1/completions", json=BODY).headers["x-kvwire-reason"] for _ in range(3)]
+    assert reasons == ["prefilled"] * 3 and all("kvwire_key" not in b["kv_transfer_params"] for b in p.bodies)
+    assert [b["kv_transfer_params"]["remote_request_id"] for b in d1.bodies] == ["cmpl-1", "cmpl-2", "cmpl-3"]
+
+
+def test_alongside_a_failed_prefill_cancels_the_waiting_decode_call_and_goes_decode_only(fakes):
+    p, d1 = fakes["p"], fakes["d1"]
+    with _router([p], [d1]) as router:
+        router.post("/v1/completions", json=BODY)
+        p.prefill_status = 500
+        d1.answer_delay_s = 2.0  # the decode instance waits for KV that never comes
+        started = time.monotonic()
+        resp = router.post("/v1/completions", json=BODY)
+        took = time.monotonic() - started
+    assert resp.status_code == 200 and took < 4.0, took
+    assert (resp.headers["x-kvwire-path"], resp.headers["x-kvwire-reason"]) == ("decode-only", "prefill-failed")
+    assert "kv_transfer_params" in d1.bodies[-2] and "kv_transfer_params" not in d1.bodies[-1]
+    assert "got {}" in resp.json()["choices"][0]["text"]
 
 
 def test_no_prefill_instance_is_said_and_counted(fakes):

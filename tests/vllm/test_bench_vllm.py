@@ -1,8 +1,9 @@
 """`kvwire bench vllm` end to end, small: the plain server and a KvwireConnector pair over TCP.
 
 One round of two prompts; NIXL left out (a third start-up would double the test's time; its
-row is checked where the bench runs for real). The JSON must hold both rows, run, with every
-figure above zero, every answer disaggregated, all KV pulled and the plain server's tokens.
+row is checked where the bench runs for real). The JSON must hold the plain row and the pair's two
+(its routers' dispatches, on the same servers), run, with every figure above zero, every answer
+disaggregated, all KV pulled and the plain server's tokens.
 """
 
 from __future__ import annotations
@@ -26,15 +27,15 @@ def test_bench_vllm_json(vllm_model_dir: Path, redis_url: str, tmp_path: Path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     rows = {r["setup"]: r for r in result["rows"]}
-    assert list(rows) == ["plain vLLM", "kvwire tcp"]
+    assert list(rows) == ["plain vLLM", "kvwire tcp", "kvwire tcp sequential"]
     for row in rows.values():
         assert row["ran"] and row["requests"] == len(LENGTHS) and row["concurrent_requests"] == len(LENGTHS), row
         for key in ("ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "tpot_ms_p90", "throughput_tok_s"):
             assert row[key] > 0, (key, row)
     assert rows["plain vLLM"]["outputs_equal"] is None  # the baseline
-    pair = rows["kvwire tcp"]
-    assert pair["outputs_equal"] is True and pair["mismatched"] == []
-    assert pair["disaggregated"] == 2 * len(LENGTHS) and pair["kv_pulled"] > 0.9, pair
+    for pair in (rows["kvwire tcp"], rows["kvwire tcp sequential"]):
+        assert pair["outputs_equal"] is True and pair["mismatched"] == []
+        assert pair["disaggregated"] == 2 * len(LENGTHS) and pair["kv_pulled"] > 0.9, pair
 
 
 def test_nixl_missing_names_a_package():

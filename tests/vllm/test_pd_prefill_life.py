@@ -195,7 +195,7 @@ def test_prefill_killed_mid_load(plain_server: VLLMServer, pair: PDCluster, vllm
         got_late = {p: f.result(timeout=120) for p, f in late.items()}
     assert got == want
     assert got_late == {p: want[p] for p in held}
-    assert pair.router.poll() is None and httpx.get(f"{pair.decode.url}/health").status_code == 200
+    assert pair.routers[0].poll() is None and httpx.get(f"{pair.decode.url}/health").status_code == 200
     _no_entry_left_ready(redis_server.url)
 
 

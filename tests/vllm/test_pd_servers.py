@@ -70,7 +70,9 @@ def test_disaggregated_equals_plain(plain_server: VLLMServer, vllm_model_dir: Pa
 
 def routed_equals_plain(cluster: PDCluster, plain_server: VLLMServer, model: str) -> None:
     """Every prompt through `cluster`'s router, whole, streamed and as chat, gives the plain server's tokens, and
-    the decode server computed none of them itself (its metrics count from its start: a fresh pair)."""
+    the decode server computed none of them itself (its metrics count from its start: a fresh pair). The router
+    sends the first request's decode step once the prefill server has answered (its params show kvwire's
+    connector), every later one's alongside the prefill step (the decode server told the KV's key ahead)."""
     plain = _client(plain_server.url)
     routed = _client(cluster.router_url)
     sent = 0  # prompt tokens the decode server was asked to continue
@@ -91,8 +93,9 @@ def routed_equals_plain(cluster: PDCluster, plain_server: VLLMServer, model: str
     assert got.text == _complete(plain, model, longer).text
     sent += got.prompt_tokens
     by_source = cluster.prompt_tokens_by_source()
-    pulls, failed = cluster.kv_pulls(), cluster.kv_failed_by_reason()
+    pulls, failed, reasons = cluster.kv_pulls(), cluster.kv_failed_by_reason(), cluster.path_reasons()
     assert by_source["local_compute"] == 0, f"decode computed prompt tokens itself: {by_source}"
+    assert reasons["prefilled"] == 1 and reasons["prefilled-alongside"] == 3 * len(PROMPTS), reasons
     assert pulls > 0 and set(failed) >= {"deadline", "producer", "mismatch", "transport"}, (pulls, failed)
     assert sum(failed.values()) == 0, f"vLLM's /metrics counts recomputed prompts: {failed}"
     assert by_source["external_kv_transfer"] > 0 and by_source["local_cache_hit"] > 0, by_source

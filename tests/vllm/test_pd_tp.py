@@ -70,10 +70,12 @@ def test_parallel_pairs_equal_plain(plain_answers: dict[str, tuple[Answer, Answe
                 assert sorted(mine) == sorted(theirs) and mine == pytest.approx(theirs, abs=2e-3)
             assert _chat(routed, model, prompt, MAX_TOKENS).text == want_chat.text
         by_source = cluster.prompt_tokens_by_source()
-        pulls, failed = cluster.kv_pulls(), cluster.kv_failed_by_reason()
+        pulls, failed, reasons = cluster.kv_pulls(), cluster.kv_failed_by_reason(), cluster.path_reasons()
         groups = [s.proc.pid for s in (cluster.prefill, cluster.decode) if s.proc is not None]
     assert by_source["local_compute"] == 0, f"decode computed prompt tokens itself: {by_source}"
     assert by_source["external_kv_transfer"] > 0, by_source
+    # the first answer shows the prefill server's TP size; every later decode step starts alongside its prefill
+    assert reasons["prefilled"] == 1 and reasons["prefilled-alongside"] == 2 * len(PROMPTS) - 1, reasons
     assert pulls >= len(PROMPTS) * (2 if "TP2" in shape else 1), f"one part per prefill rank read: {pulls}"
     assert sum(failed.values()) == 0, f"recomputed prompts, by reason: {failed}"
     assert [pid for g in groups for pid in live_group_members(g)] == [], "a server's rank outlived it"
