@@ -187,9 +187,9 @@ class VLLMRouter:
             decode.cancel()  # the KV will not come: vLLM aborts the request the router stops waiting for
             with contextlib.suppress(asyncio.CancelledError):
                 await decode
-            log.warning("request %s: prefill instance %s gave no KV (%s); decode-only", call.rid, url,
-                        prefill.result().reason)
-            return await self._decode(call, Prefilled(None, PathReason.PREFILL_FAILED, url))
+            reason = prefill.result().reason
+            log.warning("request %s: prefill instance %s gave no KV (%s); decode-only", call.rid, url, reason)
+            return await self._decode(call, Prefilled(None, reason, url))
         if not prefill.done():
             self._behind.add(prefill)
             prefill.add_done_callback(self._behind.discard)

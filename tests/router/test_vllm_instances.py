@@ -47,8 +47,10 @@ def test_answers_say_which_path_why_and_which_instances(fakes):
         whole = router.post("/v1/completions", json=BODY)  # sequential: the first answer shows kvwire's connector
         streamed = router.post("/v1/completions", json={**BODY, "stream": True})  # alongside from then on
         p.hands_out_params = False  # say, restarted without kvwire's connector
-        router.post("/v1/completions", json=BODY)  # alongside still: this answer shows the connector gone
-        without = router.post("/v1/chat/completions", json={"model": "fake", "messages": []})
+        d1.answer_delay_s = 0.3  # the prefill's answer (no params) comes first: the decode call is cancelled
+        cancelled = router.post("/v1/completions", json=BODY)
+        d1.answer_delay_s = 0.0
+        without = router.post("/v1/chat/completions", json={"model": "fake", "messages": []})  # sequential again
         metrics = router.get("/metrics").text
     assert whole.status_code == 200 and streamed.status_code == 200 and without.status_code == 200
     for resp, reason in ((whole, "prefilled"), (streamed, "prefilled-alongside")):
@@ -59,9 +61,10 @@ def test_answers_say_which_path_why_and_which_instances(fakes):
     assert (without.headers["x-kvwire-path"], without.headers["x-kvwire-reason"]) == ("decode-only",
                                                                                       "no-kv-transfer-params")
     assert "x-kvwire-prefill" not in without.headers and without.headers["x-kvwire-decode"] == d1.url
+    assert cancelled.headers["x-kvwire-reason"] == "no-kv-transfer-params" and "got {}" in cancelled.text
     assert 'kvwire_vllm_path_reasons_total{path="disaggregated",reason="prefilled"} 1.0' in metrics
-    assert 'kvwire_vllm_path_reasons_total{path="disaggregated",reason="prefilled-alongside"} 2.0' in metrics
-    assert 'kvwire_vllm_path_reasons_total{path="decode-only",reason="no-kv-transfer-params"} 1.0' in metrics
+    assert 'kvwire_vllm_path_reasons_total{path="disaggregated",reason="prefilled-alongside"} 1.0' in metrics
+    assert 'kvwire_vllm_path_reasons_total{path="decode-only",reason="no-kv-transfer-params"} 2.0' in metrics
 
 
 def test_alongside_the_decode_instance_is_told_the_key_the_prefill_instance_holds_the_kv_under(fakes):
@@ -71,6 +74,9 @@ def test_alongside_the_decode_instance_is_told_the_key_the_prefill_instance_hold
         router.post("/v1/completions", json=BODY)
         resp = router.post("/v1/completions", json={**BODY, "stream": True})
     assert resp.headers["x-kvwire-reason"] == "prefilled-alongside"
+    deadline = time.monotonic() + 10
+    while len(p.bodies) < 2 and time.monotonic() < deadline:  # sent with the decode call, answered on its own
+        time.sleep(0.01)
     key = p.bodies[-1]["kv_transfer_params"]["kvwire_key"]
     assert key.startswith("kvwire-") and p.bodies[-1]["max_tokens"] == 1
     assert d1.bodies[-1]["kv_transfer_params"] == {"do_remote_prefill": True, "do_remote_decode": False,
