@@ -48,12 +48,16 @@ Sequential = Annotated[bool, typer.Option(
     "--sequential", help="vLLM mode: send a request to its decode instance only once the prefill instance has "
                          "answered. By default, once a prefill instance's answers show kvwire's connector, both get "
                          "it at once and the decode instance waits for the KV.")]
+PrefillMaxInFlight = Annotated[int, typer.Option(
+    "--prefill-max-in-flight", min=0, help="vLLM mode: send a request decode-only when every prefill instance up "
+                                           "has this many requests of the router in flight (0: no limit).")]
 Port = Annotated[int, typer.Option("--port", min=1, max=65535, help="HTTP port.")]
 RequestTimeout = Annotated[float, typer.Option(
     "--request-timeout", min=0.1, help="Seconds before a request gets a 504 (vLLM mode: between the bytes of an "
                                        "instance's answer).")]
 _KVWIRE_ONLY = ("model", "redis_url", "auth_secret_file", "served_model_name", "lenient")
-_VLLM_ONLY = ("health_interval", "connect_timeout", "instance_wait", "max_failures", "unresponsive_after", "sequential")
+_VLLM_ONLY = ("health_interval", "connect_timeout", "instance_wait", "max_failures", "unresponsive_after", "sequential",
+              "prefill_max_in_flight")
 
 
 def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedisUrl = None,
@@ -61,6 +65,7 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
            port: Port = 8000, request_timeout: RequestTimeout = 120.0, health_interval: HealthInterval = 2.0,
            connect_timeout: ConnectTimeout = 2.0, instance_wait: InstanceWait = 30.0,
            max_failures: MaxFailures = 3, unresponsive_after: UnresponsiveAfter = 30.0, sequential: Sequential = False,
+           prefill_max_in_flight: PrefillMaxInFlight = 0,
            auth_secret_file: AuthSecretFile = None,
            served_model_name: ServedModelName = None, lenient: Lenient = False, log_level: LogLevel = "INFO") -> None:
     """Serve the OpenAI API (POST /v1/completions and /v1/chat/completions), GET /v1/models,
@@ -73,7 +78,7 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
         if log_level.upper() != "DEBUG":  # httpx logs every call at INFO, health probes included
             logging.getLogger("httpx").setLevel(logging.WARNING)
         timing = VLLMTiming(request_timeout, connect_timeout, health_interval, instance_wait, max_failures,
-                            unresponsive_after, sequential)
+                            unresponsive_after, sequential, prefill_max_in_flight)
         app = _vllm_app(ctx, vllm_prefill, vllm_decode, host, port, timing)
     else:
         app = _kvwire_app(ctx, model, redis_url, host, port, request_timeout, auth_secret_file,
@@ -118,6 +123,7 @@ class VLLMTiming(NamedTuple):
     max_failures: int
     unresponsive_after: float
     sequential: bool
+    prefill_max_in_flight: int
 
 
 def _vllm_app(ctx: typer.Context, prefill: str | None, decode: str | None, host: str, port: int, timing: VLLMTiming):
@@ -132,7 +138,8 @@ def _vllm_app(ctx: typer.Context, prefill: str | None, decode: str | None, host:
                                   port=port, request_timeout_s=timing.request_timeout,
                                   connect_timeout_s=timing.connect_timeout, health_interval_s=timing.health_interval,
                                   instance_wait_s=timing.instance_wait, max_failures=timing.max_failures,
-                                  unresponsive_s=timing.unresponsive_after, sequential=timing.sequential)
+                                  unresponsive_s=timing.unresponsive_after, sequential=timing.sequential,
+                                  prefill_max_in_flight=timing.prefill_max_in_flight)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     return create_vllm_app(config)

@@ -93,6 +93,7 @@ class PathReason(enum.StrEnum):
     PREFILLED = "prefilled"  # a prefill instance computed the prompt and handed out where its KV waits
     PREFILLED_ALONGSIDE = "prefilled-alongside"  # ... while the decode instance, told where, waited for the KV
     NO_PREFILL_INSTANCE = "no-prefill-instance"  # none configured, or none up
+    PREFILL_SATURATED = "prefill-saturated"  # every prefill instance up had --prefill-max-in-flight requests
     PREFILL_FAILED = "prefill-failed"  # the prefill instance was not reached, timed out, broke or answered 5xx
     NO_KV_PARAMS = "no-kv-transfer-params"  # it answered without them (a vLLM started with no KV connector)
 

@@ -59,6 +59,8 @@ class VLLMRouterConfig:
             up, or none accepting connections) before it gets a 503 (or a 502 with the last one's error).
         max_failures: broken calls or 5xx answers in a row that take an instance out of rotation.
         unresponsive_s: an instance that answered nothing for this long (timeouts only) leaves rotation.
+        prefill_max_in_flight: a request goes decode-only when every prefill instance up has this many requests of
+            the router in flight (0: no limit).
         sequential: start a request's decode step only once its prefill instance has answered, even where its
             answers showed KvwireConnector (which lets the decode step start alongside: router/vllm_proxy.py).
     Raises:
@@ -76,6 +78,7 @@ class VLLMRouterConfig:
     instance_wait_s: float = 30.0
     max_failures: int = 3
     unresponsive_s: float = 30.0
+    prefill_max_in_flight: int = 0
     sequential: bool = False
 
     def __post_init__(self) -> None:
@@ -92,5 +95,6 @@ class VLLMRouterConfig:
                 raise ValueError(f"a vLLM instance is named twice in {', '.join(urls)}")
         if min(self.request_timeout_s, self.connect_timeout_s, self.health_interval_s, self.unresponsive_s) <= 0:
             raise ValueError("timeouts and the health interval must be positive")
-        if self.instance_wait_s < 0 or self.max_failures < 1:
-            raise ValueError("the instance wait must not be negative, and max_failures must be 1 or more")
+        if self.instance_wait_s < 0 or self.max_failures < 1 or self.prefill_max_in_flight < 0:
+            raise ValueError("the instance wait and prefill_max_in_flight must not be negative, and max_failures "
+                             "must be 1 or more")

@@ -8,8 +8,9 @@ Lifecycle of a request:
    With no decode instance up it waits for one, up to `instance_wait_s`, then gets a 503.
 2. PREFILL (router/vllm_prefill.py): the least loaded prefill instance up computes the prompt
    (max_tokens 1, its KV kept for a decode instance). Its 4xx goes back to the client unchanged.
-   With no prefill instance up, or one that fails or answers 5xx, or an answer without
-   kv_transfer_params (a vLLM with no KV connector), the request goes on decode-only.
+   With no prefill instance up, every one up with `prefill_max_in_flight` requests in flight, or one
+   that fails or answers 5xx, or an answer without kv_transfer_params (a vLLM with no KV connector),
+   the request goes on decode-only.
    - ALONGSIDE (the default once a prefill instance's answers showed KvwireConnector; not with
      `sequential`): the router names the KV's directory key itself and sends the decode step at
      once, its params saying where to wait for the KV; if the prefill step fails before the
@@ -151,6 +152,9 @@ class VLLMRouter:
             url = self._prefill_step.pick()
             if url is None:
                 return await self._decode(call, Prefilled(None, PathReason.NO_PREFILL_INSTANCE))
+            limit = self.config.prefill_max_in_flight
+            if limit and self.prefill.in_flight(url) >= limit:  # the least loaded one: every one is
+                return await self._decode(call, Prefilled(None, PathReason.PREFILL_SATURATED))
             producer = self._prefill_step.producer(url)
             if producer is not None and not self.config.sequential:
                 return await self._alongside(call, url, producer)

@@ -54,11 +54,13 @@ def test_vllm_mode_flags_reach_its_config(monkeypatch):
     monkeypatch.setattr("kvwire.router.vllm_proxy.create_vllm_app", lambda config: config)
     result = runner.invoke(app, ["router", "--vllm-decode", "http://d:1", "--instance-wait", "7", "--max-failures",
                                  "5", "--unresponsive-after", "9", "--connect-timeout", "0.5", "--health-interval",
-                                 "3", "--request-timeout", "11"], env=NO_ENV)
+                                 "3", "--request-timeout", "11", "--sequential", "--prefill-max-in-flight", "6"],
+                           env=NO_ENV)
     assert result.exit_code == 0, result.output
     (config,) = served
     assert (config.instance_wait_s, config.max_failures, config.unresponsive_s, config.connect_timeout_s,
             config.health_interval_s, config.request_timeout_s) == (7, 5, 9, 0.5, 3, 11)
+    assert config.sequential and config.prefill_max_in_flight == 6
 
 
 def test_vllm_urls_split_on_commas_and_drop_trailing_slashes():

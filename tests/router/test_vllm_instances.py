@@ -173,3 +173,20 @@ def test_a_request_gets_503_once_no_decode_instance_came_back_within_the_wait(fa
         waited = time.monotonic() - started
     assert resp.status_code in (502, 503) and "req-9" in json.dumps(resp.json())
     assert 0.5 < waited < 3.0, waited
+
+
+def test_a_request_goes_decode_only_while_every_prefill_instance_is_saturated(fakes):
+    p, d1 = fakes["p"], fakes["d1"]
+    p.answer_delay_s = 1.0
+    with _router([p], [d1], prefill_max_in_flight=1, sequential=True) as router:
+        first = threading.Thread(target=router.post, args=("/v1/completions",), kwargs={"json": BODY})
+        first.start()
+        while not p.bodies:
+            time.sleep(0.01)
+        second = router.post("/v1/completions", json=BODY)  # the prefill instance is busy with the first
+        first.join()
+        metrics = router.get("/metrics").text
+    assert (second.headers["x-kvwire-path"], second.headers["x-kvwire-reason"]) == ("decode-only",
+                                                                                    "prefill-saturated")
+    assert len(p.bodies) == 1 and "x-kvwire-prefill" not in second.headers
+    assert 'kvwire_vllm_path_reasons_total{path="decode-only",reason="prefill-saturated"} 1.0' in metrics
