@@ -2,10 +2,14 @@
 
 `FakeVLLM(port)` serves in a thread once `start()`ed, until `stop()` (and may start again on the same port):
 GET /health (after `health_delay_s`), GET /v1/models, and POST /v1/completions and /v1/chat/completions,
-which answer (after `answer_delay_s`) a prefill's body (`do_remote_decode`) as KvwireConnector's producer
-would, `kv_transfer_params` naming `name` and the `kvwire_key` it was given (none while `hands_out_params` is
-off; the HTTP status `prefill_status` instead of 200 when set), and a decode's with the `kv_transfer_params`
-it got echoed in its text; streams as two SSE chunks. `bodies` records what each POST carried.
+which answer after `answer_delay_s`:
+- a prefill's body (`do_remote_decode`) as KvwireConnector's producer would: `kv_transfer_params` naming
+  `name` and the `kvwire_key` it was given (none while `hands_out_params` is off; the HTTP status
+  `prefill_status` instead of 200 when set);
+- a decode's, `kv_wait_s` later if told of a remote prefill (waiting for its KV; given up, as vLLM aborts,
+  when the client goes away: counted in `aborted`), with the `kv_transfer_params` it got echoed in its text;
+  streams as two SSE chunks.
+`bodies` records what each POST carried.
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ class FakeVLLM:
         self.url = f"http://127.0.0.1:{port}"
         self.health_delay_s = 0.0
         self.answer_delay_s = 0.0
+        self.kv_wait_s = 0.0  # more, for a decode body with do_remote_prefill: waiting for KV (that may never come)
         self.hands_out_params = True
         self.prefill_status = 200
         self.bodies: list[dict[str, Any]] = []
+        self.aborted = 0  # decode calls whose client went away while they waited for KV
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -52,6 +58,15 @@ class FakeVLLM:
             self._thread.join(timeout=10)
         self._server = self._thread = None
 
+    async def _wait_for_kv(self, request: Request) -> bool:
+        """Wait `kv_wait_s`; False as soon as the client goes away."""
+        deadline = time.monotonic() + self.kv_wait_s
+        while time.monotonic() < deadline:
+            if await request.is_disconnected():
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
     def _app(self) -> FastAPI:
         app = FastAPI()
 
@@ -70,6 +85,9 @@ class FakeVLLM:
             await asyncio.sleep(self.answer_delay_s)
             params = body.get("kv_transfer_params") or {}
             prefill = bool(params.get("do_remote_decode"))
+            if params.get("do_remote_prefill") and not await self._wait_for_kv(request):
+                self.aborted += 1  # as vLLM aborts a request whose client went away
+                return JSONResponse({}, status_code=499)
             if prefill and self.prefill_status != 200:
                 return JSONResponse({"error": {"message": "scripted failure"}}, status_code=self.prefill_status)
             text = f"{self.name} got {json.dumps(params, sort_keys=True)}"
