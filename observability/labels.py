@@ -88,7 +88,8 @@ class ProxyPath(enum.StrEnum):
 
 
 class PathReason(enum.StrEnum):
-    """Why the router in vLLM mode took a request's path (its x-kvwire-reason header)."""
+    """Why the router took a request's path (in vLLM mode its x-kvwire-reason header; over kvwire's own nodes the
+    `reason` of an answer's `kvwire` object)."""
 
     PREFILLED = "prefilled"  # a prefill instance computed the prompt and handed out where its KV waits
     PREFILLED_ALONGSIDE = "prefilled-alongside"  # ... while the decode instance, told where, waited for the KV
@@ -96,6 +97,7 @@ class PathReason(enum.StrEnum):
     PREFILL_SATURATED = "prefill-saturated"  # every prefill instance up had --prefill-max-in-flight requests
     PREFILL_FAILED = "prefill-failed"  # the prefill instance was not reached, timed out, broke or answered 5xx
     NO_KV_PARAMS = "no-kv-transfer-params"  # it answered without them (a vLLM started with no KV connector)
+    NOT_ASKED = "not-asked"  # the client's body said "disaggregate": false (kvwire's own nodes)
 
 
 DISAGGREGATED_REASONS = frozenset({PathReason.PREFILLED, PathReason.PREFILLED_ALONGSIDE})

@@ -101,7 +101,7 @@ class Metrics:
                                 (self.vllm_requests, ProxyPath)):
             for value in labels:
                 counter.labels(str(value))
-        for reason in PathReason:
+        for reason in set(PathReason) - {PathReason.NOT_ASKED}:  # the vLLM router's reasons
             path = ProxyPath.DISAGGREGATED if reason in DISAGGREGATED_REASONS else ProxyPath.DECODE_ONLY
             self.vllm_path_reasons.labels(str(path), str(reason))
 

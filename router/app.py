@@ -244,7 +244,8 @@ def _report(choice: Choice, started: float) -> dict:
     stats = choice.stats
     ttft = (choice.first_token_at - started) * 1000 if choice.first_token_at else None
     out: dict[str, object] = {"bypassed": False, "transport": None, "kv_bytes": 0, "transfer_ms": 0.0,
-                              "ttft_ms": ttft, "prefill_node": None, "decode_node": None}
+                              "ttft_ms": ttft, "prefill_node": None, "decode_node": None,
+                              "path": choice.path and str(choice.path), "reason": choice.reason and str(choice.reason)}
     if stats is not None:
         out.update(bypassed=stats.bypassed, transport=stats.transport or None, kv_bytes=stats.kv_bytes,
                    transfer_ms=stats.transfer_ms, prefill_node=stats.prefill_node, decode_node=stats.decode_node,

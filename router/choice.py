@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from kvwire.engine.tokenizer import Tokenizer
+from kvwire.observability.labels import PathReason, ProxyPath
 from kvwire.protocol.work import DecodeStats, TokenChunk, TokenLogprobs
 from kvwire.router.sampling import Plan
 
@@ -42,6 +43,8 @@ class Choice:
         self.finish_reason: str | None = None
         self.stop_reason: str | None = None
         self.stats: DecodeStats | None = None
+        self.path: ProxyPath | None = None  # the way the router sent it, and why (set once dispatched)
+        self.reason: PathReason | None = None
         self.first_token_at: float | None = None
         self.sent_chars = 0  # of text, streamed already
         self.sent_tokens = 0  # of token_ids, streamed already

@@ -35,6 +35,7 @@ from kvwire.connectors.control.framing import pack, unpack
 from kvwire.connectors.control.sockets import PushSockets, limit_receive
 from kvwire.connectors.directory.directory import DirectoryError, KVDirectory
 from kvwire.connectors.wire import NodeInfo, WireError
+from kvwire.observability.labels import PathReason, ProxyPath
 from kvwire.protocol.work import CancelWork, DecodeWork, ErrorKind, PrefillWork, SamplingParams, TokenChunk, WorkError
 from kvwire.router.schemas import APIError
 
@@ -49,6 +50,12 @@ LEFT_GRACE_S = 1.0  # a request's decode node is missing this long before the re
 class Route:
     prefill: NodeInfo | None  # None: no live prefill node, decode computes the prompt
     decode: NodeInfo
+
+    def path(self, asked: bool) -> tuple[ProxyPath, PathReason]:
+        """The way this route sends a request, and why (`asked`: the client let it be disaggregated)."""
+        if self.prefill is not None:
+            return ProxyPath.DISAGGREGATED, PathReason.PREFILLED
+        return ProxyPath.DECODE_ONLY, PathReason.NO_PREFILL_INSTANCE if asked else PathReason.NOT_ASKED
 
 
 class Dispatcher:

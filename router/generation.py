@@ -42,8 +42,9 @@ class Generation:
     async def start(self) -> None:
         for choice in self.choices:
             sampling = self.plan.sampling_for(choice.index % self.plan.best_of)
-            _, queue = await self._dispatcher.submit(choice.request_id, choice.prompt_ids, sampling,
-                                                     self.plan.disaggregate)
+            route, queue = await self._dispatcher.submit(choice.request_id, choice.prompt_ids, sampling,
+                                                         self.plan.disaggregate)
+            choice.path, choice.reason = route.path(self.plan.disaggregate)
             self._pumps.append(asyncio.create_task(self._pump(choice, queue)))
 
     async def events(self) -> AsyncIterator[Choice]:

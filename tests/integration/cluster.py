@@ -11,9 +11,9 @@ from kvwire.connectors.directory.directory import KVDirectory
 
 
 def complete(url: str, prompt, *, max_tokens: int = 12, temperature: float = 0.0, seed=None,
-             timeout: float = 120.0) -> dict:
+             timeout: float = 120.0, **extra) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
-            "return_token_ids": True}
+            "return_token_ids": True, **extra}
     resp = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
     assert resp.status_code == 200, resp.text
     return resp.json()

@@ -45,9 +45,14 @@ def test_outputs_equal_single_process_and_prompts_are_bypassed(cluster, tiny_mod
         assert kv["bypassed"] is True
         assert kv["kv_bytes"] > 0 and kv["transfer_ms"] > 0
         assert kv["prefill_node"] == "prefill-0" and kv["decode_node"] == "decode-0"
+        assert (kv["path"], kv["reason"]) == ("disaggregated", "prefilled")
         assert got["usage"]["prompt_tokens"] == len(prompt)
     pools, leftover = wait_pools_full_and_directory_empty(cluster.redis_url)
     assert set(pools) == {"prefill-0", "decode-0"}
+    asked = complete(cluster.url, PROMPTS[0], max_tokens=12, disaggregate=False)
+    assert asked["choices"][0]["token_ids"] == expected[0]
+    assert (asked["kvwire"]["path"], asked["kvwire"]["reason"], asked["kvwire"]["bypassed"]) == \
+        ("decode-only", "not-asked", False)
     assert all(free == total for free, total in pools.values()), pools
     assert leftover == []
 
@@ -131,6 +136,7 @@ def test_prefill_killed_requests_recompute_with_identical_output(tiny_model_dir,
         start = time.monotonic()
         got = complete(cluster.url, prompts[0], max_tokens=8)
         assert got["choices"][0]["token_ids"] == expected[0] and got["kvwire"]["bypassed"] is False
+        assert (got["kvwire"]["path"], got["kvwire"]["reason"]) == ("decode-only", "no-prefill-instance")
         assert time.monotonic() - start < deadline_s
 
 
