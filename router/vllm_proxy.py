@@ -25,6 +25,10 @@ Lifecycle of a request:
    chunk), with x-kvwire-path (disaggregated or decode-only), x-kvwire-reason (why: PathReason),
    x-kvwire-decode and, when one computed the prompt, x-kvwire-prefill (the instances' base URLs).
 
+A client that goes away before its answer starts cancels the request's calls to the instances (vLLM aborts
+a request whose caller left), counted as kvwire_requests_total{status="cancelled"}; a stream's relay ends
+with its client (Starlette).
+
 Each answer counts in kvwire_requests_total{status} (a stream when it ends) and each one a
 decode instance gave in kvwire_vllm_requests_total{path} and kvwire_vllm_path_reasons_total{path,
 reason}; each failed call in kvwire_vllm_instance_failures_total{role,kind}. A stream's first chunk's
@@ -136,16 +140,35 @@ class VLLMRouter:
         raise _no_decode(rid)
 
     async def completions(self, request: Request):
-        return await self._generate(request, Endpoint.COMPLETIONS)
+        return await self._unless_client_leaves(request, Endpoint.COMPLETIONS)
 
     async def chat_completions(self, request: Request):
-        return await self._generate(request, Endpoint.CHAT)
+        return await self._unless_client_leaves(request, Endpoint.CHAT)
 
-    async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
+    async def _unless_client_leaves(self, request: Request, endpoint: Endpoint) -> Response:
+        """`_generate`, cancelled (and with it every call to an instance, which vLLM then aborts) if the client
+        goes away before the answer starts; a stream's relay is stopped by Starlette itself."""
         started = time.monotonic()
         rid = _request_id(request)
+        raw = await request.body()  # read before waiting for the disconnect: both come from receive()
+        answer = asyncio.create_task(self._generate(request, endpoint, rid, raw, started))
+        gone = asyncio.create_task(_client_gone(request))
         try:
-            body = parse_body(await request.body())
+            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not answer.done():
+            answer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await answer
+            log.info("request %s: the client went away; its calls to vLLM instances are cancelled", rid)
+            self.metrics.requests.labels(str(RequestStatus.CANCELLED)).inc()
+            return Response(status_code=499)  # nobody reads it
+        return answer.result()
+
+    async def _generate(self, request: Request, endpoint: Endpoint, rid: str, raw: bytes, started: float) -> Response:
+        try:
+            body = parse_body(raw)
             deadline = started + self.config.instance_wait_s
             await self._wait_for_decode(rid, deadline)
             call = _Call(rid, endpoint, body, _upstream_headers(request, rid), started, deadline)
@@ -186,18 +209,23 @@ class VLLMRouter:
                                                              call.headers, key))
         ahead = Prefilled(ahead_params(key, producer), PathReason.PREFILLED_ALONGSIDE, url)
         decode = asyncio.create_task(self._decode(call, ahead))
-        await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
-        if not decode.done() and prefill.result().kv_transfer_params is None:
-            decode.cancel()  # the KV will not come: vLLM aborts the request the router stops waiting for
-            with contextlib.suppress(asyncio.CancelledError):
-                await decode
-            reason = prefill.result().reason
-            log.warning("request %s: prefill instance %s gave no KV (%s); decode-only", call.rid, url, reason)
-            return await self._decode(call, Prefilled(None, reason, url))
-        if not prefill.done():
-            self._behind.add(prefill)
-            prefill.add_done_callback(self._behind.discard)
-        return await decode
+        try:
+            await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
+            if not decode.done() and prefill.result().kv_transfer_params is None:
+                decode.cancel()  # the KV will not come: vLLM aborts the request the router stops waiting for
+                with contextlib.suppress(asyncio.CancelledError):
+                    await decode
+                reason = prefill.result().reason
+                log.warning("request %s: prefill instance %s gave no KV (%s); decode-only", call.rid, url, reason)
+                return await self._decode(call, Prefilled(None, reason, url))
+            return await decode
+        except BaseException:
+            decode.cancel()  # the client went away (or the router failed): vLLM aborts the decode request too
+            raise
+        finally:
+            if not prefill.done():  # it ends on its own (its KV lapses at the producer's hold deadline)
+                self._behind.add(prefill)
+                prefill.add_done_callback(self._behind.discard)
 
     async def _decode(self, call: _Call, prefilled: Prefilled) -> Response:
         """The first decode instance that takes the request answers it (module docstring, steps 3 and 4)."""
@@ -314,6 +342,12 @@ def create_vllm_app(config: VLLMRouterConfig, metrics: Metrics | None = None) ->
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)  # the handler of APIError only
     return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns once the client has disconnected (its body already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _request_id(request: Request) -> str:

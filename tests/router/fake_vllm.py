@@ -25,6 +25,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 
+def serve_in_thread(app: Any, port: int, name: str) -> tuple[uvicorn.Server, threading.Thread]:
+    """`app` served on 127.0.0.1:`port` by uvicorn in a thread, once it listens. Stop: `should_exit`, join."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError(f"{name} did not start on port {port}")
+        time.sleep(0.01)
+    return server, thread
+
+
 class FakeVLLM:
     def __init__(self, name: str, port: int):
         self.name = name
@@ -41,15 +54,7 @@ class FakeVLLM:
         self._thread: threading.Thread | None = None
 
     def start(self) -> FakeVLLM:
-        config = uvicorn.Config(self._app(), host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
-        self._server = server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=server.run, name=f"fake-vllm-{self.name}", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"fake vLLM {self.name} did not start on port {self.port}")
-            time.sleep(0.01)
+        self._server, self._thread = serve_in_thread(self._app(), self.port, f"fake-vllm-{self.name}")
         return self
 
     def stop(self) -> None:

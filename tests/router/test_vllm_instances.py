@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -18,7 +19,7 @@ from kvwire.cluster.ports import free_port
 from kvwire.observability.metrics import Metrics
 from kvwire.router.config import VLLMRouterConfig
 from kvwire.router.vllm_proxy import create_vllm_app
-from tests.router.fake_vllm import FakeVLLM
+from tests.router.fake_vllm import FakeVLLM, serve_in_thread
 
 HEALTH_S = 0.1  # the router's health interval here
 CONNECT_S = 0.2  # its connect timeout, and so its probes' read timeout (the longer of the two)
@@ -194,3 +195,27 @@ def test_a_request_goes_decode_only_while_every_prefill_instance_is_saturated(fa
                                                                                     "prefill-saturated")
     assert len(p.bodies) == 1 and "x-kvwire-prefill" not in second.headers
     assert 'kvwire_vllm_path_reasons_total{path="decode-only",reason="prefill-saturated"} 1.0' in metrics
+
+
+def test_a_client_that_goes_away_alongside_cancels_the_waiting_decode_call(fakes):
+    p, d1 = fakes["p"], fakes["d1"]
+    config = VLLMRouterConfig(prefill_urls=(p.url,), decode_urls=(d1.url,), health_interval_s=HEALTH_S,
+                              connect_timeout_s=CONNECT_S)
+    port = free_port()
+    server, thread = serve_in_thread(create_vllm_app(config, Metrics()), port, "router")
+    try:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        assert httpx.post(url, json=BODY, timeout=10).headers["x-kvwire-reason"] == "prefilled"
+        p.answer_delay_s = d1.kv_wait_s = 30.0  # neither answers before the client gives up
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json=BODY, timeout=0.5)
+        deadline = time.monotonic() + 10
+        while not d1.aborted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert d1.aborted == 1, "the decode call waiting for KV was cancelled with the client's request"
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert 'kvwire_requests_total{status="cancelled"} 1.0' in metrics
+    finally:
+        p.answer_delay_s = 0.0
+        server.should_exit = True
+        thread.join(timeout=10)
