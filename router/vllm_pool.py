@@ -146,7 +146,7 @@ class InstancePool:
         if instance.state == InstanceState.DOWN:
             log.info("vLLM %s instance %s back in rotation", self.role, url)
             instance.state, instance.since, instance.reason = InstanceState.UP, self._clock(), ""
-            instance.failures, instance.slow, instance.last_ok = 0, False, self._clock()
+        self.observe(url, None)  # it answers: failures and slowness forgotten
 
     async def check(self, probe: Probe) -> None:
         """Probe every instance at once: re-admit those that serve, observe what the others showed."""
@@ -155,8 +155,7 @@ class InstancePool:
             if problem is None:
                 self.readmit(url)
             else:
-                problem = Problem(problem.kind, f"health check: {problem.reason}")
-            self.observe(url, problem)
+                self.observe(url, Problem(problem.kind, f"health check: {problem.reason}"))
 
     def describe(self) -> dict[str, object]:
         """Returns: the instances UP (and those of them slow) and those DOWN with why, for /healthz."""

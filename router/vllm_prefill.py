@@ -1,6 +1,6 @@
 """The prefill step of a request the router disaggregates, and what it learns of each prefill instance.
 
-1. `pick()`: the least loaded prefill instance up (router/vllm_pool.py), or None.
+1. The router picks the least loaded prefill instance up (router/vllm_pool.py).
 2. `run(...)`: that instance computes the prompt (max_tokens 1, its KV kept for a decode instance,
    under the directory key the router chose if it chose one). What it answers becomes `Prefilled`:
    the kv_transfer_params for the decode instance, or why there are none (the request then goes
@@ -65,9 +65,6 @@ class PrefillStep:
         self._metrics = metrics
         self._producers: dict[str, Producer] = {}  # prefill URL -> what its last answer's params showed
         self._without_params: set[str] = set()  # prefill instances that answered no kv_transfer_params
-
-    def pick(self) -> str | None:
-        return self.pool.pick()
 
     def producer(self, url: str) -> Producer | None:
         """What `url`'s last answer showed of its KvwireConnector; None before one, or for another connector."""

@@ -172,7 +172,7 @@ class VLLMRouter:
             deadline = started + self.config.instance_wait_s
             await self._wait_for_decode(rid, deadline)
             call = _Call(rid, endpoint, body, _upstream_headers(request, rid), started, deadline)
-            url = self._prefill_step.pick()
+            url = self.prefill.pick()
             if url is None:
                 return await self._decode(call, Prefilled(None, PathReason.NO_PREFILL_INSTANCE))
             limit = self.config.prefill_max_in_flight
