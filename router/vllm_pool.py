@@ -84,6 +84,7 @@ class InstancePool:
         self._tolerance = tolerance
         self._instances = {url: Instance(url, since=clock(), last_ok=clock()) for url in urls}
         self._turn = 0
+        self._readmitted = asyncio.Event()  # set when an instance comes back (wait_up)
 
     def pick(self, avoid: frozenset[str] = frozenset()) -> str | None:
         """Returns: the URL of the UP instance (not in `avoid`, unless only those are UP) with the least load, ties
@@ -146,7 +147,19 @@ class InstancePool:
         if instance.state == InstanceState.DOWN:
             log.info("vLLM %s instance %s back in rotation", self.role, url)
             instance.state, instance.since, instance.reason = InstanceState.UP, self._clock(), ""
+            self._readmitted.set()
         self.observe(url, None)  # it answers: failures and slowness forgotten
+
+    async def wait_up(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for an instance to be UP (a health check re-admits it). Returns: whether one is."""
+        deadline = time.monotonic() + timeout_s
+        while not self.count(InstanceState.UP):
+            self._readmitted.clear()
+            try:
+                await asyncio.wait_for(self._readmitted.wait(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                return bool(self.count(InstanceState.UP))
+        return True
 
     async def check(self, probe: Probe) -> None:
         """Probe every instance at once: re-admit those that serve, observe what the others showed."""

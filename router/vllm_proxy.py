@@ -195,12 +195,8 @@ class VLLMRouter:
 
     async def _wait_for_decode(self, rid: str, deadline: float) -> None:
         """Returns once a decode instance is up. Raises: APIError(503) when none is by `deadline`."""
-        delay = _FIRST_RETRY_S
-        while not self.decode.count(InstanceState.UP):
-            if time.monotonic() + delay > deadline:
-                raise _no_decode(rid)
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, _LAST_RETRY_S)
+        if not await self.decode.wait_up(deadline - time.monotonic()):
+            raise _no_decode(rid)
 
     async def _alongside(self, call: _Call, url: str, producer: Producer) -> Response:
         """The prefill and the decode step at once (module docstring, ALONGSIDE)."""

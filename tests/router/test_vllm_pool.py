@@ -144,3 +144,16 @@ def test_health_probe_reports_an_instance_nobody_listens_on_as_refused():
 
     problem = asyncio.run(probe_once())
     assert problem is not None and problem.kind == FailureKind.REFUSED and "ConnectError" in problem.reason
+
+
+def test_wait_up_returns_when_an_instance_is_readmitted_and_false_at_its_timeout():
+    pool = InstancePool(NodeRole.DECODE, [A])
+    pool.take_out(A, "gone")
+
+    async def readmitted_later() -> tuple[bool, bool]:
+        asyncio.get_running_loop().call_later(0.05, pool.readmit, A)
+        came = await asyncio.wait_for(pool.wait_up(10.0), 5.0)  # woken by the readmission, not the timeout
+        pool.take_out(A, "gone again")
+        return came, await pool.wait_up(0.05)
+
+    assert asyncio.run(readmitted_later()) == (True, False)
