@@ -18,7 +18,7 @@ from kvwire.cli.options import (
     served_model_names,
     setup_logging,
 )
-from kvwire.router.config import RouterConfig, VLLMRouterConfig
+from kvwire.router.config import RouterConfig, RoutingPolicy, VLLMRouterConfig
 
 NodesModelDir = Annotated[Path | None, typer.Option(
     "--model", help="Hugging Face-format checkpoint directory (kvwire's nodes).", envvar="KVWIRE_MODEL")]
@@ -51,13 +51,23 @@ Sequential = Annotated[bool, typer.Option(
 PrefillMaxInFlight = Annotated[int, typer.Option(
     "--prefill-max-in-flight", min=0, help="vLLM mode: send a request decode-only when every prefill instance up "
                                            "has this many requests of the router in flight (0: no limit).")]
+Routing = Annotated[RoutingPolicy, typer.Option(
+    "--routing", help="vLLM mode: prefix: each request to the instance whose prefix cache holds the most of its prompt "
+                      "(predicted from where the router sent earlier prompts), weighed against load; load: by load "
+                      "alone.")]
+DecodeOnlyBelow = Annotated[int, typer.Option(
+    "--decode-only-below", min=0, help="vLLM mode: send a request decode-only when the decode instance picked holds "
+                                       "all but fewer than this many tokens of its prompt (0: always disaggregate).")]
+PrefixTTL = Annotated[float, typer.Option(
+    "--prefix-ttl", min=0.1, help="vLLM mode: seconds an instance is taken to hold a prompt's KV blocks after it was "
+                                  "last sent them.")]
 Port = Annotated[int, typer.Option("--port", min=1, max=65535, help="HTTP port.")]
 RequestTimeout = Annotated[float, typer.Option(
     "--request-timeout", min=0.1, help="Seconds before a request gets a 504 (vLLM mode: between the bytes of an "
                                        "instance's answer).")]
 _KVWIRE_ONLY = ("model", "redis_url", "auth_secret_file", "served_model_name", "lenient")
 _VLLM_ONLY = ("health_interval", "connect_timeout", "instance_wait", "max_failures", "unresponsive_after", "sequential",
-              "prefill_max_in_flight")
+              "prefill_max_in_flight", "routing", "decode_only_below", "prefix_ttl")
 
 
 def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedisUrl = None,
@@ -65,7 +75,8 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
            port: Port = 8000, request_timeout: RequestTimeout = 120.0, health_interval: HealthInterval = 2.0,
            connect_timeout: ConnectTimeout = 2.0, instance_wait: InstanceWait = 30.0,
            max_failures: MaxFailures = 3, unresponsive_after: UnresponsiveAfter = 30.0, sequential: Sequential = False,
-           prefill_max_in_flight: PrefillMaxInFlight = 0,
+           prefill_max_in_flight: PrefillMaxInFlight = 0, routing: Routing = RoutingPolicy.PREFIX,
+           decode_only_below: DecodeOnlyBelow = 512, prefix_ttl: PrefixTTL = 120.0,
            auth_secret_file: AuthSecretFile = None,
            served_model_name: ServedModelName = None, lenient: Lenient = False, log_level: LogLevel = "INFO") -> None:
     """Serve the OpenAI API (POST /v1/completions and /v1/chat/completions), GET /v1/models,
@@ -78,7 +89,8 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
         if log_level.upper() != "DEBUG":  # httpx logs every call at INFO, health probes included
             logging.getLogger("httpx").setLevel(logging.WARNING)
         timing = VLLMTiming(request_timeout, connect_timeout, health_interval, instance_wait, max_failures,
-                            unresponsive_after, sequential, prefill_max_in_flight)
+                            unresponsive_after, sequential, prefill_max_in_flight, routing, decode_only_below,
+                            prefix_ttl)
         app = _vllm_app(ctx, vllm_prefill, vllm_decode, host, port, timing)
     else:
         app = _kvwire_app(ctx, model, redis_url, host, port, request_timeout, auth_secret_file,
@@ -114,7 +126,7 @@ def _kvwire_app(ctx: typer.Context, model: Path | None, redis_url: str | None, h
 
 
 class VLLMTiming(NamedTuple):
-    """The vLLM mode's flags of timing, tolerance and dispatch, as given."""
+    """The vLLM mode's flags of timing, tolerance, dispatch and routing, as given."""
 
     request_timeout: float
     connect_timeout: float
@@ -124,6 +136,9 @@ class VLLMTiming(NamedTuple):
     unresponsive_after: float
     sequential: bool
     prefill_max_in_flight: int
+    routing: RoutingPolicy
+    decode_only_below: int
+    prefix_ttl: float
 
 
 def _vllm_app(ctx: typer.Context, prefill: str | None, decode: str | None, host: str, port: int, timing: VLLMTiming):
@@ -139,7 +154,8 @@ def _vllm_app(ctx: typer.Context, prefill: str | None, decode: str | None, host:
                                   connect_timeout_s=timing.connect_timeout, health_interval_s=timing.health_interval,
                                   instance_wait_s=timing.instance_wait, max_failures=timing.max_failures,
                                   unresponsive_s=timing.unresponsive_after, sequential=timing.sequential,
-                                  prefill_max_in_flight=timing.prefill_max_in_flight)
+                                  prefill_max_in_flight=timing.prefill_max_in_flight, routing=timing.routing,
+                                  decode_only_below=timing.decode_only_below, prefix_ttl_s=timing.prefix_ttl)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     return create_vllm_app(config)

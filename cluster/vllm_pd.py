@@ -69,6 +69,9 @@ class PDCluster:
         return out
 
 
+ALWAYS_DISAGGREGATE = ("--decode-only-below", "0")  # a pair's routers: every request tests the transfer
+
+
 def start_router(prefill_urls: list[str], decode_urls: list[str], log_path: Path,
                  extra_args: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:
     """`kvwire router` in vLLM mode on a free port (with `extra_args`, e.g. `--sequential`); returns its URL and
@@ -146,8 +149,8 @@ def with_tp(pair: tuple[VLLMServerSpec, VLLMServerSpec], prefill_tp: int,
 @contextmanager
 def pd_cluster_of(prefill_spec: VLLMServerSpec, decode_spec: VLLMServerSpec, log_dir: Path,
                   sequential_router: bool = False) -> Iterator[PDCluster]:
-    """Both servers started side by side, the router in front (and a `--sequential` one with `sequential_router`);
-    everything stopped on exit.
+    """Both servers started side by side, the router in front (and a `--sequential` one with `sequential_router`),
+    each disaggregating every request (ALWAYS_DISAGGREGATE); everything stopped on exit.
 
     Raises:
         ClusterError: a server or a router did not start (what did start is stopped).
@@ -156,12 +159,13 @@ def pd_cluster_of(prefill_spec: VLLMServerSpec, decode_spec: VLLMServerSpec, log
     routers: list[subprocess.Popen] = []
     cluster = None
     try:
-        url, router = start_router([prefill.url], [decode.url], log_dir / "router.log")
+        url, router = start_router([prefill.url], [decode.url], log_dir / "router.log", ALWAYS_DISAGGREGATE)
         routers.append(router)
         cluster = PDCluster(prefill, decode, url, routers)
         if sequential_router:
             cluster.sequential_url, router = start_router([prefill.url], [decode.url],
-                                                          log_dir / "router-sequential.log", ("--sequential",))
+                                                          log_dir / "router-sequential.log",
+                                                          (*ALWAYS_DISAGGREGATE, "--sequential"))
             routers.append(router)
         yield cluster
     finally:

@@ -93,6 +93,8 @@ class PathReason(enum.StrEnum):
 
     PREFILLED = "prefilled"  # a prefill instance computed the prompt and handed out where its KV waits
     PREFILLED_ALONGSIDE = "prefilled-alongside"  # ... while the decode instance, told where, waited for the KV
+    CACHED_ON_DECODE = "cached-on-decode"  # the decode instance holds all but fewer than --decode-only-below tokens
+    SHORT_PROMPT = "short-prompt"  # it holds none of a prompt shorter than --decode-only-below tokens
     NO_PREFILL_INSTANCE = "no-prefill-instance"  # none configured, or none up
     PREFILL_SATURATED = "prefill-saturated"  # every prefill instance up had --prefill-max-in-flight requests
     PREFILL_FAILED = "prefill-failed"  # the prefill instance was not reached, timed out, broke or answered 5xx

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -44,6 +45,13 @@ class RouterConfig:
         return model == self.model_dir.name or Path(model).resolve() == self.model_dir.resolve()
 
 
+class RoutingPolicy(enum.StrEnum):
+    """How the router in front of vLLM picks an instance (router/vllm_schedule.py)."""
+
+    PREFIX = "prefix"  # by the prompt blocks each instance holds (predicted), weighed against its load
+    LOAD = "load"  # by load alone; the prompt is not read for it
+
+
 @dataclass(frozen=True)
 class VLLMRouterConfig:
     """The router fronting vLLM servers (`kvwire router --vllm-decode ...`).
@@ -63,6 +71,10 @@ class VLLMRouterConfig:
             the router in flight (0: no limit).
         sequential: start a request's decode step only once its prefill instance has answered, even where its
             answers showed KvwireConnector (which lets the decode step start alongside: router/vllm_proxy.py).
+        routing: how instances are picked (RoutingPolicy).
+        decode_only_below: a request goes decode-only when the decode instance picked holds all but fewer than this
+            many of its prompt's tokens (0: never for this reason).
+        prefix_ttl_s: how long an instance is taken to hold a prompt's blocks after it was last sent them.
     Raises:
         ValueError: no decode URL, a URL that is not http(s)://host[:port][/prefix], or one named twice in a role
             (one instance may serve both roles: vLLM's kv_both).
@@ -80,6 +92,9 @@ class VLLMRouterConfig:
     unresponsive_s: float = 30.0
     prefill_max_in_flight: int = 0
     sequential: bool = False
+    routing: RoutingPolicy = RoutingPolicy.PREFIX
+    decode_only_below: int = 512
+    prefix_ttl_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not self.decode_urls:
@@ -95,6 +110,8 @@ class VLLMRouterConfig:
                 raise ValueError(f"a vLLM instance is named twice in {', '.join(urls)}")
         if min(self.request_timeout_s, self.connect_timeout_s, self.health_interval_s, self.unresponsive_s) <= 0:
             raise ValueError("timeouts and the health interval must be positive")
-        if self.instance_wait_s < 0 or self.max_failures < 1 or self.prefill_max_in_flight < 0:
-            raise ValueError("the instance wait and prefill_max_in_flight must not be negative, and max_failures "
-                             "must be 1 or more")
+        if min(self.instance_wait_s, self.prefill_max_in_flight, self.decode_only_below) < 0 or self.max_failures < 1:
+            raise ValueError("the instance wait, prefill_max_in_flight and decode_only_below must not be negative, "
+                             "and max_failures must be 1 or more")
+        if self.prefix_ttl_s <= 0:
+            raise ValueError("the prefix TTL must be positive")

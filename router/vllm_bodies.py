@@ -95,3 +95,4 @@ def kv_transfer_params_of(response: bytes) -> dict[str, Any] | None:
     except (ValueError, AttributeError):
         return None
     return params if isinstance(params, dict) and params else None
+

@@ -2,9 +2,11 @@
 
 Lifecycle of an instance:
 
-1. UP from the start: `pick()` hands out the UP instance with the fewest requests in flight
-   through this router (`started` .. `ended`), an instance that answered slowly counted as SLOW_WEIGHT more,
-   ties in turn (round robin).
+1. UP from the start: `pick()` hands out the UP instance of the least cost: its load (`load`: the KV blocks of
+   the requests in flight through this router, `started` .. `ended`, or those its own GET /metrics last said
+   were in use, whichever is more; plus, at a request's blocks each, the requests queued there and SLOW_WEIGHT
+   if it answered slowly) and, when the caller gives one, a cost of its own per instance (the router's: the
+   prompt blocks it would compute, router/vllm_schedule.py); ties in turn (round robin).
 2. What each call or health probe says of it (`observe`):
    - an answer (any HTTP status below 500): it serves; its failures and slowness are forgotten;
    - REFUSED (nobody accepts connections there): it is gone, DOWN at once;
@@ -30,6 +32,7 @@ import httpx
 
 from kvwire.connectors.config import NodeRole
 from kvwire.observability.labels import InstanceState
+from kvwire.router.vllm_load import ServerLoad
 from kvwire.router.vllm_upstream import PEER_ERRORS, FailureKind, failure_kind
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,14 @@ class Probe(Protocol):
         ...
 
 
+class Scrape(Protocol):
+    """Reads one instance's load from its metrics."""
+
+    async def __call__(self, url: str) -> ServerLoad | None:
+        """Returns: what its metrics show; None when they could not be read."""
+        ...
+
+
 @dataclass(frozen=True)
 class Tolerance:
     """How much failure an instance is allowed before it leaves rotation (module docstring, step 2)."""
@@ -69,6 +80,8 @@ class Instance:
     since: float = 0.0
     reason: str = ""
     in_flight: int = 0  # requests of this router it is working on
+    blocks: int = 0  # their KV blocks (prompt blocks; 1 for a request whose prompt the router did not read)
+    server: ServerLoad | None = None  # what its GET /metrics showed last
     failures: int = 0  # BROKEN or 5xx in a row
     slow: bool = False  # its last call timed out
     last_ok: float = 0.0  # when it last answered
@@ -86,9 +99,11 @@ class InstancePool:
         self._turn = 0
         self._readmitted = asyncio.Event()  # set when an instance comes back (wait_up)
 
-    def pick(self, avoid: frozenset[str] = frozenset()) -> str | None:
-        """Returns: the URL of the UP instance (not in `avoid`, unless only those are UP) with the least load, ties
-        in round-robin order; None when none is UP."""
+    def pick(self, avoid: frozenset[str] = frozenset(), cost: Callable[[str], float] | None = None,
+             request_blocks: int = 1) -> str | None:
+        """Returns: the URL of the UP instance (not in `avoid`, unless only those are UP) of the least `cost(url)`
+        + load, ties in round-robin order; None when none is UP. `request_blocks`: a request's KV blocks, what
+        each request queued on an instance (or SLOW_WEIGHT of them) weighs."""
         up = [i for i in self._instances.values() if i.state == InstanceState.UP]
         up = [i for i in up if i.url not in avoid] or up
         if not up:
@@ -96,15 +111,33 @@ class InstancePool:
         self._turn += 1
         start = (self._turn - 1) % len(up)
         rotated = up[start:] + up[:start]
-        return min(rotated, key=lambda i: i.in_flight + (SLOW_WEIGHT if i.slow else 0)).url
+        return min(rotated, key=lambda i: (cost(i.url) if cost else 0) + self.load(i.url, request_blocks)).url
 
-    def started(self, url: str) -> None:
-        """A request of this router went to `url`: it counts in its load until `ended`."""
+    def load(self, url: str, request_blocks: int = 1) -> float:
+        """`url`'s load in KV blocks (module docstring, step 1)."""
+        instance = self._instances[url]
+        server = instance.server or ServerLoad(0, 0, 0)
+        queued = server.waiting + (SLOW_WEIGHT if instance.slow else 0)
+        return max(instance.blocks, server.used_blocks) + queued * request_blocks
+
+    def started(self, url: str, blocks: int = 1) -> None:
+        """A request of this router (of `blocks` KV blocks) went to `url`: it counts in its load until `ended`."""
         self._instances[url].in_flight += 1
+        self._instances[url].blocks += blocks
 
-    def ended(self, url: str) -> None:
+    def ended(self, url: str, blocks: int = 1) -> None:
         """A request `started` on `url` has its whole answer (or failed)."""
         self._instances[url].in_flight -= 1
+        self._instances[url].blocks -= blocks
+
+    def measured(self, url: str, server: ServerLoad) -> None:
+        """What `url`'s GET /metrics showed."""
+        self._instances[url].server = server
+
+    def block_size(self) -> int:
+        """The KV block size the instances' metrics showed (the smallest, if they differ); 0 before any did."""
+        return min((i.server.block_size for i in self._instances.values() if i.server and i.server.block_size),
+                   default=0)
 
     def in_flight(self, url: str) -> int:
         return self._instances[url].in_flight
@@ -161,14 +194,21 @@ class InstancePool:
                 return bool(self.count(InstanceState.UP))
         return True
 
-    async def check(self, probe: Probe) -> None:
-        """Probe every instance at once: re-admit those that serve, observe what the others showed."""
+    async def check(self, probe: Probe, scrape: Scrape | None = None) -> None:
+        """Probe every instance at once: re-admit those that serve, observe what the others showed; then `scrape`
+        the load of those that serve."""
         urls = list(self._instances)
+        serving = []
         for url, problem in zip(urls, await asyncio.gather(*(probe(url) for url in urls))):
             if problem is None:
                 self.readmit(url)
+                serving.append(url)
             else:
                 self.observe(url, Problem(problem.kind, f"health check: {problem.reason}"))
+        if scrape is not None:
+            for url, server in zip(serving, await asyncio.gather(*(scrape(url) for url in serving))):
+                if server is not None:
+                    self.measured(url, server)
 
     def describe(self) -> dict[str, object]:
         """Returns: the instances UP (and those of them slow) and those DOWN with why, for /healthz."""
@@ -196,8 +236,9 @@ class HealthProbe:
         return Problem(FailureKind.BROKEN, f"GET /health answered {resp.status_code}")
 
 
-async def run_health_checks(pools: Sequence[InstancePool], probe: Probe, interval_s: float) -> None:
+async def run_health_checks(pools: Sequence[InstancePool], probe: Probe, interval_s: float,
+                            scrape: Scrape | None = None) -> None:
     """Check every pool every `interval_s` seconds, until cancelled."""
     while True:
         await asyncio.sleep(interval_s)
-        await asyncio.gather(*(pool.check(probe) for pool in pools))
+        await asyncio.gather(*(pool.check(probe, scrape) for pool in pools))

@@ -6,7 +6,10 @@ Lifecycle of a request:
 1. ARRIVED: its body is read as JSON (400 if it is not an object) and it gets a request id
    (the client's X-Request-Id, or a new one), sent to both instances and back to the client.
    With no decode instance up it waits for one, up to `instance_wait_s`, then gets a 503.
-2. PREFILL (router/vllm_prefill.py): the least loaded prefill instance up computes the prompt
+2. PLACED (router/vllm_schedule.py): its prompt's token ids (from an instance's POST /tokenize, when the
+   scheduler needs them) pick its decode instance, by the prefix each holds and its load, and its path:
+   decode-only when that instance holds all but a short part of the prompt.
+3. PREFILL (router/vllm_prefill.py): the prefill instance the scheduler picks computes the prompt
    (max_tokens 1, its KV kept for a decode instance). Its 4xx goes back to the client unchanged.
    With no prefill instance up, every one up with `prefill_max_in_flight` requests in flight, or one
    that fails or answers 5xx, or an answer without kv_transfer_params (a vLLM with no KV connector),
@@ -17,11 +20,11 @@ Lifecycle of a request:
      decode instance answers, that call is cancelled (vLLM aborts the request) and the request
      goes on decode-only.
    - SEQUENTIAL: the decode step starts once the prefill instance has answered, with its params.
-3. DECODE: the least loaded decode instance up gets the client's body with those params. A call
+4. DECODE: the decode instance placed gets the client's body with those params. A call
    that never reached its instance (refused, or no connection in time) is tried again, on another
    instance if one is up, with back-off until `instance_wait_s` after arrival; one that reached it
    and timed out or broke gives the client a 504 or 502.
-4. ANSWERED: the decode instance's answer, whole or as its SSE stream chunk by chunk (from its first
+5. ANSWERED: the decode instance's answer, whole or as its SSE stream chunk by chunk (from its first
    chunk), with x-kvwire-path (disaggregated or decode-only), x-kvwire-reason (why: PathReason),
    x-kvwire-decode and, when one computed the prompt, x-kvwire-prefill (the instances' base URLs).
 
@@ -59,8 +62,11 @@ from kvwire.router import vllm_upstream as upstream
 from kvwire.router.config import VLLMRouterConfig
 from kvwire.router.schemas import APIError
 from kvwire.router.vllm_bodies import Endpoint, Producer, ahead_params, decode_body, is_stream, parse_body
+from kvwire.router.vllm_load import scrape
 from kvwire.router.vllm_pool import HealthProbe, InstancePool, Tolerance, run_health_checks
 from kvwire.router.vllm_prefill import Prefilled, PrefillStep, record_failure
+from kvwire.router.vllm_schedule import Placement, Scheduler
+from kvwire.router.vllm_tokens import completion_tokens_of, prompt_tokens
 from kvwire.router.vllm_upstream import FailureKind, InstanceError, unsent
 
 log = logging.getLogger(__name__)
@@ -78,6 +84,8 @@ class VLLMRouter:
         self.prefill = InstancePool(NodeRole.PREFILL, config.prefill_urls, tolerance=tolerance)
         self.decode = InstancePool(NodeRole.DECODE, config.decode_urls, tolerance=tolerance)
         self._prefill_step = PrefillStep(self.prefill, metrics)
+        self.schedule = Scheduler(config.routing, config.decode_only_below, config.prefix_ttl_s, self.prefill,
+                                  self.decode)
         self._client: httpx.AsyncClient | None = None
         self._behind: set[asyncio.Task] = set()  # prefill steps still running after their request was answered
         for pool in (self.prefill, self.decode):
@@ -96,10 +104,15 @@ class VLLMRouter:
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             self._client = client
             probe_s = max(self.config.health_interval_s, connect)  # answered before the next probe is due
-            probe = HealthProbe(client, httpx.Timeout(probe_s, connect=connect))
+            probe_timeout = httpx.Timeout(probe_s, connect=connect)
+            probe = HealthProbe(client, probe_timeout)
+
+            async def load(url: str):
+                return await scrape(client, url, probe_timeout)
+
             pools = (self.prefill, self.decode)
-            await asyncio.gather(*(pool.check(probe) for pool in pools))  # serve knowing who is up
-            checks = asyncio.create_task(run_health_checks(pools, probe, self.config.health_interval_s))
+            await asyncio.gather(*(pool.check(probe, load) for pool in pools))  # serve knowing who is up
+            checks = asyncio.create_task(run_health_checks(pools, probe, self.config.health_interval_s, load))
             try:
                 yield
             finally:
@@ -171,21 +184,28 @@ class VLLMRouter:
             body = parse_body(raw)
             deadline = started + self.config.instance_wait_s
             await self._wait_for_decode(rid, deadline)
-            call = _Call(rid, endpoint, body, _upstream_headers(request, rid), started, deadline)
-            url = self.prefill.pick()
+            call = await self._read_prompt(_Call(rid, endpoint, body, _upstream_headers(request, rid), started,
+                                                 deadline))
+            placed = self.schedule.place(call.tokens)
+            if placed is None:
+                raise _no_decode(rid)
+            if placed.decode_only is not None:
+                return await self._decode(call, Prefilled(None, placed.decode_only), placed)
+            url = self.schedule.prefill(call.tokens)
             if url is None:
-                return await self._decode(call, Prefilled(None, PathReason.NO_PREFILL_INSTANCE))
+                return await self._decode(call, Prefilled(None, PathReason.NO_PREFILL_INSTANCE), placed)
             limit = self.config.prefill_max_in_flight
             if limit and self.prefill.in_flight(url) >= limit:  # the least loaded one: every one is
-                return await self._decode(call, Prefilled(None, PathReason.PREFILL_SATURATED))
+                return await self._decode(call, Prefilled(None, PathReason.PREFILL_SATURATED), placed)
+            self.schedule.sent(NodeRole.PREFILL, url, call.tokens)
             producer = self._prefill_step.producer(url)
             if producer is not None and not self.config.sequential:
-                return await self._alongside(call, url, producer)
+                return await self._alongside(call, url, producer, placed)
             prefilled = await self._prefill_step.run(self.client, rid, url, endpoint, body, call.headers)
             if prefilled.refusal is not None:
                 self._count(prefilled.refusal.status_code)
                 return _whole(prefilled.refusal, rid, {})
-            return await self._decode(call, prefilled)
+            return await self._decode(call, prefilled, placed)
         except APIError as exc:
             self._count(exc.status)
             return JSONResponse(exc.body(), status_code=exc.status, headers={"x-request-id": rid})
@@ -198,13 +218,22 @@ class VLLMRouter:
         if not await self.decode.wait_up(deadline - time.monotonic()):
             raise _no_decode(rid)
 
-    async def _alongside(self, call: _Call, url: str, producer: Producer) -> Response:
+    async def _read_prompt(self, call: _Call) -> _Call:
+        """`call` with its prompt's token ids, when the scheduler needs them and an instance tokenizes them."""
+        if not self.schedule.reads_prompts() or not (up := self.decode.urls(InstanceState.UP)):
+            return call
+        tokens = await prompt_tokens(self.client, up[0], call.endpoint, call.body, call.headers)
+        if tokens is None:
+            log.debug("request %s: its prompt was not tokenized; placed by load alone", call.rid)
+        return call._replace(tokens=tokens)
+
+    async def _alongside(self, call: _Call, url: str, producer: Producer, placed: Placement) -> Response:
         """The prefill and the decode step at once (module docstring, ALONGSIDE)."""
         key = f"kvwire-{uuid.uuid4().hex}"
         prefill = asyncio.create_task(self._prefill_step.run(self.client, call.rid, url, call.endpoint, call.body,
                                                              call.headers, key))
         ahead = Prefilled(ahead_params(key, producer), PathReason.PREFILLED_ALONGSIDE, url)
-        decode = asyncio.create_task(self._decode(call, ahead))
+        decode = asyncio.create_task(self._decode(call, ahead, placed))
         try:
             await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
             if not decode.done() and prefill.result().kv_transfer_params is None:
@@ -213,7 +242,7 @@ class VLLMRouter:
                     await decode
                 reason = prefill.result().reason
                 log.warning("request %s: prefill instance %s gave no KV (%s); decode-only", call.rid, url, reason)
-                return await self._decode(call, Prefilled(None, reason, url))
+                return await self._decode(call, Prefilled(None, reason, url), placed)
             return await decode
         except BaseException:
             decode.cancel()  # the client went away (or the router failed): vLLM aborts the decode request too
@@ -223,25 +252,27 @@ class VLLMRouter:
                 self._behind.add(prefill)
                 prefill.add_done_callback(self._behind.discard)
 
-    async def _decode(self, call: _Call, prefilled: Prefilled) -> Response:
-        """The first decode instance that takes the request answers it (module docstring, steps 3 and 4)."""
+    async def _decode(self, call: _Call, prefilled: Prefilled, placed: Placement) -> Response:
+        """The decode instance `placed` names answers the request, or the first other one that takes it (module
+        docstring, steps 4 and 5)."""
         body = decode_body(call.body, prefilled.kv_transfer_params)
         stream = is_stream(body)
         send = upstream.open_stream if stream else upstream.post
         tried: set[str] = set()
-        delay, last = _FIRST_RETRY_S, None
+        delay, last, blocks = _FIRST_RETRY_S, None, placed.blocks
+        url: str | None = placed.decode
         while True:
-            url = self.decode.pick(avoid=frozenset(tried))
             if url is not None:
-                self.decode.started(url)
+                self.decode.started(url, blocks)
+                self.schedule.sent(NodeRole.DECODE, url, call.tokens)
                 try:
                     resp = await send(self.client, call.rid, url, call.endpoint, body, call.headers)
                     if not stream or resp.status_code != 200:
-                        self.decode.ended(url)
-                        return self._whole_answer(resp, call.rid, url, prefilled)
-                    return await self._stream_answer(resp, call, url, prefilled)
+                        self.decode.ended(url, blocks)
+                        return self._whole_answer(resp, call, url, prefilled)
+                    return await self._stream_answer(resp, call, url, prefilled, blocks)
                 except InstanceError as exc:
-                    self.decode.ended(url)
+                    self.decode.ended(url, blocks)
                     record_failure(self.metrics, self.decode, url, exc)
                     if not unsent(exc.kind):
                         raise _failed(exc) from None
@@ -249,20 +280,24 @@ class VLLMRouter:
                     tried.add(url)
                     last = exc
                 except asyncio.CancelledError:
-                    self.decode.ended(url)
+                    self.decode.ended(url, blocks)
                     raise
             if time.monotonic() + delay > call.deadline:
                 raise _no_decode(call.rid) if last is None else _failed(last)
             await asyncio.sleep(delay)
             delay = min(2 * delay, _LAST_RETRY_S)
+            url = again.decode if (again := self.schedule.place(call.tokens, frozenset(tried))) else None
 
-    def _whole_answer(self, resp: httpx.Response, rid: str, url: str, prefilled: Prefilled) -> Response:
+    def _whole_answer(self, resp: httpx.Response, call: _Call, url: str, prefilled: Prefilled) -> Response:
         """The client's answer from decode instance `url`'s whole one (or a stream's that was not 200)."""
-        self._answered(resp, rid, url, prefilled)
+        self._answered(resp, call.rid, url, prefilled)
         self._count(resp.status_code)
-        return _whole(resp, rid, prefilled.headers(url))
+        if resp.status_code == 200:
+            self.schedule.answered(url, call.tokens, completion_tokens_of(resp.content))
+        return _whole(resp, call.rid, prefilled.headers(url))
 
-    async def _stream_answer(self, resp: httpx.Response, call: _Call, url: str, prefilled: Prefilled) -> Response:
+    async def _stream_answer(self, resp: httpx.Response, call: _Call, url: str, prefilled: Prefilled,
+                             blocks: int) -> Response:
         """The client's stream, from decode instance `url`'s first chunk (read here: a stream cut before it is an
         InstanceError of the call); `url` counts the request until the relay ends."""
         chunks = upstream.stream_bytes(resp, call.rid, url)
@@ -274,7 +309,7 @@ class VLLMRouter:
             raise
         self.metrics.ttft_seconds.observe(time.monotonic() - call.started)
         self._answered(resp, call.rid, url, prefilled)
-        return StreamingResponse(self._relay(resp, chunks, first, call.rid, url),
+        return StreamingResponse(self._relay(resp, chunks, first, call, url, blocks),
                                  media_type=resp.headers.get("content-type"),
                                  headers={"x-request-id": call.rid} | prefilled.headers(url))
 
@@ -287,13 +322,16 @@ class VLLMRouter:
         else:
             self.decode.observe(url, None)
 
-    async def _relay(self, resp: httpx.Response, chunks: AsyncIterator[bytes], first: bytes, rid: str, peer: str):
+    async def _relay(self, resp: httpx.Response, chunks: AsyncIterator[bytes], first: bytes, call: _Call, peer: str,
+                     blocks: int):
         """The decode instance's stream, chunk by chunk from `first`; an SSE error event if it breaks."""
-        status = 200
+        status, events = 200, first.count(b"data: {")  # an event a generated token, near enough for the index
         try:
             yield first
             async for chunk in chunks:
+                events += chunk.count(b"data: {")
                 yield chunk
+            self.schedule.answered(peer, call.tokens, events)
         except InstanceError as exc:
             log.warning("%s; stream cut", exc)
             record_failure(self.metrics, self.decode, peer, exc)
@@ -301,7 +339,7 @@ class VLLMRouter:
             status = err.status
             yield f"\n\ndata: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
         finally:
-            self.decode.ended(peer)
+            self.decode.ended(peer, blocks)
             with anyio.CancelScope(shield=True):  # the client may have gone: close the instance's stream anyway
                 await resp.aclose()
         self._count(status)
@@ -319,6 +357,7 @@ class _Call(NamedTuple):
     headers: dict[str, str]
     started: float  # its arrival (time.monotonic())
     deadline: float  # the last moment it may wait for a decode instance to take it
+    tokens: list[int] | None = None  # its prompt's token ids, when the scheduler read them
 
 
 def create_vllm_app(config: VLLMRouterConfig, metrics: Metrics | None = None) -> FastAPI:

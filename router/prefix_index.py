@@ -1,0 +1,120 @@
+"""Which instance holds which prompt prefix in its prefix cache, in KV blocks, predicted from the router's own
+routing (as Dynamo's approximate KV router and llm-d's prefix-cache scorer do).
+
+A prompt's token ids are cut into blocks of `block_size` tokens (the servers' KV block size); each full block
+is named by a hash chained over every token before it, so a name stands for the whole prefix up to its block's
+end, as in vLLM's own prefix cache.
+
+Lifecycle of an entry:
+
+1. `record(url, prompt)` when the router sends a prompt to `url`: every full block of it is held there from now.
+2. `answered(url, prompt, generated)` once `url` answered it: the prompt's last, partial block and the
+   `generated` tokens after it are held there too, as the start of whatever prompt continues it (the next
+   turn of a conversation continues its last prompt with the answer the instance generated).
+3. `held(prompt, urls)`: how many of `prompt`'s tokens each instance holds, in whole blocks.
+4. An entry not recorded again for `ttl_s` is taken as evicted; `forget(url)` drops all of an instance's (it
+   left rotation: a restarted server's cache is empty).
+
+Not shared between threads: the router's event loop owns it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
+
+_ROOT = 0  # the name of the empty prefix
+
+
+class Tail(NamedTuple):
+    """What an instance holds past a prompt's last full block: that block's partial rest, then `generated` tokens."""
+
+    tokens: tuple[int, ...]
+    generated: int
+    at: float
+
+
+def block_names(tokens: Sequence[int], block_size: int) -> list[int]:
+    """Returns: one name per full block of `tokens`, each chained over every token before its block's end."""
+    names, parent = [], _ROOT
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, tuple(tokens[start:start + block_size])))
+        names.append(parent)
+    return names
+
+
+class PrefixIndex:
+    """Predicted prefix caches of a set of instances."""
+
+    def __init__(self, block_size: int, ttl_s: float, clock: Callable[[], float] = time.monotonic,
+                 max_entries: int = 1_000_000):
+        if block_size < 1 or ttl_s <= 0:
+            raise ValueError("the block size and the prefix TTL must be positive")
+        self.block_size = block_size
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._max_entries = max_entries
+        self._blocks: dict[int, dict[str, float]] = {}  # block name -> instance -> when last recorded
+        self._tails: dict[tuple[str, int], Tail] = {}  # (instance, name of the prompt's last full block) -> rest
+        self._entries = 0
+
+    def record(self, url: str, prompt: Sequence[int]) -> None:
+        """`url` was sent `prompt`: its full blocks are held there from now."""
+        now = self._clock()
+        for name in block_names(prompt, self.block_size):
+            holders = self._blocks.setdefault(name, {})
+            self._entries += url not in holders
+            holders[url] = now
+        if self._entries > self._max_entries:
+            self._prune(now)
+
+    def answered(self, url: str, prompt: Sequence[int], generated: int) -> None:
+        """`url` answered `prompt` with `generated` tokens: it holds the prompt's rest and those past it."""
+        names = block_names(prompt, self.block_size)
+        rest = tuple(prompt[len(names) * self.block_size:])
+        self._tails[(url, names[-1] if names else _ROOT)] = Tail(rest, max(0, generated), self._clock())
+
+    def held(self, prompt: Sequence[int], urls: Iterable[str]) -> dict[str, int]:
+        """Returns: for each of `urls`, how many of `prompt`'s first tokens it holds, a multiple of the block size."""
+        names, now, size = block_names(prompt, self.block_size), self._clock(), self.block_size
+        out = {}
+        for url in urls:
+            full = 0
+            while full < len(names) and self._fresh(self._blocks.get(names[full], {}).get(url), now):
+                full += 1
+            tokens = full * size
+            tail = self._tails.get((url, names[full - 1] if full else _ROOT))
+            if tail is not None and self._fresh(tail.at, now) and tuple(prompt[tokens:tokens + len(tail.tokens)]) \
+                    == tail.tokens:
+                tokens = min(len(prompt), tokens + len(tail.tokens) + tail.generated) // size * size
+            out[url] = tokens
+        return out
+
+    def forget(self, url: str) -> None:
+        """Drop everything `url` held (it left rotation)."""
+        for holders in self._blocks.values():
+            self._entries -= holders.pop(url, None) is not None
+        self._blocks = {name: holders for name, holders in self._blocks.items() if holders}
+        self._tails = {key: tail for key, tail in self._tails.items() if key[0] != url}
+
+    def _fresh(self, at: float | None, now: float) -> bool:
+        return at is not None and now - at < self._ttl_s
+
+    def _prune(self, now: float) -> None:
+        """Drop the entries past their TTL; then, if more than half the size is left, the oldest (those recorded
+        at one time, by one `record`, all kept or all dropped: a prefix is held whole or not at all)."""
+        by_time: dict[float, list[tuple[int, str]]] = {}
+        for name, holders in self._blocks.items():
+            for url, at in holders.items():
+                if self._fresh(at, now):
+                    by_time.setdefault(at, []).append((name, url))
+        kept, self._blocks = 0, {}
+        for at in sorted(by_time, reverse=True):
+            if kept and kept + len(by_time[at]) > self._max_entries // 2:
+                break
+            for name, url in by_time[at]:
+                self._blocks.setdefault(name, {})[url] = at
+            kept += len(by_time[at])
+        self._entries = kept
+        self._tails = {key: tail for key, tail in self._tails.items() if self._fresh(tail.at, now)}

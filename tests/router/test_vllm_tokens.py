@@ -1,0 +1,36 @@
+"""What the router asks vLLM's /tokenize for a client's body, and what it reads of an answer's usage."""
+
+from __future__ import annotations
+
+import json
+
+from kvwire.router.vllm_bodies import Endpoint
+from kvwire.router.vllm_tokens import completion_tokens_of, tokenize_body
+
+
+def test_a_chat_body_is_tokenized_with_every_field_that_changes_its_prompt():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [], "max_tokens": 5,
+            "chat_template_kwargs": {"enable_thinking": False}, "temperature": 0.0}
+    assert tokenize_body(Endpoint.CHAT, body) == {"model": "m", "messages": body["messages"], "tools": [],
+                                                  "chat_template_kwargs": {"enable_thinking": False}}
+    assert tokenize_body(Endpoint.CHAT, {"model": "m"}) is None
+
+
+def test_a_completion_prompt_is_tokenized_and_token_ids_are_taken_as_they_are():
+    assert tokenize_body(Endpoint.COMPLETIONS, {"model": "m", "prompt": "hi", "add_special_tokens": False}) == {
+        "model": "m", "prompt": "hi", "add_special_tokens": False}
+    assert tokenize_body(Endpoint.COMPLETIONS, {"model": "m", "prompt": ["hi"]}) == {"model": "m", "prompt": "hi"}
+    assert tokenize_body(Endpoint.COMPLETIONS, {"prompt": [1, 2, 3]}) == [1, 2, 3]
+    assert tokenize_body(Endpoint.COMPLETIONS, {"prompt": [[1, 2, 3]]}) == [1, 2, 3]
+    assert tokenize_body(Endpoint.COMPLETIONS, {"prompt": ["a", "b"]}) is None  # a batch: no one prompt
+    assert tokenize_body(Endpoint.COMPLETIONS, {"prompt": [True, 2]}) is None
+
+
+def test_the_tokens_an_answer_generated_come_from_its_usage_when_it_has_one_choice():
+    def answer(choices: int, usage: object) -> bytes:
+        return json.dumps({"choices": [{}] * choices, "usage": usage}).encode()
+
+    assert completion_tokens_of(answer(1, {"completion_tokens": 7})) == 7
+    assert completion_tokens_of(answer(2, {"completion_tokens": 7})) == 0
+    assert completion_tokens_of(answer(1, None)) == 0
+    assert completion_tokens_of(b"not json") == 0
