@@ -1,0 +1,102 @@
+"""One prefill and two decode vLLM servers (KvwireConnector over UCX) behind `kvwire router` with its default flags.
+
+Through the official `openai` client, two conversations of three turns each, interleaved: each conversation stays
+on one decode server, the two use both, every turn after the first is decode-only (the decode server holds all but
+its last few tokens: reason cached-on-decode), a short prompt goes decode-only (short-prompt), the headers say so,
+and every answer equals a plain vLLM server's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import httpx
+import pytest
+
+from kvwire.cluster.redis_server import LocalRedis
+from kvwire.cluster.vllm_cluster import VLLMServer, start_all
+from kvwire.cluster.vllm_pd import kvwire_pair, start_router
+from kvwire.connectors.config import ConnectorKind
+from kvwire.observability.labels import DISAGGREGATED_REASONS
+
+openai = pytest.importorskip("openai")
+
+MAX_TOKENS = 16
+# long enough (about 600 tokens of the byte tokenizer) for the first turn to be disaggregated by default
+SYSTEM = {"teacher": "You are a patient teacher of arithmetic and of nothing else. " * 10,
+          "poet": "You are a poet who writes only about the sea, the wind and ships. " * 9}
+USER = ["Tell me something.", "Go on, please.", "And what then?"]
+
+
+class Trio(NamedTuple):
+    router_url: str
+    prefill: VLLMServer
+    decodes: list[VLLMServer]
+
+
+@pytest.fixture(scope="module")
+def trio(vllm_model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -> Iterator[Trio]:
+    log_dir = tmp_path_factory.mktemp("schedule")
+    prefill, decode = kvwire_pair(vllm_model_dir, redis_server.url, ConnectorKind.UCX, log_dir)
+    decode2 = dataclasses.replace(decode, node_id="decode2-ucx", log_path=log_dir / "decode2.log")
+    servers = start_all([prefill, decode, decode2])
+    router: subprocess.Popen | None = None
+    try:
+        url, router = start_router([servers[0].url], [s.url for s in servers[1:]], log_dir / "router.log")
+        yield Trio(url, servers[0], servers[1:])
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(10)
+        for server in servers:
+            server.stop()
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+class Turn(NamedTuple):
+    decode: str
+    path: str
+    reason: str
+
+
+def test_conversations_stay_where_their_kv_is_and_later_turns_are_decode_only(trio: Trio, plain_server: VLLMServer,
+                                                                               vllm_model_dir: Path):
+    model = str(vllm_model_dir)
+    routed, plain = _client(trio.router_url), _client(plain_server.url)
+    talks = {name: [{"role": "system", "content": text}] for name, text in SYSTEM.items()}
+    turns: dict[str, list[Turn]] = {name: [] for name in talks}
+    for user in USER:
+        for name, messages in talks.items():  # interleaved: each turn of one between two of the other
+            messages.append({"role": "user", "content": user})
+            raw = routed.chat.completions.with_raw_response.create(model=model, messages=messages,
+                                                                   max_tokens=MAX_TOKENS, temperature=0)
+            text = raw.parse().choices[0].message.content or ""
+            want = plain.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS,
+                                                 temperature=0).choices[0].message.content
+            assert text == want, (name, len(turns[name]))
+            turns[name].append(Turn(raw.headers["x-kvwire-decode"], raw.headers["x-kvwire-path"],
+                                    raw.headers["x-kvwire-reason"]))
+            messages.append({"role": "assistant", "content": text})
+    for name, seen in turns.items():
+        assert len({t.decode for t in seen}) == 1, f"{name} moved between decode servers: {seen}"
+        assert seen[0].path == "disaggregated" and seen[0].reason in DISAGGREGATED_REASONS, seen
+        assert all((t.path, t.reason) == ("decode-only", "cached-on-decode") for t in seen[1:]), seen
+    assert {seen[0].decode for seen in turns.values()} == {s.url for s in trio.decodes}
+
+    prompt = "Hello there, how are you?"
+    raw = routed.completions.with_raw_response.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+    assert (raw.headers["x-kvwire-path"], raw.headers["x-kvwire-reason"]) == ("decode-only", "short-prompt")
+    assert raw.parse().choices[0].text == plain.completions.create(model=model, prompt=prompt, max_tokens=8,
+                                                                   temperature=0).choices[0].text
+    metrics = httpx.get(f"{trio.router_url}/metrics", timeout=10).text
+    answered = dict(re.findall(r'^kvwire_requests_total\{status="([a-z]+)"\} (\S+)$', metrics, re.M))
+    assert float(answered["ok"]) == 2 * len(USER) + 1, answered
+    assert sum(float(n) for status, n in answered.items() if status != "ok") == 0, answered
