@@ -3,10 +3,11 @@
 Lifecycle of an instance:
 
 1. UP from the start: `pick()` hands out the UP instance of the least cost: its load (`load`: the KV blocks of
-   the requests in flight through this router, `started` .. `ended`, or those its own GET /metrics last said
-   were in use, whichever is more; plus, at a request's blocks each, the requests queued there and SLOW_WEIGHT
-   if it answered slowly) and, when the caller gives one, a cost of its own per instance (the router's: the
-   prompt blocks it would compute, router/vllm_schedule.py); ties in turn (round robin).
+   the requests in flight through this router, `started` .. `ended`, and of other clients' requests, those its
+   own GET /metrics last said were in use beyond this router's at that moment; plus, at a request's blocks
+   each, the requests queued there and SLOW_WEIGHT if it answered slowly) and, when the caller gives one, a
+   cost of its own per instance (the router's: the prompt blocks it would compute, router/vllm_schedule.py);
+   ties in turn (round robin).
 2. What each call or health probe says of it (`observe`):
    - an answer (any HTTP status below 500): it serves; its failures and slowness are forgotten;
    - REFUSED (nobody accepts connections there): it is gone, DOWN at once;
@@ -81,7 +82,8 @@ class Instance:
     reason: str = ""
     in_flight: int = 0  # requests of this router it is working on
     blocks: int = 0  # their KV blocks (prompt blocks; 1 for a request whose prompt the router did not read)
-    server: ServerLoad | None = None  # what its GET /metrics showed last
+    others: int = 0  # KV blocks in use by requests not of this router, at its last GET /metrics
+    queued: int = 0  # requests waiting there, at its last GET /metrics
     failures: int = 0  # BROKEN or 5xx in a row
     slow: bool = False  # its last call timed out
     last_ok: float = 0.0  # when it last answered
@@ -98,6 +100,7 @@ class InstancePool:
         self._instances = {url: Instance(url, since=clock(), last_ok=clock()) for url in urls}
         self._turn = 0
         self._readmitted = asyncio.Event()  # set when an instance comes back (wait_up)
+        self._block_size = 0
 
     def pick(self, avoid: frozenset[str] = frozenset(), cost: Callable[[str], float] | None = None,
              request_blocks: int = 1) -> str | None:
@@ -116,9 +119,8 @@ class InstancePool:
     def load(self, url: str, request_blocks: int = 1) -> float:
         """`url`'s load in KV blocks (module docstring, step 1)."""
         instance = self._instances[url]
-        server = instance.server or ServerLoad(0, 0, 0)
-        queued = server.waiting + (SLOW_WEIGHT if instance.slow else 0)
-        return max(instance.blocks, server.used_blocks) + queued * request_blocks
+        queued = instance.queued + (SLOW_WEIGHT if instance.slow else 0)
+        return instance.blocks + instance.others + queued * request_blocks
 
     def started(self, url: str, blocks: int = 1) -> None:
         """A request of this router (of `blocks` KV blocks) went to `url`: it counts in its load until `ended`."""
@@ -130,14 +132,17 @@ class InstancePool:
         self._instances[url].in_flight -= 1
         self._instances[url].blocks -= blocks
 
-    def measured(self, url: str, server: ServerLoad) -> None:
-        """What `url`'s GET /metrics showed."""
-        self._instances[url].server = server
+    def measured(self, url: str, server: ServerLoad, blocks_then: int) -> None:
+        """What `url`'s GET /metrics showed, asked while this router's requests there held `blocks_then` blocks."""
+        instance = self._instances[url]
+        instance.others = max(0, server.used_blocks - min(blocks_then, instance.blocks))
+        instance.queued = server.waiting
+        if server.block_size:
+            self._block_size = min(self._block_size or server.block_size, server.block_size)
 
     def block_size(self) -> int:
         """The KV block size the instances' metrics showed (the smallest, if they differ); 0 before any did."""
-        return min((i.server.block_size for i in self._instances.values() if i.server and i.server.block_size),
-                   default=0)
+        return self._block_size
 
     def in_flight(self, url: str) -> int:
         return self._instances[url].in_flight
@@ -206,9 +211,11 @@ class InstancePool:
             else:
                 self.observe(url, Problem(problem.kind, f"health check: {problem.reason}"))
         if scrape is not None:
-            for url, server in zip(serving, await asyncio.gather(*(scrape(url) for url in serving))):
+            blocks_then = [self._instances[url].blocks for url in serving]
+            for url, server, blocks in zip(serving, await asyncio.gather(*(scrape(url) for url in serving)),
+                                           blocks_then):
                 if server is not None:
-                    self.measured(url, server)
+                    self.measured(url, server, blocks)
 
     def describe(self) -> dict[str, object]:
         """Returns: the instances UP (and those of them slow) and those DOWN with why, for /healthz."""

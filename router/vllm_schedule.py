@@ -22,6 +22,7 @@ shows it, requests are placed by load and the path decided on the whole prompt.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -31,6 +32,8 @@ from kvwire.observability.labels import InstanceState, PathReason
 from kvwire.router.config import RoutingPolicy
 from kvwire.router.prefix_index import PrefixIndex
 from kvwire.router.vllm_pool import InstancePool
+
+log = logging.getLogger(__name__)
 
 
 class Placement(NamedTuple):
@@ -78,6 +81,9 @@ class Scheduler:
         url = pool.pick(avoid, self._uncached(tokens, held, index), blocks)
         if url is None:
             return None
+        if tokens and log.isEnabledFor(logging.DEBUG):
+            log.debug("a prompt of %d tokens: held %s, load %s; placed on %s", len(tokens), held,
+                      {u: pool.load(u, blocks) for u in pool.urls(InstanceState.UP)}, url)
         return Placement(url, tokens, held.get(url, 0), blocks, self._path(tokens, held.get(url, 0)))
 
     def prefill(self, tokens: Sequence[int] | None) -> str | None:

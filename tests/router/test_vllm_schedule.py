@@ -17,7 +17,7 @@ def scheduler(policy: RoutingPolicy = RoutingPolicy.PREFIX, below: int = 40, mea
     prefill, decode = InstancePool(NodeRole.PREFILL, [P]), InstancePool(NodeRole.DECODE, [D1, D2])
     if measured:
         for pool, url in ((prefill, P), (decode, D1), (decode, D2)):
-            pool.measured(url, ServerLoad(0, 0, BLOCK))
+            pool.measured(url, ServerLoad(0, 0, BLOCK), 0)
     return Scheduler(policy, below, 120.0, prefill, decode), decode
 
 
@@ -69,12 +69,24 @@ def test_the_server_s_own_queue_and_kv_usage_count_as_load():
     s, decode = scheduler()
     prompt = list(range(64))
     home = serve(s, prompt)
-    decode.measured(home, ServerLoad(waiting=0, used_blocks=5, block_size=BLOCK))  # busy with others' requests
+    decode.measured(home, ServerLoad(waiting=0, used_blocks=5, block_size=BLOCK), 0)  # busy with others' requests
     assert (placed := s.place(prompt)) is not None and placed.decode != home
-    decode.measured(home, ServerLoad(waiting=0, used_blocks=3, block_size=BLOCK))  # 3 against 4 to compute
+    decode.measured(home, ServerLoad(waiting=0, used_blocks=3, block_size=BLOCK), 0)  # 3 against 4 to compute
     assert (placed := s.place(prompt)) is not None and placed.decode == home
-    decode.measured(home, ServerLoad(waiting=2, used_blocks=0, block_size=BLOCK))  # 2 queued, 4 blocks each
+    decode.measured(home, ServerLoad(waiting=2, used_blocks=0, block_size=BLOCK), 0)  # 2 queued, 4 blocks each
     assert (placed := s.place(prompt)) is not None and placed.decode != home
+
+
+def test_the_router_s_own_requests_in_a_server_s_count_are_not_counted_again_once_they_end():
+    s, decode = scheduler()
+    prompt = list(range(64))
+    home = serve(s, prompt)
+    decode.started(home, blocks=5)
+    decode.measured(home, ServerLoad(waiting=0, used_blocks=5, block_size=BLOCK), 5)  # its 5 blocks are the router's
+    assert decode.load(home) == 5
+    decode.ended(home, blocks=5)  # until the next GET /metrics the server's count is stale: not taken as others'
+    assert decode.load(home) == 0
+    assert (placed := s.place(prompt)) is not None and placed.decode == home
 
 
 def test_load_routing_ignores_what_instances_hold():

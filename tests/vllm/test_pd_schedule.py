@@ -47,7 +47,8 @@ def trio(vllm_model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -> It
     servers = start_all([prefill, decode, decode2])
     router: subprocess.Popen | None = None
     try:
-        url, router = start_router([servers[0].url], [s.url for s in servers[1:]], log_dir / "router.log")
+        url, router = start_router([servers[0].url], [s.url for s in servers[1:]], log_dir / "router.log",
+                                   ("--log-level", "DEBUG"))  # its placements, in the log; no flag of its policy
         yield Trio(url, servers[0], servers[1:])
     finally:
         if router is not None:
