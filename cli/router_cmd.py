@@ -15,6 +15,7 @@ from kvwire.cli.options import (
     LogLevel,
     ServedModelName,
     auth_secret,
+    refuse_given,
     served_model_names,
     setup_logging,
 )
@@ -98,14 +99,6 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
     uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
 
 
-def _refuse_given(ctx: typer.Context, names: tuple[str, ...], why: str) -> None:
-    """Raises: typer.BadParameter naming those of `names` given on the command line, `why` they do not apply."""
-    # typer bundles its own click: its ParameterSource is not click's, so compare by name
-    given = [name for name in names if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
-    if given:
-        raise typer.BadParameter(f"{', '.join('--' + name.replace('_', '-') for name in given)}: {why}")
-
-
 def _kvwire_app(ctx: typer.Context, model: Path | None, redis_url: str | None, host: str, port: int,
                 request_timeout: float, auth_secret_file: Path | None, names: tuple[str, ...], lenient: bool):
     from kvwire.connectors.control import auth
@@ -114,7 +107,7 @@ def _kvwire_app(ctx: typer.Context, model: Path | None, redis_url: str | None, h
 
     if model is None:
         raise typer.BadParameter("needed unless --vllm-decode fronts vLLM servers", param_hint="--model")
-    _refuse_given(ctx, _VLLM_ONLY, "for vLLM servers (--vllm-decode), not with kvwire's own nodes")
+    refuse_given(ctx, _VLLM_ONLY, "for vLLM servers (--vllm-decode), not with kvwire's own nodes")
     if redis_url is None:
         raise typer.BadParameter("needed unless --vllm-decode fronts vLLM servers", param_hint="--redis-url")
     config = RouterConfig(model_dir=model, redis_url=redis_url, host=host, port=port, request_timeout_s=request_timeout,
@@ -144,7 +137,7 @@ class VLLMTiming(NamedTuple):
 def _vllm_app(ctx: typer.Context, prefill: str | None, decode: str | None, host: str, port: int, timing: VLLMTiming):
     from kvwire.router.vllm_proxy import create_vllm_app
 
-    _refuse_given(ctx, _KVWIRE_ONLY, "for kvwire's own nodes, not with --vllm-prefill/--vllm-decode")
+    refuse_given(ctx, _KVWIRE_ONLY, "for kvwire's own nodes, not with --vllm-prefill/--vllm-decode")
     if decode is None:
         raise typer.BadParameter("--vllm-prefill needs --vllm-decode: a prefill instance does not answer clients",
                                  param_hint="--vllm-decode")

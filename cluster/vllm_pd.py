@@ -61,12 +61,18 @@ class PDCluster:
         return self._by_label("kvwire_vllm_path_reasons_total", "reason", self.router_url)
 
     def _by_label(self, name: str, label: str, url: str = "") -> dict[str, float]:
-        text = httpx.get(f"{url or self.decode.url}/metrics", timeout=10).text
-        pattern = rf'^{re.escape(name)}\{{[^}}]*{label}="([^"]+)"[^}}]*\}} (\S+)$'
-        out: dict[str, float] = {}
-        for m in re.finditer(pattern, text, re.M):  # one line per engine of a data-parallel server: summed
-            out[m[1]] = out.get(m[1], 0.0) + float(m[2])
-        return out
+        return counter_by_label(url or self.decode.url, name, label)
+
+
+def counter_by_label(url: str, name: str, label: str) -> dict[str, float]:
+    """The series `name` of the server at `url`'s GET /metrics, by the value of its `label` (the series of a
+    data-parallel server's engines summed)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    pattern = rf'^{re.escape(name)}\{{[^}}]*{label}="([^"]+)"[^}}]*\}} (\S+)$'
+    out: dict[str, float] = {}
+    for m in re.finditer(pattern, text, re.M):
+        out[m[1]] = out.get(m[1], 0.0) + float(m[2])
+    return out
 
 
 ALWAYS_DISAGGREGATE = ("--decode-only-below", "0")  # a pair's routers: every request tests the transfer
