@@ -62,13 +62,18 @@ DecodeOnlyBelow = Annotated[int, typer.Option(
 PrefixTTL = Annotated[float, typer.Option(
     "--prefix-ttl", min=0.1, help="vLLM mode: seconds an instance is taken to hold a prompt's KV blocks after it was "
                                   "last sent them.")]
+VLLMKVEvents = Annotated[str | None, typer.Option(
+    "--vllm-kv-events", help="vLLM mode: the ZMQ endpoints of the decode instances' KV event publishers (vLLM's "
+                             "--kv-events-config with a binding endpoint such as tcp://*:5557), comma-separated in "
+                             "--vllm-decode's order, empty for one without, e.g. tcp://10.0.0.5:5557,: the router "
+                             "connects, and those instances' prefix caches are known, not predicted.")]
 Port = Annotated[int, typer.Option("--port", min=1, max=65535, help="HTTP port.")]
 RequestTimeout = Annotated[float, typer.Option(
     "--request-timeout", min=0.1, help="Seconds before a request gets a 504 (vLLM mode: between the bytes of an "
                                        "instance's answer).")]
 _KVWIRE_ONLY = ("model", "redis_url", "auth_secret_file", "served_model_name", "lenient")
 _VLLM_ONLY = ("health_interval", "connect_timeout", "instance_wait", "max_failures", "unresponsive_after", "sequential",
-              "prefill_max_in_flight", "routing", "decode_only_below", "prefix_ttl")
+              "prefill_max_in_flight", "routing", "decode_only_below", "prefix_ttl", "vllm_kv_events")
 
 
 def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedisUrl = None,
@@ -77,7 +82,7 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
            connect_timeout: ConnectTimeout = 2.0, instance_wait: InstanceWait = 30.0,
            max_failures: MaxFailures = 3, unresponsive_after: UnresponsiveAfter = 30.0, sequential: Sequential = False,
            prefill_max_in_flight: PrefillMaxInFlight = 0, routing: Routing = RoutingPolicy.PREFIX,
-           decode_only_below: DecodeOnlyBelow = 512, prefix_ttl: PrefixTTL = 120.0,
+           decode_only_below: DecodeOnlyBelow = 512, prefix_ttl: PrefixTTL = 120.0, vllm_kv_events: VLLMKVEvents = None,
            auth_secret_file: AuthSecretFile = None,
            served_model_name: ServedModelName = None, lenient: Lenient = False, log_level: LogLevel = "INFO") -> None:
     """Serve the OpenAI API (POST /v1/completions and /v1/chat/completions), GET /v1/models,
@@ -91,7 +96,7 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
             logging.getLogger("httpx").setLevel(logging.WARNING)
         timing = VLLMTiming(request_timeout, connect_timeout, health_interval, instance_wait, max_failures,
                             unresponsive_after, sequential, prefill_max_in_flight, routing, decode_only_below,
-                            prefix_ttl)
+                            prefix_ttl, tuple(e.strip() for e in vllm_kv_events.split(",")) if vllm_kv_events else ())
         app = _vllm_app(ctx, vllm_prefill, vllm_decode, host, port, timing)
     else:
         app = _kvwire_app(ctx, model, redis_url, host, port, request_timeout, auth_secret_file,
@@ -132,6 +137,7 @@ class VLLMTiming(NamedTuple):
     routing: RoutingPolicy
     decode_only_below: int
     prefix_ttl: float
+    kv_events: tuple[str, ...]
 
 
 def _vllm_app(ctx: typer.Context, prefill: str | None, decode: str | None, host: str, port: int, timing: VLLMTiming):
@@ -148,7 +154,8 @@ def _vllm_app(ctx: typer.Context, prefill: str | None, decode: str | None, host:
                                   instance_wait_s=timing.instance_wait, max_failures=timing.max_failures,
                                   unresponsive_s=timing.unresponsive_after, sequential=timing.sequential,
                                   prefill_max_in_flight=timing.prefill_max_in_flight, routing=timing.routing,
-                                  decode_only_below=timing.decode_only_below, prefix_ttl_s=timing.prefix_ttl)
+                                  decode_only_below=timing.decode_only_below, prefix_ttl_s=timing.prefix_ttl,
+                                  decode_kv_events=timing.kv_events)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     return create_vllm_app(config)

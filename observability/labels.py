@@ -105,6 +105,14 @@ class PathReason(enum.StrEnum):
 DISAGGREGATED_REASONS = frozenset({PathReason.PREFILLED, PathReason.PREFILLED_ALONGSIDE})
 
 
+class KVEventKind(enum.StrEnum):
+    """A vLLM KV cache event, as the router counts it (kvwire_vllm_kv_events_total)."""
+
+    STORED = "stored"  # BlockStored
+    REMOVED = "removed"  # BlockRemoved
+    CLEARED = "cleared"  # AllBlocksCleared, or events missed (a gap in the sequence: the instance restarted)
+
+
 class InstanceState(enum.StrEnum):
     """Whether a vLLM instance is in the router's rotation."""
 

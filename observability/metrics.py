@@ -20,6 +20,7 @@ from kvwire.observability.labels import (
     DISAGGREGATED_REASONS,
     BlockState,
     InstanceState,
+    KVEventKind,
     PathReason,
     ProxyPath,
     Queue,
@@ -87,6 +88,8 @@ class Metrics:
                                          "by the path it took and why", ["path", "reason"], registry=r)
         self.vllm_instance_failures = Counter("kvwire_vllm_instance_failures", "Calls from the router to vLLM "
                                               "instances that failed, by role and how", ["role", "kind"], registry=r)
+        self.vllm_kv_events = Counter("kvwire_vllm_kv_events", "KV cache events the router read from vLLM decode "
+                                      "instances (--vllm-kv-events), by kind", ["kind"], registry=r)
         # `path` is what UCX reported (e.g. "sysv/cma"), not a closed set: one series per transport served
         self.transport_info = Gauge("kvwire_transport_info", "The start-up transport self-test: 1 for each transport "
                                     "served, with the path that carried its bytes and whether it passed",
@@ -98,7 +101,7 @@ class Metrics:
                                     ["role", "state"], registry=r)
         for counter, labels in ((self.kv_transfers_failed, TransferFailure), (self.recomputes, RecomputeReason),
                                 (self.requests, RequestStatus), (self.messages_rejected, RejectReason),
-                                (self.vllm_requests, ProxyPath)):
+                                (self.vllm_requests, ProxyPath), (self.vllm_kv_events, KVEventKind)):
             for value in labels:
                 counter.labels(str(value))
         for reason in set(PathReason) - {PathReason.NOT_ASKED}:  # the vLLM router's reasons

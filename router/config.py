@@ -75,6 +75,8 @@ class VLLMRouterConfig:
         decode_only_below: a request goes decode-only when the decode instance picked holds all but fewer than this
             many of its prompt's tokens (0: never for this reason).
         prefix_ttl_s: how long an instance is taken to hold a prompt's blocks after it was last sent them.
+        decode_kv_events: the ZMQ endpoints of the decode instances' KV event publishers (vLLM's
+            --kv-events-config), in `decode_urls`' order, "" for one without; empty: none (router/kv_events.py).
     Raises:
         ValueError: no decode URL, a URL that is not http(s)://host[:port][/prefix], or one named twice in a role
             (one instance may serve both roles: vLLM's kv_both).
@@ -95,6 +97,7 @@ class VLLMRouterConfig:
     routing: RoutingPolicy = RoutingPolicy.PREFIX
     decode_only_below: int = 512
     prefix_ttl_s: float = 120.0
+    decode_kv_events: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.decode_urls:
@@ -115,3 +118,9 @@ class VLLMRouterConfig:
                              "and max_failures must be 1 or more")
         if self.prefix_ttl_s <= 0:
             raise ValueError("the prefix TTL must be positive")
+        if self.decode_kv_events and len(self.decode_kv_events) != len(self.decode_urls):
+            raise ValueError(f"{len(self.decode_kv_events)} KV event endpoints for {len(self.decode_urls)} decode "
+                             "instances: give one per decode instance, in their order (empty for one without)")
+        for endpoint in self.decode_kv_events:
+            if endpoint and not endpoint.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"{endpoint!r} is not a ZMQ endpoint like tcp://10.0.0.5:5557")

@@ -15,14 +15,20 @@ Lifecycle of an entry:
 4. An entry not recorded again for `ttl_s` is taken as evicted; `forget(url)` drops all of an instance's (it
    left rotation: a restarted server's cache is empty).
 
+An instance whose own KV events the router reads (router/kv_events.py) is EXACT: `stored` and `removed` keep
+its entries as its prefix cache says, with no expiry, and `record` / `answered` predict nothing for it.
+
 Not shared between threads: the router's event loop owns it.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
+
+from kvwire.router.kv_events import VLLMBlockHash
 
 _ROOT = 0  # the name of the empty prefix
 
@@ -58,9 +64,12 @@ class PrefixIndex:
         self._blocks: dict[int, dict[str, float]] = {}  # block name -> instance -> when last recorded
         self._tails: dict[tuple[str, int], Tail] = {}  # (instance, name of the prompt's last full block) -> rest
         self._entries = 0
+        self._exact: dict[str, dict[VLLMBlockHash, int]] = {}  # EXACT instance -> its block hashes -> our names
 
     def record(self, url: str, prompt: Sequence[int]) -> None:
         """`url` was sent `prompt`: its full blocks are held there from now."""
+        if url in self._exact:
+            return
         now = self._clock()
         for name in block_names(prompt, self.block_size):
             holders = self._blocks.setdefault(name, {})
@@ -71,6 +80,8 @@ class PrefixIndex:
 
     def answered(self, url: str, prompt: Sequence[int], generated: int) -> None:
         """`url` answered `prompt` with `generated` tokens: it holds the prompt's rest and those past it."""
+        if url in self._exact:
+            return
         names = block_names(prompt, self.block_size)
         rest = tuple(prompt[len(names) * self.block_size:])
         self._tails[(url, names[-1] if names else _ROOT)] = Tail(rest, max(0, generated), self._clock())
@@ -91,15 +102,50 @@ class PrefixIndex:
             out[url] = tokens
         return out
 
+    def stored(self, url: str, parent: VLLMBlockHash | None, tokens: Sequence[int],
+               hashes: Sequence[VLLMBlockHash]) -> bool:
+        """`url`'s prefix cache (its KV events) stored blocks `hashes` of `tokens`, after the block `parent` (None:
+        at the prompt's start). Returns: False when `parent` is one it never told of (events missed)."""
+        known = self._exact.setdefault(url, {})
+        name = _ROOT if parent is None else known.get(parent)
+        if name is None:
+            return False
+        size = self.block_size
+        for i, block_hash in enumerate(hashes):
+            block = tuple(tokens[i * size:(i + 1) * size])
+            if len(block) < size:
+                break
+            name = hash((name, block))
+            known[block_hash] = name
+            holders = self._blocks.setdefault(name, {})
+            self._entries += url not in holders
+            holders[url] = math.inf
+        return True
+
+    def removed(self, url: str, hashes: Sequence[VLLMBlockHash]) -> None:
+        """`url`'s prefix cache evicted blocks `hashes`."""
+        known = self._exact.setdefault(url, {})
+        for block_hash in hashes:
+            name = known.pop(block_hash, None)
+            if name is not None and (holders := self._blocks.get(name)) and holders.pop(url, None) is not None:
+                self._entries -= 1
+
+    def cleared(self, url: str) -> None:
+        """`url` is EXACT from now, and holds nothing (its cache was cleared, or its events start)."""
+        self.forget(url)
+        self._exact[url] = {}
+
     def forget(self, url: str) -> None:
         """Drop everything `url` held (it left rotation)."""
         for holders in self._blocks.values():
             self._entries -= holders.pop(url, None) is not None
         self._blocks = {name: holders for name, holders in self._blocks.items() if holders}
         self._tails = {key: tail for key, tail in self._tails.items() if key[0] != url}
+        if url in self._exact:
+            self._exact[url] = {}
 
     def _fresh(self, at: float | None, now: float) -> bool:
-        return at is not None and now - at < self._ttl_s
+        return at is not None and (at == math.inf or now - at < self._ttl_s)
 
     def _prune(self, now: float) -> None:
         """Drop the entries past their TTL; then, if more than half the size is left, the oldest (those recorded

@@ -47,7 +47,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, NamedTuple
 
 import anyio
@@ -56,10 +56,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvwire.connectors.config import NodeRole
-from kvwire.observability.labels import InstanceState, PathReason, ProxyPath, RequestStatus
+from kvwire.observability.labels import InstanceState, KVEventKind, PathReason, ProxyPath, RequestStatus
 from kvwire.observability.metrics import CONTENT_TYPE, Metrics, process_metrics
+from kvwire.router import vllm_http as http
 from kvwire.router import vllm_upstream as upstream
 from kvwire.router.config import VLLMRouterConfig
+from kvwire.router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, follow
 from kvwire.router.schemas import APIError
 from kvwire.router.vllm_bodies import Endpoint, Producer, ahead_params, decode_body, is_stream, parse_body
 from kvwire.router.vllm_load import scrape
@@ -72,6 +74,8 @@ from kvwire.router.vllm_upstream import FailureKind, InstanceError, unsent
 log = logging.getLogger(__name__)
 _FIRST_RETRY_S = 0.05  # back-off before a request tries an instance again, doubled each time up to _LAST_RETRY_S
 _LAST_RETRY_S = 1.0
+_EVENT_KINDS = {BlockStored: KVEventKind.STORED, BlockRemoved: KVEventKind.REMOVED,
+                AllBlocksCleared: KVEventKind.CLEARED}
 
 
 class VLLMRouter:
@@ -113,13 +117,20 @@ class VLLMRouter:
             pools = (self.prefill, self.decode)
             await asyncio.gather(*(pool.check(probe, load) for pool in pools))  # serve knowing who is up
             checks = asyncio.create_task(run_health_checks(pools, probe, self.config.health_interval_s, load))
+            events = [asyncio.create_task(follow(endpoint, url, self._kv_events))
+                      for url, endpoint in zip(self.config.decode_urls, self.config.decode_kv_events) if endpoint]
             try:
                 yield
             finally:
-                for task in (checks, *self._behind):
+                for task in (checks, *events, *self._behind):
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
+
+    def _kv_events(self, url: str, events: Sequence[KVEvent]) -> None:
+        for event in events:
+            self.metrics.vllm_kv_events.labels(str(_EVENT_KINDS[type(event)])).inc()
+        self.schedule.kv_events(url, events)
 
     async def healthz(self):
         """200 "ok" with prefill and decode instances up, 200 "decode-only" with decode ones alone, else 503."""
@@ -138,19 +149,19 @@ class VLLMRouter:
 
     async def models(self, request: Request):
         """A decode instance's GET /v1/models, as it answers."""
-        rid = _request_id(request)
+        rid = http.request_id(request)
         for _ in self.config.decode_urls:
             url = self.decode.pick()
             if url is None:
                 break
             try:
-                resp = await upstream.get(self.client, rid, url, "/v1/models", _upstream_headers(request, rid))
+                resp = await upstream.get(self.client, rid, url, "/v1/models", http.upstream_headers(request, rid))
             except InstanceError as exc:
                 record_failure(self.metrics, self.decode, url, exc)
                 continue
             self.decode.observe(url, None)
-            return _whole(resp, rid, {})
-        raise _no_decode(rid)
+            return http.whole(resp, rid, {})
+        raise http.no_decode(rid)
 
     async def completions(self, request: Request):
         return await self._unless_client_leaves(request, Endpoint.COMPLETIONS)
@@ -162,10 +173,10 @@ class VLLMRouter:
         """`_generate`, cancelled (and with it every call to an instance, which vLLM then aborts) if the client
         goes away before the answer starts; a stream's relay is stopped by Starlette itself."""
         started = time.monotonic()
-        rid = _request_id(request)
+        rid = http.request_id(request)
         raw = await request.body()  # read before waiting for the disconnect: both come from receive()
         answer = asyncio.create_task(self._generate(request, endpoint, rid, raw, started))
-        gone = asyncio.create_task(_client_gone(request))
+        gone = asyncio.create_task(http.client_gone(request))
         try:
             await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -184,11 +195,11 @@ class VLLMRouter:
             body = parse_body(raw)
             deadline = started + self.config.instance_wait_s
             await self._wait_for_decode(rid, deadline)
-            call = await self._read_prompt(_Call(rid, endpoint, body, _upstream_headers(request, rid), started,
+            call = await self._read_prompt(_Call(rid, endpoint, body, http.upstream_headers(request, rid), started,
                                                  deadline))
             placed = self.schedule.place(call.tokens)
             if placed is None:
-                raise _no_decode(rid)
+                raise http.no_decode(rid)
             if placed.decode_only is not None:
                 return await self._decode(call, Prefilled(None, placed.decode_only), placed)
             url = self.schedule.prefill(call.tokens)
@@ -204,7 +215,7 @@ class VLLMRouter:
             prefilled = await self._prefill_step.run(self.client, rid, url, endpoint, body, call.headers)
             if prefilled.refusal is not None:
                 self._count(prefilled.refusal.status_code)
-                return _whole(prefilled.refusal, rid, {})
+                return http.whole(prefilled.refusal, rid, {})
             return await self._decode(call, prefilled, placed)
         except APIError as exc:
             self._count(exc.status)
@@ -216,7 +227,7 @@ class VLLMRouter:
     async def _wait_for_decode(self, rid: str, deadline: float) -> None:
         """Returns once a decode instance is up. Raises: APIError(503) when none is by `deadline`."""
         if not await self.decode.wait_up(deadline - time.monotonic()):
-            raise _no_decode(rid)
+            raise http.no_decode(rid)
 
     async def _read_prompt(self, call: _Call) -> _Call:
         """`call` with its prompt's token ids, when the scheduler needs them and an instance tokenizes them."""
@@ -275,7 +286,7 @@ class VLLMRouter:
                     self.decode.ended(url, blocks)
                     record_failure(self.metrics, self.decode, url, exc)
                     if not unsent(exc.kind):
-                        raise _failed(exc) from None
+                        raise http.failed(exc) from None
                     log.warning("%s; trying again", exc)
                     tried.add(url)
                     last = exc
@@ -283,7 +294,7 @@ class VLLMRouter:
                     self.decode.ended(url, blocks)
                     raise
             if time.monotonic() + delay > call.deadline:
-                raise _no_decode(call.rid) if last is None else _failed(last)
+                raise http.no_decode(call.rid) if last is None else http.failed(last)
             await asyncio.sleep(delay)
             delay = min(2 * delay, _LAST_RETRY_S)
             url = again.decode if (again := self.schedule.place(call.tokens, frozenset(tried))) else None
@@ -294,7 +305,7 @@ class VLLMRouter:
         self._count(resp.status_code)
         if resp.status_code == 200:
             self.schedule.answered(url, call.tokens, completion_tokens_of(resp.content))
-        return _whole(resp, call.rid, prefilled.headers(url))
+        return http.whole(resp, call.rid, prefilled.headers(url))
 
     async def _stream_answer(self, resp: httpx.Response, call: _Call, url: str, prefilled: Prefilled,
                              blocks: int) -> Response:
@@ -335,7 +346,7 @@ class VLLMRouter:
         except InstanceError as exc:
             log.warning("%s; stream cut", exc)
             record_failure(self.metrics, self.decode, peer, exc)
-            err = _failed(exc)
+            err = http.failed(exc)
             status = err.status
             yield f"\n\ndata: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
         finally:
@@ -345,7 +356,7 @@ class VLLMRouter:
         self._count(status)
 
     def _count(self, http_status: int) -> None:
-        self.metrics.requests.labels(str(_request_status(http_status))).inc()
+        self.metrics.requests.labels(str(http.request_status(http_status))).inc()
 
 
 class _Call(NamedTuple):
@@ -370,52 +381,5 @@ def create_vllm_app(config: VLLMRouterConfig, metrics: Metrics | None = None) ->
     app.add_api_route("/v1/models", router.models, methods=["GET"])
     app.add_api_route(str(Endpoint.COMPLETIONS), router.completions, methods=["POST"])
     app.add_api_route(str(Endpoint.CHAT), router.chat_completions, methods=["POST"])
-    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(APIError, http.api_error)
     return app
-
-
-async def _api_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, APIError)  # the handler of APIError only
-    return JSONResponse(exc.body(), status_code=exc.status)
-
-
-async def _client_gone(request: Request) -> None:
-    """Returns once the client has disconnected (its body already read)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _request_id(request: Request) -> str:
-    return request.headers.get("x-request-id") or f"kvw-{uuid.uuid4().hex}"
-
-
-def _upstream_headers(request: Request, rid: str) -> dict[str, str]:
-    headers = {"x-request-id": rid}
-    if auth := request.headers.get("authorization"):
-        headers["authorization"] = auth
-    return headers
-
-
-def _whole(resp: httpx.Response, rid: str, kvwire_headers: dict[str, str]) -> Response:
-    """An instance's whole answer, as it gave it, with the request id and `kvwire_headers`."""
-    headers = {"x-request-id": rid} | kvwire_headers
-    return Response(resp.content, status_code=resp.status_code, headers=headers,
-                    media_type=resp.headers.get("content-type"))
-
-
-def _no_decode(rid: str) -> APIError:
-    return APIError(503, f"request {rid}: no vLLM decode instance is up", type_="service_unavailable")
-
-
-def _failed(exc: InstanceError) -> APIError:
-    if exc.kind == FailureKind.TIMEOUT:
-        return APIError(504, str(exc), type_="timeout")
-    return APIError(502, str(exc), type_="bad_gateway")
-
-
-def _request_status(http_status: int) -> RequestStatus:
-    if http_status < 400:
-        return RequestStatus.OK
-    if http_status < 500:
-        return RequestStatus.INVALID
-    return {503: RequestStatus.UNAVAILABLE, 504: RequestStatus.TIMEOUT}.get(http_status, RequestStatus.ERROR)

@@ -15,6 +15,8 @@ For each request, once its prompt's token ids are known (router/vllm_tokens.py):
 4. The prediction: what each instance was sent is held there from then (`sent`), and a decode instance's
    answer adds the tokens it generated (`answered`), which the conversation's next prompt starts with.
    An instance that leaves rotation is forgotten (its process may have restarted with an empty cache).
+   A decode instance whose KV events the router reads (`kv_events`, router/kv_events.py) is exact instead:
+   its entries are what its prefix cache says, from its first event on.
 
 The block size is each pool's own, read from its instances' metrics (vllm:cache_config_info); until one
 shows it, requests are placed by load and the path decided on the whole prompt.
@@ -30,6 +32,7 @@ from typing import NamedTuple
 from kvwire.connectors.config import NodeRole
 from kvwire.observability.labels import InstanceState, PathReason
 from kvwire.router.config import RoutingPolicy
+from kvwire.router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvwire.router.prefix_index import PrefixIndex
 from kvwire.router.vllm_pool import InstancePool
 
@@ -66,6 +69,8 @@ class Scheduler:
         self._pools = {NodeRole.PREFILL: prefill, NodeRole.DECODE: decode}
         self._indexes: dict[NodeRole, PrefixIndex] = {}
         self._up = {role: set(pool.urls(InstanceState.UP)) for role, pool in self._pools.items()}
+        self._exact: set[str] = set()  # decode instances whose KV events came
+        self._unlike: set[str] = set()  # ... whose events' block size is not the index's (said once)
 
     def reads_prompts(self) -> bool:
         """Whether a request's prompt must be tokenized to place it."""
@@ -101,6 +106,32 @@ class Scheduler:
         """Decode instance `url` answered a prompt of `tokens` with `generated` tokens."""
         if tokens and (index := self._index(NodeRole.DECODE)) is not None:
             index.answered(url, tokens, generated)
+
+    def kv_events(self, url: str, events: Sequence[KVEvent]) -> None:
+        """Decode instance `url`'s prefix cache changed as `events` say (router/kv_events.py)."""
+        index = self._index(NodeRole.DECODE)
+        if index is None:
+            size = next((e.block_size for e in events if isinstance(e, BlockStored)), 0)
+            if not size:
+                return
+            index = self._indexes[NodeRole.DECODE] = PrefixIndex(size, self._ttl_s, self._clock)
+        if url not in self._exact:
+            self._exact.add(url)
+            index.cleared(url)
+        for event in events:
+            if isinstance(event, AllBlocksCleared):
+                index.cleared(url)
+            elif event.group_idx not in (None, 0):
+                continue  # a hybrid model's other groups (sliding window, state): the prefix is the first's
+            elif isinstance(event, BlockRemoved):
+                index.removed(url, event.block_hashes)
+            elif event.block_size != index.block_size:
+                if url not in self._unlike:
+                    self._unlike.add(url)
+                    log.warning("vLLM instance %s: KV events of %d-token blocks, the index's are %d: not used", url,
+                                event.block_size, index.block_size)
+            else:
+                index.stored(url, event.parent_block_hash, event.token_ids, event.block_hashes)
 
     def _path(self, tokens: Sequence[int] | None, held: int) -> PathReason | None:
         if tokens is None or len(tokens) - held >= self.decode_only_below:

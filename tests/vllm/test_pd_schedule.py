@@ -3,12 +3,15 @@
 Through the official `openai` client, two conversations of three turns each, interleaved: each conversation stays
 on one decode server, the two use both, every turn after the first is decode-only (the decode server holds all but
 its last few tokens: reason cached-on-decode), a short prompt goes decode-only (short-prompt), the headers say so,
-and every answer equals a plain vLLM server's.
+and every answer equals a plain vLLM server's. The first decode server publishes its KV cache events
+(`--kv-events-config`) and the router reads them (`--vllm-kv-events`): its prefix cache is known, the other's
+predicted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import subprocess
 from collections.abc import Iterator
@@ -44,11 +47,15 @@ def trio(vllm_model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -> It
     log_dir = tmp_path_factory.mktemp("schedule")
     prefill, decode = kvwire_pair(vllm_model_dir, redis_server.url, ConnectorKind.UCX, log_dir)
     decode2 = dataclasses.replace(decode, node_id="decode2-ucx", log_path=log_dir / "decode2.log")
+    events = f"ipc://{log_dir}/decode-kv-events"  # vLLM's publisher binds it (as `tcp://*:5557`), the router connects
+    decode = dataclasses.replace(decode, extra_args=("--kv-events-config", json.dumps(
+        {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events})))
     servers = start_all([prefill, decode, decode2])
     router: subprocess.Popen | None = None
     try:
         url, router = start_router([servers[0].url], [s.url for s in servers[1:]], log_dir / "router.log",
-                                   ("--log-level", "DEBUG"))  # its placements, in the log; no flag of its policy
+                                   ("--vllm-kv-events", f"{events},",  # the second decode server has none
+                                    "--log-level", "DEBUG"))  # its placements, in the log; no flag of its policy
         yield Trio(url, servers[0], servers[1:])
     finally:
         if router is not None:
@@ -101,3 +108,5 @@ def test_conversations_stay_where_their_kv_is_and_later_turns_are_decode_only(tr
     answered = dict(re.findall(r'^kvwire_requests_total\{status="([a-z]+)"\} (\S+)$', metrics, re.M))
     assert float(answered["ok"]) == 2 * len(USER) + 1, answered
     assert sum(float(n) for status, n in answered.items() if status != "ok") == 0, answered
+    events = dict(re.findall(r'^kvwire_vllm_kv_events_total\{kind="([a-z]+)"\} (\S+)$', metrics, re.M))
+    assert float(events["stored"]) > 0, events  # the first decode server's blocks, as its cache stored them
