@@ -18,18 +18,20 @@ class ServerLoad(NamedTuple):
 
     Attributes:
         waiting: requests queued, not yet scheduled (vllm:num_requests_waiting).
-        used_blocks: KV blocks in use by its running requests (vllm:kv_cache_usage_perc of its blocks).
+        kv_usage: the share of its KV blocks in use, 0 to 1 (vllm:kv_cache_usage_perc; its fullest engine's).
+            vLLM sets it at each engine step, so an idle server shows its last busy step's: a figure for
+            whether the cache is nearly full, not a count of other clients' blocks.
         block_size: tokens per KV block (vllm:cache_config_info); 0 when the metric was missing.
     """
 
     waiting: int
-    used_blocks: int
+    kv_usage: float
     block_size: int
 
 
 def parse_server_metrics(text: str) -> ServerLoad:
     """Returns: the load that vLLM's Prometheus exposition `text` shows (0s where a series is missing)."""
-    waiting, usage, blocks, block_size = 0.0, [], [], 0
+    waiting, usage, block_size = 0.0, [0.0], 0
     for line in text.splitlines():
         match = _SAMPLE.match(line)
         if match is None:
@@ -43,9 +45,7 @@ def parse_server_metrics(text: str) -> ServerLoad:
             usage.append(value)
         elif name == "vllm:cache_config_info":
             block_size = int(labels.get("block_size") or 0) or block_size
-            blocks.append(int(labels.get("num_gpu_blocks") or 0))
-    per_engine = blocks[0] if blocks else 0  # one cache_config_info per server; each engine has that many
-    return ServerLoad(int(waiting), round(sum(usage) * per_engine), block_size)
+    return ServerLoad(int(waiting), max(usage), block_size)
 
 
 async def scrape(client: httpx.AsyncClient, url: str, timeout: httpx.Timeout) -> ServerLoad | None:

@@ -3,11 +3,11 @@
 Lifecycle of an instance:
 
 1. UP from the start: `pick()` hands out the UP instance of the least cost: its load (`load`: the KV blocks of
-   the requests in flight through this router, `started` .. `ended`, and of other clients' requests, those its
-   own GET /metrics last said were in use beyond this router's at that moment; plus, at a request's blocks
-   each, the requests queued there and SLOW_WEIGHT if it answered slowly) and, when the caller gives one, a
-   cost of its own per instance (the router's: the prompt blocks it would compute, router/vllm_schedule.py);
-   ties in turn (round robin).
+   the requests in flight through this router, `started` .. `ended`; plus, at a request's blocks each, the
+   requests its own GET /metrics last said were queued there beyond this router's own (those in flight there
+   when the metrics were asked or answered), SLOW_WEIGHT if it answered slowly and FULL_WEIGHT if its KV cache
+   was FULL or more in use) and, when the caller gives one, a cost of its own per instance
+   (the router's: the prompt blocks it would compute, router/vllm_schedule.py); ties in turn (round robin).
 2. What each call or health probe says of it (`observe`):
    - an answer (any HTTP status below 500): it serves; its failures and slowness are forgotten;
    - REFUSED (nobody accepts connections there): it is gone, DOWN at once;
@@ -39,6 +39,8 @@ from kvwire.router.vllm_upstream import PEER_ERRORS, FailureKind, failure_kind
 log = logging.getLogger(__name__)
 
 SLOW_WEIGHT = 4  # requests in flight an instance that last answered slowly counts as, on top of its own
+FULL = 0.9  # the share of its KV cache in use from which an instance counts as FULL_WEIGHT requests more
+FULL_WEIGHT = 4
 
 
 class Problem(NamedTuple):
@@ -82,8 +84,8 @@ class Instance:
     reason: str = ""
     in_flight: int = 0  # requests of this router it is working on
     blocks: int = 0  # their KV blocks (prompt blocks; 1 for a request whose prompt the router did not read)
-    others: int = 0  # KV blocks in use by requests not of this router, at its last GET /metrics
-    queued: int = 0  # requests waiting there, at its last GET /metrics
+    queued: int = 0  # requests of other clients waiting there, at its last GET /metrics
+    full: bool = False  # its KV cache was FULL or more in use, at its last GET /metrics
     failures: int = 0  # BROKEN or 5xx in a row
     slow: bool = False  # its last call timed out
     last_ok: float = 0.0  # when it last answered
@@ -119,8 +121,8 @@ class InstancePool:
     def load(self, url: str, request_blocks: int = 1) -> float:
         """`url`'s load in KV blocks (module docstring, step 1)."""
         instance = self._instances[url]
-        queued = instance.queued + (SLOW_WEIGHT if instance.slow else 0)
-        return instance.blocks + instance.others + queued * request_blocks
+        queued = instance.queued + (SLOW_WEIGHT if instance.slow else 0) + (FULL_WEIGHT if instance.full else 0)
+        return instance.blocks + queued * request_blocks
 
     def started(self, url: str, blocks: int = 1) -> None:
         """A request of this router (of `blocks` KV blocks) went to `url`: it counts in its load until `ended`."""
@@ -132,11 +134,11 @@ class InstancePool:
         self._instances[url].in_flight -= 1
         self._instances[url].blocks -= blocks
 
-    def measured(self, url: str, server: ServerLoad, blocks_then: int) -> None:
-        """What `url`'s GET /metrics showed, asked while this router's requests there held `blocks_then` blocks."""
+    def measured(self, url: str, server: ServerLoad, in_flight_then: int = 0) -> None:
+        """What `url`'s GET /metrics showed, asked while this router had `in_flight_then` requests there."""
         instance = self._instances[url]
-        instance.others = max(0, server.used_blocks - min(blocks_then, instance.blocks))
-        instance.queued = server.waiting
+        ours = max(in_flight_then, instance.in_flight)  # queued there, for all the router knows
+        instance.queued, instance.full = max(0, server.waiting - ours), server.kv_usage >= FULL
         if server.block_size:
             self._block_size = min(self._block_size or server.block_size, server.block_size)
 
@@ -211,11 +213,10 @@ class InstancePool:
             else:
                 self.observe(url, Problem(problem.kind, f"health check: {problem.reason}"))
         if scrape is not None:
-            blocks_then = [self._instances[url].blocks for url in serving]
-            for url, server, blocks in zip(serving, await asyncio.gather(*(scrape(url) for url in serving)),
-                                           blocks_then):
+            then = [self._instances[url].in_flight for url in serving]
+            for url, server, in_flight in zip(serving, await asyncio.gather(*(scrape(url) for url in serving)), then):
                 if server is not None:
-                    self.measured(url, server, blocks)
+                    self.measured(url, server, in_flight)
 
     def describe(self) -> dict[str, object]:
         """Returns: the instances UP (and those of them slow) and those DOWN with why, for /healthz."""

@@ -92,6 +92,7 @@ class VLLMRouter:
                                   self.decode)
         self._client: httpx.AsyncClient | None = None
         self._behind: set[asyncio.Task] = set()  # prefill steps still running after their request was answered
+        self._tokenize_turn = 0
         for pool in (self.prefill, self.decode):
             metrics.watch_instances(str(pool.role), pool.count)
 
@@ -233,7 +234,9 @@ class VLLMRouter:
         """`call` with its prompt's token ids, when the scheduler needs them and an instance tokenizes them."""
         if not self.schedule.reads_prompts() or not (up := self.decode.urls(InstanceState.UP)):
             return call
-        tokens = await prompt_tokens(self.client, up[0], call.endpoint, call.body, call.headers)
+        self._tokenize_turn += 1  # the decode instances up take turns
+        tokens = await prompt_tokens(self.client, up[self._tokenize_turn % len(up)], call.endpoint, call.body,
+                                     call.headers)
         if tokens is None:
             log.debug("request %s: its prompt was not tokenized; placed by load alone", call.rid)
         return call._replace(tokens=tokens)

@@ -66,7 +66,7 @@ def test_a_batch_decodes_as_vllm_encodes_it():
 
 def scheduler() -> Scheduler:
     prefill, decode = InstancePool(NodeRole.PREFILL, []), InstancePool(NodeRole.DECODE, [D1, D2])
-    decode.measured(D1, ServerLoad(0, 0, BLOCK), 0)
+    decode.measured(D1, ServerLoad(0, 0.0, BLOCK))
     return Scheduler(RoutingPolicy.PREFIX, 0, 120.0, prefill, decode)
 
 

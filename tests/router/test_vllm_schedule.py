@@ -17,7 +17,7 @@ def scheduler(policy: RoutingPolicy = RoutingPolicy.PREFIX, below: int = 40, mea
     prefill, decode = InstancePool(NodeRole.PREFILL, [P]), InstancePool(NodeRole.DECODE, [D1, D2])
     if measured:
         for pool, url in ((prefill, P), (decode, D1), (decode, D2)):
-            pool.measured(url, ServerLoad(0, 0, BLOCK), 0)
+            pool.measured(url, ServerLoad(0, 0.0, BLOCK))
     return Scheduler(policy, below, 120.0, prefill, decode), decode
 
 
@@ -65,27 +65,28 @@ def test_a_busy_instance_loses_a_conversation_once_its_load_outweighs_the_blocks
     assert (placed := s.place(prompt)) is not None and placed.decode != home
 
 
-def test_the_server_s_own_queue_and_kv_usage_count_as_load():
+def test_the_server_s_own_queue_and_a_nearly_full_kv_cache_count_as_load():
     s, decode = scheduler()
-    prompt = list(range(64))
+    prompt = list(range(64))  # 4 blocks
     home = serve(s, prompt)
-    decode.measured(home, ServerLoad(waiting=0, used_blocks=5, block_size=BLOCK), 0)  # busy with others' requests
-    assert (placed := s.place(prompt)) is not None and placed.decode != home
-    decode.measured(home, ServerLoad(waiting=0, used_blocks=3, block_size=BLOCK), 0)  # 3 against 4 to compute
+    decode.measured(home, ServerLoad(waiting=0, kv_usage=0.5, block_size=BLOCK))  # the cache's use is not a load
     assert (placed := s.place(prompt)) is not None and placed.decode == home
-    decode.measured(home, ServerLoad(waiting=2, used_blocks=0, block_size=BLOCK), 0)  # 2 queued, 4 blocks each
+    decode.measured(home, ServerLoad(waiting=2, kv_usage=0.0, block_size=BLOCK))  # 2 queued, 4 blocks each: 8
     assert (placed := s.place(prompt)) is not None and placed.decode != home
+    decode.measured(home, ServerLoad(waiting=0, kv_usage=0.95, block_size=BLOCK))  # nearly full: 4 more, 16
+    assert (placed := s.place(prompt)) is not None and placed.decode != home
+    decode.measured(home, ServerLoad(waiting=0, kv_usage=0.0, block_size=BLOCK))
+    assert (placed := s.place(prompt)) is not None and placed.decode == home
 
 
-def test_the_router_s_own_requests_in_a_server_s_count_are_not_counted_again_once_they_end():
+def test_the_router_s_own_requests_in_a_server_s_queue_are_not_counted_again():
     s, decode = scheduler()
     prompt = list(range(64))
     home = serve(s, prompt)
-    decode.started(home, blocks=5)
-    decode.measured(home, ServerLoad(waiting=0, used_blocks=5, block_size=BLOCK), 5)  # its 5 blocks are the router's
-    assert decode.load(home) == 5
-    decode.ended(home, blocks=5)  # until the next GET /metrics the server's count is stale: not taken as others'
-    assert decode.load(home) == 0
+    decode.started(home, blocks=4)  # a request of the router, waiting there for its KV when the metrics are read
+    decode.measured(home, ServerLoad(waiting=1, kv_usage=0.0, block_size=BLOCK), in_flight_then=1)
+    decode.ended(home, blocks=4)  # answered; the figure read stays until the next GET /metrics
+    assert decode.load(home, 4) == 0
     assert (placed := s.place(prompt)) is not None and placed.decode == home
 
 
@@ -132,5 +133,5 @@ vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
 vllm:cache_config_info{block_size="128",cache_dtype="auto",engine="0",num_gpu_blocks="40"} 1.0
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
 """
-    assert parse_server_metrics(text) == ServerLoad(waiting=3, used_blocks=30, block_size=128)
-    assert parse_server_metrics("") == ServerLoad(0, 0, 0)
+    assert parse_server_metrics(text) == ServerLoad(waiting=3, kv_usage=0.5, block_size=128)
+    assert parse_server_metrics("") == ServerLoad(0, 0.0, 0)
