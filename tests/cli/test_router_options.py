@@ -63,5 +63,31 @@ def test_vllm_mode_flags_reach_its_config(monkeypatch):
     assert config.sequential and config.prefill_max_in_flight == 6
 
 
+def test_scheduler_flags_reach_its_config(monkeypatch):
+    served = []
+    monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: served.append(app))
+    monkeypatch.setattr("kvwire.router.vllm_proxy.create_vllm_app", lambda config: config)
+    result = runner.invoke(app, ["router", "--vllm-decode", "http://d:1,http://e:1", "--routing", "load",
+                                 "--decode-only-below", "64", "--prefix-ttl", "30", "--vllm-kv-events",
+                                 "tcp://d:5557,"], env=NO_ENV)
+    assert result.exit_code == 0, result.output
+    (config,) = served
+    assert (config.routing, config.decode_only_below, config.prefix_ttl_s) == ("load", 64, 30)
+    assert config.decode_kv_events == ("tcp://d:5557", "")
+    refused = runner.invoke(app, ["router", "--vllm-decode", "http://d:1,http://e:1", "--vllm-kv-events",
+                                  "tcp://d:5557"], env=NO_ENV)
+    assert refused.exit_code == 2 and "1 KV event endpoints for 2 decode instances" in refused.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--workload", "multiturn", "--rounds", "2"], "--rounds: for --workload mix"),
+    (["--turns", "2"], "--turns: for --workload multiturn"),
+])
+def test_bench_vllm_refuses_the_other_workload_s_options(args, message):
+    result = runner.invoke(app, ["bench", "vllm", *args], env=NO_ENV)
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.replace("│", " ").split())
+
+
 def test_vllm_urls_split_on_commas_and_drop_trailing_slashes():
     assert vllm_urls(" http://a:1/, http://b:2,,") == ("http://a:1", "http://b:2")
