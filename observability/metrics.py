@@ -88,6 +88,8 @@ class Metrics:
                                          "by the path it took and why", ["path", "reason"], registry=r)
         self.vllm_instance_failures = Counter("kvwire_vllm_instance_failures", "Calls from the router to vLLM "
                                               "instances that failed, by role and how", ["role", "kind"], registry=r)
+        self.vllm_tokenize_failures = Counter("kvwire_vllm_tokenize_failures", "Prompts a vLLM instance's POST "
+                                              "/tokenize did not give the router (placed by load alone)", registry=r)
         self.vllm_kv_events = Counter("kvwire_vllm_kv_events", "KV cache events the router read from vLLM decode "
                                       "instances (--vllm-kv-events), by kind", ["kind"], registry=r)
         # `path` is what UCX reported (e.g. "sysv/cma"), not a closed set: one series per transport served

@@ -68,7 +68,7 @@ from kvwire.router.vllm_load import scrape
 from kvwire.router.vllm_pool import HealthProbe, InstancePool, Tolerance, run_health_checks
 from kvwire.router.vllm_prefill import Prefilled, PrefillStep, record_failure
 from kvwire.router.vllm_schedule import Placement, Scheduler
-from kvwire.router.vllm_tokens import completion_tokens_of, prompt_tokens
+from kvwire.router.vllm_tokens import TokenizeFailed, completion_tokens_of, prompt_tokens
 from kvwire.router.vllm_upstream import FailureKind, InstanceError, unsent
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ class VLLMRouter:
         self._client: httpx.AsyncClient | None = None
         self._behind: set[asyncio.Task] = set()  # prefill steps still running after their request was answered
         self._tokenize_turn = 0
+        self._untokenized: set[str] = set()  # instances whose /tokenize failed (warned about once)
         for pool in (self.prefill, self.decode):
             metrics.watch_instances(str(pool.role), pool.count)
 
@@ -235,10 +236,15 @@ class VLLMRouter:
         if not self.schedule.reads_prompts() or not (up := self.decode.urls(InstanceState.UP)):
             return call
         self._tokenize_turn += 1  # the decode instances up take turns
-        tokens = await prompt_tokens(self.client, up[self._tokenize_turn % len(up)], call.endpoint, call.body,
-                                     call.headers)
-        if tokens is None:
-            log.debug("request %s: its prompt was not tokenized; placed by load alone", call.rid)
+        try:
+            tokens = await prompt_tokens(self.client, call.rid, up[self._tokenize_turn % len(up)], call.endpoint,
+                                         call.body, call.headers)
+        except TokenizeFailed as exc:  # placed by load alone, the path decided as if it held nothing
+            self.metrics.vllm_tokenize_failures.inc()
+            level = logging.DEBUG if exc.url in self._untokenized else logging.WARNING
+            self._untokenized.add(exc.url)
+            log.log(level, "%s; placed by load alone (kvwire_vllm_tokenize_failures_total)", exc)
+            return call
         return call._replace(tokens=tokens)
 
     async def _alongside(self, call: _Call, url: str, producer: Producer, placed: Placement) -> Response:

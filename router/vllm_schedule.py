@@ -44,14 +44,12 @@ class Placement(NamedTuple):
 
     Attributes:
         decode: the decode instance's base URL.
-        tokens: the prompt's token ids (None: not read).
         held: how many of them the decode instance holds (predicted).
         blocks: the request's weight in an instance's load (its prompt blocks; 1 when not read).
         decode_only: why it goes decode-only without a prefill instance; None: disaggregate if one is up.
     """
 
     decode: str
-    tokens: Sequence[int] | None
     held: int
     blocks: int
     decode_only: PathReason | None
@@ -71,6 +69,7 @@ class Scheduler:
         self._up = {role: set(pool.urls(InstanceState.UP)) for role, pool in self._pools.items()}
         self._exact: set[str] = set()  # decode instances whose KV events came
         self._unlike: set[str] = set()  # ... whose events' block size is not the index's (said once)
+        self._said_no_block_size = False
 
     def reads_prompts(self) -> bool:
         """Whether a request's prompt must be tokenized to place it."""
@@ -81,6 +80,10 @@ class Scheduler:
     def place(self, tokens: Sequence[int] | None, avoid: frozenset[str] = frozenset()) -> Placement | None:
         """Returns: the decode instance for a prompt of `tokens` and its path (steps 1 and 2); None: none is UP."""
         index, pool = self._index(NodeRole.DECODE), self._pools[NodeRole.DECODE]
+        if index is None and tokens and self.policy == RoutingPolicy.PREFIX and not self._said_no_block_size:
+            self._said_no_block_size = True
+            log.warning("no decode instance's GET /metrics has shown vllm:cache_config_info's block_size yet: "
+                        "requests are placed by load alone until one does")
         held = index.held(tokens, pool.urls(InstanceState.UP)) if index and tokens else {}
         blocks = _blocks(tokens, index)
         url = pool.pick(avoid, self._uncached(tokens, held, index), blocks)
@@ -89,7 +92,7 @@ class Scheduler:
         if tokens and log.isEnabledFor(logging.DEBUG):
             log.debug("a prompt of %d tokens: held %s, load %s; placed on %s", len(tokens), held,
                       {u: pool.load(u, blocks) for u in pool.urls(InstanceState.UP)}, url)
-        return Placement(url, tokens, held.get(url, 0), blocks, self._path(tokens, held.get(url, 0)))
+        return Placement(url, held.get(url, 0), blocks, self._path(tokens, held.get(url, 0)))
 
     def prefill(self, tokens: Sequence[int] | None) -> str | None:
         """Returns: the prefill instance for a prompt of `tokens` (step 3); None: none is UP."""

@@ -33,24 +33,34 @@ def tokenize_body(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any] | 
     return out | ({"add_special_tokens": body["add_special_tokens"]} if "add_special_tokens" in body else {})
 
 
-async def prompt_tokens(client: httpx.AsyncClient, url: str, endpoint: Endpoint, body: dict[str, Any],
+class TokenizeFailed(Exception):
+    """An instance did not tokenize a prompt (its answer to the request itself says why, if the body is wrong)."""
+
+    def __init__(self, rid: str, url: str, reason: str):
+        super().__init__(f"request {rid}: vLLM instance {url} did not tokenize its prompt: {reason}")
+        self.url = url
+
+
+async def prompt_tokens(client: httpx.AsyncClient, rid: str, url: str, endpoint: Endpoint, body: dict[str, Any],
                         headers: dict[str, str]) -> list[int] | None:
-    """The token ids of the prompt of `body`, by POST {url}/tokenize. Returns: None when it has no single prompt,
-    or the instance did not tokenize it (its answer to the request itself will say why, if anything is wrong)."""
+    """The token ids of the prompt of `body`, by POST {url}/tokenize. Returns: None when it has no single prompt.
+    Raises: TokenizeFailed."""
     ask = tokenize_body(endpoint, body)
     if ask is None or isinstance(ask, list):
         return ask
     try:
         resp = await client.post(f"{url}/tokenize", json=ask, headers=headers)
-    except PEER_ERRORS:
-        return None
+    except PEER_ERRORS as exc:
+        raise TokenizeFailed(rid, url, type(exc).__name__) from None
     if resp.status_code != 200:
-        return None
+        raise TokenizeFailed(rid, url, f"answered {resp.status_code}")
     try:
         tokens = json.loads(resp.content).get("tokens")
     except (ValueError, AttributeError):
-        return None
-    return tokens if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens) else None
+        tokens = None
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        raise TokenizeFailed(rid, url, "no token ids in its answer")
+    return tokens
 
 
 def completion_tokens_of(response: bytes) -> int:

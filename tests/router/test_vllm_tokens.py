@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import httpx
+import pytest
+
 from kvwire.router.vllm_bodies import Endpoint
-from kvwire.router.vllm_tokens import completion_tokens_of, tokenize_body
+from kvwire.router.vllm_tokens import TokenizeFailed, completion_tokens_of, prompt_tokens, tokenize_body
 
 
 def test_a_chat_body_is_tokenized_with_every_field_that_changes_its_prompt():
@@ -34,3 +38,18 @@ def test_the_tokens_an_answer_generated_come_from_its_usage_when_it_has_one_choi
     assert completion_tokens_of(answer(2, {"completion_tokens": 7})) == 0
     assert completion_tokens_of(answer(1, None)) == 0
     assert completion_tokens_of(b"not json") == 0
+
+
+def test_a_prompt_an_instance_does_not_tokenize_raises_and_names_it():
+    def answer(request: httpx.Request) -> httpx.Response:
+        prompt = json.loads(request.content)["prompt"]
+        return httpx.Response(200, json={"tokens": [1, 2]}) if prompt == "ok" else httpx.Response(404)
+
+    async def ask(prompt: object) -> list[int] | None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            return await prompt_tokens(client, "r1", "http://d:1", Endpoint.COMPLETIONS, {"prompt": prompt}, {})
+
+    assert asyncio.run(ask("ok")) == [1, 2]
+    assert asyncio.run(ask(["a", "b"])) is None  # a batch: no one prompt, nothing asked
+    with pytest.raises(TokenizeFailed, match="request r1: vLLM instance http://d:1 .* answered 404"):
+        asyncio.run(ask("missing"))
