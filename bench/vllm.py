@@ -61,6 +61,7 @@ class VLLMBenchConfig:
     nixl: bool = True
     shapes: tuple[tuple[int, int], ...] = ((1, 1),)  # (prefill TP, decode TP) of the pairs
     dispatches: tuple[Dispatch, ...] = (Dispatch.ALONGSIDE, Dispatch.SEQUENTIAL)  # a kvwire pair's routers
+    plain_url: str = ""  # a plain vLLM server already up, serving model_dir, measured as the baseline; "": start one
 
     def setups(self) -> list[Setup]:
         pairs = [Setup(kind, t, p, d) for p, d in self.shapes
@@ -110,12 +111,31 @@ class BenchError(RuntimeError):
     """The baseline (the plain server) did not run: the bench has nothing to compare with."""
 
 
+def check_plain_server(url: str, model: str) -> None:
+    """The server at `url` answers `GET /v1/models` with `model` among its models (the name every request asks for).
+
+    Raises:
+        BenchError: it does not answer, or serves other models.
+    """
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10)
+        r.raise_for_status()
+        served = [m.get("id") for m in r.json().get("data", [])]
+    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        raise BenchError(f"the plain vLLM server at {url} did not list its models: {exc}") from exc
+    if model not in served:
+        raise BenchError(f"the plain vLLM server at {url} serves {served}, not {model!r} (--model): its answers "
+                         "could not be compared with the pairs'")
+
+
 def bench_vllm(cfg: VLLMBenchConfig, on_progress: Callable[[str], None] = lambda _: None) -> VLLMBenchResult:
     """Measure every setup of `cfg` in turn (see the module's docstring).
 
     Raises:
-        BenchError: the plain server did not start or failed a request.
+        BenchError: the plain server did not start, is not serving `cfg.model_dir`, or failed a request.
     """
+    if cfg.plain_url:
+        check_plain_server(cfg.plain_url, str(cfg.model_dir))
     rows: list[VLLMRow] = []
     reference: dict[str, list[int]] = {}
     for setup in cfg.setups():
@@ -157,7 +177,7 @@ def _measure(setup: Setup, cfg: VLLMBenchConfig, log_dir: Path, reference: dict[
     """
     rows: list[VLLMRow] = []
     outputs: dict[str, list[int]] = {}
-    with started(setup, cfg.model_dir, cfg.redis_url, log_dir, cfg.dispatches) as target, \
+    with started(setup, cfg.model_dir, cfg.redis_url, log_dir, cfg.dispatches, cfg.plain_url) as target, \
             httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         ways = list(target.urls.items())
         if setup.kind == SetupKind.PLAIN:  # the first measured, the others' prompts answered for their reference

@@ -83,14 +83,17 @@ def nixl_missing() -> str | None:
 
 @contextmanager
 def started(setup: Setup, model_dir: Path, redis_url: str, log_dir: Path,
-            dispatches: tuple[Dispatch, ...] = (Dispatch.ALONGSIDE,)) -> Iterator[Target]:
+            dispatches: tuple[Dispatch, ...] = (Dispatch.ALONGSIDE,), plain_url: str = "") -> Iterator[Target]:
     """Start `setup` (logs under `log_dir`; a kvwire pair with a router per one of `dispatches`), yield its Target,
-    stop it all on exit.
+    stop it all on exit. A plain setup with `plain_url` is the server there, neither started nor stopped.
 
     Raises:
         ClusterError: a server or the router did not start (what did start is stopped).
     """
     log_dir.mkdir(parents=True, exist_ok=True)
+    if setup.kind == SetupKind.PLAIN and plain_url:
+        yield Target({None: plain_url.rstrip("/")}, None)
+        return
     if setup.kind == SetupKind.PLAIN:
         (server,) = start_all([VLLMServerSpec(model_dir, cpu_cores="0", dtype=DTYPE, log_path=log_dir / "plain.log")])
         try:

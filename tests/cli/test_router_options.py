@@ -82,6 +82,8 @@ def test_scheduler_flags_reach_its_config(monkeypatch):
 @pytest.mark.parametrize("args, message", [
     (["--workload", "multiturn", "--rounds", "2"], "--rounds: for --workload mix"),
     (["--turns", "2"], "--turns: for --workload multiturn"),
+    (["--workload", "multiturn", "--plain-url", "http://127.0.0.1:1"], "--plain-url: for --workload mix"),
+    (["--plain-url", "http://127.0.0.1:1"], "give --model, the checkpoint the plain server at --plain-url serves"),
 ])
 def test_bench_vllm_refuses_the_other_workload_s_options(args, message):
     result = runner.invoke(app, ["bench", "vllm", *args], env=NO_ENV)

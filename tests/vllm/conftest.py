@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from kvwire.cluster.vllm_cluster import VLLMServer
 
 pytest.importorskip("vllm", reason="vLLM is not installed here (CI runs tests/vllm in .venv-vllm)")
 
@@ -34,13 +38,26 @@ def vllm_model_dir(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def plain_server(vllm_model_dir: Path, tmp_path_factory) -> Iterator:
-    """One plain vLLM server (no connector): what the disaggregated pairs must match."""
-    from kvwire.cluster.vllm_cluster import VLLMServerSpec, start_all
+@pytest.fixture(scope="session", autouse=True)
+def _plain_server_starting(request, tmp_path_factory) -> Iterator[VLLMServer | None]:
+    """The plain server, started (not waited for) as the session starts if any of its tests uses it: its start-up,
+    about 25 s of one core, overlaps the tests before the first that needs it, which leave a core idle."""
+    if not any("plain_server" in item.fixturenames for item in request.session.items):
+        yield None
+        return
+    from kvwire.cluster.vllm_cluster import VLLMServer, VLLMServerSpec
     from kvwire.cluster.vllm_pd import DTYPE
 
     log = tmp_path_factory.mktemp("plain") / "plain.log"
-    (server,) = start_all([VLLMServerSpec(vllm_model_dir, cpu_cores="0", dtype=DTYPE, log_path=log)])
+    model_dir = request.getfixturevalue("vllm_model_dir")
+    server = VLLMServer(VLLMServerSpec(model_dir, cpu_cores="0", dtype=DTYPE, log_path=log)).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def plain_server(_plain_server_starting: VLLMServer | None) -> VLLMServer:
+    """One plain vLLM server (no connector): what the disaggregated pairs must match."""
+    assert _plain_server_starting is not None  # started for every session with a test that uses it
+    _plain_server_starting.wait_ready()
+    return _plain_server_starting

@@ -1,6 +1,7 @@
-"""`kvwire bench vllm` end to end, small: the plain server and a KvwireConnector pair over TCP.
+"""`kvwire bench vllm` end to end, small: the session's plain server (`--plain-url`: one start-up fewer) and a
+KvwireConnector pair over TCP that the bench starts.
 
-One round of two prompts; NIXL left out (a third start-up would double the test's time; its
+One round of two prompts; NIXL left out (two more start-ups would double the test's time; its
 row is checked where the bench runs for real). The JSON must hold the plain row and the pair's two
 (its routers' dispatches, on the same servers), run, with every figure above zero, every answer
 disaggregated, all KV pulled and the plain server's tokens.
@@ -14,15 +15,16 @@ import sys
 from pathlib import Path
 
 from kvwire.bench.vllm_setups import nixl_missing
+from kvwire.cluster.vllm_cluster import VLLMServer
 
 LENGTHS = (300, 420)
 
 
-def test_bench_vllm_json(vllm_model_dir: Path, redis_url: str, tmp_path: Path):
+def test_bench_vllm_json(plain_server: VLLMServer, vllm_model_dir: Path, redis_url: str, tmp_path: Path):
     out = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "bench", "vllm", "--json", "--model",
                           str(vllm_model_dir), "--rounds", "1", "--prompt-tokens", ",".join(map(str, LENGTHS)),
                           "--max-tokens", "8", "--concurrency", "2", "--transports", "tcp", "--no-nixl",
-                          "--redis-url", redis_url, "--log-dir", str(tmp_path)],
+                          "--redis-url", redis_url, "--log-dir", str(tmp_path), "--plain-url", plain_server.url],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)

@@ -1,4 +1,5 @@
-"""One prefill and two decode vLLM servers (KvwireConnector over UCX) behind `kvwire router` with its default flags.
+"""One prefill and two decode vLLM servers (KvwireConnector over `auto`, every server kv_both) behind `kvwire router`
+with its default flags.
 
 Through the official `openai` client, two conversations of three turns each, interleaved: each conversation stays
 on one decode server, the two use both, every turn after the first is decode-only (the decode server holds all but
@@ -6,6 +7,10 @@ its last few tokens: reason cached-on-decode), a short prompt goes decode-only (
 and every answer equals a plain vLLM server's. The first decode server publishes its KV cache events
 (`--kv-events-config`) and the router reads them (`--vllm-kv-events`): its prefix cache is known, the other's
 predicted.
+
+Then the same servers take test_pd_servers.py's checks over `auto` (`routed_equals_plain`): the prefill and the
+second decode server, each of which may do either role, behind a router of their own that disaggregates every
+request (two start-ups fewer than a pair of their own).
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ import pytest
 
 from kvwire.cluster.redis_server import LocalRedis
 from kvwire.cluster.vllm_cluster import VLLMServer, start_all
-from kvwire.cluster.vllm_pd import kvwire_pair, start_router
+from kvwire.cluster.vllm_pd import ALWAYS_DISAGGREGATE, PDCluster, kvwire_pair, start_router
 from kvwire.connectors.config import ConnectorKind
 from kvwire.observability.labels import DISAGGREGATED_REASONS
+from tests.vllm.test_pd_servers import routed_equals_plain
 
 openai = pytest.importorskip("openai")
 
@@ -45,8 +51,10 @@ class Trio(NamedTuple):
 @pytest.fixture(scope="module")
 def trio(vllm_model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -> Iterator[Trio]:
     log_dir = tmp_path_factory.mktemp("schedule")
-    prefill, decode = kvwire_pair(vllm_model_dir, redis_server.url, ConnectorKind.UCX, log_dir)
-    decode2 = dataclasses.replace(decode, node_id="decode2-ucx", log_path=log_dir / "decode2.log")
+    # `auto` resolves to UCX over vLLM's KV cache; kv_both: each server may do either role, as the params say
+    prefill, decode = (dataclasses.replace(s, kv_role="kv_both")
+                       for s in kvwire_pair(vllm_model_dir, redis_server.url, ConnectorKind.AUTO, log_dir))
+    decode2 = dataclasses.replace(decode, node_id="decode2-auto", log_path=log_dir / "decode2.log")
     events = f"ipc://{log_dir}/decode-kv-events"  # vLLM's publisher binds it (as `tcp://*:5557`), the router connects
     decode = dataclasses.replace(decode, extra_args=("--kv-events-config", json.dumps(
         {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events})))
@@ -110,3 +118,13 @@ def test_conversations_stay_where_their_kv_is_and_later_turns_are_decode_only(tr
     assert sum(float(n) for status, n in answered.items() if status != "ok") == 0, answered
     events = dict(re.findall(r'^kvwire_vllm_kv_events_total\{kind="([a-z]+)"\} (\S+)$', metrics, re.M))
     assert float(events["stored"]) > 0, events  # the first decode server's blocks, as its cache stored them
+
+
+def test_kv_both_servers_over_auto_equal_plain(trio: Trio, plain_server: VLLMServer, vllm_model_dir: Path,
+                                               tmp_path: Path):
+    url, router = start_router([trio.prefill.url], [trio.decodes[1].url], tmp_path / "router.log", ALWAYS_DISAGGREGATE)
+    try:
+        routed_equals_plain(PDCluster(trio.prefill, trio.decodes[1], url, [router]), plain_server, str(vllm_model_dir))
+    finally:
+        router.terminate()
+        router.wait(10)

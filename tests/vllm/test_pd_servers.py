@@ -2,15 +2,14 @@
 
 Through the official `openai` client: completions (whole and streamed, with top logprobs) and
 chat give the plain server's tokens; the decode server's metrics show every prompt token as
-moved by the connector and none computed there. Over `auto` both servers run as kv_both.
-Both servers on this one host take the minimal config, as in vLLM's and NIXL's examples: no
-node_id, so each names itself (connectors/vllm/identity.py). Over TCP the same checks run on
-test_pd_prefill_life.py's named pair (`routed_equals_plain`).
+moved by the connector and none computed there. Both servers on this one host take the minimal config,
+as in vLLM's and NIXL's examples: no node_id, so each names itself (connectors/vllm/identity.py).
+The same checks (`routed_equals_plain`) run over TCP on test_pd_prefill_life.py's named pair, and over
+`auto`, with every server kv_both, on test_pd_schedule.py's servers (two start-ups fewer each).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import NamedTuple
 
@@ -55,25 +54,23 @@ def _chat(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX_
     return Answer(out.choices[0].message.content or "", out.usage.prompt_tokens, [])
 
 
-# UCX runs as `auto` (what auto resolves to over vLLM's KV cache), with both servers kv_both; UCX between a
-# kv_producer and a kv_consumer runs in test_pd_tp.py and test_pd_shapes.py. TCP runs on the named pair of
-# test_pd_prefill_life.py (one start-up fewer), before that module's faults.
-@pytest.mark.parametrize("transport", [ConnectorKind.NCCL, ConnectorKind.AUTO], ids=str)
-def test_disaggregated_equals_plain(plain_server: VLLMServer, vllm_model_dir: Path, redis_url: str, tmp_path: Path,
-                                    transport: ConnectorKind):
-    specs = kvwire_pair(vllm_model_dir, redis_url, transport, tmp_path, named=False)
-    if transport == ConnectorKind.AUTO:  # both servers may do either, as each request's params say
-        specs = tuple(dataclasses.replace(s, kv_role="kv_both") for s in specs)
+# UCX between a kv_producer and a kv_consumer runs in test_pd_tp.py and test_pd_shapes.py, between kv_both
+# servers (`auto`) in test_pd_schedule.py.
+def test_disaggregated_equals_plain_over_nccl(plain_server: VLLMServer, vllm_model_dir: Path, redis_url: str,
+                                              tmp_path: Path):
+    specs = kvwire_pair(vllm_model_dir, redis_url, ConnectorKind.NCCL, tmp_path, named=False)
     with pd_cluster_of(*specs, tmp_path) as cluster:
         routed_equals_plain(cluster, plain_server, str(vllm_model_dir))
 
 
 def routed_equals_plain(cluster: PDCluster, plain_server: VLLMServer, model: str) -> None:
     """Every prompt through `cluster`'s router, whole, streamed and as chat, gives the plain server's tokens, and
-    the decode server computed none of them itself (its metrics count from its start: a fresh pair). The router
-    sends the first request's decode step once the prefill server has answered (its params show kvwire's
-    connector), every later one's alongside the prefill step (the decode server told the KV's key ahead)."""
+    the decode server computed none of them itself (what its metrics count while they are asked: it may have
+    served before). The router (a fresh one) sends the first request's decode step once the prefill server has
+    answered (its params show kvwire's connector), every later one's alongside the prefill step (the decode
+    server told the KV's key ahead). No prompt of PROMPTS may have been asked of the decode server before."""
     plain = _client(plain_server.url)
+    before = cluster.prompt_tokens_by_source(), cluster.kv_pulls(), cluster.kv_failed_by_reason()
     routed = _client(cluster.router_url)
     sent = 0  # prompt tokens the decode server was asked to continue
     for prompt in PROMPTS:
@@ -92,11 +89,17 @@ def routed_equals_plain(cluster: PDCluster, plain_server: VLLMServer, model: str
     got = _complete(routed, model, longer)
     assert got.text == _complete(plain, model, longer).text
     sent += got.prompt_tokens
-    by_source = cluster.prompt_tokens_by_source()
-    pulls, failed, reasons = cluster.kv_pulls(), cluster.kv_failed_by_reason(), cluster.path_reasons()
-    assert by_source["local_compute"] == 0, f"decode computed prompt tokens itself: {by_source}"
+    by_source = _grown(before[0], cluster.prompt_tokens_by_source())
+    pulls, reasons = cluster.kv_pulls() - before[1], cluster.path_reasons()
+    failed = {k: v - before[2].get(k, 0.0) for k, v in cluster.kv_failed_by_reason().items()}
+    assert by_source.get("local_compute", 0) == 0, f"decode computed prompt tokens itself: {by_source}"
     assert reasons["prefilled"] == 1 and reasons["prefilled-alongside"] == 3 * len(PROMPTS), reasons
     assert pulls > 0 and set(failed) >= {"deadline", "producer", "mismatch", "transport"}, (pulls, failed)
     assert sum(failed.values()) == 0, f"vLLM's /metrics counts recomputed prompts: {failed}"
-    assert by_source["external_kv_transfer"] > 0 and by_source["local_cache_hit"] > 0, by_source
+    assert by_source.get("external_kv_transfer", 0) > 0 and by_source.get("local_cache_hit", 0) > 0, by_source
     assert by_source["external_kv_transfer"] + by_source["local_cache_hit"] == sent, by_source
+
+
+def _grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The series of `after` that grew since `before`, by how much."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}

@@ -1,11 +1,16 @@
 """Tensor- and data-parallel vLLM servers with KvwireConnector, against one plain vLLM server.
 
-The minimal connector config (no node_id) on both servers, the kvwire router in front, the official
+The minimal connector config (no node_id) on every server, the kvwire router in front, the official
 `openai` client: a TP=2 prefill server feeding a TP=1 decode server, the reverse, and a prefill server of two
 data-parallel engines (each its own node; the API server spreads the requests over them). Each decode rank
 pulls its KV heads from the prefill ranks that hold them (connectors/vllm/tp.py); the answers equal the
 plain server's and the decode server computes no prompt token itself. The tiny model has 2 KV heads: at
 TP=2 each rank holds one.
+
+The two TP directions run on the same two servers, a TP=2 one and a TP=1 one, both `kv_both` (either role, as
+each request's params say), with a router in front of each direction: one start-up of two servers fewer (about
+50 s here). The second direction asks prompts the first did not (`REVERSED`), so that neither server holds
+them in its prefix cache and every one is pulled; each direction's counts are the decode server's deltas.
 
 This host has 2 cores, fewer than the two servers' ranks: every rank runs unbound ("nobind"). vLLM's
 engines step without pause while a transfer is pending (its workers poll their queues), so a rank pinned to a
@@ -16,17 +21,36 @@ two ranks runs at idle priority (cluster/vllm_pd.py's with_tp says why).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvwire.cluster.vllm_cluster import VLLMServer, VLLMServerSpec, live_group_members
-from kvwire.cluster.vllm_pd import kvwire_pair, pd_cluster_of, with_tp
+from kvwire.cluster.redis_server import LocalRedis
+from kvwire.cluster.vllm_cluster import VLLMServer, VLLMServerSpec, live_group_members, start_all
+from kvwire.cluster.vllm_pd import ALWAYS_DISAGGREGATE, PDCluster, kvwire_pair, pd_cluster_of, start_router, with_tp
 from kvwire.connectors.config import ConnectorKind
 from tests.vllm.conftest import PROMPTS
-from tests.vllm.test_pd_servers import Answer, _chat, _client, _complete
+from tests.vllm.test_pd_servers import Answer, _chat, _client, _complete, _grown
 
 pytest.importorskip("openai")
+
+# Tokens per answer. A TP=2 decode server makes 2 to 6 tokens/s here (two ranks at idle priority sharing what
+# the prefill server's spinning worker leaves of 2 cores); the pulled KV is in every token's top-2 logprobs from
+# the first one on, so 8 tell what 24 did (test_pd_servers.py's TP=1 pairs answer 24).
+MAX_TOKENS = 8
+# the TP=1 -> TP=2 direction's prompts: their first block differs from every prompt of PROMPTS
+REVERSED = [f"In reverse, {p}" for p in PROMPTS]
+DIRECTIONS = {"P-TP2-D-TP1": PROMPTS, "P-TP1-D-TP2": REVERSED}
+
+
+@pytest.fixture(scope="module")
+def plain_answers(plain_server: VLLMServer, vllm_model_dir: Path) -> dict[str, tuple[Answer, Answer]]:
+    """The plain server's completion and chat answer to each prompt, asked once for every shape (and not
+    between a pair's requests, where the plain server's worker spinning after its step starves idle ranks)."""
+    plain, model = _client(plain_server.url), str(vllm_model_dir)
+    return {p: (_complete(plain, model, p, MAX_TOKENS), _chat(plain, model, p, MAX_TOKENS))
+            for p in PROMPTS + REVERSED}
 
 
 def _data_parallel_prefill(pair: tuple[VLLMServerSpec, VLLMServerSpec]) -> tuple[VLLMServerSpec, VLLMServerSpec]:
@@ -37,45 +61,67 @@ def _data_parallel_prefill(pair: tuple[VLLMServerSpec, VLLMServerSpec]) -> tuple
             dataclasses.replace(decode, cpu_cores="nobind"))
 
 
-SHAPES = {"P-TP2-D-TP1": lambda pair: with_tp(pair, 2, 1), "P-TP1-D-TP2": lambda pair: with_tp(pair, 1, 2),
-          "P-DP2-D-TP1": _data_parallel_prefill}
-
-
-# Tokens per answer. A TP=2 decode server makes 2 to 6 tokens/s here (two ranks at idle priority sharing what
-# the prefill server's spinning worker leaves of 2 cores); the pulled KV is in every token's top-2 logprobs from
-# the first one on, so 8 tell what 24 did (test_pd_servers.py's TP=1 pairs answer 24).
-MAX_TOKENS = 8
+# first: the TP servers below are not started yet (a module fixture lives until the module's end)
+def test_data_parallel_prefill_equals_plain(plain_answers: dict[str, tuple[Answer, Answer]], vllm_model_dir: Path,
+                                            redis_url: str, tmp_path: Path):
+    pair = _data_parallel_prefill(kvwire_pair(vllm_model_dir, redis_url, ConnectorKind.UCX, tmp_path, named=False))
+    with pd_cluster_of(*pair, tmp_path) as cluster:
+        _routed_equal_plain(cluster, PROMPTS, plain_answers, str(vllm_model_dir), parts=1)
+        groups = [s.proc.pid for s in (cluster.prefill, cluster.decode) if s.proc is not None]
+    assert [pid for g in groups for pid in live_group_members(g)] == [], "a server's rank outlived it"
 
 
 @pytest.fixture(scope="module")
-def plain_answers(plain_server: VLLMServer, vllm_model_dir: Path) -> dict[str, tuple[Answer, Answer]]:
-    """The plain server's completion and chat answer to each of PROMPTS, asked once for every shape (and not
-    between a pair's requests, where the plain server's worker spinning after its step starves idle ranks)."""
-    plain, model = _client(plain_server.url), str(vllm_model_dir)
-    return {p: (_complete(plain, model, p, MAX_TOKENS), _chat(plain, model, p, MAX_TOKENS)) for p in PROMPTS}
-
-
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_parallel_pairs_equal_plain(plain_answers: dict[str, tuple[Answer, Answer]], vllm_model_dir: Path,
-                                    redis_url: str, tmp_path: Path, shape: str):
-    model = str(vllm_model_dir)
-    pair = SHAPES[shape](kvwire_pair(vllm_model_dir, redis_url, ConnectorKind.UCX, tmp_path, named=False))
-    with pd_cluster_of(*pair, tmp_path) as cluster:
-        routed = _client(cluster.router_url)
-        for prompt in PROMPTS:
-            want, want_chat = plain_answers[prompt]
-            got = _complete(routed, model, prompt, MAX_TOKENS)
-            assert got.text == want.text and len(got.top_logprobs) == MAX_TOKENS
-            for mine, theirs in zip(got.top_logprobs, want.top_logprobs):
-                assert sorted(mine) == sorted(theirs) and mine == pytest.approx(theirs, abs=2e-3)
-            assert _chat(routed, model, prompt, MAX_TOKENS).text == want_chat.text
-        by_source = cluster.prompt_tokens_by_source()
-        pulls, failed, reasons = cluster.kv_pulls(), cluster.kv_failed_by_reason(), cluster.path_reasons()
-        groups = [s.proc.pid for s in (cluster.prefill, cluster.decode) if s.proc is not None]
-    assert by_source["local_compute"] == 0, f"decode computed prompt tokens itself: {by_source}"
-    assert by_source["external_kv_transfer"] > 0, by_source
-    # the first answer shows the prefill server's TP size; every later decode step starts alongside its prefill
-    assert reasons["prefilled"] == 1 and reasons["prefilled-alongside"] == 2 * len(PROMPTS) - 1, reasons
-    assert pulls >= len(PROMPTS) * (2 if "TP2" in shape else 1), f"one part per prefill rank read: {pulls}"
-    assert sum(failed.values()) == 0, f"recomputed prompts, by reason: {failed}"
+def directions(vllm_model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -> Iterator[dict[str, PDCluster]]:
+    """A TP=2 and a TP=1 server, both kv_both, and a router (every request disaggregated) for each direction."""
+    log_dir = tmp_path_factory.mktemp("tp")
+    pair = with_tp(kvwire_pair(vllm_model_dir, redis_server.url, ConnectorKind.UCX, log_dir, named=False), 2, 1)
+    two, one = start_all([dataclasses.replace(s, kv_role="kv_both") for s in pair])
+    clusters: dict[str, PDCluster] = {}
+    try:
+        for name, (prefill, decode) in zip(DIRECTIONS, [(two, one), (one, two)]):
+            url, router = start_router([prefill.url], [decode.url], log_dir / f"router-{name}.log",
+                                       ALWAYS_DISAGGREGATE)
+            clusters[name] = PDCluster(prefill, decode, url, [router])
+        yield clusters
+    finally:
+        for cluster in clusters.values():
+            cluster.routers[0].terminate()
+            cluster.routers[0].wait(10)
+        groups = [s.proc.pid for s in (two, one) if s.proc is not None]
+        for server in (two, one):
+            server.stop()
     assert [pid for g in groups for pid in live_group_members(g)] == [], "a server's rank outlived it"
+
+
+@pytest.mark.parametrize("direction", list(DIRECTIONS))
+def test_tp_pairs_equal_plain(plain_answers: dict[str, tuple[Answer, Answer]], directions: dict[str, PDCluster],
+                              vllm_model_dir: Path, direction: str):
+    # TP2 -> TP1: the decode rank reads a part of each prefill rank; TP1 -> TP2: each decode rank reads its own
+    _routed_equal_plain(directions[direction], DIRECTIONS[direction], plain_answers, str(vllm_model_dir), parts=2)
+
+
+def _routed_equal_plain(cluster: PDCluster, prompts: list[str], plain_answers: dict[str, tuple[Answer, Answer]],
+                        model: str, parts: int) -> None:
+    """Each prompt through `cluster`'s router, whole and as chat, gives the plain server's tokens (and top
+    logprobs), every one of them pulled (`parts` pulls a prompt at least): the decode server's counts grow by the
+    pulls, by no recompute and by no prompt token computed there."""
+    routed = _client(cluster.router_url)
+    by_source, pulls, failed = cluster.prompt_tokens_by_source(), cluster.kv_pulls(), cluster.kv_failed_by_reason()
+    for prompt in prompts:
+        want, want_chat = plain_answers[prompt]
+        got = _complete(routed, model, prompt, MAX_TOKENS)
+        assert got.text == want.text and len(got.top_logprobs) == MAX_TOKENS
+        for mine, theirs in zip(got.top_logprobs, want.top_logprobs):
+            assert sorted(mine) == sorted(theirs) and mine == pytest.approx(theirs, abs=2e-3)
+        assert _chat(routed, model, prompt, MAX_TOKENS).text == want_chat.text
+    grown = _grown(by_source, cluster.prompt_tokens_by_source())
+    assert grown.get("local_compute", 0) == 0, f"decode computed prompt tokens itself: {grown}"
+    assert grown.get("external_kv_transfer", 0) > 0, grown
+    # the first answer shows the prefill server's TP size; every later decode step starts alongside its prefill
+    reasons = cluster.path_reasons()
+    assert reasons["prefilled"] == 1 and reasons["prefilled-alongside"] == 2 * len(prompts) - 1, reasons
+    pulled = cluster.kv_pulls() - pulls
+    assert pulled >= len(prompts) * parts, f"{parts} parts of each prompt pulled: {pulled}"
+    assert _grown(failed, cluster.kv_failed_by_reason()) == {}, "recomputed prompts, by reason"
+
