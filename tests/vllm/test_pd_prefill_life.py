@@ -7,7 +7,9 @@ prefill server's life, started once for the module's tests, which run in this or
    (vLLM's KV cache usage above zero) until the prefill server's kv_deadline_s (LEASE_S), then the connector
    reports them finished sending, vLLM frees them, and their directory entries say EXPIRED.
 2. The node id: a second server started under the live prefill server's id is refused at start-up, naming
-   the live one, and the live one goes on serving (it is not fenced). Then the live one is killed and
+   the live one, and the live one goes on serving (it is not fenced). That server is started as test 0 begins
+   (the `duplicate` fixture), so that its start-up, about 30 s of three interpreters one after another, runs
+   beside tests 0 and 1 rather than before test 2. Then the live one is killed and
    restarted under the same id: the entry of a prompt the first incarnation computed (its kv_transfer_params
    handed out, its KV never pulled) is FAILED by the second one as it starts, so a decode server sent that
    prompt recomputes it at once (well within the decode server's kv_deadline_s, WAIT_S); the router takes the
@@ -61,6 +63,15 @@ def pair(vllm_model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -> It
         yield cluster
 
 
+@pytest.fixture(scope="module")
+def duplicate(pair: PDCluster, tmp_path_factory) -> Iterator[VLLMServer]:
+    """A second server under the live prefill server's node id, started (not waited for): test 2 reads its refusal."""
+    log = tmp_path_factory.mktemp("duplicate") / "duplicate.log"
+    server = VLLMServer(dataclasses.replace(pair.prefill.spec, port=0, log_path=log)).start()
+    yield server
+    server.stop()
+
+
 def _body(model: str, prompt: str, **extra) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
 
@@ -77,6 +88,7 @@ def _held_params(cluster: PDCluster, model: str, prompt: str) -> dict:
     return httpx.post(f"{cluster.prefill.url}/v1/completions", json=body, timeout=60).json()["kv_transfer_params"]
 
 
+@pytest.mark.usefixtures("duplicate")  # starts beside this test and the next (see the module's docstring)
 def test_disaggregated_equals_plain_over_tcp(plain_server: VLLMServer, pair: PDCluster, vllm_model_dir: Path):
     routed_equals_plain(pair, plain_server, str(vllm_model_dir))  # first: the decode server's metrics are fresh
 
@@ -107,10 +119,11 @@ def test_unpulled_kv_is_held_until_its_lease_lapses(pair: PDCluster, vllm_model_
 # --- 2. the node id, and a restart -----------------------------------------------------------------------------
 
 def test_a_live_prefills_id_is_refused_to_others_and_its_restart_fences_and_serves(
-        plain_server: VLLMServer, pair: PDCluster, vllm_model_dir: Path, redis_server: LocalRedis, tmp_path: Path):
+        plain_server: VLLMServer, pair: PDCluster, duplicate: VLLMServer, vllm_model_dir: Path,
+        redis_server: LocalRedis):
     model, redis_url = str(vllm_model_dir), redis_server.url
     want = _text(plain_server.url, _body(model, PROMPTS[1]))
-    _duplicate_refused(pair, tmp_path / "duplicate.log")
+    _duplicate_refused(pair, duplicate)
     _used_again(model, pair)  # the live one was not fenced
     params = _held_params(pair, model, PROMPTS[1])
     _wait_ready_entry(redis_url, params["remote_request_id"])  # held and announced: what the restart fences
@@ -123,13 +136,11 @@ def test_a_live_prefills_id_is_refused_to_others_and_its_restart_fences_and_serv
     _used_again(model, pair)
 
 
-def _duplicate_refused(cluster, log: Path) -> None:
-    duplicate = VLLMServer(dataclasses.replace(cluster.prefill.spec, port=0, log_path=log)).start()
-    try:
-        with pytest.raises(ClusterError, match="exited during start-up"):
-            duplicate.wait_ready()
-    finally:
-        duplicate.stop()
+def _duplicate_refused(cluster: PDCluster, duplicate: VLLMServer) -> None:
+    with pytest.raises(ClusterError, match="exited during start-up"):
+        duplicate.wait_ready()
+    log = duplicate.spec.log_path
+    assert log is not None
     said = f"kvwire: node id '{cluster.prefill.spec.node_id}' is in use by a live server (vllm prefill, pid "
     assert said in log.read_text(), log.read_text()[-3000:]
 
