@@ -2,7 +2,7 @@
 
 `FakeVLLM(port)` serves in a thread once `start()`ed, until `stop()` (and may start again on the same port):
 GET /health (after `health_delay_s`), GET /v1/models, and POST /v1/completions and /v1/chat/completions,
-which answer after `answer_delay_s`:
+which answer after `answer_delay_s` (or not at all, once their client has gone away):
 - a prefill's body (`do_remote_decode`) as KvwireConnector's producer would: `kv_transfer_params` naming
   `name` and the `kvwire_key` it was given (none while `hands_out_params` is off; the HTTP status
   `prefill_status` instead of 200 when set);
@@ -63,9 +63,11 @@ class FakeVLLM:
             self._thread.join(timeout=10)
         self._server = self._thread = None
 
-    async def _wait_for_kv(self, request: Request) -> bool:
-        """Wait `kv_wait_s`; False as soon as the client goes away."""
-        deadline = time.monotonic() + self.kv_wait_s
+    @staticmethod
+    async def _wait(request: Request, seconds: float) -> bool:
+        """Wait `seconds`; False as soon as the client goes away (then nothing is left to answer, and a stop of
+        this server does not wait for the rest of it)."""
+        deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             if await request.is_disconnected():
                 return False
@@ -87,10 +89,11 @@ class FakeVLLM:
         async def generate(request: Request):
             body = await request.json()
             self.bodies.append(body)
-            await asyncio.sleep(self.answer_delay_s)
+            if not await self._wait(request, self.answer_delay_s):
+                return JSONResponse({}, status_code=499)
             params = body.get("kv_transfer_params") or {}
             prefill = bool(params.get("do_remote_decode"))
-            if params.get("do_remote_prefill") and not await self._wait_for_kv(request):
+            if params.get("do_remote_prefill") and not await self._wait(request, self.kv_wait_s):
                 self.aborted += 1  # as vLLM aborts a request whose client went away
                 return JSONResponse({}, status_code=499)
             if prefill and self.prefill_status != 200:
