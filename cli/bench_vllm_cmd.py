@@ -60,7 +60,8 @@ def vllm(
     plain_url: Annotated[str, typer.Option("--plain-url", help="A plain vLLM server already running, serving "
                                            "--model (required with it), measured as the baseline instead of one "
                                            "the bench starts; it is left running (prompts an earlier run asked of "
-                                           "it come from its prefix cache).")] = "",
+                                           "it come from its prefix cache, and its processes count in its row's "
+                                           "`other` cores).")] = "",
     workload: Annotated[Workload, typer.Option("--workload", help="mix: the prompt mix through each setup (the "
                                                "options above); multiturn: conversations of several turns and "
                                                "short prompts on one prefill and two decode servers, through "
