@@ -247,7 +247,7 @@ def _steps(rehearse: bool, out: Path, manifest: dict) -> list[Step]:
     timeout = ["--timeout", "180"] if _has_pytest_timeout(py) else []
     tests = [py, "-m", "pytest", "tests", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
              "--continue-on-collection-errors", f"--junitxml={out / 'tests.xml'}", *timeout, *ignores]
-    return [Step("bench", bench, 240), Step("demo", demo, 90), Step("tests", tests, BUDGET_S)]
+    return [Step("bench", bench, 300), Step("demo", demo, 90), Step("tests", tests, BUDGET_S)]
 
 
 def _has_pytest_timeout(py: str) -> bool:
