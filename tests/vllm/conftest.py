@@ -7,6 +7,8 @@ prompts are longer than two blocks.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +25,8 @@ PROMPTS = [
     "Once upon a time, in a land far away, there lived a king who loved numbers: 1 2 3 5 8 13 21. " * 4,
     "Twinkle twinkle little star, how I wonder what you are. " * 6,
 ]
+OFFLINE_DEADLINE_S = 10.0  # test_offline's kv_deadline_s: far above a generate() on a busy machine
+OFFLINE_REDIS_DB = 7  # the offline run's database: other tests empty database 0 (redis_url) while it runs
 
 
 @pytest.fixture(scope="session")
@@ -61,3 +65,33 @@ def plain_server(_plain_server_starting: VLLMServer | None) -> VLLMServer:
     assert _plain_server_starting is not None  # started for every session with a test that uses it
     _plain_server_starting.wait_ready()
     return _plain_server_starting
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _offline_run_starting(request, tmp_path_factory) -> Iterator[tuple[subprocess.Popen, Path] | None]:
+    """test_offline.py's process (offline_consumer.py), started as the session starts if that test was collected,
+    and the folder of its output: one interpreter importing vLLM, then mostly a wait of OFFLINE_DEADLINE_S, beside the
+    tests before it rather than in their turn. It uses a Redis database of its own (OFFLINE_REDIS_DB)."""
+    if not any(item.name == "test_consumer_recomputes_what_never_arrives" for item in request.session.items):
+        yield None
+        return
+    redis_server = request.getfixturevalue("redis_server")
+    model_dir = request.getfixturevalue("vllm_model_dir")
+    out = tmp_path_factory.mktemp("offline")
+    url = redis_server.url.rpartition("/")[0] + f"/{OFFLINE_REDIS_DB}"
+    # files, not pipes: nothing fills up while the session runs other tests
+    with (out / "stdout").open("w") as stdout, (out / "stderr").open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("offline_consumer.py")), str(model_dir),
+                                 url, PROMPTS[0], str(OFFLINE_DEADLINE_S)], stdout=stdout, stderr=stderr)
+    yield proc, out
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+@pytest.fixture(scope="session")
+def offline_run(_offline_run_starting: tuple[subprocess.Popen, Path] | None) -> tuple[int, str, str]:
+    """The offline run's exit status, stdout and stderr, once it has ended."""
+    assert _offline_run_starting is not None  # started for every session that collected its test
+    proc, out = _offline_run_starting
+    return proc.wait(timeout=300), (out / "stdout").read_text(), (out / "stderr").read_text()

@@ -25,7 +25,7 @@ from kvwire.cluster.vllm_pd import kvwire_pair, pd_cluster_of
 from kvwire.connectors.config import ConnectorKind
 from tests.vllm.conftest import PROMPTS
 from tests.vllm.models import write_tiny_qwen3_next
-from tests.vllm.test_pd_servers import _client
+from tests.vllm.routed import openai_client
 from tests.vllm.test_pd_shapes import Answer, _complete
 
 LONG = "The long prompt crosses an attention block of 1152 tokens, and the state sits in its second block. " * 16
@@ -53,13 +53,13 @@ def main(work: Path) -> None:
             plain = VLLMServer(VLLMServerSpec(model, cpu_cores="0", dtype="bfloat16", extra_args=args,
                                               log_path=log_dir / "plain.log")).start()
             plain.wait_ready()
-            want = [_complete(_client(plain.url), str(model), text) for text in TEXTS]
+            want = [_complete(openai_client(plain.url), str(model), text) for text in TEXTS]
             plain.stop()
             pair = kvwire_pair(model, redis.url, ConnectorKind.UCX, log_dir, named=False, dtype="bfloat16")
             with pd_cluster_of(*(dataclasses.replace(s, extra_args=args) for s in pair), log_dir) as cluster:
                 for text, theirs in zip(TEXTS, want):
                     before, computed = cluster.kv_pull_bytes(), cluster.prompt_tokens_by_source()["local_compute"]
-                    got = _complete(_client(cluster.router_url), str(model), text)
+                    got = _complete(openai_client(cluster.router_url), str(model), text)
                     print(f"prefix caching {'on ' if caching else 'off'}  prompt tokens {got.prompt_tokens:>5}"
                           f"  KV bytes {int(cluster.kv_pull_bytes() - before):>10,}  decode computed "
                           f"{cluster.prompt_tokens_by_source()['local_compute'] - computed:.0f}  "

@@ -1,8 +1,8 @@
-"""One named KvwireConnector pair over TCP (`prefill-tcp`, `decode-tcp`, the router in front) through its
-prefill server's life, started once for the module's tests, which run in this order:
+"""One named KvwireConnector pair over NCCL (Gloo here: `prefill-nccl`, `decode-nccl`, the router in front) through
+its prefill server's life, started once for the module's tests, which run in this order:
 
-0. Over TCP, test_pd_servers.py's checks (`routed_equals_plain`: whole, streamed and chat answers equal a
-   plain server's, and the decode server computes no prompt token itself), on the fresh pair.
+0. tests/vllm/routed.py's checks (`routed_equals_plain`: whole, streamed and chat answers equal a plain server's,
+   and the decode server computes no prompt token itself), on the fresh pair.
 1. Delayed free: two prompts computed with do_remote_decode and never pulled keep their blocks in use
    (vLLM's KV cache usage above zero) until the prefill server's kv_deadline_s (LEASE_S), then the connector
    reports them finished sending, vLLM frees them, and their directory entries say EXPIRED.
@@ -18,7 +18,8 @@ prefill server's life, started once for the module's tests, which run in this or
    their KV computed and held (their kv_transfer_params handed out) but not pulled yet. Decode recomputes
    what it cannot pull; afterwards no directory entry is left READY and every one expires.
 
-One pair instead of four saves three pairs' start-up (about 25 s each on this host). The module's Redis
+One pair instead of five saves four pairs' start-up (about 25-45 s each on this host): this pair is also the
+one that checks NCCL between vLLM servers (TCP's is test_bench_vllm.py's pair). The module's Redis
 database is emptied once, before the pair starts, not before each test: the nodes' registrations live there.
 """
 
@@ -42,7 +43,7 @@ from kvwire.cluster.vllm_pd import PDCluster, kvwire_pair, pd_cluster_of
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.directory.directory import KVDirectory, TransferState
 from tests.vllm.conftest import PROMPTS
-from tests.vllm.test_pd_servers import routed_equals_plain
+from tests.vllm.routed import routed_equals_plain
 
 LEASE_S = 8.0  # the prefill server's kv_deadline_s: how long it holds KV nobody pulls (test 0's are pulled)
 WAIT_S = 20.0  # the decode server's kv_deadline_s: how long a request waits for KV that is not announced
@@ -58,7 +59,7 @@ def pair(vllm_model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -> It
     finally:
         client.close()
     log_dir = tmp_path_factory.mktemp("prefill-life")
-    prefill, decode = kvwire_pair(vllm_model_dir, redis_server.url, ConnectorKind.TCP, log_dir, kv_deadline_s=WAIT_S)
+    prefill, decode = kvwire_pair(vllm_model_dir, redis_server.url, ConnectorKind.NCCL, log_dir, kv_deadline_s=WAIT_S)
     with pd_cluster_of(dataclasses.replace(prefill, kv_deadline_s=LEASE_S), decode, log_dir) as cluster:
         yield cluster
 
@@ -89,7 +90,7 @@ def _held_params(cluster: PDCluster, model: str, prompt: str) -> dict:
 
 
 @pytest.mark.usefixtures("duplicate")  # starts beside this test and the next (see the module's docstring)
-def test_disaggregated_equals_plain_over_tcp(plain_server: VLLMServer, pair: PDCluster, vllm_model_dir: Path):
+def test_disaggregated_equals_plain_over_nccl(plain_server: VLLMServer, pair: PDCluster, vllm_model_dir: Path):
     routed_equals_plain(pair, plain_server, str(vllm_model_dir))  # first: the decode server's metrics are fresh
 
 
@@ -195,7 +196,8 @@ def test_prefill_killed_mid_load(plain_server: VLLMServer, pair: PDCluster, vllm
     model = str(vllm_model_dir)
     want = {p: _text(plain_server.url, _body(model, p)) for p in PROMPT_MIX}
     held = {p: _held_params(pair, model, p) for p in PROMPT_MIX[:3]}  # computed, handed over, not pulled yet
-    assert all(h["do_remote_prefill"] and h["remote_engine_id"] == "prefill-tcp" for h in held.values()), held
+    prefill_id = pair.prefill.spec.node_id
+    assert all(h["do_remote_prefill"] and h["remote_engine_id"] == prefill_id for h in held.values()), held
     with ThreadPoolExecutor(len(PROMPT_MIX)) as pool:
         routed = {p: pool.submit(_text, pair.router_url, _body(model, p)) for p in PROMPT_MIX}
         time.sleep(0.5)  # some of them are on the prefill server now

@@ -8,7 +8,7 @@ and every answer equals a plain vLLM server's. The first decode server publishes
 (`--kv-events-config`) and the router reads them (`--vllm-kv-events`): its prefix cache is known, the other's
 predicted.
 
-Then the same servers take test_pd_servers.py's checks over `auto` (`routed_equals_plain`): the prefill and the
+Then the same servers take tests/vllm/routed.py's checks over `auto` (`routed_equals_plain`): the prefill and the
 second decode server, each of which may do either role, behind a router of their own that disaggregates every
 request (two start-ups fewer than a pair of their own).
 """
@@ -31,7 +31,7 @@ from kvwire.cluster.vllm_cluster import VLLMServer, start_all
 from kvwire.cluster.vllm_pd import ALWAYS_DISAGGREGATE, PDCluster, kvwire_pair, start_router
 from kvwire.connectors.config import ConnectorKind
 from kvwire.observability.labels import DISAGGREGATED_REASONS
-from tests.vllm.test_pd_servers import routed_equals_plain
+from tests.vllm.routed import openai_client, routed_equals_plain
 
 openai = pytest.importorskip("openai")
 
@@ -73,10 +73,6 @@ def trio(vllm_model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -> It
             server.stop()
 
 
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 class Turn(NamedTuple):
     decode: str
     path: str
@@ -86,7 +82,7 @@ class Turn(NamedTuple):
 def test_conversations_stay_where_their_kv_is_and_later_turns_are_decode_only(trio: Trio, plain_server: VLLMServer,
                                                                                vllm_model_dir: Path):
     model = str(vllm_model_dir)
-    routed, plain = _client(trio.router_url), _client(plain_server.url)
+    routed, plain = openai_client(trio.router_url), openai_client(plain_server.url)
     talks = {name: [{"role": "system", "content": text}] for name, text in SYSTEM.items()}
     turns: dict[str, list[Turn]] = {name: [] for name in talks}
     for user in USER:

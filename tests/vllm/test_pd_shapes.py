@@ -6,7 +6,7 @@ in front), float32 (Qwen3-Next: bf16). Every prompt through the router must:
 1. give the tokens, and top logprobs within the shape's tolerance, that the pair's prefill server gives when
    it is asked the prompt itself afterwards, with no transfer: one server continuing its own KV, the answer
    a single node gives (a separate plain server per model cost three more start-ups, about 60 s here;
-   tests/vllm/test_pd_servers.py and test_pd_tp.py compare with a separate plain server);
+   the Llama pairs of test_pd_prefill_life.py and test_pd_tp.py compare with a separate plain server);
 2. leave the decode server computing none of its tokens itself (vLLM counts them all as transferred; with
    state, the last one, which the decode server computes from the pulled state);
 3. count a pull and no failure on the decode server, and leave nothing held on the prefill server.
@@ -46,7 +46,7 @@ from tests.vllm.models import (
     write_tiny_gemma3,
     write_tiny_qwen3_next,
 )
-from tests.vllm.test_pd_servers import _client
+from tests.vllm.routed import openai_client
 
 openai = pytest.importorskip("openai")
 
@@ -180,13 +180,13 @@ def test_prompt_through_pair_equals_one_server(model_dir: Path, pair: Pair, prom
     prompt, model = PROMPTS[prompt_index], str(model_dir)
     computed, pulls = cluster.prompt_tokens_by_source().get("local_compute", 0.0), cluster.kv_pulls()
     pulled = cluster.kv_pull_bytes()
-    got = _complete(_client(cluster.router_url), model, prompt)
+    got = _complete(openai_client(cluster.router_url), model, prompt)
     computed_here = cluster.prompt_tokens_by_source()["local_compute"] - computed
     assert computed_here == shape.computed, f"decode computed {computed_here} prompt tokens itself"
     assert cluster.kv_pulls() > pulls, "the decode server pulled no KV for this prompt"
     assert sum(cluster.kv_failed_by_reason().values()) == 0, cluster.kv_failed_by_reason()
     assert _wait_released(cluster.prefill.url) < RELEASE_S, "the prefill server still holds the prompt's KV"
-    _assert_same(got, _complete(_client(cluster.prefill.url), model, prompt), shape)  # after the release check
+    _assert_same(got, _complete(openai_client(cluster.prefill.url), model, prompt), shape)  # after the release check
     if shape.window:
         moved, full = _gemma3_kv_bytes(cluster.decode.url, got.prompt_tokens, shape.window)
         assert cluster.kv_pull_bytes() - pulled == moved < full
@@ -203,7 +203,7 @@ def test_a_pull_that_fails_is_recomputed_and_the_server_serves_on(model_dir: Pat
     names the failed blocks instead of the request)."""
     shape, cluster = pair
     prompt, model = PROMPTS[0], str(model_dir)
-    want = _complete(_client(cluster.prefill.url), model, prompt)
+    want = _complete(openai_client(cluster.prefill.url), model, prompt)
     directory = KVDirectory(redis_server.url)
     try:
         directory.fail(f"never-{shape.model}", "the test says so")
@@ -212,7 +212,7 @@ def test_a_pull_that_fails_is_recomputed_and_the_server_serves_on(model_dir: Pat
     params = {"do_remote_prefill": True, "remote_request_id": f"never-{shape.model}", "transfer": "kvwire",
               "remote_engine_id": "ghost-producer", "remote_num_tokens": want.prompt_tokens, "remote_block_ids": [[1]]}
     failed = sum(cluster.kv_failed_by_reason().values())
-    got = _complete(_client(cluster.decode.url), model, prompt, kv_transfer_params=params)
+    got = _complete(openai_client(cluster.decode.url), model, prompt, kv_transfer_params=params)
     assert sum(cluster.kv_failed_by_reason().values()) == failed + 1, cluster.kv_failed_by_reason()
     _assert_same(got, want, dataclasses.replace(shape, ties=True) if shape.computed else shape)
     assert httpx.get(f"{cluster.decode.url}/health", timeout=10).status_code == 200

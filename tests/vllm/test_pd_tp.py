@@ -10,7 +10,9 @@ TP=2 each rank holds one.
 The two TP directions run on the same two servers, a TP=2 one and a TP=1 one, both `kv_both` (either role, as
 each request's params say), with a router in front of each direction: one start-up of two servers fewer (about
 50 s here). The second direction asks prompts the first did not (`REVERSED`), so that neither server holds
-them in its prefix cache and every one is pulled; each direction's counts are the decode server's deltas.
+them in its prefix cache and every one is pulled; each direction's counts are the decode server's deltas. The
+TP=1 server is also the data-parallel prefill server's decode server, before the TP=2 one starts (one start-up
+fewer again), asked prompts of its own (`DP_PROMPTS`).
 
 This host has 2 cores, fewer than the two servers' ranks: every rank runs unbound ("nobind"). vLLM's
 engines step without pause while a transfer is pending (its workers poll their queues), so a rank pinned to a
@@ -28,57 +30,90 @@ import pytest
 
 from kvwire.cluster.redis_server import LocalRedis
 from kvwire.cluster.vllm_cluster import VLLMServer, VLLMServerSpec, live_group_members, start_all
-from kvwire.cluster.vllm_pd import ALWAYS_DISAGGREGATE, PDCluster, kvwire_pair, pd_cluster_of, start_router, with_tp
+from kvwire.cluster.vllm_pd import ALWAYS_DISAGGREGATE, PDCluster, kvwire_pair, start_router, with_tp
 from kvwire.connectors.config import ConnectorKind
 from tests.vllm.conftest import PROMPTS
-from tests.vllm.test_pd_servers import Answer, _chat, _client, _complete, _grown
+from tests.vllm.routed import Answer, chat, complete, grown_since, openai_client
 
 pytest.importorskip("openai")
 
 # Tokens per answer. A TP=2 decode server makes 2 to 6 tokens/s here (two ranks at idle priority sharing what
 # the prefill server's spinning worker leaves of 2 cores); the pulled KV is in every token's top-2 logprobs from
-# the first one on, so 8 tell what 24 did (test_pd_servers.py's TP=1 pairs answer 24).
+# the first one on, so 8 tell what 24 did (routed.py's checks on TP=1 pairs answer 24).
 MAX_TOKENS = 8
 # the TP=1 -> TP=2 direction's prompts: their first block differs from every prompt of PROMPTS
 REVERSED = [f"In reverse, {p}" for p in PROMPTS]
 DIRECTIONS = {"P-TP2-D-TP1": PROMPTS, "P-TP1-D-TP2": REVERSED}
+# the data-parallel test's, on the TP=1 server before P-TP2-D-TP1 asks it PROMPTS: their first block differs too
+DP_PROMPTS = [f"Two engines: {p}" for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
 def plain_answers(plain_server: VLLMServer, vllm_model_dir: Path) -> dict[str, tuple[Answer, Answer]]:
     """The plain server's completion and chat answer to each prompt, asked once for every shape (and not
     between a pair's requests, where the plain server's worker spinning after its step starves idle ranks)."""
-    plain, model = _client(plain_server.url), str(vllm_model_dir)
-    return {p: (_complete(plain, model, p, MAX_TOKENS), _chat(plain, model, p, MAX_TOKENS))
-            for p in PROMPTS + REVERSED}
-
-
-def _data_parallel_prefill(pair: tuple[VLLMServerSpec, VLLMServerSpec]) -> tuple[VLLMServerSpec, VLLMServerSpec]:
-    """Prefill with two data-parallel engines (the API server spreads requests over them), each a node of its
-    own (`<id>_dp<rank>`); every engine unbound, as with TP."""
-    prefill, decode = pair
-    return (dataclasses.replace(prefill, cpu_cores="nobind", extra_args=("--data-parallel-size", "2")),
-            dataclasses.replace(decode, cpu_cores="nobind"))
-
-
-# first: the TP servers below are not started yet (a module fixture lives until the module's end)
-def test_data_parallel_prefill_equals_plain(plain_answers: dict[str, tuple[Answer, Answer]], vllm_model_dir: Path,
-                                            redis_url: str, tmp_path: Path):
-    pair = _data_parallel_prefill(kvwire_pair(vllm_model_dir, redis_url, ConnectorKind.UCX, tmp_path, named=False))
-    with pd_cluster_of(*pair, tmp_path) as cluster:
-        _routed_equal_plain(cluster, PROMPTS, plain_answers, str(vllm_model_dir), parts=1)
-        groups = [s.proc.pid for s in (cluster.prefill, cluster.decode) if s.proc is not None]
-    assert [pid for g in groups for pid in live_group_members(g)] == [], "a server's rank outlived it"
+    plain, model = openai_client(plain_server.url), str(vllm_model_dir)
+    return {p: (complete(plain, model, p, MAX_TOKENS), chat(plain, model, p, MAX_TOKENS))
+            for p in PROMPTS + REVERSED + DP_PROMPTS}
 
 
 @pytest.fixture(scope="module")
-def directions(vllm_model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -> Iterator[dict[str, PDCluster]]:
-    """A TP=2 and a TP=1 server, both kv_both, and a router (every request disaggregated) for each direction."""
+def tp_specs(vllm_model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -> tuple[VLLMServerSpec, ...]:
+    """The TP=2 and the TP=1 server, both kv_both."""
     log_dir = tmp_path_factory.mktemp("tp")
     pair = with_tp(kvwire_pair(vllm_model_dir, redis_server.url, ConnectorKind.UCX, log_dir, named=False), 2, 1)
-    two, one = start_all([dataclasses.replace(s, kv_role="kv_both") for s in pair])
+    return tuple(dataclasses.replace(s, kv_role="kv_both") for s in pair)
+
+
+@pytest.fixture(scope="module")
+def one(tp_specs: tuple[VLLMServerSpec, ...]) -> Iterator[VLLMServer]:
+    """The TP=1 server: the data-parallel test's decode server, then the TP=2 server's partner both ways. Started,
+    not waited for: its start-up runs beside the data-parallel prefill server's."""
+    server = VLLMServer(tp_specs[1]).start()
+    try:
+        yield server
+    finally:
+        group = server.proc.pid if server.proc is not None else None
+        server.stop()
+    assert group is None or live_group_members(group) == [], "a server's rank outlived it"
+
+
+def _data_parallel(prefill: VLLMServerSpec) -> VLLMServerSpec:
+    """A prefill server of two data-parallel engines (the API server spreads requests over them), each a node of
+    its own (`<id>_dp<rank>`); every engine unbound, as with TP."""
+    return dataclasses.replace(prefill, cpu_cores="nobind", extra_args=("--data-parallel-size", "2"))
+
+
+# first: the TP=2 server is not started yet (a module fixture lives until the module's end)
+def test_data_parallel_prefill_equals_plain(plain_answers: dict[str, tuple[Answer, Answer]], one: VLLMServer,
+                                            vllm_model_dir: Path, redis_url: str, tmp_path: Path):
+    prefill_spec = kvwire_pair(vllm_model_dir, redis_url, ConnectorKind.UCX, tmp_path, named=False)[0]
+    prefill = VLLMServer(_data_parallel(prefill_spec)).start()
+    try:
+        prefill.wait_ready()
+        one.wait_ready()
+        url, router = start_router([prefill.url], [one.url], tmp_path / "router.log", ALWAYS_DISAGGREGATE)
+        try:
+            _routed_equal_plain(PDCluster(prefill, one, url, [router]), DP_PROMPTS, plain_answers,
+                                str(vllm_model_dir), parts=1)
+        finally:
+            router.terminate()
+            router.wait(10)
+    finally:
+        group = prefill.proc.pid if prefill.proc is not None else None
+        prefill.stop()
+    assert group is None or live_group_members(group) == [], "a server's rank outlived it"
+
+
+@pytest.fixture(scope="module")
+def directions(tp_specs: tuple[VLLMServerSpec, ...], one: VLLMServer,
+               tmp_path_factory) -> Iterator[dict[str, PDCluster]]:
+    """The TP=2 server, and a router (every request disaggregated) for each direction between it and `one`."""
+    log_dir = tmp_path_factory.mktemp("tp-routers")
+    two = start_all([tp_specs[0]])[0]
     clusters: dict[str, PDCluster] = {}
     try:
+        one.wait_ready()
         for name, (prefill, decode) in zip(DIRECTIONS, [(two, one), (one, two)]):
             url, router = start_router([prefill.url], [decode.url], log_dir / f"router-{name}.log",
                                        ALWAYS_DISAGGREGATE)
@@ -88,10 +123,9 @@ def directions(vllm_model_dir: Path, redis_server: LocalRedis, tmp_path_factory)
         for cluster in clusters.values():
             cluster.routers[0].terminate()
             cluster.routers[0].wait(10)
-        groups = [s.proc.pid for s in (two, one) if s.proc is not None]
-        for server in (two, one):
-            server.stop()
-    assert [pid for g in groups for pid in live_group_members(g)] == [], "a server's rank outlived it"
+        group = two.proc.pid if two.proc is not None else None
+        two.stop()
+    assert group is None or live_group_members(group) == [], "a server's rank outlived it"
 
 
 @pytest.mark.parametrize("direction", list(DIRECTIONS))
@@ -106,16 +140,16 @@ def _routed_equal_plain(cluster: PDCluster, prompts: list[str], plain_answers: d
     """Each prompt through `cluster`'s router, whole and as chat, gives the plain server's tokens (and top
     logprobs), every one of them pulled (`parts` pulls a prompt at least): the decode server's counts grow by the
     pulls, by no recompute and by no prompt token computed there."""
-    routed = _client(cluster.router_url)
+    routed = openai_client(cluster.router_url)
     by_source, pulls, failed = cluster.prompt_tokens_by_source(), cluster.kv_pulls(), cluster.kv_failed_by_reason()
     for prompt in prompts:
         want, want_chat = plain_answers[prompt]
-        got = _complete(routed, model, prompt, MAX_TOKENS)
+        got = complete(routed, model, prompt, MAX_TOKENS)
         assert got.text == want.text and len(got.top_logprobs) == MAX_TOKENS
         for mine, theirs in zip(got.top_logprobs, want.top_logprobs):
             assert sorted(mine) == sorted(theirs) and mine == pytest.approx(theirs, abs=2e-3)
-        assert _chat(routed, model, prompt, MAX_TOKENS).text == want_chat.text
-    grown = _grown(by_source, cluster.prompt_tokens_by_source())
+        assert chat(routed, model, prompt, MAX_TOKENS).text == want_chat.text
+    grown = grown_since(by_source, cluster.prompt_tokens_by_source())
     assert grown.get("local_compute", 0) == 0, f"decode computed prompt tokens itself: {grown}"
     assert grown.get("external_kv_transfer", 0) > 0, grown
     # the first answer shows the prefill server's TP size; every later decode step starts alongside its prefill
@@ -123,5 +157,5 @@ def _routed_equal_plain(cluster: PDCluster, prompts: list[str], plain_answers: d
     assert reasons["prefilled"] == 1 and reasons["prefilled-alongside"] == 2 * len(prompts) - 1, reasons
     pulled = cluster.kv_pulls() - pulls
     assert pulled >= len(prompts) * parts, f"{parts} parts of each prompt pulled: {pulled}"
-    assert _grown(failed, cluster.kv_failed_by_reason()) == {}, "recomputed prompts, by reason"
+    assert grown_since(failed, cluster.kv_failed_by_reason()) == {}, "recomputed prompts, by reason"
 

@@ -1,23 +1,20 @@
-"""Two vLLM api_server processes with KvwireConnector and the kvwire router, against one plain vLLM server.
+"""What the vLLM pair tests ask and check: the official `openai` client's answers (whole, streamed, chat) and
+`routed_equals_plain`, the check that a pair's router gives a plain vLLM server's tokens with every prompt token
+pulled, none computed on the decode server.
 
-Through the official `openai` client: completions (whole and streamed, with top logprobs) and
-chat give the plain server's tokens; the decode server's metrics show every prompt token as
-moved by the connector and none computed there. Both servers on this one host take the minimal config,
-as in vLLM's and NIXL's examples: no node_id, so each names itself (connectors/vllm/identity.py).
-The same checks (`routed_equals_plain`) run over TCP on test_pd_prefill_life.py's named pair, and over
-`auto`, with every server kv_both, on test_pd_schedule.py's servers (two start-ups fewer each).
+`routed_equals_plain` runs over NCCL on test_pd_prefill_life.py's named pair and over `auto`, with every server
+kv_both, on test_pd_schedule.py's servers; TCP between vLLM servers runs in test_bench_vllm.py (every answer
+equal to the plain server's, every one disaggregated) and test_offline.py.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 
 from kvwire.cluster.vllm_cluster import VLLMServer
-from kvwire.cluster.vllm_pd import PDCluster, kvwire_pair, pd_cluster_of
-from kvwire.connectors.config import ConnectorKind
+from kvwire.cluster.vllm_pd import PDCluster
 from tests.vllm.conftest import PROMPTS
 
 openai = pytest.importorskip("openai")
@@ -25,7 +22,7 @@ openai = pytest.importorskip("openai")
 MAX_TOKENS = 24
 
 
-def _client(url: str) -> openai.OpenAI:
+def openai_client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -35,12 +32,12 @@ class Answer(NamedTuple):
     top_logprobs: list[dict[str, float]]
 
 
-def _complete(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> Answer:
+def complete(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> Answer:
     out = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=2)
     return Answer(out.choices[0].text, out.usage.prompt_tokens, list(out.choices[0].logprobs.top_logprobs))
 
 
-def _stream(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> Answer:
+def stream(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> Answer:
     chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
     usage = [c.usage for c in chunks if c.usage is not None]
@@ -48,19 +45,10 @@ def _stream(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MA
     return Answer("".join(c.choices[0].text for c in chunks if c.choices), usage[0].prompt_tokens, [])
 
 
-def _chat(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> Answer:
+def chat(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> Answer:
     out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                          max_tokens=max_tokens, temperature=0)
     return Answer(out.choices[0].message.content or "", out.usage.prompt_tokens, [])
-
-
-# UCX between a kv_producer and a kv_consumer runs in test_pd_tp.py and test_pd_shapes.py, between kv_both
-# servers (`auto`) in test_pd_schedule.py.
-def test_disaggregated_equals_plain_over_nccl(plain_server: VLLMServer, vllm_model_dir: Path, redis_url: str,
-                                              tmp_path: Path):
-    specs = kvwire_pair(vllm_model_dir, redis_url, ConnectorKind.NCCL, tmp_path, named=False)
-    with pd_cluster_of(*specs, tmp_path) as cluster:
-        routed_equals_plain(cluster, plain_server, str(vllm_model_dir))
 
 
 def routed_equals_plain(cluster: PDCluster, plain_server: VLLMServer, model: str) -> None:
@@ -69,27 +57,27 @@ def routed_equals_plain(cluster: PDCluster, plain_server: VLLMServer, model: str
     served before). The router (a fresh one) sends the first request's decode step once the prefill server has
     answered (its params show kvwire's connector), every later one's alongside the prefill step (the decode
     server told the KV's key ahead). No prompt of PROMPTS may have been asked of the decode server before."""
-    plain = _client(plain_server.url)
+    plain = openai_client(plain_server.url)
     before = cluster.prompt_tokens_by_source(), cluster.kv_pulls(), cluster.kv_failed_by_reason()
-    routed = _client(cluster.router_url)
+    routed = openai_client(cluster.router_url)
     sent = 0  # prompt tokens the decode server was asked to continue
     for prompt in PROMPTS:
-        got, want = _complete(routed, model, prompt), _complete(plain, model, prompt)
+        got, want = complete(routed, model, prompt), complete(plain, model, prompt)
         assert got.text == want.text
         assert [sorted(t) for t in got.top_logprobs] == [sorted(t) for t in want.top_logprobs]
         for mine, theirs in zip(got.top_logprobs, want.top_logprobs):
             assert mine == pytest.approx(theirs, abs=2e-3)
-        streamed = _stream(routed, model, prompt)
+        streamed = stream(routed, model, prompt)
         assert streamed.text == want.text
-        chat = _chat(routed, model, prompt)
-        assert chat.text == _chat(plain, model, prompt).text
-        sent += got.prompt_tokens + streamed.prompt_tokens + chat.prompt_tokens
+        as_chat = chat(routed, model, prompt)
+        assert as_chat.text == chat(plain, model, prompt).text
+        sent += got.prompt_tokens + streamed.prompt_tokens + as_chat.prompt_tokens
     # the decode server has this prompt's first blocks cached (above): only the rest is pulled
     longer = PROMPTS[0] + "And then some more words follow, to make one more block at least. " * 3
-    got = _complete(routed, model, longer)
-    assert got.text == _complete(plain, model, longer).text
+    got = complete(routed, model, longer)
+    assert got.text == complete(plain, model, longer).text
     sent += got.prompt_tokens
-    by_source = _grown(before[0], cluster.prompt_tokens_by_source())
+    by_source = grown_since(before[0], cluster.prompt_tokens_by_source())
     pulls, reasons = cluster.kv_pulls() - before[1], cluster.path_reasons()
     failed = {k: v - before[2].get(k, 0.0) for k, v in cluster.kv_failed_by_reason().items()}
     assert by_source.get("local_compute", 0) == 0, f"decode computed prompt tokens itself: {by_source}"
@@ -100,6 +88,6 @@ def routed_equals_plain(cluster: PDCluster, plain_server: VLLMServer, model: str
     assert by_source["external_kv_transfer"] + by_source["local_cache_hit"] == sent, by_source
 
 
-def _grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+def grown_since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """The series of `after` that grew since `before`, by how much."""
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
