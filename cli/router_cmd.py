@@ -50,15 +50,18 @@ Sequential = Annotated[bool, typer.Option(
                          "answered. By default, once a prefill instance's answers show kvwire's connector, both get "
                          "it at once and the decode instance waits for the KV.")]
 PrefillMaxInFlight = Annotated[int, typer.Option(
-    "--prefill-max-in-flight", min=0, help="vLLM mode: send a request decode-only when every prefill instance up "
-                                           "has this many requests of the router in flight (0: no limit).")]
+    "--prefill-max-in-flight", min=0, help="Send a request decode-only when every prefill instance up (node live) has "
+                                           "this many requests of the router in flight (0: no limit). With kvwire's "
+                                           "own nodes a request is in flight there until its first token.")]
 Routing = Annotated[RoutingPolicy, typer.Option(
     "--routing", help="vLLM mode: prefix: each request to the instance whose prefix cache holds the most of its prompt "
                       "(predicted from where the router sent earlier prompts), weighed against load; load: by load "
                       "alone.")]
-DecodeOnlyBelow = Annotated[int, typer.Option(
-    "--decode-only-below", min=0, help="vLLM mode: send a request decode-only when the decode instance picked holds "
-                                       "all but fewer than this many tokens of its prompt (0: always disaggregate).")]
+DecodeOnlyBelow = Annotated[int | None, typer.Option(
+    "--decode-only-below", min=0, show_default=False,
+    help="Send a request decode-only when the part of its prompt the decode instance picked does not hold is "
+         "shorter than this many tokens (0: always disaggregate). vLLM mode: default 512. kvwire's own nodes (whose "
+         "engine keeps no prefix cache: the whole prompt counts): default 0, every prompt disaggregated.")]
 PrefixTTL = Annotated[float, typer.Option(
     "--prefix-ttl", min=0.1, help="vLLM mode: seconds an instance is taken to hold a prompt's KV blocks after it was "
                                   "last sent them.")]
@@ -73,7 +76,7 @@ RequestTimeout = Annotated[float, typer.Option(
                                        "instance's answer).")]
 _KVWIRE_ONLY = ("model", "redis_url", "auth_secret_file", "served_model_name", "lenient")
 _VLLM_ONLY = ("health_interval", "connect_timeout", "instance_wait", "max_failures", "unresponsive_after", "sequential",
-              "prefill_max_in_flight", "routing", "decode_only_below", "prefix_ttl", "vllm_kv_events")
+              "routing", "prefix_ttl", "vllm_kv_events")
 
 
 def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedisUrl = None,
@@ -82,8 +85,8 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
            connect_timeout: ConnectTimeout = 2.0, instance_wait: InstanceWait = 30.0,
            max_failures: MaxFailures = 3, unresponsive_after: UnresponsiveAfter = 30.0, sequential: Sequential = False,
            prefill_max_in_flight: PrefillMaxInFlight = 0, routing: Routing = RoutingPolicy.PREFIX,
-           decode_only_below: DecodeOnlyBelow = 512, prefix_ttl: PrefixTTL = 120.0, vllm_kv_events: VLLMKVEvents = None,
-           auth_secret_file: AuthSecretFile = None,
+           decode_only_below: DecodeOnlyBelow = None, prefix_ttl: PrefixTTL = 120.0,
+           vllm_kv_events: VLLMKVEvents = None, auth_secret_file: AuthSecretFile = None,
            served_model_name: ServedModelName = None, lenient: Lenient = False, log_level: LogLevel = "INFO") -> None:
     """Serve the OpenAI API (POST /v1/completions and /v1/chat/completions), GET /v1/models,
     /healthz, /readyz and /metrics: over kvwire's nodes (--model, --redis-url), or over vLLM servers
@@ -95,17 +98,27 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
         if log_level.upper() != "DEBUG":  # httpx logs every call at INFO, health probes included
             logging.getLogger("httpx").setLevel(logging.WARNING)
         timing = VLLMTiming(request_timeout, connect_timeout, health_interval, instance_wait, max_failures,
-                            unresponsive_after, sequential, prefill_max_in_flight, routing, decode_only_below,
+                            unresponsive_after, sequential, prefill_max_in_flight, routing,
+                            VLLMRouterConfig.decode_only_below if decode_only_below is None else decode_only_below,
                             prefix_ttl, tuple(e.strip() for e in vllm_kv_events.split(",")) if vllm_kv_events else ())
         app = _vllm_app(ctx, vllm_prefill, vllm_decode, host, port, timing)
     else:
+        paths = NodesPaths(decode_only_below or 0, prefill_max_in_flight)
         app = _kvwire_app(ctx, model, redis_url, host, port, request_timeout, auth_secret_file,
-                          served_model_names(served_model_name), lenient)
+                          served_model_names(served_model_name), lenient, paths)
     uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
 
 
+class NodesPaths(NamedTuple):
+    """kvwire's own nodes: when the router sends a request decode-only, as given (RouterConfig)."""
+
+    decode_only_below: int
+    prefill_max_in_flight: int
+
+
 def _kvwire_app(ctx: typer.Context, model: Path | None, redis_url: str | None, host: str, port: int,
-                request_timeout: float, auth_secret_file: Path | None, names: tuple[str, ...], lenient: bool):
+                request_timeout: float, auth_secret_file: Path | None, names: tuple[str, ...], lenient: bool,
+                paths: NodesPaths):
     from kvwire.connectors.control import auth
     from kvwire.engine.gc_pauses import freeze_startup_heap
     from kvwire.router.app import create_app
@@ -116,7 +129,8 @@ def _kvwire_app(ctx: typer.Context, model: Path | None, redis_url: str | None, h
     if redis_url is None:
         raise typer.BadParameter("needed unless --vllm-decode fronts vLLM servers", param_hint="--redis-url")
     config = RouterConfig(model_dir=model, redis_url=redis_url, host=host, port=port, request_timeout_s=request_timeout,
-                          served_model_names=names, lenient=lenient, auth_secret=auth_secret(auth_secret_file))
+                          served_model_names=names, lenient=lenient, auth_secret=auth_secret(auth_secret_file),
+                          decode_only_below=paths.decode_only_below, prefill_max_in_flight=paths.prefill_max_in_flight)
     auth.install(config.auth_secret)  # before any socket opens
     app = create_app(config)
     freeze_startup_heap()  # the router's heap holds torch and the tokenizer too

@@ -41,6 +41,10 @@ def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a
            "--max-restarts", min=0, help="Crashed processes restarted in all before everything stops; "
                                          "unlimited by default.")] = None,
        served_model_name: ServedModelName = None, lenient: Lenient = False,
+       decode_only_below: Annotated[int, typer.Option(
+           "--decode-only-below", min=0, help="The router's: prompts shorter than this many tokens are computed on "
+                                              "the decode node, without a transfer (0: every prompt disaggregated)."
+       )] = 0,
        log_level: LogLevel = "WARNING") -> None:
     """Start Redis, a prefill node, a decode node and the router; stop them all on Ctrl-C."""
     if layerwise and connector not in LAYERWISE_KINDS:
@@ -52,7 +56,8 @@ def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a
     spec = ClusterSpec(model_dir=model or default_model_dir(), connector=connector, host=host, port=port,
                        redis_url=redis_url, kv_deadline_s=kv_deadline, log_level=log_level,
                        auth_secret_file=auth_secret_file, layerwise=layerwise, max_restarts=max_restarts,
-                       served_model_names=served_model_names(served_model_name), lenient=lenient)
+                       served_model_names=served_model_names(served_model_name), lenient=lenient,
+                       decode_only_below=decode_only_below)
     auth_secret(auth_secret_file)  # a bad file fails here, not in four children
     with LocalCluster(spec) as cluster:
         typer.echo(f"kvwire is up: {cluster.url}  (model {spec.model_dir}, connector {connector}, "

@@ -56,6 +56,7 @@ class ClusterSpec:
     request_timeout_s: float | None = None  # the router's --request-timeout; None: its default
     served_model_names: tuple[str, ...] = ()  # the router's --served-model-name; empty: the checkpoint's name
     lenient: bool = False  # the router's --lenient: unknown request fields dropped, not refused
+    decode_only_below: int = 0  # the router's --decode-only-below: shorter prompts are computed on decode
     require_fast_path: bool = False  # the decode node's --require-fast-path: a same-host slow path is refused
     heartbeat_ttl_s: float = 5.0  # both nodes' --heartbeat-ttl: how long a dead node stays registered
     launch: Launcher | None = None  # how children start; None: `python -m kvwire.cli.main` (cluster/forked.py)
@@ -121,6 +122,7 @@ class LocalCluster:
         extra = [] if s.request_timeout_s is None else ["--request-timeout", str(s.request_timeout_s)]
         extra += ["--served-model-name", ",".join(s.served_model_names)] if s.served_model_names else []
         extra += ["--lenient"] if s.lenient else []
+        extra += ["--decode-only-below", str(s.decode_only_below)] if s.decode_only_below else []
         return ["router", "--model", str(s.model_dir), "--redis-url", self.redis_url, "--host", s.host,
                 "--port", str(self.port), "--log-level", s.log_level, *extra, *self._auth_args()]
 

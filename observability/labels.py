@@ -103,6 +103,14 @@ class PathReason(enum.StrEnum):
 
 
 DISAGGREGATED_REASONS = frozenset({PathReason.PREFILLED, PathReason.PREFILLED_ALONGSIDE})
+# the reasons the router gives over kvwire's own nodes (router/dispatch.py)
+NODES_PATH_REASONS = (PathReason.PREFILLED, PathReason.SHORT_PROMPT, PathReason.NO_PREFILL_INSTANCE,
+                      PathReason.PREFILL_SATURATED, PathReason.NOT_ASKED)
+
+
+def path_of(reason: PathReason) -> ProxyPath:
+    """The path a request takes for `reason`."""
+    return ProxyPath.DISAGGREGATED if reason in DISAGGREGATED_REASONS else ProxyPath.DECODE_ONLY
 
 
 class KVEventKind(enum.StrEnum):

@@ -17,7 +17,7 @@ from typing import Protocol
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvwire.observability.labels import (
-    DISAGGREGATED_REASONS,
+    NODES_PATH_REASONS,
     BlockState,
     InstanceState,
     KVEventKind,
@@ -29,6 +29,7 @@ from kvwire.observability.labels import (
     RequestStatus,
     SelfTestOutcome,
     TransferFailure,
+    path_of,
 )
 
 
@@ -82,6 +83,8 @@ class Metrics:
                                 ["status"], registry=r)
         self.messages_rejected = Counter("kvwire_messages_rejected", "Control messages from other processes dropped, "
                                          "by reason", ["reason"], registry=r)
+        self.path_reasons = Counter("kvwire_path_reasons", "Choices the router sent to kvwire's nodes, by the path it "
+                                    "took and why", ["path", "reason"], registry=r)
         self.vllm_requests = Counter("kvwire_vllm_requests", "Requests the router sent on to vLLM instances, by path",
                                      ["path"], registry=r)
         self.vllm_path_reasons = Counter("kvwire_vllm_path_reasons", "Requests the router sent on to vLLM instances, "
@@ -107,8 +110,9 @@ class Metrics:
             for value in labels:
                 counter.labels(str(value))
         for reason in set(PathReason) - {PathReason.NOT_ASKED}:  # the vLLM router's reasons
-            path = ProxyPath.DISAGGREGATED if reason in DISAGGREGATED_REASONS else ProxyPath.DECODE_ONLY
-            self.vllm_path_reasons.labels(str(path), str(reason))
+            self.vllm_path_reasons.labels(str(path_of(reason)), str(reason))
+        for reason in NODES_PATH_REASONS:
+            self.path_reasons.labels(str(path_of(reason)), str(reason))
 
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format (serve with CONTENT_TYPE)."""

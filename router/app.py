@@ -60,7 +60,8 @@ class Router:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):
         self.directory = KVDirectory(self.config.redis_url, metrics=self.metrics)
-        self.dispatcher = Dispatcher(self.directory, self.config.host)
+        self.dispatcher = Dispatcher(self.directory, self.config.host, decode_only_below=self.config.decode_only_below,
+                                     prefill_max_in_flight=self.config.prefill_max_in_flight)
         self.dispatcher.start()
         yield
         await self.dispatcher.close()
@@ -157,6 +158,8 @@ class Router:
         except BaseException:
             gen.close()
             raise
+        for choice in gen.choices:  # each dispatched: its path and reason set
+            self.metrics.path_reasons.labels(str(choice.path), str(choice.reason)).inc()
         shaper = Shaper(api, rid, self.config.served_model_name, plan, self.tokenizer)
         if plan.stream:
             return StreamingResponse(self._stream(gen, shaper, started), media_type="text/event-stream")
@@ -248,8 +251,8 @@ def _report(choice: Choice, started: float) -> dict:
                               "path": choice.path and str(choice.path), "reason": choice.reason and str(choice.reason)}
     if stats is not None:
         out.update(bypassed=stats.bypassed, transport=stats.transport or None, kv_bytes=stats.kv_bytes,
-                   transfer_ms=stats.transfer_ms, prefill_node=stats.prefill_node, decode_node=stats.decode_node,
-                   decode_ttft_ms=stats.ttft_ms)
+                   transfer_ms=stats.transfer_ms, prefill_node=stats.prefill_node or None,
+                   decode_node=stats.decode_node, decode_ttft_ms=stats.ttft_ms)
     return out
 
 

@@ -19,6 +19,10 @@ class RouterConfig:
         first); empty: the checkpoint directory's name (a path to it is accepted too).
     lenient: request fields kvwire does not know are dropped with a warning, not refused with a 400.
     auth_secret: shared secret sealing control messages to and from nodes; None: no authentication.
+    decode_only_below: prompts shorter than this many tokens go decode-only (the decode node computes them, no
+        prefill node, reason short-prompt); 0: every prompt disaggregated when a prefill node is live.
+    prefill_max_in_flight: a request goes decode-only (reason prefill-saturated) when every live prefill node has
+        this many of the router's requests in flight, each until its first token (0: no limit).
     """
 
     model_dir: Path
@@ -29,10 +33,14 @@ class RouterConfig:
     served_model_names: tuple[str, ...] = ()
     lenient: bool = False
     auth_secret: bytes | None = field(default=None, repr=False)
+    decode_only_below: int = 0
+    prefill_max_in_flight: int = 0
 
     def __post_init__(self) -> None:
         if any(not name for name in self.served_model_names):
             raise ValueError("a served model name must not be empty")
+        if min(self.decode_only_below, self.prefill_max_in_flight) < 0:
+            raise ValueError("decode_only_below and prefill_max_in_flight must not be negative")
 
     @property
     def served_model_name(self) -> str:

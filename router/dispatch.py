@@ -4,7 +4,11 @@ A request here:
 
 1. `submit()` picks a live prefill and decode node from the directory, registers a queue
    for the request, and pushes `PrefillWork` (naming the decode node's work endpoint) and
-   `DecodeWork` at once: decode waits for the KV while prefill computes.
+   `DecodeWork` at once: decode waits for the KV while prefill computes. The request goes
+   decode-only (the decode node computes the prompt, no prefill node) when the client asked so,
+   when its prompt is shorter than `decode_only_below` tokens, when no prefill node is live, or
+   when every live prefill node has `prefill_max_in_flight` requests of this router in flight (a
+   request is in flight on its prefill node until its first reply arrives or it is forgotten).
 2. The reader task (started by `start()`, with the zmq PULL socket decode nodes answer
    to) puts each `TokenChunk` / `WorkError` on the request's queue; the HTTP handler
    consumes it.
@@ -20,6 +24,7 @@ A request here:
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import threading
@@ -48,27 +53,30 @@ LEFT_GRACE_S = 1.0  # a request's decode node is missing this long before the re
 
 @dataclass(frozen=True)
 class Route:
-    prefill: NodeInfo | None  # None: no live prefill node, decode computes the prompt
+    prefill: NodeInfo | None  # None: decode computes the prompt (`reason` says why)
     decode: NodeInfo
+    reason: PathReason
 
-    def path(self, asked: bool) -> tuple[ProxyPath, PathReason]:
-        """The way this route sends a request, and why (`asked`: the client let it be disaggregated)."""
-        if self.prefill is not None:
-            return ProxyPath.DISAGGREGATED, PathReason.PREFILLED
-        return ProxyPath.DECODE_ONLY, PathReason.NO_PREFILL_INSTANCE if asked else PathReason.NOT_ASKED
+    @property
+    def path(self) -> ProxyPath:
+        return ProxyPath.DECODE_ONLY if self.prefill is None else ProxyPath.DISAGGREGATED
 
 
 class Dispatcher:
     """Routes requests to nodes and their replies back to the waiting handler.
 
     Args:
+        decode_only_below: prompts shorter than this many tokens go decode-only (0: none for their length).
+        prefill_max_in_flight: requests in flight on one prefill node before it takes no more (0: no limit).
         watch_period_s: how often the watchdog reads the live decode nodes.
         left_grace_s: how long a request's decode node is missing before the request fails.
     """
 
-    def __init__(self, directory: KVDirectory, host: str, *, watch_period_s: float = WATCH_PERIOD_S,
+    def __init__(self, directory: KVDirectory, host: str, *, decode_only_below: int = 0,
+                 prefill_max_in_flight: int = 0, watch_period_s: float = WATCH_PERIOD_S,
                  left_grace_s: float = LEFT_GRACE_S):  # fmt: skip
         self._directory = directory
+        self._decode_only_below, self._prefill_max_in_flight = decode_only_below, prefill_max_in_flight
         self._watch_period_s, self._left_grace_s = watch_period_s, left_grace_s
         self._ctx = zmq.asyncio.Context.instance()
         self._pull = self._ctx.socket(zmq.PULL)
@@ -80,6 +88,8 @@ class Dispatcher:
         self._serving: dict[str, tuple[str, int]] = {}  # request id -> (decode node id, epoch)
         self._decoding_at: dict[str, str] = {}  # request id -> its decode node's work endpoint
         self._missing_since: dict[str, float] = {}  # request id -> when the watch first missed its decode node
+        self._prefilling_on: dict[str, str] = {}  # request id -> its prefill node, until its first reply
+        self._prefilling: collections.Counter[str] = collections.Counter()  # prefill node id -> requests there
         self._rr = itertools.count()
         self._nodes: tuple[float, list[NodeInfo]] = (float("-inf"), [])  # (when read, live nodes of every role)
         self._nodes_lock = threading.Lock()
@@ -110,20 +120,32 @@ class Dispatcher:
                 self._nodes = (time.monotonic(), nodes)
         return [n for n in nodes if n.role == role]
 
-    def pick(self, disaggregate: bool = True) -> Route:
-        """Choose the prefill and decode node with the most free blocks (round robin on ties).
+    def pick(self, prompt_tokens: int, disaggregate: bool = True) -> Route:
+        """Choose the decode node and, unless the request goes decode-only (module docstring), the prefill node:
+        the most free blocks of each role (round robin on ties); prefill nodes at prefill_max_in_flight are
+        skipped. A prefill node chosen counts the request in flight at once (the next pick sees it).
 
-        Without a live decode node nothing can be served (503); without a live prefill
-        node, or when the request asks not to be disaggregated, the decode node computes
-        the prompt itself.
+        Without a live decode node nothing can be served (503).
         """
         turn = next(self._rr)  # one turn per request, shared by both picks, so ties rotate for each role
         decode = self._least_loaded(self.live_nodes(NodeRole.DECODE), turn)
         if decode is None:
             raise APIError(503, "no live decode node", type_="service_unavailable")
         if not disaggregate:
-            return Route(None, decode)
-        return Route(self._least_loaded(self.live_nodes(NodeRole.PREFILL), turn), decode)
+            return Route(None, decode, PathReason.NOT_ASKED)
+        if prompt_tokens < self._decode_only_below:
+            return Route(None, decode, PathReason.SHORT_PROMPT)
+        prefills = self.live_nodes(NodeRole.PREFILL)
+        if not prefills:
+            return Route(None, decode, PathReason.NO_PREFILL_INSTANCE)
+        with self._nodes_lock:
+            limit = self._prefill_max_in_flight
+            prefill = self._least_loaded([n for n in prefills if not limit or self._prefilling[n.node_id] < limit],
+                                         turn)
+            if prefill is None:
+                return Route(None, decode, PathReason.PREFILL_SATURATED)
+            self._prefilling[prefill.node_id] += 1
+        return Route(prefill, decode, PathReason.PREFILLED)
 
     @staticmethod
     def _least_loaded(nodes: list[NodeInfo], turn: int) -> NodeInfo | None:
@@ -133,7 +155,9 @@ class Dispatcher:
 
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                      disaggregate: bool = True) -> tuple[Route, asyncio.Queue]:
-        route = await asyncio.to_thread(self.pick, disaggregate)
+        route = await asyncio.to_thread(self.pick, len(prompt_ids), disaggregate)
+        if route.prefill is not None:
+            self._prefilling_on[request_id] = route.prefill.node_id  # counted by pick
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._serving[request_id] = (route.decode.node_id, route.decode.epoch)
@@ -141,7 +165,7 @@ class Dispatcher:
         if route.prefill is not None:
             await self._push(route.prefill, PrefillWork(request_id=request_id, prompt_token_ids=prompt_ids,
                                                         decode_endpoint=route.decode.work_endpoint))
-        elif disaggregate:
+        elif route.reason == PathReason.NO_PREFILL_INSTANCE:
             log.warning("request %s: no live prefill node; decode computes the prompt", request_id)
         await self._push(route.decode, DecodeWork(request_id=request_id, prompt_token_ids=prompt_ids,
                                                   sampling=sampling, reply_to=self.reply_to,
@@ -161,6 +185,7 @@ class Dispatcher:
         sent.add_done_callback(lambda f: _log_unsent(f, request_id))
 
     def forget(self, request_id: str) -> None:
+        self._prefilled(request_id)
         self._queues.pop(request_id, None)
         self._decoding_at.pop(request_id, None)
         self._serving.pop(request_id, None)
@@ -206,9 +231,19 @@ class Dispatcher:
                 self.rejected_messages += 1
                 log.warning("reply socket: rejected message: %s", exc)
                 continue
+            self._prefilled(msg.request_id)
             queue = self._queues.get(msg.request_id)
             if queue is not None:
                 queue.put_nowait(msg)
+
+    def _prefilled(self, request_id: str) -> None:
+        """The request is no longer in flight on its prefill node: its decode node replied, or it is forgotten."""
+        node = self._prefilling_on.pop(request_id, None)
+        if node is not None:
+            with self._nodes_lock:
+                self._prefilling[node] -= 1
+                if self._prefilling[node] <= 0:
+                    del self._prefilling[node]
 
 
 def _log_unsent(sent: asyncio.Future, request_id: str) -> None:

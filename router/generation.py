@@ -44,7 +44,7 @@ class Generation:
             sampling = self.plan.sampling_for(choice.index % self.plan.best_of)
             route, queue = await self._dispatcher.submit(choice.request_id, choice.prompt_ids, sampling,
                                                          self.plan.disaggregate)
-            choice.path, choice.reason = route.path(self.plan.disaggregate)
+            choice.path, choice.reason = route.path, route.reason
             self._pumps.append(asyncio.create_task(self._pump(choice, queue)))
 
     async def events(self) -> AsyncIterator[Choice]:

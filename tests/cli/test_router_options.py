@@ -63,6 +63,30 @@ def test_vllm_mode_flags_reach_its_config(monkeypatch):
     assert config.sequential and config.prefill_max_in_flight == 6
 
 
+@pytest.mark.parametrize("args, want", [
+    ([], (0, 0)),  # kvwire's own nodes: every prompt disaggregated, as before the flags applied to them
+    (["--decode-only-below", "64", "--prefill-max-in-flight", "3"], (64, 3)),
+])
+def test_decode_only_flags_reach_the_own_nodes_config(args, want, monkeypatch):
+    served = []
+    monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: served.append(app))
+    monkeypatch.setattr("kvwire.router.app.create_app", lambda config: config)
+    monkeypatch.setattr("kvwire.engine.gc_pauses.freeze_startup_heap", lambda: None)
+    result = runner.invoke(app, ["router", "--model", "/tmp/m", "--redis-url", "redis://r:6379/0", *args], env=NO_ENV)
+    assert result.exit_code == 0, result.output
+    (config,) = served
+    assert (config.decode_only_below, config.prefill_max_in_flight) == want
+
+
+def test_vllm_mode_keeps_its_decode_only_default(monkeypatch):
+    served = []
+    monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: served.append(app))
+    monkeypatch.setattr("kvwire.router.vllm_proxy.create_vllm_app", lambda config: config)
+    result = runner.invoke(app, ["router", "--vllm-decode", "http://d:1"], env=NO_ENV)
+    assert result.exit_code == 0, result.output
+    assert served[0].decode_only_below == 512
+
+
 def test_scheduler_flags_reach_its_config(monkeypatch):
     served = []
     monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: served.append(app))

@@ -12,6 +12,8 @@ import httpx
 import pytest
 
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
+from kvwire.cluster.ports import free_port
+from kvwire.cluster.vllm_pd import counter_by_label
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.engine.reference import generate
@@ -55,6 +57,39 @@ def test_outputs_equal_single_process_and_prompts_are_bypassed(cluster, tiny_mod
         ("decode-only", "not-asked", False)
     assert all(free == total for free, total in pools.values()), pools
     assert leftover == []
+
+
+def test_a_router_with_decode_only_below_computes_short_prompts_on_decode(cluster, tiny_model_dir):
+    """A second router in front of the same nodes, with `--decode-only-below 20`: a 3-token prompt goes
+    decode-only (reason short-prompt, the decode node computes it), a 100-token one is disaggregated; both give
+    the single-process tokens and the router's /metrics counts each path by its reason."""
+    port = free_port()
+    cluster.spawn("router-short", ["router", "--model", str(tiny_model_dir), "--redis-url", cluster.redis_url,
+                                   "--port", str(port), "--decode-only-below", "20"])
+    url = f"http://127.0.0.1:{port}"
+    _wait_ready(url)
+    short, long_ = PROMPTS[6], PROMPTS[5][:100]
+    expected = generate(tiny_model_dir, [short, long_], SamplingParams(max_tokens=12, temperature=0.0), block_size=BS)
+    for prompt, want, path in ((short, expected[0], ("decode-only", "short-prompt", False, None)),
+                               (long_, expected[1], ("disaggregated", "prefilled", True, "prefill-0"))):
+        got = complete(url, prompt, max_tokens=12)
+        kv = got["kvwire"]
+        assert got["choices"][0]["token_ids"] == want
+        assert (kv["path"], kv["reason"], kv["bypassed"], kv["prefill_node"]) == path
+    counted = counter_by_label(url, "kvwire_path_reasons_total", "reason")
+    assert counted["short-prompt"] == 1 and counted["prefilled"] == 1 and sum(counted.values()) == 2, counted
+
+
+def _wait_ready(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"the second router at {url} is not ready")
 
 
 def test_seeded_sampling_matches_single_process(cluster, tiny_model_dir):

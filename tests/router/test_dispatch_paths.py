@@ -1,0 +1,112 @@
+"""Which path the router gives a request over kvwire's own nodes (router/dispatch.py's `pick`): decode-only for a
+prompt shorter than decode_only_below, for one the client kept whole, without a live prefill node, or while every
+prefill node has prefill_max_in_flight requests in flight; a request stays in flight on its prefill node until its
+first reply arrives or it is forgotten."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.control.framing import pack
+from kvwire.connectors.wire import NodeInfo
+from kvwire.observability.labels import PathReason, ProxyPath
+from kvwire.protocol.work import SamplingParams, TokenChunk
+from kvwire.router.dispatch import Dispatcher
+from kvwire.router.schemas import APIError
+
+
+def _node(node_id: str, role: NodeRole, free: int = 8) -> NodeInfo:
+    return NodeInfo(node_id=node_id, role=role, epoch=1, work_endpoint="tcp://127.0.0.1:9", connector=ConnectorKind.TCP,
+                    free_blocks=free, total_blocks=8)
+
+
+class _Directory:
+    """The live nodes, as `pick` (every role) and the watchdog (decode nodes) read them."""
+
+    def __init__(self, nodes: list[NodeInfo]):
+        self.nodes = nodes
+
+    def live_nodes(self, role: NodeRole | None = None, include_draining: bool = False) -> list[NodeInfo]:
+        return [n for n in self.nodes if role is None or n.role == role]
+
+
+def _dispatcher(nodes: list[NodeInfo], **policy: int) -> Dispatcher:
+    return Dispatcher(_Directory(nodes), "127.0.0.1", **policy)  # type: ignore[arg-type]
+
+
+PAIR = [_node("p0", NodeRole.PREFILL), _node("d0", NodeRole.DECODE)]
+
+
+def test_short_prompts_go_decode_only_and_longer_ones_are_disaggregated():
+    dispatcher = _dispatcher(PAIR, decode_only_below=16)
+    short, long_ = dispatcher.pick(15), dispatcher.pick(16)
+    assert (short.prefill, short.decode.node_id, short.reason, short.path) == \
+        (None, "d0", PathReason.SHORT_PROMPT, ProxyPath.DECODE_ONLY)
+    assert (long_.prefill and long_.prefill.node_id, long_.reason, long_.path) == \
+        ("p0", PathReason.PREFILLED, ProxyPath.DISAGGREGATED)
+
+
+def test_by_default_every_prompt_is_disaggregated_unless_the_client_keeps_it_whole():
+    dispatcher = _dispatcher(PAIR)
+    assert dispatcher.pick(1).reason == PathReason.PREFILLED
+    assert dispatcher.pick(1000, disaggregate=False).reason == PathReason.NOT_ASKED
+    assert _dispatcher(PAIR[1:]).pick(1000).reason == PathReason.NO_PREFILL_INSTANCE
+
+
+def test_no_decode_node_is_a_503():
+    with pytest.raises(APIError) as exc:
+        _dispatcher(PAIR[:1]).pick(10)
+    assert exc.value.status == 503
+
+
+def test_saturated_prefill_nodes_are_skipped_then_every_one_sends_decode_only():
+    nodes = [_node("p0", NodeRole.PREFILL, free=8), _node("p1", NodeRole.PREFILL, free=4),
+             _node("d0", NodeRole.DECODE)]
+    dispatcher = _dispatcher(nodes, prefill_max_in_flight=1)
+    first, second, third = (dispatcher.pick(100) for _ in range(3))
+    assert [r.prefill and r.prefill.node_id for r in (first, second)] == ["p0", "p1"]  # p0 has the most free
+    assert (third.prefill, third.reason) == (None, PathReason.PREFILL_SATURATED)
+
+
+def test_a_request_leaves_its_prefill_node_at_its_first_reply_or_when_forgotten():
+    async def scenario():
+        dispatcher = _dispatcher(PAIR, prefill_max_in_flight=1)
+        dispatcher.start()
+        decode_node = zmq.asyncio.Context.instance().socket(zmq.PUSH)  # as a decode node answers the router
+        decode_node.connect(dispatcher.reply_to)
+        try:
+            route, replies = await dispatcher.submit("r1", [1] * 40, SamplingParams(max_tokens=2))
+            assert route.reason == PathReason.PREFILLED
+            assert dispatcher.pick(40).reason == PathReason.PREFILL_SATURATED  # r1 is in flight on p0
+            await decode_node.send(pack(TokenChunk(request_id="r1", token_ids=[5])))  # r1's first token
+            await asyncio.wait_for(replies.get(), 5)
+            route, _ = await dispatcher.submit("r2", [1] * 40, SamplingParams(max_tokens=2))
+            assert route.reason == PathReason.PREFILLED  # r1 left p0 at its first token
+            await decode_node.send(pack(TokenChunk(request_id="r1", token_ids=[6], finished=True)))
+            await asyncio.wait_for(replies.get(), 5)
+            assert dispatcher.pick(40).reason == PathReason.PREFILL_SATURATED  # r2 still is: r1 counted once
+        finally:
+            decode_node.close(0)
+            await dispatcher.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_forgotten_before_any_reply_leaves_its_prefill_node():
+    async def scenario():
+        dispatcher = _dispatcher(PAIR, prefill_max_in_flight=1)
+        try:
+            await dispatcher.submit("r1", [1] * 40, SamplingParams(max_tokens=2))
+            assert dispatcher.pick(0, disaggregate=False).reason == PathReason.NOT_ASKED
+            dispatcher.forget("r1")  # the client left, or an error ended it, before its first token
+            route, _ = await dispatcher.submit("r2", [1] * 40, SamplingParams(max_tokens=2))
+            assert route.reason == PathReason.PREFILLED
+        finally:
+            await dispatcher.close()
+
+    asyncio.run(scenario())
