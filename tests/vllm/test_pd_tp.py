@@ -85,8 +85,9 @@ def _data_parallel(prefill: VLLMServerSpec) -> VLLMServerSpec:
 
 
 # first: the TP=2 server is not started yet (a module fixture lives until the module's end)
-def test_data_parallel_prefill_equals_plain(plain_answers: dict[str, tuple[Answer, Answer]], one: VLLMServer,
+def test_data_parallel_prefill_equals_plain(one: VLLMServer, plain_answers: dict[str, tuple[Answer, Answer]],
                                             vllm_model_dir: Path, redis_url: str, tmp_path: Path):
+    # `one` first: it starts while the plain server is asked its answers
     prefill_spec = kvwire_pair(vllm_model_dir, redis_url, ConnectorKind.UCX, tmp_path, named=False)[0]
     prefill = VLLMServer(_data_parallel(prefill_spec)).start()
     try:
