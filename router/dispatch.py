@@ -106,10 +106,11 @@ class Dispatcher:
         self._work.close()
         self._pull.close(0)
 
-    def live_nodes(self, role: NodeRole) -> list[NodeInfo]:
-        """Live nodes of `role`, from one directory read of every role shared by the picks of the next
-        NODES_FRESH_S (a node that just left may still be picked meanwhile, as within its heartbeat TTL:
-        a prefill node that is gone costs a recompute, a decode node that is gone a retryable 503)."""
+    def live_nodes(self, role: NodeRole | None = None) -> list[NodeInfo]:
+        """Live nodes of `role` (None: of every role), from one directory read of every role shared by the picks of
+        the next NODES_FRESH_S (a node that just left may still be picked meanwhile, as within its heartbeat TTL:
+        a prefill node that is gone costs a recompute, a decode node that is gone a retryable 503). It may read
+        the directory: not on the event loop."""
         with self._nodes_lock:
             when, nodes = self._nodes
             if time.monotonic() - when > NODES_FRESH_S:
@@ -118,33 +119,35 @@ class Dispatcher:
                 except DirectoryError as exc:
                     raise APIError(503, f"directory unavailable: {exc}", type_="service_unavailable") from None
                 self._nodes = (time.monotonic(), nodes)
-        return [n for n in nodes if n.role == role]
+        return [n for n in nodes if role is None or n.role == role]
 
-    def pick(self, prompt_tokens: int, disaggregate: bool = True) -> Route:
+    def pick(self, prompt_tokens: int, disaggregate: bool = True, nodes: list[NodeInfo] | None = None) -> Route:
         """Choose the decode node and, unless the request goes decode-only (module docstring), the prefill node:
         the most free blocks of each role (round robin on ties); prefill nodes at prefill_max_in_flight are
         skipped. A prefill node chosen counts the request in flight at once (the next pick sees it).
 
+        `nodes`: the live nodes of every role (`live_nodes()`); read here when not given. `submit` reads them on a
+        thread and picks on the event loop, so that a request cancelled meanwhile was never counted.
+
         Without a live decode node nothing can be served (503).
         """
+        nodes = self.live_nodes() if nodes is None else nodes
         turn = next(self._rr)  # one turn per request, shared by both picks, so ties rotate for each role
-        decode = self._least_loaded(self.live_nodes(NodeRole.DECODE), turn)
+        decode = self._least_loaded([n for n in nodes if n.role == NodeRole.DECODE], turn)
         if decode is None:
             raise APIError(503, "no live decode node", type_="service_unavailable")
         if not disaggregate:
             return Route(None, decode, PathReason.NOT_ASKED)
         if prompt_tokens < self._decode_only_below:
             return Route(None, decode, PathReason.SHORT_PROMPT)
-        prefills = self.live_nodes(NodeRole.PREFILL)
+        prefills = [n for n in nodes if n.role == NodeRole.PREFILL]
         if not prefills:
             return Route(None, decode, PathReason.NO_PREFILL_INSTANCE)
-        with self._nodes_lock:
-            limit = self._prefill_max_in_flight
-            prefill = self._least_loaded([n for n in prefills if not limit or self._prefilling[n.node_id] < limit],
-                                         turn)
-            if prefill is None:
-                return Route(None, decode, PathReason.PREFILL_SATURATED)
-            self._prefilling[prefill.node_id] += 1
+        limit = self._prefill_max_in_flight
+        prefill = self._least_loaded([n for n in prefills if not limit or self._prefilling[n.node_id] < limit], turn)
+        if prefill is None:
+            return Route(None, decode, PathReason.PREFILL_SATURATED)
+        self._prefilling[prefill.node_id] += 1
         return Route(prefill, decode, PathReason.PREFILLED)
 
     @staticmethod
@@ -155,7 +158,8 @@ class Dispatcher:
 
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                      disaggregate: bool = True) -> tuple[Route, asyncio.Queue]:
-        route = await asyncio.to_thread(self.pick, len(prompt_ids), disaggregate)
+        nodes = await asyncio.to_thread(self.live_nodes)
+        route = self.pick(len(prompt_ids), disaggregate, nodes)  # from here to the counting, nothing awaits
         if route.prefill is not None:
             self._prefilling_on[request_id] = route.prefill.node_id  # counted by pick
         queue: asyncio.Queue = asyncio.Queue()
@@ -240,10 +244,9 @@ class Dispatcher:
         """The request is no longer in flight on its prefill node: its decode node replied, or it is forgotten."""
         node = self._prefilling_on.pop(request_id, None)
         if node is not None:
-            with self._nodes_lock:
-                self._prefilling[node] -= 1
-                if self._prefilling[node] <= 0:
-                    del self._prefilling[node]
+            self._prefilling[node] -= 1
+            if self._prefilling[node] <= 0:
+                del self._prefilling[node]
 
 
 def _log_unsent(sent: asyncio.Future, request_id: str) -> None:

@@ -6,6 +6,7 @@ first reply arrives or it is forgotten."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import zmq
@@ -106,6 +107,36 @@ def test_a_request_forgotten_before_any_reply_leaves_its_prefill_node():
             dispatcher.forget("r1")  # the client left, or an error ended it, before its first token
             route, _ = await dispatcher.submit("r2", [1] * 40, SamplingParams(max_tokens=2))
             assert route.reason == PathReason.PREFILLED
+        finally:
+            await dispatcher.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_cancelled_while_the_nodes_are_read_is_never_counted():
+    """The client goes away while its submit reads the directory (on a thread): the prefill node it would have
+    had is not left counting it (prefill_max_in_flight 1 would otherwise turn every later request away)."""
+    reading, release = threading.Event(), threading.Event()
+
+    class _SlowDirectory(_Directory):
+        def live_nodes(self, role: NodeRole | None = None, include_draining: bool = False) -> list[NodeInfo]:
+            reading.set()
+            release.wait(5)
+            return super().live_nodes(role, include_draining)
+
+    async def scenario():
+        dispatcher = Dispatcher(_SlowDirectory(PAIR), "127.0.0.1", prefill_max_in_flight=1)  # type: ignore[arg-type]
+        try:
+            task = asyncio.create_task(dispatcher.submit("gone", [1] * 40, SamplingParams(max_tokens=2)))
+            await asyncio.to_thread(reading.wait, 5)
+            task.cancel()
+            await asyncio.sleep(0)
+            release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.1)  # the thread ends and its nodes are dropped
+            dispatcher.forget("gone")  # what the handler does on the way out
+            assert dispatcher.pick(40, nodes=PAIR).reason == PathReason.PREFILLED
         finally:
             await dispatcher.close()
 
