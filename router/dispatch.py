@@ -89,7 +89,6 @@ class Dispatcher:
         self._decoding_at: dict[str, str] = {}  # request id -> its decode node's work endpoint
         self._missing_since: dict[str, float] = {}  # request id -> when the watch first missed its decode node
         self._prefilling_on: dict[str, str] = {}  # request id -> its prefill node, until its first reply
-        self._prefilling: collections.Counter[str] = collections.Counter()  # prefill node id -> requests there
         self._rr = itertools.count()
         self._nodes: tuple[float, list[NodeInfo]] = (float("-inf"), [])  # (when read, live nodes of every role)
         self._nodes_lock = threading.Lock()
@@ -121,10 +120,11 @@ class Dispatcher:
                 self._nodes = (time.monotonic(), nodes)
         return [n for n in nodes if role is None or n.role == role]
 
-    def pick(self, prompt_tokens: int, disaggregate: bool = True, nodes: list[NodeInfo] | None = None) -> Route:
+    def pick(self, prompt_tokens: int, disaggregate: bool = True, nodes: list[NodeInfo] | None = None,
+             request_id: str = "") -> Route:
         """Choose the decode node and, unless the request goes decode-only (module docstring), the prefill node:
         the most free blocks of each role (round robin on ties); prefill nodes at prefill_max_in_flight are
-        skipped. A prefill node chosen counts the request in flight at once (the next pick sees it).
+        skipped. A prefill node chosen counts `request_id` in flight there at once (the next pick sees it).
 
         `nodes`: the live nodes of every role (`live_nodes()`); read here when not given. `submit` reads them on a
         thread and picks on the event loop, so that a request cancelled meanwhile was never counted.
@@ -144,10 +144,11 @@ class Dispatcher:
         if not prefills:
             return Route(None, decode, PathReason.NO_PREFILL_INSTANCE)
         limit = self._prefill_max_in_flight
-        prefill = self._least_loaded([n for n in prefills if not limit or self._prefilling[n.node_id] < limit], turn)
+        there = collections.Counter(self._prefilling_on.values()) if limit else collections.Counter()
+        prefill = self._least_loaded([n for n in prefills if not limit or there[n.node_id] < limit], turn)
         if prefill is None:
             return Route(None, decode, PathReason.PREFILL_SATURATED)
-        self._prefilling[prefill.node_id] += 1
+        self._prefilling_on[request_id] = prefill.node_id
         return Route(prefill, decode, PathReason.PREFILLED)
 
     @staticmethod
@@ -159,9 +160,7 @@ class Dispatcher:
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                      disaggregate: bool = True) -> tuple[Route, asyncio.Queue]:
         nodes = await asyncio.to_thread(self.live_nodes)
-        route = self.pick(len(prompt_ids), disaggregate, nodes)  # from here to the counting, nothing awaits
-        if route.prefill is not None:
-            self._prefilling_on[request_id] = route.prefill.node_id  # counted by pick
+        route = self.pick(len(prompt_ids), disaggregate, nodes, request_id)  # on the loop: counted as it picks
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._serving[request_id] = (route.decode.node_id, route.decode.epoch)
@@ -242,11 +241,7 @@ class Dispatcher:
 
     def _prefilled(self, request_id: str) -> None:
         """The request is no longer in flight on its prefill node: its decode node replied, or it is forgotten."""
-        node = self._prefilling_on.pop(request_id, None)
-        if node is not None:
-            self._prefilling[node] -= 1
-            if self._prefilling[node] <= 0:
-                del self._prefilling[node]
+        self._prefilling_on.pop(request_id, None)
 
 
 def _log_unsent(sent: asyncio.Future, request_id: str) -> None:

@@ -69,7 +69,7 @@ def test_saturated_prefill_nodes_are_skipped_then_every_one_sends_decode_only():
     nodes = [_node("p0", NodeRole.PREFILL, free=8), _node("p1", NodeRole.PREFILL, free=4),
              _node("d0", NodeRole.DECODE)]
     dispatcher = _dispatcher(nodes, prefill_max_in_flight=1)
-    first, second, third = (dispatcher.pick(100) for _ in range(3))
+    first, second, third = (dispatcher.pick(100, request_id=f"r{i}") for i in range(3))
     assert [r.prefill and r.prefill.node_id for r in (first, second)] == ["p0", "p1"]  # p0 has the most free
     assert (third.prefill, third.reason) == (None, PathReason.PREFILL_SATURATED)
 
