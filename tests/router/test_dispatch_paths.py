@@ -116,13 +116,16 @@ def test_a_request_forgotten_before_any_reply_leaves_its_prefill_node():
 def test_a_request_cancelled_while_the_nodes_are_read_is_never_counted():
     """The client goes away while its submit reads the directory (on a thread): the prefill node it would have
     had is not left counting it (prefill_max_in_flight 1 would otherwise turn every later request away)."""
-    reading, release = threading.Event(), threading.Event()
+    reading, release, read = threading.Event(), threading.Event(), threading.Event()
 
     class _SlowDirectory(_Directory):
         def live_nodes(self, role: NodeRole | None = None, include_draining: bool = False) -> list[NodeInfo]:
             reading.set()
             release.wait(5)
-            return super().live_nodes(role, include_draining)
+            try:
+                return super().live_nodes(role, include_draining)
+            finally:
+                read.set()
 
     async def scenario():
         dispatcher = Dispatcher(_SlowDirectory(PAIR), "127.0.0.1", prefill_max_in_flight=1)  # type: ignore[arg-type]
@@ -134,7 +137,7 @@ def test_a_request_cancelled_while_the_nodes_are_read_is_never_counted():
             release.set()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            await asyncio.sleep(0.1)  # the thread ends and its nodes are dropped
+            await asyncio.to_thread(read.wait, 5)  # the thread has returned its nodes, to nobody
             dispatcher.forget("gone")  # what the handler does on the way out
             assert dispatcher.pick(40, nodes=PAIR).reason == PathReason.PREFILLED
         finally:
