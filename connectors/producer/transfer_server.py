@@ -35,7 +35,7 @@ import torch
 import zmq
 
 from kvwire.connectors.control.framing import pack, unpack
-from kvwire.connectors.control.sockets import limit_receive
+from kvwire.connectors.control.sockets import LINGER_MS, limit_receive
 from kvwire.connectors.producer.held import HeldRequest, HeldTable
 from kvwire.connectors.transports.kv_region import KVRegion, Part, byte_parts, plan_runs
 from kvwire.connectors.wakeup import Wakeup
@@ -183,7 +183,7 @@ class TransferServer:
         self.wake()
         if self._thread.is_alive():  # closed without start(): nothing to join
             self._thread.join(timeout=5)
-        self._sock.close(0)
+        self._sock.close(LINGER_MS)  # the last replies still go out: a consumer waiting on one would time out
         self._engine.close()
         self._wakeup.close()
         self._held.release_all()

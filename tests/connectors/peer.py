@@ -15,8 +15,10 @@ import zlib
 from collections import deque
 
 import torch
+import zmq
 
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
+from kvwire.connectors.control.sockets import LINGER_MS
 from kvwire.connectors.kv_pool import TORCH_DTYPES, KVPool
 from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.producer.role import KVProducer
@@ -105,6 +107,14 @@ def produce(redis_url: str, kind: ConnectorKind, lay: KVLayout, requests: list[t
     results.put(("published", len(requests)))
     results.put(("released", wait_released(side.producer, len(requests), deadline_s * 3 + 10)))
     side.close()
+    flush_replies()
+
+
+def flush_replies() -> None:
+    """End a producer process as a server would end: the replies still queued on its closed sockets go out
+    (for up to their linger) before it exits. A child that exits at once (multiprocessing's `os._exit`)
+    drops them, and a consumer waiting for its last ok times out (seen with declined TP copies)."""
+    zmq.Context.instance().destroy(linger=LINGER_MS)
 
 
 def wait_released(producer: KVProducer, want: int, timeout_s: float) -> dict[str, list[int]]:

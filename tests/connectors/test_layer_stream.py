@@ -53,6 +53,7 @@ def _stream(redis_url: str, kind: ConnectorKind, rid: str, tokens: int, blocks: 
         conn.send_kv_caches_and_hidden_states(None, batch, side.kv_caches, peer.request_hidden(rid, tokens, False))
     results.put(("released", rid in peer.wait_released(side.producer, 1, 30)))
     side.close()
+    peer.flush_replies()
 
 
 def _consumer(redis_url: str, kind: ConnectorKind, lay) -> tuple[ConsumerSide, KVPool]:

@@ -89,6 +89,7 @@ def producer(redis_url: str, kind: ConnectorKind, results) -> None:
     results.put(("released", list(peer.wait_released(prod, 1, 30))))
     prod.close()
     directory.close()
+    peer.flush_replies()
 
 
 @pytest.mark.parametrize("kind", [ConnectorKind.UCX, ConnectorKind.TCP], ids=["ucx", "tcp"])
