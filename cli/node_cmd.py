@@ -38,6 +38,10 @@ Threads = Annotated[int, typer.Option("--torch-threads", min=0,
                                       help="torch intra-op threads; 0: torch's default. 1 avoids oversubscribing "
                                            "cores shared with other nodes.")]
 
+PrefixCache = Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache",
+                                           help="Keep computed prompt and answer blocks; a prompt this node computes "
+                                                "starts on its longest cached prefix (a conversation's next turn).")]
+
 
 def _run(role: NodeRole, **kw) -> None:
     setup_logging(kw.pop("log_level"))
@@ -66,7 +70,7 @@ def decode(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port:
            device: Device = "cpu", torch_threads: Threads = 1, http_port: HttpPort = 0,
            auth_secret_file: AuthSecretFile = None, verify_kv: VerifyKV = False, drain_timeout: DrainTimeout = 30.0,
            pull_lanes: PullLanes = 2, advertise_host: AdvertiseHost = None, require_fast_path: RequireFastPath = False,
-           heartbeat_ttl: HeartbeatTTL = 5.0, redis_timeout: RedisTimeout = 5.0,
+           heartbeat_ttl: HeartbeatTTL = 5.0, redis_timeout: RedisTimeout = 5.0, prefix_cache: PrefixCache = True,
            log_level: LogLevel = "INFO") -> None:
     """Run a decode node: receive prompts' KV and generate tokens."""
     _run(NodeRole.DECODE, **locals())

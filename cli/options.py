@@ -96,7 +96,7 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
                 auth_secret_file: Path | None = None, verify_kv: bool = False,
                 drain_timeout: float = 30.0, pull_lanes: int = 2, layerwise: bool = False,
                 advertise_host: str | None = None, require_fast_path: bool = False,
-                heartbeat_ttl: float = 5.0, redis_timeout: float = 5.0) -> NodeConfig:
+                heartbeat_ttl: float = 5.0, redis_timeout: float = 5.0, prefix_cache: bool = False) -> NodeConfig:
     """Build a node's one config object from its command-line options."""
     if not (model / "config.json").is_file():
         raise typer.BadParameter(f"{model} has no config.json (create one with `kvwire init-model`)",
@@ -115,7 +115,8 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
         raise typer.BadParameter(str(exc)) from None
     return NodeConfig(
         engine=EngineConfig(model_dir=model, block_size=block_size, num_blocks=num_blocks,
-                            max_model_len=max_model_len, device=device, torch_threads=torch_threads),
+                            max_model_len=max_model_len, device=device, torch_threads=torch_threads,
+                            prefix_cache=prefix_cache),
         connector=connector_config,
         work_port=port, http_port=http_port, auth_secret=auth_secret(auth_secret_file),
         drain_timeout_s=drain_timeout, heartbeat_ttl_s=heartbeat_ttl, redis_timeout_s=redis_timeout)

@@ -54,17 +54,17 @@ PrefillMaxInFlight = Annotated[int, typer.Option(
                                            "this many requests of the router in flight (0: no limit). With kvwire's "
                                            "own nodes a request is in flight there until its first token.")]
 Routing = Annotated[RoutingPolicy, typer.Option(
-    "--routing", help="vLLM mode: prefix: each request to the instance whose prefix cache holds the most of its prompt "
-                      "(predicted from where the router sent earlier prompts), weighed against load; load: by load "
-                      "alone.")]
+    "--routing", help="prefix: each request to the decode instance (or node) whose prefix cache holds the most of its "
+                      "prompt (predicted from where the router sent earlier prompts and what they answered), weighed "
+                      "against load; load: by load alone.")]
 DecodeOnlyBelow = Annotated[int | None, typer.Option(
     "--decode-only-below", min=0, show_default=False,
     help="Send a request decode-only when the part of its prompt the decode instance picked does not hold is "
-         "shorter than this many tokens (0: always disaggregate). vLLM mode: default 512. kvwire's own nodes (whose "
-         "engine keeps no prefix cache: the whole prompt counts): default 0, every prompt disaggregated.")]
+         "shorter than this many tokens (0: always disaggregate). vLLM mode: default 512. kvwire's own nodes: "
+         "default 0, every prompt disaggregated.")]
 PrefixTTL = Annotated[float, typer.Option(
-    "--prefix-ttl", min=0.1, help="vLLM mode: seconds an instance is taken to hold a prompt's KV blocks after it was "
-                                  "last sent them.")]
+    "--prefix-ttl", min=0.1, help="Seconds an instance (or node) is taken to hold a prompt's KV blocks after it was "
+                                  "last sent them or answered them.")]
 VLLMKVEvents = Annotated[str | None, typer.Option(
     "--vllm-kv-events", help="vLLM mode: the ZMQ endpoints of the decode instances' KV event publishers (vLLM's "
                              "--kv-events-config with a binding endpoint such as tcp://*:5557), comma-separated in "
@@ -76,7 +76,7 @@ RequestTimeout = Annotated[float, typer.Option(
                                        "instance's answer).")]
 _KVWIRE_ONLY = ("model", "redis_url", "auth_secret_file", "served_model_name", "lenient")
 _VLLM_ONLY = ("health_interval", "connect_timeout", "instance_wait", "max_failures", "unresponsive_after", "sequential",
-              "routing", "prefix_ttl", "vllm_kv_events")
+              "vllm_kv_events")
 
 
 def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedisUrl = None,
@@ -103,17 +103,19 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
                             prefix_ttl, tuple(e.strip() for e in vllm_kv_events.split(",")) if vllm_kv_events else ())
         app = _vllm_app(ctx, vllm_prefill, vllm_decode, host, port, timing)
     else:
-        paths = NodesPaths(decode_only_below or 0, prefill_max_in_flight)
+        paths = NodesPaths(decode_only_below or 0, prefill_max_in_flight, routing, prefix_ttl)
         app = _kvwire_app(ctx, model, redis_url, host, port, request_timeout, auth_secret_file,
                           served_model_names(served_model_name), lenient, paths)
     uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
 
 
 class NodesPaths(NamedTuple):
-    """kvwire's own nodes: when the router sends a request decode-only, as given (RouterConfig)."""
+    """kvwire's own nodes: where the router sends a request and when decode-only, as given (RouterConfig)."""
 
     decode_only_below: int
     prefill_max_in_flight: int
+    routing: RoutingPolicy
+    prefix_ttl: float
 
 
 def _kvwire_app(ctx: typer.Context, model: Path | None, redis_url: str | None, host: str, port: int,
@@ -130,7 +132,8 @@ def _kvwire_app(ctx: typer.Context, model: Path | None, redis_url: str | None, h
         raise typer.BadParameter("needed unless --vllm-decode fronts vLLM servers", param_hint="--redis-url")
     config = RouterConfig(model_dir=model, redis_url=redis_url, host=host, port=port, request_timeout_s=request_timeout,
                           served_model_names=names, lenient=lenient, auth_secret=auth_secret(auth_secret_file),
-                          decode_only_below=paths.decode_only_below, prefill_max_in_flight=paths.prefill_max_in_flight)
+                          decode_only_below=paths.decode_only_below, prefill_max_in_flight=paths.prefill_max_in_flight,
+                          routing=paths.routing, prefix_ttl_s=paths.prefix_ttl)
     auth.install(config.auth_secret)  # before any socket opens
     app = create_app(config)
     freeze_startup_heap()  # the router's heap holds torch and the tokenizer too

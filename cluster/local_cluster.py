@@ -59,6 +59,7 @@ class ClusterSpec:
     decode_only_below: int = 0  # the router's --decode-only-below: shorter prompts are computed on decode
     require_fast_path: bool = False  # the decode node's --require-fast-path: a same-host slow path is refused
     heartbeat_ttl_s: float = 5.0  # both nodes' --heartbeat-ttl: how long a dead node stays registered
+    decode_nodes: int = 1  # decode nodes: "decode" (id decode-0), then "decode-1" ... (the router picks among them)
     launch: Launcher | None = None  # how children start; None: `python -m kvwire.cli.main` (cluster/forked.py)
 
 
@@ -85,7 +86,7 @@ class LocalCluster:
 
     @property
     def ops_urls(self) -> dict[str, str]:
-        """Base URL serving /healthz, /readyz and /metrics of "router", "prefill" and "decode"."""
+        """Base URL serving /healthz, /readyz and /metrics of "router", "prefill", "decode" (and "decode-N")."""
         nodes = {role: f"http://{self.spec.host}:{port}" for role, port in self.http_ports.items()}
         return {"router": self.url, **nodes}
 
@@ -110,9 +111,9 @@ class LocalCluster:
             self.redis = LocalRedis().start()
             self.redis_url = self.redis.url
         self.port = self.spec.port or free_port(self.spec.host)
-        for role in ("prefill", "decode"):
-            self.http_ports[role] = free_port(self.spec.host)
-            self.spawn(role, self._node_args(role))
+        for name in ("prefill", "decode", *(f"decode-{i}" for i in range(1, self.spec.decode_nodes))):
+            self.http_ports[name] = free_port(self.spec.host)
+            self.spawn(name, self._node_args(name))
         self.spawn("router", self._router_args())
         self.wait_ready()
         self.supervisor.armed.set()
@@ -130,13 +131,15 @@ class LocalCluster:
         path = self.spec.auth_secret_file
         return [] if path is None else ["--auth-secret-file", str(path)]
 
-    def _node_args(self, role: str) -> list[str]:
-        s = self.spec
+    def _node_args(self, name: str) -> list[str]:
+        """`name`: "prefill", "decode" (their id ends in -0) or "decode-N"."""
+        s, role = self.spec, name.split("-")[0]
         return [role, "--model", str(s.model_dir), "--redis-url", self.redis_url, "--host", s.host,
-                "--node-id", f"{role}-0", "--connector", str(s.connector), "--block-size", str(s.block_size),
+                "--node-id", name if "-" in name else f"{role}-0", "--connector", str(s.connector),
+                "--block-size", str(s.block_size),
                 "--num-blocks", str(s.num_blocks), "--kv-deadline", str(s.kv_deadline_s),
                 "--device", s.prefill_device if role == "prefill" else s.decode_device, "--log-level", s.log_level,
-                "--http-port", str(self.http_ports[role]), "--heartbeat-ttl", str(s.heartbeat_ttl_s),
+                "--http-port", str(self.http_ports[name]), "--heartbeat-ttl", str(s.heartbeat_ttl_s),
                 *self._auth_args(),
                 *(["--layerwise"] if s.layerwise and role == "prefill" else []),
                 *(["--require-fast-path"] if s.require_fast_path and role == "decode" else [])]

@@ -66,7 +66,7 @@ class DecodeNode:
         self._connector = ConsumerConnector(0, 0, config.connector, self._consumer)
         runner = ModelRunner(rt.model, pool, self._connector, NodeRole.DECODE)
         self.engine = LLMEngine(runner, rt.allocator, rt.max_model_len, rt.model.config.eos_token_id,
-                                wakeup=self._wakeup)
+                                wakeup=self._wakeup, prefix_cache=config.engine.prefix_cache)
         self._drain = Drain(rt)
         m, alloc = rt.metrics, rt.allocator
         m.watch_blocks(lambda: alloc.num_free, alloc.num_blocks)
@@ -218,7 +218,8 @@ class DecodeNode:
         return DecodeStats(
             bypassed=seq.bypassed, transport=str(got.transport) if got else "", kv_bytes=got.kv_bytes if got else 0,
             transfer_ms=got.transfer_s * 1000 if got else 0.0, ttft_ms=ttft * 1000,
-            prefill_node=got.producer if got else record.work.prefill_node, decode_node=self.rt.config.node_id)
+            prefill_node=got.producer if got else record.work.prefill_node, decode_node=self.rt.config.node_id,
+            cached_tokens=seq.num_cached_tokens)
 
     def _observe(self, record: DecodeRequest, seq: Sequence) -> None:
         """Record a finished request's TTFT, time per output token, and whether its prompt was recomputed."""
@@ -227,6 +228,7 @@ class DecodeNode:
             m.ttft_seconds.observe(t.ttft)
         if len(seq.output_ids) > 1 and t.first_token_time is not None and t.finished_time is not None:
             m.tpot_seconds.observe((t.finished_time - t.first_token_time) / (len(seq.output_ids) - 1))
+        m.prompt_tokens_cached.inc(seq.num_cached_tokens)
         if not seq.bypassed:
             reason = RecomputeReason.KV_NOT_RECEIVED if record.work.prefill_node else RecomputeReason.NO_PREFILL_NODE
             m.recomputes.labels(str(reason)).inc()

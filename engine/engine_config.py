@@ -17,6 +17,8 @@ class EngineConfig:
     torch_threads: intra-op threads; 0 keeps torch's default. Nodes sharing a host's cores
         must not oversubscribe them: OpenMP threads spinning in barriers while the other
         process runs made a 2-core demo many times slower, so nodes default to 1.
+    prefix_cache: keep computed blocks to start later prompts on their longest cached prefix (a decode node's
+        engine; a prefill node computes every prompt whole).
     """
 
     model_dir: Path
@@ -25,6 +27,7 @@ class EngineConfig:
     max_model_len: int = 0
     device: str = "cpu"
     torch_threads: int = 1
+    prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

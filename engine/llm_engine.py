@@ -4,7 +4,9 @@ A request here:
 
 1. `add_request` validates it and puts it in the waiting queue.
 2. `step()` admits waiting requests while their blocks fit (blocks for the prompt plus
-   max_tokens are reserved up front, so a running request never runs out).
+   max_tokens are reserved up front, so a running request never runs out). With the prefix cache on,
+   a prompt computed here starts on the cached blocks of its longest computed prefix (always leaving
+   its last token to compute): only the rest is computed.
 3. Its prompt is computed, or its KV received: within the step when nothing else runs
    (no thread hand-off on the way to its first token); otherwise on the runner's pull
    thread (`receiving`) while steps go on decoding the others; the pull's end wakes the
@@ -12,7 +14,9 @@ A request here:
 4. Its first token is sampled; every later step decodes one more token for it, until EOS (unless
    ignore_eos) or one of stop_token_ids (reason "stop", never before min_tokens), or max_tokens ("length").
 5. Finished or aborted, its blocks are freed at once, unless a pull may still be
-   writing them: then when the pull ends.
+   writing them: then when the pull ends. With the prefix cache on, every full block whose KV it
+   computed or received (prompt, then answer) stays cached under its prefix's name once the prompt is
+   done, and once it finishes, for a later prompt that continues it (the next turn of a conversation).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.types import ModelRunnerOutput
 from kvwire.connectors.wakeup import Wakeup
 from kvwire.engine.block_allocator import BlockAllocator
+from kvwire.engine.block_names import block_names
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.sampler import TokenHistory, make_generator, sample
 from kvwire.engine.sequence import FinishReason, Sequence
@@ -49,9 +54,10 @@ class StepOutput:
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, allocator: BlockAllocator, max_model_len: int,
-                 eos_token_id: int | None = None, wakeup: Wakeup | None = None):
+                 eos_token_id: int | None = None, wakeup: Wakeup | None = None, prefix_cache: bool = False):
         """Args:
         wakeup: woken, from the runner's pull thread, as each pull ends (the owner's loop waits on its fd).
+        prefix_cache: keep computed blocks and start prompts on their cached prefix (module docstring).
         """
         self.runner = runner
         self.allocator = allocator
@@ -62,6 +68,7 @@ class LLMEngine:
         self.running: list[Sequence] = []
         self.receiving: dict[str, tuple[Sequence, Future]] = {}  # admitted, KV being pulled on the pull thread
         self._wakeup = wakeup
+        self.prefix_cache = prefix_cache
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     receive_kv: bool = True) -> Sequence:
@@ -159,7 +166,7 @@ class LLMEngine:
         inline = not self.running and not self.receiving  # the whole step's pulls on one thread, never two at once
         while self.waiting and self._fits(self.waiting[0]):
             seq = self.waiting.popleft()
-            seq.block_ids = self.allocator.allocate(self._blocks_needed(len(seq.prompt_ids), seq.params))
+            self._allocate(seq)
             seq.metrics.mark_scheduled(time.monotonic())
             if seq.receive_kv and self.runner.receives_async and not inline:
                 received = self.runner.start_receive(self._prompt_input(seq))
@@ -170,6 +177,22 @@ class LLMEngine:
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def _allocate(self, seq: Sequence) -> None:
+        """Give `seq` its blocks: those of its cached prefix first (prompts it computes itself), then fresh ones."""
+        cached: list[int] = []
+        if self.prefix_cache and not seq.receive_kv:  # a pull writes every block: never into shared ones
+            usable = (len(seq.prompt_ids) - 1) // self.block_size  # its last token is computed, for its logits
+            cached = self.allocator.share(block_names(seq.prompt_ids[:usable * self.block_size], self.block_size))
+        needed = self._blocks_needed(len(seq.prompt_ids), seq.params)
+        seq.block_ids = cached + self.allocator.allocate(needed - len(cached))  # fits: _fits counted idle blocks
+        seq.num_cached_tokens = len(cached) * self.block_size
+
+    def _cache(self, seq: Sequence, tokens: list[int]) -> None:
+        """Name the full blocks of `tokens` (those of `seq` whose KV is written) for later prompts."""
+        if self.prefix_cache:
+            for block, name in zip(seq.block_ids, block_names(tokens, self.block_size)):
+                self.allocator.name(block, name)
 
     def _wake(self, _: Future) -> None:
         """A pull ended (the pull thread): wake the owner's loop (registered only where there is a wakeup)."""
@@ -189,7 +212,10 @@ class LLMEngine:
 
     @staticmethod
     def _prompt_input(seq: Sequence) -> ModelInput:
-        return ModelInput([SequenceInput(seq.request_id, seq.prompt_ids, 0, seq.block_ids)], is_prompt=True)
+        """The prompt's tokens past its cached prefix (all of them without one)."""
+        start = seq.num_cached_tokens
+        return ModelInput([SequenceInput(seq.request_id, seq.prompt_ids[start:], start, seq.block_ids)],
+                          is_prompt=True)
 
     def _prefill(self, seq: Sequence, received: Future | None = None) -> int:
         """Compute (or receive, or take the ended pull of) a prompt and sample its first token."""
@@ -200,6 +226,7 @@ class LLMEngine:
         else:
             result = self.runner.run_prompt(batch, receive_kv=seq.receive_kv)
         seq.bypassed = result.bypassed
+        self._cache(seq, seq.prompt_ids)
         seq.metrics.model_forward_time += result.forward_s
         token = self._sample(seq, self.runner.logits(result.last_hidden)[0])
         seq.metrics.model_execute_time += time.monotonic() - start
@@ -243,6 +270,8 @@ class LLMEngine:
 
     def _reap(self) -> None:
         for seq in [s for s in self.running if s.finished]:
+            if seq.finish_reason != FinishReason.ABORT:
+                self._cache(seq, (seq.prompt_ids + seq.output_ids)[:-1])  # the last token's KV was never written
             self.allocator.free(seq.block_ids)
             seq.block_ids = []
             seq.metrics.finished_time = time.monotonic()

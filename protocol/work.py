@@ -73,6 +73,7 @@ class DecodeStats(msgspec.Struct, frozen=True, kw_only=True):
     ttft_ms: float
     prefill_node: str
     decode_node: str
+    cached_tokens: int = 0  # of the prompt, from the decode node's prefix cache
 
 
 class TokenChunk(AnyMessage, tag="tokens", frozen=True):

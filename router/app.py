@@ -61,7 +61,8 @@ class Router:
     async def lifespan(self, app: FastAPI):
         self.directory = KVDirectory(self.config.redis_url, metrics=self.metrics)
         self.dispatcher = Dispatcher(self.directory, self.config.host, decode_only_below=self.config.decode_only_below,
-                                     prefill_max_in_flight=self.config.prefill_max_in_flight)
+                                     prefill_max_in_flight=self.config.prefill_max_in_flight,
+                                     routing=self.config.routing, prefix_ttl_s=self.config.prefix_ttl_s)
         self.dispatcher.start()
         yield
         await self.dispatcher.close()
@@ -239,7 +240,9 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
 def _usage(gen: Generation) -> dict:
     prompt = sum(len(p) for p in gen.plan.prompts)
     completion = sum(len(c.token_ids) for c in gen.choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(c.stats.cached_tokens for c in gen.choices if c.stats is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _report(choice: Choice, started: float) -> dict:
@@ -252,7 +255,7 @@ def _report(choice: Choice, started: float) -> dict:
     if stats is not None:
         out.update(bypassed=stats.bypassed, transport=stats.transport or None, kv_bytes=stats.kv_bytes,
                    transfer_ms=stats.transfer_ms, prefill_node=stats.prefill_node or None,
-                   decode_node=stats.decode_node, decode_ttft_ms=stats.ttft_ms)
+                   decode_node=stats.decode_node, decode_ttft_ms=stats.ttft_ms, cached_tokens=stats.cached_tokens)
     return out
 
 

@@ -8,6 +8,13 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 
+class RoutingPolicy(enum.StrEnum):
+    """How the router picks a decode instance or node (router/vllm_schedule.py, router/dispatch.py)."""
+
+    PREFIX = "prefix"  # by the prompt blocks each instance holds (predicted), weighed against its load
+    LOAD = "load"  # by load alone; the prompt is not read for it
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """Attributes:
@@ -19,10 +26,14 @@ class RouterConfig:
         first); empty: the checkpoint directory's name (a path to it is accepted too).
     lenient: request fields kvwire does not know are dropped with a warning, not refused with a 400.
     auth_secret: shared secret sealing control messages to and from nodes; None: no authentication.
-    decode_only_below: prompts shorter than this many tokens go decode-only (the decode node computes them, no
-        prefill node, reason short-prompt); 0: every prompt disaggregated when a prefill node is live.
+    decode_only_below: prompts of which the decode node picked holds all but fewer than this many tokens go
+        decode-only (it computes them, no prefill node; reason short-prompt, or cached-on-decode when it holds
+        some); 0: every prompt disaggregated when a prefill node is live.
     prefill_max_in_flight: a request goes decode-only (reason prefill-saturated) when every live prefill node has
         this many of the router's requests in flight, each until its first token (0: no limit).
+    routing: PREFIX places a prompt on the decode node whose prefix cache holds most of it, weighed against its
+        free blocks (router/dispatch.py); LOAD by free blocks alone.
+    prefix_ttl_s: how long a decode node is taken to hold what it was last sent or answered.
     """
 
     model_dir: Path
@@ -35,12 +46,16 @@ class RouterConfig:
     auth_secret: bytes | None = field(default=None, repr=False)
     decode_only_below: int = 0
     prefill_max_in_flight: int = 0
+    routing: RoutingPolicy = RoutingPolicy.PREFIX
+    prefix_ttl_s: float = 120.0
 
     def __post_init__(self) -> None:
         if any(not name for name in self.served_model_names):
             raise ValueError("a served model name must not be empty")
         if min(self.decode_only_below, self.prefill_max_in_flight) < 0:
             raise ValueError("decode_only_below and prefill_max_in_flight must not be negative")
+        if self.prefix_ttl_s <= 0:
+            raise ValueError("prefix_ttl_s must be positive")
 
     @property
     def served_model_name(self) -> str:
@@ -51,13 +66,6 @@ class RouterConfig:
         if self.served_model_names:
             return model in self.served_model_names
         return model == self.model_dir.name or Path(model).resolve() == self.model_dir.resolve()
-
-
-class RoutingPolicy(enum.StrEnum):
-    """How the router in front of vLLM picks an instance (router/vllm_schedule.py)."""
-
-    PREFIX = "prefix"  # by the prompt blocks each instance holds (predicted), weighed against its load
-    LOAD = "load"  # by load alone; the prompt is not read for it
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,17 @@ A request here:
 
 1. `submit()` picks a live prefill and decode node from the directory, registers a queue
    for the request, and pushes `PrefillWork` (naming the decode node's work endpoint) and
-   `DecodeWork` at once: decode waits for the KV while prefill computes. The request goes
-   decode-only (the decode node computes the prompt, no prefill node) when the client asked so,
-   when its prompt is shorter than `decode_only_below` tokens, when no prefill node is live, or
-   when every live prefill node has `prefill_max_in_flight` requests of this router in flight (a
-   request is in flight on its prefill node until its first reply arrives or it is forgotten).
+   `DecodeWork` at once: decode waits for the KV while prefill computes.
+   - The decode node is the one of the least cost in KV blocks: the prompt's blocks it does not hold
+     in its prefix cache (predicted, router/prefix_index.py: what it was sent, and what it answered,
+     which a conversation's next prompt starts with) minus its free blocks; ties in turn. A later turn
+     goes where its conversation's KV is unless that node is fuller than computing it elsewhere costs.
+     With `RoutingPolicy.LOAD`, or no decode node keeping a prefix cache, free blocks alone decide.
+   - The request goes decode-only (the decode node computes the prompt, no prefill node) when the
+     client asked so, when the part of its prompt that node does not hold is shorter than
+     `decode_only_below` tokens (a short prompt, or a cached one), when no prefill node is live, or
+     when every live prefill node has `prefill_max_in_flight` requests of this router in flight (a
+     request is in flight on its prefill node until its first reply arrives or it is forgotten).
 2. The reader task (started by `start()`, with the zmq PULL socket decode nodes answer
    to) puts each `TokenChunk` / `WorkError` on the request's queue; the HTTP handler
    consumes it.
@@ -29,6 +35,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -42,6 +49,8 @@ from kvwire.connectors.directory.directory import DirectoryError, KVDirectory
 from kvwire.connectors.wire import NodeInfo, WireError
 from kvwire.observability.labels import PathReason, ProxyPath
 from kvwire.protocol.work import CancelWork, DecodeWork, ErrorKind, PrefillWork, SamplingParams, TokenChunk, WorkError
+from kvwire.router.config import RoutingPolicy
+from kvwire.router.prefix_index import PrefixIndex
 from kvwire.router.schemas import APIError
 
 log = logging.getLogger(__name__)
@@ -66,16 +75,23 @@ class Dispatcher:
     """Routes requests to nodes and their replies back to the waiting handler.
 
     Args:
-        decode_only_below: prompts shorter than this many tokens go decode-only (0: none for their length).
+        decode_only_below: prompts of which the decode node lacks fewer than this many tokens go decode-only (0:
+            none for their length).
+        routing: PREFIX places prompts where their prefix is cached (module docstring); LOAD by free blocks.
+        prefix_ttl_s: how long a decode node is taken to hold what it was last sent or answered.
         prefill_max_in_flight: requests in flight on one prefill node before it takes no more (0: no limit).
         watch_period_s: how often the watchdog reads the live decode nodes.
         left_grace_s: how long a request's decode node is missing before the request fails.
     """
 
     def __init__(self, directory: KVDirectory, host: str, *, decode_only_below: int = 0,
-                 prefill_max_in_flight: int = 0, watch_period_s: float = WATCH_PERIOD_S,
+                 prefill_max_in_flight: int = 0, routing: RoutingPolicy = RoutingPolicy.PREFIX,
+                 prefix_ttl_s: float = 120.0, watch_period_s: float = WATCH_PERIOD_S,
                  left_grace_s: float = LEFT_GRACE_S):  # fmt: skip
         self._directory = directory
+        self._routing, self._prefix_ttl_s = routing, prefix_ttl_s
+        self._index: PrefixIndex | None = None  # made with the first decode node that keeps a prefix cache
+        self._cached_on: dict[str, tuple[str, list[int], int]] = {}  # request -> (node key, prompt, tokens so far)
         self._decode_only_below, self._prefill_max_in_flight = decode_only_below, prefill_max_in_flight
         self._watch_period_s, self._left_grace_s = watch_period_s, left_grace_s
         self._ctx = zmq.asyncio.Context.instance()
@@ -120,26 +136,37 @@ class Dispatcher:
                 self._nodes = (time.monotonic(), nodes)
         return [n for n in nodes if role is None or n.role == role]
 
-    def pick(self, prompt_tokens: int, disaggregate: bool = True, nodes: list[NodeInfo] | None = None,
+    def pick(self, prompt: Sequence[int], disaggregate: bool = True, nodes: list[NodeInfo] | None = None,
              request_id: str = "") -> Route:
-        """Choose the decode node and, unless the request goes decode-only (module docstring), the prefill node:
-        the most free blocks of each role (round robin on ties); prefill nodes at prefill_max_in_flight are
-        skipped. A prefill node chosen counts `request_id` in flight there at once (the next pick sees it).
+        """Choose the decode node (module docstring) and, unless the request goes decode-only, the prefill node
+        with the most free blocks (round robin on ties), skipping those at prefill_max_in_flight. A prefill node
+        chosen counts `request_id` in flight there at once (the next pick sees it); the decode node chosen is
+        taken to hold the prompt from now (the prefix index)."""
+        route = self._route(prompt, disaggregate, self.live_nodes() if nodes is None else nodes, request_id)
+        if (index := self._index) is not None and route.decode.prefix_block_size == index.block_size:
+            index.record(_key(route.decode), prompt)
+            self._cached_on[request_id] = (_key(route.decode), list(prompt), 0)
+        return route
+
+    def _route(self, prompt: Sequence[int], disaggregate: bool, nodes: list[NodeInfo], request_id: str) -> Route:
+        """`pick`'s choice, recording nothing but the prefill node's count.
 
         `nodes`: the live nodes of every role (`live_nodes()`); read here when not given. `submit` reads them on a
         thread and picks on the event loop, so that a request cancelled meanwhile was never counted.
 
         Without a live decode node nothing can be served (503).
         """
-        nodes = self.live_nodes() if nodes is None else nodes
         turn = next(self._rr)  # one turn per request, shared by both picks, so ties rotate for each role
-        decode = self._least_loaded([n for n in nodes if n.role == NodeRole.DECODE], turn)
+        decodes = [n for n in nodes if n.role == NodeRole.DECODE]
+        held = self._held(prompt, decodes)
+        decode = self._least_loaded(decodes, turn, self._uncached_blocks(prompt, held))
         if decode is None:
             raise APIError(503, "no live decode node", type_="service_unavailable")
         if not disaggregate:
             return Route(None, decode, PathReason.NOT_ASKED)
-        if prompt_tokens < self._decode_only_below:
-            return Route(None, decode, PathReason.SHORT_PROMPT)
+        cached = held.get(_key(decode), 0)
+        if len(prompt) - cached < self._decode_only_below:
+            return Route(None, decode, PathReason.CACHED_ON_DECODE if cached else PathReason.SHORT_PROMPT)
         prefills = [n for n in nodes if n.role == NodeRole.PREFILL]
         if not prefills:
             return Route(None, decode, PathReason.NO_PREFILL_INSTANCE)
@@ -151,16 +178,36 @@ class Dispatcher:
         self._prefilling_on[request_id] = prefill.node_id
         return Route(prefill, decode, PathReason.PREFILLED)
 
+    def _held(self, prompt: Sequence[int], decodes: list[NodeInfo]) -> dict[str, int]:
+        """How many of `prompt`'s first tokens each decode node (by `_key`) holds in its prefix cache, predicted."""
+        if self._routing == RoutingPolicy.LOAD or not prompt:
+            return {}
+        caching = [n for n in decodes if n.prefix_block_size]
+        if self._index is None and caching:
+            self._index = PrefixIndex(caching[0].prefix_block_size, self._prefix_ttl_s)
+        if self._index is None:
+            return {}
+        return self._index.held(prompt, [_key(n) for n in caching if n.prefix_block_size == self._index.block_size])
+
+    def _uncached_blocks(self, prompt: Sequence[int], held: dict[str, int]) -> Callable[[NodeInfo], int]:
+        """The prompt's blocks a decode node does not hold (0 for every node when nothing is predicted)."""
+        if self._index is None or not held:
+            return lambda node: 0
+        size = self._index.block_size
+        return lambda node: -(-(len(prompt) - held.get(_key(node), 0)) // size)
+
     @staticmethod
-    def _least_loaded(nodes: list[NodeInfo], turn: int) -> NodeInfo | None:
+    def _least_loaded(nodes: list[NodeInfo], turn: int,
+                      uncached: Callable[[NodeInfo], int] = lambda node: 0) -> NodeInfo | None:
+        """The node of the least cost: its `uncached` prompt blocks minus its free blocks; ties in turn."""
         if not nodes:
             return None
-        return max(enumerate(nodes), key=lambda p: (p[1].free_blocks, (p[0] + turn) % len(nodes)))[1]
+        return max(enumerate(nodes), key=lambda p: (p[1].free_blocks - uncached(p[1]), (p[0] + turn) % len(nodes)))[1]
 
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                      disaggregate: bool = True) -> tuple[Route, asyncio.Queue]:
         nodes = await asyncio.to_thread(self.live_nodes)
-        route = self.pick(len(prompt_ids), disaggregate, nodes, request_id)  # on the loop: counted as it picks
+        route = self.pick(prompt_ids, disaggregate, nodes, request_id)  # on the loop: counted as it picks
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._serving[request_id] = (route.decode.node_id, route.decode.epoch)
@@ -189,6 +236,7 @@ class Dispatcher:
 
     def forget(self, request_id: str) -> None:
         self._prefilled(request_id)
+        self._cached_on.pop(request_id, None)
         self._queues.pop(request_id, None)
         self._decoding_at.pop(request_id, None)
         self._serving.pop(request_id, None)
@@ -235,13 +283,30 @@ class Dispatcher:
                 log.warning("reply socket: rejected message: %s", exc)
                 continue
             self._prefilled(msg.request_id)
+            if isinstance(msg, TokenChunk):
+                self._answered(msg)
             queue = self._queues.get(msg.request_id)
             if queue is not None:
                 queue.put_nowait(msg)
 
+    def _answered(self, chunk: TokenChunk) -> None:
+        """Count a request's generated tokens; once it is finished its decode node holds them after its prompt."""
+        if (entry := self._cached_on.get(chunk.request_id)) is None:
+            return
+        key, prompt, generated = entry
+        self._cached_on[chunk.request_id] = (key, prompt, generated + len(chunk.token_ids))
+        if chunk.finished and self._index is not None:
+            del self._cached_on[chunk.request_id]
+            self._index.answered(key, prompt, generated + len(chunk.token_ids))
+
     def _prefilled(self, request_id: str) -> None:
         """The request is no longer in flight on its prefill node: its decode node replied, or it is forgotten."""
         self._prefilling_on.pop(request_id, None)
+
+
+def _key(node: NodeInfo) -> str:
+    """A node's incarnation, what holds a prefix cache: a restarted node's starts empty."""
+    return f"{node.node_id}@{node.epoch}"
 
 
 def _log_unsent(sent: asyncio.Future, request_id: str) -> None:

@@ -2,8 +2,8 @@
 routing (as Dynamo's approximate KV router and llm-d's prefix-cache scorer do).
 
 A prompt's token ids are cut into blocks of `block_size` tokens (the servers' KV block size); each full block
-is named by a hash chained over every token before it, so a name stands for the whole prefix up to its block's
-end, as in vLLM's own prefix cache.
+is named by a hash chained over every token before it (engine/block_names.py), so a name stands for the whole
+prefix up to its block's end, as in vLLM's own prefix cache and kvwire's decode nodes'.
 
 Lifecycle of an entry:
 
@@ -28,9 +28,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
+from kvwire.engine.block_names import ROOT as _ROOT
+from kvwire.engine.block_names import block_names, next_name
 from kvwire.router.kv_events import VLLMBlockHash
-
-_ROOT = 0  # the name of the empty prefix
 
 
 class Tail(NamedTuple):
@@ -39,15 +39,6 @@ class Tail(NamedTuple):
     tokens: tuple[int, ...]
     generated: int
     at: float
-
-
-def block_names(tokens: Sequence[int], block_size: int) -> list[int]:
-    """Returns: one name per full block of `tokens`, each chained over every token before its block's end."""
-    names, parent = [], _ROOT
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash((parent, tuple(tokens[start:start + block_size])))
-        names.append(parent)
-    return names
 
 
 class PrefixIndex:
@@ -61,10 +52,10 @@ class PrefixIndex:
         self._ttl_s = ttl_s
         self._clock = clock
         self._max_entries = max_entries
-        self._blocks: dict[int, dict[str, float]] = {}  # block name -> instance -> when last recorded
-        self._tails: dict[tuple[str, int], Tail] = {}  # (instance, name of the prompt's last full block) -> rest
+        self._blocks: dict[bytes, dict[str, float]] = {}  # block name -> instance -> when last recorded
+        self._tails: dict[tuple[str, bytes], Tail] = {}  # (instance, name of the prompt's last full block) -> rest
         self._entries = 0
-        self._exact: dict[str, dict[VLLMBlockHash, int]] = {}  # EXACT instance -> its block hashes -> our names
+        self._exact: dict[str, dict[VLLMBlockHash, bytes]] = {}  # EXACT instance -> its block hashes -> our names
 
     def record(self, url: str, prompt: Sequence[int]) -> None:
         """`url` was sent `prompt`: its full blocks are held there from now."""
@@ -115,7 +106,7 @@ class PrefixIndex:
             block = tuple(tokens[i * size:(i + 1) * size])
             if len(block) < size:
                 break
-            name = hash((name, block))
+            name = next_name(name, block)
             known[block_hash] = name
             holders = self._blocks.setdefault(name, {})
             self._entries += url not in holders
@@ -150,7 +141,7 @@ class PrefixIndex:
     def _prune(self, now: float) -> None:
         """Drop the entries past their TTL; then, if more than half the size is left, the oldest (those recorded
         at one time, by one `record`, all kept or all dropped: a prefix is held whole or not at all)."""
-        by_time: dict[float, list[tuple[int, str]]] = {}
+        by_time: dict[float, list[tuple[bytes, str]]] = {}
         for name, holders in self._blocks.items():
             for url, at in holders.items():
                 if self._fresh(at, now):

@@ -35,3 +35,28 @@ def test_layerwise_reaches_the_config_and_needs_tcp_or_ucx(tiny_model_dir):
 def test_redis_timeout_reaches_the_config(tiny_model_dir):
     assert _config(tiny_model_dir).redis_timeout_s == 5.0
     assert _config(tiny_model_dir, redis_timeout=1.5).redis_timeout_s == 1.5
+
+
+@pytest.mark.parametrize(("role", "flag", "want"), [
+    ("decode", [], True), ("decode", ["--no-prefix-cache"], False), ("prefill", [], False)])
+def test_a_decode_node_keeps_a_prefix_cache_unless_told_not_to(role, flag, want, tiny_model_dir, monkeypatch):
+    from typer.testing import CliRunner
+
+    from kvwire.cli.main import app
+
+    built = []
+    monkeypatch.setattr(f"kvwire.{role}_node.main.run", built.append)
+    result = CliRunner().invoke(app, [role, "--model", str(tiny_model_dir), "--redis-url", "redis://127.0.0.1:1",
+                                      *flag])
+    assert result.exit_code == 0, result.output
+    assert built[0].engine.prefix_cache is want
+
+
+def test_a_prefill_node_refuses_the_prefix_cache_flag(tiny_model_dir):
+    from typer.testing import CliRunner
+
+    from kvwire.cli.main import app
+
+    result = CliRunner().invoke(app, ["prefill", "--model", str(tiny_model_dir), "--redis-url", "redis://127.0.0.1:1",
+                                      "--prefix-cache"])
+    assert result.exit_code == 2

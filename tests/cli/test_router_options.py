@@ -64,10 +64,11 @@ def test_vllm_mode_flags_reach_its_config(monkeypatch):
 
 
 @pytest.mark.parametrize("args, want", [
-    ([], (0, 0)),  # kvwire's own nodes: every prompt disaggregated, as before the flags applied to them
-    (["--decode-only-below", "64", "--prefill-max-in-flight", "3"], (64, 3)),
+    ([], (0, 0, "prefix", 120.0)),  # kvwire's own nodes: every prompt disaggregated, placed by prefix and load
+    (["--decode-only-below", "64", "--prefill-max-in-flight", "3", "--routing", "load", "--prefix-ttl", "9"],
+     (64, 3, "load", 9.0)),
 ])
-def test_decode_only_flags_reach_the_own_nodes_config(args, want, monkeypatch):
+def test_path_and_routing_flags_reach_the_own_nodes_config(args, want, monkeypatch):
     served = []
     monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: served.append(app))
     monkeypatch.setattr("kvwire.router.app.create_app", lambda config: config)
@@ -75,7 +76,7 @@ def test_decode_only_flags_reach_the_own_nodes_config(args, want, monkeypatch):
     result = runner.invoke(app, ["router", "--model", "/tmp/m", "--redis-url", "redis://r:6379/0", *args], env=NO_ENV)
     assert result.exit_code == 0, result.output
     (config,) = served
-    assert (config.decode_only_below, config.prefill_max_in_flight) == want
+    assert (config.decode_only_below, config.prefill_max_in_flight, config.routing, config.prefix_ttl_s) == want
 
 
 def test_vllm_mode_keeps_its_decode_only_default(monkeypatch):

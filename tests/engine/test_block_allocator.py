@@ -38,3 +38,34 @@ def test_out_of_blocks() -> None:
     assert alloc.num_free == 1  # a failed allocation takes nothing
     with pytest.raises(ValueError):
         BlockAllocator(0)
+
+
+def test_named_blocks_are_shared_counted_and_evicted_last_used_first() -> None:
+    alloc = BlockAllocator(4)
+    a = alloc.allocate(2)
+    alloc.name(a[0], b"p0")
+    alloc.name(a[1], b"p1")
+    assert alloc.share([b"p0", b"p1", b"p2"]) == a  # the longest run from the start
+    assert alloc.share([b"p1"]) == [a[1]]
+    alloc.free(a)
+    alloc.free(a)
+    assert alloc.num_free == 3  # two free, a[0] idle; a[1] still has a user
+    alloc.free([a[1]])
+    assert (alloc.num_free, alloc.num_cached) == (4, 2)  # idle: free to take, still findable
+    assert alloc.share([b"p0"]) == [a[0]] and alloc.num_free == 3  # in use again
+    alloc.free([a[0]])
+    assert alloc.allocate(3) == [2, 3, a[1]]  # free ones first, then the idle one used least recently
+    assert alloc.share([b"p1"]) == [] and alloc.share([b"p0"]) == [a[0]]
+    with pytest.raises(OutOfBlocks):
+        alloc.allocate(1)
+
+
+def test_a_name_stays_with_its_first_block_and_unnamed_blocks_go_back_free() -> None:
+    alloc = BlockAllocator(3)
+    a, b = alloc.allocate(1), alloc.allocate(1)
+    alloc.name(a[0], b"p")
+    alloc.name(b[0], b"p")  # the same prefix computed twice: the first copy is the cached one
+    alloc.free(a + b)
+    assert alloc.num_cached == 1 and alloc.share([b"p"]) == a
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.name(b[0], b"q")

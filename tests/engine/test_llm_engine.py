@@ -176,3 +176,42 @@ def test_reference_generates_logprobs_too(tiny_model_dir, greedy):
     (ids, logprobs), = generate_with_logprobs(tiny_model_dir, [PROMPT], params)
     assert generate(tiny_model_dir, [PROMPT], params) == [ids]
     assert len(logprobs) == len(ids) and all(len(lp.top_ids) == 1 for lp in logprobs)
+
+
+def _cached_engine(model, num_blocks=32) -> LLMEngine:
+    pool = KVPool.allocate(kv_layout(model.config, 4), num_blocks)
+    return LLMEngine(ModelRunner(model, pool), BlockAllocator(num_blocks), 256, model.config.eos_token_id,
+                     prefix_cache=True)
+
+
+def test_prefix_cache_computes_only_the_uncached_rest_and_answers_as_without(model):
+    """A conversation's second turn (its first prompt + answer + more) starts on the first turn's cached blocks;
+    its tokens equal an engine's without the cache. Cached blocks go back to the pool's free count."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    first = list(range(30, 49))  # 19 tokens: 4 full blocks of 4
+    eng = _cached_engine(model)
+    turn1 = eng.add_request("t1", first, params, receive_kv=False)
+    _run(eng)
+    assert turn1.num_cached_tokens == 0
+    second = first + turn1.output_ids + [7, 8, 9]  # 28 tokens; 24 of them have KV in the cache
+    turn2 = eng.add_request("t2", second, params, receive_kv=False)
+    _run(eng)
+    assert turn2.num_cached_tokens == 24
+    plain = _engine(model)
+    uncached = plain.add_request("t2", second, params)
+    _run(plain)
+    assert turn2.output_ids == uncached.output_ids
+    again = eng.add_request("t3", list(second), params, receive_kv=False)  # all cached: its last block is computed
+    _run(eng)
+    assert again.num_cached_tokens == 24 and again.output_ids == turn2.output_ids
+    assert eng.allocator.num_free == 32 and eng.allocator.num_cached > 0
+
+
+def test_prefix_cache_leaves_prompts_whose_kv_is_received_alone(model):
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    eng = _cached_engine(model)
+    eng.add_request("a", list(range(20)), params, receive_kv=False)
+    _run(eng)
+    pulled = eng.add_request("b", list(range(20)), params)  # receive_kv: a pull writes every block it has
+    _run(eng)
+    assert pulled.num_cached_tokens == 0

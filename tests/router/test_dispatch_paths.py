@@ -43,9 +43,13 @@ def _dispatcher(nodes: list[NodeInfo], **policy: int) -> Dispatcher:
 PAIR = [_node("p0", NodeRole.PREFILL), _node("d0", NodeRole.DECODE)]
 
 
+def _prompt(tokens: int) -> list[int]:
+    return list(range(tokens))
+
+
 def test_short_prompts_go_decode_only_and_longer_ones_are_disaggregated():
     dispatcher = _dispatcher(PAIR, decode_only_below=16)
-    short, long_ = dispatcher.pick(15), dispatcher.pick(16)
+    short, long_ = dispatcher.pick(_prompt(15)), dispatcher.pick(_prompt(16))
     assert (short.prefill, short.decode.node_id, short.reason, short.path) == \
         (None, "d0", PathReason.SHORT_PROMPT, ProxyPath.DECODE_ONLY)
     assert (long_.prefill and long_.prefill.node_id, long_.reason, long_.path) == \
@@ -54,14 +58,14 @@ def test_short_prompts_go_decode_only_and_longer_ones_are_disaggregated():
 
 def test_by_default_every_prompt_is_disaggregated_unless_the_client_keeps_it_whole():
     dispatcher = _dispatcher(PAIR)
-    assert dispatcher.pick(1).reason == PathReason.PREFILLED
-    assert dispatcher.pick(1000, disaggregate=False).reason == PathReason.NOT_ASKED
-    assert _dispatcher(PAIR[1:]).pick(1000).reason == PathReason.NO_PREFILL_INSTANCE
+    assert dispatcher.pick(_prompt(1)).reason == PathReason.PREFILLED
+    assert dispatcher.pick(_prompt(1000), disaggregate=False).reason == PathReason.NOT_ASKED
+    assert _dispatcher(PAIR[1:]).pick(_prompt(1000)).reason == PathReason.NO_PREFILL_INSTANCE
 
 
 def test_no_decode_node_is_a_503():
     with pytest.raises(APIError) as exc:
-        _dispatcher(PAIR[:1]).pick(10)
+        _dispatcher(PAIR[:1]).pick(_prompt(10))
     assert exc.value.status == 503
 
 
@@ -69,7 +73,7 @@ def test_saturated_prefill_nodes_are_skipped_then_every_one_sends_decode_only():
     nodes = [_node("p0", NodeRole.PREFILL, free=8), _node("p1", NodeRole.PREFILL, free=4),
              _node("d0", NodeRole.DECODE)]
     dispatcher = _dispatcher(nodes, prefill_max_in_flight=1)
-    first, second, third = (dispatcher.pick(100, request_id=f"r{i}") for i in range(3))
+    first, second, third = (dispatcher.pick(_prompt(100), request_id=f"r{i}") for i in range(3))
     assert [r.prefill and r.prefill.node_id for r in (first, second)] == ["p0", "p1"]  # p0 has the most free
     assert (third.prefill, third.reason) == (None, PathReason.PREFILL_SATURATED)
 
@@ -83,14 +87,14 @@ def test_a_request_leaves_its_prefill_node_at_its_first_reply_or_when_forgotten(
         try:
             route, replies = await dispatcher.submit("r1", [1] * 40, SamplingParams(max_tokens=2))
             assert route.reason == PathReason.PREFILLED
-            assert dispatcher.pick(40).reason == PathReason.PREFILL_SATURATED  # r1 is in flight on p0
+            assert dispatcher.pick(_prompt(40)).reason == PathReason.PREFILL_SATURATED  # r1 is in flight on p0
             await decode_node.send(pack(TokenChunk(request_id="r1", token_ids=[5])))  # r1's first token
             await asyncio.wait_for(replies.get(), 5)
             route, _ = await dispatcher.submit("r2", [1] * 40, SamplingParams(max_tokens=2))
             assert route.reason == PathReason.PREFILLED  # r1 left p0 at its first token
             await decode_node.send(pack(TokenChunk(request_id="r1", token_ids=[6], finished=True)))
             await asyncio.wait_for(replies.get(), 5)
-            assert dispatcher.pick(40).reason == PathReason.PREFILL_SATURATED  # r2 still is: r1 counted once
+            assert dispatcher.pick(_prompt(40)).reason == PathReason.PREFILL_SATURATED  # r2 still is: r1 counted once
         finally:
             decode_node.close(0)
             await dispatcher.close()
@@ -103,7 +107,7 @@ def test_a_request_forgotten_before_any_reply_leaves_its_prefill_node():
         dispatcher = _dispatcher(PAIR, prefill_max_in_flight=1)
         try:
             await dispatcher.submit("r1", [1] * 40, SamplingParams(max_tokens=2))
-            assert dispatcher.pick(0, disaggregate=False).reason == PathReason.NOT_ASKED
+            assert dispatcher.pick(_prompt(0), disaggregate=False).reason == PathReason.NOT_ASKED
             dispatcher.forget("r1")  # the client left, or an error ended it, before its first token
             route, _ = await dispatcher.submit("r2", [1] * 40, SamplingParams(max_tokens=2))
             assert route.reason == PathReason.PREFILLED
@@ -139,7 +143,7 @@ def test_a_request_cancelled_while_the_nodes_are_read_is_never_counted():
                 await task
             await asyncio.to_thread(read.wait, 5)  # the thread has returned its nodes, to nobody
             dispatcher.forget("gone")  # what the handler does on the way out
-            assert dispatcher.pick(40, nodes=PAIR).reason == PathReason.PREFILLED
+            assert dispatcher.pick(_prompt(40), nodes=PAIR).reason == PathReason.PREFILLED
         finally:
             await dispatcher.close()
 
