@@ -141,21 +141,22 @@ class Dispatcher:
         """Choose the decode node (module docstring) and, unless the request goes decode-only, the prefill node
         with the most free blocks (round robin on ties), skipping those at prefill_max_in_flight. A prefill node
         chosen counts `request_id` in flight there at once (the next pick sees it); the decode node chosen is
-        taken to hold the prompt from now (the prefix index)."""
-        route = self._route(prompt, disaggregate, self.live_nodes() if nodes is None else nodes, request_id)
-        if (index := self._index) is not None and route.decode.prefix_block_size == index.block_size:
-            index.record(_key(route.decode), prompt)
-            self._cached_on[request_id] = (_key(route.decode), list(prompt), 0)
-        return route
-
-    def _route(self, prompt: Sequence[int], disaggregate: bool, nodes: list[NodeInfo], request_id: str) -> Route:
-        """`pick`'s choice, recording nothing but the prefill node's count.
+        taken to hold the prompt from now (the prefix index), and what it answers `request_id` after it.
 
         `nodes`: the live nodes of every role (`live_nodes()`); read here when not given. `submit` reads them on a
         thread and picks on the event loop, so that a request cancelled meanwhile was never counted.
 
         Without a live decode node nothing can be served (503).
         """
+        route = self._route(prompt, disaggregate, self.live_nodes() if nodes is None else nodes, request_id)
+        if (index := self._index) is not None and route.decode.prefix_block_size == index.block_size:
+            index.record(_key(route.decode), prompt)
+            if request_id:
+                self._cached_on[request_id] = (_key(route.decode), list(prompt), 0)
+        return route
+
+    def _route(self, prompt: Sequence[int], disaggregate: bool, nodes: list[NodeInfo], request_id: str) -> Route:
+        """`pick`'s choice, recording nothing but the prefill node's count."""
         turn = next(self._rr)  # one turn per request, shared by both picks, so ties rotate for each role
         decodes = [n for n in nodes if n.role == NodeRole.DECODE]
         held = self._held(prompt, decodes)
