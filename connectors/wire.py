@@ -187,7 +187,8 @@ class NodeInfo(_Msg, tag="node", frozen=True):
     # recomputed instead, by reason (connectors/vllm/tally.py). kvwire's own nodes count these in their metrics.
     pulls: int = 0
     recomputed: dict[TransferFailure, int] = {}
-    prefix_block_size: int = 0  # a decode node keeping a prefix cache: its KV block size; 0: it keeps none
+    block_size: int = 0  # tokens per KV block of its pool (0: an older node)
+    prefix_cache: bool = False  # a decode node keeping computed blocks for later prompts (engine/block_allocator.py)
 
 
 # --- transfer side channel ---------------------------------------------------------------

@@ -148,12 +148,8 @@ class NodeRuntime:
                         work_endpoint=self.work_endpoint, connector=self.config.connector.kind,
                         free_blocks=self.allocator.num_free, total_blocks=self.allocator.num_blocks,
                         queue_depth=load.queue_depth, running=load.running, transport_checks=self.transport_checks,
-                        host=host_identity(), pid=os.getpid(), prefix_block_size=self._prefix_block_size())
-
-    def _prefix_block_size(self) -> int:
-        """What the router's prefix index cuts prompts by for this node (0: it keeps no prefix cache)."""
-        engine = self.config.engine
-        return engine.block_size if engine.prefix_cache and self.config.connector.role == NodeRole.DECODE else 0
+                        host=host_identity(), pid=os.getpid(), block_size=self.config.engine.block_size,
+                        prefix_cache=self.config.engine.prefix_cache and self.config.connector.role == NodeRole.DECODE)
 
     def is_ready(self) -> bool:
         """Whether the transport self-test passed and the directory lists this incarnation, not draining.

@@ -7,9 +7,11 @@ A request here:
    `DecodeWork` at once: decode waits for the KV while prefill computes.
    - The decode node is the one of the least cost in KV blocks: the prompt's blocks it does not hold
      in its prefix cache (predicted, router/prefix_index.py: what it was sent, and what it answered,
-     which a conversation's next prompt starts with) minus its free blocks; ties in turn. A later turn
-     goes where its conversation's KV is unless that node is fuller than computing it elsewhere costs.
-     With `RoutingPolicy.LOAD`, or no decode node keeping a prefix cache, free blocks alone decide.
+     which a conversation's next prompt starts with) plus its load: the blocks in use there by its last
+     heartbeat, less those of this router's requests that ended there since, plus those of its requests
+     picked for it since (each reserves its prompt and max_tokens); ties in turn. A later turn goes
+     where its conversation's KV is unless that node is busier than computing the prompt elsewhere
+     costs. With `RoutingPolicy.LOAD`, or no decode node keeping a prefix cache, the load alone decides.
    - The request goes decode-only (the decode node computes the prompt, no prefill node) when the
      client asked so, when the part of its prompt that node does not hold is shorter than
      `decode_only_below` tokens (a short prompt, or a cached one), when no prefill node is live, or
@@ -37,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import NamedTuple, cast
 
 import zmq
 import zmq.asyncio
@@ -57,7 +59,25 @@ log = logging.getLogger(__name__)
 
 NODES_FRESH_S = 0.25  # picks reuse the directory's node list this long (heartbeats refresh it every few seconds)
 WATCH_PERIOD_S = 0.5  # how often the watchdog reads the live decode nodes
+ENDED_KEEP_S = 30.0  # requests that ended are remembered this long, to correct heartbeats older than their end
 LEFT_GRACE_S = 1.0  # a request's decode node is missing this long before the request fails
+
+
+class Decoding(NamedTuple):
+    """A request of this router in flight on a decode node, from its pick until its last token (or forgotten)."""
+
+    node: str  # its decode node's incarnation (`_key`)
+    prompt: list[int]
+    generated: int  # tokens answered so far
+    predicted: bool  # the prefix index predicts that node's cache: what it answers is held there after
+    blocks: int  # what it reserves there: its prompt and max_tokens, in the node's blocks (0: size unknown)
+    started: float  # wall-clock time of the pick, to compare with the node's heartbeats
+
+
+class Ended(NamedTuple):
+    started: float
+    ended: float
+    blocks: int
 
 
 @dataclass(frozen=True)
@@ -91,7 +111,8 @@ class Dispatcher:
         self._directory = directory
         self._routing, self._prefix_ttl_s = routing, prefix_ttl_s
         self._index: PrefixIndex | None = None  # made with the first decode node that keeps a prefix cache
-        self._cached_on: dict[str, tuple[str, list[int], int]] = {}  # request -> (node key, prompt, tokens so far)
+        self._decoding: dict[str, Decoding] = {}  # request id -> what it holds on its decode node
+        self._ended: dict[str, collections.deque[Ended]] = {}  # decode node key -> requests that ended there
         self._decode_only_below, self._prefill_max_in_flight = decode_only_below, prefill_max_in_flight
         self._watch_period_s, self._left_grace_s = watch_period_s, left_grace_s
         self._ctx = zmq.asyncio.Context.instance()
@@ -137,7 +158,7 @@ class Dispatcher:
         return [n for n in nodes if role is None or n.role == role]
 
     def pick(self, prompt: Sequence[int], disaggregate: bool = True, nodes: list[NodeInfo] | None = None,
-             request_id: str = "") -> Route:
+             request_id: str = "", max_tokens: int = 0) -> Route:
         """Choose the decode node (module docstring) and, unless the request goes decode-only, the prefill node
         with the most free blocks (round robin on ties), skipping those at prefill_max_in_flight. A prefill node
         chosen counts `request_id` in flight there at once (the next pick sees it); the decode node chosen is
@@ -149,10 +170,13 @@ class Dispatcher:
         Without a live decode node nothing can be served (503).
         """
         route = self._route(prompt, disaggregate, self.live_nodes() if nodes is None else nodes, request_id)
-        if (index := self._index) is not None and route.decode.prefix_block_size == index.block_size:
-            index.record(_key(route.decode), prompt)
-            if request_id:
-                self._cached_on[request_id] = (_key(route.decode), list(prompt), 0)
+        predicted = self._predicted(route.decode)
+        if request_id:
+            size = route.decode.block_size
+            blocks = -(-(len(prompt) + max_tokens) // size) if size else 0
+            self._decoding[request_id] = Decoding(_key(route.decode), list(prompt), 0, predicted, blocks, time.time())
+        if predicted and self._index is not None:
+            self._index.record(_key(route.decode), prompt)
         return route
 
     def _route(self, prompt: Sequence[int], disaggregate: bool, nodes: list[NodeInfo], request_id: str) -> Route:
@@ -160,7 +184,8 @@ class Dispatcher:
         turn = next(self._rr)  # one turn per request, shared by both picks, so ties rotate for each role
         decodes = [n for n in nodes if n.role == NodeRole.DECODE]
         held = self._held(prompt, decodes)
-        decode = self._least_loaded(decodes, turn, self._uncached_blocks(prompt, held))
+        uncached = self._uncached_blocks(prompt, held)
+        decode = self._cheapest(decodes, turn, lambda n: uncached(n) + self._load(n))
         if decode is None:
             raise APIError(503, "no live decode node", type_="service_unavailable")
         if not disaggregate:
@@ -173,7 +198,8 @@ class Dispatcher:
             return Route(None, decode, PathReason.NO_PREFILL_INSTANCE)
         limit = self._prefill_max_in_flight
         there = collections.Counter(self._prefilling_on.values()) if limit else collections.Counter()
-        prefill = self._least_loaded([n for n in prefills if not limit or there[n.node_id] < limit], turn)
+        prefill = self._cheapest([n for n in prefills if not limit or there[n.node_id] < limit], turn,
+                                 lambda n: -n.free_blocks)
         if prefill is None:
             return Route(None, decode, PathReason.PREFILL_SATURATED)
         self._prefilling_on[request_id] = prefill.node_id
@@ -183,12 +209,40 @@ class Dispatcher:
         """How many of `prompt`'s first tokens each decode node (by `_key`) holds in its prefix cache, predicted."""
         if self._routing == RoutingPolicy.LOAD or not prompt:
             return {}
-        caching = [n for n in decodes if n.prefix_block_size]
+        caching = [n for n in decodes if n.prefix_cache and n.block_size]
         if self._index is None and caching:
-            self._index = PrefixIndex(caching[0].prefix_block_size, self._prefix_ttl_s)
+            self._index = PrefixIndex(caching[0].block_size, self._prefix_ttl_s)
         if self._index is None:
             return {}
-        return self._index.held(prompt, [_key(n) for n in caching if n.prefix_block_size == self._index.block_size])
+        return self._index.held(prompt, [_key(n) for n in caching if self._predicted(n)])
+
+    def _predicted(self, node: NodeInfo) -> bool:
+        """Whether the index predicts `node`'s prefix cache (one that keeps it, in blocks of the index's size)."""
+        return self._index is not None and node.prefix_cache and node.block_size == self._index.block_size
+
+    def _load(self, node: NodeInfo) -> int:
+        """`node`'s blocks in use now, as well as this router knows (module docstring): its last heartbeat, less
+        this router's requests that ended since, plus those picked for it since."""
+        beat, key, used = node.heartbeat_at, _key(node), node.total_blocks - node.free_blocks
+        if not beat:  # a node that does not say when it beat: the heartbeat alone
+            return used
+        since = sum(d.blocks for d in self._decoding.values() if d.node == key and d.started > beat)
+        gone = sum(e.blocks for e in self._ended.get(key, ()) if e.started <= beat < e.ended)
+        return max(0, used - gone) + since
+
+    def _end(self, request_id: str, finished: bool) -> None:
+        """The request is no longer in flight on its decode node: its last token came (`finished`: a node that
+        keeps a prefix cache holds its prompt and answer now), or it is forgotten."""
+        entry = self._decoding.pop(request_id, None)
+        if entry is None:
+            return
+        now = time.time()
+        ended = self._ended.setdefault(entry.node, collections.deque())
+        ended.append(Ended(entry.started, now, entry.blocks))
+        while ended and ended[0].ended < now - ENDED_KEEP_S:
+            ended.popleft()
+        if finished and entry.predicted and self._index is not None:
+            self._index.answered(entry.node, entry.prompt, entry.generated)
 
     def _uncached_blocks(self, prompt: Sequence[int], held: dict[str, int]) -> Callable[[NodeInfo], int]:
         """The prompt's blocks a decode node does not hold (0 for every node when nothing is predicted)."""
@@ -198,17 +252,16 @@ class Dispatcher:
         return lambda node: -(-(len(prompt) - held.get(_key(node), 0)) // size)
 
     @staticmethod
-    def _least_loaded(nodes: list[NodeInfo], turn: int,
-                      uncached: Callable[[NodeInfo], int] = lambda node: 0) -> NodeInfo | None:
-        """The node of the least cost: its `uncached` prompt blocks minus its free blocks; ties in turn."""
+    def _cheapest(nodes: list[NodeInfo], turn: int, cost: Callable[[NodeInfo], int]) -> NodeInfo | None:
+        """The node of the least `cost`; ties in turn."""
         if not nodes:
             return None
-        return max(enumerate(nodes), key=lambda p: (p[1].free_blocks - uncached(p[1]), (p[0] + turn) % len(nodes)))[1]
+        return max(enumerate(nodes), key=lambda p: (-cost(p[1]), (p[0] + turn) % len(nodes)))[1]
 
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                      disaggregate: bool = True) -> tuple[Route, asyncio.Queue]:
         nodes = await asyncio.to_thread(self.live_nodes)
-        route = self.pick(prompt_ids, disaggregate, nodes, request_id)  # on the loop: counted as it picks
+        route = self.pick(prompt_ids, disaggregate, nodes, request_id, sampling.max_tokens)  # counted as it picks
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._serving[request_id] = (route.decode.node_id, route.decode.epoch)
@@ -237,7 +290,7 @@ class Dispatcher:
 
     def forget(self, request_id: str) -> None:
         self._prefilled(request_id)
-        self._cached_on.pop(request_id, None)
+        self._end(request_id, finished=False)
         self._queues.pop(request_id, None)
         self._decoding_at.pop(request_id, None)
         self._serving.pop(request_id, None)
@@ -291,14 +344,13 @@ class Dispatcher:
                 queue.put_nowait(msg)
 
     def _answered(self, chunk: TokenChunk) -> None:
-        """Count a request's generated tokens; once it is finished its decode node holds them after its prompt."""
-        if (entry := self._cached_on.get(chunk.request_id)) is None:
+        """Count a request's generated tokens; once it is finished it is no longer in flight, and a decode node
+        that keeps a prefix cache holds them after its prompt."""
+        if (entry := self._decoding.get(chunk.request_id)) is None:
             return
-        key, prompt, generated = entry
-        self._cached_on[chunk.request_id] = (key, prompt, generated + len(chunk.token_ids))
-        if chunk.finished and self._index is not None:
-            del self._cached_on[chunk.request_id]
-            self._index.answered(key, prompt, generated + len(chunk.token_ids))
+        self._decoding[chunk.request_id] = entry._replace(generated=entry.generated + len(chunk.token_ids))
+        if chunk.finished:
+            self._end(chunk.request_id, finished=True)
 
     def _prefilled(self, request_id: str) -> None:
         """The request is no longer in flight on its prefill node: its decode node replied, or it is forgotten."""

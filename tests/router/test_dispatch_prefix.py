@@ -6,6 +6,7 @@ unrelated prompts spread; a restarted node, a node without a prefix cache and `-
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 import zmq
@@ -24,7 +25,7 @@ BLOCK = 4
 
 def _node(node_id: str, role: NodeRole, cache: bool = True, free: int = 64) -> NodeInfo:
     return NodeInfo(node_id=node_id, role=role, epoch=1, work_endpoint="tcp://127.0.0.1:9", connector=ConnectorKind.TCP,
-                    free_blocks=free, total_blocks=64, prefix_block_size=BLOCK if cache else 0)
+                    free_blocks=free, total_blocks=64, block_size=BLOCK, prefix_cache=cache)
 
 
 class _Directory:
@@ -104,3 +105,35 @@ def test_without_prefix_caches_or_with_load_routing_nothing_is_predicted():
     assert two.decode.node_id != one.decode.node_id and two.reason == PathReason.PREFILLED  # in turn
     (one, two, *_), _ = _conversation(NODES, decode_only_below=8, routing=RoutingPolicy.LOAD)
     assert two.decode.node_id != one.decode.node_id and two.reason == PathReason.PREFILLED
+
+
+def _beat(node: NodeInfo, at: float, used: int) -> NodeInfo:
+    return msgspec.structs.replace(node, heartbeat_at=at, free_blocks=node.total_blocks - used)
+
+
+def test_requests_picked_since_a_heartbeat_weigh_on_their_node():
+    """d0's last heartbeat showed no block in use and d1's 4; three 12-token prompts (3 blocks each) picked after
+    those beats: the third goes to d1, where by the heartbeats alone all three would go to d0."""
+    beat = time.time() - 1
+    nodes = [NODES[0], _beat(_node("d0", NodeRole.DECODE, cache=False), beat, 0),
+             _beat(_node("d1", NodeRole.DECODE, cache=False), beat, 4)]
+    dispatcher = Dispatcher(_Directory(nodes), "127.0.0.1")  # type: ignore[arg-type]
+    picked = [dispatcher.pick(list(range(12)), request_id=f"r{i}").decode.node_id for i in range(3)]
+    assert picked == ["d0", "d0", "d1"]
+    dispatcher.forget("r0")
+    dispatcher.forget("r1")  # gone before any heartbeat showed them: d0 is the freer again
+    assert dispatcher.pick(list(range(12)), request_id="r3").decode.node_id == "d0"
+    asyncio.run(dispatcher.close())
+
+
+def test_a_heartbeat_taken_while_a_request_ran_is_corrected_once_it_ended():
+    """r0 (10 blocks: 12 prompt tokens and 28 max_tokens) runs on d1; d1's heartbeat, taken meanwhile, shows its 10
+    blocks in use. r0 has ended since, so d1 is taken as empty and beats d0, whose heartbeat shows 2 in use."""
+    d0, d1 = _node("d0", NodeRole.DECODE, cache=False), _node("d1", NodeRole.DECODE, cache=False)
+    dispatcher = Dispatcher(_Directory([NODES[0], d0, d1]), "127.0.0.1")  # type: ignore[arg-type]
+    assert dispatcher.pick(list(range(12)), request_id="r0", max_tokens=28).decode.node_id == "d1"  # in turn
+    beat = time.time()
+    dispatcher.forget("r0")
+    seen = [NODES[0], _beat(d0, beat, 2), _beat(d1, beat, 10)]
+    assert dispatcher.pick(list(range(12)), nodes=seen, request_id="r1").decode.node_id == "d1"
+    asyncio.run(dispatcher.close())
