@@ -10,22 +10,35 @@ what (router/prefix_index.py).
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 
 ROOT = b""  # the name of the empty prefix
 
 
-def next_name(parent: bytes, block: Sequence[int]) -> bytes:
-    """The name of the block of tokens `block` that follows the prefix named `parent`."""
+def _packed(tokens: Sequence[int]) -> bytes:
+    """The tokens as little-endian signed 64-bit integers (the bytes a name is hashed over)."""
+    return struct.pack(f"<{len(tokens)}q", *tokens)
+
+
+def _chained(parent: bytes, packed_block: bytes) -> bytes:
     digest = hashlib.blake2b(parent, digest_size=16)
-    digest.update(b"".join(t.to_bytes(8, "little", signed=True) for t in block))
+    digest.update(packed_block)
     return digest.digest()
 
 
+def next_name(parent: bytes, block: Sequence[int]) -> bytes:
+    """The name of the block of tokens `block` that follows the prefix named `parent`."""
+    return _chained(parent, _packed(block))
+
+
 def block_names(tokens: Sequence[int], block_size: int) -> list[bytes]:
-    """Returns: one name per full block of `tokens` (a partial last block has none)."""
+    """Returns: one name per full block of `tokens` (a partial last block has none). The tokens are packed once,
+    not per block: this runs on the decode node's loop and on the router's for every prompt."""
+    full = len(tokens) // block_size * block_size
+    packed, step = _packed(tokens[:full]), block_size * 8
     names, parent = [], ROOT
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = next_name(parent, tokens[start:start + block_size])
+    for start in range(0, full * 8, step):
+        parent = _chained(parent, packed[start:start + step])
         names.append(parent)
     return names
