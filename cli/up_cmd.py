@@ -42,8 +42,9 @@ def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a
                                          "unlimited by default.")] = None,
        served_model_name: ServedModelName = None, lenient: Lenient = False,
        decode_only_below: Annotated[int, typer.Option(
-           "--decode-only-below", min=0, help="The router's: prompts shorter than this many tokens are computed on "
-                                              "the decode node, without a transfer (0: every prompt disaggregated)."
+           "--decode-only-below", min=0, help="The router's: a prompt of which the decode node holds all but fewer "
+                                              "than this many tokens (in its prefix cache) is computed there, without "
+                                              "a transfer (0: every prompt disaggregated)."
        )] = 0,
        log_level: LogLevel = "WARNING") -> None:
     """Start Redis, a prefill node, a decode node and the router; stop them all on Ctrl-C."""

@@ -56,7 +56,7 @@ class ClusterSpec:
     request_timeout_s: float | None = None  # the router's --request-timeout; None: its default
     served_model_names: tuple[str, ...] = ()  # the router's --served-model-name; empty: the checkpoint's name
     lenient: bool = False  # the router's --lenient: unknown request fields dropped, not refused
-    decode_only_below: int = 0  # the router's --decode-only-below: shorter prompts are computed on decode
+    decode_only_below: int = 0  # the router's --decode-only-below: prompts with fewer uncached tokens stay on decode
     require_fast_path: bool = False  # the decode node's --require-fast-path: a same-host slow path is refused
     heartbeat_ttl_s: float = 5.0  # both nodes' --heartbeat-ttl: how long a dead node stays registered
     decode_nodes: int = 1  # decode nodes: "decode" (id decode-0), then "decode-1" ... (the router picks among them)
