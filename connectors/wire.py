@@ -278,14 +278,34 @@ class ShmRead(_Msg, tag="shm_read", frozen=True):
     transport_address: bytes
     dst_block_ids: list[int]
     first_block: int = 0
+    src_block_ids: list[int] = []  # the producer's blocks read, in dst order (PullRequest.src_block_ids)
+    heads: HeadSlice | None = None  # tensor parallel: the head slice read (its `pullers` count)
+
+
+class ShmAccess(enum.StrEnum):
+    """How a consumer reaches a producer's pool (`ShmSegment.access`)."""
+
+    MEMFD = "shm"  # kvwire's host pool: a read-only memfd attached to the ShmSegment, mapped
+    CUDA_IPC = "cuda_ipc"  # device memory: the planes' allocations opened by CUDA IPC handle
+    CMA = "cma"  # host memory kvwire did not allocate (vLLM's): read with process_vm_readv from the producer
+
+
+class PlaneDesc(msgspec.Struct, frozen=True, array_like=True):
+    """Where one plane of a producer's pool lies (`ShmSegment.planes`): rows of `ShmSegment.row_nbytes`."""
+
+    storage: int  # CUDA IPC: index into `ShmSegment.storages`; cma: 0
+    offset: int  # CUDA IPC: bytes from that storage's start; cma: the row 0 address in the producer's process
+    row_stride: int  # bytes from one block's row to the next
 
 
 class ShmSegment(_Msg, tag="shm_segment", frozen=True):
     """Producer → consumer, answer to `ShmHello`: the KV pool to map.
 
-    A host pool comes as a read-only memfd attached to this message (SCM_RIGHTS), a
-    CUDA pool as its IPC handle. Over the same socket the consumer then claims each
-    request with a `PullRequest` and reads while the producer answers `PullReply` (ok: the
+    A kvwire host pool comes as a read-only memfd attached to this message (SCM_RIGHTS); device
+    planes as their allocations' IPC handles and where each plane lies in them; host planes kvwire
+    did not allocate (vLLM's) as their addresses, which the consumer reads with process_vm_readv
+    from the process at the other end of this socket (its SO_PEERCRED pid). Over the same socket
+    the consumer then claims each request with a `PullRequest` and reads while the producer answers `PullReply` (ok: the
     blocks are held for the read; the hidden states ride along as a memfd), and says
     `ShmReadDone` once it has read. A request whose location carries a hold word and its hidden
     states (the KVReady) is read with no claim: the consumer checks the word before and after its
@@ -295,8 +315,10 @@ class ShmSegment(_Msg, tag="shm_segment", frozen=True):
     producer: str
     epoch: int
     num_blocks: int
-    block_nbytes: int
-    cuda: CudaIpcHandle | None = None
+    block_nbytes: int  # every plane's row together
+    access: ShmAccess = ShmAccess.MEMFD
+    planes: list[PlaneDesc] = []  # CUDA IPC and cma: every plane, in the region's order (memfd: one, implied)
+    storages: list[CudaIpcHandle] = []  # CUDA IPC: the allocations holding the planes
     hold_slots: int = 0  # words in the hold board, whose read-only memfd comes after the pool's (0: none)
     hold_hidden_bytes: int = 0  # the board's hidden area, from the first page after the words
 

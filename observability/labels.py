@@ -16,6 +16,12 @@ class TransferFailure(enum.StrEnum):
     SLOW_PATH = "slow_path"  # refused: a same-host producer's KV would cross the network stack (--require-fast-path)
 
 
+class TransportFallback(enum.StrEnum):
+    """Why a pull went over a slower transport than the one it would have taken (it still moved the KV)."""
+
+    CMA_REFUSED = "cma_refused"  # the kernel refused cross-memory attach to a same-host producer: UCX instead
+
+
 class RecomputeReason(enum.StrEnum):
     """Why a decode node computed a prompt itself instead of receiving its KV."""
 

@@ -29,6 +29,7 @@ from kvwire.observability.labels import (
     RequestStatus,
     SelfTestOutcome,
     TransferFailure,
+    TransportFallback,
     path_of,
 )
 
@@ -65,6 +66,8 @@ class Metrics:
                                              ["connector"], buckets=_FAST_BUCKETS, registry=r)
         self.kv_transfers_failed = Counter("kvwire_kv_transfers_failed", "KV pulls that failed, by reason",
                                            ["reason"], registry=r)
+        self.transport_fallbacks = Counter("kvwire_transport_fallbacks", "KV pulls moved over a slower transport "
+                                           "than the one they would have taken, by reason", ["reason"], registry=r)
         self.recomputes = Counter("kvwire_recomputes", "Prompts a decode node computed itself, by reason",
                                   ["reason"], registry=r)
         self.prompt_tokens_cached = Counter("kvwire_prompt_tokens_cached", "Prompt tokens a decode node found in its "
@@ -108,7 +111,8 @@ class Metrics:
                                     ["role", "state"], registry=r)
         for counter, labels in ((self.kv_transfers_failed, TransferFailure), (self.recomputes, RecomputeReason),
                                 (self.requests, RequestStatus), (self.messages_rejected, RejectReason),
-                                (self.vllm_requests, ProxyPath), (self.vllm_kv_events, KVEventKind)):
+                                (self.vllm_requests, ProxyPath), (self.vllm_kv_events, KVEventKind),
+                                (self.transport_fallbacks, TransportFallback)):
             for value in labels:
                 counter.labels(str(value))
         for reason in set(PathReason) - {PathReason.NOT_ASKED}:  # the vLLM router's reasons

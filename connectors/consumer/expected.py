@@ -23,7 +23,7 @@ import torch
 
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.wire import KVLocation, TensorDesc
-from kvwire.observability.labels import TransferFailure
+from kvwire.observability.labels import TransferFailure, TransportFallback
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class Received:
     transfer_s: float
     producer: str
     transport: ConnectorKind  # what moved the bytes
+    fallback: TransportFallback | None = None  # why not the faster transport it would have taken
 
 
 @dataclass(eq=False)

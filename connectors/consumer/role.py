@@ -317,6 +317,7 @@ class KVConsumer:
             return self._decline(loc, dst, record)
         if refusal := self._fast_path.refusal(loc):
             raise ReceiveError(rid, loc.producer, refusal, TransferFailure.SLOW_PATH)
+        fallback = self._transport.fallback(self._puller, loc)
         hidden = self._hidden_for(record, loc)
         start = time.monotonic()
         nbytes = self._puller.pull(loc, dst, hidden, record.deadline)
@@ -325,7 +326,10 @@ class KVConsumer:
         self._metrics.observe_transfer(str(loc.kind), nbytes, elapsed)  # the producer marks the entry CONSUMED
         log.info("request %s: %d bytes from %s over %s in %.2f ms", rid, nbytes, loc.producer, loc.kind,
                  elapsed * 1e3)
-        record.stats = Received(hidden, loc.hidden, loc.intermediate, nbytes, elapsed, loc.producer, loc.kind)
+        if fallback is not None:
+            self._metrics.transport_fallbacks.labels(str(fallback)).inc()
+        record.stats = Received(hidden, loc.hidden, loc.intermediate, nbytes, elapsed, loc.producer, loc.kind,
+                                fallback)
         return record.stats
 
     def _hidden_for(self, record: ExpectedKV, loc: KVLocation) -> list[torch.Tensor]:

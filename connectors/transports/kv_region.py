@@ -127,16 +127,20 @@ class KVRegion:
         Raises:
             ValueError: a layout whose heads are not contiguous runs of a row, or a slice out of range.
         """
-        heads = self.layout.num_kv_heads
-        if not per_block and (first, count) == (0, heads):
+        if not per_block and (first, count) == (0, self.layout.num_kv_heads):
             return self
-        if self.layout.pool not in HEAD_MAJOR or self.rows is not None:
-            raise ValueError(f"a {self.layout.pool} pool cannot be sliced by KV head")
-        if first < 0 or count < 0 or first + count > heads:
-            raise ValueError(f"heads [{first}, {first + count}) are not among this pool's {heads}")
-        step = self.planes[0].shape[1] // heads
+        if self.rows is not None:
+            raise ValueError("a head slice cannot be sliced again")
         layout = msgspec.structs.replace(self.layout, num_kv_heads=count)
-        return KVRegion(self.planes, layout, (first * step, (first + count) * step))
+        return KVRegion(self.planes, layout, head_rows(self.layout, self.planes[0].shape[1], first, count))
+
+    def row_views(self) -> tuple[torch.Tensor, ...]:
+        """Each plane as `[num_blocks, row]` uint8 views of just the bytes this region moves per block (a head
+        slice's columns; whole rows otherwise): what a copy between two regions reads or writes."""
+        if self.rows is None:
+            return self.planes
+        lo, hi = self.rows
+        return tuple(plane[:, lo:hi] for plane in self.planes)
 
     def num_parts(self, runs: list[tuple[int, int]]) -> int:
         """How many pieces `parts(runs)` (and `pieces`) make."""
@@ -188,6 +192,29 @@ class KVRegion:
     @cached_property
     def _flat_planes(self) -> tuple[Part, ...]:
         return tuple(_flat_part(plane.view(-1)) for plane in self.planes)
+
+
+def same_planes(a: KVRegion, b: KVRegion) -> bool:
+    """Whether two regions are views of the very same planes (whole rows)."""
+    def geometry(r: KVRegion) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+        return [(p.data_ptr(), tuple(p.shape), p.stride()) for p in r.planes]
+
+    return a.rows is None and b.rows is None and geometry(a) == geometry(b)
+
+
+def head_rows(layout: KVLayout, row_nbytes: int, first: int, count: int) -> tuple[int, int]:
+    """The bytes `[lo, hi)` of a plane's row of `row_nbytes` that hold KV heads `[first, first + count)`.
+
+    Raises:
+        ValueError: a layout whose heads are not contiguous runs of a row, or a slice out of range.
+    """
+    heads = layout.num_kv_heads
+    if layout.pool not in HEAD_MAJOR:
+        raise ValueError(f"a {layout.pool} pool cannot be sliced by KV head")
+    if first < 0 or count < 0 or first + count > heads:
+        raise ValueError(f"heads [{first}, {first + count}) are not among this pool's {heads}")
+    step = row_nbytes // heads
+    return first * step, (first + count) * step
 
 
 def _block_major(base: torch.Tensor, kv_caches: list[torch.Tensor]) -> bool:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from kvwire.connectors.producer.transfer_server import SendEngine
     from kvwire.connectors.transports.kv_region import KVRegion
     from kvwire.connectors.wire import KVLayout, KVLocation
+    from kvwire.observability.labels import TransportFallback
 
 
 class Puller(Protocol):
@@ -111,6 +112,11 @@ class Transport(ABC):
             TransferError: the producer offers no transport this one speaks.
         """
         return narrow(loc, [self.kind])
+
+    def fallback(self, puller: Puller, loc: KVLocation) -> TransportFallback | None:
+        """Why `loc` (as `choose` narrowed it) goes over a slower transport than it would have taken; None: it
+        does not (auto: shared memory refused by the kernel)."""
+        return None
 
     def close(self) -> None:
         """Release what the transport itself holds."""

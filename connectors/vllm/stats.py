@@ -7,8 +7,9 @@
 3. vLLM sums the ranks' and the scheduler's (`aggregate`), logs `reduce()` with its stats, and hands the
    sums to `KvwirePromMetrics.observe`, which adds them to these series on vLLM's `/metrics`:
    `vllm:kvwire_kv_pulls_total`, `vllm:kvwire_kv_pull_bytes_total`, `vllm:kvwire_kv_pull_seconds`
-   and `vllm:kvwire_kv_transfers_failed_total{reason}`: every prompt meant to receive KV that was
-   recomputed instead.
+   `vllm:kvwire_kv_transfers_failed_total{reason}`: every prompt meant to receive KV that was
+   recomputed instead, and `vllm:kvwire_kv_transport_fallbacks_total{reason}`: pulls that took a slower
+   transport than they would have (the KV still came).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvwire.connectors.vllm.tally import empty
-from kvwire.observability.labels import TransferFailure
+from kvwire.observability.labels import TransferFailure, TransportFallback
 
 PULL_SECONDS_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]
 
@@ -45,8 +46,9 @@ class KvwireStats(KVConnectorStats):
         self.data["pulls"] += other.data["pulls"]
         self.data["pull_bytes"] += other.data["pull_bytes"]
         self.data["pull_seconds"].extend(other.data["pull_seconds"])
-        for reason, n in other.data["failed"].items():
-            self.data["failed"][reason] = self.data["failed"].get(reason, 0) + n
+        for key in ("failed", "fallbacks"):
+            for reason, n in other.data.get(key, {}).items():
+                self.data[key][reason] = self.data[key].get(reason, 0) + n
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -55,6 +57,7 @@ class KvwireStats(KVConnectorStats):
             "KV pulls": self.data["pulls"], "MB pulled": round(self.data["pull_bytes"] / 2**20, 3),
             "Avg pull (ms)": round(sum(seconds) / len(seconds) * 1e3, 3) if seconds else 0}
         out.update({f"Recomputed ({reason})": n for reason, n in sorted(self.data["failed"].items())})
+        out.update({f"Slower transport ({reason})": n for reason, n in sorted(self.data["fallbacks"].items())})
         return out
 
 
@@ -75,9 +78,15 @@ class KvwirePromMetrics(KVConnectorPromMetrics):
         self._failed = self._counter_cls(
             name="vllm:kvwire_kv_transfers_failed", documentation="Prompts meant to receive their KV that were "
             "recomputed instead, by reason.", labelnames=[*labelnames, "reason"])
+        self._fallbacks = self._counter_cls(
+            name="vllm:kvwire_kv_transport_fallbacks", documentation="Pulls that moved their KV over a slower "
+            "transport than they would have taken (e.g. UCX where the kernel refused cross-memory attach), by reason.",
+            labelnames=[*labelnames, "reason"])
         for values in per_engine_labelvalues.values():  # every reason shows, at 0, from the start
             for reason in TransferFailure:
                 self._failed.labels(*values, str(reason))
+            for fallback in TransportFallback:
+                self._fallbacks.labels(*values, str(fallback))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         self._pulls[engine_idx].inc(transfer_stats_data["pulls"])
@@ -87,3 +96,5 @@ class KvwirePromMetrics(KVConnectorPromMetrics):
         values = self.per_engine_labelvalues[engine_idx]
         for reason, n in transfer_stats_data["failed"].items():
             self._failed.labels(*values, reason).inc(n)
+        for reason, n in transfer_stats_data.get("fallbacks", {}).items():
+            self._fallbacks.labels(*values, reason).inc(n)

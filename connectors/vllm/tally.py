@@ -8,12 +8,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from kvwire.observability.labels import TransferFailure
+from kvwire.observability.labels import TransferFailure, TransportFallback
 
 
 def empty() -> dict[str, Any]:
-    """No counts: pulls, their bytes and seconds, and failed pulls by TransferFailure."""
-    return {"pulls": 0, "pull_bytes": 0, "pull_seconds": [], "failed": {}}
+    """No counts: pulls, their bytes and seconds, failed pulls by TransferFailure, pulls moved over a slower
+    transport than they would have taken by TransportFallback."""
+    return {"pulls": 0, "pull_bytes": 0, "pull_seconds": [], "failed": {}, "fallbacks": {}}
 
 
 class Tally:
@@ -30,12 +31,15 @@ class Tally:
         with self._lock:
             return self._pulls, dict(self._recomputed)
 
-    def pulled(self, nbytes: int, seconds: float) -> None:
+    def pulled(self, nbytes: int, seconds: float, fallback: TransportFallback | None = None) -> None:
         with self._lock:
             self._pulls += 1
             self._data["pulls"] += 1
             self._data["pull_bytes"] += nbytes
             self._data["pull_seconds"].append(seconds)
+            if fallback is not None:
+                fallbacks = self._data["fallbacks"]
+                fallbacks[str(fallback)] = fallbacks.get(str(fallback), 0) + 1
 
     def failed(self, reason: TransferFailure) -> None:
         with self._lock:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvwire.connectors.base import TransferError
-from kvwire.connectors.config import ConnectorConfig, ConnectorKind
+from kvwire.connectors.config import ConnectorConfig
 from kvwire.connectors.consumer.role import KVConsumer, failure_of
 from kvwire.connectors.directory.directory import DirectoryError, KVDirectory
 from kvwire.connectors.directory.heartbeat import Heartbeat
@@ -110,12 +110,6 @@ class WorkerHalf:
         if region.planes[0].device.type == "cpu":
             _allow_amx()
         config = self._settings.connector_config()
-        if config.kind in (ConnectorKind.SHM, ConnectorKind.AUTO):
-            if config.kind == ConnectorKind.SHM:
-                raise ValueError("kvwire's shm transport serves pools it allocates itself; vLLM allocates its "
-                                 "KV cache: use transport ucx (same-host shared memory inside UCX) or tcp")
-            log.info("kvwire: transport auto over vLLM's KV cache is ucx (shared memory needs kvwire's own pool)")
-            config = dataclasses.replace(config, kind=ConnectorKind.UCX)
         with ExitStack() as undo:
             self._directory = directory = KVDirectory(config.redis_url, entry_ttl_s=config.entry_ttl_s)
             undo.callback(directory.close)
@@ -281,7 +275,7 @@ class WorkerHalf:
             self._part_ended(rid, part, exc)
             return
         if part.heads.num_heads:
-            self.tally.pulled(got.kv_bytes, got.transfer_s)
+            self.tally.pulled(got.kv_bytes, got.transfer_s, got.fallback)
             log.debug("request %s: %d bytes from %s over %s in %.2f ms", rid, got.kv_bytes, got.producer,
                       got.transport, got.transfer_s * 1e3)
         self._part_ended(rid, part, None)

@@ -97,8 +97,15 @@ def _pull_all(redis_url: str, kind: ConnectorKind, prefill: TPSplit, decode: TPS
         directory.close()
 
 
-UCX, TCP = ConnectorKind.UCX, ConnectorKind.TCP
+UCX, TCP, SHM, AUTO = ConnectorKind.UCX, ConnectorKind.TCP, ConnectorKind.SHM, ConnectorKind.AUTO
 CASES = [  # (transport, heads, prefill TP, decode TP); over tcp one shape each way (slicing is transport-agnostic)
+    # shm: the decode ranks read the prefill ranks' planes themselves (process_vm_readv: cma.py)
+    pytest.param(SHM, 4, 1, 1, id="shm-P1-D1"),
+    pytest.param(SHM, 4, 1, 2, id="shm-P1-D2"),
+    pytest.param(SHM, 4, 2, 1, id="shm-P2-D1"),
+    pytest.param(SHM, 1, 2, 1, id="shm-mla-P2-D1"),
+    pytest.param(SHM, 2, 4, 2, id="shm-replicated-P4-D2"),
+    pytest.param(AUTO, 4, 2, 2, id="auto-P2-D2"),
     pytest.param(UCX, 4, 1, 2, id="ucx-P1-D2"),
     pytest.param(UCX, 4, 2, 1, id="ucx-P2-D1"),
     pytest.param(UCX, 4, 2, 2, id="ucx-P2-D2"),

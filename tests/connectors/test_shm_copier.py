@@ -29,7 +29,7 @@ def test_every_block_lands_once_where_it_belongs(lanes, contiguous):
     dst = torch.zeros_like(src)
     copier = BlockCopier(lanes, min_parallel_bytes=0)
     try:
-        copier.copy(dst, src, runs)
+        copier.copy([dst], [src], runs)
     finally:
         copier.close()
     assert torch.equal(dst[dst_ids], src[src_ids])
@@ -43,7 +43,7 @@ def test_a_lane_that_fails_fails_the_copy_after_every_lane_stopped():
     copier = BlockCopier(2, min_parallel_bytes=0)
     try:
         with pytest.raises(RuntimeError):
-            copier.copy(dst, src, [(0, 0, 1), (2, 2, 1), (4, 4, 1)])
+            copier.copy([dst], [src], [(0, 0, 1), (2, 2, 1), (4, 4, 1)])
     finally:
         copier.close()
 
@@ -67,7 +67,7 @@ def test_small_pulls_stay_on_the_calling_thread(monkeypatch):
         dst.zero_()
         copier = BlockCopier(2, min_parallel_bytes=min_bytes)
         try:
-            copier.copy(dst, src, [(0, 0, 8)])
+            copier.copy([dst], [src], [(0, 0, 8)])
         finally:
             copier.close()
         assert len(threads) == want_threads and threading.current_thread().name in threads

@@ -4,16 +4,16 @@ and the worker's warnings, are tests/vllm/test_stats.py)."""
 from __future__ import annotations
 
 from kvwire.connectors.vllm.tally import Tally
-from kvwire.observability.labels import TransferFailure
+from kvwire.observability.labels import TransferFailure, TransportFallback
 
 
 def test_a_tally_hands_over_its_counts_once_and_starts_again():
     tally = Tally()
     assert tally.take() is None, "nothing counted: nothing to report"
     tally.pulled(1000, 0.002)
-    tally.pulled(24, 0.001)
+    tally.pulled(24, 0.001, TransportFallback.CMA_REFUSED)
     tally.failed(TransferFailure.DEADLINE)
     tally.failed(TransferFailure.DEADLINE)
     assert tally.take() == {"pulls": 2, "pull_bytes": 1024, "pull_seconds": [0.002, 0.001],
-                            "failed": {"deadline": 2}}
+                            "failed": {"deadline": 2}, "fallbacks": {"cma_refused": 1}}
     assert tally.take() is None

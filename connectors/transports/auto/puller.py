@@ -1,6 +1,15 @@
-"""The auto consumer: one puller per transport, each pull going to the one its location names."""
+"""The auto consumer: one puller per transport, each pull going to the one its location names.
+
+A producer on this host is read over shared memory unless the kernel refuses this process its
+memory (cross-memory attach over a vLLM CPU KV cache: another user, a ptrace policy, a seccomp
+profile); that producer incarnation's pulls then go over UCX, each counted as a fallback
+(`fallback`), the refusal logged once.
+"""
 
 from __future__ import annotations
+
+import logging
+import threading
 
 import torch
 
@@ -11,6 +20,12 @@ from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.transports.shm.puller import SHMPuller
 from kvwire.connectors.transports.ucx.puller import UCXPuller
 from kvwire.connectors.wire import KVLocation
+from kvwire.observability.labels import TransportFallback
+
+log = logging.getLogger(__name__)
+
+REACH_TIMEOUT_S = 5.0  # how long choosing may spend mapping a same-host producer's planes
+MAX_REFUSED = 4096  # producer incarnations remembered as refusing shared memory
 
 
 def preference(loc: KVLocation) -> list[ConnectorKind]:
@@ -21,8 +36,39 @@ def preference(loc: KVLocation) -> list[ConnectorKind]:
 
 class AutoPuller:
     def __init__(self, node_id: str, region: KVRegion, lanes: int = 1):
+        self._shm = SHMPuller(node_id, region, lanes)
         self._pullers: dict[ConnectorKind, SHMPuller | UCXPuller] = {
-            ConnectorKind.SHM: SHMPuller(node_id, region, lanes), ConnectorKind.UCX: UCXPuller(node_id, region, lanes)}
+            ConnectorKind.SHM: self._shm, ConnectorKind.UCX: UCXPuller(node_id, region, lanes)}
+        self._refused: set[tuple[str, int]] = set()  # (producer, epoch) whose memory the kernel refuses us
+        self._lock = threading.Lock()
+
+    def preference(self, loc: KVLocation) -> list[ConnectorKind]:
+        """`preference(loc)`, without shared memory for a producer whose memory the kernel refuses us (asked of
+        the kernel the first time a producer incarnation is chosen for)."""
+        kinds = preference(loc)
+        if ConnectorKind.SHM not in kinds or ConnectorKind.SHM not in {o.kind for o in loc.offers}:
+            return kinds
+        key = (loc.producer, loc.producer_epoch)
+        with self._lock:
+            known = key in self._refused
+        if not known:
+            refusal = self._shm.refusal(loc, REACH_TIMEOUT_S)
+            if refusal is None:
+                return kinds
+            log.warning("producer %s (epoch %d) is on this host, but %s; its KV goes over UCX "
+                        "(kvwire_transport_fallbacks_total{reason=\"%s\"})", loc.producer, loc.producer_epoch,
+                        refusal.reason, TransportFallback.CMA_REFUSED)
+            with self._lock:
+                if len(self._refused) >= MAX_REFUSED:
+                    self._refused.clear()
+                self._refused.add(key)
+        return [k for k in kinds if k != ConnectorKind.SHM]
+
+    def fallback(self, loc: KVLocation) -> TransportFallback | None:
+        """Why `loc` (as chosen) goes over a slower transport than shared memory; None: it does not."""
+        with self._lock:
+            refused = (loc.producer, loc.producer_epoch) in self._refused
+        return TransportFallback.CMA_REFUSED if refused and loc.kind != ConnectorKind.SHM else None
 
     @property
     def transport_addresses(self) -> dict[ConnectorKind, bytes]:
@@ -36,8 +82,9 @@ class AutoPuller:
     def path_to(self, loc: KVLocation) -> DataPath:
         """What moves `loc`'s bytes: kvwire's shared memory, or what UCX selected to its producer."""
         ucx = self._pullers[ConnectorKind.UCX]
-        return ucx.path_to(loc) if loc.kind == ConnectorKind.UCX and isinstance(ucx, UCXPuller) else \
-            DataPath.of([str(loc.kind)])
+        if loc.kind == ConnectorKind.UCX and isinstance(ucx, UCXPuller):
+            return ucx.path_to(loc)
+        return self._shm.path_to(loc) if loc.kind == ConnectorKind.SHM else DataPath.of([str(loc.kind)])
 
     def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
         """Pull over the transport `loc` was narrowed to (AutoTransport.choose).

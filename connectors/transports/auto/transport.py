@@ -19,16 +19,19 @@ from kvwire.connectors.transports.shm.transport import SHMTransport
 from kvwire.connectors.transports.transport import Puller
 from kvwire.connectors.transports.ucx.send_engine import UCXSendEngine
 from kvwire.connectors.wire import KVLocation
+from kvwire.observability.labels import TransportFallback
 
 
 class AutoTransport(SHMTransport):
     kind = ConnectorKind.AUTO
+    _puller: AutoPuller | None = None
 
     def send_engines(self, region: KVRegion) -> dict[ConnectorKind, SendEngine]:
         return {ConnectorKind.SHM: self._send_engine(region), ConnectorKind.UCX: UCXSendEngine()}
 
     def puller(self, region: KVRegion) -> Puller:
-        return AutoPuller(self.config.node_id, region, self.config.pull_lanes)
+        self._puller = AutoPuller(self.config.node_id, region, self.config.pull_lanes)
+        return self._puller
 
     def published_addresses(self, puller: Puller) -> dict[ConnectorKind, bytes]:
         assert isinstance(puller, AutoPuller)
@@ -39,4 +42,8 @@ class AutoTransport(SHMTransport):
         return puller.path_to(loc)
 
     def choose(self, loc: KVLocation) -> KVLocation:
-        return narrow(loc, preference(loc))
+        return narrow(loc, self._puller.preference(loc) if self._puller is not None else preference(loc))
+
+    def fallback(self, puller: Puller, loc: KVLocation) -> TransportFallback | None:
+        assert isinstance(puller, AutoPuller)
+        return puller.fallback(loc)

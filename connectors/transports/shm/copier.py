@@ -1,4 +1,4 @@
-"""Copy runs of blocks from a producer's mapped pool into the consumer's on several threads at once.
+"""Copy runs of blocks from a producer's mapped planes into the consumer's on several threads at once.
 
 One core's copy does not saturate this kind of machine's memory: two threads copying
 disjoint pieces move more bytes per second than one (torch's `copy_` releases the GIL).
@@ -16,6 +16,7 @@ Lifecycle:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -40,10 +41,11 @@ class BlockCopier:
         self._min_parallel_bytes = min_parallel_bytes
         self._pool = ThreadPoolExecutor(max_workers=lanes - 1, thread_name_prefix="kv-shm-copy") if lanes > 1 else None
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, runs: list[Run]) -> None:
-        """dst[d:d+n] = src[s:s+n] for every (s, d, n) in `runs`; dst, src: [num_blocks, block_nbytes] uint8."""
-        nbytes = sum(n for _, _, n in runs) * dst.shape[1]
-        if self._pool is None or dst.device.type != "cpu" or nbytes < self._min_parallel_bytes:
+    def copy(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], runs: list[Run]) -> None:
+        """dst[p][d:d+n] = src[p][s:s+n] for every plane p and every (s, d, n) in `runs`; dst, src: matching planes,
+        each [num_blocks, row] uint8 (rows may be strided)."""
+        nbytes = sum(n for _, _, n in runs) * sum(p.shape[1] for p in dst)
+        if self._pool is None or dst[0].device.type != "cpu" or nbytes < self._min_parallel_bytes:
             _copy(dst, src, runs)
             return
         shares = split_runs(runs, self.lanes)
@@ -61,5 +63,5 @@ class BlockCopier:
             self._pool.shutdown(wait=True)
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, runs: list[Run]) -> None:
-    copy_blocks([dst], [src], runs)  # a gather/scatter on a GPU or for many small host runs, else a copy_ per run
+def _copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], runs: list[Run]) -> None:
+    copy_blocks(dst, src, runs)  # a gather/scatter on a GPU or for many small host runs, else a copy_ per run

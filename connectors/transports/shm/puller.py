@@ -35,6 +35,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -43,14 +44,31 @@ import torch
 from kvwire.connectors.base import TransferError
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.hidden import INLINE_MAX, desc_nbytes, fill_tensors
+from kvwire.connectors.transports.data_path import DataPath
 from kvwire.connectors.transports.host import elsewhere
 from kvwire.connectors.transports.kv_region import KVRegion, plan_runs
-from kvwire.connectors.transports.shm.channel import close_fds, connect, hung_up, recv_msg, send_msg
+from kvwire.connectors.transports.shm.channel import close_fds, connect, hung_up, peer_cred, recv_msg, send_msg
+from kvwire.connectors.transports.shm.cma import CmaError
 from kvwire.connectors.transports.shm.copier import BlockCopier
-from kvwire.connectors.transports.shm.cuda_ipc import map_cuda, synchronize
+from kvwire.connectors.transports.shm.cuda_ipc import synchronize
 from kvwire.connectors.transports.shm.hold_board import ORDERED_LOADS, BoardView, map_board
-from kvwire.connectors.transports.shm.segment import map_host, unpack_tensors
-from kvwire.connectors.wire import KVLocation, PullReply, PullRequest, ShmHello, ShmRead, ShmReadDone, ShmSegment
+from kvwire.connectors.transports.shm.peer import PeerPlanes, open_peer
+from kvwire.connectors.transports.shm.segment import unpack_tensors
+from kvwire.connectors.wire import (
+    KVLocation,
+    PullReply,
+    PullRequest,
+    ShmAccess,
+    ShmHello,
+    ShmRead,
+    ShmReadDone,
+    ShmSegment,
+)
+
+
+class CmaRefused(TransferError):
+    """The kernel does not let this process read the producer's memory (cross-memory attach): another transport
+    can still carry its KV (auto falls back to UCX)."""
 
 
 @dataclass(eq=False)
@@ -58,7 +76,7 @@ class _Mapping:
     epoch: int
     address: bytes
     sock: socket.socket
-    blocks: torch.Tensor  # the producer's pool, [num_blocks, block_nbytes] uint8; never written
+    planes: PeerPlanes  # the producer's KV planes, mapped, opened or read by address; never written
     board: BoardView | None  # the producer's hold words and hidden area, read-only; None: it has none
 
 
@@ -66,15 +84,11 @@ class SHMPuller:
     def __init__(self, node_id: str, region: KVRegion, lanes: int = 1):
         """Args:
             node_id: this consumer's node id.
-            region: this node's pool; must be block-major (one plane).
+            region: this node's KV planes (kvwire's pool, or vLLM's per-layer tensors).
             lanes: threads copying one pull (copier.py; host pools).
-        Raises:
-            ValueError: the pool is not one block-major plane.
         """
-        if len(region.planes) != 1:
-            raise ValueError(f"node {node_id}: shared memory needs a block-major KV pool (one plane)")
         self._node_id = node_id
-        self._dst = region.planes[0]
+        self._region = region
         self.transport_address = f"shm:{node_id}:{os.getpid()}:{secrets.token_hex(16)}".encode()
         self._maps: dict[str, _Mapping] = {}
         self._transfer_ids = itertools.count(1)
@@ -90,8 +104,6 @@ class SHMPuller:
         Raises:
             TransferError: refused, not confirmed, or not complete by `deadline`.
         """
-        if loc.heads is not None:  # shared memory serves kvwire's own pools, which are never head-sliced
-            raise TransferError(loc.request_id, loc.producer, "shared memory does not pull head slices")
         try:
             return self._pull(_shm_offer(loc), dst_blocks, hidden, deadline)
         except BaseException as exc:
@@ -99,6 +111,23 @@ class SHMPuller:
             if isinstance(exc, (TransferError, KeyboardInterrupt)):
                 raise
             raise TransferError(loc.request_id, loc.producer, f"shared-memory read failed: {exc}") from exc
+
+    def path_to(self, loc: KVLocation) -> DataPath:
+        """How `loc`'s producer's planes are read: "shm" (a mapped memfd), "cuda_ipc" or "cma"; "shm" until
+        mapped."""
+        mapping = self._maps.get(loc.producer)
+        return DataPath.of([str(mapping.planes.access if mapping is not None else ShmAccess.MEMFD)])
+
+    def refusal(self, loc: KVLocation, timeout_s: float) -> CmaRefused | None:
+        """Whether the kernel refuses this puller the memory of `loc`'s producer (mapped now, if not yet, within
+        `timeout_s`); None: it does not, or the question could not be settled (the pull will say)."""
+        try:
+            self._mapping(_shm_offer(loc), time.monotonic() + timeout_s)
+        except CmaRefused as exc:
+            return exc
+        except (TransferError, OSError, ValueError):
+            self._forget(loc.producer)
+        return None
 
     def close(self) -> None:
         for producer in list(self._maps):
@@ -109,20 +138,21 @@ class SHMPuller:
         self._reap()
         mapping = self._mapping(loc, deadline)
         runs = plan_runs(loc.block_ids, dst_blocks)
+        dst = self._destination(loc, mapping)
         self._check_ranges(loc, mapping, runs)
         transfer_id = next(self._transfer_ids)
-        direct = self._read_direct(mapping, loc, runs, dst_blocks, hidden, transfer_id)
+        direct = self._read_direct(mapping, loc, dst, runs, dst_blocks, hidden, transfer_id)
         if direct is not None:
             return direct
         mapping.sock.settimeout(_remaining(loc, deadline))
         claimed_at = time.monotonic()
         send_msg(mapping.sock, PullRequest(request_id=loc.request_id, transfer_id=transfer_id,
                                            consumer=self._node_id, transport_address=self.transport_address,
-                                           dst_block_ids=dst_blocks, first_block=loc.first_block))
+                                           dst_block_ids=dst_blocks, first_block=loc.first_block,
+                                           src_block_ids=loc.block_ids, heads=loc.heads))
         copied = False
         try:
-            self._copier.copy(self._dst, mapping.blocks, runs)
-            synchronize([self._dst, mapping.blocks])
+            self._copy(mapping, loc, dst, runs)
             copied = True
         finally:  # read (or failed): the blocks may go, before the answer is even looked at
             done = time.monotonic()
@@ -130,9 +160,43 @@ class SHMPuller:
                 send_msg(mapping.sock, ShmReadDone(request_id=loc.request_id, transfer_id=transfer_id,
                                                    ok=copied))
         hidden_bytes = self._confirm(mapping, loc, transfer_id, hidden, done - claimed_at)
-        return len(dst_blocks) * self._dst.shape[1] + hidden_bytes
+        return len(dst_blocks) * dst.block_nbytes + hidden_bytes
 
-    def _read_direct(self, mapping: _Mapping, loc: KVLocation, runs: list[tuple[int, int, int]],
+    def _copy(self, mapping: _Mapping, loc: KVLocation, dst: KVRegion, runs: list[tuple[int, int, int]],
+              hidden: Sequence[torch.Tensor] = ()) -> None:
+        """The one copy of `runs` out of the producer's planes, finished (CUDA: synchronized) when it returns;
+        a producer whose connection hung up meanwhile (it died: what a cross-memory read got may be torn) fails it.
+
+        Raises:
+            TransferError: the copy failed.
+        """
+        try:
+            mapping.planes.copy(dst, loc.layout, loc.heads, runs)
+        except (OSError, ValueError) as exc:
+            raise TransferError(loc.request_id, loc.producer, f"{mapping.planes.access} read failed: {exc}") from exc
+        synchronize([*dst.planes, *hidden])
+        if mapping.planes.access == ShmAccess.CMA and hung_up(mapping.sock):
+            raise TransferError(loc.request_id, loc.producer, "producer gone during the read")
+
+    def _destination(self, loc: KVLocation, mapping: _Mapping) -> KVRegion:
+        """Our region narrowed to what `loc` lands in (its head slice), checked against the producer's planes.
+
+        Raises:
+            TransferError: planes that do not pair with ours.
+        """
+        region = self._region
+        if loc.heads is not None:
+            region = region.heads(loc.heads.dst_head, loc.heads.num_heads, loc.heads.per_block)
+        ours = self._region.layout.num_kv_heads
+        row = self._region.planes[0].shape[1]
+        want = row * loc.layout.num_kv_heads // ours if row % ours == 0 else -1
+        if mapping.planes.num_planes != len(region.planes) or mapping.planes.row_nbytes != want:
+            raise TransferError(loc.request_id, loc.producer, f"producer planes ({mapping.planes.num_planes} of "
+                                f"{mapping.planes.row_nbytes} bytes a row) do not pair with ours "
+                                f"({len(region.planes)} of {row}, {loc.layout.num_kv_heads} heads to our {ours})")
+        return region
+
+    def _read_direct(self, mapping: _Mapping, loc: KVLocation, dst: KVRegion, runs: list[tuple[int, int, int]],
                      dst_blocks: list[int], hidden: list[torch.Tensor], transfer_id: int) -> int | None:
         """The read with no round trip, where the location allows it; None: not made, or discarded.
 
@@ -148,17 +212,17 @@ class SHMPuller:
             return None
         if not board.still_held(hold):
             return None
-        self._copier.copy(self._dst, mapping.blocks, runs)
-        if not in_hand:
+        if not in_hand:  # before the copy's synchronize, which the check after it needs
             board.read_hidden(hold, hidden)
-        synchronize([self._dst, mapping.blocks, *hidden])
+        self._copy(mapping, loc, dst, runs, hidden)
         if not board.still_held(hold):  # released (maybe reused) during the copy: what we read may be torn
             return None
         note = ShmRead(request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
-                       transport_address=self.transport_address, dst_block_ids=dst_blocks, first_block=loc.first_block)
+                       transport_address=self.transport_address, dst_block_ids=dst_blocks, first_block=loc.first_block,
+                       src_block_ids=loc.block_ids, heads=loc.heads)
         with self._notes_lock:
             self._notes.append((time.monotonic(), mapping.sock, note))
-        return len(dst_blocks) * self._dst.shape[1] + nbytes
+        return len(dst_blocks) * dst.block_nbytes + nbytes
 
     def read_ahead(self, loc: KVLocation) -> bytes:
         """`loc`'s hidden states from its producer's hidden area, when that producer is mapped already: read as
@@ -231,7 +295,7 @@ class SHMPuller:
         return unpack_tensors(fds[0], hidden)
 
     def _check_ranges(self, loc: KVLocation, mapping: _Mapping, runs: list[tuple[int, int, int]]) -> None:
-        src_blocks, dst_blocks = mapping.blocks.shape[0], self._dst.shape[0]
+        src_blocks, dst_blocks = mapping.planes.num_blocks, self._region.num_blocks
         for src, dst, n in runs:
             if src < 0 or dst < 0 or src + n > src_blocks or dst + n > dst_blocks:
                 raise TransferError(loc.request_id, loc.producer,
@@ -262,27 +326,27 @@ class SHMPuller:
                 pool_fds, board = fds, None
                 if segment.hold_slots and fds:  # the board's descriptor comes last
                     pool_fds, board = fds[:-1], map_board(segment.hold_slots, segment.hold_hidden_bytes, fds[-1])
-                blocks = self._map(loc, segment, pool_fds)
+                planes = self._map(loc, segment, pool_fds, sock)
             finally:
                 close_fds(fds)
         except BaseException:
             sock.close()
             raise
-        return _Mapping(loc.producer_epoch, loc.transport_address, sock, blocks, board)
+        return _Mapping(loc.producer_epoch, loc.transport_address, sock, planes, board)
 
-    def _map(self, loc: KVLocation, segment: ShmSegment, fds: list[int]) -> torch.Tensor:
-        def bad(reason: str) -> TransferError:
-            return TransferError(loc.request_id, loc.producer, reason)
-
+    def _map(self, loc: KVLocation, segment: ShmSegment, fds: list[int], sock: socket.socket) -> PeerPlanes:
         if (segment.producer, segment.epoch) != (loc.producer, loc.producer_epoch):
-            raise bad(f"socket belongs to {segment.producer} epoch {segment.epoch}, not epoch {loc.producer_epoch}")
-        if segment.block_nbytes != self._dst.shape[1]:
-            raise bad(f"producer blocks hold {segment.block_nbytes} bytes, ours {self._dst.shape[1]}")
-        if segment.cuda is not None:
-            return map_cuda(segment)
-        if len(fds) != 1:
-            raise bad(f"{len(fds)} descriptors with the pool, expected 1")
-        return map_host(segment, fds[0])
+            raise TransferError(loc.request_id, loc.producer, f"socket belongs to {segment.producer} epoch "
+                                f"{segment.epoch}, not epoch {loc.producer_epoch}")
+        try:
+            return open_peer(segment, fds, peer_cred(sock)[0], self._copier)
+        except CmaError as exc:
+            if exc.refused:
+                raise CmaRefused(loc.request_id, loc.producer, f"cross-memory attach refused: {exc}") from exc
+            raise TransferError(loc.request_id, loc.producer, f"cannot read the producer's planes: {exc}") from exc
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise TransferError(loc.request_id, loc.producer,
+                                f"cannot open the producer's {segment.access} planes: {exc}") from exc
 
     def _reap(self) -> None:
         """Drop the mappings of producers whose socket hung up (they exited or crashed)."""

@@ -37,9 +37,11 @@ _SIZE_SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK  # a mapping can never out
 
 
 class PoolSegment(Protocol):
-    """A producer's KV pool placed where consumers can map it (HostSegment, CudaSegment)."""
+    """A producer's KV planes offered to consumers on its host: a memfd they map (HostSegment), device
+    memory they open by IPC handle (cuda_ipc.CudaPlanes), host memory they read by address (cma.CmaPlanes)."""
 
-    pool: KVPool
+    @property
+    def num_blocks(self) -> int: ...
 
     def holds(self, region: KVRegion) -> bool:
         """True when `region` is exactly this segment's pool."""
@@ -88,6 +90,10 @@ class HostSegment:
             os.close(fd)
             raise
         return cls(producer, epoch, KVPool(layout, num_blocks, data), fd, ro_fd)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
 
     def holds(self, region: KVRegion) -> bool:
         """True when `region` is exactly this segment's pool."""

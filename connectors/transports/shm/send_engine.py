@@ -89,7 +89,7 @@ class SHMSendEngine(SendEngine):
         remove_stale(directory, node_id, keep=self.path)
         self._listener = listen(self.path)
         self.transport_address = str(self.path).encode()
-        self._board = HoldBoard(node_id, epoch, segment.pool.num_blocks)  # a request holds one block at least
+        self._board = HoldBoard(node_id, epoch, segment.num_blocks)  # a request holds one block at least
         self.holds = self._board
         self._epoll = select.epoll()
         self._epoll.register(self._listener.fileno(), select.EPOLLIN)
@@ -235,7 +235,7 @@ class SHMSendEngine(SendEngine):
             return
         pull = PullRequest(request_id=msg.request_id, transfer_id=msg.transfer_id, consumer=msg.consumer,
                            transport_address=msg.transport_address, dst_block_ids=msg.dst_block_ids,
-                           first_block=msg.first_block)
+                           first_block=msg.first_block, src_block_ids=msg.src_block_ids, heads=msg.heads)
         job = self.server.claim(pull)
         if isinstance(job, Refused):
             log.info("request %s: direct read by %s not recorded: %s", msg.request_id, msg.consumer, job.reason)

@@ -1,9 +1,11 @@
-"""The shared-memory transport: consumers on the producer's host read its pool themselves.
+"""The shared-memory transport: consumers on the producer's host read its KV planes themselves.
 
-1. `producer_pool` places the producer's pool in a memfd segment named for the node and
-   epoch (on CUDA: ordinary device memory, shared later by IPC handle).
-2. `send_engines` serves that segment over the node's private Unix socket; `puller` maps
-   producers' segments read-only and copies out of them.
+1. `producer_pool` places a kvwire engine's host pool in a memfd segment named for the node and
+   epoch (a CUDA pool is ordinary device memory).
+2. `send_engines` serves the region's planes over the node's private Unix socket: the memfd
+   segment where the pool is one; otherwise (a CUDA pool, vLLM's KV tensors) device planes by CUDA
+   IPC handle (cuda_ipc.py) or host planes by address, for cross-memory attach (cma.py).
+   `puller` maps or opens producers' planes and copies out of them (puller.py).
 3. `close()` closes the segment's descriptors; its memory goes with the last process that
    maps it, so a crash leaves nothing behind but a socket file, which the node's next
    incarnation removes.
@@ -16,12 +18,14 @@ import torch
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.kv_pool import KVPool
 from kvwire.connectors.producer.transfer_server import SendEngine
+from kvwire.connectors.transports.data_path import DataPath
 from kvwire.connectors.transports.kv_region import KVRegion
+from kvwire.connectors.transports.shm.cma import CmaPlanes
 from kvwire.connectors.transports.shm.puller import SHMPuller
 from kvwire.connectors.transports.shm.segment import HostSegment, PoolSegment
 from kvwire.connectors.transports.shm.send_engine import SHMSendEngine
 from kvwire.connectors.transports.transport import Puller, Transport
-from kvwire.connectors.wire import KVLayout
+from kvwire.connectors.wire import KVLayout, KVLocation
 
 
 class SHMTransport(Transport):
@@ -37,29 +41,45 @@ class SHMTransport(Transport):
         if self._segment is not None:
             raise RuntimeError(f"node {self.config.node_id}: the KV pool is allocated once")
         device = torch.device(device)
-        if device.type == "cuda":
-            from kvwire.connectors.transports.shm.cuda_ipc import (
-                CudaSegment,  # needs CUDA: imported only for a CUDA pool
-            )
-
-            self._segment = CudaSegment.create(self.config.node_id, self.epoch, layout, num_blocks, device)
-        elif device.type == "cpu":
-            self._segment = HostSegment.create(self.config.node_id, self.epoch, layout, num_blocks)
-        else:
+        if device.type == "cuda":  # shared by IPC handle from wherever it lies (send_engines)
+            return KVPool.allocate(layout, num_blocks, device)
+        if device.type != "cpu":
             raise ValueError(f"node {self.config.node_id}: shared memory cannot hold a pool on {device}")
-        return self._segment.pool
+        segment = HostSegment.create(self.config.node_id, self.epoch, layout, num_blocks)
+        self._segment = segment
+        return segment.pool
 
     def send_engines(self, region: KVRegion) -> dict[ConnectorKind, SendEngine]:
         return {self.kind: self._send_engine(region)}
 
     def _send_engine(self, region: KVRegion) -> SHMSendEngine:
-        if self._segment is None or not self._segment.holds(region):
+        """Raises:
+            ValueError: a host region beside the memfd pool this transport made, or planes on another device.
+        """
+        if self._segment is None:
+            self._segment = self._exported(region)
+        elif not self._segment.holds(region):
             raise ValueError(f"node {self.config.node_id}: serve the pool from producer_pool; "
                              "consumers can read only that one")
         return SHMSendEngine(self.config.node_id, self.epoch, self._segment)
 
+    def _exported(self, region: KVRegion) -> PoolSegment:
+        """Planes kvwire did not place in a memfd, offered where they lie."""
+        device = region.planes[0].device
+        if device.type == "cuda":
+            from kvwire.connectors.transports.shm.cuda_ipc import CudaPlanes  # needs CUDA: imported only for it
+
+            return CudaPlanes(self.config.node_id, self.epoch, region)
+        if device.type == "cpu":
+            return CmaPlanes(self.config.node_id, self.epoch, region)
+        raise ValueError(f"node {self.config.node_id}: shared memory cannot serve planes on {device}")
+
     def puller(self, region: KVRegion) -> Puller:
         return SHMPuller(self.config.node_id, region, self.config.pull_lanes)
+
+    def data_path(self, puller: Puller, loc: KVLocation) -> DataPath:
+        assert isinstance(puller, SHMPuller)
+        return puller.path_to(loc)
 
     def close(self) -> None:
         if self._segment is not None:

@@ -1,0 +1,163 @@
+"""Host KV planes kvwire did not allocate (vLLM's CPU KV cache), read with cross-memory attach.
+
+vLLM allocates its KV cache itself, so it cannot live in a memfd that consumers map. A consumer
+on the same host can still read it straight from the producer's memory: `process_vm_readv`
+copies from another process's address space in one system call per up to IOV_MAX pieces, with
+the same one copy as a mapped pool. Nothing is shared but addresses.
+
+Lifecycle:
+
+1. Producer: `CmaPlanes(producer, epoch, region)` describes the region's planes by address
+   (`export`); no descriptors, nothing to close.
+2. Consumer: `CmaReader(pid, segment)` for the process at the other end of the producer's Unix
+   socket (SO_PEERCRED: the kernel's word, not the producer's), once per producer epoch, with a
+   `probe` read of one row: a kernel or sandbox that refuses cross-memory attach (EPERM: another
+   user, Yama's ptrace_scope, a seccomp profile) is known before any pull relies on it.
+3. `copy` moves a pull's runs (and head slices) in as few pieces as the rows allow.
+
+A producer that died, or whose memory is gone, is a plain error of the read (ESRCH, EFAULT, or a
+short read), raised as `CmaError`; never a signal. The hold protocol around the read
+(puller.py) decides whether what was read stands, exactly as for a mapped pool: the kernel's
+copy reads the producer's pages with ordinary loads on this CPU before the hold word is read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvwire.connectors.transports.block_copy import Run
+from kvwire.connectors.transports.kv_region import KVRegion, head_rows, same_planes
+from kvwire.connectors.wire import KVLayout, PlaneDesc, ShmAccess, ShmSegment
+
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_readv = _libc.process_vm_readv
+_readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+_readv.restype = ctypes.c_ssize_t
+
+
+class CmaError(OSError):
+    """A cross-memory read failed (`errno` says why: EPERM refused, ESRCH the producer is gone, EFAULT its
+    memory is)."""
+
+    @property
+    def refused(self) -> bool:
+        """The kernel does not let this process read the producer's (and never will: another transport)."""
+        return self.errno in (errno.EPERM, errno.EACCES, errno.ENOSYS)
+
+
+@dataclass
+class CmaPlanes:
+    """A producer's host planes, offered by address."""
+
+    producer: str
+    epoch: int
+    region: KVRegion
+
+    @property
+    def num_blocks(self) -> int:
+        return self.region.num_blocks
+
+    def holds(self, region: KVRegion) -> bool:
+        return same_planes(region, self.region)
+
+    def export(self) -> tuple[ShmSegment, list[int]]:
+        planes = self.region.planes
+        descs = [PlaneDesc(storage=0, offset=p.data_ptr(), row_stride=p.stride(0)) for p in planes]
+        msg = ShmSegment(producer=self.producer, epoch=self.epoch, num_blocks=self.num_blocks,
+                         block_nbytes=planes[0].shape[1] * len(planes), access=ShmAccess.CMA, planes=descs)
+        return msg, []
+
+    def close(self) -> None:
+        """Nothing to close: the planes are the engine's."""
+
+
+class CmaReader:
+    """The consumer's reader of one producer incarnation's planes."""
+
+    access = ShmAccess.CMA
+
+    def __init__(self, pid: int, segment: ShmSegment):
+        """Raises:
+            ValueError: a segment that describes no planes, or planes unlike each other.
+        """
+        if not segment.planes or segment.block_nbytes % len(segment.planes):
+            raise ValueError(f"a cma segment of {len(segment.planes)} planes and {segment.block_nbytes} bytes a block")
+        self.pid = pid
+        self.num_blocks = segment.num_blocks
+        self.num_planes = len(segment.planes)
+        self.row_nbytes = segment.block_nbytes // self.num_planes
+        self._base = np.array([p.offset for p in segment.planes], dtype=np.uint64)  # [planes]
+        self._stride = np.array([p.row_stride for p in segment.planes], dtype=np.uint64)  # [planes]
+
+    def probe(self) -> None:
+        """Read one row of the first plane, to learn now whether the kernel lets us.
+
+        Raises:
+            CmaError: refused or failed.
+        """
+        scratch = torch.empty(min(self.row_nbytes, 4096), dtype=torch.uint8)
+        local = np.array([[scratch.data_ptr(), scratch.numel()]], dtype=np.uint64)
+        remote = np.array([[int(self._base[0]), scratch.numel()]], dtype=np.uint64)
+        _read(self.pid, local, remote)
+
+    def copy(self, dst: KVRegion, src_layout: KVLayout, src_heads: tuple[int, int] | None, runs: list[Run]) -> int:
+        """`dst`'s blocks of `runs` from the producer's, every plane; returns the bytes read.
+
+        Args:
+            dst: our region, narrowed to the head slice it receives, if any (its `rows`).
+            src_layout: the producer's layout (its KV heads per row).
+            src_heads: `(first, count)` of the producer's heads read; None: whole rows.
+            runs: `(src_start, dst_start, num_blocks)`, checked to lie inside both pools.
+        Raises:
+            CmaError: the read failed or was short.
+            ValueError: planes or row slices that do not pair.
+        """
+        if len(dst.planes) != self.num_planes:
+            raise ValueError(f"{self.num_planes} producer planes for {len(dst.planes)} of ours")
+        s_lo, s_hi = (0, self.row_nbytes) if src_heads is None else head_rows(src_layout, self.row_nbytes, *src_heads)
+        d_lo, d_hi = dst.rows or (0, dst.planes[0].shape[1])
+        if s_hi - s_lo != d_hi - d_lo:
+            raise ValueError(f"producer rows of {s_hi - s_lo} bytes for ours of {d_hi - d_lo}")
+        local, remote = _pieces(dst, d_lo, self._base + np.uint64(s_lo), self._stride, s_hi - s_lo, runs)
+        return _read(self.pid, local, remote)
+
+
+def _pieces(dst: KVRegion, d_lo: int, src_base: np.ndarray, src_stride: np.ndarray, width: int,
+            runs: list[Run]) -> tuple[np.ndarray, np.ndarray]:
+    """`(local, remote)` iovec arrays `[pieces, 2]` (address, length): every plane's block rows of `runs`,
+    plane by plane, adjacent pieces merged where both sides continue each other."""
+    src = np.concatenate([np.arange(s, s + n, dtype=np.uint64) for s, _, n in runs])  # [blocks]
+    dst_idx = np.concatenate([np.arange(d, d + n, dtype=np.uint64) for _, d, n in runs])  # [blocks]
+    d_base = np.array([p.data_ptr() for p in dst.planes], dtype=np.uint64) + np.uint64(d_lo)  # [planes]
+    d_stride = np.array([p.stride(0) for p in dst.planes], dtype=np.uint64)  # [planes]
+    remote = (src_base[:, None] + src[None, :] * src_stride[:, None]).reshape(-1)  # [planes * blocks]
+    local = (d_base[:, None] + dst_idx[None, :] * d_stride[:, None]).reshape(-1)  # [planes * blocks]
+    w = np.uint64(width)
+    starts = np.flatnonzero(np.concatenate([[True], (remote[:-1] + w != remote[1:]) | (local[:-1] + w != local[1:])]))
+    lengths = np.diff(np.append(starts, remote.size)).astype(np.uint64) * w
+    return np.stack([local[starts], lengths], 1), np.stack([remote[starts], lengths], 1)  # each [pieces, 2]
+
+
+def _read(pid: int, local: np.ndarray, remote: np.ndarray) -> int:
+    """process_vm_readv of the pieces, IOV_MAX a call; the bytes read. Raises CmaError (also on a short read)."""
+    local, remote = np.ascontiguousarray(local, dtype=np.uint64), np.ascontiguousarray(remote, dtype=np.uint64)
+    total = 0
+    for lo in range(0, local.shape[0], IOV_MAX):
+        l_chunk, r_chunk = local[lo:lo + IOV_MAX], remote[lo:lo + IOV_MAX]
+        want = int(l_chunk[:, 1].sum())
+        got = _readv(pid, l_chunk.ctypes.data, l_chunk.shape[0], r_chunk.ctypes.data, r_chunk.shape[0], 0)
+        if got < 0:
+            err = ctypes.get_errno()
+            raise CmaError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
+        if got != want:
+            raise CmaError(errno.EFAULT, f"process_vm_readv from pid {pid}: {got} of {want} bytes (memory gone)")
+        total += got
+    return total
