@@ -52,6 +52,14 @@ class PDCluster:
         """The decode server's vllm:kvwire_kv_pulls_total."""
         return sum(self._by_label("vllm:kvwire_kv_pulls_total", "engine").values())
 
+    def kv_pulls_by_path(self) -> dict[str, float]:
+        """The decode server's vllm:kvwire_kv_pulls_by_path_total: pulls by what carried them ("cma", "sysv"...)."""
+        return self._by_label("vllm:kvwire_kv_pulls_by_path_total", "path")
+
+    def kv_fallbacks(self) -> dict[str, float]:
+        """The decode server's vllm:kvwire_kv_transport_fallbacks_total, by reason."""
+        return self._by_label("vllm:kvwire_kv_transport_fallbacks_total", "reason")
+
     def kv_pull_bytes(self) -> float:
         """The decode server's vllm:kvwire_kv_pull_bytes_total."""
         return sum(self._by_label("vllm:kvwire_kv_pull_bytes_total", "engine").values())

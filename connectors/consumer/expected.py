@@ -38,6 +38,7 @@ class Received:
     producer: str
     transport: ConnectorKind  # what moved the bytes
     fallback: TransportFallback | None = None  # why not the faster transport it would have taken
+    path: str = ""  # what carried the bytes, as the transport tells it ("cma", "cuda_ipc", "sysv/cma", "tcp"...)
 
 
 @dataclass(eq=False)

@@ -328,8 +328,9 @@ class KVConsumer:
                  elapsed * 1e3)
         if fallback is not None:
             self._metrics.transport_fallbacks.labels(str(fallback)).inc()
+        path = str(self._transport.data_path(self._puller, loc))
         record.stats = Received(hidden, loc.hidden, loc.intermediate, nbytes, elapsed, loc.producer, loc.kind,
-                                fallback)
+                                fallback, path)
         return record.stats
 
     def _hidden_for(self, record: ExpectedKV, loc: KVLocation) -> list[torch.Tensor]:

@@ -8,8 +8,9 @@
    sums to `KvwirePromMetrics.observe`, which adds them to these series on vLLM's `/metrics`:
    `vllm:kvwire_kv_pulls_total`, `vllm:kvwire_kv_pull_bytes_total`, `vllm:kvwire_kv_pull_seconds`
    `vllm:kvwire_kv_transfers_failed_total{reason}`: every prompt meant to receive KV that was
-   recomputed instead, and `vllm:kvwire_kv_transport_fallbacks_total{reason}`: pulls that took a slower
-   transport than they would have (the KV still came).
+   recomputed instead; `vllm:kvwire_kv_transport_fallbacks_total{reason}`: pulls that took a slower
+   transport than they would have (the KV still came); `vllm:kvwire_kv_pulls_by_path_total{path}`: what
+   carried each pull's bytes.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class KvwireStats(KVConnectorStats):
         self.data["pulls"] += other.data["pulls"]
         self.data["pull_bytes"] += other.data["pull_bytes"]
         self.data["pull_seconds"].extend(other.data["pull_seconds"])
-        for key in ("failed", "fallbacks"):
+        for key in ("failed", "fallbacks", "paths"):
             for reason, n in other.data.get(key, {}).items():
                 self.data[key][reason] = self.data[key].get(reason, 0) + n
         return self
@@ -82,6 +83,10 @@ class KvwirePromMetrics(KVConnectorPromMetrics):
             name="vllm:kvwire_kv_transport_fallbacks", documentation="Pulls that moved their KV over a slower "
             "transport than they would have taken (e.g. UCX where the kernel refused cross-memory attach), by reason.",
             labelnames=[*labelnames, "reason"])
+        self._paths = self._counter_cls(
+            name="vllm:kvwire_kv_pulls_by_path", documentation="Pulls by what carried their bytes: cma (this host's "
+            "memory, read from the prefill process), cuda_ipc, shm, UCX's transports (e.g. sysv/posix), tcp, nccl.",
+            labelnames=[*labelnames, "path"])
         for values in per_engine_labelvalues.values():  # every reason shows, at 0, from the start
             for reason in TransferFailure:
                 self._failed.labels(*values, str(reason))
@@ -98,3 +103,5 @@ class KvwirePromMetrics(KVConnectorPromMetrics):
             self._failed.labels(*values, reason).inc(n)
         for reason, n in transfer_stats_data.get("fallbacks", {}).items():
             self._fallbacks.labels(*values, reason).inc(n)
+        for path, n in transfer_stats_data.get("paths", {}).items():
+            self._paths.labels(*values, path).inc(n)

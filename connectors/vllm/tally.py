@@ -13,8 +13,8 @@ from kvwire.observability.labels import TransferFailure, TransportFallback
 
 def empty() -> dict[str, Any]:
     """No counts: pulls, their bytes and seconds, failed pulls by TransferFailure, pulls moved over a slower
-    transport than they would have taken by TransportFallback."""
-    return {"pulls": 0, "pull_bytes": 0, "pull_seconds": [], "failed": {}, "fallbacks": {}}
+    transport than they would have taken by TransportFallback, pulls by the path that carried them."""
+    return {"pulls": 0, "pull_bytes": 0, "pull_seconds": [], "failed": {}, "fallbacks": {}, "paths": {}}
 
 
 class Tally:
@@ -31,8 +31,11 @@ class Tally:
         with self._lock:
             return self._pulls, dict(self._recomputed)
 
-    def pulled(self, nbytes: int, seconds: float, fallback: TransportFallback | None = None) -> None:
+    def pulled(self, nbytes: int, seconds: float, fallback: TransportFallback | None = None, path: str = "") -> None:
+        """One pull; `path`: what carried it (Received.path), "" if not known."""
         with self._lock:
+            if path:
+                self._data["paths"][path] = self._data["paths"].get(path, 0) + 1
             self._pulls += 1
             self._data["pulls"] += 1
             self._data["pull_bytes"] += nbytes

@@ -275,7 +275,7 @@ class WorkerHalf:
             self._part_ended(rid, part, exc)
             return
         if part.heads.num_heads:
-            self.tally.pulled(got.kv_bytes, got.transfer_s, got.fallback)
+            self.tally.pulled(got.kv_bytes, got.transfer_s, got.fallback, got.path)
             log.debug("request %s: %d bytes from %s over %s in %.2f ms", rid, got.kv_bytes, got.producer,
                       got.transport, got.transfer_s * 1e3)
         self._part_ended(rid, part, None)

@@ -11,9 +11,10 @@ def test_a_tally_hands_over_its_counts_once_and_starts_again():
     tally = Tally()
     assert tally.take() is None, "nothing counted: nothing to report"
     tally.pulled(1000, 0.002)
-    tally.pulled(24, 0.001, TransportFallback.CMA_REFUSED)
+    tally.pulled(24, 0.001, TransportFallback.CMA_REFUSED, "sysv/posix")
     tally.failed(TransferFailure.DEADLINE)
     tally.failed(TransferFailure.DEADLINE)
     assert tally.take() == {"pulls": 2, "pull_bytes": 1024, "pull_seconds": [0.002, 0.001],
-                            "failed": {"deadline": 2}, "fallbacks": {"cma_refused": 1}}
+                            "failed": {"deadline": 2}, "fallbacks": {"cma_refused": 1},
+                            "paths": {"sysv/posix": 1}}
     assert tally.take() is None

@@ -1,7 +1,8 @@
 """KvwireConnector on the attention shapes beyond Llama's: DeepSeek-V3's MLA latent, Gemma 3's hybrid attention
 and Qwen3-Next's linear attention (Mamba-style state).
 
-Each shape runs a tiny random checkpoint (tests/vllm/models.py) on a kvwire P/D pair (UCX, the kvwire router
+Each shape runs a tiny random checkpoint (tests/vllm/models.py) on a kvwire P/D pair (`auto`: on one host the
+decode server reads the prefill server's KV tensors from its process, cross-memory attach; the kvwire router
 in front), float32 (Qwen3-Next: bf16). Every prompt through the router must:
 1. give the tokens, and top logprobs within the shape's tolerance, that the pair's prefill server gives when
    it is asked the prompt itself afterwards, with no transfer: one server continuing its own KV, the answer
@@ -9,7 +10,8 @@ in front), float32 (Qwen3-Next: bf16). Every prompt through the router must:
    the Llama pairs of test_pd_prefill_life.py and test_pd_tp.py compare with a separate plain server);
 2. leave the decode server computing none of its tokens itself (vLLM counts them all as transferred; with
    state, the last one, which the decode server computes from the pulled state);
-3. count a pull and no failure on the decode server, and leave nothing held on the prefill server.
+3. count a pull (carried by "cma", no fallback) and no failure on the decode server, and leave nothing held on
+   the prefill server.
 
 Shapes: MLA with prefill TP=2 (each prefill rank holds the whole latent: the decode rank pulls one rank's
 copy and declines the other's, connectors/vllm/tp.py), and Gemma 3 (5 sliding-window layers,
@@ -114,7 +116,7 @@ def pair(request, model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -
     shape = SHAPES[request.param]
     _flush(redis_server.url)
     log_dir = tmp_path_factory.mktemp(request.param)
-    pair = kvwire_pair(model_dir, redis_server.url, ConnectorKind.UCX, log_dir, named=False,
+    pair = kvwire_pair(model_dir, redis_server.url, ConnectorKind.AUTO, log_dir, named=False,
                        dtype=DTYPES.get(model_dir.name, DTYPE))
     with pd_cluster_of(*with_tp(pair, shape.prefill_tp, 1), log_dir) as cluster:
         yield Pair(shape, cluster)
@@ -179,11 +181,14 @@ def test_prompt_through_pair_equals_one_server(model_dir: Path, pair: Pair, prom
     shape, cluster = pair
     prompt, model = PROMPTS[prompt_index], str(model_dir)
     computed, pulls = cluster.prompt_tokens_by_source().get("local_compute", 0.0), cluster.kv_pulls()
-    pulled = cluster.kv_pull_bytes()
+    pulled, by_path = cluster.kv_pull_bytes(), cluster.kv_pulls_by_path()
     got = _complete(openai_client(cluster.router_url), model, prompt)
     computed_here = cluster.prompt_tokens_by_source()["local_compute"] - computed
     assert computed_here == shape.computed, f"decode computed {computed_here} prompt tokens itself"
     assert cluster.kv_pulls() > pulls, "the decode server pulled no KV for this prompt"
+    paths = {p for p, n in cluster.kv_pulls_by_path().items() if n > by_path.get(p, 0)}
+    assert paths == {"cma"}, f"auto on one host reads vLLM's CPU KV cache from the prefill process: {paths}"
+    assert sum(cluster.kv_fallbacks().values()) == 0, cluster.kv_fallbacks()
     assert sum(cluster.kv_failed_by_reason().values()) == 0, cluster.kv_failed_by_reason()
     assert _wait_released(cluster.prefill.url) < RELEASE_S, "the prefill server still holds the prompt's KV"
     _assert_same(got, _complete(openai_client(cluster.prefill.url), model, prompt), shape)  # after the release check
