@@ -186,6 +186,76 @@ def test_device_parts_pass_through_the_staging_buffer_in_chunks():
     assert torch.equal(torch.cat([p.cpu() for p in dst_parts]), src)
 
 
+def _device_like(parts: list[torch.Tensor]) -> list:
+    """Tensor parts as a stream holds device memory (CPU tensors stand in: the same staging path, copies done
+    at once); byte_parts would make them host memoryviews."""
+    return [p.contiguous().view(-1).view(torch.uint8) for p in parts]
+
+
+def test_device_parts_round_trip_in_alternating_chunks_with_host_parts_between():
+    """Device parts (many per chunk, one larger than a chunk, empty ones) around host parts, over loopback TCP
+    with partial calls: byte for byte, the last part a host one (the last chunk's scatter is in by then)."""
+    rng = random.Random(3)
+    src = torch.randint(0, 256, (300_000,), dtype=torch.uint8)
+    src_split, dst_split = _split(src, rng, 9000), _split(torch.zeros_like(src), rng, 7000)
+    dst = torch.cat(dst_split)  # contiguous copy to read back from: the split views are what the stream fills
+    src_parts = [memoryview(p.numpy()) if i % 5 == 4 else p for i, p in enumerate(_device_like(src_split))]
+    dst_parts = [memoryview(p.numpy()) if i % 7 == 6 else p for i, p in enumerate(_device_like(dst_split))]
+    dst_parts.append(memoryview(bytearray(0)))  # ends on a host part
+    out = ByteStream(src_parts, outbound=True, staging=Staging(20_000, pinned=False))
+    into = ByteStream(dst_parts, outbound=False, staging=Staging(30_000, pinned=False))
+    _move(out, into)
+    got = torch.cat([torch.frombuffer(p, dtype=torch.uint8) if isinstance(p, memoryview) and len(p) else
+                     (p if isinstance(p, torch.Tensor) else torch.empty(0, dtype=torch.uint8)) for p in dst_parts])
+    assert got.numel() == dst.numel() and torch.equal(got, src)
+
+
+def test_device_staging_reads_nothing_past_the_limit_and_gathers_the_next_chunk_ahead():
+    """A layer-wise stream's device parts: a chunk never holds bytes past what may be sent (layers the forward
+    has not written), and once they may, the chunk after the one being sent is gathered while it is sent."""
+    layers = [torch.zeros(4, 100, dtype=torch.uint8) for _ in range(3)]  # 3 layers of 4 pieces of 100 bytes
+    parts = _device_like([row for layer in layers for row in layer])
+    stream = ByteStream(parts, outbound=True, staging=Staging(1600, pinned=False))  # chunks of 800 bytes
+    layers[0].fill_(1)  # layer 0 is written; layers 1 and 2 not yet
+    first = stream.batch(limit=400)[0]
+    assert bytes(first) == b"\x01" * 400
+    stream.advance(400)
+    layers[1].fill_(2)
+    layers[2].fill_(3)
+    second = stream.batch(limit=400)[0]  # layer 1 only, though a chunk holds 800 bytes
+    assert bytes(second) == b"\x02" * 400
+    stream.advance(100)
+    rest = stream.batch(limit=800)[0]  # both layers may go now: layer 2 is gathered ahead of the send ...
+    layers[2].fill_(9)  # ... so a write after that is not seen (none comes in a real stream: it is final)
+    stream.advance(len(rest))
+    assert bytes(stream.batch(limit=400)[0]) == b"\x03" * 400
+
+
+class _Copy:
+    """A device copy that a stream left running (a CUDA event, as far as Staging cares)."""
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+def test_a_half_is_written_again_only_once_its_last_copy_is_complete():
+    """A stream's copies may still run once it has moved its bytes (on a GPU); the next stream over the same
+    staging waits for a half's copy before it receives into that half, and a receiving stream is done only once
+    every copy through the staging is complete."""
+    staging = Staging(200, pinned=False)
+    copies = [_Copy(), _Copy()]
+    staging.pending(0, copies[0])
+    staging.pending(1, copies[1])
+    stream = ByteStream(_device_like([torch.zeros(60, dtype=torch.uint8)]), outbound=False, staging=staging)
+    assert len(stream.batch()[0]) == 60  # into half 0 ...
+    assert copies[0].waited and not copies[1].waited  # ... once its copy was complete
+    stream.advance(60)
+    assert stream.done and copies[1].waited
+
+
 def test_addresses_round_trip_and_junk_is_refused():
     assert parse_address(encode_address("127.0.0.1", 5)) == ("127.0.0.1", 5)
     assert parse_address(encode_address("::1", 65535)) == ("::1", 65535)

@@ -27,8 +27,9 @@ The producer writes header + pieces with `sendmsg` straight from its KV blocks, 
 consumer reads them with `recvmsg_into` straight into its destination blocks, both in
 batches of at most IOV_MAX (1024) buffers advanced through partial calls: no staging
 copy, and nothing proportional to the transfer size is allocated. CUDA tensors, which
-sockets cannot address, pass through one fixed pinned buffer per connection
-(`stream.py`).
+sockets cannot address, pass through one fixed pinned buffer per connection, in chunks
+of 8 MiB gathered or scattered by a few kernels each, the next chunk's device copy
+running while the socket moves this one's (`stream.py`).
 
 Files: `frames.py` (frames, addresses, socket options), `stream.py` (scatter/gather
 cursor), `send_engine.py` (producer), `puller.py` (consumer), `transport.py` (the two together).

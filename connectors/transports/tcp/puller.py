@@ -17,7 +17,8 @@ Lifecycle:
 
 On any failure or at the deadline the data connection is closed, so no byte of that
 transfer can be read as part of another; only this thread ever writes into the blocks,
-and only inside `pull`.
+and only inside `pull` (a device pool's copies out of the staging buffer are complete
+before it returns or raises).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class TCPPuller(ConfirmedPulls):
                                done=lambda: inbound.done, reply_needed=False)
         except BaseException as exc:
             self._disconnect(loc.transport_address)
+            self._staging.settle()  # no copy into the blocks outlives the failed pull
             if isinstance(exc, (TransferError, KeyboardInterrupt)):
                 raise
             raise TransferError(loc.request_id, loc.producer, f"receive failed: {exc}") from exc

@@ -10,11 +10,11 @@ Lifecycle:
    HANDSHAKE_TIMEOUT_S) and registers its consumer token, answering ACK.
 3. `start(job)` queues a granted pull on the connection that presented the pull's token.
 4. `progress()` writes HEADER + pieces with `sendmsg` whenever the socket has room. A
-   layer-wise request's stream goes no further than its gate allows
-   (connectors/producer/layer_gate.py): the header at once, then each layer once the prefill
-   forward has written it, the hidden states last; a connection waiting on a gate is
-   pumped again on each `progress()` (the gate wakes the server) and dropped if the
-   forward fails.
+   layer-wise request's stream goes no further than its gate allows, nor does the staging
+   of its device pieces read further (connectors/producer/layer_gate.py): the header at
+   once, then each layer once the prefill forward has written it, the hidden states last;
+   a connection waiting on a gate is pumped again on each `progress()` (the gate wakes the
+   server) and dropped if the forward fails.
 5. `server.finish(job, None)` once the kernel holds the last byte (it copied them, so the
    blocks may be reused at once).
 6. `close()` closes every socket.
@@ -266,7 +266,7 @@ class TCPSendEngine(SendEngine):
                 self._gated.add(conn)  # the next layer's gate wakes the server, whose progress() pumps again
                 break
             try:
-                n = conn.sock.sendmsg(stream.batch(max_bytes=min(SEND_BATCH_BYTES, sendable)))
+                n = conn.sock.sendmsg(stream.batch(max_bytes=SEND_BATCH_BYTES, limit=sendable))
             except BlockingIOError:
                 break
             except Exception as exc:  # noqa: BLE001 - socket or staging copy failed: fail this connection only

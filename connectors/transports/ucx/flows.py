@@ -4,7 +4,9 @@ Lifecycle on the producer (`SendFlow`, one per pull, on the server thread):
 
 1. Built when the pull is granted, it posts its messages in order: an unpacked piece
    zero-copy from the blocks, a pack (packing.py) once a staging slot is free (copy the
-   pieces in, send the slot). Message i goes to the consumer's lane i mod n.
+   pieces in, on the device for a device slot, and wait for the copy; send the slot).
+   Message i goes to the consumer's lane i mod n. A pull holds at most half the
+   producer's slots (and PULL_SLOTS), so that a consumer that stops reading stalls only itself.
 2. `advance` (once the engine progressed the worker) takes back the slots whose sends
    completed and posts what may go next. A layer-wise request's pieces come layer after
    layer (`KVRegion.layer_major_parts`), and a message goes only once every layer it
@@ -15,7 +17,8 @@ Lifecycle on the consumer (`ReceiveFlow`, one per lane and pull, on that lane's 
 
 1. Built when the pull is asked for, it posts a receive for each of its unpacked pieces
    straight into the destination, and for its packs as slots free up.
-2. `advance` copies each completed pack out to its blocks and posts the next.
+2. `advance` copies each completed pack out to its blocks (and waits for that copy, so
+   that the slot's next message cannot overwrite it) and posts the next.
 3. Done when every receive completed.
 
 Packs are posted in the order the producer sends them, so the oldest pack in flight on
@@ -30,13 +33,22 @@ from collections import deque
 
 from kvwire.connectors.producer.layer_gate import LayerGate
 from kvwire.connectors.transports.kv_region import Part, part_nbytes
-from kvwire.connectors.transports.ucx.packing import Message, Staging, gather, plan_messages, scatter
+from kvwire.connectors.transports.ucx.packing import (
+    PACK_BELOW,
+    Message,
+    Staging,
+    gather,
+    pack_bytes,
+    plan_messages,
+    scatter,
+    wire_buffer,
+)
 
 # ucxx only through worker.py, which sets UCX's environment before importing it
 from kvwire.connectors.transports.ucx.worker import Array, Requests, UCXWorker, all_done, check_errors, tag_of, ucx
 
-PULL_SLOTS = 8  # staging slots one pull's sends may hold at once: a consumer that stops reading cannot hold them all
-_Pack = tuple[ucx.UCXRequest, Array, memoryview, Message]  # a posted pack: request, its buffer, the slot, the message
+PULL_SLOTS = 8  # staging slots one pull's sends may hold at once (and at most half the producer's)
+_Pack = tuple[ucx.UCXRequest, Array, Part, Message]  # a posted pack: request, its buffer, the slot, the message
 
 
 class _Flow:
@@ -45,8 +57,9 @@ class _Flow:
     def __init__(self, parts: list[Part], transfer_id: int, pack_below: int, staging: Staging,
                  lane: int = 0, lanes: int = 1, layer_pieces: int = 0):
         self._parts, self._staging = parts, staging
-        self._transfer_id, self._packed = transfer_id, pack_below > 0
+        self._transfer_id, self._packed, self._device_packs = transfer_id, pack_below > 0, pack_below > PACK_BELOW
         plan = plan_messages([part_nbytes(p) for p in parts], pack_below, layer_pieces)
+        assert staging.slot_bytes >= pack_bytes(pack_below) or not any(m.packed for m in plan), "slots too small"
         self._mine = [(i, m) for i, m in enumerate(plan) if i % lanes == lane]
         self._todo: deque[tuple[int, Message]] = deque()  # messages not posted yet, in order
         self._packs: list[_Pack] = []
@@ -64,7 +77,7 @@ class _Flow:
         self._packs, self._todo = [], deque()
 
     def _tag(self, index: int) -> ucx.UCXXTag:
-        return ucx.UCXXTag(tag_of(self._transfer_id, index, self._packed))
+        return ucx.UCXXTag(tag_of(self._transfer_id, index, self._packed, self._device_packs))
 
     def _reap(self) -> list[_Pack]:
         """The packs whose requests completed (removed from those in flight); raises a failed one's error."""
@@ -93,6 +106,7 @@ class SendFlow(_Flow):
         super().__init__(parts, transfer_id, pack_below, staging, layer_pieces=layer_pieces)
         self._eps = transport.endpoints_for(peer, guarded)
         self._gate, self._layer_pieces = gate, layer_pieces
+        self._share = min(PULL_SLOTS, max(1, staging.max_slots // 2))  # slots this pull may hold at once
         self._todo.extend(self._mine)  # every message goes in order
         self._fill()
 
@@ -134,11 +148,16 @@ class SendFlow(_Flow):
                 return
             ep = self._eps[i % len(self._eps)]
             if not m.packed:
-                buf = Array(self._parts[m.first])
+                buf = Array(wire_buffer(self._parts[m.first]))
                 self.requests.append((ep.tag_send(buf, self._tag(i)), buf))
-            elif len(self._packs) < PULL_SLOTS and (slot := self._staging.take()) is not None:
-                buf = Array(gather(self._parts, m, slot))
-                self._packs.append((ep.tag_send(buf, self._tag(i)), buf, slot, m))
+            elif len(self._packs) < self._share and (slot := self._staging.take()) is not None:
+                try:
+                    buf = Array(wire_buffer(gather(self._parts, m, slot)))
+                    request = ep.tag_send(buf, self._tag(i))
+                except BaseException:
+                    self._staging.discard(slot)  # in no pack yet: `discard_slots` would not see it
+                    raise
+                self._packs.append((request, buf, slot, m))
             else:
                 return
             self._todo.popleft()
@@ -163,20 +182,31 @@ class ReceiveFlow(_Flow):
             if m.packed:
                 self._todo.append((i, m))
             else:
-                buf = Array(parts[m.first])
+                buf = Array(wire_buffer(parts[m.first]))
                 self.requests.append((self._ep.tag_recv(buf, self._tag(i)), buf))
         self._fill()
 
     def advance(self) -> None:
         """Progress the worker, unpack the packs that came, post the next."""
         self._transport.progress()
-        for _, _, slot, m in self._reap():
-            scatter(slot, self._parts, m)
+        done = self._reap()
+        for k, (_, _, slot, m) in enumerate(done):
+            try:
+                scatter(slot, self._parts, m)
+            except BaseException:
+                for _, _, lost, _ in done[k:]:  # out of `_packs` already: `discard_slots` would not see them
+                    self._staging.discard(lost)
+                raise
             self._staging.give(slot)
         self._fill()
 
     def _fill(self) -> None:
         while self._todo and (slot := self._staging.take()) is not None:
             i, m = self._todo.popleft()
-            buf = Array(slot[:m.nbytes])
-            self._packs.append((self._ep.tag_recv(buf, self._tag(i)), buf, slot, m))
+            try:
+                buf = Array(wire_buffer(slot[:m.nbytes]))
+                request = self._ep.tag_recv(buf, self._tag(i))
+            except BaseException:
+                self._staging.discard(slot)
+                raise
+            self._packs.append((request, buf, slot, m))

@@ -8,8 +8,10 @@ on a 2-core host (docs/BENCHMARKS.md).
 
 Lifecycle:
 
-1. `ReceiveLanes(n)` makes n workers and n - 1 lane threads, which sleep between pulls.
-   The packed `address` tells a producer how many lanes there are and where.
+1. `ReceiveLanes(n)` makes n workers and n - 1 lane threads, which sleep between pulls,
+   and each lane's staging slots for packs: host memory, or on a device pool's device
+   (device-sized, packing.py). The packed `address` tells a producer how many lanes there
+   are and where.
 2. `post` posts every lane's receives (message i on lane i mod n: a `ReceiveFlow` each,
    flows.py) and wakes the threads; each advances its lane's flow (polls its worker,
    unpacks what came packed) until it is done, then sleeps again.
@@ -23,10 +25,12 @@ from __future__ import annotations
 
 import threading
 
+import torch
+
 from kvwire.connectors.transports.data_path import DataPath
 from kvwire.connectors.transports.kv_region import Part
 from kvwire.connectors.transports.ucx.flows import ReceiveFlow
-from kvwire.connectors.transports.ucx.packing import Staging
+from kvwire.connectors.transports.ucx.packing import DEVICE_PACK_BYTES, Staging, tensor_slots
 from kvwire.connectors.transports.ucx.worker import MAX_LANES, Role, UCXWorker, pack_lanes
 
 WAIT_SLICE_S = 0.001  # how long the caller sleeps on a busy lane thread before it looks at its side channel again
@@ -91,11 +95,19 @@ class _LaneThread:
 
 
 class ReceiveLanes:
-    def __init__(self, lanes: int):
+    def __init__(self, lanes: int, device: torch.device | None = None):
+        """Args:
+        lanes: workers (1..MAX_LANES).
+        device: where packs land: None, host memory (slots of PACK_BYTES, for a host pool's threshold); a
+            device, slots of DEVICE_PACK_BYTES there (for a device pool's; the CPU stands in for one in tests).
+        Raises:
+            ValueError: `lanes` out of range.
+        """
         if not 1 <= lanes <= MAX_LANES:
             raise ValueError(f"lanes must be 1..{MAX_LANES}, got {lanes}")
         self._transports = [UCXWorker(Role.CONSUMER) for _ in range(lanes)]
-        self._staging = [Staging(LANE_SLOTS) for _ in range(lanes)]
+        self._staging = [Staging(LANE_SLOTS) if device is None else
+                         Staging(LANE_SLOTS, DEVICE_PACK_BYTES, tensor_slots(device)) for _ in range(lanes)]
         self._threads = [_LaneThread(t, f"kv-ucx-lane-{i}") for i, t in enumerate(self._transports[1:], 1)]
         self._flows: list[ReceiveFlow] = []
         self.address = pack_lanes([t.address for t in self._transports])

@@ -4,9 +4,9 @@ One pull:
 
 1. Ask the producer over the side channel to send.
 2. Post a tagged receive for every piece straight into the destination blocks and
-   hidden-state tensors (small pieces, on a host pool, come packed into staging slots and
-   are copied out: packing.py), spread over the lanes (lanes.py: one worker and thread
-   each).
+   hidden-state tensors (small pieces come packed into staging slots and are copied out:
+   packing.py; a device pool's slots are on its device, packed and unpacked there), spread
+   over the lanes (lanes.py: one worker and thread each).
 3. Poll the lanes and the reply socket until the receives complete, the producer
    refuses, or the deadline passes.
 
@@ -37,7 +37,7 @@ from kvwire.connectors.transports.host import elsewhere, host_identity
 from kvwire.connectors.transports.kv_region import KVRegion, consumer_parts, part_nbytes
 from kvwire.connectors.transports.transport import ConfirmedPulls
 from kvwire.connectors.transports.ucx.lanes import ReceiveLanes
-from kvwire.connectors.transports.ucx.packing import PACK_BELOW
+from kvwire.connectors.transports.ucx.packing import DEVICE_PACK_BELOW, PACK_BELOW
 from kvwire.connectors.transports.ucx.worker import MAX_PIECES
 from kvwire.connectors.wire import KVLocation, PullRequest
 
@@ -51,8 +51,9 @@ class UCXPuller(ConfirmedPulls):
         self._region = region
         on_host = region.planes[0].device.type == "cpu"
         self._num_lanes = lanes if on_host else 1
-        self._lanes = ReceiveLanes(self._num_lanes)
-        self._pack_below = PACK_BELOW if on_host else 0  # a device pool takes every piece straight
+        self._slots_on = None if on_host else region.planes[0].device  # where packs land (lanes.py)
+        self._lanes = ReceiveLanes(self._num_lanes, self._slots_on)
+        self._pack_below = PACK_BELOW if on_host else DEVICE_PACK_BELOW
         self._channel = SideChannelClient()
         self._transfer_ids = itertools.count(1)
 
@@ -104,7 +105,7 @@ class UCXPuller(ConfirmedPulls):
     def _fence(self) -> None:
         """Replace the lanes after a failed pull (see the module docstring): the old workers are never
         progressed again, and go with their contexts once closed."""
-        old, self._lanes = self._lanes, ReceiveLanes(self._num_lanes)
+        old, self._lanes = self._lanes, ReceiveLanes(self._num_lanes, self._slots_on)
         old.close()
 
     def close(self) -> None:

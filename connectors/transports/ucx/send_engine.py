@@ -1,8 +1,9 @@
 """The producer's UCX send engine: each pull a `SendFlow` (flows.py), advanced on the server thread.
 
 Unpacked pieces go zero-copy, one tagged send each; small pieces, if the consumer asked,
-packed through SEND_SLOTS staging slots shared by every pull this engine serves (at most
-flows.PULL_SLOTS each, so that a consumer that stops reading stalls only itself). A
+packed through staging slots shared by every pull this engine serves (packing.SendStaging:
+host slots, or device slots for a device pool's pieces packed for a device pool; at most
+half of them each, so that a consumer that stops reading stalls only itself). A
 layer-wise request's messages go as its prefill writes their layers: while every pull
 waits for a layer and has nothing in flight the server thread sleeps (the gate wakes it).
 """
@@ -12,10 +13,8 @@ from __future__ import annotations
 from kvwire.connectors.producer.transfer_server import SendEngine, SendJob
 from kvwire.connectors.transports.host import elsewhere
 from kvwire.connectors.transports.ucx.flows import SendFlow
-from kvwire.connectors.transports.ucx.packing import Staging
+from kvwire.connectors.transports.ucx.packing import SendStaging
 from kvwire.connectors.transports.ucx.worker import MAX_PIECES, Role, UCXWorker
-
-SEND_SLOTS = 16  # staging slots (of PACK_BYTES) for packed sends, all pulls together
 
 
 class UCXSendEngine(SendEngine):
@@ -23,7 +22,7 @@ class UCXSendEngine(SendEngine):
 
     def __init__(self) -> None:
         self._transport = UCXWorker(Role.PRODUCER)
-        self._staging = Staging(SEND_SLOTS)
+        self._staging = SendStaging()
         self.transport_address = self._transport.address
         self._active: list[SendJob] = []
 
@@ -55,10 +54,10 @@ class UCXSendEngine(SendEngine):
     def start(self, job: SendJob) -> None:
         if job.num_pieces > MAX_PIECES:
             raise ValueError(f"{job.num_pieces} pieces exceed {MAX_PIECES}")
-        gate = job.held.gate
-        job.state = SendFlow(self._transport, job.msg.transport_address, job.parts(), job.msg.transfer_id,
-                             job.msg.pack_below, self._staging, gate, job.layer_pieces if gate else 0,
-                             elsewhere(job.msg.host))
+        gate, parts = job.held.gate, job.parts()
+        job.state = SendFlow(self._transport, job.msg.transport_address, parts, job.msg.transfer_id,
+                             job.msg.pack_below, self._staging.for_pull(parts, job.msg.pack_below), gate,
+                             job.layer_pieces if gate else 0, elsewhere(job.msg.host))
         self._active.append(job)
 
     def abandon(self, job: SendJob) -> None:

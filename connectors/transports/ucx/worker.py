@@ -47,9 +47,10 @@ from kvwire.connectors.config import MAX_PULL_LANES as MAX_LANES  # noqa: E402
 from kvwire.connectors.transports.data_path import DataPath  # noqa: E402
 from kvwire.connectors.transports.ucx.query import endpoint_transports  # noqa: E402
 
-SEGMENT_BITS = 24  # low tag bits: message index within one transfer, and whether it is packed
+SEGMENT_BITS = 24  # low tag bits: message index within one transfer, and how it is packed
 PACKED_BIT = 1 << (SEGMENT_BITS - 1)  # set in every tag of a packed transfer (packing.py)
-MAX_PIECES = PACKED_BIT  # messages (and pieces) one transfer may have
+DEVICE_PACK_BIT = 1 << (SEGMENT_BITS - 2)  # and this one too where its packs are device-sized (packing.pack_bytes)
+MAX_PIECES = DEVICE_PACK_BIT  # messages (and pieces) one transfer may have
 Requests = list[tuple[ucx.UCXRequest, Array]]  # posted UCX requests, each with the buffer it must keep alive
 LANES_MAGIC = b"kvwire-ucx-lanes\x00"  # starts an address packing several lanes' worker addresses
 
@@ -163,9 +164,11 @@ def unpack_lanes(address: bytes) -> list[bytes]:
     return out
 
 
-def tag_of(transfer_id: int, index: int, packed: bool) -> int:
-    """The tag of message `index` of a transfer (a lane's messages are those with index mod lanes = lane)."""
-    return (transfer_id << SEGMENT_BITS) | (PACKED_BIT if packed else 0) | index
+def tag_of(transfer_id: int, index: int, packed: bool, device_packs: bool = False) -> int:
+    """The tag of message `index` of a transfer (a lane's messages are those with index mod lanes = lane);
+    `packed`: the transfer packs small pieces, `device_packs`: into device-sized packs."""
+    flags = (PACKED_BIT if packed else 0) | (DEVICE_PACK_BIT if device_packs else 0)
+    return (transfer_id << SEGMENT_BITS) | flags | index
 
 
 def all_done(requests: Requests) -> bool:
