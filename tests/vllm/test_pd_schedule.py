@@ -10,7 +10,9 @@ predicted.
 
 Then the same servers take tests/vllm/routed.py's checks over `auto` (`routed_equals_plain`): the prefill and the
 second decode server, each of which may do either role, behind a router of their own that disaggregates every
-request (two start-ups fewer than a pair of their own).
+request (two start-ups fewer than a pair of their own); every pull read the prefill process's KV cache itself
+(path "cma"). Last, that prefill server is restarted (a new epoch: its new process is read) and then SIGKILLed
+during a burst (every answer still the plain server's, the decode server alive).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import dataclasses
 import json
 import re
 import subprocess
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -31,7 +35,8 @@ from kvwire.cluster.vllm_cluster import VLLMServer, start_all
 from kvwire.cluster.vllm_pd import ALWAYS_DISAGGREGATE, PDCluster, kvwire_pair, start_router
 from kvwire.connectors.config import ConnectorKind
 from kvwire.observability.labels import DISAGGREGATED_REASONS
-from tests.vllm.routed import openai_client, routed_equals_plain
+from tests.vllm.conftest import PROMPTS
+from tests.vllm.routed import grown_since, openai_client, routed_equals_plain
 
 openai = pytest.importorskip("openai")
 
@@ -51,7 +56,8 @@ class Trio(NamedTuple):
 @pytest.fixture(scope="module")
 def trio(vllm_model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -> Iterator[Trio]:
     log_dir = tmp_path_factory.mktemp("schedule")
-    # `auto` resolves to UCX over vLLM's KV cache; kv_both: each server may do either role, as the params say
+    # `auto` on one host: the decode servers read the prefill server's KV cache from its process (cma); kv_both: each
+    # server may do either role, as the params say
     prefill, decode = (dataclasses.replace(s, kv_role="kv_both")
                        for s in kvwire_pair(vllm_model_dir, redis_server.url, ConnectorKind.AUTO, log_dir))
     decode2 = dataclasses.replace(decode, node_id="decode2-auto", log_path=log_dir / "decode2.log")
@@ -120,7 +126,52 @@ def test_kv_both_servers_over_auto_equal_plain(trio: Trio, plain_server: VLLMSer
                                                tmp_path: Path):
     url, router = start_router([trio.prefill.url], [trio.decodes[1].url], tmp_path / "router.log", ALWAYS_DISAGGREGATE)
     try:
-        routed_equals_plain(PDCluster(trio.prefill, trio.decodes[1], url, [router]), plain_server, str(vllm_model_dir))
+        cluster = PDCluster(trio.prefill, trio.decodes[1], url, [router])
+        before = cluster.kv_pulls_by_path()
+        routed_equals_plain(cluster, plain_server, str(vllm_model_dir))
+        paths = grown_since(before, cluster.kv_pulls_by_path())
+        assert set(paths) == {"cma"}, f"one host: the KV is read from the prefill process itself, not {paths}"
+        assert sum(cluster.kv_fallbacks().values()) == 0, cluster.kv_fallbacks()
     finally:
         router.terminate()
         router.wait(10)
+
+
+def test_a_restarted_prefill_is_read_anew_and_a_killed_one_recomputed(trio: Trio, plain_server: VLLMServer,
+                                                                      vllm_model_dir: Path, tmp_path: Path):
+    """The prefill server restarted under its id (a new epoch): the decode server reads the new process's KV cache
+    (its old one dropped with the dead process's socket). Then that one SIGKILLed while a burst's KV is being
+    pulled: every answer is the plain server's (recomputed where the KV could not come), the decode server
+    lives on, and nothing it pulled was read from the dead process after its death (the answers say so)."""
+    model, decode = str(vllm_model_dir), trio.decodes[1]
+    plain = openai_client(plain_server.url)
+    prompts = [p + f" Restart {i}." for i in range(2) for p in PROMPTS]
+    want = {p: plain.completions.create(model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+            for p in prompts}
+    trio.prefill.kill()
+    restarted = VLLMServer(dataclasses.replace(trio.prefill.spec, port=trio.prefill.port)).start()
+    router: subprocess.Popen | None = None
+    try:
+        restarted.wait_ready()
+        url, router = start_router([restarted.url], [decode.url], tmp_path / "router.log", ALWAYS_DISAGGREGATE)
+        cluster = PDCluster(restarted, decode, url, [router])
+        routed = openai_client(url)
+        before, failed = cluster.kv_pulls_by_path(), sum(cluster.kv_failed_by_reason().values())
+        for prompt in prompts[:len(PROMPTS)]:
+            got = routed.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+            assert got.choices[0].text == want[prompt]
+        assert grown_since(before, cluster.kv_pulls_by_path()) == {"cma": len(PROMPTS)}
+        assert sum(cluster.kv_failed_by_reason().values()) == failed
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            burst = {p: pool.submit(routed.completions.create, model=model, prompt=p, max_tokens=MAX_TOKENS,
+                                    temperature=0) for p in prompts[len(PROMPTS):]}
+            time.sleep(0.3)  # some of them are on the prefill server, or being pulled, now
+            restarted.kill()
+            got_burst = {p: f.result(timeout=120).choices[0].text for p, f in burst.items()}
+        assert got_burst == {p: want[p] for p in burst}
+        assert httpx.get(f"{decode.url}/health", timeout=10).status_code == 200
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(10)
+        restarted.stop()
