@@ -39,21 +39,21 @@ def head_kv(rid: str, layer: int, head: int, n_blocks: int) -> torch.Tensor:
     return torch.randn(n_blocks, BLOCK, 2 * HEAD_DIM, generator=gen)
 
 
-def _tensors(per_rank: int) -> dict[str, torch.Tensor]:
-    return {f"layer.{i}": torch.zeros(BLOCKS, per_rank, BLOCK, 2 * HEAD_DIM) for i in range(LAYERS)}
+def _tensors(per_rank: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    return {f"layer.{i}": torch.zeros(BLOCKS, per_rank, BLOCK, 2 * HEAD_DIM, device=device) for i in range(LAYERS)}
 
 
 def _config(kind: ConnectorKind, role: NodeRole, node_id: str, redis_url: str) -> ConnectorConfig:
     return ConnectorConfig(kind=kind, role=role, node_id=node_id, redis_url=redis_url, kv_deadline_s=HOLD_S)
 
 
-def prefill_rank(redis_url: str, kind: ConnectorKind, split: TPSplit, rank: int, results) -> None:
+def prefill_rank(redis_url: str, kind: ConnectorKind, split: TPSplit, rank: int, results, device: str = "cpu") -> None:
     """A prefill rank's process: hold every request's KV of its heads; report when all are released."""
-    tensors = _tensors(split.per_rank)
+    tensors = _tensors(split.per_rank, device)
     for rid, _, blocks in REQUESTS:
         for layer, t in enumerate(tensors.values()):
             for local in range(split.per_rank):
-                t[blocks, local] = head_kv(rid, layer, split.first_head(rank) + local, len(blocks))
+                t[blocks, local] = head_kv(rid, layer, split.first_head(rank) + local, len(blocks)).to(device)
     config = _config(kind, NodeRole.PREFILL, rank_node_id("prefill", rank, split.tp), redis_url)
     directory = KVDirectory(redis_url)
     epoch = directory.next_epoch(config.node_id)
@@ -69,18 +69,18 @@ def prefill_rank(redis_url: str, kind: ConnectorKind, split: TPSplit, rank: int,
 
 
 def _decode_rank(redis_url: str, kind: ConnectorKind, prefill: TPSplit, decode: TPSplit, rank: int,
-                 out: dict, errors: dict) -> None:
+                 out: dict, errors: dict, device: str = "cpu") -> None:
     """A decode rank's thread: every request's pulls into its own pool (`out[rank]`), or what failed
     (`errors[rank]`), reported by the test's thread rather than raised here."""
     try:
-        out[rank] = _pull_all(redis_url, kind, prefill, decode, rank)
+        out[rank] = _pull_all(redis_url, kind, prefill, decode, rank, device)
     except Exception as exc:  # noqa: BLE001 - the test asserts on it
         errors[rank] = f"{type(exc).__name__}: {exc}"
 
 
 def _pull_all(redis_url: str, kind: ConnectorKind, prefill: TPSplit, decode: TPSplit,
-              rank: int) -> dict[str, torch.Tensor]:
-    tensors = _tensors(decode.per_rank)
+              rank: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    tensors = _tensors(decode.per_rank, device)
     config = _config(kind, NodeRole.DECODE, rank_node_id("decode", rank, decode.tp), redis_url)
     directory = KVDirectory(redis_url)
     consumer = KVConsumer(config, directory, create_transport(config, directory.next_epoch(config.node_id)),
@@ -116,18 +116,28 @@ CASES = [  # (transport, heads, prefill TP, decode TP); over tcp one shape each 
 ]
 
 
-@pytest.mark.parametrize(("kind", "heads", "p_tp", "d_tp"), CASES)
-def test_decode_ranks_hold_exactly_their_heads(kind, heads, p_tp, d_tp, redis_url):
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason=f"needs a CUDA device, found {GPUS}")]
+# vLLM's per-layer layout on a GPU, both sides' ranks on cuda:0: shm and auto read the peer's tensors by CUDA IPC
+GPU_CASES = [pytest.param(k, h, p, d, "cuda", id=f"cuda-{name}", marks=ON_GPU) for k, h, p, d, name in [
+    (SHM, 4, 1, 1, "shm-P1-D1"), (SHM, 4, 2, 1, "shm-P2-D1"), (SHM, 1, 2, 1, "shm-mla-P2-D1"),
+    (AUTO, 4, 1, 2, "auto-P1-D2"), (UCX, 4, 2, 1, "ucx-P2-D1"), (TCP, 4, 1, 2, "tcp-P1-D2")]]
+
+
+@pytest.mark.parametrize(("kind", "heads", "p_tp", "d_tp", "device"),
+                         [pytest.param(*c.values, "cpu", id=c.id, marks=c.marks) for c in CASES] + GPU_CASES)
+def test_decode_ranks_hold_exactly_their_heads(kind, heads, p_tp, d_tp, device, redis_url):
     prefill, decode = TPSplit(heads, p_tp), TPSplit(heads, d_tp)
     results = CTX.Queue()
-    procs = [CTX.Process(target=prefill_rank, args=(redis_url, kind, prefill, p, results)) for p in range(p_tp)]
+    procs = [CTX.Process(target=prefill_rank, args=(redis_url, kind, prefill, p, results, device))
+             for p in range(p_tp)]
     for proc in procs:
         proc.start()
     try:
         assert sorted(results.get(timeout=60) for _ in procs) == [("held", p) for p in range(p_tp)]
         out: dict[int, dict[str, torch.Tensor]] = {}
         errors: dict[int, str] = {}
-        ranks = [threading.Thread(target=_decode_rank, args=(redis_url, kind, prefill, decode, d, out, errors))
+        ranks = [threading.Thread(target=_decode_rank, args=(redis_url, kind, prefill, decode, d, out, errors, device))
                  for d in range(d_tp)]
         for t in ranks:
             t.start()
@@ -148,4 +158,4 @@ def test_decode_ranks_hold_exactly_their_heads(kind, heads, p_tp, d_tp, redis_ur
             for rid, _, blocks in REQUESTS:
                 for local in range(decode.per_rank):
                     want = head_kv(rid, layer, decode.first_head(d) + local, len(blocks))
-                    assert torch.equal(t[DST[rid], local], want), f"rank {d} layer {layer} {rid} head {local}"
+                    assert torch.equal(t[DST[rid], local].cpu(), want), f"rank {d} layer {layer} {rid} head {local}"

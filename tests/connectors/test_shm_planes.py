@@ -1,7 +1,8 @@
-"""Shared memory over planes kvwire did not allocate: vLLM's per-layer CPU KV cache read by cross-memory attach.
+"""Shared memory over planes kvwire did not allocate: vLLM's per-layer KV cache read from the producer's process.
 
 A prefill process holds vLLM-layout tensors (`region_of`) and serves them over `shm` (or `auto`); the
-consumer reads the planes straight from that process with process_vm_readv (cma.py). Covered here: the
+consumer reads the planes straight from that process: on the host with process_vm_readv (cma.py), on a
+GPU through the tensors' CUDA IPC handles (cuda_ipc.py; the `cuda` cases, marked gpu). Covered here: the
 bytes and the path, a producer killed mid-pull (a typed failure, the consumer lives on), a producer
 restarted under a new epoch (its planes opened anew, an old location refused), and `auto` where the
 kernel refuses the read (UCX instead, counted). Head slices over shm: test_head_slices.py.
@@ -15,6 +16,7 @@ import signal
 import time
 import zlib
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -37,9 +39,14 @@ CTX = procs.CTX
 HEADS, BLOCK, HEAD_DIM = 2, 16, 64
 
 
-def _tensors(layers: int, blocks: int) -> dict[str, torch.Tensor]:
-    """vLLM's CPU layout: per layer [blocks, kv_heads, block_size, 2 * head_dim]."""
-    return {f"layer.{i}": torch.zeros(blocks, HEADS, BLOCK, 2 * HEAD_DIM) for i in range(layers)}
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs CUDA")])]
+PATHS = {"cpu": "cma", "cuda": "cuda_ipc"}
+
+
+def _tensors(layers: int, blocks: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """vLLM's LBHNC layout: per layer [blocks, kv_heads, block_size, 2 * head_dim]."""
+    return {f"layer.{i}": torch.zeros(blocks, HEADS, BLOCK, 2 * HEAD_DIM, device=device) for i in range(layers)}
 
 
 def _kv(rid: str, layer: int, n: int) -> torch.Tensor:
@@ -52,13 +59,13 @@ def _config(kind: ConnectorKind, role: NodeRole, node_id: str, redis_url: str, h
 
 
 def hold_vllm_kv(redis_url: str, kind: ConnectorKind, layers: int, blocks: int, requests: list[tuple[str, list[int]]],
-                 hold_s: float, results) -> None:
+                 hold_s: float, results, device: str = "cpu") -> None:
     """Child: a prefill engine's vLLM-layout KV, each request held for a consumer; reports its epoch, then the
     requests released."""
-    tensors = _tensors(layers, blocks)
+    tensors = _tensors(layers, blocks, device)
     for rid, ids in requests:
         for layer, t in enumerate(tensors.values()):
-            t[ids] = _kv(rid, layer, len(ids))
+            t[ids] = _kv(rid, layer, len(ids)).to(device)
     config = _config(kind, NodeRole.PREFILL, "prefill", redis_url, hold_s)
     directory = KVDirectory(redis_url)
     epoch = directory.next_epoch(config.node_id)
@@ -75,8 +82,9 @@ def hold_vllm_kv(redis_url: str, kind: ConnectorKind, layers: int, blocks: int, 
 class Consumer:
     """The test's decode side: vLLM-layout tensors and a consumer over them."""
 
-    def __init__(self, redis_url: str, kind: ConnectorKind, layers: int, blocks: int, hold_s: float = 10.0):
-        self.tensors = _tensors(layers, blocks)
+    def __init__(self, redis_url: str, kind: ConnectorKind, layers: int, blocks: int, hold_s: float = 10.0,
+                 device: str = "cpu"):
+        self.tensors = _tensors(layers, blocks, device)
         self.metrics = Metrics()
         config = _config(kind, NodeRole.DECODE, "decode", redis_url, hold_s)
         self.directory = KVDirectory(redis_url)
@@ -89,26 +97,29 @@ class Consumer:
         return self.consumer.receive_blocks(rid, len(dst) * BLOCK, dst)
 
     def holds(self, rid: str, dst: list[int]) -> bool:
-        return all(torch.equal(t[dst], _kv(rid, layer, len(dst))) for layer, t in enumerate(self.tensors.values()))
+        layers = enumerate(self.tensors.values())
+        return all(torch.equal(t[dst].cpu(), _kv(rid, layer, len(dst))) for layer, t in layers)
 
     def close(self) -> None:
         self.consumer.close()
         self.directory.close()
 
 
-def _start(redis_url: str, kind: ConnectorKind, layers: int, blocks: int, requests, hold_s: float = 10.0):
+def _start(redis_url: str, kind: ConnectorKind, layers: int, blocks: int, requests, hold_s: float = 10.0,
+           device: str = "cpu"):
     results = CTX.Queue()
-    proc = CTX.Process(target=hold_vllm_kv, args=(redis_url, kind, layers, blocks, requests, hold_s, results))
+    proc = CTX.Process(target=hold_vllm_kv, args=(redis_url, kind, layers, blocks, requests, hold_s, results, device))
     proc.start()
     state, epoch = results.get(timeout=60)
     assert state == "held"
     return proc, results, epoch
 
 
-def test_consumer_reads_a_vllm_producers_planes_from_its_process(redis_url):
+@pytest.mark.parametrize("device", DEVICES)
+def test_consumer_reads_a_vllm_producers_planes_from_its_process(redis_url, device):
     requests = [("a", [3, 1, 7]), ("b", [0])]
-    proc, results, _ = _start(redis_url, ConnectorKind.SHM, 3, 8, requests)
-    side = Consumer(redis_url, ConnectorKind.SHM, 3, 8)
+    proc, results, _ = _start(redis_url, ConnectorKind.SHM, 3, 8, requests, device=device)
+    side = Consumer(redis_url, ConnectorKind.SHM, 3, 8, device=device)
     try:
         got = side.pull("a", [5, 6, 2])
         assert side.holds("a", [5, 6, 2])
@@ -117,7 +128,7 @@ def test_consumer_reads_a_vllm_producers_planes_from_its_process(redis_url):
         assert entry is not None and entry.location is not None
         side.pull("b", [4])
         assert side.holds("b", [4])
-        assert str(side.transport.data_path(side.consumer._puller, entry.location)) == "cma"
+        assert str(side.transport.data_path(side.consumer._puller, entry.location)) == PATHS[device]
         assert results.get(timeout=30) == ("released", ["a", "b"])
     finally:
         side.close()
@@ -157,9 +168,9 @@ def test_pieces_merge_runs_and_slice_heads():
 BIG_LAYERS, BIG_BLOCKS = 32, 512  # 512 blocks of 32 layers x 16 KiB: a 256 MiB pull (30-60 ms here) to kill into
 
 
-def consume_big(redis_url: str, conn) -> None:
+def consume_big(redis_url: str, conn, device: str = "cpu") -> None:
     """Child: pull the big request, say "pulling" as it starts; then the error's type (or "ok")."""
-    side = Consumer(redis_url, ConnectorKind.SHM, BIG_LAYERS, BIG_BLOCKS, hold_s=2.0)
+    side = Consumer(redis_url, ConnectorKind.SHM, BIG_LAYERS, BIG_BLOCKS, hold_s=2.0, device=device)
     side.consumer.expect("big", "prefill")
     conn.send("pulling")
     try:
@@ -170,11 +181,13 @@ def consume_big(redis_url: str, conn) -> None:
     side.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kill_after_s", [0.0, 0.01, 0.03], ids=["0ms", "10ms", "30ms"])
-def test_consumer_outlives_a_producer_killed_mid_read(redis_url, kill_after_s):
-    proc, _, _ = _start(redis_url, ConnectorKind.SHM, BIG_LAYERS, BIG_BLOCKS, [("big", list(range(BIG_BLOCKS)))])
+def test_consumer_outlives_a_producer_killed_mid_read(redis_url, kill_after_s, device):
+    proc, _, _ = _start(redis_url, ConnectorKind.SHM, BIG_LAYERS, BIG_BLOCKS, [("big", list(range(BIG_BLOCKS)))],
+                        device=device)
     parent, child = CTX.Pipe()
-    consumer = CTX.Process(target=consume_big, args=(redis_url, child))
+    consumer = CTX.Process(target=consume_big, args=(redis_url, child, device))
     try:
         consumer.start()
         assert parent.poll(60) and parent.recv() == "pulling"
@@ -191,16 +204,17 @@ def test_consumer_outlives_a_producer_killed_mid_read(redis_url, kill_after_s):
             p.kill()
 
 
-def test_a_restarted_producer_is_opened_anew_and_its_old_epoch_refused(redis_url):
-    side = Consumer(redis_url, ConnectorKind.SHM, 2, 8)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_restarted_producer_is_opened_anew_and_its_old_epoch_refused(redis_url, device):
+    side = Consumer(redis_url, ConnectorKind.SHM, 2, 8, device=device)
     try:
-        first, _, epoch1 = _start(redis_url, ConnectorKind.SHM, 2, 8, [("one", [1]), ("stale", [2])])
+        first, _, epoch1 = _start(redis_url, ConnectorKind.SHM, 2, 8, [("one", [1]), ("stale", [2])], device=device)
         side.pull("one", [3])
         assert side.holds("one", [3])
         stale = side.directory.get("stale")
         os.kill(first.pid, signal.SIGKILL)
         first.join(10)
-        second, results, epoch2 = _start(redis_url, ConnectorKind.SHM, 2, 8, [("two", [1])])
+        second, results, epoch2 = _start(redis_url, ConnectorKind.SHM, 2, 8, [("two", [1])], device=device)
         assert epoch2 > epoch1
         side.pull("two", [3])  # the same blocks there, other bytes: read from the new process
         assert side.holds("two", [3])
@@ -231,6 +245,42 @@ def test_auto_pulls_over_ucx_where_the_kernel_refuses_and_counts_it(redis_url, m
         assert side.holds("b", [0]) and got.transport == ConnectorKind.UCX
         assert side.metrics.transport_fallbacks.labels("cma_refused")._value.get() == 2
         assert results.get(timeout=30) == ("released", ["a", "b"])
+    finally:
+        side.close()
+        proc.join(10)
+        proc.kill()
+
+
+def test_a_cuda_plane_outside_its_storage_is_refused(monkeypatch):
+    """The consumer bounds every plane a producer describes by the allocation its handle opens (no CUDA needed:
+    the handle is not opened for real)."""
+    from kvwire.connectors.transports.shm import cuda_ipc
+    from kvwire.connectors.wire import CudaIpcHandle
+
+    monkeypatch.setattr(cuda_ipc, "_open", lambda ipc: torch.UntypedStorage(0))
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
+    handle = CudaIpcHandle(0, b"", 1024, 0, b"", 0, b"", False)
+    msg = ShmSegment(producer="p", epoch=1, num_blocks=4, block_nbytes=256, access=ShmAccess.CUDA_IPC,
+                     planes=[PlaneDesc(0, 256, 256)], storages=[handle])  # rows 1..4 of 256 bytes: past 1024
+    with pytest.raises(ValueError, match="outside a storage of 1024"):
+        cuda_ipc.open_planes(msg)
+    with pytest.raises(ValueError, match="plane in storage 1 of 1"):
+        cuda_ipc.open_planes(msgspec.structs.replace(msg, planes=[PlaneDesc(1, 0, 256)]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_pick_of_blocks_moves_only_those(redis_url, device):
+    """What a sliding-window group or a state page pulls (connectors/vllm/groups.py): some positions of the
+    prompt's block list, read where they lie on both sides, the rest untouched."""
+    proc, results, _ = _start(redis_url, ConnectorKind.SHM, 2, 8, [("w", [1, 2, 3, 4])], device=device)
+    side = Consumer(redis_url, ConnectorKind.SHM, 2, 8, device=device)
+    try:
+        side.consumer.expect("w", "prefill")
+        side.consumer.receive_blocks("w", 4 * BLOCK, [0, 5, 6, 7], pick=[2, 3])
+        for layer, t in enumerate(side.tensors.values()):
+            assert torch.equal(t[[6, 7]].cpu(), _kv("w", layer, 4)[2:]), layer
+            assert not t[[0, 5]].any(), "a block outside the pick was written"
+        assert results.get(timeout=30) == ("released", ["w"])
     finally:
         side.close()
         proc.join(10)
