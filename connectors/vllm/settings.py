@@ -46,7 +46,8 @@ class VLLMSettings:
     Attributes:
         role: vLLM's kv_role.
         redis_url: kvwire's directory.
-        transport: how KV moves (any kvwire transport name).
+        transport: how KV moves (any kvwire transport name); auto: read straight from a prefill server on this host
+            (CUDA IPC on GPUs, cross-memory attach on the CPU), UCX from the rest.
         node_id: this engine's name in the directory (identity.py); a restart under the same name fences
             off what the earlier incarnation published. Default: `vllm-<hostname>-<engine id>`, unique per
             server; a given one gets `-dp<rank>` on a data-parallel server.
@@ -62,7 +63,7 @@ class VLLMSettings:
 
     role: KVRole
     redis_url: str
-    transport: ConnectorKind = ConnectorKind.UCX
+    transport: ConnectorKind = ConnectorKind.AUTO
     node_id: str = ""
     host: str = "127.0.0.1"
     advertise_host: str = ""
@@ -94,7 +95,7 @@ class VLLMSettings:
         if not isinstance(extra.get("redis_url"), str):
             raise ValueError("kvwire: kv_connector_extra_config needs \"redis_url\": \"redis://HOST:PORT/DB\"")
         role = _enum(KVRole, kv_role, "kv_role")
-        transport = _enum(ConnectorKind, extra.get("transport", "ucx"), "transport")
+        transport = _enum(ConnectorKind, extra.get("transport", "auto"), "transport")
         node_id = node_id_of(str(extra.get("node_id") or ""), engine, socket.gethostname())
         try:
             numbers = {k: float(extra[k]) for k in ("kv_deadline_s", "entry_ttl_s") if k in extra}

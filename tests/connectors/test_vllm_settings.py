@@ -34,7 +34,7 @@ def test_settings_defaults_name_each_server_apart():
     """vLLM's examples give no node_id: two servers on one host must still be two nodes."""
     s = VLLMSettings.parse("kv_both", {"redis_url": URL}, ONE)
     other = VLLMSettings.parse("kv_both", {"redis_url": URL}, EngineShape("9d0e4b2a-1c3f-4e5a-8b6c-7d8e9f0a1b2c"))
-    assert s.transport == ConnectorKind.UCX and s.node_id.startswith("vllm-") and s.node_id.endswith("-3f2a9c1e")
+    assert s.transport == ConnectorKind.AUTO and s.node_id.startswith("vllm-") and s.node_id.endswith("-3f2a9c1e")
     assert other.node_id != s.node_id
     assert s.role.produces and s.role.consumes
 

@@ -9,6 +9,8 @@ its host and over UCX from the rest (`choose`).
 
 from __future__ import annotations
 
+import logging
+
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.consumer.offers import narrow
 from kvwire.connectors.producer.transfer_server import SendEngine
@@ -21,13 +23,21 @@ from kvwire.connectors.transports.ucx.send_engine import UCXSendEngine
 from kvwire.connectors.wire import KVLocation
 from kvwire.observability.labels import TransportFallback
 
+log = logging.getLogger(__name__)
+
 
 class AutoTransport(SHMTransport):
     kind = ConnectorKind.AUTO
     _puller: AutoPuller | None = None
 
     def send_engines(self, region: KVRegion) -> dict[ConnectorKind, SendEngine]:
-        return {ConnectorKind.SHM: self._send_engine(region), ConnectorKind.UCX: UCXSendEngine()}
+        """Shared memory and UCX; UCX alone (said once, at start-up) where the region cannot be shared."""
+        try:
+            shm = self._send_engine(region)
+        except ValueError as exc:
+            log.warning("%s; transport auto serves over UCX alone", exc)
+            return {ConnectorKind.UCX: UCXSendEngine()}
+        return {ConnectorKind.SHM: shm, ConnectorKind.UCX: UCXSendEngine()}
 
     def puller(self, region: KVRegion) -> Puller:
         self._puller = AutoPuller(self.config.node_id, region, self.config.pull_lanes)

@@ -64,15 +64,28 @@ class SHMTransport(Transport):
         return SHMSendEngine(self.config.node_id, self.epoch, self._segment)
 
     def _exported(self, region: KVRegion) -> PoolSegment:
-        """Planes kvwire did not place in a memfd, offered where they lie."""
+        """Planes kvwire did not place in a memfd, offered where they lie (exported once now: memory CUDA cannot
+        share is refused at start-up, not at a consumer's first pull).
+
+        Raises:
+            ValueError: planes on a device shared memory cannot reach, or that CUDA cannot share by handle.
+        """
         device = region.planes[0].device
+        segment: PoolSegment
         if device.type == "cuda":
             from kvwire.connectors.transports.shm.cuda_ipc import CudaPlanes  # needs CUDA: imported only for it
 
-            return CudaPlanes(self.config.node_id, self.epoch, region)
-        if device.type == "cpu":
-            return CmaPlanes(self.config.node_id, self.epoch, region)
-        raise ValueError(f"node {self.config.node_id}: shared memory cannot serve planes on {device}")
+            segment = CudaPlanes(self.config.node_id, self.epoch, region)
+        elif device.type == "cpu":
+            segment = CmaPlanes(self.config.node_id, self.epoch, region)
+        else:
+            raise ValueError(f"node {self.config.node_id}: shared memory cannot serve planes on {device}")
+        try:
+            segment.export()
+        except RuntimeError as exc:  # e.g. memory from an allocator other than torch's caching one
+            raise ValueError(f"node {self.config.node_id}: its KV cache cannot be shared by CUDA IPC handle ({exc}); "
+                             "serve it over ucx or tcp") from exc
+        return segment
 
     def puller(self, region: KVRegion) -> Puller:
         return SHMPuller(self.config.node_id, region, self.config.pull_lanes)
