@@ -1,4 +1,12 @@
-"""`kvwire demo`: a private cluster, a handful of prompts, and a check against one process."""
+"""`kvwire demo`: a private cluster, a handful of prompts, and a check against one process.
+
+1. The prompts' tokens from one process (engine/reference.py): what the cluster must answer.
+2. A local cluster starts; the demo goes on once the router can disaggregate (its /readyz: a live prefill
+   node and decode node, both warmed up before they registered).
+3. One prompt is asked TTFT_REQUESTS times, one request at a time: the first request's time to first token
+   against the tenth's shows whether the nodes' warm-up worked (on a GPU, the first within 2x the tenth).
+4. Every prompt is sent at once; the table shows how each one's KV travelled, and each output is compared.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +20,14 @@ import httpx
 import typer
 
 from kvwire.bench.prompts import PROMPTS
-from kvwire.cli.options import Connector, LogLevel, setup_logging
+from kvwire.cli.options import Connector, LogLevel, Warmup, setup_logging
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.cluster.paths import default_model_dir
 from kvwire.connectors.config import ConnectorKind
 from kvwire.protocol.work import SamplingParams
+
+TTFT_REQUESTS = 10  # asked one at a time: the first request's TTFT against the tenth's
+TTFT_PROMPT = PROMPTS[4]  # 135 tokens: a prompt that is neither one block nor a long one
 
 
 @dataclass
@@ -40,6 +51,28 @@ def _ask(url: str, prompt: str, params: SamplingParams) -> dict:
     if resp.status_code != 200:
         raise RuntimeError(data["error"]["message"])
     return data
+
+
+def _first_requests(url: str, prompt_tokens: int) -> str:
+    """Ask TTFT_PROMPT TTFT_REQUESTS times, one request at a time (a failure ends the series); the line that
+    compares the first request's time to first token with the tenth's (or the last's, when fewer came)."""
+    ttfts: list[float] = []
+    paths: list[str] = []
+    for _ in range(TTFT_REQUESTS):
+        try:
+            report = _ask(url, TTFT_PROMPT, SamplingParams(max_tokens=1, temperature=0.0))["kvwire"]
+        except Exception as exc:  # noqa: BLE001 - reported on the line
+            if not ttfts:
+                return f"time to first token, one request at a time: the first request failed: {exc}"
+            break
+        ttfts.append(report["ttft_ms"] or 0.0)
+        paths.append(report["path"])
+    n = len(ttfts)
+    nth = "tenth" if n == TTFT_REQUESTS else f"last (#{n})"
+    ratio = f"{ttfts[0] / ttfts[-1]:.1f}x" if ttfts[-1] else "-"
+    return (f"time to first token, one request at a time (a {prompt_tokens}-token prompt): first request "
+            f"{ttfts[0]:.1f} ms ({paths[0]}), {nth} {ttfts[-1]:.1f} ms ({paths[-1]}): the first is {ratio} the "
+            f"{nth} (warm nodes on a GPU: within 2x)")
 
 
 def _table(rows: list[Row]) -> str:
@@ -78,7 +111,7 @@ def demo(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint;
          max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens to generate per prompt.")] = 24,
          device: Annotated[str, typer.Option("--device", help="torch device of both nodes and of the single-process "
                                              "run, e.g. cpu or cuda:0.")] = "cpu",
-         log_level: LogLevel = "WARNING") -> None:
+         warmup: Warmup = True, log_level: LogLevel = "WARNING") -> None:
     """Serve a few prompts through prefill → KV transfer → decode and compare with one process."""
     from kvwire.engine.reference import generate
     from kvwire.engine.tokenizer import load_tokenizer
@@ -94,10 +127,12 @@ def demo(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint;
     typer.echo(f"starting a local cluster (connector {connector}, both nodes on {device}) ...")
     started = time.monotonic()
     spec = ClusterSpec(model_dir=model_dir, connector=connector, log_level=log_level, prefill_device=device,
-                       decode_device=device)
+                       decode_device=device, warmup=warmup)
     with LocalCluster(spec) as cluster:
-        typer.echo(f"cluster ready in {time.monotonic() - started:.1f}s at {cluster.url}; "
-                   f"sending {len(PROMPTS)} prompts at once")
+        typer.echo(f"cluster ready to disaggregate in {time.monotonic() - started:.1f}s at {cluster.url} "
+                   f"(nodes {'warmed up' if warmup else 'not warmed up: --no-warmup'})")
+        typer.echo(_first_requests(cluster.url, len(tokenizer.encode(TTFT_PROMPT))))
+        typer.echo(f"sending {len(PROMPTS)} prompts at once")
         with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
             futures = [pool.submit(_ask, cluster.url, p, params) for p in PROMPTS]
             for row, fut in zip(rows, futures):

@@ -64,6 +64,10 @@ RequireFastPath = Annotated[bool, typer.Option(
     "--require-fast-path", envvar="KVWIRE_REQUIRE_FAST_PATH",
     help="Decode: refuse KV from a producer on this host whose path crosses the network stack (e.g. UCX on tcp "
          "between containers) where shared memory was expected, and recompute; off: warn once per producer.")]
+Warmup = Annotated[bool, typer.Option(
+    "--warmup/--no-warmup",
+    help="Before registering, run a dummy prompt, decode steps and the transfer plane's block copies once on the "
+         "node's device, so the first requests do not pay its start-up (CUDA's, on a GPU).")]
 AuthSecretFile = Annotated[Path | None, typer.Option(
     "--auth-secret-file", envvar="KVWIRE_AUTH_SECRET_FILE",
     help="File holding a shared secret (16+ bytes): control messages between the router and nodes are sealed "
@@ -96,7 +100,8 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
                 auth_secret_file: Path | None = None, verify_kv: bool = False,
                 drain_timeout: float = 30.0, pull_lanes: int = 2, layerwise: bool = False,
                 advertise_host: str | None = None, require_fast_path: bool = False,
-                heartbeat_ttl: float = 5.0, redis_timeout: float = 5.0, prefix_cache: bool = False) -> NodeConfig:
+                heartbeat_ttl: float = 5.0, redis_timeout: float = 5.0, prefix_cache: bool = False,
+                warmup: bool = True) -> NodeConfig:
     """Build a node's one config object from its command-line options."""
     if not (model / "config.json").is_file():
         raise typer.BadParameter(f"{model} has no config.json (create one with `kvwire init-model`)",
@@ -119,7 +124,7 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
                             prefix_cache=prefix_cache),
         connector=connector_config,
         work_port=port, http_port=http_port, auth_secret=auth_secret(auth_secret_file),
-        drain_timeout_s=drain_timeout, heartbeat_ttl_s=heartbeat_ttl, redis_timeout_s=redis_timeout)
+        drain_timeout_s=drain_timeout, heartbeat_ttl_s=heartbeat_ttl, redis_timeout_s=redis_timeout, warmup=warmup)
 
 
 ServedModelName = Annotated[str | None, typer.Option(

@@ -4,7 +4,8 @@
    prefill node, decode node and router as supervised child processes of this one
    (cluster/supervisor.py; they die with this process too). Each node also serves /healthz,
    /readyz and /metrics on a free port of its own (`ops_urls`).
-2. It returns once the router's /healthz sees both nodes live; from then on a child that
+2. It returns once the router's /readyz says it can disaggregate (a live prefill node, and
+   every decode node live: each registers once warmed up); from then on a child that
    crashes is restarted with its command line (the router on the same port) while the
    others keep serving. `stop_process` stops one on purpose: it stays down.
 3. `stop()` (also on exit of the `with` block) stops restarting, sends SIGTERM to every
@@ -60,6 +61,7 @@ class ClusterSpec:
     require_fast_path: bool = False  # the decode node's --require-fast-path: a same-host slow path is refused
     heartbeat_ttl_s: float = 5.0  # both nodes' --heartbeat-ttl: how long a dead node stays registered
     decode_nodes: int = 1  # decode nodes: "decode" (id decode-0), then "decode-1" ... (the router picks among them)
+    warmup: bool = True  # the nodes warm up before they register; False: `--no-warmup` (cold first requests)
     launch: Launcher | None = None  # how children start; None: `python -m kvwire.cli.main` (cluster/forked.py)
 
 
@@ -142,14 +144,17 @@ class LocalCluster:
                 "--http-port", str(self.http_ports[name]), "--heartbeat-ttl", str(s.heartbeat_ttl_s),
                 *self._auth_args(),
                 *(["--layerwise"] if s.layerwise and role == "prefill" else []),
-                *(["--require-fast-path"] if s.require_fast_path and role == "decode" else [])]
+                *(["--require-fast-path"] if s.require_fast_path and role == "decode" else []),
+                *([] if s.warmup else ["--no-warmup"])]
 
     def spawn(self, name: str, args: list[str]) -> ChildProcess:
         """Start `python -m kvwire.cli.main ARGS` as a supervised child named `name`."""
         return self.supervisor.start(name, args)
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
-        """Block until /healthz answers 200. Raises ClusterError if a child dies or time runs out."""
+        """Block until the router can disaggregate over every node started: its /readyz lists a live prefill
+        node and `decode_nodes` live decode nodes (nodes register once warmed up, so the first requests find
+        them warm and are not recomputed). Raises ClusterError if a child dies or time runs out."""
         deadline = time.monotonic() + timeout_s
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
@@ -157,9 +162,10 @@ class LocalCluster:
                 if dead and not self.supervisor.armed.is_set():
                     raise ClusterError(f"processes exited during start-up: {dead}")
                 try:
-                    if client.get(f"{self.url}/healthz").status_code == 200:
+                    body = client.get(f"{self.url}/readyz").json()
+                    if body.get("disaggregate") and body.get("decode_nodes", 0) >= self.spec.decode_nodes:
                         return
-                except httpx.HTTPError:
+                except (httpx.HTTPError, ValueError):  # not listening yet, or not JSON yet
                     pass
                 time.sleep(0.2)  # start-up only: children are loading models
         raise ClusterError(f"cluster not ready within {timeout_s:.0f}s")

@@ -73,6 +73,7 @@ class DecodeNode:
         m.watch_queue(Queue.DECODE_AWAITING_KV, self._awaiting)
         m.watch_queue(Queue.DECODE_WAITING, lambda: len(self.engine.waiting))
         m.watch_queue(Queue.DECODE_RUNNING, lambda: len(self.engine.running))
+        rt.warm_up(runner)  # before registering: no router picks a cold node
         rt.start_heartbeat(on_beat=self._consumer.publish_addresses)
 
     def serve(self, stop: threading.Event) -> None:

@@ -21,6 +21,8 @@ class NodeConfig:
         http_port: port of the node's /healthz, /readyz and /metrics endpoint; 0: none.
         auth_secret: shared secret sealing control messages (connectors/control/auth.py); None: no authentication.
         drain_timeout_s: on SIGTERM, how long the node may take to finish what it holds before it exits.
+        warmup: run the engine and the transfer plane once on the node's device before registering
+            (engine/warmup.py), so the first requests do not pay the device's start-up.
     """
 
     engine: EngineConfig
@@ -31,6 +33,7 @@ class NodeConfig:
     http_port: int = 0
     auth_secret: bytes | None = field(default=None, repr=False)
     drain_timeout_s: float = 30.0
+    warmup: bool = True
 
     def __post_init__(self) -> None:
         if self.drain_timeout_s < 0:

@@ -8,10 +8,13 @@
    directory and kvwire_transport_info; a failure keeps the node unregistered and not
    ready). It then builds its
    role (producer or consumer) over a pool, and its runner, passing each what it needs.
-3. `start_heartbeat`: the node registers in the directory (routers may now pick it);
+3. `warm_up`: a dummy prompt and decode steps through the runner's model and pool, and the
+   transfer plane's block copies, on the node's device (engine/warmup.py; unless the config
+   says `warmup=False`), leaving the allocator, the pool and the metrics as they were.
+4. `start_heartbeat`: the node registers in the directory (routers may now pick it);
    /readyz turns 200 if the self-test passed.
-4. `serve_until_signalled`: the node's loop runs until SIGTERM / SIGINT, then drains.
-5. `node.close()` stops the role, then `NodeRuntime.close` deregisters and closes the
+5. `serve_until_signalled`: the node's loop runs until SIGTERM / SIGINT, then drains.
+6. `node.close()` stops the role, then `NodeRuntime.close` deregisters and closes the
    directory and the socket. The process exits 0.
 """
 
@@ -45,6 +48,8 @@ from kvwire.engine.gc_pauses import freeze_startup_heap
 from kvwire.engine.loader import load_model
 from kvwire.engine.model import LlamaForCausalLM
 from kvwire.engine.model_config import kv_layout
+from kvwire.engine.runner import ModelRunner
+from kvwire.engine.warmup import WarmupReport, warm_up
 from kvwire.node.config import NodeConfig
 from kvwire.observability.labels import RejectReason
 from kvwire.observability.metrics import Metrics, process_metrics
@@ -83,6 +88,7 @@ class NodeRuntime:
     heartbeat: Heartbeat | None = None
     rejected_messages: int = 0
     transport_checks: list[TransportCheck] = field(default_factory=list)  # the start-up self-test's, per transport
+    warmup: WarmupReport | None = None  # what `warm_up` did; None until it ran (or with warm-up off)
 
     @classmethod
     def open(cls, config: NodeConfig, load: Callable[[], NodeLoad]) -> NodeRuntime:
@@ -115,6 +121,18 @@ class NodeRuntime:
     def max_model_len(self) -> int:
         limit = self.model.config.max_position_embeddings
         return min(self.config.engine.max_model_len or limit, limit)
+
+    def warm_up(self, runner: ModelRunner) -> None:
+        """Warm the engine and the transfer plane on the node's device (engine/warmup.py), unless the config
+        says not to; call it before `start_heartbeat`, so that no router picks a cold node.
+
+        Raises:
+            Whatever the model raises: a node whose forward fails must not serve.
+        """
+        if not self.config.warmup:
+            return
+        self.warmup = warm_up(runner, self.allocator, self.max_model_len)
+        log.info("node %s: %s", self.config.node_id, self.warmup.describe())
 
     def start_heartbeat(self, on_beat: Callable[[], None] = lambda: None) -> None:
         """Register the node in the directory (routers may pick it from now on) and keep it there; not when
@@ -163,10 +181,11 @@ class NodeRuntime:
         return info is not None and info.epoch == self.epoch and not info.draining
 
     def readiness_details(self) -> list[str]:
-        """The transport self-test, one line per transport, for /readyz's body."""
-        return [f"transport {c.transport}: ok in {c.ms:.1f} ms over {c.path}" if c.ok else
-                f"transport {c.transport}: self-test FAILED after {c.ms:.1f} ms: {c.reason}"
-                for c in self.transport_checks]
+        """The transport self-test, one line per transport, and the warm-up, for /readyz's body."""
+        lines = [f"transport {c.transport}: ok in {c.ms:.1f} ms over {c.path}" if c.ok else
+                 f"transport {c.transport}: self-test FAILED after {c.ms:.1f} ms: {c.reason}"
+                 for c in self.transport_checks]
+        return lines + [self.warmup.describe() if self.warmup is not None else "warm-up: off"]
 
     def deregister(self) -> None:
         """Leave the directory's node list (routers stop picking the node)."""

@@ -68,6 +68,7 @@ class PrefillNode:
         rt.metrics.watch_blocks(lambda: rt.allocator.num_free, rt.allocator.num_blocks)
         rt.metrics.watch_queue(Queue.PREFILL_PENDING, lambda: len(self._pending))
         rt.metrics.watch_queue(Queue.PREFILL_HELD, lambda: self._producer.held_requests)
+        rt.warm_up(self._runner)  # before registering: no router picks a cold node
         rt.start_heartbeat()
 
     def serve(self, stop: threading.Event) -> None:

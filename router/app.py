@@ -76,15 +76,24 @@ class Router:
         return JSONResponse({"status": "ok" if ok else "degraded", "nodes": counts}, status_code=200 if ok else 503)
 
     async def readyz(self):
-        """200 when the directory answers and lists at least one live decode node; 503 otherwise."""
+        """Whether the router can serve (200: the directory answers and lists a live decode node; 503 otherwise)
+        and, in the body, whether it can disaggregate now (`disaggregate`: a live prefill node too).
+
+        A router with decode nodes alone serves every request (decode-only, recomputed), so it stays ready
+        when no prefill node is live: `disaggregate: false` says so, for what waits for disaggregation (`kvwire
+        demo`, a deploy's smoke test). Read from the directory at each call (picks reuse a read for a moment).
+        """
         directory = self.directory
         assert directory is not None  # lifespan opened it before serving
         try:
-            decode_nodes = await asyncio.to_thread(directory.live_nodes, NodeRole.DECODE)
+            nodes = await asyncio.to_thread(directory.live_nodes)
         except DirectoryError as exc:
-            return JSONResponse({"ready": False, "reason": str(exc)}, status_code=503)
-        ready = bool(decode_nodes)
-        return JSONResponse({"ready": ready, "decode_nodes": len(decode_nodes)}, status_code=200 if ready else 503)
+            return JSONResponse({"ready": False, "disaggregate": False, "reason": str(exc)}, status_code=503)
+        decodes = sum(n.role == NodeRole.DECODE for n in nodes)
+        prefills = sum(n.role == NodeRole.PREFILL for n in nodes)
+        ready = decodes > 0
+        return JSONResponse({"ready": ready, "disaggregate": ready and prefills > 0, "decode_nodes": decodes,
+                             "prefill_nodes": prefills}, status_code=200 if ready else 503)
 
     async def metrics_text(self):
         return Response(content=self.metrics.exposition(), media_type=CONTENT_TYPE)

@@ -60,3 +60,27 @@ def test_a_prefill_node_refuses_the_prefix_cache_flag(tiny_model_dir):
     result = CliRunner().invoke(app, ["prefill", "--model", str(tiny_model_dir), "--redis-url", "redis://127.0.0.1:1",
                                       "--prefix-cache"])
     assert result.exit_code == 2
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize(("flag", "want"), [([], True), (["--no-warmup"], False), (["--warmup"], True)])
+def test_a_node_warms_up_unless_told_not_to(role, flag, want, tiny_model_dir, monkeypatch):
+    from typer.testing import CliRunner
+
+    from kvwire.cli.main import app
+
+    built = []
+    monkeypatch.setattr(f"kvwire.{role}_node.main.run", built.append)
+    result = CliRunner().invoke(app, [role, "--model", str(tiny_model_dir), "--redis-url", "redis://127.0.0.1:1",
+                                      *flag])
+    assert result.exit_code == 0, result.output
+    assert built[0].warmup is want
+
+
+def test_a_local_cluster_passes_no_warmup_to_both_nodes(tiny_model_dir):
+    from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
+
+    for warmup in (True, False):
+        cluster = LocalCluster(ClusterSpec(model_dir=tiny_model_dir, warmup=warmup))
+        cluster.redis_url, cluster.http_ports = "redis://127.0.0.1:1", {"prefill": 1, "decode": 2}
+        assert all(("--no-warmup" in cluster._node_args(name)) is not warmup for name in ("prefill", "decode"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import select
 import signal
 import subprocess
@@ -77,3 +78,7 @@ def test_demo_exits_zero_with_identical_outputs(tiny_model_dir):
     assert "all 8 outputs identical to the single-process run" in done.stdout
     table = [line for line in done.stdout.splitlines() if line[:2].strip().isdigit()]
     assert len(table) == 8 and all(line.rstrip().endswith("yes") for line in table)
+    # it waited until the router could disaggregate: the very first request was prefilled, not recomputed
+    ttft = re.search(r"first request ([\d.]+) ms \((\S+)\), tenth ([\d.]+) ms \((\S+)\)", done.stdout)
+    assert ttft is not None, done.stdout
+    assert (ttft[2], ttft[4]) == ("disaggregated", "disaggregated") and float(ttft[1]) > 0 < float(ttft[3])

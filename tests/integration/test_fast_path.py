@@ -83,8 +83,9 @@ def cluster(request, tiny_model_dir, redis_url, tmp_path):
 def test_ucx_on_tcp_between_same_host_nodes_is_reported_and_warned_or_refused(cluster, tiny_model_dir, redis_url):
     router, ops, decode_log, require = cluster
     for role, url in ops.items():
-        body = httpx.get(f"{url}/readyz", timeout=5).text
-        assert body.startswith("ready\ntransport ucx: ok in ") and body.endswith(" ms over tcp\n"), (role, body)
+        lines = httpx.get(f"{url}/readyz", timeout=5).text.splitlines()  # ready, the self-test, the warm-up
+        assert lines[0] == "ready" and lines[1].startswith("transport ucx: ok in ") and \
+            lines[1].endswith(" ms over tcp") and lines[2].startswith("warm-up: "), (role, lines)
         assert one(scrape(url), "kvwire_transport_info", transport="ucx", path="tcp", self_test="ok") == 1
     status = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "status", "--redis-url", redis_url],
                             capture_output=True, text=True, timeout=60)
