@@ -30,7 +30,7 @@ from kvwire.connectors.producer.role import KVProducer
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.transports.shm import cma
 from kvwire.connectors.vllm.layout import region_of
-from kvwire.connectors.wire import PlaneDesc, ShmAccess, ShmSegment
+from kvwire.connectors.wire import PlaneDesc, PoolLayout, ShmAccess, ShmSegment
 from kvwire.observability.metrics import Metrics
 from tests import procs
 from tests.connectors import peer
@@ -285,3 +285,30 @@ def test_a_pick_of_blocks_moves_only_those(redis_url, device):
         side.close()
         proc.join(10)
         proc.kill()
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_a_cma_copy_split_over_lanes_lands_every_byte(lanes):
+    """CmaReader.copy over the copier's lanes (each a share of the pieces, by bytes), read here from this very
+    process: the same bytes whatever the split, head slices included."""
+    from kvwire.connectors.transports.shm.copier import BlockCopier
+
+    layout = msgspec.structs.replace(peer.layout(), num_kv_heads=4, pool=PoolLayout.VLLM_CPU)  # 4 heads of 64 bytes
+    src = [torch.randint(0, 255, (8, 256), dtype=torch.uint8) for _ in range(3)]
+    segment = ShmSegment(producer="self", epoch=1, num_blocks=8, block_nbytes=3 * 256, access=ShmAccess.CMA,
+                         planes=[PlaneDesc(0, p.data_ptr(), 256) for p in src])
+    reader, copier = cma.CmaReader(os.getpid(), segment), BlockCopier(lanes, min_parallel_bytes=0)
+    try:
+        dst = [torch.zeros(8, 256, dtype=torch.uint8) for _ in range(3)]
+        runs = [(0, 4, 2), (5, 0, 3), (7, 7, 1)]
+        assert reader.copy(KVRegion(tuple(dst), layout), layout, None, runs, copier) == 6 * 3 * 256
+        for s, d in zip(src, dst):
+            assert torch.equal(d[[4, 5, 0, 1, 2, 7]], s[[0, 1, 5, 6, 7, 7]])
+            assert not d[[3, 6]].any()
+        half = [torch.zeros(8, 128, dtype=torch.uint8) for _ in range(3)]  # a rank of 2 heads: heads 2, 3 of ours
+        narrow = msgspec.structs.replace(layout, num_kv_heads=2)
+        reader.copy(KVRegion(tuple(half), narrow), layout, (2, 2), [(1, 6, 2)], copier)
+        for s, d in zip(src, half):
+            assert torch.equal(d[[6, 7]], s[[1, 2], 128:])
+    finally:
+        copier.close()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import functools
 import os
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ import torch
 
 from kvwire.connectors.transports.block_copy import Run
 from kvwire.connectors.transports.kv_region import KVRegion, head_rows, same_planes
+from kvwire.connectors.transports.shm.copier import BlockCopier
 from kvwire.connectors.wire import KVLayout, PlaneDesc, ShmAccess, ShmSegment
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -108,8 +110,10 @@ class CmaReader:
         remote = np.array([[int(self._base[0]), scratch.numel()]], dtype=np.uint64)
         _read(self.pid, local, remote)
 
-    def copy(self, dst: KVRegion, src_layout: KVLayout, src_heads: tuple[int, int] | None, runs: list[Run]) -> int:
-        """`dst`'s blocks of `runs` from the producer's, every plane; returns the bytes read.
+    def copy(self, dst: KVRegion, src_layout: KVLayout, src_heads: tuple[int, int] | None, runs: list[Run],
+             copier: BlockCopier | None = None) -> int:
+        """`dst`'s blocks of `runs` from the producer's, every plane, split over `copier`'s lanes when it is worth
+        it; returns the bytes read.
 
         Args:
             dst: our region, narrowed to the head slice it receives, if any (its `rows`).
@@ -127,7 +131,13 @@ class CmaReader:
         if s_hi - s_lo != d_hi - d_lo:
             raise ValueError(f"producer rows of {s_hi - s_lo} bytes for ours of {d_hi - d_lo}")
         local, remote = _pieces(dst, d_lo, self._base + np.uint64(s_lo), self._stride, s_hi - s_lo, runs)
-        return _read(self.pid, local, remote)
+        total = int(local[:, 1].sum())
+        if copier is None or not copier.parallel(total) or local.shape[0] < 2:
+            return _read(self.pid, local, remote)
+        bounds = np.searchsorted(np.cumsum(local[:, 1]), [total * k // copier.lanes for k in range(1, copier.lanes)])
+        shares = [(lo, hi) for lo, hi in zip([0, *bounds], [*bounds, local.shape[0]]) if hi > lo]
+        copier.run([functools.partial(_read, self.pid, local[lo:hi], remote[lo:hi]) for lo, hi in shares])
+        return total
 
 
 def _pieces(dst: KVRegion, d_lo: int, src_base: np.ndarray, src_stride: np.ndarray, width: int,

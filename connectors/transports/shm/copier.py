@@ -16,7 +16,8 @@ Lifecycle:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -45,13 +46,22 @@ class BlockCopier:
         """dst[p][d:d+n] = src[p][s:s+n] for every plane p and every (s, d, n) in `runs`; dst, src: matching planes,
         each [num_blocks, row] uint8 (rows may be strided)."""
         nbytes = sum(n for _, _, n in runs) * sum(p.shape[1] for p in dst)
-        if self._pool is None or dst[0].device.type != "cpu" or nbytes < self._min_parallel_bytes:
+        if dst[0].device.type != "cpu" or not self.parallel(nbytes):
             _copy(dst, src, runs)
             return
-        shares = split_runs(runs, self.lanes)
-        futures = [self._pool.submit(_copy, dst, src, share) for share in shares[1:]]
+        self.run([functools.partial(_copy, dst, src, share) for share in split_runs(runs, self.lanes)])
+
+    def parallel(self, nbytes: int) -> bool:
+        """Whether a host copy of `nbytes` is worth splitting over the lanes."""
+        return self._pool is not None and nbytes >= self._min_parallel_bytes
+
+    def run(self, shares: Sequence[Callable[[], object]]) -> None:
+        """Run each share of a copy, the first on this thread and the rest on the lanes; return once all have ended
+        (so no thread writes after a pull returns or fails), raising the first failure."""
+        futures = [self._pool.submit(share) for share in shares[1:]] if self._pool is not None else []
         try:
-            _copy(dst, src, shares[0])
+            for share in shares[:1] if self._pool is not None else shares:
+                share()
         finally:
             for f in futures:
                 f.exception()  # wait for every lane, even after a failure here

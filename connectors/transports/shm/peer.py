@@ -80,6 +80,7 @@ class ReadPlanes:
     """Planes in the producer's address space, read by cross-memory attach."""
 
     reader: CmaReader
+    copier: BlockCopier
     access: ShmAccess = ShmAccess.CMA
 
     @property
@@ -96,7 +97,8 @@ class ReadPlanes:
 
     def copy(self, dst: KVRegion, src_layout: KVLayout, heads: HeadSlice | None, runs: list[Run]) -> None:
         whole = heads is None or (not heads.per_block and heads.num_heads == src_layout.num_kv_heads)
-        self.reader.copy(dst, src_layout, None if whole or heads is None else (heads.src_head, heads.num_heads), runs)
+        self.reader.copy(dst, src_layout, None if whole or heads is None else (heads.src_head, heads.num_heads), runs,
+                         self.copier)
 
 
 def open_peer(segment: ShmSegment, fds: list[int], pid: int, copier: BlockCopier) -> PeerPlanes:
@@ -122,4 +124,4 @@ def open_peer(segment: ShmSegment, fds: list[int], pid: int, copier: BlockCopier
         return MappedPlanes(segment.access, open_planes(segment), copier)
     reader = CmaReader(pid, segment)
     reader.probe()
-    return ReadPlanes(reader)
+    return ReadPlanes(reader, copier)
