@@ -1,10 +1,12 @@
 """The consumer's side of a shared-memory transfer: copy the producer's blocks into the consumer's.
 
 Per producer incarnation the puller keeps one mapping: a connection to the producer's
-Unix socket (its transport address) and the producer's pool mapped read-only (host)
-or opened by IPC handle (CUDA). A new epoch of that producer, or any failure, drops the
-mapping; the next pull maps again. A mapping keeps the producer's memory alive, so
-every pull first drops the mappings of producers that have gone (their socket hung up).
+Unix socket (its transport address) and the producer's KV planes as peer.py opens them
+(a memfd pool mapped read-only; device planes opened by IPC handle; vLLM's host planes read
+by address from the producer's process). A new epoch of that producer, or any failure, drops
+the mapping; the next pull maps again. A mapping keeps the producer's memory alive, so every
+pull first drops the mappings of producers that have gone (their socket hung up); a read by
+address also fails once the producer's socket hangs up during it.
 
 One pull, every wait of which ends at the pull's deadline:
 
@@ -14,8 +16,9 @@ One pull, every wait of which ends at the pull's deadline:
    copy, check it again, say `ShmRead` (no answer awaited) and return. A hold word that changed
    discards the read; the pull goes on as below (a claim, refused for a released request).
 3. Otherwise claim the request: a `PullRequest` on the Unix socket ("hold these blocks for my read").
-4. Meanwhile, copy each run of blocks consecutive on both sides (copier.py; the only copy
-   of those bytes), straight from the READY entry's blocks: the producer's wake-up and
+4. Meanwhile, copy each run of blocks consecutive on both sides, every plane in one batched
+   copy (a head slice: its columns of each row; the only copy of those bytes), straight from
+   the READY entry's blocks: the producer's wake-up and
    answer overlap the copy, so a pull costs the copy and at most one round trip.
 5. Say `ShmReadDone` as soon as the copy ends (no answer awaited): the producer may
    release the blocks.
