@@ -8,12 +8,14 @@ with the working tree (64 MiB in all, the tree included), so `.gpu/` is kept und
    for that interpreter and platform: `ucxx-cu13` in place of the CPU install's `ucxx-cu12`, UCX pinned to
    the release whose wheel is smallest (LIBUCX: 1.21's ships static archives and perftest, 40 MiB against
    27), and never torch.
-2. Groups, in the order they are packed: kvwire's own dependencies, then each package of the test extra in
-   pyproject order; a group is what it needs beyond the image and the groups before it.
-3. Each group's wheels are fetched (sha256 checked) into a cache outside the tree; a group goes into
+2. Groups, in the order they are packed: kvwire's own dependencies, then NIXL (the bench extra's, as its
+   CUDA 13 build: `kvwire bench transfer`'s peer rows), then each package of the test extra in pyproject
+   order; a group is what it needs beyond the image and the groups before it.
+3. Each group's wheels are fetched (sha256 checked) into a cache outside the tree, and those in gpu_strip.TRIMS
+   trimmed to what the run loads (libucx-cu13 27 -> 17 MiB, nixl-cu13 56 -> 14 MiB); a group goes into
    `.gpu/wheels/` whole if it fits in what is left of the budget, else it is left out and named with its size.
-4. `.gpu/manifest.json` says what was packed and left out; `.ci/gpu run` reads it and skips the tests that
-   need what was left out, saying so.
+4. `.gpu/manifest.json` says what was packed (and trimmed) and left out; `.ci/gpu run` reads it and skips the
+   tests that need what was left out, saying so (without NIXL the bench says its rows were skipped).
 
 Standard library only (and pip's vendored `packaging`, to read requirements as pip does).
 """
@@ -35,6 +37,9 @@ from pathlib import Path
 from pip._vendor.packaging.markers import Marker
 from pip._vendor.packaging.requirements import Requirement
 from pip._vendor.packaging.utils import canonicalize_name
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_strip import TRIMS, trim_wheel  # noqa: E402 - a sibling script, not a package
 
 ROOT = Path(__file__).resolve().parent.parent
 BUDGET_MIB = 60.0
@@ -72,8 +77,9 @@ def main() -> int:
     py = args.python
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     runtime = [_for_gpu(r) for r in project["dependencies"] if canonicalize_name(Requirement(r).name) != "torch"]
-    groups = [("kvwire", runtime + [LIBUCX])] + [(Requirement(r).name, [r]) for r in
-                                                 project["optional-dependencies"]["test"]]
+    extras = project["optional-dependencies"]
+    nixl = [_for_gpu(r) for r in extras["bench"] if Requirement(r).name.startswith("nixl")]
+    groups = [("kvwire", runtime + [LIBUCX]), ("nixl", nixl)] + [(Requirement(r).name, [r]) for r in extras["test"]]
     print(f"resolving kvwire + test extra for CPython {py}, manylinux x86_64 ...", flush=True)
     report = _resolve([r for _, reqs in groups for r in reqs], py)
     image = {canonicalize_name(n) for n in IMAGE.split()}
@@ -154,6 +160,14 @@ def _fetch(item: dict) -> Path:
     return path
 
 
+def _trimmed(name: str, wheel: Path) -> tuple[Path, dict]:
+    """The wheel to pack for package `name`, trimmed where TRIMS says so, and the manifest's note of it."""
+    if (trim := TRIMS.get(name)) is None:
+        return wheel, {}
+    done = trim_wheel(wheel, trim, CACHE / "trimmed")
+    return done.path, {"trimmed": {"from_bytes": done.from_bytes, "dropped_files": done.dropped, "what": trim.why}}
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -168,13 +182,13 @@ def _fit(chosen: list[tuple[str, list[str]]], report: dict[str, dict],
     room = budget_mib * 2**20 - 64 * 1024
     packed, left_out = [], []
     for group, names in chosen:
-        wheels = [(name, _fetch(report[name])) for name in names]
-        size = sum(p.stat().st_size for _, p in wheels)
+        wheels = [(name, *_trimmed(name, _fetch(report[name]))) for name in names]
+        size = sum(p.stat().st_size for _, p, _ in wheels)
         rows = [{"name": report[n]["metadata"]["name"], "version": report[n]["metadata"]["version"],
-                 "file": p.name, "bytes": p.stat().st_size, "group": group} for n, p in wheels]
+                 "file": p.name, "bytes": p.stat().st_size, "group": group, **trimmed} for n, p, trimmed in wheels]
         if size <= room:
             room -= size
-            packed += [dict(r, path=str(p)) for r, (_, p) in zip(rows, wheels)]
+            packed += [dict(r, path=str(p)) for r, (_, p, _) in zip(rows, wheels)]
         else:
             left_out.append({"group": group, "bytes": size, "packages": [f"{r['name']}=={r['version']}"
                                                                          for r in rows]})
@@ -195,7 +209,8 @@ def _write(packed: list[dict], left_out: list[dict], report: dict[str, dict], py
     total = sum(f.stat().st_size for f in gpu.rglob("*") if f.is_file())
     print(f"{'package':<28} {'version':<14} {'MiB':>6}  group")
     for row in packed:
-        print(f"{row['name']:<28} {row['version']:<14} {row['bytes'] / 2**20:>6.2f}  {row['group']}")
+        cut = f" (trimmed from {t['from_bytes'] / 2**20:.1f}: {t['what']})" if (t := row.get("trimmed")) else ""
+        print(f"{row['name']:<28} {row['version']:<14} {row['bytes'] / 2**20:>6.2f}  {row['group']}{cut}")
     for gone in left_out:
         print(f"LEFT OUT: {gone['group']} ({gone['bytes'] / 2**20:.1f} MiB: {', '.join(gone['packages'])}): "
               f"over the {budget_mib:g} MiB budget; `.ci/gpu run` skips what needs it")

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MIB = 2**20
+# how `kvwire bench transfer` heads the UCX protocols NIXL used (bench/report.py PROTOCOL_HEADING), and how it
+# says NIXL's rows were skipped
+PROTOCOL_HEADING = "NIXL's UCX protocol"
+SKIPPED = ": skipped: "
 
 
 @dataclass
@@ -45,6 +49,7 @@ class Report:
         for step in self.steps:
             if step.name == "bench" and step.stdout:
                 parts.append(f"### bench transfer\n\n```\n{step.stdout.strip()}\n```\n")
+                parts.append(nixl_section(step.stdout))
             if step.name == "demo":
                 parts.append(f"### demo\n\n```\n{step.stdout.strip() or '(no output: demo.log)'}\n```\n")
             if step.name == "tests":
@@ -64,6 +69,7 @@ class Report:
                 ("nvidia-smi (name, driver, memory)", f.get("nvidia_smi", "?")),
                 ("python, torch, CUDA", f"{f.get('python', '?')}, {f.get('torch', '?')}, {f.get('cuda', '-')}"),
                 ("ucxx, UCX", f"{f.get('ucxx', '?')}, {f.get('ucx', '?')}"),
+                ("NIXL (the bench's peer, its own UCX)", f.get("nixl", "?")),
                 ("not carried (their tests skipped)", gone)]
         if "error" in f:
             rows.append(("facts", f"could not be read: {f['error']}"))
@@ -76,6 +82,23 @@ class Report:
         total = sum(s.seconds for s in self.steps)
         return (f"### steps ({total:.0f} s)\n\n| step | result | s | note | log |\n| --- | --- | --- | --- | --- |\n"
                 f"{rows}\n")
+
+
+def nixl_section(bench_stdout: str) -> str:
+    """The UCX protocol each NIXL row used, gathered from every bench command's output (or why NIXL's rows
+    were skipped), under one heading."""
+    lines, inside = [], False
+    for line in bench_stdout.splitlines():
+        if line.startswith(PROTOCOL_HEADING):
+            inside = True
+        elif inside and line.startswith("  "):
+            lines.append(f"- `{' '.join(line.split()[:5])}`: {' '.join(line.split()[5:])}")
+        else:
+            inside = False
+            if SKIPPED in line and line.split(SKIPPED)[0].startswith("nixl"):
+                lines.append(f"- {line.strip()}")
+    body = "\n".join(dict.fromkeys(lines)) or "no NIXL rows ran"
+    return f"### NIXL's UCX protocol (UCX_PROTO_INFO=y, as the initiator selected it)\n\n{body}\n"
 
 
 def _tests(xml: Path) -> str:

@@ -41,11 +41,17 @@ VENV = Path(os.environ.get("KVWIRE_GPU_VENV", "/tmp/kvwire-gpu/venv"))
 BUDGET_S = 560  # one device call runs 600 s at most; a step past its limit gets GRACE_S more
 # Test paths whose modules need a package `.ci/gpu pack` may leave out: skipped, and the report says so.
 NEEDS = {"kubernetes-validate": ["tests/deploy"]}
-# `kvwire bench transfer`: (token counts, one run each, in order; the other options)
-BENCH = ([128, 2048, 16384], ["--layouts", "scattered", "--pools", "kvwire,vllm",
-                              "--methods", "limit-memcpy,ucx,shm,tcp,auto", "--runs", "3", "--warmup", "1"])
-BENCH_REHEARSAL = ([128, 2048], ["--layouts", "scattered", "--pools", "kvwire,vllm",
-                                 "--methods", "limit-memcpy,ucx,shm,tcp,auto", "--runs", "1", "--warmup", "0"])
+# `kvwire bench transfer`, one command per entry, in order, so a step cut short keeps the commands done:
+# (tokens, methods, pools). NIXL (VRAM, READ) runs beside kvwire's methods with cuda_ipc's get enabled
+# (`nixl`), and on UCX's defaults (`nixl-defaults`) at the issue's reference size; at 16,384 tokens NIXL
+# runs on vLLM's pool only (2 GiB and 65,536 pieces a run: the step's time goes there).
+KVWIRE_METHODS = "limit-memcpy,ucx,shm,tcp,auto"
+BENCH = [(128, f"{KVWIRE_METHODS},nixl", "kvwire,vllm"), (2048, f"{KVWIRE_METHODS},nixl,nixl-defaults", "kvwire,vllm"),
+         (16384, f"{KVWIRE_METHODS},nixl", "vllm"), (16384, KVWIRE_METHODS, "kvwire")]
+BENCH_ARGS = ["--layouts", "scattered", "--runs", "3", "--warmup", "1"]
+BENCH_REHEARSAL = [(128, f"{KVWIRE_METHODS},nixl", "kvwire,vllm"), (2048, f"{KVWIRE_METHODS},nixl", "kvwire,vllm")]
+BENCH_REHEARSAL_ARGS = ["--layouts", "scattered", "--runs", "1", "--warmup", "0"]
+BENCH_LIMIT_S = 360
 STEPS = ("bench", "demo", "tests")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # the GPU machine reaches nothing outside
 GRACE_S = 15  # a step past its limit gets SIGINT (pytest then writes its JUnit XML), then SIGKILL after this
@@ -164,14 +170,24 @@ def _install(out: Path, manifest: dict) -> StepResult:
         check = subprocess.run(pip + ["check"], capture_output=True, text=True)
         f.write(f"$ pip check\n{check.stdout}{check.stderr}")
         ok = ok and _logged([py, "-c", "import kvwire.connectors.factory, kvwire.cli.main, torch, ucxx"], f)
+        nixl = _nixl_check(py, f) if any(p["group"] == "nixl" for p in manifest["packed"]) else "not packed"
     ours = {"kvwire"} | {p["name"].lower().replace("_", "-") for p in manifest["packed"]}
     lines = [line for line in check.stdout.splitlines() if line.strip() and "No broken" not in line]
     problems = [line for line in lines if any(name in line.lower().replace("_", "-") for name in ours)]
     extra = len(lines) - len(problems)
     others = f" ({extra} more among the image's own packages)" if extra else ""
     note = (f"{len(wheels)} wheels from .gpu ({sum(p['bytes'] for p in manifest['packed']) / 2**20:.1f} MiB); "
-            f"kvwire {how}; pip check: " + ("; ".join(problems) or "nothing of kvwire's broken") + others)
+            f"kvwire {how}; NIXL {nixl}; pip check: " + ("; ".join(problems) or "nothing of kvwire's broken") +
+            others)
     return StepResult("install", ok=ok, seconds=time.monotonic() - start, note=note, log=log.name)
+
+
+def _nixl_check(py: str, f) -> str:
+    """Whether the packed NIXL loads and starts its UCX backend (the pack trimmed it: gpu_strip.py)."""
+    code = ("import importlib; api = importlib.import_module('nixl_cu13._api'); "
+            "agent = api.nixl_agent('check', api.nixl_agent_config(enable_prog_thread=False, backends=[])); "
+            "agent.create_backend('UCX', {})")
+    return "loads" if _logged([py, "-c", code], f) else "does not load (install.log; its bench rows say why)"
 
 
 def _make_venv(py: str, f) -> list[str] | None:
@@ -220,6 +236,9 @@ def _facts() -> dict:
             facts |= {"ucxx": ucxx.__version__, "ucx": ".".join(map(str, ucxx.get_ucx_version()))}
         except Exception as exc:
             facts |= {"ucxx": f"does not import: {exc}", "ucx": "-"}
+        import importlib.metadata, importlib.util
+        nixl = [d for m, d in (("nixl_cu13", "nixl-cu13"), ("nixl_cu12", "nixl-cu12")) if importlib.util.find_spec(m)]
+        facts["nixl"] = f"{nixl[0]} {importlib.metadata.version(nixl[0])}" if nixl else "not installed"
         print(json.dumps(facts))"""
     py = VENV / "bin" / "python"
     done = subprocess.run([str(py) if py.exists() else sys.executable, "-c", code], capture_output=True, text=True,
@@ -234,20 +253,27 @@ def _facts() -> dict:
 
 
 def _steps(rehearse: bool, out: Path, manifest: dict) -> list[Step]:
-    """bench (one run per size, so a cut-short step keeps the sizes done), demo, then the tests."""
+    """bench (one command per BENCH entry, so a cut-short step keeps the entries done), demo, then the tests."""
     py = str(VENV / "bin" / "python")
     kvwire = [py, "-m", "kvwire.cli.main"]
-    sizes, bench_args = (BENCH_REHEARSAL if rehearse else BENCH)
-    one_size = shlex.join(kvwire + ["bench", "transfer", "--device", "cpu" if rehearse else "cuda", *bench_args])
-    bench = ["bash", "-c", f"rc=0; for t in {' '.join(map(str, sizes))}; do {one_size} --tokens $t || rc=1; done; "
-             "exit $rc"]
+    bench = ["bash", "-c", bench_script(kvwire, rehearse)]
     demo = kvwire + ["demo", "--device", "cpu" if rehearse else "cuda:0"]
     left_out = {g["group"] for g in manifest["left_out"]}
     ignores = [arg for pkg, paths in NEEDS.items() if pkg in left_out for path in paths for arg in ("--ignore", path)]
     timeout = ["--timeout", "180"] if _has_pytest_timeout(py) else []
     tests = [py, "-m", "pytest", "tests", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
              "--continue-on-collection-errors", f"--junitxml={out / 'tests.xml'}", *timeout, *ignores]
-    return [Step("bench", bench, 300), Step("demo", demo, 90), Step("tests", tests, BUDGET_S)]
+    return [Step("bench", bench, BENCH_LIMIT_S), Step("demo", demo, 90), Step("tests", tests, BUDGET_S)]
+
+
+def bench_script(kvwire: list[str], rehearse: bool) -> str:
+    """The bench step as a shell script: every BENCH entry's command in turn; exit 1 if any failed."""
+    entries, args = (BENCH_REHEARSAL, BENCH_REHEARSAL_ARGS) if rehearse else (BENCH, BENCH_ARGS)
+    device = "cpu" if rehearse else "cuda"
+    commands = [shlex.join(kvwire + ["bench", "transfer", "--device", device, "--tokens", str(tokens),
+                                     "--methods", methods, "--pools", pools, *args]) + " || rc=1"
+                for tokens, methods, pools in entries]
+    return "; ".join(["rc=0", *commands, "exit $rc"])
 
 
 def _has_pytest_timeout(py: str) -> bool:

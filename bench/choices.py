@@ -8,8 +8,9 @@ import enum
 class Method(enum.StrEnum):
     LIMIT_MEMCPY = "limit-memcpy"
     LIMIT_TCP = "limit-tcp"
-    NIXL = "nixl"  # NIXL, UCX backend, UCX's default transports
-    NIXL_TCP = "nixl-tcp"  # NIXL with UCX_TLS=tcp
+    NIXL = "nixl"  # NIXL READ, UCX backend, UCX's transports (on a GPU with cuda_ipc's get enabled: bench/transfer.py)
+    NIXL_TCP = "nixl-tcp"  # NIXL WRITE with UCX_TLS=tcp
+    NIXL_DEFAULTS = "nixl-defaults"  # GPU only: NIXL READ on UCX's defaults, as a NixlConnector runs untuned
     UCX = "ucx"
     UCX_TCP = "ucx-tcp"  # UCX restricted to TCP (UCX_TLS=tcp)
     UCXX_RAW = "ucxx-raw"  # ucxx's tag send / receive of the pieces, nothing of kvwire around it (bench/ucxx_run.py)

@@ -25,7 +25,7 @@ import zmq
 
 from kvwire.bench.cpu import CpuTally, CpuTicks
 from kvwire.bench.memory import PeakTracker
-from kvwire.bench.procs import helper_context
+from kvwire.bench.procs import apply_env, helper_context
 from kvwire.bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 from kvwire.connectors.control.framing import unpack
@@ -56,7 +56,9 @@ def bench_pool(work: Workload) -> dict:
     return {"kv_caches": allocate_pool(work)}
 
 
-def _producer(kind: ConnectorKind, redis_url: str, work: Workload, pipe, consumer_endpoint: str = "") -> None:
+def _producer(kind: ConnectorKind, redis_url: str, work: Workload, pipe, consumer_endpoint: str = "",
+              env: Mapping[str, str | None] | None = None) -> None:
+    apply_env(env or {})  # before the connector loads UCX: the fork server's environment is not the bench's now
     torch.set_num_threads(1)
     side = open_producer(bench_config(kind, NodeRole.PREFILL, redis_url), **bench_pool(work))
     region = KVRegion.from_kv_caches(side.kv_caches)
@@ -78,21 +80,13 @@ def _producer(kind: ConnectorKind, redis_url: str, work: Workload, pipe, consume
 
 @contextlib.contextmanager
 def scoped_env(extra: Mapping[str, str | None]):
-    """os.environ with `extra` applied (None: unset) for the block, e.g. around starting a child."""
+    """os.environ with `extra` applied (None: unset) for the block: this process's own UCX reads it then."""
     saved = {k: os.environ.get(k) for k in extra}
-    for k, v in extra.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    apply_env(extra)
     try:
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        apply_env(saved)
 
 
 def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, redis_url: str,
@@ -104,10 +98,10 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
     ready: zmq.Socket = zmq.Context.instance().socket(zmq.PULL)  # the KVReady a decode node's work socket gets
     ready.setsockopt(zmq.LINGER, 0)
     endpoint = f"tcp://127.0.0.1:{ready.bind_to_random_port('tcp://127.0.0.1')}"
-    with scoped_env(env or {}):
-        here, there = ctx.Pipe()
-        proc = ctx.Process(target=_producer, args=(kind, redis_url, work, there, endpoint))
-        proc.start()
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_producer, args=(kind, redis_url, work, there, endpoint, env))
+    proc.start()
+    with scoped_env(env or {}):  # the consumer is this process
         side = open_consumer(bench_config(kind, NodeRole.DECODE, redis_url), **bench_pool(work))
     try:
         want = here.recv() if here.poll(120) else None

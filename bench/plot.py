@@ -14,6 +14,7 @@ def plot_rows(rows: list[Row], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r.error is None]  # a method that did not run has no figures to draw
     panels = sorted({(r.layout, r.pool) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, (layout, pool) in zip(axes[0], panels):

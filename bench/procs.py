@@ -3,12 +3,17 @@ server that imported torch and kvwire's transfer plane once, instead of a fresh 
 for each (a second or more; more on a busy host). Each child is still its own process, with its own UCX
 context, sockets and pools: the server imports no UCX, touches no device and starts no thread before it
 forks. The server is one per process: it preloads every module asked for until its first child starts.
+
+A forked child inherits the server's environment, the one the bench process had when the server started,
+not the one it has when the child starts: settings meant for a child (UCX's) travel as arguments and the
+child applies them itself first (`apply_env`), before it loads what reads them.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from multiprocessing.context import ForkServerContext
 
 PRELOAD = ("torch", "kvwire.connectors.standalone", "kvwire.bench.workload")
@@ -24,3 +29,12 @@ def helper_context(extra: Sequence[str] = ()) -> ForkServerContext:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(_preload))
     return ctx
+
+
+def apply_env(env: Mapping[str, str | None]) -> None:
+    """This process's environment with `env` applied (None: unset), e.g. first thing in a helper process."""
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -19,6 +20,7 @@ from kvwire.bench.choices import Device, Placement
 from kvwire.connectors.transports.kv_region import KVRegion, plan_runs
 from kvwire.connectors.wire import DType, KVLayout, PoolLayout
 
+CHECKSUM_CHUNK = 256 * 2**20  # bytes of a device pool's blocks copied to the host at once to be checksummed
 LLAMA3_8B = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=DType.BFLOAT16)
 
 
@@ -76,11 +78,11 @@ def allocate_pool(work: Workload) -> list[torch.Tensor]:
 
 
 def fill_random(region: KVRegion, seed: int = 1) -> None:
-    """Random bytes in every plane of a pool, so verification means something."""
-    gen = torch.Generator().manual_seed(seed)
+    """Random bytes in every plane of a pool, so verification means something: drawn where the pool lives
+    (a GPU pool's gigabytes are not drawn on the host and copied over)."""
+    gen = torch.Generator(device=region.planes[0].device).manual_seed(seed)
     for plane in region.planes:
-        words = torch.empty(plane.numel() // 2, dtype=torch.int16).random_(generator=gen)  # made on the host
-        plane.view(-1).view(torch.int16).copy_(words)
+        plane.view(-1).view(torch.int16).random_(generator=gen)
 
 
 def zero_blocks(region: KVRegion, block_ids: list[int]) -> None:
@@ -89,15 +91,27 @@ def zero_blocks(region: KVRegion, block_ids: list[int]) -> None:
 
 
 def checksum(region: KVRegion, block_ids: list[int]) -> int:
-    """crc32 of the listed blocks' bytes, plane by plane, in list order."""
+    """crc32 of the listed blocks' bytes, plane by plane, in list order. A device plane's blocks are gathered
+    on the device and copied over in pieces of up to CHECKSUM_CHUNK bytes, not one small copy per block."""
     crc = 0
     for plane in region.planes:
-        for b in block_ids:
-            crc = zlib.crc32(plane[b].cpu().numpy().data, crc)
+        if plane.device.type == "cpu":
+            for b in block_ids:
+                crc = zlib.crc32(plane[b].numpy().data, crc)
+            continue
+        step = max(1, CHECKSUM_CHUNK // max(1, plane.shape[1]))
+        for i in range(0, len(block_ids), step):
+            crc = zlib.crc32(plane[block_ids[i:i + step]].cpu().numpy().data, crc)
     return crc
 
 
 def piece_table(region: KVRegion, runs: list[tuple[int, int]]) -> np.ndarray:
-    """The pieces of `runs` as rows `[address, nbytes, 0]` (uint64): NIXL's descriptor form."""
-    pieces = region.pieces(runs)
-    return np.array([[p.data_ptr(), p.numel(), 0] for p in pieces], dtype=np.uint64).reshape(-1, 3)
+    """The pieces of `runs` as NIXL's descriptors (`descriptors`)."""
+    return descriptors(region.pieces(runs))
+
+
+def descriptors(pieces: Sequence[torch.Tensor]) -> np.ndarray:
+    """NIXL's descriptor form of memory pieces: rows `[address, nbytes, device]` (uint64), `device` the CUDA
+    device's index for a piece on a GPU (NIXL registers and reads VRAM on that device), 0 for host memory."""
+    rows = [[p.data_ptr(), p.numel() * p.element_size(), max(p.get_device(), 0)] for p in pieces]
+    return np.array(rows, dtype=np.uint64).reshape(-1, 3)

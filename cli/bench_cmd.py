@@ -22,18 +22,22 @@ app = typer.Typer(help="Benchmarks of the transfer plane.", no_args_is_help=True
 def transfer(
     tokens: Annotated[str, typer.Option("--tokens", help="Request sizes in tokens, comma-separated.")] =
         "128,2048,16384",
-    methods: Annotated[str, typer.Option("--methods", help=f"Comma-separated, of: {', '.join(Method)}.")] =
+    methods: Annotated[str, typer.Option("--methods", help=f"Comma-separated, of: {', '.join(Method)}. NIXL's "
+                                         "rows name the UCX protocol it used; without NIXL installed they are "
+                                         "skipped, saying so.")] =
         "limit-memcpy,limit-tcp,nixl,nixl-tcp,ucx,ucx-tcp,shm,tcp,nccl,auto",
     placements: Annotated[str, typer.Option("--layouts", help="scattered and/or contiguous.")] = "scattered,contiguous",
     pools: Annotated[str, typer.Option("--pools", help="Whose pool layout: kvwire (block-major) and/or vllm "
-                                       "(per-layer K and V; shm and auto need kvwire's and are left out).")] =
+                                       "(per-layer K and V). A method that refuses a pool says why in its "
+                                       "row.")] =
         "kvwire,vllm",
     runs: Annotated[int, typer.Option("--runs", min=1, help="Measured runs per figure (the median is reported).")] = 5,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Unmeasured runs first.")] = 1,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Passes over all methods, interleaved; each "
                                         "figure pools the runs of every pass (evens out a noisy machine).")] = 1,
     device: Annotated[Device, typer.Option("--device", help="Where both pools live; cuda runs the methods that "
-                                           "move device memory on one GPU (limit-memcpy, ucx, shm, tcp, auto).")]
+                                           "move device memory on one GPU (limit-memcpy, ucx, shm, tcp, auto; "
+                                           "nixl with cuda_ipc's get enabled, nixl-defaults on UCX's defaults).")]
         = Device.CPU,
     hidden_width: Annotated[int, typer.Option("--hidden-width", min=1, help="float32 values per token of the "
                                               "hidden states kvwire's connectors carry beside the KV (2048 for "
@@ -53,8 +57,8 @@ def transfer(
     between two processes with each method, next to the machine's limits; bytes verified every run."""
     from tqdm import tqdm
 
-    from kvwire.bench.report import table, to_json
-    from kvwire.bench.transfer import bench_transfer, combinations, target_lines
+    from kvwire.bench.report import PROTOCOL_HEADING, protocol_lines, table, to_json
+    from kvwire.bench.transfer import bench_transfer, combinations, supports, target_lines, unavailable
     from kvwire.cluster.redis_server import LocalRedis
 
     sizes = csv_of(tokens, int)
@@ -80,6 +84,11 @@ def transfer(
             rows = bench_transfer(chosen, sizes, where, whose, runs, warmup, redis_url_of(redis_url, redis), on_row,
                                   rounds, device, hidden_width)
     typer.echo(to_json(rows).decode() if as_json else table(rows))
+    skipped = [f"{m}: skipped: {why}" for m, why in unavailable([m for m in chosen if supports(m, device)]).items()]
+    if skipped:
+        typer.echo(("\n" if not as_json else "") + "\n".join(skipped), err=as_json)
+    if not as_json and (protocols := protocol_lines(rows)):
+        typer.echo(f"\n{PROTOCOL_HEADING}\n" + "\n".join(protocols))
     if not as_json and (targets := target_lines(rows)):
         typer.echo("\nratios of medians (the performance issue's targets):\n" + "\n".join(targets))
     if plot:
@@ -88,7 +97,9 @@ def transfer(
         plot_rows(rows, plot)
         typer.echo(f"plot written to {plot}", err=True)
     if not all(r.verified for r in rows):
-        typer.echo("some transfers did not verify", err=True)
+        failed = sum(r.error is not None for r in rows)
+        typer.echo("some transfers did not verify" + (f"; {failed} did not run (their rows say why)" if failed else ""),
+                   err=True)
         raise typer.Exit(1)
 
 

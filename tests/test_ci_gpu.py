@@ -86,3 +86,79 @@ def test_pack_groups_what_each_group_needs_beyond_the_image_and_the_groups_befor
     assert [(g, sorted(names)) for g, names in got] == [
         ("kvwire", ["fastapi", "pydantic", "rmm-cu13", "starlette", "ucxx-cu13"]), ("openai", ["openai"])]
     assert gpu_pack._for_gpu("ucxx-cu12>=0.52") == "ucxx-cu13>=0.52"
+
+
+def test_elf_needs_are_read_from_the_file_itself():
+    import _ssl
+
+    gpu_strip = _script("gpu_strip")
+    needed = gpu_strip.elf_needed(Path(_ssl.__file__).read_bytes())
+    assert needed is not None and "libc.so.6" in needed and any(n.startswith("libssl") for n in needed)
+    assert gpu_strip.elf_needed(b"#!/bin/sh\n") == []
+
+
+def test_a_trimmed_wheel_keeps_what_its_kept_files_load_and_lists_only_that(tmp_path):
+    import _ssl
+    import csv
+    import io
+    import zipfile
+
+    gpu_strip = _script("gpu_strip")
+    ext = Path(_ssl.__file__).read_bytes()  # a real ELF file needing libssl, libcrypto and libc
+    members = {"pkg/__init__.py": b"", "pkg/_ext.so": ext,
+               "pkg.libs/libc.so.6": ext,  # named by _ext.so: kept
+               "pkg.libs/libjunk-1234.so.1": ext,  # needed by nothing kept: pruned
+               "pkg.libs/plugins/libplugin_UCX.so": ext,  # a root: loaded by dlopen
+               "pkg.libs/plugins/libplugin_GDS.so": ext,  # another plugin: pruned
+               "extra/huge_ext.so": ext, "pkg-1.0.dist-info/METADATA": b"Name: pkg\n"}
+    record = "".join(f"{n},sha256=x,{len(d)}\n" for n, d in members.items()) + "pkg-1.0.dist-info/RECORD,,\n"
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, data in {**members, "pkg-1.0.dist-info/RECORD": record.encode()}.items():
+            z.writestr(name, data)
+    trim = gpu_strip.Trim("test", drop=("extra/*",), prune=("pkg.libs/*",), roots=("*/libplugin_UCX.so",))
+    done = gpu_strip.trim_wheel(wheel, trim, tmp_path / "out")
+    with zipfile.ZipFile(done.path) as z:
+        names = set(z.namelist())
+        listed = {row[0] for row in csv.reader(io.StringIO(z.read("pkg-1.0.dist-info/RECORD").decode()))}
+    assert names == {"pkg/__init__.py", "pkg/_ext.so", "pkg.libs/libc.so.6", "pkg.libs/plugins/libplugin_UCX.so",
+                     "pkg-1.0.dist-info/METADATA", "pkg-1.0.dist-info/RECORD"}
+    assert listed == names and done.dropped == 3 and done.path.name == wheel.name
+    assert done.from_bytes == wheel.stat().st_size > done.path.stat().st_size
+
+
+def test_the_bench_step_runs_nixl_beside_kvwires_methods_one_command_per_entry():
+    gpu_run = _script("gpu_run")
+    script = gpu_run.bench_script(["py", "-m", "kvwire.cli.main"], rehearse=False)
+    commands = script.split("; ")
+    assert commands[0] == "rc=0" and commands[-1] == "exit $rc" and len(commands) == len(gpu_run.BENCH) + 2
+    for (tokens, methods, pools), command in zip(gpu_run.BENCH, commands[1:-1]):
+        assert f"--device cuda --tokens {tokens} --methods {methods} --pools {pools}" in command
+        assert command.endswith(" || rc=1")
+        assert "nixl" in methods or pools == "kvwire"  # NIXL beside every entry but 16,384 tokens in kvwire's pool
+    assert any("nixl-defaults" in m for _, m, _ in gpu_run.BENCH)
+    rehearsal = gpu_run.bench_script(["py"], rehearse=True)
+    assert "--device cpu" in rehearsal and "--runs 1 --warmup 0" in rehearsal and "--device cuda" not in rehearsal
+
+
+def test_the_report_gathers_nixls_protocols_or_says_its_rows_were_skipped(tmp_path):
+    gpu_report = _script("gpu_report")
+    stdout = ("method  tokens ...\nnixl  2048 ...\n\nNIXL's UCX protocol (UCX_PROTO_INFO=y: what ...):\n"
+              "  nixl            2048 scattered  vllm   cuda  remote memory read by ucp_get*(multi) into cuda/GPU0 "
+              "from cuda/dev[1]: zero-copy cuda_ipc/cuda\n"
+              "  nixl-defaults   2048 scattered  vllm   cuda  remote memory read by ucp_get*(multi) into cuda/GPU0 "
+              "from cuda/dev[1]: software emulation tcp/lo\n\nratios of medians (...):\n  2048 ...\n")
+    section = gpu_report.nixl_section(stdout)
+    assert section.splitlines()[2:] == [
+        "- `nixl 2048 scattered vllm cuda`: remote memory read by ucp_get*(multi) into cuda/GPU0 from cuda/dev[1]: "
+        "zero-copy cuda_ipc/cuda",
+        "- `nixl-defaults 2048 scattered vllm cuda`: remote memory read by ucp_get*(multi) into cuda/GPU0 from "
+        "cuda/dev[1]: software emulation tcp/lo"]
+    skipped = gpu_report.nixl_section("table\n\nnixl: skipped: NIXL is not installed here (none of nixl_cu13)\n")
+    assert "- nixl: skipped: NIXL is not installed here" in section + skipped
+    report = gpu_report.Report(tmp_path / "gpu-report.md", rehearsal=True, commit="abc", manifest={"left_out": []},
+                               facts={"nixl": "nixl-cu13 1.5.1"})
+    report.add(gpu_report.StepResult("bench", ok=True, seconds=1.0, note="exit 0", stdout=stdout))
+    text = (tmp_path / "gpu-report.md").read_text()
+    assert "| NIXL (the bench's peer, its own UCX) | nixl-cu13 1.5.1 |" in text
+    assert "### NIXL's UCX protocol" in text and "zero-copy cuda_ipc/cuda" in text.split("### NIXL's UCX")[1]

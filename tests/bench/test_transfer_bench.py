@@ -43,12 +43,16 @@ def test_rows_are_verified_for_limits_nixl_and_connectors_in_both_pools(redis_ur
     methods = [Method.LIMIT_MEMCPY, Method.LIMIT_TCP, Method.NIXL, Method.TCP, Method.SHM]
     rows = bench_transfer(methods, [32], [Placement.SCATTERED], [KVWIRE, VLLM], runs=2, warmup=0,
                           redis_url=redis_url)
-    assert [(r.method, r.pool) for r in rows] == [(m.value, "kvwire") for m in methods] + \
-        [(m.value, "vllm") for m in methods if m != Method.SHM]  # shm needs its own (kvwire) pool
+    assert [(r.method, r.pool) for r in rows] == [(m.value, p) for p in ("kvwire", "vllm") for m in methods]
     assert len(rows) == combinations(methods, [32], [Placement.SCATTERED], [KVWIRE, VLLM])
     for r in rows:
-        assert r.verified and r.runs == 2 and r.bytes == 2 * 2 * 1024 * 1024  # 2 blocks of 2 MiB
+        if (r.method, r.pool) == ("shm", "vllm") and r.error is not None:
+            continue  # tried, not filtered: a transport that refuses vLLM's pool says why in the row
+        assert r.error is None and r.verified and r.runs == 2 and r.bytes == 2 * 2 * 1024 * 1024  # 2 blocks, 2 MiB
         assert 0 < r.gbps_min <= r.gbps_median <= r.gbps_max
+        assert (r.protocol is not None) == (r.method == "nixl")  # NIXL's rows name UCX's protocol
+    nixl = [r.protocol for r in rows if r.method == "nixl"]
+    assert all(p is not None and p.startswith("remote memory read") and "into host memory" in p for p in nixl)
 
 
 def test_cli_prints_json_rows_and_draws_the_plot(tmp_path):
@@ -62,6 +66,10 @@ def test_cli_prints_json_rows_and_draws_the_plot(tmp_path):
     assert {(r["method"], r["tokens"]) for r in rows} == {(m, t) for m in ("limit-memcpy", "ucx", "nixl-tcp")
                                                           for t in (16, 32)}
     assert all(r["verified"] and r["layout"] == "contiguous" and r["pool"] == "kvwire" for r in rows)
+    # UCX_TLS=tcp reaches NIXL's processes (forked from a server that predates it): UCX says it put over TCP
+    assert all("remote memory write" in r["protocol"] and "tcp/lo" in r["protocol"] and "cma" not in r["protocol"]
+               for r in rows if r["method"] == "nixl-tcp")
+    assert all(r["protocol"] is None for r in rows if r["method"] != "nixl-tcp")
     for cpu in (r["cpu"] for r in rows):  # None when the runs were too short for the host's counters to tick
         assert cpu is None or 0 <= cpu["kernel"] <= cpu["busy"] <= 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
@@ -101,14 +109,90 @@ def test_target_lines_compare_medians_of_the_same_work():
     assert "tcp / limit-tcp" in lines[1] and "0.80" in lines[1] and "met" in lines[1]
 
 
-def test_gpu_runs_only_the_methods_that_move_device_memory_on_one_gpu():
+def test_gpu_runs_the_methods_that_move_device_memory_on_one_gpu_and_every_pool_is_tried():
     from kvwire.bench.choices import Device
     from kvwire.bench.transfer import supports
 
-    on_gpu = {m for m in Method if supports(m, KVWIRE, Device.CUDA)}
-    assert on_gpu == {Method.LIMIT_MEMCPY, Method.UCX, Method.SHM, Method.TCP, Method.AUTO}
-    assert not supports(Method.SHM, VLLM, Device.CUDA) and supports(Method.UCX, VLLM, Device.CUDA)
-    assert all(supports(m, KVWIRE) for m in Method)  # the host runs everything
+    on_gpu = {m for m in Method if supports(m, Device.CUDA)}
+    assert on_gpu == {Method.LIMIT_MEMCPY, Method.UCX, Method.SHM, Method.TCP, Method.AUTO, Method.NIXL,
+                      Method.NIXL_DEFAULTS}
+    assert {m for m in Method if not supports(m)} == {Method.NIXL_DEFAULTS}  # on the host it is `nixl` again
+    # no method is filtered by pool: shm and auto over vLLM's pool run, and say so if the transport refuses
+    assert combinations([Method.SHM, Method.AUTO], [16], [Placement.SCATTERED], [KVWIRE, VLLM], Device.CUDA) == 4
+
+
+def test_nixl_on_a_gpu_reads_with_cuda_ipc_get_enabled_and_a_defaults_row_beside_it():
+    from kvwire.bench.choices import Device
+    from kvwire.bench.nixl_run import NixlOp, memory_type
+    from kvwire.bench.transfer import CUDA_IPC_GET, NIXL_OPS, TCP_ONLY, nixl_settings
+
+    assert CUDA_IPC_GET == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+    assert nixl_settings(Method.NIXL, Device.CUDA) == CUDA_IPC_GET and nixl_settings(Method.NIXL, Device.CPU) == {}
+    assert nixl_settings(Method.NIXL_DEFAULTS, Device.CUDA) == {}  # what a NixlConnector runs with, untuned
+    assert nixl_settings(Method.NIXL_TCP, Device.CPU) == TCP_ONLY
+    assert NIXL_OPS[Method.NIXL] == NIXL_OPS[Method.NIXL_DEFAULTS] == NixlOp.READ
+    assert (memory_type(Device.CUDA), memory_type(Device.CPU)) == ("VRAM", "DRAM")
+
+
+def test_nixl_descriptors_carry_the_device_a_piece_lives_on():
+    from kvwire.bench.workload import descriptors
+
+    class Piece:  # stands in for a tensor on CUDA device 3 (no GPU here)
+        def __init__(self, addr: int, nbytes: int, device: int):
+            self.addr, self.nbytes, self.device = addr, nbytes, device
+
+        def data_ptr(self) -> int:
+            return self.addr
+
+        def numel(self) -> int:
+            return self.nbytes // 2
+
+        def element_size(self) -> int:
+            return 2
+
+        def get_device(self) -> int:
+            return self.device
+
+    table = descriptors([Piece(4096, 32768, 3), Piece(65536, 2 * 2**20, 3)])
+    assert table.dtype == "uint64" and table.tolist() == [[4096, 32768, 3], [65536, 2 * 2**20, 3]]
+    host = torch.zeros(4, 1024, dtype=torch.uint8)  # a host piece: device 0, as NIXL registers DRAM
+    assert descriptors([host[1]]).tolist() == [[host[1].data_ptr(), 1024, 0]]
+    assert descriptors([]).shape == (0, 3)
+
+
+def test_a_method_that_raises_gets_a_row_saying_why_and_the_others_run_on(monkeypatch):
+    from kvwire.bench import transfer
+    from kvwire.bench.cpu import CpuTicks
+    from kvwire.bench.report import table
+
+    calls = []
+
+    def fake(method, work, runs, warmup, redis_url):
+        calls.append(method)
+        if method == Method.SHM and work.pool == VLLM:
+            raise RuntimeError("shm needs a pool it allocated\nmore detail")
+        return transfer.Measured([0.01] * runs, True, None, CpuTicks(0, 0, 0, 0))
+
+    monkeypatch.setattr(transfer, "measure", fake)
+    rows = transfer.bench_transfer([Method.LIMIT_MEMCPY, Method.SHM], [16], [Placement.SCATTERED], [KVWIRE, VLLM],
+                                   runs=2, warmup=0, redis_url="redis://unused", rounds=2)
+    assert calls.count(Method.SHM) == 3  # the refusal is not asked again in the second round
+    refused = rows[3]
+    assert (refused.method, refused.pool, refused.runs, refused.verified) == ("shm", "vllm", 0, False)
+    assert refused.error == "RuntimeError: shm needs a pool it allocated"
+    assert all(r.verified and r.runs == 4 for r in rows[:3])
+    assert "did not run: RuntimeError: shm needs a pool it allocated" in table(rows)
+    assert not any("vllm" in line and "shm" in line for line in transfer.target_lines(rows))
+
+
+def test_nixl_rows_are_skipped_saying_so_where_nixl_is_not_installed(monkeypatch):
+    from kvwire.bench import transfer
+
+    monkeypatch.setattr(transfer, "nixl_module", lambda: None)
+    missing = transfer.unavailable([Method.NIXL, Method.TCP, Method.NIXL_TCP])
+    assert set(missing) == {Method.NIXL, Method.NIXL_TCP}
+    assert "NIXL is not installed here (none of nixl_cu13, nixl_cu12)" in missing[Method.NIXL]
+    assert combinations([Method.NIXL, Method.TCP], [16], [Placement.SCATTERED], [KVWIRE]) == 1
 
 
 def test_cli_refuses_a_gpu_layerwise_run():
