@@ -9,7 +9,6 @@ tests/gpu/test_device_packing_gpu.py.
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
@@ -34,6 +33,7 @@ from kvwire.connectors.transports.ucx.packing import (
 )
 from kvwire.connectors.transports.ucx.worker import DEVICE_PACK_BIT, PACKED_BIT, Role, UCXWorker, tag_of
 from kvwire.connectors.vllm.layout import region_of
+from tests.connectors.test_ucx_packing import _run
 
 KIB, MIB = 1 << 10, 1 << 20
 CPU = torch.device("cpu")
@@ -130,17 +130,6 @@ def test_a_producer_stages_device_packs_on_the_pieces_device_and_host_packs_on_t
     assert len({id(device), id(for_host_pool), id(from_host)}) == 3
 
 
-def _run(lanes: ReceiveLanes, producer: UCXWorker, sends: SendFlow, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not (lanes.done() and sends.done()):
-        if time.monotonic() > deadline:
-            return False
-        lanes.progress()
-        producer.progress()
-        sends.advance()
-    return True
-
-
 def test_device_pieces_cross_ucx_packed_in_tensor_slots_byte_exact():
     """More device-sized packs than either side has slots, a zero-copy piece between them, the hidden states in
     host memory: every byte lands, and every slot comes back to its pool."""
@@ -154,7 +143,7 @@ def test_device_pieces_cross_ucx_packed_in_tensor_slots_byte_exact():
         consumer.post(producer.address, dst, 4, DEVICE_PACK_BELOW)
         staging = SendStaging().for_pull(src, DEVICE_PACK_BELOW)
         sends = SendFlow(producer, consumer.address, src, 4, DEVICE_PACK_BELOW, staging)
-        assert _run(consumer, producer, sends), "transfer did not complete"
+        assert _run(consumer, producer, sends, timeout_s=20.0), "transfer did not complete"
         consumer.check_errors()
         sends.check_errors()
         assert all(torch.equal(torch.as_tensor(s), torch.as_tensor(d)) for s, d in zip(src, dst))

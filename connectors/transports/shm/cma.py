@@ -28,14 +28,14 @@ import ctypes.util
 import errno
 import functools
 import os
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvwire.connectors.transports.block_copy import Run
-from kvwire.connectors.transports.kv_region import KVRegion, head_rows, same_planes
+from kvwire.connectors.transports.kv_region import KVRegion, head_rows
 from kvwire.connectors.transports.shm.copier import BlockCopier
+from kvwire.connectors.transports.shm.segment import RegionPlanes
 from kvwire.connectors.wire import KVLayout, PlaneDesc, ShmAccess, ShmSegment
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -55,20 +55,8 @@ class CmaError(OSError):
         return self.errno in (errno.EPERM, errno.EACCES, errno.ENOSYS)
 
 
-@dataclass
-class CmaPlanes:
+class CmaPlanes(RegionPlanes):
     """A producer's host planes, offered by address."""
-
-    producer: str
-    epoch: int
-    region: KVRegion
-
-    @property
-    def num_blocks(self) -> int:
-        return self.region.num_blocks
-
-    def holds(self, region: KVRegion) -> bool:
-        return same_planes(region, self.region)
 
     def export(self) -> tuple[ShmSegment, list[int]]:
         planes = self.region.planes
@@ -76,9 +64,6 @@ class CmaPlanes:
         msg = ShmSegment(producer=self.producer, epoch=self.epoch, num_blocks=self.num_blocks,
                          block_nbytes=planes[0].shape[1] * len(planes), access=ShmAccess.CMA, planes=descs)
         return msg, []
-
-    def close(self) -> None:
-        """Nothing to close: the planes are the engine's."""
 
 
 class CmaReader:

@@ -18,28 +18,14 @@ synchronizes after its copies, before it checks the hold word or asks the produc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from kvwire.connectors.transports.kv_region import KVRegion, same_planes
+from kvwire.connectors.transports.shm.segment import RegionPlanes
 from kvwire.connectors.wire import CudaIpcHandle, PlaneDesc, ShmAccess, ShmSegment
 
 
-@dataclass
-class CudaPlanes:
+class CudaPlanes(RegionPlanes):
     """A producer's device planes (its region), offered by IPC handle."""
-
-    producer: str
-    epoch: int
-    region: KVRegion
-
-    @property
-    def num_blocks(self) -> int:
-        return self.region.num_blocks
-
-    def holds(self, region: KVRegion) -> bool:
-        return same_planes(region, self.region)
 
     def export(self) -> tuple[ShmSegment, list[int]]:
         """Raises:
@@ -59,9 +45,6 @@ class CudaPlanes:
                          block_nbytes=planes[0].shape[1] * len(planes), access=ShmAccess.CUDA_IPC, planes=descs,
                          storages=[_handle(s) for s in storages])
         return msg, []
-
-    def close(self) -> None:
-        """Nothing to close: the planes are freed with their tensors."""
 
 
 def _handle(storage: torch.UntypedStorage) -> CudaIpcHandle:

@@ -29,7 +29,7 @@ import torch
 
 from kvwire.connectors.hidden import fill_tensors
 from kvwire.connectors.kv_pool import TORCH_DTYPES, KVPool
-from kvwire.connectors.transports.kv_region import KVRegion
+from kvwire.connectors.transports.kv_region import KVRegion, same_planes
 from kvwire.connectors.transports.shm.channel import node_prefix
 from kvwire.connectors.wire import KVLayout, ShmSegment
 
@@ -51,6 +51,25 @@ class PoolSegment(Protocol):
 
     def close(self) -> None:
         """Release what the segment holds besides the pool's memory."""
+
+
+@dataclass
+class RegionPlanes:
+    """Planes kvwire did not place in a memfd, offered where they lie (cma.CmaPlanes, cuda_ipc.CudaPlanes say how)."""
+
+    producer: str
+    epoch: int
+    region: KVRegion
+
+    @property
+    def num_blocks(self) -> int:
+        return self.region.num_blocks
+
+    def holds(self, region: KVRegion) -> bool:
+        return same_planes(region, self.region)
+
+    def close(self) -> None:
+        """Nothing to close: the planes are the engine's, freed with their tensors."""
 
 
 @dataclass
