@@ -34,6 +34,9 @@ class KvwireStats(KVConnectorStats):
     def __post_init__(self) -> None:
         if not self.data:
             self.reset()
+        else:  # counts from a rank that sends fewer kinds (an older kvwire): the missing ones are 0
+            for kind, none in empty().items():
+                self.data.setdefault(kind, none)
 
     def reset(self) -> None:
         self.data = empty()

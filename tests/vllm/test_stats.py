@@ -20,19 +20,22 @@ from kvwire.observability.labels import TransferFailure
 def test_ranks_stats_sum_and_reduce_for_vllms_log():
     a = KvwireConnector.build_kv_connector_stats({"pulls": 2, "pull_bytes": 3 << 20, "pull_seconds": [0.001, 0.003],
                                                   "failed": {"deadline": 1}})
-    b = KvwireStats(data={"pulls": 0, "pull_bytes": 0, "pull_seconds": [], "failed": {"deadline": 1, "transport": 2}})
+    b = KvwireStats(data={"pulls": 1, "pull_bytes": 0, "pull_seconds": [0.002], "failed": {"deadline": 1,
+                                                                                        "transport": 2},
+                          "fallbacks": {"cma_refused": 1}, "paths": {"sysv/posix": 1}})
     assert not a.is_empty() and KvwireStats().is_empty()
-    total = a.aggregate(b).aggregate(KvwireStats())
-    assert total.data["failed"] == {"deadline": 2, "transport": 2}
-    assert total.reduce() == {"KV pulls": 2, "MB pulled": 3.0, "Avg pull (ms)": 2.0, "Recomputed (deadline)": 2,
-                              "Recomputed (transport)": 2}
+    total = a.aggregate(b).aggregate(KvwireStats())  # `a` has no fallbacks or paths (an older rank): 0 of each
+    assert total.data["failed"] == {"deadline": 2, "transport": 2} and total.data["paths"] == {"sysv/posix": 1}
+    assert total.reduce() == {"KV pulls": 3, "MB pulled": 3.0, "Avg pull (ms)": 2.0, "Recomputed (deadline)": 2,
+                              "Recomputed (transport)": 2, "Slower transport (cma_refused)": 1}
 
 
 def test_prometheus_series_count_pulls_and_every_reason(monkeypatch):
     registry = CollectorRegistry()
     types = {cls: (lambda c: lambda *a, **k: c(*a, registry=registry, **k))(cls) for cls in (Counter, Gauge, Histogram)}
     prom = KvwirePromMetrics(_Config(), types, ["model_name", "engine"], {0: ["tiny", "0"]})
-    prom.observe({"pulls": 3, "pull_bytes": 4096, "pull_seconds": [0.01, 0.02, 0.03], "failed": {"producer": 2}}, 0)
+    prom.observe({"pulls": 3, "pull_bytes": 4096, "pull_seconds": [0.01, 0.02, 0.03], "failed": {"producer": 2},
+                  "fallbacks": {"cma_refused": 1}, "paths": {"cma": 2, "sysv/posix": 1}}, 0)
     value = registry.get_sample_value
     assert value("vllm:kvwire_kv_pulls_total", {"model_name": "tiny", "engine": "0"}) == 3
     assert value("vllm:kvwire_kv_pull_bytes_total", {"model_name": "tiny", "engine": "0"}) == 4096
@@ -40,6 +43,10 @@ def test_prometheus_series_count_pulls_and_every_reason(monkeypatch):
     failed = {r: value("vllm:kvwire_kv_transfers_failed_total", {"model_name": "tiny", "engine": "0", "reason": r})
               for r in TransferFailure}
     assert failed == {**{r: 0 for r in TransferFailure}, "producer": 2}, "every reason shows, from 0"
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert value("vllm:kvwire_kv_transport_fallbacks_total", {**labels, "reason": "cma_refused"}) == 1
+    assert value("vllm:kvwire_kv_pulls_by_path_total", {**labels, "path": "cma"}) == 2
+    assert value("vllm:kvwire_kv_pulls_by_path_total", {**labels, "path": "sysv/posix"}) == 1
 
 
 class _Config:
