@@ -312,3 +312,13 @@ def test_a_cma_copy_split_over_lanes_lands_every_byte(lanes):
             assert torch.equal(d[[6, 7]], s[[1, 2], 128:])
     finally:
         copier.close()
+
+
+def test_a_producer_in_another_pid_namespace_is_refused_not_failed():
+    """SO_PEERCRED reports pid 0 for a peer whose PID namespace this process cannot see: that is a refusal (auto
+    then pulls over UCX), not a read of pid 0."""
+    segment = ShmSegment(producer="far", epoch=1, num_blocks=4, block_nbytes=64, access=ShmAccess.CMA,
+                         planes=[PlaneDesc(0, 4096, 64)])
+    with pytest.raises(cma.CmaError) as caught:
+        cma.CmaReader(0, segment).probe()
+    assert caught.value.refused

@@ -88,8 +88,11 @@ class CmaReader:
         """Read one row of the first plane, to learn now whether the kernel lets us.
 
         Raises:
-            CmaError: refused or failed.
+            CmaError: refused or failed; refused also where the producer's process is not visible from here
+                (SO_PEERCRED gives pid 0 across PID namespaces).
         """
+        if self.pid <= 0:
+            raise CmaError(errno.EPERM, "the producer's process is in a PID namespace this one cannot see")
         scratch = torch.empty(min(self.row_nbytes, 4096), dtype=torch.uint8)
         local = np.array([[scratch.data_ptr(), scratch.numel()]], dtype=np.uint64)
         remote = np.array([[int(self._base[0]), scratch.numel()]], dtype=np.uint64)
