@@ -322,3 +322,21 @@ def test_a_producer_in_another_pid_namespace_is_refused_not_failed():
     with pytest.raises(cma.CmaError) as caught:
         cma.CmaReader(0, segment).probe()
     assert caught.value.refused
+
+
+def test_cuda_export_names_each_allocation_once_and_places_every_plane(monkeypatch):
+    """The IPC-handle exchange's message, built from CPU stand-ins (the handle itself needs CUDA): vLLM's layers
+    in one allocation give one handle and a plane per layer at its offset; a second allocation a second handle."""
+    from kvwire.connectors.transports.shm import cuda_ipc
+    from kvwire.connectors.wire import CudaIpcHandle
+
+    monkeypatch.setattr(cuda_ipc, "_handle", lambda s: CudaIpcHandle(0, b"h", s.nbytes(), 0, b"", 0, b"", False))
+    buffer = torch.zeros(3, 8, HEADS, BLOCK, 2 * HEAD_DIM)  # one allocation, three layers
+    other = torch.zeros(8, HEADS, BLOCK, 2 * HEAD_DIM)  # a fourth layer allocated apart
+    region = region_of({"l0": buffer[0], "l1": buffer[1], "l2": buffer[2], "l3": other}, 8, BLOCK)
+    msg, fds = cuda_ipc.CudaPlanes("p", 3, region).export()
+    row = HEADS * BLOCK * 2 * HEAD_DIM * 4
+    assert fds == [] and msg.access == ShmAccess.CUDA_IPC and msg.block_nbytes == 4 * row
+    assert [s.size_bytes for s in msg.storages] == [buffer.nbytes, other.nbytes]
+    assert msg.planes == [PlaneDesc(0, 0, row), PlaneDesc(0, 8 * row, row), PlaneDesc(0, 16 * row, row),
+                          PlaneDesc(1, 0, row)]
