@@ -20,6 +20,8 @@ class TransportFallback(enum.StrEnum):
     """Why a pull went over a slower transport than the one it would have taken (it still moved the KV)."""
 
     CMA_REFUSED = "cma_refused"  # the kernel refused cross-memory attach to a same-host producer: UCX instead
+    CUDA_IPC_REFUSED = "cuda_ipc_refused"  # a same-host producer's device memory could not be opened, or lies on
+    # another device than ours (e.g. each server sees only its own GPU): UCX instead
 
 
 class RecomputeReason(enum.StrEnum):

@@ -231,19 +231,32 @@ def _soon() -> float:
     return time.monotonic() + 5
 
 
-def test_auto_pulls_over_ucx_where_the_kernel_refuses_and_counts_it(redis_url, monkeypatch):
+def _refuse_cma(monkeypatch) -> None:
     def refuse(self) -> None:
         raise cma.CmaError(errno.EPERM, "process_vm_readv: Operation not permitted")
 
     monkeypatch.setattr(cma.CmaReader, "probe", refuse)
+
+
+def _elsewhere(monkeypatch) -> None:
+    """The producer's planes on another device than ours (as CUDA IPC between two GPUs would open them)."""
+    from kvwire.connectors.transports.shm.peer import ReadPlanes
+
+    monkeypatch.setattr(ReadPlanes, "device", property(lambda self: torch.device("meta")))
+
+
+@pytest.mark.parametrize(("refuse", "reason"), [(_refuse_cma, "cma_refused"), (_elsewhere, "cuda_ipc_refused")],
+                         ids=["cma-refused", "another-device"])
+def test_auto_pulls_over_ucx_where_shared_memory_cannot_reach_and_counts_it(redis_url, monkeypatch, refuse, reason):
+    refuse(monkeypatch)
     proc, results, _ = _start(redis_url, ConnectorKind.AUTO, 2, 8, [("a", [1, 2]), ("b", [4])])
     side = Consumer(redis_url, ConnectorKind.AUTO, 2, 8)
     try:
         got = side.pull("a", [6, 7])
-        assert side.holds("a", [6, 7]) and got.transport == ConnectorKind.UCX and got.fallback == "cma_refused"
+        assert side.holds("a", [6, 7]) and got.transport == ConnectorKind.UCX and got.fallback == reason
         got = side.pull("b", [0])
         assert side.holds("b", [0]) and got.transport == ConnectorKind.UCX
-        assert side.metrics.transport_fallbacks.labels("cma_refused")._value.get() == 2
+        assert side.metrics.transport_fallbacks.labels(reason)._value.get() == 2
         assert results.get(timeout=30) == ("released", ["a", "b"])
     finally:
         side.close()

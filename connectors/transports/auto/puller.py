@@ -1,9 +1,10 @@
 """The auto consumer: one puller per transport, each pull going to the one its location names.
 
-A producer on this host is read over shared memory unless the kernel refuses this process its
-memory (cross-memory attach over a vLLM CPU KV cache: another user, a ptrace policy, a seccomp
-profile); that producer incarnation's pulls then go over UCX, each counted as a fallback
-(`fallback`), the refusal logged once.
+A producer on this host is read over shared memory unless this process cannot read its memory
+(the kernel refuses cross-memory attach over a vLLM CPU KV cache: another user, a ptrace policy,
+a seccomp profile; CUDA cannot open its device memory here, or it lies on another GPU than ours);
+that producer incarnation's pulls then go over UCX, each counted as a fallback (`fallback`), the
+refusal logged once.
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ class AutoPuller:
         self._shm = SHMPuller(node_id, region, lanes)
         self._pullers: dict[ConnectorKind, SHMPuller | UCXPuller] = {
             ConnectorKind.SHM: self._shm, ConnectorKind.UCX: UCXPuller(node_id, region, lanes)}
-        self._refused: set[tuple[str, int]] = set()  # (producer, epoch) whose memory the kernel refuses us
+        self._refused: dict[tuple[str, int], TransportFallback] = {}  # (producer, epoch) we cannot read: why
         self._lock = threading.Lock()
 
     def preference(self, loc: KVLocation) -> list[ConnectorKind]:
-        """`preference(loc)`, without shared memory for a producer whose memory the kernel refuses us (asked of
-        the kernel the first time a producer incarnation is chosen for)."""
+        """`preference(loc)`, without shared memory for a producer whose memory this process cannot read (found out
+        the first time a producer incarnation is chosen for: its planes are opened then)."""
         kinds = preference(loc)
         if ConnectorKind.SHM not in kinds or ConnectorKind.SHM not in {o.kind for o in loc.offers}:
             return kinds
@@ -57,18 +58,18 @@ class AutoPuller:
                 return kinds
             log.warning("producer %s (epoch %d) is on this host, but %s; its KV goes over UCX "
                         "(kvwire_transport_fallbacks_total{reason=\"%s\"})", loc.producer, loc.producer_epoch,
-                        refusal.reason, TransportFallback.CMA_REFUSED)
+                        refusal.reason, refusal.fallback)
             with self._lock:
                 if len(self._refused) >= MAX_REFUSED:
                     self._refused.clear()
-                self._refused.add(key)
+                self._refused[key] = refusal.fallback
         return [k for k in kinds if k != ConnectorKind.SHM]
 
     def fallback(self, loc: KVLocation) -> TransportFallback | None:
         """Why `loc` (as chosen) goes over a slower transport than shared memory; None: it does not."""
         with self._lock:
-            refused = (loc.producer, loc.producer_epoch) in self._refused
-        return TransportFallback.CMA_REFUSED if refused and loc.kind != ConnectorKind.SHM else None
+            why = self._refused.get((loc.producer, loc.producer_epoch))
+        return why if loc.kind != ConnectorKind.SHM else None
 
     @property
     def transport_addresses(self) -> dict[ConnectorKind, bytes]:

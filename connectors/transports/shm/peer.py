@@ -34,6 +34,11 @@ class PeerPlanes(Protocol):
     def access(self) -> ShmAccess: ...
 
     @property
+    def device(self) -> torch.device:
+        """Where the copy out of these planes runs (the planes' device; cross-memory attach: the CPU)."""
+        ...
+
+    @property
     def num_blocks(self) -> int: ...
 
     @property
@@ -55,6 +60,10 @@ class MappedPlanes:
     access: ShmAccess
     planes: tuple[torch.Tensor, ...]  # each [num_blocks, row_nbytes] uint8; never written
     copier: BlockCopier
+
+    @property
+    def device(self) -> torch.device:
+        return self.planes[0].device
 
     @property
     def num_blocks(self) -> int:
@@ -82,6 +91,10 @@ class ReadPlanes:
     reader: CmaReader
     copier: BlockCopier
     access: ShmAccess = ShmAccess.CMA
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
 
     @property
     def num_blocks(self) -> int:

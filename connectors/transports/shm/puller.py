@@ -67,11 +67,17 @@ from kvwire.connectors.wire import (
     ShmReadDone,
     ShmSegment,
 )
+from kvwire.observability.labels import TransportFallback
 
 
-class CmaRefused(TransferError):
-    """The kernel does not let this process read the producer's memory (cross-memory attach): another transport
-    can still carry its KV (auto falls back to UCX)."""
+class ShmRefused(TransferError):
+    """This process cannot read the producer's memory, and never will (`fallback` says why: the kernel refused
+    cross-memory attach, or CUDA would not open its device memory here): another transport can still carry its KV
+    (auto falls back to UCX)."""
+
+    def __init__(self, request_id: str, peer: str, reason: str, fallback: TransportFallback):
+        super().__init__(request_id, peer, reason)
+        self.fallback = fallback
 
 
 @dataclass(eq=False)
@@ -121,12 +127,12 @@ class SHMPuller:
         mapping = self._maps.get(loc.producer)
         return DataPath.of([str(mapping.planes.access if mapping is not None else ShmAccess.MEMFD)])
 
-    def refusal(self, loc: KVLocation, timeout_s: float) -> CmaRefused | None:
+    def refusal(self, loc: KVLocation, timeout_s: float) -> ShmRefused | None:
         """Whether the kernel refuses this puller the memory of `loc`'s producer (mapped now, if not yet, within
         `timeout_s`); None: it does not, or the question could not be settled (the pull will say)."""
         try:
             self._mapping(_shm_offer(loc), time.monotonic() + timeout_s)
-        except CmaRefused as exc:
+        except ShmRefused as exc:
             return exc
         except (TransferError, OSError, ValueError):
             self._forget(loc.producer)
@@ -342,14 +348,25 @@ class SHMPuller:
             raise TransferError(loc.request_id, loc.producer, f"socket belongs to {segment.producer} epoch "
                                 f"{segment.epoch}, not epoch {loc.producer_epoch}")
         try:
-            return open_peer(segment, fds, peer_cred(sock)[0], self._copier)
+            planes = open_peer(segment, fds, peer_cred(sock)[0], self._copier)
         except CmaError as exc:
             if exc.refused:
-                raise CmaRefused(loc.request_id, loc.producer, f"cross-memory attach refused: {exc}") from exc
+                raise ShmRefused(loc.request_id, loc.producer, f"cross-memory attach refused: {exc}",
+                                 TransportFallback.CMA_REFUSED) from exc
             raise TransferError(loc.request_id, loc.producer, f"cannot read the producer's planes: {exc}") from exc
-        except (OSError, ValueError, RuntimeError) as exc:
+        except RuntimeError as exc:  # CUDA would not open the handle here (no peer access, device not visible)
+            if segment.access != ShmAccess.CUDA_IPC:
+                raise TransferError(loc.request_id, loc.producer, f"cannot open the producer's planes: {exc}") from exc
+            raise ShmRefused(loc.request_id, loc.producer, f"CUDA IPC open failed: {exc}",
+                             TransportFallback.CUDA_IPC_REFUSED) from exc
+        except (OSError, ValueError) as exc:
             raise TransferError(loc.request_id, loc.producer,
                                 f"cannot open the producer's {segment.access} planes: {exc}") from exc
+        ours = self._region.planes[0].device
+        if planes.device != ours:  # a copy between two devices is not one kernel: leave it to UCX
+            raise ShmRefused(loc.request_id, loc.producer, f"the producer's KV is on {planes.device}, ours on {ours}",
+                             TransportFallback.CUDA_IPC_REFUSED)
+        return planes
 
     def _reap(self) -> None:
         """Drop the mappings of producers whose socket hung up (they exited or crashed)."""
