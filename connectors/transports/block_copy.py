@@ -70,6 +70,7 @@ def copy_blocks(dst_planes: Sequence[torch.Tensor], src_planes: Sequence[torch.T
                 dst[d:d + n].copy_(src[s:s + n])
         return
     src_idx, dst_idx = block_indices(runs, dst_planes[0].device)
+    src_idx = src_idx.to(src_planes[0].device)  # the sides may sit on two devices (CUDA IPC from another GPU)
     for dst, src in plane_groups(dst_planes, src_planes):
         _gather_scatter(dst, src, src_idx, dst_idx)
 
@@ -139,8 +140,8 @@ def _gather_scatter(dst: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor,
     row_bytes = dst.shape[0] * dst.shape[2] * dst.element_size()
     step = max(1, SCRATCH_BYTES.get(dst.device.type, SCRATCH_BYTES["cuda"]) // row_bytes)
     for lo in range(0, src_idx.numel(), step):
-        scratch = src.index_select(1, src_idx[lo:lo + step])  # [planes, step, row_words]
-        dst.index_copy_(1, dst_idx[lo:lo + step], scratch)
+        scratch = src.index_select(1, src_idx[lo:lo + step])  # [planes, step, row_words], on src's device
+        dst.index_copy_(1, dst_idx[lo:lo + step], scratch.to(dst.device))
 
 
 def gather_parts(parts: list[torch.Tensor], out: torch.Tensor) -> None:

@@ -238,15 +238,18 @@ def _refuse_cma(monkeypatch) -> None:
     monkeypatch.setattr(cma.CmaReader, "probe", refuse)
 
 
-def _elsewhere(monkeypatch) -> None:
-    """The producer's planes on another device than ours (as CUDA IPC between two GPUs would open them)."""
-    from kvwire.connectors.transports.shm.peer import ReadPlanes
+def _cuda_refuses(monkeypatch) -> None:
+    """CUDA will not open the producer's handle here (its GPU not visible to this process, no peer access)."""
+    from kvwire.connectors.transports.shm import puller
 
-    monkeypatch.setattr(ReadPlanes, "device", property(lambda self: torch.device("meta")))
+    def refuse(*args, **kwargs):
+        raise RuntimeError("CUDA error: invalid device context")
+
+    monkeypatch.setattr(puller, "open_peer", refuse)
 
 
-@pytest.mark.parametrize(("refuse", "reason"), [(_refuse_cma, "cma_refused"), (_elsewhere, "cuda_ipc_refused")],
-                         ids=["cma-refused", "another-device"])
+@pytest.mark.parametrize(("refuse", "reason"), [(_refuse_cma, "cma_refused"), (_cuda_refuses, "cuda_ipc_refused")],
+                         ids=["cma-refused", "cuda-ipc-refused"])
 def test_auto_pulls_over_ucx_where_shared_memory_cannot_reach_and_counts_it(redis_url, monkeypatch, refuse, reason):
     refuse(monkeypatch)
     proc, results, _ = _start(redis_url, ConnectorKind.AUTO, 2, 8, [("a", [1, 2]), ("b", [4])])

@@ -18,6 +18,8 @@ synchronizes after its copies, before it checks the hold word or asks the produc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvwire.connectors.transports.shm.segment import RegionPlanes
@@ -86,7 +88,8 @@ def _open(ipc: CudaIpcHandle) -> torch.UntypedStorage:
         ipc.ref_counter_offset, ipc.event_handle, ipc.event_sync_required)
 
 
-def synchronize(tensors: list[torch.Tensor]) -> None:
-    """Wait for copies into or out of these tensors' CUDA devices to finish."""
-    for device in {t.device for t in tensors if t.is_cuda}:
+def synchronize(tensors: Sequence[torch.Tensor], also: torch.device | None = None) -> None:
+    """Wait for copies into or out of these tensors' CUDA devices (and `also`, a copy's source device) to finish."""
+    devices = {t.device for t in tensors if t.is_cuda} | ({also} if also is not None and also.type == "cuda" else set())
+    for device in devices:
         torch.cuda.synchronize(device)

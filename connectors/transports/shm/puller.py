@@ -183,7 +183,7 @@ class SHMPuller:
             mapping.planes.copy(dst, loc.layout, loc.heads, runs)
         except (OSError, ValueError) as exc:
             raise TransferError(loc.request_id, loc.producer, f"{mapping.planes.access} read failed: {exc}") from exc
-        synchronize([*dst.planes, *hidden])
+        synchronize([*dst.planes, *hidden], also=mapping.planes.device)
         if mapping.planes.access == ShmAccess.CMA and hung_up(mapping.sock):
             raise TransferError(loc.request_id, loc.producer, "producer gone during the read")
 
@@ -354,18 +354,12 @@ class SHMPuller:
                 raise ShmRefused(loc.request_id, loc.producer, f"cross-memory attach refused: {exc}",
                                  TransportFallback.CMA_REFUSED) from exc
             raise TransferError(loc.request_id, loc.producer, f"cannot read the producer's planes: {exc}") from exc
-        except RuntimeError as exc:  # CUDA would not open the handle here (no peer access, device not visible)
-            if segment.access != ShmAccess.CUDA_IPC:
-                raise TransferError(loc.request_id, loc.producer, f"cannot open the producer's planes: {exc}") from exc
+        except RuntimeError as exc:  # CUDA would not open a handle here (its device not visible, no peer access)
             raise ShmRefused(loc.request_id, loc.producer, f"CUDA IPC open failed: {exc}",
                              TransportFallback.CUDA_IPC_REFUSED) from exc
         except (OSError, ValueError) as exc:
             raise TransferError(loc.request_id, loc.producer,
                                 f"cannot open the producer's {segment.access} planes: {exc}") from exc
-        ours = self._region.planes[0].device
-        if planes.device != ours:  # a copy between two devices is not one kernel: leave it to UCX
-            raise ShmRefused(loc.request_id, loc.producer, f"the producer's KV is on {planes.device}, ours on {ours}",
-                             TransportFallback.CUDA_IPC_REFUSED)
         return planes
 
     def _reap(self) -> None:
