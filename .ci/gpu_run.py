@@ -45,7 +45,7 @@ NEEDS = {"kubernetes-validate": ["tests/deploy"]}
 # (tokens, methods, pools). NIXL (VRAM, READ) runs beside kvwire's methods with cuda_ipc's get enabled
 # (`nixl`), and on UCX's defaults (`nixl-defaults`) at the reference size; at 16,384 tokens NIXL
 # runs on vLLM's pool only (2 GiB and 65,536 pieces a run: the step's time goes there).
-KVWIRE_METHODS = "limit-memcpy,ucx,shm,tcp,auto"
+KVWIRE_METHODS = "limit-memcpy,limit-gather,ucx,shm,tcp,auto"
 BENCH = [(128, f"{KVWIRE_METHODS},nixl", "kvwire,vllm"), (2048, f"{KVWIRE_METHODS},nixl,nixl-defaults", "kvwire,vllm"),
          (16384, f"{KVWIRE_METHODS},nixl", "vllm"), (16384, KVWIRE_METHODS, "kvwire")]
 BENCH_ARGS = ["--layouts", "scattered", "--runs", "3", "--warmup", "1"]

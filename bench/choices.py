@@ -8,6 +8,9 @@ import enum
 class Method(enum.StrEnum):
     LIMIT_MEMCPY = "limit-memcpy"
     LIMIT_TCP = "limit-tcp"
+    # one process, per plane: `index_select` of the source blocks, `index_copy_` into the destination's (two launches
+    # a plane, no stacking): issue 45's "one-process gather" that shm / auto on a GPU are held to half of
+    LIMIT_GATHER = "limit-gather"
     NIXL = "nixl"  # NIXL READ, UCX backend, UCX's transports (on a GPU with cuda_ipc's get enabled: bench/transfer.py)
     NIXL_TCP = "nixl-tcp"  # NIXL WRITE with UCX_TLS=tcp
     NIXL_DEFAULTS = "nixl-defaults"  # GPU only: NIXL READ on UCX's defaults, as a NixlConnector runs untuned

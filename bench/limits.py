@@ -48,6 +48,28 @@ def limit_memcpy(work: Workload, runs: int, warmup: int) -> tuple[list[float], b
     return times, checksum(src, work.block_ids(0)) == checksum(dst, work.block_ids(1)), cpu.ticks
 
 
+def limit_gather(work: Workload, runs: int, warmup: int) -> tuple[list[float], bool, CpuTicks]:
+    """Single-process gather → scatter plane by plane with index_select / index_copy_ (no stacking, no rounds)."""
+    src, dst = _region(work, True), _region(work, False)
+    device = src.planes[0].device
+    src_idx = torch.tensor(work.block_ids(0), dtype=torch.int64, device=device)  # [blocks]
+    dst_idx = torch.tensor(work.block_ids(1), dtype=torch.int64, device=device)  # [blocks]
+    sync = torch.cuda.synchronize if work.device == Device.CUDA else (lambda: None)
+    times, cpu = [], CpuTally()
+    for i in range(warmup + runs):
+        zero_blocks(dst, work.block_ids(1))
+        sync()
+        with cpu.counting(i >= warmup):
+            start = time.perf_counter()
+            for d, s in zip(dst.planes, src.planes):
+                d.index_copy_(0, dst_idx, s.index_select(0, src_idx))  # [blocks, row] scratch a plane
+            sync()
+            elapsed = time.perf_counter() - start
+        if i >= warmup:
+            times.append(elapsed)
+    return times, checksum(src, work.block_ids(0)) == checksum(dst, work.block_ids(1)), cpu.ticks
+
+
 def _tcp_sender(work: Workload, port_q, trials: int) -> None:
     torch.set_num_threads(1)
     src = _region(work, True)

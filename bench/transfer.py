@@ -13,7 +13,7 @@ from typing import NamedTuple
 from kvwire.bench.choices import Device, Method, Placement
 from kvwire.bench.connector_run import run_connector
 from kvwire.bench.cpu import CpuTally, CpuTicks
-from kvwire.bench.limits import limit_memcpy, limit_tcp
+from kvwire.bench.limits import limit_gather, limit_memcpy, limit_tcp
 from kvwire.bench.nixl_run import NIXL_MODULES, NixlOp, nixl_module, run_nixl
 from kvwire.bench.report import Row, error_row, make_row
 from kvwire.bench.ucxx_run import run_ucxx_raw
@@ -33,7 +33,8 @@ NIXL_OPS = {Method.NIXL: NixlOp.READ, Method.NIXL_TCP: NixlOp.WRITE, Method.NIXL
 # what runs on GPU pools with one GPU: the device's own copy, the connectors that move device memory between
 # two processes on it, and NIXL on VRAM (NCCL needs two devices; the TCP limit and UCX_TLS=tcp variants are
 # host-memory baselines)
-ON_CUDA = {Method.LIMIT_MEMCPY, Method.UCX, Method.SHM, Method.TCP, Method.AUTO, Method.NIXL, Method.NIXL_DEFAULTS}
+ON_CUDA = {Method.LIMIT_MEMCPY, Method.LIMIT_GATHER, Method.UCX, Method.SHM, Method.TCP, Method.AUTO, Method.NIXL,
+           Method.NIXL_DEFAULTS}
 GPU_ONLY = {Method.NIXL_DEFAULTS}  # on the host it would be `nixl` again
 
 
@@ -77,6 +78,8 @@ def measure(method: Method, work: Workload, runs: int, warmup: int, redis_url: s
         return _limit(limit_memcpy(work, runs, warmup))
     if method == Method.LIMIT_TCP:
         return _limit(limit_tcp(work, runs, warmup))
+    if method == Method.LIMIT_GATHER:
+        return _limit(limit_gather(work, runs, warmup))
     if method in NIXL_OPS:
         got = run_nixl(work, runs, warmup, NIXL_OPS[method], nixl_settings(method, work.device))
         return Measured(got.seconds, got.verified, None, got.cpu, got.protocol)
@@ -157,7 +160,8 @@ def combinations(methods: list[Method], tokens: list[int], placements: list[Plac
 
 
 # The issues' targets: (method, compared with, at least this ratio of their medians)
-TARGETS = [(Method.SHM, Method.LIMIT_MEMCPY, 0.8), (Method.UCX, Method.NIXL, 1.0),
+TARGETS = [(Method.SHM, Method.LIMIT_MEMCPY, 0.8), (Method.SHM, Method.LIMIT_GATHER, 0.5),
+           (Method.AUTO, Method.LIMIT_GATHER, 0.5), (Method.UCX, Method.NIXL, 1.0),
            (Method.UCX_TCP, Method.NIXL_TCP, 1.0), (Method.TCP, Method.LIMIT_TCP, 0.8)]
 # A request of one block is mostly control path: lower bars up to this many tokens
 SMALL_REQUEST_TOKENS = 16

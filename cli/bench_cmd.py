@@ -36,8 +36,9 @@ def transfer(
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Passes over all methods, interleaved; each "
                                         "figure pools the runs of every pass (evens out a noisy machine).")] = 1,
     device: Annotated[Device, typer.Option("--device", help="Where both pools live; cuda runs the methods that "
-                                           "move device memory on one GPU (limit-memcpy, ucx, shm, tcp, auto; "
-                                           "nixl with cuda_ipc's get enabled, nixl-defaults on UCX's defaults).")]
+                                           "move device memory on one GPU (limit-memcpy, limit-gather, ucx, shm, tcp, "
+                                           "auto; nixl with cuda_ipc's get enabled, nixl-defaults on UCX's "
+                                           "defaults).")]
         = Device.CPU,
     hidden_width: Annotated[int, typer.Option("--hidden-width", min=1, help="float32 values per token of the "
                                               "hidden states kvwire's connectors carry beside the KV (2048 for "

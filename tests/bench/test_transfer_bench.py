@@ -114,8 +114,8 @@ def test_gpu_runs_the_methods_that_move_device_memory_on_one_gpu_and_every_pool_
     from kvwire.bench.transfer import supports
 
     on_gpu = {m for m in Method if supports(m, Device.CUDA)}
-    assert on_gpu == {Method.LIMIT_MEMCPY, Method.UCX, Method.SHM, Method.TCP, Method.AUTO, Method.NIXL,
-                      Method.NIXL_DEFAULTS}
+    assert on_gpu == {Method.LIMIT_MEMCPY, Method.LIMIT_GATHER, Method.UCX, Method.SHM, Method.TCP, Method.AUTO,
+                      Method.NIXL, Method.NIXL_DEFAULTS}
     assert {m for m in Method if not supports(m)} == {Method.NIXL_DEFAULTS}  # on the host it is `nixl` again
     # no method is filtered by pool: shm and auto over vLLM's pool run, and say so if the transport refuses
     assert combinations([Method.SHM, Method.AUTO], [16], [Placement.SCATTERED], [KVWIRE, VLLM], Device.CUDA) == 4
@@ -207,3 +207,16 @@ def test_cli_says_so_when_there_is_no_gpu():
     done = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "bench", "transfer", "--device", "cuda"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "no CUDA device" in done.stderr
+
+
+def test_limit_gather_moves_the_same_pieces_plane_by_plane(redis_url):
+    """The per-plane index_select / index_copy_ baseline (shm's GPU target is half of it) verifies like the rest,
+    in both pools, and its target line pairs it with shm."""
+    from kvwire.bench.transfer import target_lines
+
+    rows = bench_transfer([Method.LIMIT_GATHER, Method.SHM], [32], [Placement.SCATTERED], [KVWIRE, VLLM],
+                          runs=1, warmup=0, redis_url=redis_url)
+    assert [(r.method, r.pool, r.verified) for r in rows] == [
+        ("limit-gather", "kvwire", True), ("shm", "kvwire", True), ("limit-gather", "vllm", True),
+        ("shm", "vllm", True)]
+    assert sum("shm / limit-gather" in line for line in target_lines(rows)) == 2
