@@ -19,6 +19,7 @@ from kvwire.cli.options import (
     served_model_names,
     setup_logging,
 )
+from kvwire.router.body_limit import MAX_BODY_BYTES
 from kvwire.router.config import RouterConfig, RoutingPolicy, VLLMRouterConfig
 
 NodesModelDir = Annotated[Path | None, typer.Option(
@@ -74,6 +75,9 @@ Port = Annotated[int, typer.Option("--port", min=1, max=65535, help="HTTP port."
 RequestTimeout = Annotated[float, typer.Option(
     "--request-timeout", min=0.1, help="Seconds before a request gets a 504 (vLLM mode: between the bytes of an "
                                        "instance's answer).")]
+MaxBodyBytes = Annotated[int, typer.Option(
+    "--max-body-bytes", min=1, help="A request body over this many bytes gets a 413 naming this cap before it is read "
+                                    "(a stated length at once; a chunked body at the first byte past it).")]
 _KVWIRE_ONLY = ("model", "redis_url", "auth_secret_file", "served_model_name", "lenient")
 _VLLM_ONLY = ("health_interval", "connect_timeout", "instance_wait", "max_failures", "unresponsive_after", "sequential",
               "vllm_kv_events")
@@ -87,7 +91,8 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
            prefill_max_in_flight: PrefillMaxInFlight = 0, routing: Routing = RoutingPolicy.PREFIX,
            decode_only_below: DecodeOnlyBelow = None, prefix_ttl: PrefixTTL = 120.0,
            vllm_kv_events: VLLMKVEvents = None, auth_secret_file: AuthSecretFile = None,
-           served_model_name: ServedModelName = None, lenient: Lenient = False, log_level: LogLevel = "INFO") -> None:
+           served_model_name: ServedModelName = None, lenient: Lenient = False,
+           max_body_bytes: MaxBodyBytes = MAX_BODY_BYTES, log_level: LogLevel = "INFO") -> None:
     """Serve the OpenAI API (POST /v1/completions and /v1/chat/completions), GET /v1/models,
     /healthz, /readyz and /metrics: over kvwire's nodes (--model, --redis-url), or over vLLM servers
     (--vllm-decode, and --vllm-prefill to disaggregate)."""
@@ -101,11 +106,11 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
                             unresponsive_after, sequential, prefill_max_in_flight, routing,
                             VLLMRouterConfig.decode_only_below if decode_only_below is None else decode_only_below,
                             prefix_ttl, tuple(e.strip() for e in vllm_kv_events.split(",")) if vllm_kv_events else ())
-        app = _vllm_app(ctx, vllm_prefill, vllm_decode, host, port, timing)
+        app = _vllm_app(ctx, vllm_prefill, vllm_decode, host, port, timing, max_body_bytes)
     else:
         paths = NodesPaths(decode_only_below or 0, prefill_max_in_flight, routing, prefix_ttl)
         app = _kvwire_app(ctx, model, redis_url, host, port, request_timeout, auth_secret_file,
-                          served_model_names(served_model_name), lenient, paths)
+                          served_model_names(served_model_name), lenient, paths, max_body_bytes)
     uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
 
 
@@ -120,7 +125,7 @@ class NodesPaths(NamedTuple):
 
 def _kvwire_app(ctx: typer.Context, model: Path | None, redis_url: str | None, host: str, port: int,
                 request_timeout: float, auth_secret_file: Path | None, names: tuple[str, ...], lenient: bool,
-                paths: NodesPaths):
+                paths: NodesPaths, max_body_bytes: int):
     from kvwire.connectors.control import auth
     from kvwire.engine.gc_pauses import freeze_startup_heap
     from kvwire.router.app import create_app
@@ -133,7 +138,7 @@ def _kvwire_app(ctx: typer.Context, model: Path | None, redis_url: str | None, h
     config = RouterConfig(model_dir=model, redis_url=redis_url, host=host, port=port, request_timeout_s=request_timeout,
                           served_model_names=names, lenient=lenient, auth_secret=auth_secret(auth_secret_file),
                           decode_only_below=paths.decode_only_below, prefill_max_in_flight=paths.prefill_max_in_flight,
-                          routing=paths.routing, prefix_ttl_s=paths.prefix_ttl)
+                          routing=paths.routing, prefix_ttl_s=paths.prefix_ttl, max_body_bytes=max_body_bytes)
     auth.install(config.auth_secret)  # before any socket opens
     app = create_app(config)
     freeze_startup_heap()  # the router's heap holds torch and the tokenizer too
@@ -157,7 +162,8 @@ class VLLMTiming(NamedTuple):
     kv_events: tuple[str, ...]
 
 
-def _vllm_app(ctx: typer.Context, prefill: str | None, decode: str | None, host: str, port: int, timing: VLLMTiming):
+def _vllm_app(ctx: typer.Context, prefill: str | None, decode: str | None, host: str, port: int, timing: VLLMTiming,
+              max_body_bytes: int):
     from kvwire.router.vllm_proxy import create_vllm_app
 
     refuse_given(ctx, _KVWIRE_ONLY, "for kvwire's own nodes, not with --vllm-prefill/--vllm-decode")
@@ -172,7 +178,7 @@ def _vllm_app(ctx: typer.Context, prefill: str | None, decode: str | None, host:
                                   unresponsive_s=timing.unresponsive_after, sequential=timing.sequential,
                                   prefill_max_in_flight=timing.prefill_max_in_flight, routing=timing.routing,
                                   decode_only_below=timing.decode_only_below, prefix_ttl_s=timing.prefix_ttl,
-                                  decode_kv_events=timing.kv_events)
+                                  decode_kv_events=timing.kv_events, max_body_bytes=max_body_bytes)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     return create_vllm_app(config)

@@ -34,6 +34,7 @@ from kvwire.engine.tokenizer import load_tokenizer
 from kvwire.observability.labels import RequestStatus
 from kvwire.observability.metrics import CONTENT_TYPE, Metrics, process_metrics
 from kvwire.router import tokenize_routes
+from kvwire.router.body_limit import BodyLimit
 from kvwire.router.chat_template import ChatTemplate
 from kvwire.router.choice import Choice
 from kvwire.router.config import RouterConfig
@@ -216,6 +217,7 @@ def create_app(config: RouterConfig, metrics: Metrics | None = None) -> FastAPI:
     """The router's app; its metrics go to `metrics`, this process's by default."""
     router = Router(config, metrics or process_metrics())
     app = FastAPI(title="kvwire router", lifespan=router.lifespan)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_exception_handler(APIError, _api_error)
     app.add_api_route("/healthz", router.healthz, methods=["GET"])
     app.add_api_route("/readyz", router.readyz, methods=["GET"])

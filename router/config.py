@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from kvwire.router.body_limit import MAX_BODY_BYTES
+
 
 class RoutingPolicy(enum.StrEnum):
     """How the router picks a decode instance or node (router/vllm_schedule.py, router/dispatch.py)."""
@@ -34,6 +36,7 @@ class RouterConfig:
     routing: PREFIX places a prompt on the decode node whose prefix cache holds most of it, weighed against its
         free blocks (router/dispatch.py); LOAD by free blocks alone.
     prefix_ttl_s: how long a decode node is taken to hold what it was last sent or answered.
+    max_body_bytes: a request body over this many bytes gets a 413 before it is read (router/body_limit.py).
     """
 
     model_dir: Path
@@ -48,8 +51,11 @@ class RouterConfig:
     prefill_max_in_flight: int = 0
     routing: RoutingPolicy = RoutingPolicy.PREFIX
     prefix_ttl_s: float = 120.0
+    max_body_bytes: int = MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be at least 1")
         if any(not name for name in self.served_model_names):
             raise ValueError("a served model name must not be empty")
         if min(self.decode_only_below, self.prefill_max_in_flight) < 0:
@@ -114,8 +120,11 @@ class VLLMRouterConfig:
     decode_only_below: int = 512
     prefix_ttl_s: float = 120.0
     decode_kv_events: tuple[str, ...] = ()
+    max_body_bytes: int = MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be at least 1")
         if not self.decode_urls:
             raise ValueError("at least one vLLM decode instance is needed")
         for url in self.prefill_urls + self.decode_urls:

@@ -60,6 +60,7 @@ from kvwire.observability.labels import InstanceState, KVEventKind, PathReason, 
 from kvwire.observability.metrics import CONTENT_TYPE, Metrics, process_metrics
 from kvwire.router import vllm_http as http
 from kvwire.router import vllm_upstream as upstream
+from kvwire.router.body_limit import BodyLimit
 from kvwire.router.config import VLLMRouterConfig
 from kvwire.router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, follow
 from kvwire.router.schemas import APIError
@@ -384,6 +385,7 @@ def create_vllm_app(config: VLLMRouterConfig, metrics: Metrics | None = None) ->
     """The router's app in front of vLLM; its metrics go to `metrics`, this process's by default."""
     router = VLLMRouter(config, metrics or process_metrics())
     app = FastAPI(title="kvwire router (vLLM)", lifespan=router.lifespan)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_api_route("/healthz", router.healthz, methods=["GET"])
     app.add_api_route("/readyz", router.readyz, methods=["GET"])
     app.add_api_route("/metrics", router.metrics_text, methods=["GET"])
