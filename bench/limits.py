@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -31,29 +32,27 @@ def _region(work: Workload, filled: bool) -> KVRegion:
 def limit_memcpy(work: Workload, runs: int, warmup: int) -> tuple[list[float], bool, CpuTicks]:
     """Single-process gather → scatter of the request's pieces as the connectors copy them (block_copy.py):
     a `copy_` per piece on the host unless the pieces are small, a gather/scatter per plane on a GPU."""
-    src, dst = _region(work, True), _region(work, False)
     block_runs = plan_runs(work.block_ids(0), work.block_ids(1))
-    sync = torch.cuda.synchronize if work.device == Device.CUDA else (lambda: None)
-    times, cpu = [], CpuTally()
-    for i in range(warmup + runs):
-        zero_blocks(dst, work.block_ids(1))
-        sync()
-        with cpu.counting(i >= warmup):
-            start = time.perf_counter()
-            copy_blocks(dst.planes, src.planes, block_runs)
-            sync()  # a device copy is done when the device says so
-            elapsed = time.perf_counter() - start
-        if i >= warmup:
-            times.append(elapsed)
-    return times, checksum(src, work.block_ids(0)) == checksum(dst, work.block_ids(1)), cpu.ticks
+    return _timed_copies(work, runs, warmup, lambda dst, src: copy_blocks(dst.planes, src.planes, block_runs))
 
 
 def limit_gather(work: Workload, runs: int, warmup: int) -> tuple[list[float], bool, CpuTicks]:
     """Single-process gather → scatter plane by plane with index_select / index_copy_ (no stacking, no rounds)."""
-    src, dst = _region(work, True), _region(work, False)
-    device = src.planes[0].device
+    device = torch.device("cuda" if work.device == Device.CUDA else "cpu")
     src_idx = torch.tensor(work.block_ids(0), dtype=torch.int64, device=device)  # [blocks]
     dst_idx = torch.tensor(work.block_ids(1), dtype=torch.int64, device=device)  # [blocks]
+
+    def gather(dst: KVRegion, src: KVRegion) -> None:
+        for d, s in zip(dst.planes, src.planes):
+            d.index_copy_(0, dst_idx, s.index_select(0, src_idx))  # [blocks, row] scratch a plane
+
+    return _timed_copies(work, runs, warmup, gather)
+
+
+def _timed_copies(work: Workload, runs: int, warmup: int,
+                  copy: Callable[[KVRegion, KVRegion], None]) -> tuple[list[float], bool, CpuTicks]:
+    """`copy(dst, src)` of the request's blocks between two pools of one process, timed to the device's end."""
+    src, dst = _region(work, True), _region(work, False)
     sync = torch.cuda.synchronize if work.device == Device.CUDA else (lambda: None)
     times, cpu = [], CpuTally()
     for i in range(warmup + runs):
@@ -61,9 +60,8 @@ def limit_gather(work: Workload, runs: int, warmup: int) -> tuple[list[float], b
         sync()
         with cpu.counting(i >= warmup):
             start = time.perf_counter()
-            for d, s in zip(dst.planes, src.planes):
-                d.index_copy_(0, dst_idx, s.index_select(0, src_idx))  # [blocks, row] scratch a plane
-            sync()
+            copy(dst, src)
+            sync()  # a device copy is done when the device says so
             elapsed = time.perf_counter() - start
         if i >= warmup:
             times.append(elapsed)
