@@ -74,8 +74,11 @@ def seal(payload: bytes) -> bytes:
 
 
 def unseal(data: bytes | memoryview) -> bytes | memoryview:
-    """The payload of a sealed message. Raises AuthError (counted) if the seal is missing or wrong."""
+    """The payload of a sealed message. Raises AuthError (counted) if the seal is missing or wrong, or if the message
+    is sealed and this process has no secret (an envelope never starts with MAGIC: it is a msgpack array)."""
     if _secret is None:
+        if bytes(data[:len(MAGIC)]) == MAGIC:
+            _reject("message is sealed, and this process has no auth secret (configure the same secret on both)")
         return data
     view = memoryview(data)
     if len(view) < _HEADER or view[:len(MAGIC)] != MAGIC:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any, TypeVar, overload
 
-from kvwire.connectors.control.auth import seal, unseal
-from kvwire.connectors.wire import AnyMessage, decode, encode
+from kvwire.connectors.control.auth import MAGIC, SEAL_BYTES, seal, unseal
+from kvwire.connectors.wire import AnyMessage, PullRequest, WireError, decode, encode
 
 M = TypeVar("M")
 
@@ -32,3 +32,15 @@ def unpack(data: bytes | memoryview, expect: type | tuple[type, ...] | None = No
         WireError: unauthenticated (AuthError), or not a valid message of the expected types.
     """
     return decode(unseal(data), expect=expect)
+
+
+def peek_request(data: bytes | memoryview) -> PullRequest | None:
+    """What a pull request whose seal did not hold says of itself (sealed with another secret, or not at all): only
+    to address a refusal to it, never to act on. None when its bytes say nothing readable."""
+    view = memoryview(data)
+    for payload in (view[SEAL_BYTES:] if bytes(view[:len(MAGIC)]) == MAGIC else view, view):
+        try:
+            return decode(payload, expect=PullRequest)
+        except WireError:
+            continue
+    return None

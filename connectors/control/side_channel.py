@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import zmq
 
 from kvwire.connectors.base import TransferError
+from kvwire.connectors.control.auth import AuthError
 from kvwire.connectors.control.framing import pack, unpack
 from kvwire.connectors.control.sockets import limit_receive
 from kvwire.connectors.wire import KVLocation, Message, PullReply, WireError
@@ -72,8 +73,13 @@ class SideChannelClient:
             self.drop(endpoint)
 
     def _read_reply(self, loc: KVLocation, sock: zmq.Socket, transfer_id: int) -> bool:
+        """Raises TransferError for a refusal, or a reply whose seal does not hold: the producer is the only one
+        that answers on this socket, so its secret is not ours (or one side has none), and no pull will pass."""
         try:
             reply = unpack(sock.recv(copy=False).buffer, expect=PullReply)
+        except AuthError as exc:
+            raise TransferError(loc.request_id, loc.producer, f"the producer's reply does not carry this server's "
+                                f"seal ({exc}): the two servers' auth secrets differ") from None
         except WireError as exc:
             log.warning("request %s: bad reply from producer %s: %s", loc.request_id, loc.producer, exc)
             return False

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING
 import torch
 import zmq
 
-from kvwire.connectors.control.framing import pack, unpack
+from kvwire.connectors.control.auth import AuthError
+from kvwire.connectors.control.framing import pack, peek_request, unpack
 from kvwire.connectors.control.sockets import LINGER_MS, limit_receive
 from kvwire.connectors.producer.held import HeldRequest, HeldTable
 from kvwire.connectors.transports.kv_region import KVRegion, Part, byte_parts, plan_runs
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 IDLE_WAKE_S = 1.0  # upper bound between hold-deadline checks
+MAX_WARNED = 1024  # (peer, reason) rejections remembered as logged
 TRUST_TTL_S = 5.0  # a consumer's verified transport address is trusted this long without a lookup
 
 
@@ -163,6 +165,7 @@ class TransferServer:
         self._jobs: dict[tuple[str, str, int], SendJob] = {}  # (request, consumer, its transfer id)
         self._finished: queue.SimpleQueue[tuple[SendJob, BaseException | None]] = queue.SimpleQueue()
         self.rejected_messages = 0
+        self._warned: set[tuple[bytes, str]] = set()  # (peer, reason) rejections logged
         engine.bind(self)
         self.transport_address = engine.transport_address
         self._thread = threading.Thread(target=self._run, name="kv-transfer-server", daemon=True)
@@ -233,14 +236,30 @@ class TransferServer:
         identity, payload = frames[0].bytes, frames[1].buffer
         try:
             msg = unpack(payload, expect=PullRequest)
+        except AuthError as exc:  # answered, so that a consumer with another secret fails now, not at its deadline
+            self._reject(identity, str(exc))
+            self._refuse_unsealed(identity, payload, str(exc))
+            return
         except WireError as exc:
             self._reject(identity, str(exc))
             return
         self._start_pull(identity, msg)
 
     def _reject(self, identity: bytes, reason: str) -> None:
+        """Counted every time; logged once per peer (a zmq identity) and reason, a bounded number of them."""
         self.rejected_messages += 1
-        log.warning("side channel: rejected message from peer %s: %s", identity.hex(), reason)
+        key = (identity, reason.split(" (")[0])
+        if key in self._warned or len(self._warned) >= MAX_WARNED:
+            return
+        self._warned.add(key)
+        log.warning("side channel: rejected message from peer %s: %s (said once per peer)", identity.hex(), reason)
+
+    def _refuse_unsealed(self, identity: bytes, payload: memoryview, reason: str) -> None:
+        """A sealed refusal of a pull request whose seal did not hold, addressed by what its bytes say (a refusal
+        carries nothing the sender could not read in its own request); nothing when they say nothing."""
+        request = peek_request(payload)
+        if request is not None:
+            self._reply(identity, request, False, f"unauthenticated: {reason}")
 
     def _start_pull(self, identity: bytes, msg: PullRequest) -> None:
         if msg.abandon:

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import enum
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
+from kvwire.connectors.control.auth import read_secret_file
 from kvwire.connectors.directory.advertise import advertise_host
 from kvwire.connectors.vllm.identity import EngineShape, node_id_of, rank_node_id, refuse_shape
 from kvwire.connectors.vllm.tp import TPSplit
@@ -59,6 +61,8 @@ class VLLMSettings:
         entry_ttl_s: TTL of every directory key of a request.
         pull_lanes: consumer threads moving one pull's pieces (host pools).
         engine: the server's shape (and, in a worker, its tensor-parallel rank).
+        auth_secret: what seals every control message of the connector (side channels, shared-memory hand-offs),
+            read from `auth_secret_file` as kvwire's nodes read `--auth-secret-file`; None: not sealed.
     """
 
     role: KVRole
@@ -71,6 +75,7 @@ class VLLMSettings:
     entry_ttl_s: float = 120.0
     pull_lanes: int = 2
     engine: EngineShape = EngineShape("")
+    auth_secret: bytes | None = field(default=None, repr=False)
 
     @property
     def rank_node_id(self) -> str:
@@ -88,6 +93,7 @@ class VLLMSettings:
         does not serve (identity.py)."""
         refuse_shape(engine)
         known = {"redis_url", "transport", "node_id", "host", "advertise_host", "kv_deadline_s", "entry_ttl_s",
+                 "auth_secret_file",
                  "pull_lanes"}
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -104,8 +110,9 @@ class VLLMSettings:
             raise ValueError(f"kvwire: a numeric kv_connector_extra_config value is malformed: {exc}") from None
         host = str(extra.get("host", "127.0.0.1"))
         advertised = advertise_host(host, str(extra.get("advertise_host") or "") or None, extra["redis_url"])
+        secret = read_secret_file(Path(str(extra["auth_secret_file"]))) if extra.get("auth_secret_file") else None
         settings = cls(role, extra["redis_url"], transport, node_id, host, advertised, pull_lanes=lanes, engine=engine,
-                       **numbers)
+                       auth_secret=secret, **numbers)
         settings.split  # noqa: B018 - refuses a head count that does not split over the ranks, now
         settings.connector_config()  # the checks ConnectorConfig makes, now rather than at the first request
         return settings

@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvwire.connectors.vllm.tally import empty
-from kvwire.observability.labels import TransferFailure, TransportFallback
+from kvwire.observability.labels import RejectReason, TransferFailure, TransportFallback
 
 PULL_SECONDS_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]
 
@@ -42,13 +42,14 @@ class KvwireStats(KVConnectorStats):
         self.data = empty()
 
     def is_empty(self) -> bool:
-        return self.data["pulls"] == 0 and not self.data["failed"]
+        return self.data["pulls"] == 0 and not self.data["failed"] and not self.data.get("rejected")
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         if other.is_empty():
             return self
         self.data["pulls"] += other.data["pulls"]
         self.data["pull_bytes"] += other.data["pull_bytes"]
+        self.data["rejected"] += other.data.get("rejected", 0)
         self.data["pull_seconds"].extend(other.data["pull_seconds"])
         for key in ("failed", "fallbacks", "paths"):
             for reason, n in other.data.get(key, {}).items():
@@ -62,6 +63,8 @@ class KvwireStats(KVConnectorStats):
             "Avg pull (ms)": round(sum(seconds) / len(seconds) * 1e3, 3) if seconds else 0}
         out.update({f"Recomputed ({reason})": n for reason, n in sorted(self.data["failed"].items())})
         out.update({f"Slower transport ({reason})": n for reason, n in sorted(self.data["fallbacks"].items())})
+        if self.data["rejected"]:
+            out["Unsealed messages refused"] = self.data["rejected"]
         return out
 
 
@@ -90,7 +93,12 @@ class KvwirePromMetrics(KVConnectorPromMetrics):
             name="vllm:kvwire_kv_pulls_by_path", documentation="Pulls by what carried their bytes: cma (this host's "
             "memory, read from the prefill process), cuda_ipc, shm, UCX's transports (e.g. sysv/posix), tcp, nccl.",
             labelnames=[*labelnames, "path"])
+        self._rejected = self._counter_cls(
+            name="vllm:kvwire_messages_rejected", documentation="Control messages kvwire refused: no valid seal "
+            "(auth_secret_file), e.g. a pull request forged from outside or from a server with another secret.",
+            labelnames=[*labelnames, "reason"])
         for values in per_engine_labelvalues.values():  # every reason shows, at 0, from the start
+            self._rejected.labels(*values, str(RejectReason.UNAUTHENTICATED))
             for reason in TransferFailure:
                 self._failed.labels(*values, str(reason))
             for fallback in TransportFallback:
@@ -108,3 +116,4 @@ class KvwirePromMetrics(KVConnectorPromMetrics):
             self._fallbacks.labels(*values, reason).inc(n)
         for path, n in transfer_stats_data.get("paths", {}).items():
             self._paths.labels(*values, path).inc(n)
+        self._rejected.labels(*values, str(RejectReason.UNAUTHENTICATED)).inc(transfer_stats_data.get("rejected", 0))

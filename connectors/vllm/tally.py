@@ -13,8 +13,9 @@ from kvwire.observability.labels import TransferFailure, TransportFallback
 
 def empty() -> dict[str, Any]:
     """No counts: pulls, their bytes and seconds, failed pulls by TransferFailure, pulls moved over a slower
-    transport than they would have taken by TransportFallback, pulls by the path that carried them."""
-    return {"pulls": 0, "pull_bytes": 0, "pull_seconds": [], "failed": {}, "fallbacks": {}, "paths": {}}
+    transport than they would have taken by TransportFallback, pulls by the path that carried them, control messages
+    refused for want of a valid seal."""
+    return {"pulls": 0, "pull_bytes": 0, "pull_seconds": [], "failed": {}, "fallbacks": {}, "paths": {}, "rejected": 0}
 
 
 class Tally:
@@ -25,6 +26,7 @@ class Tally:
         self._data = empty()
         self._pulls = 0  # since the start, for `kvwire status` (the heartbeat)
         self._recomputed: dict[TransferFailure, int] = {}
+        self._rejected = 0  # auth rejections already counted
 
     def totals(self) -> tuple[int, dict[TransferFailure, int]]:
         """Pulls and failed pulls by reason since the start (vLLM's takes do not reset them)."""
@@ -44,6 +46,12 @@ class Tally:
                 fallbacks = self._data["fallbacks"]
                 fallbacks[str(fallback)] = fallbacks.get(str(fallback), 0) + 1
 
+    def rejected_so_far(self, total: int) -> None:
+        """This process's control messages refused for their seal since it started (auth.rejected_count())."""
+        with self._lock:
+            self._data["rejected"] += max(0, total - self._rejected)
+            self._rejected = max(self._rejected, total)
+
     def failed(self, reason: TransferFailure) -> None:
         with self._lock:
             self._recomputed[reason] = self._recomputed.get(reason, 0) + 1
@@ -54,4 +62,4 @@ class Tally:
         """The counts since the last take (`KvwireStats.data`), or None if there are none."""
         with self._lock:
             data, self._data = self._data, empty()
-        return None if data["pulls"] == 0 and not data["failed"] else data
+        return None if data["pulls"] == 0 and not data["failed"] and not data["rejected"] else data

@@ -34,6 +34,7 @@ import torch
 from kvwire.connectors.base import TransferError
 from kvwire.connectors.config import ConnectorConfig
 from kvwire.connectors.consumer.role import KVConsumer, failure_of
+from kvwire.connectors.control import auth
 from kvwire.connectors.directory.directory import DirectoryError, KVDirectory
 from kvwire.connectors.directory.heartbeat import Heartbeat
 from kvwire.connectors.factory import create_transport
@@ -110,6 +111,7 @@ class WorkerHalf:
         if region.planes[0].device.type == "cpu":
             _allow_amx()
         config = self._settings.connector_config()
+        auth.install(self._settings.auth_secret)  # this worker process's control messages, before any socket opens
         with ExitStack() as undo:
             self._directory = directory = KVDirectory(config.redis_url, entry_ttl_s=config.entry_ttl_s)
             undo.callback(directory.close)
@@ -148,6 +150,7 @@ class WorkerHalf:
         if self._producer is not None:
             for released in self._producer.released():
                 self._released(released.request_id, released.block_ids)
+        self.tally.rejected_so_far(auth.rejected_count())
         with self._lock:
             out = (self._sent, self._received, self._failed)
             self._sent, self._received, self._failed = set(), set(), set()

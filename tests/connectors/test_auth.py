@@ -70,3 +70,24 @@ def test_secret_file_must_exist_and_be_long_enough(tmp_path):
         auth.read_secret_file(short)
     with pytest.raises(ValueError, match="cannot read"):
         auth.read_secret_file(tmp_path / "missing")
+
+
+def test_a_sealed_message_to_a_process_without_a_secret_says_so():
+    auth.install(SECRET)
+    sealed = pack(MSG)
+    auth.install(None)
+    with pytest.raises(AuthError, match="no auth secret"):
+        unpack(sealed, PullReply)
+
+
+def test_a_refusal_can_be_addressed_to_a_request_sealed_with_another_secret():
+    from kvwire.connectors.control.framing import peek_request
+    from kvwire.connectors.wire import PullRequest
+
+    request = PullRequest(request_id="r1", transfer_id=7, consumer="c", transport_address=b"a", dst_block_ids=[1])
+    auth.install(b"o" * 32)
+    other = pack(request)
+    auth.install(None)
+    plain = pack(request)
+    assert peek_request(other) == request and peek_request(plain) == request
+    assert peek_request(b"KVA1" + b"\0" * 60) is None and peek_request(b"garbage") is None

@@ -16,5 +16,16 @@ def test_a_tally_hands_over_its_counts_once_and_starts_again():
     tally.failed(TransferFailure.DEADLINE)
     assert tally.take() == {"pulls": 2, "pull_bytes": 1024, "pull_seconds": [0.002, 0.001],
                             "failed": {"deadline": 2}, "fallbacks": {"cma_refused": 1},
-                            "paths": {"sysv/posix": 1}}
+                            "paths": {"sysv/posix": 1}, "rejected": 0}
     assert tally.take() is None
+
+
+def test_rejections_are_counted_once_each_from_the_process_total():
+    tally = Tally()
+    tally.rejected_so_far(0)
+    assert tally.take() is None
+    tally.rejected_so_far(3)
+    tally.rejected_so_far(3)  # asked again each step: nothing new
+    assert tally.take()["rejected"] == 3
+    tally.rejected_so_far(4)
+    assert tally.take()["rejected"] == 1 and tally.take() is None

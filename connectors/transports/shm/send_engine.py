@@ -41,6 +41,7 @@ from pathlib import Path
 
 import msgspec
 
+from kvwire.connectors.control.auth import AuthError
 from kvwire.connectors.hidden import INLINE_MAX, host_bytes
 from kvwire.connectors.producer.transfer_server import Refused, SendEngine, SendJob
 from kvwire.connectors.transports.shm.channel import (
@@ -140,6 +141,9 @@ class SHMSendEngine(SendEngine):
             except BlockingIOError:
                 return
             except (OSError, WireError) as exc:
+                if isinstance(exc, AuthError):  # said, sealed, so that a consumer with another secret knows why
+                    refusal = PullReply(request_id="", transfer_id=0, ok=False, reason=f"unauthenticated: {exc}")
+                    self._send(conn, refusal)
                 self._drop(conn, str(exc))
                 return
             close_fds(fds)  # consumers have nothing to send us by descriptor
