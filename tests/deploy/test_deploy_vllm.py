@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -102,14 +103,24 @@ def test_kv_transfer_config_loads_kvwire_in_the_pools_role(objects):
         assert redis.port in {p["port"] for p in services[redis.hostname]["spec"]["ports"]}
 
 
-def test_kvwire_connector_accepts_the_extra_config(objects):
+def test_kvwire_connector_accepts_the_extra_config(objects, tmp_path):
     # Unknown keys make the connector refuse to start: this catches a misspelt key before a pod does.
     settings = pytest.importorskip("kvwire.connectors.vllm.settings")
+    secret = tmp_path / "auth-secret"
+    secret.write_text("s" * 32)
     for name, role in ROLES.items():
-        config = _kv_transfer_config(_pool(objects, name))
+        pool = _pool(objects, name)
+        config = _kv_transfer_config(pool)
+        extra = config["kv_connector_extra_config"]
+        mounts = {m["mountPath"]: m["name"] for m in pool.spec["volumeMounts"]}
+        mounted = mounts.get(str(Path(extra["auth_secret_file"]).parent))
+        workload = next(o for o in objects if o["metadata"]["name"] == name and "template" in o.get("spec", {}))
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+        assert mounted and volumes[mounted]["secret"]["secretName"] == "kvwire-secrets", f"{name}: the secret's mount"
         engine = pytest.importorskip("kvwire.connectors.vllm.identity").EngineShape("00000000-0000-0000-0000-0")
-        parsed = settings.VLLMSettings.parse(config["kv_role"], config["kv_connector_extra_config"], engine)
+        parsed = settings.VLLMSettings.parse(config["kv_role"], {**extra, "auth_secret_file": str(secret)}, engine)
         assert parsed.role == role and parsed.host == STAND_INS["POD_IP"] and parsed.transport == "ucx"
+        assert parsed.auth_secret == b"s" * 32
 
 
 def test_vllm_accepts_the_pools_argv(objects):
