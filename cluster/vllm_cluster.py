@@ -55,6 +55,7 @@ class VLLMServerSpec:
     max_model_len: int = VLLM_MAX_MODEL_LEN
     dtype: str = "auto"  # vLLM's --dtype (auto: bf16 on CPU)
     extra_args: tuple[str, ...] = ()
+    auth_secret_file: Path | None = None  # kvwire's connector: seals its control plane (kv_connector_extra_config)
     extra_env: tuple[tuple[str, str], ...] = ()  # e.g. NIXL's VLLM_NIXL_SIDE_CHANNEL_PORT, one per server
     # vLLM's --tensor-parallel-size. On a host with fewer cores than all servers' ranks, give cpu_cores "nobind":
     # ranks pinned to a core another server's worker spins on (vLLM's workers busy-poll their queue while KV is
@@ -72,6 +73,8 @@ class VLLMServerSpec:
         extra = {"redis_url": self.redis_url, "transport": str(self.transport), "kv_deadline_s": self.kv_deadline_s}
         if self.node_id:
             extra["node_id"] = self.node_id
+        if self.auth_secret_file is not None:
+            extra["auth_secret_file"] = str(self.auth_secret_file)
         return json.dumps({"kv_connector": "KvwireConnector", "kv_connector_module_path": "kvwire.connectors.vllm",
                            "kv_role": self.kv_role, "kv_connector_extra_config": extra})
 

@@ -11,7 +11,8 @@ predicted.
 Then the same servers take tests/vllm/routed.py's checks over `auto` (`routed_equals_plain`): the prefill and the
 second decode server, each of which may do either role, behind a router of their own that disaggregates every
 request (two start-ups fewer than a pair of their own); every pull read the prefill process's KV cache itself
-(path "cma"). Last, that prefill server is restarted (a new epoch: its new process is read) and then SIGKILLed
+(path "cma"). Every server seals its control plane (`auth_secret_file`): a pull request forged from outside is
+refused, counted on the prefill server's /metrics, and it serves on. Last, that prefill server is restarted (a new epoch: its new process is read) and then SIGKILLed
 during a burst (every answer still the plain server's, the decode server alive).
 """
 
@@ -29,11 +30,15 @@ from typing import NamedTuple
 
 import httpx
 import pytest
+import zmq
 
 from kvwire.cluster.redis_server import LocalRedis
 from kvwire.cluster.vllm_cluster import VLLMServer, start_all
 from kvwire.cluster.vllm_pd import ALWAYS_DISAGGREGATE, PDCluster, kvwire_pair, start_router
 from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.directory.directory import KVDirectory, TransferState
+from kvwire.connectors.vllm.tp import rank_key
+from kvwire.connectors.wire import PullRequest, encode
 from kvwire.observability.labels import DISAGGREGATED_REASONS
 from tests.vllm.conftest import PROMPTS
 from tests.vllm.routed import grown_since, openai_client, routed_equals_plain
@@ -41,6 +46,7 @@ from tests.vllm.routed import grown_since, openai_client, routed_equals_plain
 openai = pytest.importorskip("openai")
 
 MAX_TOKENS = 16
+SECRET = "trio-secret-of-sixteen-bytes-or-more"
 # long enough (about 600 tokens of the byte tokenizer) for the first turn to be disaggregated by default
 SYSTEM = {"teacher": "You are a patient teacher of arithmetic and of nothing else. " * 10,
           "poet": "You are a poet who writes only about the sea, the wind and ships. " * 9}
@@ -56,9 +62,11 @@ class Trio(NamedTuple):
 @pytest.fixture(scope="module")
 def trio(vllm_model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -> Iterator[Trio]:
     log_dir = tmp_path_factory.mktemp("schedule")
+    secret = log_dir / "auth-secret"  # every server seals its control messages (the pairs' KV moves as before)
+    secret.write_text(SECRET)
     # `auto` on one host: the decode servers read the prefill server's KV cache from its process (cma); kv_both: each
     # server may do either role, as the params say
-    prefill, decode = (dataclasses.replace(s, kv_role="kv_both")
+    prefill, decode = (dataclasses.replace(s, kv_role="kv_both", auth_secret_file=secret)
                        for s in kvwire_pair(vllm_model_dir, redis_server.url, ConnectorKind.AUTO, log_dir))
     decode2 = dataclasses.replace(decode, node_id="decode2-auto", log_path=log_dir / "decode2.log")
     events = f"ipc://{log_dir}/decode-kv-events"  # vLLM's publisher binds it (as `tcp://*:5557`), the router connects
@@ -135,6 +143,52 @@ def test_kv_both_servers_over_auto_equal_plain(trio: Trio, plain_server: VLLMSer
     finally:
         router.terminate()
         router.wait(10)
+
+
+def test_a_pull_forged_from_outside_is_refused_and_counted(trio: Trio, plain_server: VLLMServer, vllm_model_dir: Path,
+                                                          redis_server: LocalRedis):
+    """Every server of the trio seals its control plane (auth_secret_file): a pull request for a prompt the prefill
+    server holds, sent unsealed to its side channel from a bare socket, gets a refusal; the prefill server counts it
+    on its /metrics and serves on (a routed prompt still disaggregated and the plain server's)."""
+    model = str(vllm_model_dir)
+    prefill = openai_client(trio.prefill.url)
+    held = prefill.completions.create(model=model, prompt=PROMPTS[2] + " Forged.", max_tokens=1,
+                                      extra_body={"kv_transfer_params": {"do_remote_decode": True}})
+    rid = held.model_extra["kv_transfer_params"]["remote_request_id"]
+    key = rank_key(rid, 0, 1)  # what the prefill server (TP=1) holds it under
+    directory = KVDirectory(redis_server.url)
+    try:
+        entry = directory.wait_for(key, {TransferState.READY}, time.monotonic() + 10)
+    finally:
+        directory.close()
+    assert entry is not None and entry.location is not None
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(entry.location.side_channel)
+        sock.send(encode(PullRequest(request_id=key, transfer_id=1, consumer="intruder",
+                                     transport_address=b"x", dst_block_ids=list(entry.location.block_ids))))
+        assert sock.poll(10_000), "the forged request got no answer"
+        reply = sock.recv()
+    finally:
+        sock.close()
+    assert reply.startswith(b"KVA1"), "the refusal is sealed: nothing the intruder can use"
+    deadline = time.monotonic() + 10
+    while _rejected(trio.prefill.url) < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)  # vLLM takes connector stats with its next engine step's
+    assert _rejected(trio.prefill.url) >= 1
+    prompt = (PROMPTS[1] + " Still here. ") * 2  # past the router's --decode-only-below (512 tokens)
+    want = openai_client(plain_server.url).completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                              temperature=0).choices[0].text
+    raw = openai_client(trio.router_url).completions.with_raw_response.create(
+        model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    assert raw.parse().choices[0].text == want and raw.headers["x-kvwire-path"] == "disaggregated"
+
+
+def _rejected(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(m[1]) for m in re.finditer(
+        r'^vllm:kvwire_messages_rejected_total\{[^}]*reason="unauthenticated"[^}]*\} (\S+)$', text, re.M))
 
 
 def test_a_restarted_prefill_is_read_anew_and_a_killed_one_recomputed(trio: Trio, plain_server: VLLMServer,
