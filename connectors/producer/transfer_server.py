@@ -237,7 +237,7 @@ class TransferServer:
         try:
             msg = unpack(payload, expect=PullRequest)
         except AuthError as exc:  # answered, so that a consumer with another secret fails now, not at its deadline
-            self._reject(identity, str(exc))
+            self._reject(identity, str(exc), once=True)
             self._refuse_unsealed(identity, payload, str(exc))
             return
         except WireError as exc:
@@ -245,14 +245,17 @@ class TransferServer:
             return
         self._start_pull(identity, msg)
 
-    def _reject(self, identity: bytes, reason: str) -> None:
-        """Counted every time; logged once per peer (a zmq identity) and reason, a bounded number of them."""
+    def _reject(self, identity: bytes, reason: str, once: bool = False) -> None:
+        """Counted every time; logged every time, or with `once` (unsealed: a stranger may send a flood of them)
+        once per peer (a zmq identity) and reason, for a bounded number of them."""
         self.rejected_messages += 1
-        key = (identity, reason.split(" (")[0])
-        if key in self._warned or len(self._warned) >= MAX_WARNED:
-            return
-        self._warned.add(key)
-        log.warning("side channel: rejected message from peer %s: %s (said once per peer)", identity.hex(), reason)
+        if once:
+            key = (identity, reason.split(" (")[0])
+            if key in self._warned or len(self._warned) >= MAX_WARNED:
+                return
+            self._warned.add(key)
+        log.warning("side channel: rejected message from peer %s: %s%s", identity.hex(), reason,
+                    " (said once per peer)" if once else "")
 
     def _refuse_unsealed(self, identity: bytes, payload: memoryview, reason: str) -> None:
         """A sealed refusal of a pull request whose seal did not hold, addressed by what its bytes say (a refusal

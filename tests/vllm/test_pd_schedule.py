@@ -12,8 +12,9 @@ Then the same servers take tests/vllm/routed.py's checks over `auto` (`routed_eq
 second decode server, each of which may do either role, behind a router of their own that disaggregates every
 request (two start-ups fewer than a pair of their own); every pull read the prefill process's KV cache itself
 (path "cma"). Every server seals its control plane (`auth_secret_file`): a pull request forged from outside is
-refused, counted on the prefill server's /metrics, and it serves on. Last, that prefill server is restarted (a new epoch: its new process is read) and then SIGKILLed
-during a burst (every answer still the plain server's, the decode server alive).
+refused, counted on the prefill server's /metrics, and it serves on. Last, that prefill server is restarted (a new
+epoch: its new process is read) and then SIGKILLed during a burst (every answer still the plain server's, the
+decode server alive).
 """
 
 from __future__ import annotations
