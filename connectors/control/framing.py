@@ -38,9 +38,7 @@ def peek_request(data: bytes | memoryview) -> PullRequest | None:
     """What a pull request whose seal did not hold says of itself (sealed with another secret, or not at all): only
     to address a refusal to it, never to act on. None when its bytes say nothing readable."""
     view = memoryview(data)
-    for payload in (view[SEAL_BYTES:] if bytes(view[:len(MAGIC)]) == MAGIC else view, view):
-        try:
-            return decode(payload, expect=PullRequest)
-        except WireError:
-            continue
-    return None
+    try:
+        return decode(view[SEAL_BYTES:] if bytes(view[:len(MAGIC)]) == MAGIC else view, expect=PullRequest)
+    except WireError:
+        return None

@@ -127,12 +127,12 @@ class KVRegion:
         Raises:
             ValueError: a layout whose heads are not contiguous runs of a row, or a slice out of range.
         """
-        if not per_block and (first, count) == (0, self.layout.num_kv_heads):
+        rows = head_rows(self.layout, self.planes[0].shape[1], first, count, per_block)
+        if rows is None:
             return self
         if self.rows is not None:
             raise ValueError("a head slice cannot be sliced again")
-        layout = msgspec.structs.replace(self.layout, num_kv_heads=count)
-        return KVRegion(self.planes, layout, head_rows(self.layout, self.planes[0].shape[1], first, count))
+        return KVRegion(self.planes, msgspec.structs.replace(self.layout, num_kv_heads=count), rows)
 
     def row_views(self) -> tuple[torch.Tensor, ...]:
         """Each plane as `[num_blocks, row]` uint8 views of just the bytes this region moves per block (a head
@@ -202,13 +202,17 @@ def same_planes(a: KVRegion, b: KVRegion) -> bool:
     return a.rows is None and b.rows is None and geometry(a) == geometry(b)
 
 
-def head_rows(layout: KVLayout, row_nbytes: int, first: int, count: int) -> tuple[int, int]:
-    """The bytes `[lo, hi)` of a plane's row of `row_nbytes` that hold KV heads `[first, first + count)`.
+def head_rows(layout: KVLayout, row_nbytes: int, first: int, count: int,
+              per_block: bool = True) -> tuple[int, int] | None:
+    """The bytes `[lo, hi)` of a plane's row of `row_nbytes` that hold KV heads `[first, first + count)`; None for
+    whole rows (every head, not `per_block`: runs of blocks then move as one piece).
 
     Raises:
         ValueError: a layout whose heads are not contiguous runs of a row, or a slice out of range.
     """
     heads = layout.num_kv_heads
+    if not per_block and (first, count) == (0, heads):
+        return None
     if layout.pool not in HEAD_MAJOR:
         raise ValueError(f"a {layout.pool} pool cannot be sliced by KV head")
     if first < 0 or count < 0 or first + count > heads:

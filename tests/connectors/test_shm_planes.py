@@ -30,7 +30,7 @@ from kvwire.connectors.producer.role import KVProducer
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.transports.shm import cma
 from kvwire.connectors.vllm.layout import region_of
-from kvwire.connectors.wire import PlaneDesc, PoolLayout, ShmAccess, ShmSegment
+from kvwire.connectors.wire import HeadSlice, PlaneDesc, PoolLayout, ShmAccess, ShmSegment
 from kvwire.observability.metrics import Metrics
 from tests import procs
 from tests.connectors import peer
@@ -323,7 +323,7 @@ def test_a_cma_copy_split_over_lanes_lands_every_byte(lanes):
             assert not d[[3, 6]].any()
         half = [torch.zeros(8, 128, dtype=torch.uint8) for _ in range(3)]  # a rank of 2 heads: heads 2, 3 of ours
         narrow = msgspec.structs.replace(layout, num_kv_heads=2)
-        reader.copy(KVRegion(tuple(half), narrow), layout, (2, 2), [(1, 6, 2)], copier)
+        reader.copy(KVRegion(tuple(half), narrow), layout, HeadSlice(2, 0, 2), [(1, 6, 2)], copier)
         for s, d in zip(src, half):
             assert torch.equal(d[[6, 7]], s[[1, 2], 128:])
     finally:

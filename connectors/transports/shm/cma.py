@@ -36,7 +36,7 @@ from kvwire.connectors.transports.block_copy import Run
 from kvwire.connectors.transports.kv_region import KVRegion, head_rows
 from kvwire.connectors.transports.shm.copier import BlockCopier
 from kvwire.connectors.transports.shm.segment import RegionPlanes
-from kvwire.connectors.wire import KVLayout, PlaneDesc, ShmAccess, ShmSegment
+from kvwire.connectors.wire import HeadSlice, KVLayout, PlaneDesc, ShmAccess, ShmSegment
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -98,7 +98,7 @@ class CmaReader:
         remote = np.array([[int(self._base[0]), scratch.numel()]], dtype=np.uint64)
         _read(self.pid, local, remote)
 
-    def copy(self, dst: KVRegion, src_layout: KVLayout, src_heads: tuple[int, int] | None, runs: list[Run],
+    def copy(self, dst: KVRegion, src_layout: KVLayout, heads: HeadSlice | None, runs: list[Run],
              copier: BlockCopier | None = None) -> int:
         """`dst`'s blocks of `runs` from the producer's, every plane, split over `copier`'s lanes when it is worth
         it; returns the bytes read.
@@ -106,7 +106,7 @@ class CmaReader:
         Args:
             dst: our region, narrowed to the head slice it receives, if any (its `rows`).
             src_layout: the producer's layout (its KV heads per row).
-            src_heads: `(first, count)` of the producer's heads read; None: whole rows.
+            heads: the slice of the producer's rows read (`src_head`, `num_heads`); None: whole rows.
             runs: `(src_start, dst_start, num_blocks)`, checked to lie inside both pools.
         Raises:
             CmaError: the read failed or was short.
@@ -114,7 +114,9 @@ class CmaReader:
         """
         if len(dst.planes) != self.num_planes:
             raise ValueError(f"{self.num_planes} producer planes for {len(dst.planes)} of ours")
-        s_lo, s_hi = (0, self.row_nbytes) if src_heads is None else head_rows(src_layout, self.row_nbytes, *src_heads)
+        rows = None if heads is None else head_rows(src_layout, self.row_nbytes, heads.src_head, heads.num_heads,
+                                                     heads.per_block)
+        s_lo, s_hi = rows or (0, self.row_nbytes)
         d_lo, d_hi = dst.rows or (0, dst.planes[0].shape[1])
         if s_hi - s_lo != d_hi - d_lo:
             raise ValueError(f"producer rows of {s_hi - s_lo} bytes for ours of {d_hi - d_lo}")

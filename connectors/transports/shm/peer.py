@@ -109,9 +109,7 @@ class ReadPlanes:
         return self.reader.row_nbytes
 
     def copy(self, dst: KVRegion, src_layout: KVLayout, heads: HeadSlice | None, runs: list[Run]) -> None:
-        whole = heads is None or (not heads.per_block and heads.num_heads == src_layout.num_kv_heads)
-        self.reader.copy(dst, src_layout, None if whole or heads is None else (heads.src_head, heads.num_heads), runs,
-                         self.copier)
+        self.reader.copy(dst, src_layout, heads, runs, self.copier)
 
 
 def open_peer(segment: ShmSegment, fds: list[int], pid: int, copier: BlockCopier) -> PeerPlanes:
