@@ -81,7 +81,8 @@ def main() -> int:
     report.facts = _facts()
     report.write()
     if report.steps[-1].ok:
-        for step in [s for s in _steps(args.rehearse, out, manifest) if s.name in args.steps]:
+        by_name = {s.name: s for s in _steps(args.rehearse, out, manifest, args.bench_tokens)}
+        for step in [by_name[name] for name in args.steps]:
             left = args.budget_s - (time.monotonic() - started)
             if left < 20:
                 report.add(StepResult(step.name, ok=False, seconds=0.0, note="not run: the time budget was spent"))
@@ -99,8 +100,11 @@ def _args() -> argparse.Namespace:
     p.add_argument("--commit", help="the commit under test, where the tree came without .git (the device tool's)")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help=f"the whole run's time ({BUDGET_S} s)")
     p.add_argument("--steps", type=lambda v: v.split(","), default=list(STEPS),
-                   help=f"which of {','.join(STEPS)} to run after the install, in that order (all); to finish, in "
-                   "a second device call, what a first one's budget cut short")
+                   help=f"which of {','.join(STEPS)} to run after the install, in the order given (all, in that "
+                   "order); to finish, in a second device call, what a first one's budget cut short")
+    p.add_argument("--bench-tokens", type=lambda v: [int(t) for t in v.split(",")], default=None,
+                   help="the bench step runs only the entries of these request sizes (all: "
+                   f"{','.join(sorted({str(t) for t, _, _ in BENCH}, key=int))})")
     p.add_argument("--rehearse", action="store_true", help="no GPU: the same steps on the CPU, to check this "
                    "command (pack with `.ci/gpu pack --python` this interpreter's version first)")
     args = p.parse_args()
@@ -252,11 +256,11 @@ def _facts() -> dict:
     return facts
 
 
-def _steps(rehearse: bool, out: Path, manifest: dict) -> list[Step]:
+def _steps(rehearse: bool, out: Path, manifest: dict, bench_tokens: list[int] | None = None) -> list[Step]:
     """bench (one command per BENCH entry, so a cut-short step keeps the entries done), demo, then the tests."""
     py = str(VENV / "bin" / "python")
     kvwire = [py, "-m", "kvwire.cli.main"]
-    bench = ["bash", "-c", bench_script(kvwire, rehearse)]
+    bench = ["bash", "-c", bench_script(kvwire, rehearse, bench_tokens)]
     demo = kvwire + ["demo", "--device", "cpu" if rehearse else "cuda:0"]
     left_out = {g["group"] for g in manifest["left_out"]}
     ignores = [arg for pkg, paths in NEEDS.items() if pkg in left_out for path in paths for arg in ("--ignore", path)]
@@ -266,9 +270,11 @@ def _steps(rehearse: bool, out: Path, manifest: dict) -> list[Step]:
     return [Step("bench", bench, BENCH_LIMIT_S), Step("demo", demo, 90), Step("tests", tests, BUDGET_S)]
 
 
-def bench_script(kvwire: list[str], rehearse: bool) -> str:
-    """The bench step as a shell script: every BENCH entry's command in turn; exit 1 if any failed."""
+def bench_script(kvwire: list[str], rehearse: bool, tokens: list[int] | None = None) -> str:
+    """The bench step as a shell script: every BENCH entry's command in turn (those of `tokens`, where given);
+    exit 1 if any failed."""
     entries, args = (BENCH_REHEARSAL, BENCH_REHEARSAL_ARGS) if rehearse else (BENCH, BENCH_ARGS)
+    entries = [e for e in entries if tokens is None or e[0] in tokens]
     device = "cpu" if rehearse else "cuda"
     commands = [shlex.join(kvwire + ["bench", "transfer", "--device", device, "--tokens", str(tokens),
                                      "--methods", methods, "--pools", pools, *args]) + " || rc=1"

@@ -139,6 +139,8 @@ def test_the_bench_step_runs_nixl_beside_kvwires_methods_one_command_per_entry()
     assert any("nixl-defaults" in m for _, m, _ in gpu_run.BENCH)
     rehearsal = gpu_run.bench_script(["py"], rehearse=True)
     assert "--device cpu" in rehearsal and "--runs 1 --warmup 0" in rehearsal and "--device cuda" not in rehearsal
+    some = gpu_run.bench_script(["py"], rehearse=False, tokens=[2048]).split("; ")[1:-1]
+    assert some and all("--tokens 2048 " in command for command in some)
 
 
 def test_the_report_gathers_nixls_protocols_or_says_its_rows_were_skipped(tmp_path):
