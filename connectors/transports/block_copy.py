@@ -14,6 +14,9 @@ win unless the pieces are small and many (`batched_pays`; measured on a 2-core h
 pieces of 4 KiB 1.3 ms a copy_ per piece, 0.4-0.7 ms batched; 128 pieces of 2 MiB 20-32 ms
 per piece, 49-56 ms batched; 64 KiB pieces still favour a copy_ per piece by ~1.5x).
 
+On a GPU, where Triton can build it, one kernel copies every plane's blocks by address instead, with
+no scratch (row_copy.py); the gather/scatter is the path where it cannot.
+
 `gather_parts` / `scatter_parts` do the same for flat pieces that have lost their block
 structure (a transport's parts staged through a host buffer): `torch.cat` and
 `torch.split_with_sizes_copy`, which launch one kernel per up to 128 pieces on a GPU.
@@ -24,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from kvwire.connectors.transports import row_copy
 
 Run = tuple[int, int, int]  # (src_start, dst_start, num_blocks)
 
@@ -54,7 +59,8 @@ def copy_blocks(dst_planes: Sequence[torch.Tensor], src_planes: Sequence[torch.T
         dst_planes, src_planes: matching planes, each `[num_blocks, plane_block_nbytes]` uint8 with
             contiguous rows; the two sides may differ in num_blocks, not in row size or device.
         runs: `(src_start, dst_start, num_blocks)` triples (kv_region.plan_runs).
-        batched: gather/scatter by block index (True), one `copy_` per run (False), or `batched_pays`.
+        batched: gather/scatter by block index (True; on a GPU the one-kernel copy where it can run), one
+            `copy_` per run (False), or `batched_pays` (None; likewise).
     Raises:
         ValueError: the sides differ in their number of planes.
     """
@@ -62,6 +68,11 @@ def copy_blocks(dst_planes: Sequence[torch.Tensor], src_planes: Sequence[torch.T
         raise ValueError(f"{len(src_planes)} source planes but {len(dst_planes)} destination planes")
     if not runs or not dst_planes:
         return
+    if dst_planes[0].device.type == "cuda" and batched is not False and row_copy.usable(dst_planes, src_planes):
+        src_blocks = [s + k for s, _, n in runs for k in range(n)]
+        dst_blocks = [d + k for _, d, n in runs for k in range(n)]
+        if row_copy.copy_rows(dst_planes, src_planes, src_blocks, dst_blocks):
+            return
     if batched is None:
         batched = batched_pays(dst_planes[0].device, runs, dst_planes[0].shape[1], len(dst_planes))
     if not batched:
