@@ -71,31 +71,15 @@ _RNDV_SCHEME = {Role.PRODUCER: "put_zcopy", Role.CONSUMER: "get_zcopy"}
 _TRANSPORTS = "^cma"
 
 
-# cuda_ipc's get, which the consumer's get_zcopy rendezvous reads device memory with: UCX turns it off where it
-# finds no active NVLink (one GPU, or GPUs on PCIe; openucx/ucx#7566) and a device pull then goes a slower way
-# (NIXL's READ fell to TCP emulation there). Only a UCX with its CUDA module loaded knows the setting.
-_CUDA_IPC = {"CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
-
-
-def _config(role: Role, cuda: bool = False) -> dict[str, str]:
-    """UCX settings kvwire picks unless the environment sets them (UCX_<NAME> wins); `cuda`: with cuda_ipc's."""
-    ours = {"RNDV_SCHEME": _RNDV_SCHEME[role], "TLS": _TRANSPORTS, **(_CUDA_IPC if cuda else {})}
+def _config(role: Role) -> dict[str, str]:
+    """UCX settings kvwire picks unless the environment sets them (UCX_<NAME> wins)."""
+    ours = {"RNDV_SCHEME": _RNDV_SCHEME[role], "TLS": _TRANSPORTS}
     return {k: v for k, v in ours.items() if f"UCX_{k}" not in os.environ}
-
-
-def _context(role: Role) -> ucx.UCXContext:
-    """A context with kvwire's settings: cuda_ipc's where this UCX has its CUDA module (it refuses the setting
-    where it has not: no CUDA driver, or a build without CUDA), without them otherwise."""
-    flags = (ucx.Feature.TAG,)
-    try:
-        return ucx.UCXContext(config_dict=_config(role, cuda=True), feature_flags=flags)
-    except ucx.UCXInvalidParamError:
-        return ucx.UCXContext(config_dict=_config(role), feature_flags=flags)
 
 
 class UCXWorker:
     def __init__(self, role: Role) -> None:
-        self._ctx = _context(role)
+        self._ctx = ucx.UCXContext(config_dict=_config(role), feature_flags=(ucx.Feature.TAG,))
         self._worker = ucx.UCXWorker(self._ctx)
         # a peer's (packed) address, and whether error handling is on -> one endpoint per lane
         self._endpoints: dict[tuple[bytes, bool], list[ucx.UCXEndpoint]] = {}
