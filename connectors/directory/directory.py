@@ -17,7 +17,8 @@ cleans up vanishes after entry_ttl_s.
 
 A node's registration passes through these steps:
 
-1. `next_epoch`: each incarnation of a node gets a higher epoch than every earlier one.
+1. `next_epoch`: each incarnation of a node gets a higher epoch than every earlier one (`claim_node`: only
+   while no live server holds the id, checked and taken in one step).
 2. `register_node`: its NodeInfo goes under a key that lives node_ttl_s.
 3. `heartbeat`: a `Heartbeat` thread (connectors/directory/heartbeat.py) rewrites it every node_ttl_s/3.
    Writes from an older incarnation are refused (StaleNodeError).
@@ -51,6 +52,7 @@ from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory import redis_url as redis_url_forms
 from kvwire.connectors.directory.scripts import (
     EVENTS_MAXLEN,
+    LUA_CLAIM_NODE,
     LUA_CREATE,
     LUA_PUBLISH,
     LUA_PUT_NODE,
@@ -221,12 +223,13 @@ class KVDirectory:
         self._publish = self._redis.register_script(LUA_PUBLISH)
         self._transition = self._redis.register_script(LUA_TRANSITION)
         self._put_node = self._redis.register_script(LUA_PUT_NODE)
+        self._claim_node = self._redis.register_script(LUA_CLAIM_NODE)
         self._load_scripts()
 
     def _load_scripts(self) -> None:
         """Load the scripts now (one round trip), so pipelined EVALSHAs find them; best effort: a server
         that is down, or forgets them later, answers NOSCRIPT and the step is re-run (batch.py)."""
-        scripts = (self._create, self._publish, self._transition, self._put_node)
+        scripts = (self._create, self._publish, self._transition, self._put_node, self._claim_node)
         try:
             pipe = self._redis.pipeline(transaction=False)
             for script in scripts:
@@ -519,13 +522,37 @@ class KVDirectory:
             epoch, _ = pipe.execute()
         return int(epoch)
 
+    def claim_node(self, node_id: str) -> tuple[int, NodeInfo | None]:
+        """`next_epoch` for a server that must be the only live holder of `node_id`, in one atomic step.
+
+        Refused while a registration that is not draining holds the id, or while another incarnation's claim
+        is waiting for its registration (`register_node` ends it; else it lapses after node_ttl_s).
+
+        Returns:
+            (the new epoch, None); refused: (0, the live holder's NodeInfo, or None for a claim not yet
+            registered).
+        """
+        holder = self.get_node(node_id)
+        if holder is not None and not holder.draining:
+            return 0, holder
+        keys = [*self._node_keys(node_id), self._claim_key(node_id)]
+        args: list[EncodableT] = [_ms(self.node_ttl_s), self._epoch_ttl_ms, "absent" if holder is None else "draining"]
+        with self._errors(f"claim node {node_id}"):
+            ok, epoch = self._claim_node(keys=keys, args=args)
+        return (int(epoch), None) if ok else (0, self.get_node(node_id))
+
+    def _claim_key(self, node_id: str) -> str:
+        return f"{self.namespace}:claim:{node_id}"
+
     def register_node(self, info: NodeInfo) -> None:
-        """Publish the node's NodeInfo for node_ttl_s.
+        """Publish the node's NodeInfo for node_ttl_s (ending its `claim_node` claim).
 
         Raises:
             StaleNodeError: a newer incarnation of the node holds a higher epoch.
         """
         self._write_node(info)
+        with self._errors(f"register node {info.node_id}"):
+            self._redis.delete(self._claim_key(info.node_id))
         logger.info("node %s registered: role=%s epoch=%d", info.node_id, info.role, info.epoch)
 
     def heartbeat(self, info: NodeInfo) -> None:
@@ -546,9 +573,9 @@ class KVDirectory:
             raise StaleNodeError(reason, peer=self.peer)
 
     def deregister_node(self, node_id: str) -> None:
-        """Remove the node's registration (its epoch counter stays)."""
+        """Remove the node's registration, or its claim where it never registered (its epoch counter stays)."""
         with self._errors(f"deregister node {node_id}"):
-            self._redis.delete(self._node_keys(node_id)[0])
+            self._redis.delete(self._node_keys(node_id)[0], self._claim_key(node_id))
         logger.info("node %s deregistered", node_id)
 
     def get_node(self, node_id: str) -> NodeInfo | None:

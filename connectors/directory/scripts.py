@@ -59,3 +59,16 @@ else
 end
 return {1, latest}
 """
+
+# KEYS: node record, epoch counter, claim. ARGV: claim_ttl_ms, epoch_ttl_ms, what the caller saw of the record
+# ("absent", or "draining": a draining record may be replaced). A new incarnation takes its epoch here, and holds
+# the claim until it registers (or the claim's TTL ends): a second server starting under the same id at the same
+# instant finds the claim, or the registration, and is refused.
+LUA_CLAIM_NODE = """
+if ARGV[3] == 'absent' and redis.call('EXISTS', KEYS[1]) == 1 then return {0, 0} end
+if redis.call('EXISTS', KEYS[3]) == 1 then return {0, 0} end
+local epoch = redis.call('INCR', KEYS[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+redis.call('SET', KEYS[3], epoch, 'PX', ARGV[1])
+return {1, epoch}
+"""

@@ -10,8 +10,9 @@
    rank's worker is a node of its own, `<engine's name>-tp<rank>` (the engine's name at TP=1).
 3. `refuse_shape`: pipeline-parallel servers are refused at start-up, loudly (a stage holds only its
    layers' KV, and kvwire does not gather stages).
-4. `refuse_live_duplicate` (the worker, before it registers): a name whose current holder is alive and
-   heartbeating is refused, naming that process, instead of silently fencing a live server.
+4. `claim_node_id` (the worker, before it registers): a name whose current holder is alive and heartbeating
+   is refused, naming that process, instead of silently fencing a live server; the check and the taking of
+   the name are one atomic step, so of two servers started under one name at the same instant one serves.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.wire import NodeInfo
 
+_DP_SUFFIX = re.compile(r"_dp\d+$")  # what vLLM appends to each data-parallel engine's engine_id
 _UUID = re.compile(r"^([0-9a-f]{8})-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
@@ -34,7 +36,7 @@ class EngineShape:
     engine_id: str
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
+    data_parallel: bool = False  # one of a server's several data-parallel engines
     data_parallel_rank: int = 0
     tensor_rank: int = 0  # a worker's; 0 in the scheduler
     kv_heads: int = 1  # the model's KV heads, all ranks together (MLA: its one latent)
@@ -45,16 +47,21 @@ class EngineShape:
         p, model = vllm_config.parallel_config, vllm_config.model_config
         mla = bool(model is not None and model.use_mla)
         heads = 1 if model is None or mla else model.get_total_num_kv_heads()
-        return cls(engine_id=str(vllm_config.kv_transfer_config.engine_id),
-                   tensor_parallel_size=p.tensor_parallel_size, pipeline_parallel_size=p.pipeline_parallel_size,
-                   data_parallel_size=p.data_parallel_size, data_parallel_rank=p.data_parallel_rank,
-                   tensor_rank=tensor_rank, kv_heads=heads, mla=mla)
+        engine_id = str(vllm_config.kv_transfer_config.engine_id)
+        # vLLM runs a dense model's data-parallel engines as independent DP=1 engines (data_parallel_size 1, rank
+        # 0: ParallelConfig.reconfigure_for_independent_dp_rank); the engine id's `_dp<rank>` suffix, which vLLM
+        # gives every engine of a DP server, and data_parallel_index still tell the engine's place
+        data_parallel = p.data_parallel_size > 1 or _DP_SUFFIX.search(engine_id) is not None
+        rank = getattr(p, "data_parallel_index", p.data_parallel_rank)
+        return cls(engine_id=engine_id, tensor_parallel_size=p.tensor_parallel_size,
+                   pipeline_parallel_size=p.pipeline_parallel_size, data_parallel=data_parallel,
+                   data_parallel_rank=rank, tensor_rank=tensor_rank, kv_heads=heads, mla=mla)
 
 
 def node_id_of(given: str, engine: EngineShape, hostname: str) -> str:
     """This engine's name in the directory (see the module docstring)."""
     if given:
-        return f"{given}-dp{engine.data_parallel_rank}" if engine.data_parallel_size > 1 else given
+        return f"{given}-dp{engine.data_parallel_rank}" if engine.data_parallel else given
     short = _UUID.sub(r"\1", engine.engine_id)  # a uuid's first 8 hex digits name it well enough on one host
     return f"vllm-{hostname}-{short}"
 
@@ -68,16 +75,23 @@ def refuse_shape(engine: EngineShape) -> None:
                          "only its own layers. Serve with PP=1 (use tensor parallel), or another KV connector")
 
 
-def refuse_live_duplicate(directory: KVDirectory, node_id: str) -> None:
-    """Raises: ValueError when `node_id` is registered by a live process: its registration lives only
-    node_ttl_s past its last heartbeat, so one that is there and not draining is a running server."""
-    other = directory.get_node(node_id)
-    if other is None or other.draining:
-        return
+def claim_node_id(directory: KVDirectory, node_id: str) -> int:
+    """Take `node_id` for this worker, in one atomic step with the check that no live server holds it
+    (`KVDirectory.claim_node`: a registration lives only node_ttl_s past its last heartbeat, so one that is there
+    and not draining is a running server). Returns this incarnation's epoch.
+
+    Raises: ValueError naming the live holder (or the server whose start claimed it a moment ago)."""
+    epoch, other = directory.claim_node(node_id)
+    if epoch:
+        return epoch
+    advice = ("give each server its own kv_connector_extra_config node_id (or none: the default is unique per "
+              "server), or stop the other first")
+    if other is None:
+        raise ValueError(f"kvwire: node id {node_id!r} was claimed a moment ago by another server starting under "
+                         f"it: {advice}")
     age = f"{max(0.0, time.time() - other.heartbeat_at):.1f} s ago" if other.heartbeat_at else "at an unknown time"
     raise ValueError(f"kvwire: node id {node_id!r} is in use by a live server ({_who(other)}, last heartbeat "
-                     f"{age}): give each server its own kv_connector_extra_config node_id (or none: the default "
-                     "is unique per server), or stop the other first")
+                     f"{age}): {advice}")
 
 
 def _who(info: NodeInfo) -> str:

@@ -1,8 +1,8 @@
 """The connector's worker half: kvwire's producer and consumer over vLLM's own KV tensors.
 
 1. `register` (vLLM's register_kv_caches): describe the per-layer tensors as planes
-   (layout.py), open the directory, refuse a node id a live server holds (identity.py), take
-   an epoch for it (fencing off what an earlier incarnation published), build a `KVProducer`
+   (layout.py), open the directory, claim the node id with a new epoch unless a live server holds it
+   (identity.py; one atomic step: the epoch fences off what an earlier incarnation published), build a `KVProducer`
    and/or a `KVConsumer` over them, and register with a heartbeat (`kvwire status` lists it;
    the beats keep the epoch counter alive).
 2. Each step, `start` (vLLM's start_load_kv) takes the scheduler's metadata: holds and
@@ -41,7 +41,7 @@ from kvwire.connectors.factory import create_transport
 from kvwire.connectors.producer.role import KVProducer
 from kvwire.connectors.transports import row_copy
 from kvwire.connectors.transports.host import host_identity
-from kvwire.connectors.vllm.identity import rank_node_id, refuse_live_duplicate
+from kvwire.connectors.vllm.identity import claim_node_id, rank_node_id
 from kvwire.connectors.vllm.layout import region_of
 from kvwire.connectors.vllm.metadata import Hold, KvwireMetadata, Pull
 from kvwire.connectors.vllm.params import RemotePrefill
@@ -118,8 +118,8 @@ class WorkerHalf:
         with ExitStack() as undo:
             self._directory = directory = KVDirectory(config.redis_url, entry_ttl_s=config.entry_ttl_s)
             undo.callback(directory.close)
-            refuse_live_duplicate(directory, config.node_id)
-            self._epoch = epoch = directory.next_epoch(config.node_id)
+            self._epoch = epoch = claim_node_id(directory, config.node_id)
+            undo.callback(directory.deregister_node, config.node_id)  # a claim never registered ends with us
             if self._settings.role.produces:
                 self._producer = KVProducer(config, directory, epoch, create_transport(config, epoch), region)
                 undo.callback(self._producer.close)

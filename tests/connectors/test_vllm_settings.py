@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import pytest
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
@@ -40,13 +43,32 @@ def test_settings_defaults_name_each_server_apart():
 
 
 def test_each_data_parallel_engine_is_its_own_node():
-    dp = [EngineShape(f"{ONE.engine_id}_dp{r}", data_parallel_size=2, data_parallel_rank=r) for r in (0, 1)]
+    dp = [EngineShape(f"{ONE.engine_id}_dp{r}", data_parallel=True, data_parallel_rank=r) for r in (0, 1)]
     assert [VLLMSettings.parse("kv_producer", {"redis_url": URL}, e).node_id[-12:] for e in dp] == \
         ["3f2a9c1e_dp0", "3f2a9c1e_dp1"]  # vLLM's engine ids already name the rank
     given = [VLLMSettings.parse("kv_producer", {"redis_url": URL, "node_id": "p"}, e).node_id for e in dp]
     assert given == ["p-dp0", "p-dp1"]
     assert VLLMSettings.parse("kv_producer", {"redis_url": URL, "node_id": "p"}, ONE).node_id == "p", \
         "a given id is kept as it is: a restart under it fences its last incarnation"
+
+
+def _vllm_config(engine_id: str, dp_size: int, dp_rank: int, dp_index: int) -> SimpleNamespace:
+    parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=dp_size,
+                               data_parallel_rank=dp_rank, data_parallel_index=dp_index)
+    return SimpleNamespace(parallel_config=parallel, model_config=None,
+                           kv_transfer_config=SimpleNamespace(engine_id=engine_id))
+
+
+def test_a_dense_models_data_parallel_engines_keep_their_rank_under_a_given_node_id():
+    """vLLM runs a dense model's DP engines as DP=1 engines (size 1, rank 0); the engine id and
+    data_parallel_index still say which engine this is, so `node_id` gets `-dp<rank>` on each."""
+    dense = [EngineShape.of(_vllm_config(f"e_dp{r}", 1, 0, r)) for r in (0, 1)]
+    moe = [EngineShape.of(_vllm_config(f"e_dp{r}", 2, r, r)) for r in (0, 1)]
+    for engines in (dense, moe):
+        names = [VLLMSettings.parse("kv_producer", {"redis_url": URL, "node_id": "pre-a"}, e).node_id for e in engines]
+        assert names == ["pre-a-dp0", "pre-a-dp1"]
+    alone = EngineShape.of(_vllm_config("e", 1, 0, 0))
+    assert VLLMSettings.parse("kv_producer", {"redis_url": URL, "node_id": "pre-a"}, alone).node_id == "pre-a"
 
 
 def test_pipeline_parallel_servers_and_uneven_splits_are_refused_at_start_up():
@@ -120,28 +142,85 @@ def test_params_that_announce_no_usable_remote_prefill(params):
     assert RemotePrefill.of("req", params) is None
 
 
+def _node(directory, node_id: str, epoch: int, draining: bool = False):
+    from kvwire.connectors.wire import NodeEngine, NodeInfo
+
+    return NodeInfo(node_id=node_id, role=NodeRole.PREFILL, epoch=epoch, work_endpoint="",
+                    connector=ConnectorKind.UCX, free_blocks=0, total_blocks=8, engine=NodeEngine.VLLM,
+                    host="host-a", pid=4242, draining=draining)
+
+
 def test_a_node_id_a_live_server_holds_is_refused_and_freed_when_it_stops(redis_url):
     """Two servers given one node_id: the second is refused, naming the first, instead of fencing it."""
     from kvwire.connectors.directory.directory import KVDirectory
     from kvwire.connectors.directory.heartbeat import Heartbeat
-    from kvwire.connectors.vllm.identity import refuse_live_duplicate
-    from kvwire.connectors.wire import NodeEngine, NodeInfo
+    from kvwire.connectors.vllm.identity import claim_node_id
 
     directory = KVDirectory(redis_url)
-    first = NodeInfo(node_id="shared", role=NodeRole.PREFILL, epoch=directory.next_epoch("shared"), work_endpoint="",
-                     connector=ConnectorKind.UCX, free_blocks=0, total_blocks=8, engine=NodeEngine.VLLM,
-                     host="host-a", pid=4242)
+    first = _node(directory, "shared", claim_node_id(directory, "shared"))  # nobody holds it yet
     beat = Heartbeat(directory, lambda: first)
     try:
-        refuse_live_duplicate(directory, "shared")  # nobody holds it yet
         beat.start()
         with pytest.raises(ValueError, match=r"'shared' is in use by a live server \(vllm prefill, pid 4242 on "
                                              r"host-a, epoch 1, last heartbeat \d+\.\d s ago\)"):
-            refuse_live_duplicate(directory, "shared")
+            claim_node_id(directory, "shared")
         assert [n.node_id for n in directory.live_nodes()] == [], "kvwire's routers never see a vLLM rank"
         assert [n.node_id for n in directory.live_nodes(engine=None)] == ["shared"]
         beat.stop()
-        refuse_live_duplicate(directory, "shared")  # stopped: deregistered, the id is free again
+        assert claim_node_id(directory, "shared") == 2  # stopped: deregistered, the id is free again
     finally:
         beat.stop()
+        directory.close()
+
+
+def test_of_servers_claiming_one_node_id_at_the_same_instant_exactly_one_gets_it(redis_url):
+    """The check that nobody holds the id and the taking of it are one step: no interleaving lets two through."""
+    import threading
+
+    from kvwire.connectors.directory.directory import KVDirectory
+    from kvwire.connectors.vllm.identity import claim_node_id
+
+    directories = [KVDirectory(redis_url) for _ in range(3)]
+    try:
+        for round_ in range(30):
+            start, won, refused = threading.Barrier(3), [], []
+
+            def claim(directory: KVDirectory, node_id: str, start: threading.Barrier, won: list, refused: list) -> None:
+                start.wait()
+                try:
+                    won.append(claim_node_id(directory, node_id))
+                except ValueError as exc:
+                    refused.append(str(exc))
+
+            threads = [threading.Thread(target=claim, args=(d, f"race-{round_}", start, won, refused))
+                       for d in directories]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(10)
+            assert len(won) == 1 and len(refused) == 2, (won, refused)
+            assert all("claimed a moment ago" in r or "in use by a live server" in r for r in refused)
+    finally:
+        for d in directories:
+            d.close()
+
+
+def test_a_claim_that_never_registers_lapses_and_a_draining_holder_may_be_replaced(redis_url):
+    from kvwire.connectors.directory.directory import KVDirectory
+    from kvwire.connectors.vllm.identity import claim_node_id
+
+    directory = KVDirectory(redis_url, node_ttl_s=0.3)
+    try:
+        assert claim_node_id(directory, "crashed") == 1  # a server that died before it registered
+        with pytest.raises(ValueError, match="claimed a moment ago"):
+            claim_node_id(directory, "crashed")
+        deadline = time.monotonic() + 5
+        while (epoch := directory.claim_node("crashed")[0]) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert epoch == 2, "the claim lapses after node_ttl_s"
+        directory.register_node(_node(directory, "crashed", 2, draining=True))  # a server draining for a restart
+        assert claim_node_id(directory, "crashed") == 3
+        directory.deregister_node("crashed")  # a start that failed after its claim frees the id at once
+        assert claim_node_id(directory, "crashed") == 4
+    finally:
         directory.close()

@@ -32,6 +32,7 @@ from kvwire.cluster.redis_server import LocalRedis
 from kvwire.cluster.vllm_cluster import VLLMServer, VLLMServerSpec, live_group_members, start_all
 from kvwire.cluster.vllm_pd import ALWAYS_DISAGGREGATE, PDCluster, kvwire_pair, start_router, with_tp
 from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.directory.directory import KVDirectory
 from tests.vllm.conftest import PROMPTS
 from tests.vllm.routed import Answer, chat, complete, grown_since, openai_client
 
@@ -85,14 +86,25 @@ def _data_parallel(prefill: VLLMServerSpec) -> VLLMServerSpec:
 
 
 # first: the TP=2 server is not started yet (a module fixture lives until the module's end)
+@pytest.mark.parametrize("named", [False, True], ids=["default-ids", "given-node-id"])
 def test_data_parallel_prefill_equals_plain(one: VLLMServer, plain_answers: dict[str, tuple[Answer, Answer]],
-                                            vllm_model_dir: Path, redis_url: str, tmp_path: Path):
+                                            vllm_model_dir: Path, redis_url: str, tmp_path: Path, named: bool):
+    """Each engine of a DP server is a node of its own: `<node_id>-dp<rank>` under a given id (vLLM runs a dense
+    model's engines as DP=1 engines, so the rank comes from the engine id), vLLM's `_dp<rank>` engine ids
+    without."""
     # `one` first: it starts while the plain server is asked its answers
-    prefill_spec = kvwire_pair(vllm_model_dir, redis_url, ConnectorKind.UCX, tmp_path, named=False)[0]
+    prefill_spec = kvwire_pair(vllm_model_dir, redis_url, ConnectorKind.UCX, tmp_path, named=named)[0]
     prefill = VLLMServer(_data_parallel(prefill_spec)).start()
     try:
         prefill.wait_ready()
         one.wait_ready()
+        if named:
+            directory = KVDirectory(redis_url)
+            try:
+                ids = {n.node_id for n in directory.live_nodes(engine=None)}
+            finally:
+                directory.close()
+            assert {"prefill-ucx-dp0", "prefill-ucx-dp1"} <= ids, ids
         url, router = start_router([prefill.url], [one.url], tmp_path / "router.log", ALWAYS_DISAGGREGATE)
         try:
             _routed_equal_plain(PDCluster(prefill, one, url, [router]), DP_PROMPTS, plain_answers,
