@@ -87,12 +87,23 @@ def producer_of(params: dict[str, Any] | None) -> Producer | None:
     return Producer(tp) if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 else None
 
 
+# vLLM's prefill scheduler adds its own prefix-cache hits to the params it answers, and a decode instance given
+# them reports those as the answer's `usage.prompt_tokens_details.cached_tokens` instead of its own count. A
+# decode instance asked alongside the prefill step never gets them. Dropped, so that on every path the answer
+# counts what the decode instance did not compute: the tokens whose KV it pulled, and its own prefix-cache hits.
+PREFILL_CACHE_HITS = "remote_prefill_cached_tokens"
+
+
 def kv_transfer_params_of(response: bytes) -> dict[str, Any] | None:
-    """The top-level `kv_transfer_params` object of a prefill instance's JSON answer; None when
-    there is none (a vLLM started without a KV connector answers null) or it is not JSON."""
+    """The top-level `kv_transfer_params` object of a prefill instance's JSON answer, for the decode instance
+    (without PREFILL_CACHE_HITS); None when there is none (a vLLM started without a KV connector answers null)
+    or it is not JSON."""
     try:
         params = json.loads(response).get(KV_TRANSFER_PARAMS)
     except (ValueError, AttributeError):
         return None
-    return params if isinstance(params, dict) and params else None
+    if not isinstance(params, dict) or not params:
+        return None
+    params.pop(PREFILL_CACHE_HITS, None)
+    return params
 

@@ -41,6 +41,14 @@ def test_kv_transfer_params_come_from_the_top_level_of_the_prefill_answer():
     assert kv_transfer_params_of(b"not json") is None
 
 
+def test_the_prefill_servers_cache_hits_do_not_reach_the_decode_server():
+    """Given them, vLLM's decode server would report the prefill server's prefix-cache hits as cached_tokens; asked
+    alongside, it never gets them: dropped, every path's usage counts what the decode server did not compute."""
+    params = {"do_remote_prefill": True, "remote_prefill_cached_tokens": 0}
+    got = kv_transfer_params_of(json.dumps({"kv_transfer_params": params}).encode())
+    assert got == {"do_remote_prefill": True}
+
+
 @pytest.mark.parametrize("raw", [b"{", b"[1]", b'"prompt"'])
 def test_parse_body_refuses_anything_but_a_json_object(raw):
     with pytest.raises(APIError) as err:

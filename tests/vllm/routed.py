@@ -30,11 +30,18 @@ class Answer(NamedTuple):
     text: str
     prompt_tokens: int
     top_logprobs: list[dict[str, float]]
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens: prompt tokens not computed
+
+
+def _cached(usage) -> int | None:
+    details = usage.prompt_tokens_details
+    return None if details is None else details.cached_tokens
 
 
 def complete(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> Answer:
     out = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=2)
-    return Answer(out.choices[0].text, out.usage.prompt_tokens, list(out.choices[0].logprobs.top_logprobs))
+    return Answer(out.choices[0].text, out.usage.prompt_tokens, list(out.choices[0].logprobs.top_logprobs),
+                  _cached(out.usage))
 
 
 def stream(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> Answer:
@@ -42,21 +49,23 @@ def stream(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX
                                             stream=True, stream_options={"include_usage": True}))
     usage = [c.usage for c in chunks if c.usage is not None]
     assert len(usage) == 1, "include_usage: one chunk carries the usage"
-    return Answer("".join(c.choices[0].text for c in chunks if c.choices), usage[0].prompt_tokens, [])
+    return Answer("".join(c.choices[0].text for c in chunks if c.choices), usage[0].prompt_tokens, [],
+                  _cached(usage[0]))
 
 
 def chat(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> Answer:
     out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                          max_tokens=max_tokens, temperature=0)
-    return Answer(out.choices[0].message.content or "", out.usage.prompt_tokens, [])
+    return Answer(out.choices[0].message.content or "", out.usage.prompt_tokens, [], _cached(out.usage))
 
 
 def routed_equals_plain(cluster: PDCluster, plain_server: VLLMServer, model: str) -> None:
     """Every prompt through `cluster`'s router, whole, streamed and as chat, gives the plain server's tokens, and
     the decode server computed none of them itself (what its metrics count while they are asked: it may have
-    served before). The router (a fresh one) sends the first request's decode step once the prefill server has
-    answered (its params show kvwire's connector), every later one's alongside the prefill step (the decode
-    server told the KV's key ahead). No prompt of PROMPTS may have been asked of the decode server before."""
+    served before), and each answer's usage says so (cached_tokens: every prompt token) on both of the router's
+    paths: it sends the first request's decode step once the prefill server has answered (its params show
+    kvwire's connector), every later one's alongside the prefill step (the decode server told the KV's key
+    ahead). No prompt of PROMPTS may have been asked of the decode server before."""
     plain = openai_client(plain_server.url)
     before = cluster.prompt_tokens_by_source(), cluster.kv_pulls(), cluster.kv_failed_by_reason()
     routed = openai_client(cluster.router_url)
@@ -71,11 +80,13 @@ def routed_equals_plain(cluster: PDCluster, plain_server: VLLMServer, model: str
         assert streamed.text == want.text
         as_chat = chat(routed, model, prompt)
         assert as_chat.text == chat(plain, model, prompt).text
+        for answer in (got, streamed, as_chat):  # the first sent after the prefill step, the rest alongside it
+            assert answer.cached_tokens == answer.prompt_tokens, "usage says what the decode server did not compute"
         sent += got.prompt_tokens + streamed.prompt_tokens + as_chat.prompt_tokens
     # the decode server has this prompt's first blocks cached (above): only the rest is pulled
     longer = PROMPTS[0] + "And then some more words follow, to make one more block at least. " * 3
     got = complete(routed, model, longer)
-    assert got.text == complete(plain, model, longer).text
+    assert got.text == complete(plain, model, longer).text and got.cached_tokens == got.prompt_tokens
     sent += got.prompt_tokens
     by_source = grown_since(before[0], cluster.prompt_tokens_by_source())
     pulls, reasons = cluster.kv_pulls() - before[1], cluster.path_reasons()
