@@ -82,7 +82,8 @@ def trial(work: Workload, kill_after_s: float) -> tuple[str, float | None]:
         os.kill(producer.pid, signal.SIGKILL)
         if r_parent.poll(DEADLINE_S + 10):
             state, seconds = r_parent.recv()
-            return state + (" (finished before the kill)" if state == "DONE" and seconds < kill_after_s else ""), seconds
+            early = state == "DONE" and seconds < kill_after_s
+            return state + (" (finished before the kill)" if early else ""), seconds
         reader.join(5)
         return (f"died (exit {reader.exitcode})" if reader.exitcode is not None else "hung"), None
     except EOFError:
