@@ -31,6 +31,7 @@ DEADLINE_S = 10.0  # how long the reader polls its transfer after the kill
 
 def _producer(work: Workload, pipe) -> None:
     module = nixl_module()
+    assert module is not None  # main() checked
     region = KVRegion.from_kv_caches(allocate_pool(work))
     fill_random(region)
     agent = _agent(module, "kill-producer", region, "DRAM")
@@ -44,6 +45,7 @@ def _reader(work: Workload, pipe) -> None:
     import numpy as np
 
     module = nixl_module()
+    assert module is not None  # main() checked
     region = KVRegion.from_kv_caches(allocate_pool(work))
     agent = _agent(module, "kill-reader", region, "DRAM")
     meta, theirs = pipe.recv()
@@ -79,6 +81,7 @@ def trial(work: Workload, kill_after_s: float) -> tuple[str, float | None]:
         r_parent.send(p_parent.recv())
         assert r_parent.poll(60) and r_parent.recv() == "reading"
         time.sleep(kill_after_s)
+        assert producer.pid is not None  # started
         os.kill(producer.pid, signal.SIGKILL)
         if r_parent.poll(DEADLINE_S + 10):
             state, seconds = r_parent.recv()
