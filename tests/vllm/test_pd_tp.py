@@ -86,36 +86,38 @@ def _data_parallel(prefill: VLLMServerSpec) -> VLLMServerSpec:
 
 
 # first: the TP=2 server is not started yet (a module fixture lives until the module's end)
-@pytest.mark.parametrize("named", [False, True], ids=["default-ids", "given-node-id"])
 def test_data_parallel_prefill_equals_plain(one: VLLMServer, plain_answers: dict[str, tuple[Answer, Answer]],
-                                            vllm_model_dir: Path, redis_url: str, tmp_path: Path, named: bool):
+                                            vllm_model_dir: Path, redis_url: str, tmp_path: Path):
     """Each engine of a DP server is a node of its own: `<node_id>-dp<rank>` under a given id (vLLM runs a dense
     model's engines as DP=1 engines, so the rank comes from the engine id), vLLM's `_dp<rank>` engine ids
-    without."""
+    without. Both servers start at once (one start-up's wait, not two) behind one router."""
     # `one` first: it starts while the plain server is asked its answers
-    prefill_spec = kvwire_pair(vllm_model_dir, redis_url, ConnectorKind.UCX, tmp_path, named=named)[0]
-    prefill = VLLMServer(_data_parallel(prefill_spec)).start()
+    specs = [_data_parallel(kvwire_pair(vllm_model_dir, redis_url, ConnectorKind.UCX, tmp_path / kind,
+                                        named=kind == "named")[0]) for kind in ("named", "default")]
+    servers = [VLLMServer(spec).start() for spec in specs]
     try:
-        prefill.wait_ready()
+        for server in servers:
+            server.wait_ready()
         one.wait_ready()
-        if named:
-            directory = KVDirectory(redis_url)
-            try:
-                ids = {n.node_id for n in directory.live_nodes(engine=None)}
-            finally:
-                directory.close()
-            assert {"prefill-ucx-dp0", "prefill-ucx-dp1"} <= ids, ids
-        url, router = start_router([prefill.url], [one.url], tmp_path / "router.log", ALWAYS_DISAGGREGATE)
+        directory = KVDirectory(redis_url)
         try:
-            _routed_equal_plain(PDCluster(prefill, one, url, [router]), DP_PROMPTS, plain_answers,
-                                str(vllm_model_dir), parts=1)
+            ids = {n.node_id for n in directory.live_nodes(engine=None)}
+        finally:
+            directory.close()
+        assert {"prefill-ucx-dp0", "prefill-ucx-dp1"} <= ids, ids
+        assert len([i for i in ids if i.startswith("vllm-") and i.endswith(("_dp0", "_dp1"))]) == 2, ids
+        url, router = start_router([s.url for s in servers], [one.url], tmp_path / "router.log", ALWAYS_DISAGGREGATE)
+        try:
+            _routed_equal_plain(PDCluster(servers[0], one, url, [router]), DP_PROMPTS, plain_answers,
+                                str(vllm_model_dir), parts=1, prefill_instances=2)
         finally:
             router.terminate()
             router.wait(10)
     finally:
-        group = prefill.proc.pid if prefill.proc is not None else None
-        prefill.stop()
-    assert group is None or live_group_members(group) == [], "a server's rank outlived it"
+        groups = [s.proc.pid for s in servers if s.proc is not None]
+        for server in servers:
+            server.stop()
+    assert all(live_group_members(g) == [] for g in groups), "a server's rank outlived it"
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +151,7 @@ def test_tp_pairs_equal_plain(plain_answers: dict[str, tuple[Answer, Answer]], d
 
 
 def _routed_equal_plain(cluster: PDCluster, prompts: list[str], plain_answers: dict[str, tuple[Answer, Answer]],
-                        model: str, parts: int) -> None:
+                        model: str, parts: int, prefill_instances: int = 1) -> None:
     """Each prompt through `cluster`'s router, whole and as chat, gives the plain server's tokens (and top
     logprobs), every one of them pulled (`parts` pulls a prompt at least): the decode server's counts grow by the
     pulls, by no recompute and by no prompt token computed there."""
@@ -165,9 +167,10 @@ def _routed_equal_plain(cluster: PDCluster, prompts: list[str], plain_answers: d
     grown = grown_since(by_source, cluster.prompt_tokens_by_source())
     assert grown.get("local_compute", 0) == 0, f"decode computed prompt tokens itself: {grown}"
     assert grown.get("external_kv_transfer", 0) > 0, grown
-    # the first answer shows the prefill server's TP size; every later decode step starts alongside its prefill
+    # the first answer of each prefill instance shows its TP size; every later decode step starts alongside
     reasons = cluster.path_reasons()
-    assert reasons["prefilled"] == 1 and reasons["prefilled-alongside"] == 2 * len(prompts) - 1, reasons
+    assert 1 <= reasons["prefilled"] <= prefill_instances, reasons
+    assert reasons["prefilled"] + reasons["prefilled-alongside"] == 2 * len(prompts), reasons
     pulled = cluster.kv_pulls() - pulls
     assert pulled >= len(prompts) * parts, f"{parts} parts of each prompt pulled: {pulled}"
     assert grown_since(failed, cluster.kv_failed_by_reason()) == {}, "recomputed prompts, by reason"
