@@ -6,7 +6,8 @@ A request here:
    blocks and hidden states enter the held table, the one owner of those blocks.
 2. Its location goes straight to the consumer waiting for it (`KVReady` to the
    `consumer_endpoint` the sequence names), then to the directory as READY (a few
-   milliseconds later when the consumer was told: ADVERTISE_DELAY_S).
+   milliseconds later when the consumer was told: ADVERTISE_DELAY_S). A READY the directory does not
+   take (Redis down or restarting) is tried again every ADVERTISE_RETRY_S while the KV is held.
 3. A consumer pulls it through one of the transfer servers (one per transport this
    producer serves over, sharing the held table). A pull confirmed to its consumer moves
    the entry to CONSUMED and deletes it, here, off the consumer's way to its first token.
@@ -53,6 +54,7 @@ from kvwire.connectors.wire import KVLocation, KVReady, PullRequest, TensorDesc,
 log = logging.getLogger(__name__)
 
 ADVERTISE_DELAY_S = 0.005  # a told consumer has usually pulled by then: the READY is its fallback
+ADVERTISE_RETRY_S = 0.5  # a READY the directory did not take is tried again this much later, while the KV is held
 
 
 class Released(NamedTuple):
@@ -311,12 +313,26 @@ class KVProducer:
             log.error("request %s: this incarnation is fenced off, KV not advertised: %s", loc.request_id, exc)
             published = False
         except DirectoryError as exc:
+            if self._advertise_later(loc, exc):
+                return
             log.error("request %s: directory unavailable, KV not advertised: %s", loc.request_id, exc)
             published = False
         if not published:
             log.info("request %s: not advertised (its consumer gave up, or see above); releasing its KV",
                      loc.request_id)
             self._held.release_if_idle(loc.request_id)
+
+    def _advertise_later(self, loc: KVLocation, exc: DirectoryError) -> bool:
+        """A READY the directory did not take (Redis down, or restarting): tried again ADVERTISE_RETRY_S later while
+        the request is held and its hold deadline leaves time, so that its consumer, watching the directory,
+        pulls once Redis is back instead of recomputing at its deadline. Returns whether a retry is due."""
+        held = self._held.get(loc.request_id)
+        if held is None or time.monotonic() + ADVERTISE_RETRY_S >= held.deadline:
+            return False
+        log.info("request %s: directory unavailable (%s); advertising again in %.1f s while its KV is held",
+                    loc.request_id, exc, ADVERTISE_RETRY_S)
+        self._later.call_in(ADVERTISE_RETRY_S, lambda: self._advertise(loc))
+        return True
 
     def _on_delivered(self, pull: PullRequest, transport: ConnectorKind, nbytes: int) -> None:
         """A transfer server confirmed a pull to its consumer: the entry becomes CONSUMED and is deleted, and
