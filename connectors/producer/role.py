@@ -330,7 +330,7 @@ class KVProducer:
         if held is None or time.monotonic() + ADVERTISE_RETRY_S >= held.deadline:
             return False
         log.info("request %s: directory unavailable (%s); advertising again in %.1f s while its KV is held",
-                    loc.request_id, exc, ADVERTISE_RETRY_S)
+                 loc.request_id, exc, ADVERTISE_RETRY_S)
         self._later.call_in(ADVERTISE_RETRY_S, lambda: self._advertise(loc))
         return True
 

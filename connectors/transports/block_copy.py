@@ -69,9 +69,7 @@ def copy_blocks(dst_planes: Sequence[torch.Tensor], src_planes: Sequence[torch.T
     if not runs or not dst_planes:
         return
     if dst_planes[0].device.type == "cuda" and batched is not False and row_copy.usable(dst_planes, src_planes):
-        src_blocks = [s + k for s, _, n in runs for k in range(n)]
-        dst_blocks = [d + k for _, d, n in runs for k in range(n)]
-        if row_copy.copy_rows(dst_planes, src_planes, src_blocks, dst_blocks):
+        if row_copy.copy_rows(dst_planes, src_planes, *block_lists(runs)):
             return
     if batched is None:
         batched = batched_pays(dst_planes[0].device, runs, dst_planes[0].shape[1], len(dst_planes))
@@ -86,10 +84,14 @@ def copy_blocks(dst_planes: Sequence[torch.Tensor], src_planes: Sequence[torch.T
         _gather_scatter(dst, src, src_idx, dst_idx)
 
 
+def block_lists(runs: list[Run]) -> tuple[list[int], list[int]]:
+    """Every block of `runs`, source side and destination side, in order."""
+    return [s + k for s, _, n in runs for k in range(n)], [d + k for _, d, n in runs for k in range(n)]
+
+
 def block_indices(runs: list[Run], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Every block of `runs`, source side and destination side: two `[num_blocks]` int64 tensors on `device`."""
-    idx = torch.tensor([[s + k for s, _, n in runs for k in range(n)],
-                        [d + k for _, d, n in runs for k in range(n)]], dtype=torch.int64)  # [2, blocks]
+    idx = torch.tensor(block_lists(runs), dtype=torch.int64)  # [2, blocks]
     if device.type != "cpu":
         idx = idx.pin_memory().to(device, non_blocking=True)  # one upload for both sides
     return idx[0], idx[1]

@@ -35,7 +35,6 @@ except ImportError:  # torch's CPU build comes without it: block_copy's path ser
     triton = None
 
 WORDS_PER_PROGRAM = 1024  # words one program copies (8 KiB of int64): a 32 KiB vLLM row is four
-TABLE_COLUMNS = 5  # a plane's entry: src address, src row stride, dst address, dst row stride (bytes), row words
 _broken: list[str] = []  # why the kernel cannot run in this process, once found out
 
 if triton is not None:
@@ -45,7 +44,7 @@ if triton is not None:
         row = tl.program_id(0)
         plane = row // num_blocks
         b = row % num_blocks
-        entry = table + plane * 5
+        entry = table + plane * 5  # a plane's entry: src address, src row stride, dst address, dst row stride, words
         src = tl.load(entry) + tl.load(src_idx + b) * tl.load(entry + 1)
         dst = tl.load(entry + 2) + tl.load(dst_idx + b) * tl.load(entry + 3)
         words = tl.load(entry + 4)
