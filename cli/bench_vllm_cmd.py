@@ -50,8 +50,8 @@ def vllm(
     nixl: Annotated[bool, typer.Option("--nixl/--no-nixl", help="Also vLLM's NixlConnector through the router "
                                        "(a row saying why where it cannot run).")] = True,
     shapes: Annotated[str, typer.Option("--shapes", help="Tensor-parallel sizes of the pairs, PREFILLxDECODE, "
-                                        "comma-separated: 1x1, 2x1, 1x2 (with TP > 1 every rank runs unbound, and a "
-                                        "server of more than one rank at idle priority).")]
+                                        "comma-separated: 1x1, 2x1, 1x2 (with TP > 1 the TP=2 server's ranks on cores "
+                                        "0 and 1, the TP=1 server on core 1).")]
         = "1x1",
     dispatch: Annotated[str, typer.Option("--dispatch", help="How the routers in front of each kvwire pair start "
                                           "decode, comma-separated, a row each on the same servers: alongside (with "

@@ -57,13 +57,7 @@ class VLLMServerSpec:
     extra_args: tuple[str, ...] = ()
     auth_secret_file: Path | None = None  # kvwire's connector: seals its control plane (kv_connector_extra_config)
     extra_env: tuple[tuple[str, str], ...] = ()  # e.g. NIXL's VLLM_NIXL_SIDE_CHANNEL_PORT, one per server
-    # vLLM's --tensor-parallel-size. On a host with fewer cores than all servers' ranks, give cpu_cores "nobind":
-    # ranks pinned to a core another server's worker spins on (vLLM's workers busy-poll their queue while KV is
-    # held) get no time there, and the KV they hold is never pulled.
-    tensor_parallel_size: int = 1
-    # Run the server (every process of it) under Linux's SCHED_IDLE: any ordinary process that wants a core gets it
-    # first. For servers whose ranks spin on a host with too few cores for them (see cluster/vllm_pd.py's with_tp).
-    idle_priority: bool = False
+    tensor_parallel_size: int = 1  # vLLM's --tensor-parallel-size; cpu_cores then names each rank's ("0|1")
     log_path: Path | None = None
 
     def kv_transfer_config(self) -> str:
@@ -89,11 +83,6 @@ class VLLMServerSpec:
         return args
 
 
-def _idle_priority() -> None:
-    """In the child before exec: it, and every process it starts, run under SCHED_IDLE."""
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-
-
 @dataclass
 class VLLMServer:
     spec: VLLMServerSpec
@@ -117,8 +106,7 @@ class VLLMServer:
         try:
             self.proc = subprocess.Popen(self.spec.argv(self.port), env=env, stdout=out,
                                          stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL,
-                                         start_new_session=True,
-                                         preexec_fn=_idle_priority if self.spec.idle_priority else None)
+                                         start_new_session=True)
         finally:
             if out is not None:
                 out.close()

@@ -142,22 +142,24 @@ def nixl_pair(model_dir: Path, log_dir: Path) -> tuple[VLLMServerSpec, VLLMServe
 
 def with_tp(pair: tuple[VLLMServerSpec, VLLMServerSpec], prefill_tp: int,
             decode_tp: int) -> tuple[VLLMServerSpec, VLLMServerSpec]:
-    """`pair` with each server's tensor-parallel size, for this host's 2 cores.
+    """`pair` with each server's tensor-parallel size, bound as a user binds them on this host's 2 cores: each
+    rank of a TP=2 server on a core of its own ("0|1"), a TP=1 server on core 1 (beside its partner's rank 1),
+    or on core 0 when its partner is TP=1 too (kvwire_pair's binding).
 
-    Every rank runs unbound ("nobind"): vLLM's ranks poll without pause while a transfer is pending, and a rank
-    pinned to a core that others poll on too gets too little of it to serve or pull its KV before the deadline.
-    A server of more than one rank also runs at idle priority: its ranks spin on sched_yield for as long as it
-    holds KV for a pull, and on this host's kernel (6.18) two of them left every other process (redis-server,
-    the router, the other server) without a core for up to 30 s (perf: the ranks in do_sched_yield), so that
-    heartbeats lapsed and pulls missed their deadline. Nothing in what the servers compute changes.
+    Ranks that share a core with another server's spin there: vLLM's workers poll their queue on sched_yield
+    for a second after each step, and kvwire's UCX threads poll a pull's progress. Until kvwire's polls
+    napped once nothing moved (connectors/spin.py), every first pull between such servers over UCX missed
+    its 30 s deadline on this host's kernel (6.18), and the servers ran unbound, the TP=2 one at idle priority.
     """
     if (prefill_tp, decode_tp) == (1, 1):
         return pair
     prefill, decode = pair
-    return (dataclasses.replace(prefill, tensor_parallel_size=prefill_tp, cpu_cores="nobind",
-                                idle_priority=prefill_tp > 1),
-            dataclasses.replace(decode, tensor_parallel_size=decode_tp, cpu_cores="nobind",
-                                idle_priority=decode_tp > 1))
+
+    def bound(spec: VLLMServerSpec, tp: int) -> VLLMServerSpec:
+        return dataclasses.replace(spec, tensor_parallel_size=tp, cpu_cores="|".join(map(str, range(tp))) if tp > 1
+                                   else "1")
+
+    return bound(prefill, prefill_tp), bound(decode, decode_tp)
 
 
 @contextmanager

@@ -1,15 +1,15 @@
 """The consumer's end of producers' side channels: zmq DEALER sockets, one per producer.
 
 Owned by the thread that pulls (a decode node's pull thread). `wait` blocks on the
-socket and on any transport file descriptors (e.g. UCX's event fd) until the
+socket and on any transport file descriptors (a TCP data connection, NCCL's wake-up) until the
 producer's reply has come and the transport says its part is done, or the deadline
-passes: never a sleep loop.
+passes; a transport that must be polled (UCX) is spun on instead, napping once nothing
+moves (connectors/spin.py).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -19,6 +19,7 @@ from kvwire.connectors.base import TransferError
 from kvwire.connectors.control.auth import AuthError
 from kvwire.connectors.control.framing import pack, unpack
 from kvwire.connectors.control.sockets import limit_receive
+from kvwire.connectors.spin import Spin
 from kvwire.connectors.wire import KVLocation, Message, PullReply, WireError
 
 log = logging.getLogger(__name__)
@@ -33,9 +34,12 @@ class SideChannelClient:
         self._socket(endpoint).send(pack(msg))
 
     def wait(self, loc: KVLocation, transfer_id: int, deadline: float, *, fds: Sequence[int] = (),
-             progress: Callable[[], None] = lambda: None, can_block: Callable[[], bool] = lambda: True,
+             progress: Callable[[], bool | None] = lambda: None, can_block: Callable[[], bool] = lambda: True,
              done: Callable[[], bool] = lambda: True, reply_needed: bool = True) -> None:
         """Block until `done()` holds and, if `reply_needed`, the producer's ok for `transfer_id` has come.
+
+        A transport that must be polled (`can_block` False) is spun on: `progress` returns whether anything
+        moved, and once nothing has for a while the spin naps between polls (connectors/spin.py).
 
         A transport whose bytes can only have come from the producer's own sends of this
         transfer (UCX: tag-matched receives) passes `reply_needed=False`: its done is proof
@@ -48,10 +52,12 @@ class SideChannelClient:
         for fd in [sock, *fds]:
             poller.register(fd, zmq.POLLIN)
         confirmed = False
+        spin = Spin()
         while True:
-            progress()
+            moved = bool(progress())
             while sock.poll(0):
                 confirmed |= self._read_reply(loc, sock, transfer_id)
+                moved = True
             if (confirmed or not reply_needed) and done():
                 return
             remaining = deadline - time.monotonic()
@@ -59,8 +65,9 @@ class SideChannelClient:
                 raise TransferError(loc.request_id, loc.producer, "transfer did not complete before the deadline")
             if can_block():
                 poller.poll(int(remaining * 1000) + 1)
+                spin.reset()
             else:
-                os.sched_yield()  # spinning: let this core's other threads (zmq's I/O thread) run
+                spin.pause(moved)
 
     def drop(self, endpoint: str) -> None:
         """Forget a socket that may still receive a stale reply."""

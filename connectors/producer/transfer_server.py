@@ -22,7 +22,6 @@ engine, and releases everything still held.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -38,6 +37,7 @@ from kvwire.connectors.control.auth import AuthError
 from kvwire.connectors.control.framing import pack, peek_request, unpack
 from kvwire.connectors.control.sockets import LINGER_MS, limit_receive
 from kvwire.connectors.producer.held import HeldRequest, HeldTable
+from kvwire.connectors.spin import Spin
 from kvwire.connectors.transports.kv_region import KVRegion, Part, byte_parts, plan_runs
 from kvwire.connectors.wakeup import Wakeup
 from kvwire.connectors.wire import PullReply, PullRequest, WireError
@@ -115,8 +115,11 @@ class SendEngine(ABC):
         """File descriptors the server loop should wake on (e.g. UCX's event fd)."""
         return []
 
-    def progress(self) -> None:
-        """Called every loop turn: advance transfers, call `server.finish` for done ones."""
+    def progress(self) -> bool:
+        """Called every loop turn: advance transfers, call `server.finish` for done ones. Returns whether
+        anything moved; an engine that keeps the loop spinning (`can_block` False) while nothing does is
+        napped between turns (connectors/spin.py)."""
+        return False
 
     def can_block(self) -> bool:
         """False when progress must run again before the loop may sleep."""
@@ -195,23 +198,29 @@ class TransferServer:
         poller = zmq.Poller()
         for fd in [self._sock, self._wakeup.fd, *self._engine.fds()]:
             poller.register(fd, zmq.POLLIN)
+        spin = Spin()
         while not self._stop.is_set():
+            moved = True
             try:
-                self._step()
+                moved = self._step()
             except Exception:  # noqa: BLE001 - the server must outlive any one bad transfer
                 log.exception("transfer server step failed")
             if self._engine.can_block() and self._finished.empty():
                 poller.poll(self._timeout_ms())
                 self._wakeup.drain()
+                spin.reset()
             else:
-                os.sched_yield()  # spinning: let this core's other threads (zmq's I/O thread) run
+                spin.pause(moved)  # yields while transfers move, naps while they wait on a peer
 
-    def _step(self) -> None:
-        self._engine.progress()
+    def _step(self) -> bool:
+        """One turn; returns whether anything moved (a transfer, a message, a finished job)."""
+        moved = self._engine.progress()
         while self._sock.poll(0):
             self._handle(self._sock.recv_multipart(copy=False))
+            moved = True
         while not self._finished.empty():
             self._complete(*self._finished.get())
+            moved = True
         now = time.monotonic()
         for job in [j for j in self._jobs.values() if j.deadline <= now]:
             log.warning("request %s: pull by %s missed its deadline", job.msg.request_id, job.msg.consumer)
@@ -220,6 +229,7 @@ class TransferServer:
         for rid in self._held.expire_due(now):
             log.info("request %s: KV not pulled before its hold deadline; released", rid)
             self._on_expired(rid)
+        return moved
 
     def _timeout_ms(self) -> int:
         now = time.monotonic()

@@ -14,10 +14,11 @@ them in its prefix cache and every one is pulled; each direction's counts are th
 TP=1 server is also the data-parallel prefill server's decode server, before the TP=2 one starts (one start-up
 fewer again), asked prompts of its own (`DP_PROMPTS`).
 
-This host has 2 cores, fewer than the two servers' ranks: every rank runs unbound ("nobind"). vLLM's
-engines step without pause while a transfer is pending (its workers poll their queues), so a rank pinned to a
-core that others spin on too gets too little of it to serve or pull the KV before the deadline. The server of
-two ranks runs at idle priority (cluster/vllm_pd.py's with_tp says why).
+This host has 2 cores, fewer than the two servers' ranks: they are bound as a user would bind them, the TP=2
+server's ranks on cores 0 and 1 ("0|1"), the TP=1 server on core 1, beside rank 1 (cluster/vllm_pd.py's
+with_tp). Before kvwire's UCX polls napped once nothing moved (connectors/spin.py), this binding made every
+first pull between the servers miss its 30 s deadline: both TP directions failed here, decode computing the
+prompts itself.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from tests.vllm.routed import Answer, chat, complete, grown_since, openai_client
 
 pytest.importorskip("openai")
 
-# Tokens per answer. A TP=2 decode server makes 2 to 6 tokens/s here (two ranks at idle priority sharing what
-# the prefill server's spinning worker leaves of 2 cores); the pulled KV is in every token's top-2 logprobs from
-# the first one on, so 8 tell what 24 did (routed.py's checks on TP=1 pairs answer 24).
+# Tokens per answer. A TP=2 decode server is slow here (two ranks sharing 2 cores with the other server's
+# spinning worker); the pulled KV is in every token's top-2 logprobs from the first one on, so 8 tell what 24 did
+# (routed.py's checks on TP=1 pairs answer 24).
 MAX_TOKENS = 8
 # the TP=1 -> TP=2 direction's prompts: their first block differs from every prompt of PROMPTS
 REVERSED = [f"In reverse, {p}" for p in PROMPTS]
@@ -81,7 +82,7 @@ def one(tp_specs: tuple[VLLMServerSpec, ...]) -> Iterator[VLLMServer]:
 
 def _data_parallel(prefill: VLLMServerSpec) -> VLLMServerSpec:
     """A prefill server of two data-parallel engines (the API server spreads requests over them), each a node of
-    its own (`<id>_dp<rank>`); every engine unbound, as with TP."""
+    its own (`<id>_dp<rank>`); its engines unbound."""
     return dataclasses.replace(prefill, cpu_cores="nobind", extra_args=("--data-parallel-size", "2"))
 
 

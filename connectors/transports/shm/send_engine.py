@@ -99,12 +99,14 @@ class SHMSendEngine(SendEngine):
     def fds(self) -> list[int]:
         return [self._epoll.fileno()]  # readable while any of our sockets is
 
-    def progress(self) -> None:
-        for fd, _ in self._epoll.poll(0):
+    def progress(self) -> bool:
+        events = self._epoll.poll(0)
+        for fd, _ in events:
             if fd == self._listener.fileno():
                 self._accept()
             elif fd in self._conns:
                 self._serve(self._conns[fd])
+        return bool(events)
 
     def start(self, job: SendJob) -> None:
         raise ValueError("shared-memory reads are confirmed on the producer's Unix socket, not the side channel")

@@ -118,8 +118,9 @@ class TCPSendEngine(SendEngine):
     def fds(self) -> list[int]:
         return [self._epoll.fileno()]
 
-    def progress(self) -> None:
-        for fd, events in self._epoll.poll(0):
+    def progress(self) -> bool:
+        ready = self._epoll.poll(0)
+        for fd, events in ready:
             if fd == self._listener.fileno():
                 self._accept()
             elif fd in self._conns:
@@ -129,6 +130,7 @@ class TCPSendEngine(SendEngine):
             self._drop(conn, "no hello before the handshake timeout")
         for conn in list(self._gated):  # a gate may have opened (its waker woke the server loop)
             self._pump(conn)
+        return bool(ready)
 
     def can_block(self) -> bool:
         return not any(c.jobs and c.jobs[0].held.gate and c.jobs[0].held.gate.needs_polling() for c in self._gated)

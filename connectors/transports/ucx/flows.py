@@ -121,11 +121,14 @@ class SendFlow(_Flow):
         _, m = self._todo[0]
         return m.first + m.count > self._sendable()
 
-    def advance(self) -> None:
-        """After the worker was progressed: take back the slots of completed sends, pack the next."""
-        for _, _, slot, _ in self._reap():
+    def advance(self) -> bool:
+        """After the worker was progressed: take back the slots of completed sends, pack the next. Returns
+        whether a pack completed."""
+        done = self._reap()
+        for _, _, slot, _ in done:
             self._staging.give(slot)
         self._fill()
+        return bool(done)
 
     def _sendable(self) -> int:
         """How many pieces, from the first, may go now (all but for a layer-wise request still computing).
@@ -186,9 +189,9 @@ class ReceiveFlow(_Flow):
                 self.requests.append((self._ep.tag_recv(buf, self._tag(i)), buf))
         self._fill()
 
-    def advance(self) -> None:
-        """Progress the worker, unpack the packs that came, post the next."""
-        self._transport.progress()
+    def advance(self) -> bool:
+        """Progress the worker, unpack the packs that came, post the next. Returns whether anything moved."""
+        moved = self._transport.progress()
         done = self._reap()
         for k, (_, _, slot, m) in enumerate(done):
             try:
@@ -199,6 +202,7 @@ class ReceiveFlow(_Flow):
                 raise
             self._staging.give(slot)
         self._fill()
+        return moved or bool(done)
 
     def _fill(self) -> None:
         while self._todo and (slot := self._staging.take()) is not None:

@@ -27,6 +27,7 @@ import threading
 
 import torch
 
+from kvwire.connectors.spin import Spin
 from kvwire.connectors.transports.data_path import DataPath
 from kvwire.connectors.transports.kv_region import Part
 from kvwire.connectors.transports.ucx.flows import ReceiveFlow
@@ -85,8 +86,9 @@ class _LaneThread:
             try:
                 flow = self._flow
                 assert flow is not None  # start() set it before waking the thread
+                spin = Spin()
                 while not self._stop and not flow.done():
-                    flow.advance()
+                    spin.pause(flow.advance())
                 self._transport.progress()  # flush our last acknowledgements
             except BaseException as exc:  # noqa: BLE001 - handed to the pulling thread
                 self.error = exc
@@ -127,15 +129,16 @@ class ReceiveLanes:
         """What UCX selected between lane 0 and the producer's worker at `producer` (every lane's the same)."""
         return self._transports[0].path_to(producer, guarded)
 
-    def progress(self) -> None:
+    def progress(self) -> bool:
         """Advance lane 0 (the caller's own); once it is complete, wait a little for another lane instead,
-        so that the caller does not spin on a core the lane threads need."""
+        so that the caller does not spin on a core the lane threads need. Returns whether anything moved
+        (a wait for a lane counts: it did not spin)."""
         if not self._flows[0].done():
-            self._flows[0].advance()
-            return
+            return self._flows[0].advance()
         busy = next((t for t in self._threads if not t.idle), None)
         if busy is not None:
             busy.wait_idle(WAIT_SLICE_S)
+        return True
 
     def flush(self) -> None:
         """One more poll of lane 0 after `done`: sends our last acknowledgements (the lane threads do their own)."""

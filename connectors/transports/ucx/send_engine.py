@@ -29,12 +29,12 @@ class UCXSendEngine(SendEngine):
     def fds(self) -> list[int]:
         return []
 
-    def progress(self) -> None:
-        self._transport.progress()
+    def progress(self) -> bool:
+        moved = self._transport.progress()
         for job in list(self._active):
             flow = _flow(job)
             try:
-                flow.advance()
+                moved |= flow.advance()
                 if not flow.done():
                     continue
                 flow.check_errors()
@@ -44,11 +44,13 @@ class UCXSendEngine(SendEngine):
                 continue
             self._active.remove(job)
             self.server.finish(job, None)
+            moved = True
+        return moved
 
     def can_block(self) -> bool:
         # While sends are in flight the server thread spins on progress: every rendezvous step needs
         # both workers progressed, and an epoll wake-up per step cost much of the throughput
-        # (docs/BENCHMARKS.md).
+        # (docs/BENCHMARKS.md). It naps once nothing moves (connectors/spin.py).
         return all(_flow(job).waiting_on_gate for job in self._active)
 
     def start(self, job: SendJob) -> None:

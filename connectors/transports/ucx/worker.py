@@ -86,8 +86,13 @@ class UCXWorker:
         self._paths: dict[bytes, DataPath] = {}  # what UCX selected for those endpoints: fixed for their life
         self.address: bytes = self._worker.address.tobytes()
 
-    def progress(self) -> None:
+    def progress(self) -> bool:
+        """Progress until nothing more happens; returns whether anything did (a spinning caller naps when
+        nothing has for a while: connectors/spin.py)."""
+        if not self._worker.progress_once():
+            return False
         self._worker.progress()
+        return True
 
     def abandon(self, peer: bytes) -> int:
         """Cancel every receive posted for `peer` (after a failure): none of them can land late.
