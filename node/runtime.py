@@ -134,15 +134,17 @@ class NodeRuntime:
         self.warmup = warm_up(runner, self.allocator, self.max_model_len)
         log.info("node %s: %s", self.config.node_id, self.warmup.describe())
 
-    def start_heartbeat(self, on_beat: Callable[[], None] = lambda: None) -> None:
+    def start_heartbeat(self, on_beat: Callable[[], None] = lambda: None,
+                        on_restored: Callable[[], None] = lambda: None) -> None:
         """Register the node in the directory (routers may pick it from now on) and keep it there; not when
-        the transport self-test failed: the node then serves nobody, and /readyz says why."""
+        the transport self-test failed: the node then serves nobody, and /readyz says why. `on_beat` and
+        `on_restored`: the Heartbeat's."""
         failed = [c for c in self.transport_checks if not c.ok]
         if failed:
             log.error("node %s: not registering: transport self-test failed: %s", self.config.node_id,
                       "; ".join(f"{c.transport}: {c.reason}" for c in failed))
             return
-        self.heartbeat = Heartbeat(self.directory, self.node_info, on_beat=on_beat)
+        self.heartbeat = Heartbeat(self.directory, self.node_info, on_beat=on_beat, on_restored=on_restored)
         self.heartbeat.start()
         log.info("node %s (%s, epoch %d) serving on %s", self.config.node_id, self.config.connector.role,
                  self.epoch, self.work_endpoint)

@@ -69,7 +69,7 @@ class PrefillNode:
         rt.metrics.watch_queue(Queue.PREFILL_PENDING, lambda: len(self._pending))
         rt.metrics.watch_queue(Queue.PREFILL_HELD, lambda: self._producer.held_requests)
         rt.warm_up(self._runner)  # before registering: no router picks a cold node
-        rt.start_heartbeat()
+        rt.start_heartbeat(on_restored=self._producer.readvertise)
 
     def serve(self, stop: threading.Event) -> None:
         """Serve until `stop` is set (call `wake()` after setting it), then drain and return.

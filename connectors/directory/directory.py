@@ -555,22 +555,27 @@ class KVDirectory:
             self._redis.delete(self._claim_key(info.node_id))
         logger.info("node %s registered: role=%s epoch=%d", info.node_id, info.role, info.epoch)
 
-    def heartbeat(self, info: NodeInfo) -> None:
+    def heartbeat(self, info: NodeInfo) -> bool:
         """Refresh the node's registration, with its current load, for another node_ttl_s.
 
+        Returns:
+            Whether the directory had lost the node's epoch (Redis restarted without its data, or was flushed):
+            whatever else the node wrote there is gone too, and the node may write it again.
         Raises:
             StaleNodeError: a newer incarnation of the node holds a higher epoch.
         """
-        self._write_node(info)
+        return self._write_node(info) < info.epoch
 
     @_timed(DirectoryOp.WRITE_NODE)
-    def _write_node(self, info: NodeInfo) -> None:
+    def _write_node(self, info: NodeInfo) -> int:
+        """Writes the node's record; returns the epoch the directory held for it before (0: none)."""
         args: list[EncodableT] = [encode(info), info.epoch, _ms(self.node_ttl_s), self._epoch_ttl_ms]
         with self._errors(f"write node {info.node_id}"):
             ok, latest = self._put_node(keys=self._node_keys(info.node_id), args=args)
         if not ok:
             reason = f"node {info.node_id} epoch {info.epoch} is older than its latest epoch {latest}"
             raise StaleNodeError(reason, peer=self.peer)
+        return int(latest)
 
     def deregister_node(self, node_id: str) -> None:
         """Remove the node's registration, or its claim where it never registered (its epoch counter stays)."""

@@ -5,7 +5,9 @@ Lifecycle of a node's registration:
 1. `start()` registers the node at once, raising if that fails.
 2. A daemon thread refreshes the registration every node_ttl_s/3, waiting on an Event
    between beats, and then runs `on_beat` (a consumer republishes its transport addresses:
-   a Redis that lost its data has them back within one beat, like the registration).
+   a Redis that lost its data has them back within one beat, like the registration), and
+   `on_restored` after a beat that found the directory had lost the node (a producer
+   advertises the KV it still holds again).
 3. `mark_draining()` (optional) rewrites the registration at once with `draining` set;
    every later beat keeps it, and routers skip the node.
 4. `stop()` ends the thread and, by default, removes the registration.
@@ -36,13 +38,16 @@ class Heartbeat:
         info_fn: the node's current NodeInfo (its load fields change between beats).
         interval_s: time between beats; node_ttl_s/3 by default.
         on_beat: run after each beat (not the first registration) on the heartbeat thread.
+        on_restored: run after a beat that found the directory had lost the node (Redis restarted empty).
     """
 
     def __init__(self, directory: KVDirectory, info_fn: Callable[[], NodeInfo], *,
-                 interval_s: float | None = None, on_beat: Callable[[], None] = lambda: None):  # fmt: skip
+                 interval_s: float | None = None, on_beat: Callable[[], None] = lambda: None,
+                 on_restored: Callable[[], None] = lambda: None):  # fmt: skip
         self._directory = directory
         self._info_fn = info_fn
         self._on_beat = on_beat
+        self._on_restored = on_restored
         self._interval_s = interval_s if interval_s is not None else directory.node_ttl_s / 3
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -70,7 +75,11 @@ class Heartbeat:
         while not self._stopping.wait(self._interval_s):
             try:
                 with self._write_lock:
-                    self._directory.heartbeat(self._stamped())
+                    restored = self._directory.heartbeat(self._stamped())
+                if restored:
+                    logger.warning("node %s: the directory had lost this node (Redis restarted without its data); "
+                                   "registered again", self._node_id)
+                    self._on_restored()
                 self._on_beat()
             except Exception:  # noqa: BLE001 - the beat must outlive any single failure
                 logger.exception("heartbeat of node %s failed; retrying in %.2fs", self._node_id, self._interval_s)

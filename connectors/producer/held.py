@@ -126,6 +126,11 @@ class HeldTable:
         with self._lock:
             return self._items.get(request_id)
 
+    def idle_locations(self) -> list[KVLocation]:
+        """Where the KV of each held request nobody is pulling is."""
+        with self._lock:
+            return [h.location for h in self._items.values() if not h.in_flight]
+
     def expire_due(self, now: float) -> list[str]:
         """Release every idle request whose deadline has passed; return their ids."""
         with self._lock:

@@ -22,6 +22,7 @@ When it starts, a producer fails the READY entries its earlier incarnations left
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -306,9 +307,20 @@ class KVProducer:
         except zmq.ZMQError as exc:
             log.warning("request %s: KVReady to %s not sent: %s", loc.request_id, consumer_endpoint, exc)
 
+    def readvertise(self) -> None:
+        """The directory lost its data (Redis restarted empty; the heartbeat saw it): every request held and
+        not being pulled is advertised READY again, so that its consumer, watching the directory, still pulls
+        it instead of recomputing at its deadline. Heartbeat thread; the writes go on the advertising thread."""
+        with self._lock:
+            locations = [loc for loc in self._held.idle_locations() if loc.request_id not in self._advertising]
+        for loc in locations:
+            self._later.call_in(0.0, functools.partial(self._advertise, loc))
+        if locations:
+            log.warning("the directory lost its data: advertising the KV of %d held requests again", len(locations))
+
     def _advertise(self, loc: KVLocation) -> None:
         try:
-            published = self._directory.publish_ready(loc)
+            published = self._directory.publish_ready(loc) or self._advertised(loc)
         except StaleNodeError as exc:
             log.error("request %s: this incarnation is fenced off, KV not advertised: %s", loc.request_id, exc)
             published = False
@@ -321,6 +333,13 @@ class KVProducer:
             log.info("request %s: not advertised (its consumer gave up, or see above); releasing its KV",
                      loc.request_id)
             self._held.release_if_idle(loc.request_id)
+
+    def _advertised(self, loc: KVLocation) -> bool:
+        """Whether the directory holds `loc` as READY already (an advertisement again, or a retry, found the
+        earlier one's). Raises DirectoryError."""
+        entry = self._directory.get(loc.request_id)
+        return entry is not None and entry.state == TransferState.READY and entry.location is not None \
+            and (entry.location.producer, entry.location.producer_epoch) == (loc.producer, loc.producer_epoch)
 
     def _advertise_later(self, loc: KVLocation, exc: DirectoryError) -> bool:
         """A READY the directory did not take (Redis down, or restarting): tried again ADVERTISE_RETRY_S later while

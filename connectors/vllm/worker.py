@@ -130,7 +130,8 @@ class WorkerHalf:
                                                       name="kvwire-ready", daemon=True)
                 self._ready_thread.start()
                 undo.callback(self._stop_dispatch)
-            self._heartbeat = Heartbeat(directory, functools.partial(self._node_info, config, epoch))
+            self._heartbeat = Heartbeat(directory, functools.partial(self._node_info, config, epoch),
+                                        on_restored=self._producer.readvertise if self._producer else lambda: None)
             self._heartbeat.start()  # registered: `kvwire status` lists it; its epoch counter is kept alive
             undo.pop_all()
         log.info("kvwire: node %s (epoch %d) serves %s over %s: %d layers, %d blocks of %d tokens, layout %s",
