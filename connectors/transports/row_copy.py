@@ -70,9 +70,61 @@ def usable(dst_planes: Sequence[torch.Tensor], src_planes: Sequence[torch.Tensor
     return all(p.device == device and p.dim() == 2 and p.stride(1) == 1 for p in (*dst_planes, *src_planes))
 
 
+class RowTable:
+    """The kernel's table for one pair of plane lists, built and uploaded once: each copy then sends only its block
+    indices. Worth keeping where the same planes are copied between again and again (a consumer's pool and one
+    producer's mapped planes: shm/peer.py); it holds the planes, so it must not outlive the mapping it was built for.
+
+    Raises:
+        ValueError: a pair of planes whose rows differ in size.
+    """
+
+    def __init__(self, dst_planes: Sequence[torch.Tensor], src_planes: Sequence[torch.Tensor]):
+        for s, d in zip(src_planes, dst_planes, strict=True):
+            if s.shape[1] != d.shape[1]:
+                raise ValueError(f"rows of {s.shape[1]} bytes cannot be copied into rows of {d.shape[1]}")
+        self.dst_planes, self.src_planes = dst_planes, src_planes
+        self._limits = (min(p.shape[0] for p in src_planes), min(p.shape[0] for p in dst_planes))
+        addresses = [p.data_ptr() for pair in zip(src_planes, dst_planes) for p in pair]
+        self._wide = all(a % 8 == 0 for a in addresses) and all(
+            p.stride(0) % 8 == 0 and p.shape[1] % 8 == 0 for p in (*src_planes, *dst_planes))
+        word = 8 if self._wide else 1
+        table = torch.tensor([v for s, d in zip(src_planes, dst_planes)  # [planes * 5]
+                              for v in (s.data_ptr(), s.stride(0), d.data_ptr(), d.stride(0), s.shape[1] // word)],
+                             dtype=torch.int64)
+        self._device = dst_planes[0].device
+        self._table = table.to(self._device)  # once, synchronously: it must be there before any launch reads it
+        self._chunks = triton.cdiv(max(p.shape[1] for p in src_planes) // word, WORDS_PER_PROGRAM) if triton else 0
+
+    def copy(self, src_blocks: list[int], dst_blocks: list[int]) -> bool:
+        """`dst[p][dst_blocks[i]] = src[p][src_blocks[i]]` for every plane p and i, in one launch on the current
+        stream. Returns False, having copied nothing, where the kernel cannot be built here.
+
+        Raises:
+            ValueError: a block index outside a plane.
+        """
+        _check_blocks(self._limits, src_blocks, dst_blocks)
+        if not src_blocks:
+            return True
+        n = len(src_blocks)
+        idx = torch.tensor(src_blocks + dst_blocks, dtype=torch.int64)  # [2 * blocks]
+        if self._device.type == "cuda":
+            idx = idx.pin_memory().to(self._device, non_blocking=True)  # one upload
+        try:
+            _copy_rows[(len(self.src_planes) * n, self._chunks)](self._table, idx[:n], idx[n:], n, WIDE=self._wide,
+                                                                 BLOCK=WORDS_PER_PROGRAM)
+        except Exception as exc:  # Triton's compile and launch errors have no common base; any means "not here"
+            _broken.append(f"{type(exc).__name__}: {exc}")
+            log.warning("kvwire's one-kernel block copy cannot run here (%s); copying plane by plane instead",
+                        _broken[0][:300])
+            return False
+        return True
+
+
 def copy_rows(dst_planes: Sequence[torch.Tensor], src_planes: Sequence[torch.Tensor], src_blocks: list[int],
               dst_blocks: list[int]) -> bool:
-    """`dst[p][dst_blocks[i]] = src[p][src_blocks[i]]` for every plane p and i, in one launch on the current stream.
+    """`dst[p][dst_blocks[i]] = src[p][src_blocks[i]]` for every plane p and i, in one launch on the current stream
+    (a `RowTable` built for this one copy).
 
     Args:
         dst_planes, src_planes: matching planes, each `[num_blocks, row_nbytes]` uint8 with contiguous rows
@@ -82,30 +134,7 @@ def copy_rows(dst_planes: Sequence[torch.Tensor], src_planes: Sequence[torch.Ten
     Raises:
         ValueError: a block index outside a plane, or a pair of planes whose rows differ in size.
     """
-    _check(dst_planes, src_planes, src_blocks, dst_blocks)
-    if not src_blocks:
-        return True
-    addresses = [p.data_ptr() for pair in zip(src_planes, dst_planes) for p in pair]
-    wide = all(a % 8 == 0 for a in addresses) and all(
-        p.stride(0) % 8 == 0 and p.shape[1] % 8 == 0 for p in (*src_planes, *dst_planes))
-    word = 8 if wide else 1
-    table = [v for s, d in zip(src_planes, dst_planes)
-             for v in (s.data_ptr(), s.stride(0), d.data_ptr(), d.stride(0), s.shape[1] // word)]
-    payload = torch.tensor(table + src_blocks + dst_blocks, dtype=torch.int64)  # [planes * 5 + 2 * blocks]
-    device = dst_planes[0].device
-    if device.type == "cuda":
-        payload = payload.pin_memory().to(device, non_blocking=True)  # one upload
-    n_table, n = len(table), len(src_blocks)
-    grid = (len(src_planes) * n, triton.cdiv(max(p.shape[1] for p in src_planes) // word, WORDS_PER_PROGRAM))
-    try:
-        _copy_rows[grid](payload[:n_table], payload[n_table:n_table + n], payload[n_table + n:], n,
-                         WIDE=wide, BLOCK=WORDS_PER_PROGRAM)
-    except Exception as exc:  # Triton's compile and launch errors have no common base; any of them means "not here"
-        _broken.append(f"{type(exc).__name__}: {exc}")
-        log.warning("kvwire's one-kernel block copy cannot run here (%s); copying plane by plane instead",
-                    _broken[0][:300])
-        return False
-    return True
+    return RowTable(dst_planes, src_planes).copy(src_blocks, dst_blocks)
 
 
 def warm(device: torch.device) -> bool:
@@ -118,15 +147,11 @@ def warm(device: torch.device) -> bool:
     return True
 
 
-def _check(dst_planes: Sequence[torch.Tensor], src_planes: Sequence[torch.Tensor], src_blocks: list[int],
-           dst_blocks: list[int]) -> None:
+def _check_blocks(limits: tuple[int, int], src_blocks: list[int], dst_blocks: list[int]) -> None:
+    """Every index within its side's planes (`limits`: the source's and the destination's block counts)."""
     if len(src_blocks) != len(dst_blocks):
         raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
-    for s, d in zip(src_planes, dst_planes):
-        if s.shape[1] != d.shape[1]:
-            raise ValueError(f"rows of {s.shape[1]} bytes cannot be copied into rows of {d.shape[1]}")
-    for side, blocks, planes in (("source", src_blocks, src_planes), ("destination", dst_blocks, dst_planes)):
-        limit = min(p.shape[0] for p in planes)
+    for side, blocks, limit in (("source", src_blocks, limits[0]), ("destination", dst_blocks, limits[1])):
         if blocks and (min(blocks) < 0 or max(blocks) >= limit):
             raise ValueError(f"{side} block {max(blocks) if max(blocks) >= limit else min(blocks)} "
                              f"outside planes of {limit} blocks")

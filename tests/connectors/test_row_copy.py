@@ -37,6 +37,9 @@ INTERPRETED = textwrap.dedent("""
     src, dst = [big[:, 0], big[:, 1]], [torch.zeros(4, 13, dtype=torch.uint8) for _ in range(2)]
     assert rc.usable(dst, src) and rc.copy_rows(dst, src, [9, 2], [1, 3])
     assert torch.equal(dst[0][1], big[9, 0]) and torch.equal(dst[1][3], big[2, 1])
+    table = rc.RowTable(dst, src)  # built once, then copy after copy with only the block indices
+    assert table.copy([0], [0]) and table.copy([5, 6], [2, 1]) and table.copy([], [])
+    assert torch.equal(dst[0][0], big[0, 0]) and torch.equal(dst[1][2], big[5, 1]) and torch.equal(dst[0][1], big[6, 0])
     print("ok")
 """)
 
@@ -87,3 +90,27 @@ def test_on_a_gpu_copy_blocks_is_one_kernel_and_lands_every_byte(pool):
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and "copy_rows" in e.key]
     assert sum(e.count for e in kernels) == 1, [e.key for e in prof.key_averages()]
     assert all(torch.equal(a, b) for a, b in zip(dst.planes, expected))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_mapping_builds_its_table_once_and_every_pull_lands():
+    """A consumer's pulls from one producer mapping (shm/peer.py's MappedPlanes, as CUDA IPC opens them) reuse
+    the row kernel's table: one per mapping and destination, every pull's bytes right."""
+    from kvwire.connectors.transports.shm.copier import BlockCopier
+    from kvwire.connectors.transports.shm.peer import MappedPlanes
+    from kvwire.connectors.wire import PoolLayout, ShmAccess
+
+    layout = PoolLayout("vllm")
+    src, dst = _region(layout, "cuda", seed=1), _region(layout, "cuda", seed=2)
+    mapping = MappedPlanes(ShmAccess.CUDA_IPC, tuple(src.planes), BlockCopier(1))
+    tables = []
+    for src_blocks, dst_blocks in (([5, 1, 2], [0, 9, 10]), ([17, 3], [4, 11])):
+        expected = [p.clone() for p in dst.planes]
+        for s, d in zip(src.planes, expected):
+            d[dst_blocks] = s[src_blocks]
+        mapping.copy(dst, src.layout, None, plan_runs(src_blocks, dst_blocks))
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(dst.planes, expected))
+        tables.append(mapping._rows[1])
+    assert tables[0] is not None and tables[0] is tables[1], "the table was built once"

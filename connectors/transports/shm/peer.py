@@ -16,13 +16,16 @@ producer's connection.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from kvwire.connectors.transports.block_copy import Run
+from kvwire.connectors.transports import row_copy
+from kvwire.connectors.transports.block_copy import Run, block_lists
 from kvwire.connectors.transports.kv_region import KVRegion
+from kvwire.connectors.transports.row_copy import RowTable
 from kvwire.connectors.transports.shm.cma import CmaReader
 from kvwire.connectors.transports.shm.copier import BlockCopier
 from kvwire.connectors.transports.shm.segment import map_host
@@ -55,11 +58,14 @@ class PeerPlanes(Protocol):
 
 @dataclass
 class MappedPlanes:
-    """Planes in this process's address space: a mapped memfd or CUDA IPC storages."""
+    """Planes in this process's address space: a mapped memfd or CUDA IPC storages. A whole-row copy into one
+    destination's planes again and again (a consumer's pool) keeps the row kernel's table for them (row_copy.py:
+    built once per mapping, dropped with it)."""
 
     access: ShmAccess
     planes: tuple[torch.Tensor, ...]  # each [num_blocks, row_nbytes] uint8; never written
     copier: BlockCopier
+    _rows: tuple[Sequence[torch.Tensor], RowTable | None] | None = field(default=None, repr=False)
 
     @property
     def device(self) -> torch.device:
@@ -78,10 +84,22 @@ class MappedPlanes:
         return self.planes[0].shape[1]
 
     def copy(self, dst: KVRegion, src_layout: KVLayout, heads: HeadSlice | None, runs: list[Run]) -> None:
+        if heads is None and (table := self._row_table(dst.row_views())) is not None \
+                and table.copy(*block_lists(runs)):
+            return
         src = KVRegion(self.planes, src_layout)
         if heads is not None:
             src = src.heads(heads.src_head, heads.num_heads, heads.per_block)
         self.copier.copy(dst.row_views(), src.row_views(), runs)
+
+    def _row_table(self, dst_planes: Sequence[torch.Tensor]) -> RowTable | None:
+        """The row kernel's table from these planes into `dst_planes` (whole rows), made on the first copy into
+        them; None where the kernel does not serve (a host pool, no Triton: block_copy's path)."""
+        if self._rows is None or self._rows[0] is not dst_planes:
+            usable = self.device.type == "cuda" and row_copy.usable(dst_planes, self.planes)
+            table = RowTable(dst_planes, self.planes) if usable else None
+            self._rows = (dst_planes, table)
+        return self._rows[1]
 
 
 @dataclass
