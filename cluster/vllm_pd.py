@@ -143,8 +143,8 @@ def nixl_pair(model_dir: Path, log_dir: Path) -> tuple[VLLMServerSpec, VLLMServe
 def with_tp(pair: tuple[VLLMServerSpec, VLLMServerSpec], prefill_tp: int,
             decode_tp: int) -> tuple[VLLMServerSpec, VLLMServerSpec]:
     """`pair` with each server's tensor-parallel size, bound as a user binds them on this host's 2 cores: each
-    rank of a TP=2 server on a core of its own ("0|1"), a TP=1 server on core 1 (beside its partner's rank 1),
-    or on core 0 when its partner is TP=1 too (kvwire_pair's binding).
+    rank of a TP=2 server on a core of its own ("0|1"), a TP=1 server beside it on core 1 (a 1x1 pair keeps
+    kvwire_pair's binding: prefill on core 0, decode on core 1).
 
     Ranks that share a core with another server's spin there: vLLM's workers poll their queue on sched_yield
     for a second after each step, and kvwire's UCX threads poll a pull's progress. Until kvwire's polls
