@@ -27,13 +27,10 @@ def _node(node_id: str, role: NodeRole, epoch: int) -> NodeInfo:
 
 
 def _wait_ready(directory, rid: str, timeout_s: float = 5.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        entry = directory.get(rid)
-        if entry is not None and entry.state == TransferState.READY:
-            return entry
-        time.sleep(0.01)  # polling the directory as a reader would; bounded by timeout_s
-    raise AssertionError(f"{rid} not READY within {timeout_s} s: {directory.get(rid)}")
+    """The entry once READY (the directory's own blocking wait on the entry's events)."""
+    entry = directory.wait_for(rid, {TransferState.READY}, time.monotonic() + timeout_s)
+    assert entry is not None and entry.state == TransferState.READY, f"{rid} not READY within {timeout_s} s: {entry}"
+    return entry
 
 
 def test_a_held_request_is_advertised_again_after_redis_lost_it(redis_url):
