@@ -216,6 +216,9 @@ class PullRequest(_Msg, tag="pull", frozen=True):
     # groups that it lacks. Empty: every block from first_block on (as producers before it read it).
     src_block_ids: list[int] = []
     host: str = ""  # the consumer's host_identity() (UCX: error handling on between hosts); "": not said
+    # UCX: this pull's endpoints have error handling on (the consumer's choice, connectors/transports/ucx/
+    # worker.py); None: a consumer that did not say, on between hosts only
+    guarded: bool | None = None
     # The consumer will not pull it (it refused the location, or failed before or during its pull): one puller
     # less and nothing delivered, so the producer releases the blocks now rather than at the hold deadline.
     abandon: bool = False

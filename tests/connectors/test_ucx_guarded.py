@@ -1,4 +1,5 @@
-"""UCX endpoints to a peer on another host have error handling on (connectors/transports/ucx/worker.py).
+"""UCX endpoints have error handling on but between two CUDA pools on one host (connectors/transports/ucx/
+worker.py), and one to a peer on this host still moves its bytes through shared memory.
 
 Without it a refused or broken TCP connection aborts the whole process inside UCX (openucx/ucx#11629);
 with it the one transfer fails and the process goes on.
@@ -14,7 +15,9 @@ from kvwire.connectors.transports.data_path import PathClass
 from kvwire.connectors.transports.host import elsewhere, host_identity
 from kvwire.connectors.transports.ucx.flows import ReceiveFlow, SendFlow
 from kvwire.connectors.transports.ucx.packing import Staging
-from kvwire.connectors.transports.ucx.worker import Role, UCXWorker
+from kvwire.connectors.transports.ucx.send_engine import _guarded
+from kvwire.connectors.transports.ucx.worker import Role, UCXWorker, error_handling
+from kvwire.connectors.wire import PullRequest
 from tests import procs
 
 CTX = procs.CTX
@@ -26,15 +29,33 @@ def test_only_a_named_other_host_is_elsewhere():
     assert elsewhere(host_identity() + "-other")
 
 
-def test_a_guarded_endpoint_takes_tcp_where_an_unguarded_one_shares_memory():
+def test_endpoints_are_guarded_but_between_two_cuda_pools_on_one_host():
+    assert error_handling("", device_pool=False)  # host pools: always
+    assert error_handling(host_identity(), device_pool=False)
+    assert not error_handling(host_identity(), device_pool=True)  # cuda_ipc between two GPUs of this host
+    assert error_handling(host_identity() + "-other", device_pool=True)
+
+
+def test_a_producer_takes_the_consumers_choice_and_asks_an_older_one_by_host():
+    def ask(**kw):
+        return PullRequest(request_id="r", transfer_id=1, consumer="c", transport_address=b"a", dst_block_ids=[0],
+                           **kw)
+    assert _guarded(ask(guarded=True)) and not _guarded(ask(guarded=False, host=host_identity() + "-other"))
+    assert not _guarded(ask(host=host_identity())) and _guarded(ask(host=host_identity() + "-other"))
+
+
+def test_a_guarded_endpoint_on_this_host_shares_memory():
+    """UCX leaves shared memory out of a guarded endpoint unless its transports are told to take part
+    (UCX_SYSV_ERROR_HANDLING / UCX_POSIX_ERROR_HANDLING): kvwire's contexts tell them."""
     consumer, producer = UCXWorker(Role.CONSUMER), UCXWorker(Role.PRODUCER)
     try:
-        assert consumer.path_to(producer.address).path_class == PathClass.SHARED_MEMORY
-        other = UCXWorker(Role.CONSUMER)
-        try:
-            assert other.path_to(producer.address, guarded=True).label == "tcp"
-        finally:
-            other.close()
+        for guarded in (True, False):
+            other = UCXWorker(Role.CONSUMER)
+            try:
+                path = other.path_to(producer.address, guarded=guarded)
+                assert path.path_class == PathClass.SHARED_MEMORY, (guarded, path)
+            finally:
+                other.close()
     finally:
         consumer.close()
         producer.close()

@@ -125,11 +125,11 @@ def test_device_pieces_are_packed_in_device_slots_and_land_byte_exact():
     src = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=device) for n in sizes]
     dst = [torch.zeros_like(t) for t in src]
     torch.cuda.synchronize(device)
-    producer, consumer = UCXWorker(Role.PRODUCER), ReceiveLanes(1, device)
-    try:
-        consumer.post(producer.address, list(dst), 4, DEVICE_PACK_BELOW)
+    producer, consumer = UCXWorker(Role.PRODUCER, device_pool=True), ReceiveLanes(1, device)
+    try:  # two CUDA pools on one host: endpoints unguarded, as the puller and send engine make them (worker.py)
+        consumer.post(producer.address, list(dst), 4, DEVICE_PACK_BELOW, guarded=False)
         staging = SendStaging().for_pull(list(src), DEVICE_PACK_BELOW)
-        sends = SendFlow(producer, consumer.address, list(src), 4, DEVICE_PACK_BELOW, staging)
+        sends = SendFlow(producer, consumer.address, list(src), 4, DEVICE_PACK_BELOW, staging, guarded=False)
         deadline = time.monotonic() + 30
         while not (consumer.done() and sends.done()):
             assert time.monotonic() < deadline, "transfer did not complete"

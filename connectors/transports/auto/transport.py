@@ -36,8 +36,8 @@ class AutoTransport(SHMTransport):
             shm = self._send_engine(region)
         except ValueError as exc:
             log.warning("%s; transport auto serves over UCX alone", exc)
-            return {ConnectorKind.UCX: UCXSendEngine()}
-        return {ConnectorKind.SHM: shm, ConnectorKind.UCX: UCXSendEngine()}
+            return {ConnectorKind.UCX: UCXSendEngine(region)}
+        return {ConnectorKind.SHM: shm, ConnectorKind.UCX: UCXSendEngine(region)}
 
     def puller(self, region: KVRegion) -> Puller:
         self._puller = AutoPuller(self.config.node_id, region, self.config.pull_lanes)

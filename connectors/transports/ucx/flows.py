@@ -102,7 +102,7 @@ class SendFlow(_Flow):
 
     def __init__(self, transport: UCXWorker, peer: bytes, parts: list[Part], transfer_id: int,
                  pack_below: int, staging: Staging, gate: LayerGate | None = None, layer_pieces: int = 0,
-                 guarded: bool = False):
+                 guarded: bool = True):
         super().__init__(parts, transfer_id, pack_below, staging, layer_pieces=layer_pieces)
         self._eps = transport.endpoints_for(peer, guarded)
         self._gate, self._layer_pieces = gate, layer_pieces
@@ -177,7 +177,7 @@ class ReceiveFlow(_Flow):
 
     def __init__(self, transport: UCXWorker, peer: bytes, parts: list[Part], transfer_id: int,
                  pack_below: int, staging: Staging, lane: int = 0, lanes: int = 1, layer_pieces: int = 0,
-                 guarded: bool = False):
+                 guarded: bool = True):
         super().__init__(parts, transfer_id, pack_below, staging, lane, lanes, layer_pieces)
         self._transport = transport
         self._ep = transport.endpoints_for(peer, guarded)[0]

@@ -107,7 +107,8 @@ class ReceiveLanes:
         """
         if not 1 <= lanes <= MAX_LANES:
             raise ValueError(f"lanes must be 1..{MAX_LANES}, got {lanes}")
-        self._transports = [UCXWorker(Role.CONSUMER) for _ in range(lanes)]
+        device_pool = device is not None and device.type == "cuda"
+        self._transports = [UCXWorker(Role.CONSUMER, device_pool) for _ in range(lanes)]
         self._staging = [Staging(LANE_SLOTS) if device is None else
                          Staging(LANE_SLOTS, DEVICE_PACK_BYTES, tensor_slots(device)) for _ in range(lanes)]
         self._threads = [_LaneThread(t, f"kv-ucx-lane-{i}") for i, t in enumerate(self._transports[1:], 1)]
@@ -115,9 +116,9 @@ class ReceiveLanes:
         self.address = pack_lanes([t.address for t in self._transports])
 
     def post(self, producer: bytes, parts: list[Part], transfer_id: int, pack_below: int = 0,
-             layer_pieces: int = 0, guarded: bool = False) -> None:
+             layer_pieces: int = 0, guarded: bool = True) -> None:
         """Post every lane's receives for the producer's worker at `producer` (pieces smaller than
-        `pack_below` come packed, no pack across a multiple of `layer_pieces`; `guarded`: the producer is on
+        `pack_below` come packed, no pack across a multiple of `layer_pieces`; `guarded`: endpoint error handling on,
         another host, worker.py); set the lane threads going."""
         n = len(self._transports)
         self._flows = [ReceiveFlow(t, producer, parts, transfer_id, pack_below, s, lane, n, layer_pieces, guarded)
@@ -125,7 +126,7 @@ class ReceiveLanes:
         for thread, flow in zip(self._threads, self._flows[1:]):
             thread.start(flow)
 
-    def path_to(self, producer: bytes, guarded: bool = False) -> DataPath:
+    def path_to(self, producer: bytes, guarded: bool = True) -> DataPath:
         """What UCX selected between lane 0 and the producer's worker at `producer` (every lane's the same)."""
         return self._transports[0].path_to(producer, guarded)
 

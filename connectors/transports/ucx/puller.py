@@ -33,12 +33,12 @@ import torch
 from kvwire.connectors.base import TransferError
 from kvwire.connectors.control.side_channel import SideChannelClient
 from kvwire.connectors.transports.data_path import DataPath
-from kvwire.connectors.transports.host import elsewhere, host_identity
+from kvwire.connectors.transports.host import host_identity
 from kvwire.connectors.transports.kv_region import KVRegion, consumer_parts, part_nbytes
 from kvwire.connectors.transports.transport import ConfirmedPulls
 from kvwire.connectors.transports.ucx.lanes import ReceiveLanes
 from kvwire.connectors.transports.ucx.packing import DEVICE_PACK_BELOW, PACK_BELOW
-from kvwire.connectors.transports.ucx.worker import MAX_PIECES
+from kvwire.connectors.transports.ucx.worker import MAX_PIECES, error_handling
 from kvwire.connectors.wire import KVLocation, PullRequest
 
 
@@ -63,7 +63,7 @@ class UCXPuller(ConfirmedPulls):
 
     def path_to(self, loc: KVLocation) -> DataPath:
         """The transports UCX selected to `loc`'s producer (pulling thread only, like `pull`)."""
-        return self._lanes.path_to(loc.transport_address, elsewhere(loc.host))
+        return self._lanes.path_to(loc.transport_address, self._guarded(loc))
 
     def pull(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor], deadline: float) -> int:
         """Receive `loc`'s blocks into `dst_blocks` and its hidden tensors into `hidden`.
@@ -81,12 +81,12 @@ class UCXPuller(ConfirmedPulls):
             request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
             transport_address=self._lanes.address, dst_block_ids=dst_blocks, first_block=loc.first_block,
             src_block_ids=loc.block_ids,
-            heads=loc.heads, pack_below=self._pack_below, host=host_identity(),
+            heads=loc.heads, pack_below=self._pack_below, host=host_identity(), guarded=self._guarded(loc),
             layer_major=True))  # a layer-wise location's blocks land layer by layer, as it sends them
         try:
             layer_pieces = (len(parts) - len(hidden)) // self._region.layout.num_layers if loc.layerwise else 0
             self._lanes.post(loc.transport_address, parts, transfer_id, self._pack_below, layer_pieces,
-                             elsewhere(loc.host))
+                             self._guarded(loc))
             # Spin until done: blocking on the side channel could miss a lane finishing on its own
             # thread (nothing would wake us; a producer's ok may have come already).
             self._channel.wait(loc, transfer_id, deadline, progress=self._lanes.progress,
@@ -101,6 +101,10 @@ class UCXPuller(ConfirmedPulls):
                 raise
             raise TransferError(loc.request_id, loc.producer, f"receive failed: {exc}") from exc
         return sum(map(part_nbytes, parts))
+
+    def _guarded(self, loc: KVLocation) -> bool:
+        """Endpoint error handling to `loc`'s producer (worker.py's `error_handling`; the producer is told)."""
+        return error_handling(loc.host, self._slots_on is not None)
 
     def _fence(self) -> None:
         """Replace the lanes after a failed pull (see the module docstring): the old workers are never

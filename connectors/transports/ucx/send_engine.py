@@ -12,16 +12,19 @@ from __future__ import annotations
 
 from kvwire.connectors.producer.transfer_server import SendEngine, SendJob
 from kvwire.connectors.transports.host import elsewhere
+from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.transports.ucx.flows import SendFlow
 from kvwire.connectors.transports.ucx.packing import SendStaging
 from kvwire.connectors.transports.ucx.worker import MAX_PIECES, Role, UCXWorker
+from kvwire.connectors.wire import PullRequest
 
 
 class UCXSendEngine(SendEngine):
     streams_layers = True
 
-    def __init__(self) -> None:
-        self._transport = UCXWorker(Role.PRODUCER)
+    def __init__(self, region: KVRegion | None = None) -> None:
+        """`region`: the producer's KV (in CUDA memory or not: worker.py); None, host memory."""
+        self._transport = UCXWorker(Role.PRODUCER, region is not None and region.planes[0].device.type == "cuda")
         self._staging = SendStaging()
         self.transport_address = self._transport.address
         self._active: list[SendJob] = []
@@ -59,7 +62,7 @@ class UCXSendEngine(SendEngine):
         gate, parts = job.held.gate, job.parts()
         job.state = SendFlow(self._transport, job.msg.transport_address, parts, job.msg.transfer_id,
                              job.msg.pack_below, self._staging.for_pull(parts, job.msg.pack_below), gate,
-                             job.layer_pieces if gate else 0, elsewhere(job.msg.host))
+                             job.layer_pieces if gate else 0, _guarded(job.msg))
         self._active.append(job)
 
     def abandon(self, job: SendJob) -> None:
@@ -79,3 +82,9 @@ def _flow(job: SendJob) -> SendFlow:
     flow = job.state
     assert isinstance(flow, SendFlow)  # set by start()
     return flow
+
+
+def _guarded(msg: PullRequest) -> bool:
+    """Endpoint error handling as the consumer chose it (worker.py); one that did not say wants it between
+    hosts only."""
+    return msg.guarded if msg.guarded is not None else elsewhere(msg.host)

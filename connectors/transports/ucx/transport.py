@@ -16,7 +16,7 @@ class UCXTransport(Transport):
     kind = ConnectorKind.UCX
 
     def send_engines(self, region: KVRegion) -> dict[ConnectorKind, SendEngine]:
-        return {self.kind: UCXSendEngine()}
+        return {self.kind: UCXSendEngine(region)}
 
     def puller(self, region: KVRegion) -> UCXPuller:
         return UCXPuller(self.config.node_id, region, self.config.pull_lanes)

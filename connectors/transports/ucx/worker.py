@@ -5,25 +5,31 @@ wake-up per step cost much of the throughput (docs/BENCHMARKS.md). Between trans
 (the owner blocks on its zmq sockets instead); the worker is created without UCX's
 wake-up feature, which is why it has no event fd to wait on.
 
-Endpoints are made from the peer's *worker address*. To a peer on this host, endpoint
-error handling is off: that is what lets UCX pick shared memory between two processes
-(listener endpoints, or error handling on, fall back to loopback TCP). The price is that
-UCX does not notice a dead peer, so every wait here has a deadline and the directory's
-TTLs clean up after it. Cross-memory attach (UCX's `cma`: the consumer reads the producer's
-pool with process_vm_readv) is left out unless UCX_TLS says otherwise: with error handling
-off, a read of a producer that died mid-pull (ESRCH) is fatal to the whole consumer process
-(SIGABRT in `cma_ep.c`; tests/connectors/test_ucx_dead_producer.py), while the shared-memory
-FIFOs (sysv, posix) just stop delivering and the pull ends at its deadline. It costs UCX
-about half its bandwidth between two processes on one host (docs/BENCHMARKS.md);
-`--connector auto` moves same-host KV over kvwire's own shared memory anyway. To a peer on another host (or in
-another network namespace) error handling is on (`guarded`): there UCX would pick TCP
-anyway, and with it off a refused or broken connection aborts the whole process
-(openucx/ucx#11629, seen as SIGABRT in `stubs.c` when a link went down mid-pull) instead
-of failing the one transfer. Both sides decide alike: the consumer from the producer's
-published host, the producer from the consumer's `PullRequest.host`.
+Endpoints are made from the peer's *worker address*, with error handling on (`guarded`) unless
+both pools are on CUDA devices of one host (`error_handling`). Guarded, a peer that dies or a link
+that breaks fails the transfers on it, never the process: without it a refused or broken TCP
+connection aborted the whole process inside UCX (openucx/ucx#11629, SIGABRT in `stubs.c` when a link
+went down mid-pull). UCX's shared-memory transports (sysv, posix) take part in error handling only
+when told to (`UCX_SYSV_ERROR_HANDLING`, `UCX_POSIX_ERROR_HANDLING`, on here); before kvwire told them,
+a guarded endpoint between two processes on one host fell back to loopback TCP, and an unguarded one
+carried each big message by a rendezvous over TCP loopback anyway (UCX_PROTO_INFO: "rendezvous
+zero-copy fenced write to remote | tcp/lo", three quarters of the cores in the kernel). A host pool's
+context asks for UCX's own rendezvous choice above RNDV_THRESH (`_config`): a same-host message then
+goes through the shared-memory FIFOs in fragments ("rendezvous fragmented copy-in copy-out |
+sysv/memory"), as fast as NIXL's cross-memory-attach READ here (docs/BENCHMARKS.md), and only once
+the consumer has posted its receive: an eager message nobody had posted for would sit in the
+consumer's memory, and one whose producer stopped between fragments would hang the consumer's worker
+as it is destroyed (ucxx drains every unexpected message then). Cross-memory attach (`cma`) stays out
+unless UCX_TLS says otherwise: unguarded, a read of a producer that died mid-pull was SIGABRT in
+`cma_ep.c` (tests/connectors/test_ucx_dead_producer.py), and UCX does not use it for guarded tag
+messages at all. Unguarded (two CUDA pools on one host: `cuda_ipc`, which takes no part in error
+handling here), UCX does not notice a dead peer: every wait has a deadline and the directory's
+TTLs clean up after it. Both sides must decide alike (UCX refuses an asymmetric pair): the consumer
+decides and says so (`PullRequest.guarded`); a producer asked by an older consumer decides from the
+consumer's host alone, as both did before.
 
 A consumer may read with several *lanes* (lanes.py): one worker each, each polled
-by its own thread, so that one pull's cross-memory-attach reads run on several cores.
+by its own thread, so that one pull's copies run on several cores.
 Its published address then packs every lane's worker address, and a producer sends
 message i to lane i mod n.
 
@@ -45,6 +51,7 @@ from ucxx._lib.arr import Array  # noqa: E402
 
 from kvwire.connectors.config import MAX_PULL_LANES as MAX_LANES  # noqa: E402
 from kvwire.connectors.transports.data_path import DataPath  # noqa: E402
+from kvwire.connectors.transports.host import elsewhere  # noqa: E402
 from kvwire.connectors.transports.ucx.query import endpoint_transports  # noqa: E402
 
 SEGMENT_BITS = 24  # low tag bits: message index within one transfer, and how it is packed
@@ -60,10 +67,14 @@ class Role(enum.Enum):
     CONSUMER = "consumer"  # a consumer's puller
 
 
-# Rendezvous scheme per side: a producer on put_zcopy with a consumer on get_zcopy was the fastest
-# pairing measured over UCX-over-TCP (UCX's defaults were the slowest), and as fast as any over
-# shared memory / CMA (docs/BENCHMARKS.md). The environment (UCX_RNDV_SCHEME) still wins.
+# Rendezvous scheme per side for a device pool: a producer on put_zcopy with a consumer on get_zcopy was the
+# fastest pairing measured over UCX-over-TCP (UCX's defaults were the slowest), and as fast as any over
+# shared memory / CMA (docs/BENCHMARKS.md). With error handling on UCX has no zero-copy rendezvous over shared
+# memory or TCP, and these schemes would leave every big message eager: a host pool's context keeps UCX's
+# own choice (fragmented rendezvous) above RNDV_THRESH instead. The environment (UCX_<NAME>) still wins.
 _RNDV_SCHEME = {Role.PRODUCER: "put_zcopy", Role.CONSUMER: "get_zcopy"}
+# Above one shared-memory FIFO element (8 KiB): no message is ever eager in several fragments (module docstring).
+RNDV_THRESH = 8 << 10
 
 
 # Every transport but cross-memory attach (see the module docstring): a dead peer must fail one pull, never
@@ -71,15 +82,26 @@ _RNDV_SCHEME = {Role.PRODUCER: "put_zcopy", Role.CONSUMER: "get_zcopy"}
 _TRANSPORTS = "^cma"
 
 
-def _config(role: Role) -> dict[str, str]:
+def _config(role: Role, device_pool: bool) -> dict[str, str]:
     """UCX settings kvwire picks unless the environment sets them (UCX_<NAME> wins)."""
-    ours = {"RNDV_SCHEME": _RNDV_SCHEME[role], "TLS": _TRANSPORTS}
+    ours = {"TLS": _TRANSPORTS, "SYSV_ERROR_HANDLING": "y", "POSIX_ERROR_HANDLING": "y"}
+    if device_pool:
+        ours["RNDV_SCHEME"] = _RNDV_SCHEME[role]
+    else:
+        ours |= {"RNDV_SCHEME": "auto", "RNDV_THRESH": str(RNDV_THRESH)}
     return {k: v for k, v in ours.items() if f"UCX_{k}" not in os.environ}
 
 
+def error_handling(peer_host: str, device_pool: bool) -> bool:
+    """Whether a consumer's endpoints to a producer on `peer_host` (its published host_identity) are guarded:
+    always, but between two CUDA pools on one host (module docstring)."""
+    return elsewhere(peer_host) or not device_pool
+
+
 class UCXWorker:
-    def __init__(self, role: Role) -> None:
-        self._ctx = ucx.UCXContext(config_dict=_config(role), feature_flags=(ucx.Feature.TAG,))
+    def __init__(self, role: Role, device_pool: bool = False) -> None:
+        """`device_pool`: the KV it moves is in CUDA memory (its context's rendezvous scheme: `_config`)."""
+        self._ctx = ucx.UCXContext(config_dict=_config(role, device_pool), feature_flags=(ucx.Feature.TAG,))
         self._worker = ucx.UCXWorker(self._ctx)
         # a peer's (packed) address, and whether error handling is on -> one endpoint per lane
         self._endpoints: dict[tuple[bytes, bool], list[ucx.UCXEndpoint]] = {}
@@ -112,11 +134,11 @@ class UCXWorker:
         for peer, _ in list(self._endpoints):
             self.forget_peer(peer)
 
-    def endpoints_for(self, peer: bytes, guarded: bool = False) -> list[ucx.UCXEndpoint]:
+    def endpoints_for(self, peer: bytes, guarded: bool = True) -> list[ucx.UCXEndpoint]:
         """One endpoint per lane of the worker(s) at `peer` (made once, kept until `forget_peer`).
 
         Args:
-            guarded: endpoint error handling on (a peer on another host: see the module docstring).
+            guarded: endpoint error handling on (`error_handling`, the module docstring).
         Raises:
             ValueError: `peer` is not a well-formed address.
         """
@@ -128,7 +150,7 @@ class UCXWorker:
             self._endpoints[(peer, guarded)] = eps
         return eps
 
-    def path_to(self, peer: bytes, guarded: bool = False) -> DataPath:
+    def path_to(self, peer: bytes, guarded: bool = True) -> DataPath:
         """The transports UCX selected for the endpoints to `peer` (made now if need be: UCX picks its
         lanes when an endpoint is made from a worker address, so one query per endpoint's life); unknown, with
         the reason, if it cannot say."""
