@@ -1,9 +1,9 @@
 """The peer's row of the dead-producer repro: a NIXL producer SIGKILLed while its reader READs its pool.
 
-kvwire's own repro (tests/connectors/test_ucx_dead_producer.py, docs/BENCHMARKS.md) kills a UCX producer 0-30 ms
-into a pull and asks whether the consumer's process lives and its pull fails within its deadline. Here the same
-kill meets NIXL, driven as bench/nixl_run.py drives it (UCX backend, DRAM, one prepared READ over every piece of a
-2,048-token Llama-3-8B request, 256 MiB): each trial starts both sides in fresh processes, kills the producer a
+kvwire's own repro (tests/connectors/transports/ucx/test_dead_producer.py, docs/BENCHMARKS.md) kills a UCX producer
+0-30 ms into a pull and asks whether the consumer's process lives and its pull fails within its deadline. Here the
+same kill meets NIXL, driven as bench/nixl_run.py drives it (UCX backend, DRAM, one prepared READ over every piece
+of a 2,048-token Llama-3-8B request, 256 MiB): each trial starts both sides in fresh processes, kills the producer a
 random 0-30 ms after the reader's `transfer`, and records how the reader ended: its transfer DONE or ERR, still
 pending at the deadline, or its process dead (exit -6: SIGABRT).
 

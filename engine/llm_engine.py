@@ -28,10 +28,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvwire.connectors.model_input import ModelInput, SequenceInput
-from kvwire.connectors.types import ModelRunnerOutput
 from kvwire.connectors.wakeup import Wakeup
 from kvwire.engine.block_allocator import BlockAllocator
 from kvwire.engine.block_names import block_names
+from kvwire.engine.outputs import ModelRunnerOutput
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.sampler import TokenHistory, make_generator, sample
 from kvwire.engine.sequence import FinishReason, Sequence

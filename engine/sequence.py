@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvwire.connectors.types import RequestMetrics
+from kvwire.engine.outputs import RequestMetrics
 from kvwire.engine.sampler import TokenHistory
 from kvwire.protocol.work import SamplingParams, TokenLogprobs
 

@@ -1,6 +1,6 @@
 """A cap on request bodies, for both routers: a body over it is refused before it is read.
 
-An ASGI middleware in front of either app (router/app.py, router/vllm_proxy.py):
+An ASGI middleware in front of either app (router/app.py, router/vllm/proxy.py):
 
 1. A request whose `content-length` says more than the cap gets a 413 at once, naming the cap; not a
    byte of its body is read (the server then drops what the client still sends with the connection).

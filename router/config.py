@@ -11,7 +11,7 @@ from kvwire.router.body_limit import MAX_BODY_BYTES
 
 
 class RoutingPolicy(enum.StrEnum):
-    """How the router picks a decode instance or node (router/vllm_schedule.py, router/dispatch.py)."""
+    """How the router picks a decode instance or node (router/vllm/schedule.py, router/dispatch.py)."""
 
     PREFIX = "prefix"  # by the prompt blocks each instance holds (predicted), weighed against its load
     LOAD = "load"  # by load alone; the prompt is not read for it
@@ -92,7 +92,7 @@ class VLLMRouterConfig:
         prefill_max_in_flight: a request goes decode-only when every prefill instance up has this many requests of
             the router in flight (0: no limit).
         sequential: start a request's decode step only once its prefill instance has answered, even where its
-            answers showed KvwireConnector (which lets the decode step start alongside: router/vllm_proxy.py).
+            answers showed KvwireConnector (which lets the decode step start alongside: router/vllm/proxy.py).
         routing: how instances are picked (RoutingPolicy).
         decode_only_below: a request goes decode-only when the decode instance picked holds all but fewer than this
             many of its prompt's tokens (0: never for this reason).

@@ -14,6 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (("observability",), ("connectors",), ("protocol",), ("engine",), ("node",), ("prefill_node", "decode_node"),
           ("router",), ("cluster",), ("bench",), ("cli",))
 SUBPACKAGES = tuple(sorted(p for layer in LAYERS for p in layer))
+# Inside connectors/, bottom first, the same rule: the core (its top-level modules that hold data and small
+# tools), the control plane and the directory, the transports (their contract included), the two roles and the
+# factory that builds a transport by name, the faces over the roles, then what a process opens on top.
+CONNECTOR_LAYERS = (("core",), ("control", "directory"), ("transports",), ("producer", "consumer", "factory"),
+                    ("connector", "self_test"), ("standalone", "vllm"))
+CONNECTOR_CORE = {"__init__", "base", "config", "types", "wire", "kv_pool", "hidden", "model_input", "spin", "wakeup",
+                  "deferred"}
 
 
 def _package_dirs() -> list[Path]:
@@ -100,6 +107,49 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     return out
 
 
+def _connectors_unit(mod: str) -> str | None:
+    """Which of CONNECTOR_LAYERS' units a module of kvwire.connectors is in (None: outside connectors/)."""
+    parts = mod.split(".")
+    if parts[1] != "connectors":
+        return None
+    name = parts[2] if len(parts) > 2 else "__init__"
+    return "core" if name in CONNECTOR_CORE else name
+
+
+def upward_imports_in_connectors(graph: dict[str, set[str]]) -> list[str]:
+    """Every import inside connectors/ of a unit in a layer above the importer's, or of another unit of its layer."""
+    rank = {unit: i for i, layer in enumerate(CONNECTOR_LAYERS) for unit in layer}
+    out = []
+    for mod, deps in sorted(graph.items()):
+        here = _connectors_unit(mod)
+        if here is None:
+            continue
+        out += [f"{mod} -> {dep}" for dep in sorted(deps)
+                if (there := _connectors_unit(dep)) is not None and there != here and rank[there] >= rank[here]]
+    return out
+
+
+def test_every_unit_of_connectors_has_a_layer():
+    units = {_connectors_unit(m) for m in import_graph()} - {None}
+    assert units == {u for layer in CONNECTOR_LAYERS for u in layer}
+
+
+def test_imports_inside_connectors_only_go_down():
+    """No transport imports a role, no role the faces over it (type-only imports count)."""
+    assert upward_imports_in_connectors(import_graph(type_checking=True)) == []
+
+
+def test_the_connectors_layer_check_sees_an_upward_import():
+    graph = import_graph(type_checking=True)
+    graph["kvwire.connectors.transports.ucx.flows"] |= {"kvwire.connectors.producer.layer_gate"}
+    graph["kvwire.connectors.producer.role"] |= {"kvwire.connectors.consumer.role"}
+    graph["kvwire.connectors.wire"] |= {"kvwire.connectors.directory.directory"}
+    assert upward_imports_in_connectors(graph) == [
+        "kvwire.connectors.producer.role -> kvwire.connectors.consumer.role",
+        "kvwire.connectors.transports.ucx.flows -> kvwire.connectors.producer.layer_gate",
+        "kvwire.connectors.wire -> kvwire.connectors.directory.directory"]
+
+
 def test_imports_only_go_down():
     """Lazy imports (inside functions) and type-only ones count: a layer names nothing above it."""
     assert upward_imports(import_graph(type_checking=True)) == []
@@ -146,7 +196,7 @@ def test_the_import_graph_has_no_cycle():
 
 def test_the_cli_and_the_router_start_without_torch():
     """`kvwire router` (and `status`, `redis`) import no torch: seconds off every router start."""
-    code = ("import sys, kvwire.cli.main, kvwire.router.app, kvwire.router.vllm_proxy;"
+    code = ("import sys, kvwire.cli.main, kvwire.router.app, kvwire.router.vllm.proxy;"
             "print(sorted(m for m in ('torch', 'safetensors') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -22,7 +22,8 @@ from redis.exceptions import NoScriptError
 from redis.typing import EncodableT
 
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.directory.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState, _ms
+from kvwire.connectors.directory.connection import _ms
+from kvwire.connectors.directory.directory import DirectoryEntry, DirectoryError, KVDirectory, TransferState
 from kvwire.connectors.wire import KVLocation, encode
 
 StepResult = bool | DirectoryEntry | None

@@ -15,64 +15,35 @@ TTLs and appends the new state to the request's event stream, which `wait_for` b
 READY event carries the location, so a woken waiter needs no second read). Whatever nobody
 cleans up vanishes after entry_ttl_s.
 
-A node's registration passes through these steps:
-
-1. `next_epoch`: each incarnation of a node gets a higher epoch than every earlier one (`claim_node`: only
-   while no live server holds the id, checked and taken in one step).
-2. `register_node`: its NodeInfo goes under a key that lives node_ttl_s.
-3. `heartbeat`: a `Heartbeat` thread (connectors/directory/heartbeat.py) rewrites it every node_ttl_s/3.
-   Writes from an older incarnation are refused (StaleNodeError).
-4. `deregister_node`, or the key's TTL runs out: the node leaves `live_nodes` within node_ttl_s.
-
-Consumer nodes also publish the transport address they receive KV at (`publish_transport_address`).
-
-The connection pools do not decode replies, so every reply holds bytes; redis-py's annotations
-also allow str (a client made with decode_responses=True), hence the casts to `_Fields` and bytes.
+The node registry over the same connection: nodes.py; the connection: connection.py.
 """
-
 from __future__ import annotations
 
-import contextlib
 import enum
-import functools
 import logging
-import math
-import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple, cast
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 from redis.typing import EncodableT, KeyT, StreamIdT
 
-from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.directory import redis_url as redis_url_forms
-from kvwire.connectors.directory.scripts import (
-    EVENTS_MAXLEN,
-    LUA_CLAIM_NODE,
-    LUA_CREATE,
-    LUA_PUBLISH,
-    LUA_PUT_NODE,
-    LUA_TRANSITION,
+from kvwire.connectors.directory.connection import (
+    _BLOCK_SLICE_S,
+    DirectoryError,
+    StaleNodeError,
+    _Fields,
+    _ms,
+    _StreamEntry,
+    _timed,
 )
-from kvwire.connectors.wire import KVLocation, NodeEngine, NodeInfo, WireError, decode, encode
+from kvwire.connectors.directory.nodes import NodeRegistry
+from kvwire.connectors.directory.scripts import EVENTS_MAXLEN
+from kvwire.connectors.wire import KVLocation, WireError, decode, encode
 from kvwire.observability.labels import DirectoryOp
-from kvwire.observability.metrics import Metrics, process_metrics
 
 logger = logging.getLogger(__name__)
-
-COMMAND_TIMEOUT_S = 5.0  # socket timeout of ordinary commands, by default
-_BLOCK_SLICE_S = 5.0  # longest single blocking read; longer waits loop
-_MAX_CONNECTIONS = 64
-_MAX_BLOCKING_CONNECTIONS = 256  # one per concurrent wait_for
-_EPOCH_TTL_FACTOR = 10  # an epoch counter outlives every record that names an older epoch
-_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]+")
-
-_Fields = dict[bytes, bytes]  # a hash's fields, or a stream event's
-_StreamEntry = tuple[bytes, _Fields]  # (event id, fields)
 
 
 class TransferState(enum.StrEnum):
@@ -122,63 +93,15 @@ class Wake(NamedTuple):
     cursor: bytes
 
 
-class DirectoryError(RuntimeError):
-    """The directory could not be reached, or holds a record it cannot read.
-
-    Attributes:
-        reason: what went wrong.
-        request_id: the request concerned; None for registry operations.
-        peer: the Redis URL, password masked.
-    """
-
-    def __init__(self, reason: str, *, request_id: str | None = None, peer: str):
-        about = f" request {request_id}" if request_id is not None else ""
-        super().__init__(f"directory {peer}{about}: {reason}")
-        self.reason = reason
-        self.request_id = request_id
-        self.peer = peer
-
-
-class StaleNodeError(DirectoryError):
-    """A node wrote its NodeInfo with an epoch older than its node id's latest one."""
-
-
-def _masked(url: str) -> str:
-    return redis_url_forms.masked(url)
-
-
-def _ms(seconds: float) -> int:
-    return max(1, math.ceil(seconds * 1000))
-
-
 def _location(raw: bytes) -> KVLocation:
     location = decode(raw, expect=KVLocation)
     assert isinstance(location, KVLocation)  # decode rejects every other type
     return location
 
 
-def _node_info(raw: bytes) -> NodeInfo:
-    info = decode(raw, expect=NodeInfo)
-    assert isinstance(info, NodeInfo)  # decode rejects every other type
-    return info
-
-
-def _timed(op: DirectoryOp):
-    """Record the method's duration in kvwire_directory_op_seconds{op}, failures included."""
-    def wrap(method):
-        @functools.wraps(method)
-        def timed(self: KVDirectory, *args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                self._op_seconds.labels(str(op)).observe(time.perf_counter() - start)
-        return timed
-    return wrap
-
-
-class KVDirectory:
-    """Client of the directory; thread-safe, one per process is enough.
+class KVDirectory(NodeRegistry):
+    """Client of the directory: request entries here, the node registry (nodes.py) over the same connection
+    (connection.py); thread-safe, one per process is enough.
 
     Every method raises DirectoryError when Redis cannot be reached.
 
@@ -194,65 +117,6 @@ class KVDirectory:
     Raises:
         ValueError: a non-positive TTL or timeout, or a namespace outside [A-Za-z0-9_.-].
     """
-
-    def __init__(self, redis_url: str, *, entry_ttl_s: float = 60.0, node_ttl_s: float = 5.0,
-                 namespace: str = "kvwire", command_timeout_s: float = COMMAND_TIMEOUT_S,
-                 metrics: Metrics | None = None):  # fmt: skip
-        if entry_ttl_s <= 0 or node_ttl_s <= 0 or command_timeout_s <= 0:
-            raise ValueError(f"TTLs and timeouts must be positive, got entry {entry_ttl_s}, node {node_ttl_s}, "
-                             f"command {command_timeout_s}")
-        if not _NAMESPACE_RE.fullmatch(namespace):
-            raise ValueError(f"namespace {namespace!r} must match {_NAMESPACE_RE.pattern}")
-        self.entry_ttl_s, self.node_ttl_s, self.namespace = entry_ttl_s, node_ttl_s, namespace
-        self.peer = _masked(redis_url)
-        self._op_seconds = (metrics or process_metrics()).directory_op_seconds
-        self._epoch_ttl_ms = _ms(_EPOCH_TTL_FACTOR * max(entry_ttl_s, node_ttl_s))
-        # One retry without backoff replaces a pooled connection broken by a server restart,
-        # yet fails fast while the server is down.
-        common = dict(retry=Retry(NoBackoff(), 1), socket_connect_timeout=command_timeout_s)
-        self._pool = redis_url_forms.connection_pool(
-            redis_url, max_connections=_MAX_CONNECTIONS, socket_timeout=command_timeout_s, **common)
-        # Blocking reads hold a connection for their whole wait: a pool of their own, whose
-        # socket timeout exceeds the longest block.
-        self._blocking_pool = redis_url_forms.connection_pool(
-            redis_url, max_connections=_MAX_BLOCKING_CONNECTIONS,
-            socket_timeout=_BLOCK_SLICE_S + command_timeout_s, **common)  # fmt: skip
-        self._redis = redis.Redis(connection_pool=self._pool)
-        self._blocking = redis.Redis(connection_pool=self._blocking_pool)
-        self._create = self._redis.register_script(LUA_CREATE)
-        self._publish = self._redis.register_script(LUA_PUBLISH)
-        self._transition = self._redis.register_script(LUA_TRANSITION)
-        self._put_node = self._redis.register_script(LUA_PUT_NODE)
-        self._claim_node = self._redis.register_script(LUA_CLAIM_NODE)
-        self._load_scripts()
-
-    def _load_scripts(self) -> None:
-        """Load the scripts now (one round trip), so pipelined EVALSHAs find them; best effort: a server
-        that is down, or forgets them later, answers NOSCRIPT and the step is re-run (batch.py)."""
-        scripts = (self._create, self._publish, self._transition, self._put_node, self._claim_node)
-        try:
-            pipe = self._redis.pipeline(transaction=False)
-            for script in scripts:
-                pipe.script_load(script.script)
-            pipe.execute()
-        except redis.RedisError as exc:
-            logger.debug("directory %s: scripts not loaded yet: %s", self.peer, exc)
-
-    def _entry_keys(self, request_id: str) -> list[str]:
-        return [f"{self.namespace}:req:{request_id}", f"{self.namespace}:ev:{request_id}"]
-
-    def _node_keys(self, node_id: str) -> list[str]:
-        return [f"{self.namespace}:node:{node_id}", f"{self.namespace}:epoch:{node_id}"]
-
-    @contextlib.contextmanager
-    def _errors(self, what: str, request_id: str | None = None) -> Iterator[None]:
-        try:
-            yield
-        except redis.RedisError as exc:
-            reason = f"{what}: {type(exc).__name__}: {exc}"
-            raise DirectoryError(reason, request_id=request_id, peer=self.peer) from exc
-
-    # --- request entries -------------------------------------------------------------------
 
     @_timed(DirectoryOp.CREATE_PENDING)
     def create_pending(self, request_id: str, producer: str) -> bool:
@@ -509,163 +373,6 @@ class KVDirectory:
             if entry is not None:
                 aged.append(AgedEntry(entry, max(0.0, (now_ms - created_ms) / 1000)))
         return aged
-
-    # --- node registry -----------------------------------------------------------------------
-
-    def next_epoch(self, node_id: str) -> int:
-        """A new epoch for this incarnation of `node_id`, higher than every earlier one."""
-        epoch_key = self._node_keys(node_id)[1]
-        with self._errors(f"next_epoch of node {node_id}"):
-            pipe = self._redis.pipeline(transaction=True)
-            pipe.incr(epoch_key)
-            pipe.pexpire(epoch_key, self._epoch_ttl_ms)
-            epoch, _ = pipe.execute()
-        return int(epoch)
-
-    def claim_node(self, node_id: str) -> tuple[int, NodeInfo | None]:
-        """`next_epoch` for a server that must be the only live holder of `node_id`, in one atomic step.
-
-        Refused while a registration that is not draining holds the id, or while another incarnation's claim
-        is waiting for its registration (`register_node` ends it; else it lapses after node_ttl_s).
-
-        Returns:
-            (the new epoch, None); refused: (0, the live holder's NodeInfo, or None for a claim not yet
-            registered).
-        """
-        holder = self.get_node(node_id)
-        if holder is not None and not holder.draining:
-            return 0, holder
-        keys = [*self._node_keys(node_id), self._claim_key(node_id)]
-        args: list[EncodableT] = [_ms(self.node_ttl_s), self._epoch_ttl_ms, "absent" if holder is None else "draining"]
-        with self._errors(f"claim node {node_id}"):
-            ok, epoch = self._claim_node(keys=keys, args=args)
-        return (int(epoch), None) if ok else (0, self.get_node(node_id))
-
-    def _claim_key(self, node_id: str) -> str:
-        return f"{self.namespace}:claim:{node_id}"
-
-    def register_node(self, info: NodeInfo) -> None:
-        """Publish the node's NodeInfo for node_ttl_s (ending its `claim_node` claim).
-
-        Raises:
-            StaleNodeError: a newer incarnation of the node holds a higher epoch.
-        """
-        self._write_node(info)
-        with self._errors(f"register node {info.node_id}"):
-            self._redis.delete(self._claim_key(info.node_id))
-        logger.info("node %s registered: role=%s epoch=%d", info.node_id, info.role, info.epoch)
-
-    def heartbeat(self, info: NodeInfo) -> bool:
-        """Refresh the node's registration, with its current load, for another node_ttl_s.
-
-        Returns:
-            Whether the directory had lost the node's epoch (Redis restarted without its data, or was flushed):
-            whatever else the node wrote there is gone too, and the node may write it again.
-        Raises:
-            StaleNodeError: a newer incarnation of the node holds a higher epoch.
-        """
-        return self._write_node(info) < info.epoch
-
-    @_timed(DirectoryOp.WRITE_NODE)
-    def _write_node(self, info: NodeInfo) -> int:
-        """Writes the node's record; returns the epoch the directory held for it before (0: none)."""
-        args: list[EncodableT] = [encode(info), info.epoch, _ms(self.node_ttl_s), self._epoch_ttl_ms]
-        with self._errors(f"write node {info.node_id}"):
-            ok, latest = self._put_node(keys=self._node_keys(info.node_id), args=args)
-        if not ok:
-            reason = f"node {info.node_id} epoch {info.epoch} is older than its latest epoch {latest}"
-            raise StaleNodeError(reason, peer=self.peer)
-        return int(latest)
-
-    def deregister_node(self, node_id: str) -> None:
-        """Remove the node's registration, or its claim where it never registered (its epoch counter stays)."""
-        with self._errors(f"deregister node {node_id}"):
-            self._redis.delete(self._node_keys(node_id)[0], self._claim_key(node_id))
-        logger.info("node %s deregistered", node_id)
-
-    def get_node(self, node_id: str) -> NodeInfo | None:
-        """The node's NodeInfo; None if it is not registered or its TTL ran out.
-
-        Raises:
-            DirectoryError: also when the stored record is unreadable.
-        """
-        with self._errors(f"get node {node_id}"):
-            raw = cast(bytes | None, self._redis.get(self._node_keys(node_id)[0]))
-        try:
-            return None if raw is None else _node_info(raw)
-        except WireError as exc:
-            raise DirectoryError(f"unreadable record of node {node_id}: {exc}", peer=self.peer) from exc
-
-    @_timed(DirectoryOp.LIVE_NODES)
-    def live_nodes(self, role: NodeRole | None = None, *, include_draining: bool = False,
-                   engine: NodeEngine | None = NodeEngine.KVWIRE) -> list[NodeInfo]:
-        """Registered nodes, of `role` if given, sorted by node_id; unreadable records are skipped.
-
-        Args:
-            role: only nodes of this role; every role when None.
-            include_draining: also list nodes that are shutting down (they take no new work).
-            engine: only nodes behind which this engine serves (kvwire's own, by default: those take
-                PrefillWork / DecodeWork); every engine when None.
-        """
-        with self._errors("live_nodes"):
-            keys = list(self._redis.scan_iter(match=f"{self.namespace}:node:*", count=500))
-            raws = cast(list[bytes | None], self._redis.mget(keys)) if keys else []
-        nodes: list[NodeInfo] = []
-        for key, raw in zip(keys, raws):
-            try:
-                info = _node_info(raw) if raw is not None else None  # None: expired since SCAN
-            except WireError as exc:
-                logger.warning("skipping unreadable node record %s: %s", key.decode(errors="replace"), exc)
-                continue
-            if info is None or (engine is not None and info.engine != engine):
-                continue
-            if (role is None or info.role == role) and (include_draining or not info.draining):
-                nodes.append(info)
-        return sorted(nodes, key=lambda n: n.node_id)
-
-    # --- transport addresses ------------------------------------------------------------
-
-    def publish_transport_address(self, node_id: str, kind: ConnectorKind, address: bytes) -> None:
-        """Record the address a consumer node receives KV at over transport `kind` (TTL entry_ttl_s).
-
-        Producers send only to the address a node published here, never to one taken
-        from a message: UCX aborts the whole process on a malformed worker address.
-        """
-        with self._errors(f"publish {kind} transport address of {node_id}"):
-            self._redis.set(f"{self.namespace}:endpoint:{node_id}:{kind}", address, px=_ms(self.entry_ttl_s))
-
-    @_timed(DirectoryOp.TRANSPORT_ADDRESS_OF)
-    def transport_address_of(self, node_id: str, kind: ConnectorKind) -> bytes | None:
-        """The address `node_id` published for transport `kind`; None if none is live."""
-        with self._errors(f"get {kind} transport address of {node_id}"):
-            return cast(bytes | None, self._redis.get(f"{self.namespace}:endpoint:{node_id}:{kind}"))
-
-    @_timed(DirectoryOp.RECORD_TRANSFER)
-    def record_transfer(self, node_id: str, transport: ConnectorKind, nbytes: int) -> None:
-        """Count a completed transfer into `node_id`, per transport (a hash with the node's TTL x 10)."""
-        with self._errors(f"record transfer into {node_id}"):
-            pipe = self._redis.pipeline(transaction=False)
-            self.queue_record_transfer(pipe, node_id, transport, nbytes)
-            pipe.execute()
-
-    def queue_record_transfer(self, pipe: redis.client.Pipeline, node_id: str, transport: ConnectorKind,
-                              nbytes: int) -> None:
-        """`record_transfer`'s commands, queued on `pipe` (3 replies) for the caller to execute."""
-        key = f"{self.namespace}:transfers:{node_id}"
-        pipe.hincrby(key, f"{transport}:count", 1)
-        pipe.hincrby(key, f"{transport}:bytes", nbytes)
-        pipe.pexpire(key, self._epoch_ttl_ms)
-
-    def transfers(self, node_id: str) -> dict[str, int]:
-        """`{"<transport>:count": n, "<transport>:bytes": b}` recorded for `node_id`."""
-        with self._errors(f"transfers of {node_id}"):
-            raw = cast(_Fields, self._redis.hgetall(f"{self.namespace}:transfers:{node_id}"))
-        return {k.decode(): int(v) for k, v in raw.items()}
-
-    def close(self) -> None:
-        """Close every pooled connection; the directory is not to be used afterwards."""
-        self._pool.disconnect()
-        self._blocking_pool.disconnect()
 
     # --- failing a request (every party that gives up on one goes through here) -------------
 

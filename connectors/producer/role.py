@@ -43,11 +43,12 @@ from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.producer.held import HeldRequest, HeldTable
 from kvwire.connectors.producer.incarnations import fail_earlier_incarnations
 from kvwire.connectors.producer.layer_gate import LayerGate
-from kvwire.connectors.producer.transfer_server import SendEngine, TransferServer
+from kvwire.connectors.producer.transfer_server import TransferServer
 from kvwire.connectors.transports.host import host_identity
 from kvwire.connectors.transports.kv_checksum import layer_checksums
 from kvwire.connectors.transports.kv_region import KVRegion
-from kvwire.connectors.transports.transport import Transport
+from kvwire.connectors.transports.shm.hold_board import ServesHoldBoard
+from kvwire.connectors.transports.transport import SendEngine, Transport
 from kvwire.connectors.types import IntermediateTensors
 from kvwire.connectors.wakeup import Mailbox, Wakeup
 from kvwire.connectors.wire import KVLocation, KVReady, PullRequest, TensorDesc, TransportOffer
@@ -90,7 +91,7 @@ class KVProducer:
         self._fail_earlier_incarnations()
         self._transport = transport
         engines = transport.send_engines(region)
-        self._board = next((e.holds for e in engines.values() if e.holds is not None), None)  # shm: hold words
+        self._board = next((e.holds for e in engines.values() if isinstance(e, ServesHoldBoard)), None)
         self._servers = {kind: self._serve(kind, engine) for kind, engine in engines.items()}
         self._offers = [TransportOffer(k, s.side_channel, s.transport_address) for k, s in self._servers.items()]
         self._consumers = PushSockets()  # engine thread only: KVReady to decode nodes' work endpoints

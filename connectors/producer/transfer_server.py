@@ -25,12 +25,8 @@ import logging
 import queue
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-import torch
 import zmq
 
 from kvwire.connectors.control.auth import AuthError
@@ -38,12 +34,10 @@ from kvwire.connectors.control.framing import pack, peek_request, unpack
 from kvwire.connectors.control.sockets import LINGER_MS, limit_receive
 from kvwire.connectors.producer.held import HeldRequest, HeldTable
 from kvwire.connectors.spin import Spin
-from kvwire.connectors.transports.kv_region import KVRegion, Part, byte_parts, plan_runs
+from kvwire.connectors.transports.kv_region import KVRegion, plan_runs
+from kvwire.connectors.transports.transport import Refused, SendEngine, SendJob
 from kvwire.connectors.wakeup import Wakeup
 from kvwire.connectors.wire import PullReply, PullRequest, WireError
-
-if TYPE_CHECKING:
-    from kvwire.connectors.transports.shm.hold_board import HoldBoard
 
 log = logging.getLogger(__name__)
 
@@ -52,91 +46,9 @@ MAX_WARNED = 1024  # (peer, reason) rejections remembered as logged
 TRUST_TTL_S = 5.0  # a consumer's verified transport address is trusted this long without a lookup
 
 
-@dataclass(frozen=True)
-class Refused:
-    """Why a pull may not go ahead (`TransferServer.claim`); the request stays pullable by its real consumer."""
-
-    reason: str
-
-
-@dataclass(eq=False)
-class SendJob:
-    """One granted pull: move the blocks of `runs`, then the hidden tensors, to the consumer named in `msg`."""
-
-    identity: bytes  # the consumer's zmq identity on the side channel
-    msg: PullRequest
-    held: HeldRequest
-    region: KVRegion
-    runs: list[tuple[int, int]]  # (first source block, num_blocks), one per run consecutive on both sides
-    deadline: float
-    replied: bool = False  # the engine answered the consumer itself (shared memory, on its own socket)
-    state: object = field(default=None)  # the engine's own per-job data
-
-    def pieces(self) -> list[torch.Tensor]:
-        """What to send, in the order the consumer receives it, as tensors."""
-        return self.region.pieces(self.runs) + self.held.hidden
-
-    def parts(self) -> list[Part]:
-        """The same, as buffers (cheaper to build on the CPU); a layer-wise request's blocks layer by layer."""
-        kv = self.region.layer_major_parts(self.runs) if self.held.gate else self.region.parts(self.runs)
-        return kv + byte_parts(self.held.hidden)
-
-    @property
-    def layer_nbytes(self) -> int:
-        """One layer's share of the blocks' bytes (a layer-wise stream's unit)."""
-        return sum(n for _, n in self.runs) * self.region.block_nbytes // self.region.layout.num_layers
-
-    @property
-    def layer_pieces(self) -> int:
-        """How many of `parts()` one layer is, for a layer-wise request (they come layer after layer)."""
-        return len(self.region.layer_parts(self.runs, 0))
-
-    @property
-    def num_pieces(self) -> int:
-        return self.region.num_parts(self.runs) + len(self.held.hidden)
-
-    @property
-    def nbytes(self) -> int:
-        blocks = sum(n for _, n in self.runs)
-        return blocks * self.region.block_nbytes + sum(h.numel() * h.element_size() for h in self.held.hidden)
-
-
-class SendEngine(ABC):
-    """A transport's producer half. Runs on the server thread unless it says otherwise."""
-
-    transport_address: bytes = b""
-    streams_layers: bool = False  # sends a layer-wise request's layers as its gate opens them
-    holds: HoldBoard | None = None  # shared memory: a word per held request, for reads with no claim
-
-    def bind(self, server: TransferServer) -> None:
-        self.server = server
-
-    def fds(self) -> list[int]:
-        """File descriptors the server loop should wake on (e.g. UCX's event fd)."""
-        return []
-
-    def progress(self) -> bool:
-        """Called every loop turn: advance transfers, call `server.finish` for done ones. Returns whether
-        anything moved; an engine that keeps the loop spinning (`can_block` False) while nothing does is
-        napped between turns (connectors/spin.py)."""
-        return False
-
-    def can_block(self) -> bool:
-        """False when progress must run again before the loop may sleep."""
-        return True
-
-    @abstractmethod
-    def start(self, job: SendJob) -> None:
-        """Begin the job; `server.finish(job, error)` must follow exactly once (any thread)."""
-
-    def abandon(self, job: SendJob) -> None:
-        """The job missed its deadline; stop touching its pieces if the transport can."""
-
-    def close(self) -> None:
-        pass
-
-
 class TransferServer:
+    """The `Claims` its send engine is bound to (connectors/transports/transport.py)."""
+
     def __init__(self, host: str, region: KVRegion, held: HeldTable, engine: SendEngine, send_deadline_s: float,
                  trusted_address: Callable[[str], bytes | None], on_expired: Callable[[str], None] | None = None,
                  on_delivered: Callable[[PullRequest, int], None] | None = None, advertise_host: str | None = None):

@@ -1,4 +1,10 @@
-"""A transport: one way of moving KV bytes, as the two halves the roles drive.
+"""The transport contract: one way of moving KV bytes, as the two halves the roles drive.
+
+Everything a transport implements or is handed is here, so that nothing under transports/
+imports the roles above it: `Transport` (what builds the halves), `Puller` (the consumer's half),
+`SendEngine` (the producer's half) with the `SendJob`s it is given and the `Claims` it reports them
+to (the producer's transfer server), and what a job's held KV and layer gate show a send engine
+(`HeldKV`, `Gate`).
 
 1. `factory.create_transport(config, epoch)` imports the transport `config.kind` names.
 2. A producer's pool comes from `producer_pool` (shared memory places it where consumers
@@ -14,18 +20,19 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind
-from kvwire.connectors.consumer.offers import narrow
 from kvwire.connectors.kv_pool import KVPool
 from kvwire.connectors.transports.data_path import DataPath
+from kvwire.connectors.transports.kv_region import KVRegion, Part, byte_parts
+from kvwire.connectors.transports.offers import narrow
+from kvwire.connectors.wire import PullRequest
 
 if TYPE_CHECKING:
-    from kvwire.connectors.producer.transfer_server import SendEngine
-    from kvwire.connectors.transports.kv_region import KVRegion
     from kvwire.connectors.wire import KVLayout, KVLocation
     from kvwire.observability.labels import TransportFallback
 
@@ -69,6 +76,142 @@ class ConfirmedPulls:
     def read_ahead(self, loc: KVLocation) -> bytes:
         """Nothing is read before the pull."""
         return b""
+
+
+class Gate(Protocol):
+    """How far a layer-wise request's prefill has got, as a send engine reads it (the producer's LayerGate)."""
+
+    request_id: str
+
+    def ready_layers(self) -> int:
+        """Layers whose KV may be sent now."""
+        ...
+
+    @property
+    def complete_and_ready(self) -> bool:
+        """Every layer and the hidden states may be sent."""
+        ...
+
+    @property
+    def failure(self) -> str | None:
+        """Why the prefill stopped (nothing more will come), or None."""
+        ...
+
+    def needs_polling(self) -> bool:
+        """A layer is done on the device but not yet seen so: the server loop must not sleep."""
+        ...
+
+
+class HeldKV(Protocol):
+    """A held request, as a send engine reads it (the producer's HeldRequest)."""
+
+    @property
+    def hidden(self) -> list[torch.Tensor]:
+        """The request's hidden states, contiguous, sent after its blocks."""
+        ...
+
+    @property
+    def gate(self) -> Gate | None:
+        """Layer-wise: how much of the prefill is done; None: all of it."""
+        ...
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Why a pull may not go ahead (`Claims.claim`); the request stays pullable by its real consumer."""
+
+    reason: str
+
+
+@dataclass(eq=False)
+class SendJob:
+    """One granted pull: move the blocks of `runs`, then the hidden tensors, to the consumer named in `msg`."""
+
+    identity: bytes  # the consumer's zmq identity on the side channel
+    msg: PullRequest
+    held: HeldKV
+    region: KVRegion
+    runs: list[tuple[int, int]]  # (first source block, num_blocks), one per run consecutive on both sides
+    deadline: float
+    replied: bool = False  # the engine answered the consumer itself (shared memory, on its own socket)
+    state: object = field(default=None)  # the engine's own per-job data
+
+    def pieces(self) -> list[torch.Tensor]:
+        """What to send, in the order the consumer receives it, as tensors."""
+        return self.region.pieces(self.runs) + self.held.hidden
+
+    def parts(self) -> list[Part]:
+        """The same, as buffers (cheaper to build on the CPU); a layer-wise request's blocks layer by layer."""
+        kv = self.region.layer_major_parts(self.runs) if self.held.gate else self.region.parts(self.runs)
+        return kv + byte_parts(self.held.hidden)
+
+    @property
+    def layer_nbytes(self) -> int:
+        """One layer's share of the blocks' bytes (a layer-wise stream's unit)."""
+        return sum(n for _, n in self.runs) * self.region.block_nbytes // self.region.layout.num_layers
+
+    @property
+    def layer_pieces(self) -> int:
+        """How many of `parts()` one layer is, for a layer-wise request (they come layer after layer)."""
+        return len(self.region.layer_parts(self.runs, 0))
+
+    @property
+    def num_pieces(self) -> int:
+        return self.region.num_parts(self.runs) + len(self.held.hidden)
+
+    @property
+    def nbytes(self) -> int:
+        blocks = sum(n for _, n in self.runs)
+        return blocks * self.region.block_nbytes + sum(h.numel() * h.element_size() for h in self.held.hidden)
+
+
+class Claims(Protocol):
+    """What a send engine is given of the producer's transfer server: the pulls' two ends."""
+
+    def claim(self, msg: PullRequest, identity: bytes = b"") -> SendJob | Refused:
+        """Let `msg` pull its request, if it may (server thread only): it is in flight until `finish`.
+        Engines that take pulls on their own channel (shared memory) call it themselves."""
+        ...
+
+    def finish(self, job: SendJob, error: BaseException | None) -> None:
+        """The engine is done with `job` (error None on success). Thread-safe."""
+        ...
+
+
+class SendEngine(ABC):
+    """A transport's producer half. Runs on the transfer server's thread unless it says otherwise."""
+
+    transport_address: bytes = b""
+    streams_layers: bool = False  # sends a layer-wise request's layers as its gate opens them
+    claims: Claims
+
+    def bind(self, claims: Claims) -> None:
+        """Given once, before any job: where the engine reports each job's end (and claims pulls it takes)."""
+        self.claims = claims
+
+    def fds(self) -> list[int]:
+        """File descriptors the server loop should wake on (e.g. UCX's event fd)."""
+        return []
+
+    def progress(self) -> bool:
+        """Called every loop turn: advance transfers, call `claims.finish` for done ones. Returns whether
+        anything moved; an engine that keeps the loop spinning (`can_block` False) while nothing does is
+        napped between turns (connectors/spin.py)."""
+        return False
+
+    def can_block(self) -> bool:
+        """False when progress must run again before the loop may sleep."""
+        return True
+
+    @abstractmethod
+    def start(self, job: SendJob) -> None:
+        """Begin the job; `claims.finish(job, error)` must follow exactly once (any thread)."""
+
+    def abandon(self, job: SendJob) -> None:
+        """The job missed its deadline; stop touching its pieces if the transport can."""
+
+    def close(self) -> None:
+        pass
 
 
 class Transport(ABC):

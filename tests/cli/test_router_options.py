@@ -51,7 +51,7 @@ def test_decode_alone_serves_in_vllm_mode(monkeypatch):
 def test_vllm_mode_flags_reach_its_config(monkeypatch):
     served = []
     monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: served.append(app))
-    monkeypatch.setattr("kvwire.router.vllm_proxy.create_vllm_app", lambda config: config)
+    monkeypatch.setattr("kvwire.router.vllm.proxy.create_vllm_app", lambda config: config)
     result = runner.invoke(app, ["router", "--vllm-decode", "http://d:1", "--instance-wait", "7", "--max-failures",
                                  "5", "--unresponsive-after", "9", "--connect-timeout", "0.5", "--health-interval",
                                  "3", "--request-timeout", "11", "--sequential", "--prefill-max-in-flight", "6"],
@@ -82,7 +82,7 @@ def test_path_and_routing_flags_reach_the_own_nodes_config(args, want, monkeypat
 def test_vllm_mode_keeps_its_decode_only_default(monkeypatch):
     served = []
     monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: served.append(app))
-    monkeypatch.setattr("kvwire.router.vllm_proxy.create_vllm_app", lambda config: config)
+    monkeypatch.setattr("kvwire.router.vllm.proxy.create_vllm_app", lambda config: config)
     result = runner.invoke(app, ["router", "--vllm-decode", "http://d:1"], env=NO_ENV)
     assert result.exit_code == 0, result.output
     assert served[0].decode_only_below == 512
@@ -91,7 +91,7 @@ def test_vllm_mode_keeps_its_decode_only_default(monkeypatch):
 def test_scheduler_flags_reach_its_config(monkeypatch):
     served = []
     monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: served.append(app))
-    monkeypatch.setattr("kvwire.router.vllm_proxy.create_vllm_app", lambda config: config)
+    monkeypatch.setattr("kvwire.router.vllm.proxy.create_vllm_app", lambda config: config)
     result = runner.invoke(app, ["router", "--vllm-decode", "http://d:1,http://e:1", "--routing", "load",
                                  "--decode-only-below", "64", "--prefix-ttl", "30", "--vllm-kv-events",
                                  "tcp://d:5557,"], env=NO_ENV)

@@ -11,7 +11,7 @@ from kvwire.cli.main import app
 from kvwire.cluster.status import ClusterStatus
 from kvwire.connectors.config import NodeRole
 from kvwire.connectors.directory.directory import KVDirectory
-from tests.connectors.test_directory import node
+from tests.connectors.directory.test_directory import node
 
 runner = CliRunner()
 

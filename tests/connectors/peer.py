@@ -66,7 +66,7 @@ def pool_of(kv_caches: list[torch.Tensor]) -> KVPool:
 def _die_on_first_send(producer: KVProducer) -> None:
     """Make this process SIGKILL itself right after any of its transports starts the first pull (shared memory,
     where the consumer reads by itself: when the first read is claimed, before it is confirmed; reads with no
-    claim are turned off, as they need no live producer: tests/connectors/test_shm_direct.py)."""
+    claim are turned off, as they need no live producer: tests/connectors/transports/shm/test_direct.py)."""
     import kvwire.connectors.transports.tcp.send_engine as tcp_engine
     from kvwire.connectors.transports.shm.send_engine import SHMSendEngine
 

@@ -17,7 +17,7 @@ from kvwire.connectors.control import auth
 from kvwire.connectors.control.framing import unpack
 from kvwire.connectors.wire import PullReply, PullRequest, encode
 from tests import procs
-from tests.connectors.test_shm_planes import Consumer, hold_vllm_kv
+from tests.connectors.transports.shm.test_planes import Consumer, hold_vllm_kv
 
 CTX = procs.CTX
 SECRET, OTHER = b"s" * 32, b"o" * 32

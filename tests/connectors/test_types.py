@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kvwire.connectors.types import IntermediateTensors, ModelRunnerOutput, RequestMetrics
+from kvwire.connectors.types import IntermediateTensors
 
 
 def _it():
@@ -37,19 +37,3 @@ def test_intermediate_tensors_equality_compares_keys_and_values():
     assert _it() != fewer
     assert _it().kv_connector_output is None
     assert IntermediateTensors({}, kv_connector_output="x").kv_connector_output == "x"
-
-
-def test_request_metrics_first_marks_stick():
-    m = RequestMetrics(arrival_time=10.0)
-    m.mark_scheduled(11.0)
-    m.mark_scheduled(15.0)
-    m.mark_first_token(12.5)
-    m.mark_first_token(20.0)
-    assert m.first_scheduled_time == 11.0 and m.time_in_queue == 1.0
-    assert m.ttft == 2.5
-
-
-def test_model_runner_output_indexes_requests():
-    out = ModelRunnerOutput.from_tokens(["a", "b"], [7, 9])
-    assert out.req_id_to_index == {"a": 0, "b": 1}
-    assert out.sampled_token_ids[out.req_id_to_index["b"]] == [9]

@@ -5,7 +5,7 @@ row per layer, 32 KiB for half its heads) lives on cuda:0 in a producer process 
 requests move between the two, bytes verified, as whole blocks and as a head slice. UCX gathers the small
 pieces into device slots and scatters them there (connectors/transports/ucx/packing.py); TCP stages them
 through pinned host memory in chunks (connectors/transports/tcp/stream.py). The CPU tests of the same code
-are tests/connectors/test_ucx_device_packing.py and test_tcp.py.
+are tests/connectors/transports/ucx/test_device_packing.py and test_tcp.py.
 """
 
 from __future__ import annotations

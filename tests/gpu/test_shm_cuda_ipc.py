@@ -4,7 +4,7 @@ The handles travel as a wire message (plain bytes and ints, no pickle); the cons
 the producer's very memory, not a copy: a write the producer makes after the consumer opened the planes
 is what the consumer reads next. Two pools: kvwire's (one block-major plane) and vLLM's per-layer KV
 tensors (one plane per layer, all inside one allocation, as vLLM allocates them: the handle's offsets
-place each). The whole connector on CUDA planes: tests/connectors/test_shm_planes.py and
+place each). The whole connector on CUDA planes: tests/connectors/transports/shm/test_planes.py and
 test_head_slices.py (their `cuda` cases) and tests/gpu/test_disaggregated_gpu.py.
 """
 

@@ -18,7 +18,7 @@ from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.transports.transport import Transport
 from kvwire.observability.labels import DirectoryOp, Queue, RecomputeReason, RequestStatus, TransferFailure
 from kvwire.observability.metrics import Metrics, process_metrics
-from tests.connectors.test_directory import location
+from tests.connectors.directory.test_directory import location
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, frozenset], float]:

@@ -10,7 +10,7 @@ from kvwire.cluster.status import ClusterStatus, NodeStatus, TransferStatus, rea
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory.directory import KVDirectory, TransferState
 from kvwire.connectors.wire import NodeEngine, TransportCheck
-from tests.connectors.test_directory import node
+from tests.connectors.directory.test_directory import node
 
 
 def _status(transfers: bool = True) -> ClusterStatus:

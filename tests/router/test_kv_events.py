@@ -13,9 +13,9 @@ import zmq.asyncio
 from kvwire.connectors.config import NodeRole
 from kvwire.router.config import RoutingPolicy
 from kvwire.router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, SeqOrder, decode_batch, follow
-from kvwire.router.vllm_load import ServerLoad
-from kvwire.router.vllm_pool import InstancePool
-from kvwire.router.vllm_schedule import Scheduler
+from kvwire.router.vllm.load import ServerLoad
+from kvwire.router.vllm.pool import InstancePool
+from kvwire.router.vllm.schedule import Scheduler
 
 D1, D2 = "http://d1:1", "http://d2:1"
 BLOCK = 4

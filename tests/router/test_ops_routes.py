@@ -11,7 +11,7 @@ from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.observability.metrics import Metrics
 from kvwire.router.app import create_app
 from kvwire.router.config import RouterConfig
-from tests.connectors.test_directory import node
+from tests.connectors.directory.test_directory import node
 
 
 @pytest.fixture

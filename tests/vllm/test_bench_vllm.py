@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvwire.bench.vllm_setups import nixl_missing
+from kvwire.bench.vllm.setups import nixl_missing
 from kvwire.cluster.vllm_cluster import VLLMServer
 
 LENGTHS = (300, 420)

@@ -12,13 +12,12 @@ from __future__ import annotations
 import logging
 
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.consumer.offers import narrow
-from kvwire.connectors.producer.transfer_server import SendEngine
 from kvwire.connectors.transports.auto.puller import AutoPuller, preference
 from kvwire.connectors.transports.data_path import DataPath
 from kvwire.connectors.transports.kv_region import KVRegion
+from kvwire.connectors.transports.offers import narrow
 from kvwire.connectors.transports.shm.transport import SHMTransport
-from kvwire.connectors.transports.transport import Puller
+from kvwire.connectors.transports.transport import Puller, SendEngine
 from kvwire.connectors.transports.ucx.send_engine import UCXSendEngine
 from kvwire.connectors.wire import KVLocation
 from kvwire.observability.labels import TransportFallback

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from kvwire.connectors.base import TransferError
-from kvwire.connectors.producer.transfer_server import SendEngine, SendJob
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.transports.nccl.pairs import (
     MAX_PIECES,
@@ -42,6 +41,7 @@ from kvwire.connectors.transports.nccl.pairs import (
     open_key,
     pair_prefix,
 )
+from kvwire.connectors.transports.transport import SendEngine, SendJob
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class _Lane:
             error = TransferError(job.msg.request_id, job.msg.consumer, f"{type(exc).__name__}: {exc}")
         finally:
             state.ended.set()
-        self._engine.server.finish(job, error)
+        self._engine.claims.finish(job, error)
 
     def _group_for(self, job: SendJob) -> PairGroup:
         """The group of the pair the consumer opened for this pull, built if new.

@@ -9,12 +9,11 @@ tells its peer the address it is bound to, so a wildcard cannot work there.
 from __future__ import annotations
 
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.producer.transfer_server import SendEngine
 from kvwire.connectors.transports.data_path import DataPath
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.transports.nccl.puller import NCCLPuller
 from kvwire.connectors.transports.nccl.send_engine import NCCLSendEngine
-from kvwire.connectors.transports.transport import Puller, Transport
+from kvwire.connectors.transports.transport import Puller, SendEngine, Transport
 from kvwire.connectors.wire import KVLocation
 
 

@@ -39,6 +39,7 @@ import platform
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -183,3 +184,11 @@ def map_board(slots: int, hidden_bytes: int, fd: int) -> BoardView:
         raise ValueError(f"the hold board's memfd holds {os.fstat(fd).st_size} bytes, not {nbytes}")
     view = memoryview(mmap.mmap(fd, nbytes, prot=mmap.PROT_READ))
     return BoardView(view[:slots * WORD].cast("q"), view[area_offset(slots):])
+
+
+@runtime_checkable
+class ServesHoldBoard(Protocol):
+    """A send engine that keeps a hold word per held request (shared memory's): the producer role marks each
+    request held or let go on it, for consumers that read with no claim."""
+
+    holds: HoldBoard

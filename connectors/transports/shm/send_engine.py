@@ -43,7 +43,6 @@ import msgspec
 
 from kvwire.connectors.control.auth import AuthError
 from kvwire.connectors.hidden import INLINE_MAX, host_bytes
-from kvwire.connectors.producer.transfer_server import Refused, SendEngine, SendJob
 from kvwire.connectors.transports.shm.channel import (
     SOCKET_ROOT,
     close_fds,
@@ -57,6 +56,7 @@ from kvwire.connectors.transports.shm.channel import (
 )
 from kvwire.connectors.transports.shm.hold_board import HoldBoard
 from kvwire.connectors.transports.shm.segment import PoolSegment, pack_tensors
+from kvwire.connectors.transports.transport import Refused, SendEngine, SendJob
 from kvwire.connectors.wire import Message, PullReply, PullRequest, ShmHello, ShmRead, ShmReadDone, WireError
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class SHMSendEngine(SendEngine):
         self._listener = listen(self.path)
         self.transport_address = str(self.path).encode()
         self._board = HoldBoard(node_id, epoch, segment.num_blocks)  # a request holds one block at least
-        self.holds = self._board
+        self.holds = self._board  # ServesHoldBoard (hold_board.py)
         self._epoll = select.epoll()
         self._epoll.register(self._listener.fileno(), select.EPOLLIN)
         self._conns: dict[int, _Conn] = {}
@@ -180,7 +180,7 @@ class SHMSendEngine(SendEngine):
         if not conn.address or msg.transport_address != conn.address:
             refuse("the read names another consumer than the one that mapped the pool")
             return
-        job = self.server.claim(msg)
+        job = self.claims.claim(msg)
         if isinstance(job, Refused):
             refuse(job.reason)
             return
@@ -199,7 +199,7 @@ class SHMSendEngine(SendEngine):
         if sent:
             conn.reading[(msg.request_id, msg.transfer_id)] = (job, time.monotonic())
         else:
-            self.server.finish(job, ConnectionError("consumer gone before the confirmation"))
+            self.claims.finish(job, ConnectionError("consumer gone before the confirmation"))
 
     def _reply_with_memfd(self, conn: _Conn, msg: PullRequest, job: SendJob, hold_s: float) -> bool | None:
         """Large hidden states: in a sealed memfd attached to the reply. None: refused (finished here)."""
@@ -208,7 +208,7 @@ class SHMSendEngine(SendEngine):
         except OSError as exc:
             self._send(conn, PullReply(request_id=msg.request_id, transfer_id=msg.transfer_id, ok=False,
                                        reason=f"cannot hand over the hidden states: {exc}"))
-            self.server.finish(job, exc)
+            self.claims.finish(job, exc)
             return None
         try:
             return self._send(conn, PullReply(request_id=msg.request_id, transfer_id=msg.transfer_id, ok=True,
@@ -229,7 +229,7 @@ class SHMSendEngine(SendEngine):
         """The consumer has read (ok) or given up: the job finishes and the blocks are released."""
         claimed = conn.reading.pop((msg.request_id, msg.transfer_id), None)
         if claimed is not None:  # unknown: refused, or released at its deadline already
-            self.server.finish(claimed[0], None if msg.ok else ConnectionError("the consumer discarded its read"))
+            self.claims.finish(claimed[0], None if msg.ok else ConnectionError("the consumer discarded its read"))
 
     def _read_direct(self, conn: _Conn, msg: ShmRead) -> None:
         """A consumer read a request with no claim (its hold word stood throughout): claim it and finish it
@@ -242,12 +242,12 @@ class SHMSendEngine(SendEngine):
         pull = PullRequest(request_id=msg.request_id, transfer_id=msg.transfer_id, consumer=msg.consumer,
                            transport_address=msg.transport_address, dst_block_ids=msg.dst_block_ids,
                            first_block=msg.first_block, src_block_ids=msg.src_block_ids, heads=msg.heads)
-        job = self.server.claim(pull)
+        job = self.claims.claim(pull)
         if isinstance(job, Refused):
             log.info("request %s: direct read by %s not recorded: %s", msg.request_id, msg.consumer, job.reason)
             return
         job.replied = True
-        self.server.finish(job, None)
+        self.claims.finish(job, None)
 
     def can_block(self) -> bool:
         """Not for SPIN_S after a claim: the consumer's ShmReadDone then finds us awake (a wake-up costs more
@@ -275,6 +275,6 @@ class SHMSendEngine(SendEngine):
         self._epoll.unregister(fd)
         conn.sock.close()
         for job, _ in conn.reading.values():  # nobody reads them any more
-            self.server.finish(job, ConnectionError(f"consumer connection closed: {reason}"))
+            self.claims.finish(job, ConnectionError(f"consumer connection closed: {reason}"))
         conn.reading.clear()
         log.debug("node %s: connection of consumer %r closed: %s", self._node_id, conn.consumer, reason)

@@ -17,14 +17,13 @@ import torch
 
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.kv_pool import KVPool
-from kvwire.connectors.producer.transfer_server import SendEngine
 from kvwire.connectors.transports.data_path import DataPath
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.transports.shm.cma import CmaPlanes
 from kvwire.connectors.transports.shm.puller import SHMPuller
 from kvwire.connectors.transports.shm.segment import HostSegment, PoolSegment
 from kvwire.connectors.transports.shm.send_engine import SHMSendEngine
-from kvwire.connectors.transports.transport import Puller, Transport
+from kvwire.connectors.transports.transport import Puller, SendEngine, Transport
 from kvwire.connectors.wire import KVLayout, KVLocation
 
 

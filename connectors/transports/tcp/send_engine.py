@@ -37,7 +37,6 @@ import time
 from dataclasses import dataclass, field
 
 from kvwire.connectors.base import TransferError
-from kvwire.connectors.producer.transfer_server import SendEngine, SendJob
 from kvwire.connectors.transports.tcp.frames import (
     ACK,
     DATA_MAGIC,
@@ -49,6 +48,7 @@ from kvwire.connectors.transports.tcp.frames import (
     tune,
 )
 from kvwire.connectors.transports.tcp.stream import ByteStream, Staging
+from kvwire.connectors.transports.transport import SendEngine, SendJob
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,7 @@ class TCPSendEngine(SendEngine):
             budget -= n
             if stream.done:
                 conn.jobs.popleft()
-                self.server.finish(job, None)
+                self.claims.finish(job, None)
         self._watch(conn)
 
     def _watch(self, conn: _Conn) -> None:
@@ -292,7 +292,7 @@ class TCPSendEngine(SendEngine):
         self._forget(conn)
         for job in jobs:
             error = TransferError(job.msg.request_id, job.msg.consumer, f"TCP data connection: {reason}")
-            self.server.finish(job, error)
+            self.claims.finish(job, error)
 
     def _forget(self, conn: _Conn) -> None:
         fd = conn.sock.fileno()

@@ -7,11 +7,10 @@ puller draws a random token and opens its connections on its first pull (see __i
 from __future__ import annotations
 
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.producer.transfer_server import SendEngine
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.transports.tcp.puller import TCPPuller
 from kvwire.connectors.transports.tcp.send_engine import TCPSendEngine
-from kvwire.connectors.transports.transport import Transport
+from kvwire.connectors.transports.transport import SendEngine, Transport
 
 
 class TCPTransport(Transport):

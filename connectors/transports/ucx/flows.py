@@ -10,7 +10,7 @@ Lifecycle on the producer (`SendFlow`, one per pull, on the server thread):
 2. `advance` (once the engine progressed the worker) takes back the slots whose sends
    completed and posts what may go next. A layer-wise request's pieces come layer after
    layer (`KVRegion.layer_major_parts`), and a message goes only once every layer it
-   carries is written (its `LayerGate`), the hidden states last.
+   carries is written (its `Gate`), the hidden states last.
 3. Done when every message was sent and completed.
 
 Lifecycle on the consumer (`ReceiveFlow`, one per lane and pull, on that lane's thread):
@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from kvwire.connectors.producer.layer_gate import LayerGate
 from kvwire.connectors.transports.kv_region import Part, part_nbytes
+from kvwire.connectors.transports.transport import Gate
 from kvwire.connectors.transports.ucx.packing import (
     PACK_BELOW,
     Message,
@@ -101,7 +101,7 @@ class SendFlow(_Flow):
     """
 
     def __init__(self, transport: UCXWorker, peer: bytes, parts: list[Part], transfer_id: int,
-                 pack_below: int, staging: Staging, gate: LayerGate | None = None, layer_pieces: int = 0,
+                 pack_below: int, staging: Staging, gate: Gate | None = None, layer_pieces: int = 0,
                  guarded: bool = True):
         super().__init__(parts, transfer_id, pack_below, staging, layer_pieces=layer_pieces)
         self._eps = transport.endpoints_for(peer, guarded)

@@ -10,9 +10,9 @@ waits for a layer and has nothing in flight the server thread sleeps (the gate w
 
 from __future__ import annotations
 
-from kvwire.connectors.producer.transfer_server import SendEngine, SendJob
 from kvwire.connectors.transports.host import elsewhere
 from kvwire.connectors.transports.kv_region import KVRegion
+from kvwire.connectors.transports.transport import SendEngine, SendJob
 from kvwire.connectors.transports.ucx.flows import SendFlow
 from kvwire.connectors.transports.ucx.packing import SendStaging
 from kvwire.connectors.transports.ucx.worker import MAX_PIECES, Role, UCXWorker
@@ -43,10 +43,10 @@ class UCXSendEngine(SendEngine):
                 flow.check_errors()
             except Exception as exc:  # noqa: BLE001 - UCX raises its own error types
                 self._drop(job)
-                self.server.finish(job, exc)
+                self.claims.finish(job, exc)
                 continue
             self._active.remove(job)
-            self.server.finish(job, None)
+            self.claims.finish(job, None)
             moved = True
         return moved
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from kvwire.connectors.config import ConnectorKind
-from kvwire.connectors.producer.transfer_server import SendEngine
 from kvwire.connectors.transports.data_path import DataPath
 from kvwire.connectors.transports.kv_region import KVRegion
-from kvwire.connectors.transports.transport import Puller, Transport
+from kvwire.connectors.transports.transport import Puller, SendEngine, Transport
 from kvwire.connectors.transports.ucx.puller import UCXPuller
 from kvwire.connectors.transports.ucx.send_engine import UCXSendEngine
 from kvwire.connectors.wire import KVLocation

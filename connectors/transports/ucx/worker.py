@@ -21,7 +21,7 @@ the consumer has posted its receive: an eager message nobody had posted for woul
 consumer's memory, and one whose producer stopped between fragments would hang the consumer's worker
 as it is destroyed (ucxx drains every unexpected message then). Cross-memory attach (`cma`) stays out
 unless UCX_TLS says otherwise: unguarded, a read of a producer that died mid-pull was SIGABRT in
-`cma_ep.c` (tests/connectors/test_ucx_dead_producer.py), and UCX does not use it for guarded tag
+`cma_ep.c` (tests/connectors/transports/ucx/test_dead_producer.py), and UCX does not use it for guarded tag
 messages at all. Unguarded (two CUDA pools on one host: `cuda_ipc`, which takes no part in error
 handling here), UCX does not notice a dead peer: every wait has a deadline and the directory's
 TTLs clean up after it. Both sides must decide alike (UCX refuses an asymmetric pair): the consumer

@@ -1,0 +1,197 @@
+"""The directory's node registry: which nodes are alive, the transport addresses consumers receive KV at,
+and the transfers counted into each node.
+
+A node's registration passes through these steps:
+
+1. `next_epoch`: each incarnation of a node gets a higher epoch than every earlier one (`claim_node`: only
+   while no live server holds the id, checked and taken in one step).
+2. `register_node`: its NodeInfo goes under a key that lives node_ttl_s.
+3. `heartbeat`: a `Heartbeat` thread (connectors/directory/heartbeat.py) rewrites it every node_ttl_s/3.
+   Writes from an older incarnation are refused (StaleNodeError).
+4. `deregister_node`, or the key's TTL runs out: the node leaves `live_nodes` within node_ttl_s.
+
+Consumer nodes also publish the transport address they receive KV at (`publish_transport_address`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import cast
+
+import redis
+from redis.typing import EncodableT
+
+from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.directory.connection import (
+    DirectoryConnection,
+    DirectoryError,
+    StaleNodeError,
+    _Fields,
+    _ms,
+    _timed,
+)
+from kvwire.connectors.wire import NodeEngine, NodeInfo, WireError, decode, encode
+from kvwire.observability.labels import DirectoryOp
+
+logger = logging.getLogger(__name__)
+
+
+def _node_info(raw: bytes) -> NodeInfo:
+    info = decode(raw, expect=NodeInfo)
+    assert isinstance(info, NodeInfo)  # decode rejects every other type
+    return info
+
+
+class NodeRegistry(DirectoryConnection):
+    """The node registry's operations (KVDirectory has them; every method raises DirectoryError when Redis cannot
+    be reached)."""
+
+    def next_epoch(self, node_id: str) -> int:
+        """A new epoch for this incarnation of `node_id`, higher than every earlier one."""
+        epoch_key = self._node_keys(node_id)[1]
+        with self._errors(f"next_epoch of node {node_id}"):
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.incr(epoch_key)
+            pipe.pexpire(epoch_key, self._epoch_ttl_ms)
+            epoch, _ = pipe.execute()
+        return int(epoch)
+
+    def claim_node(self, node_id: str) -> tuple[int, NodeInfo | None]:
+        """`next_epoch` for a server that must be the only live holder of `node_id`, in one atomic step.
+
+        Refused while a registration that is not draining holds the id, or while another incarnation's claim
+        is waiting for its registration (`register_node` ends it; else it lapses after node_ttl_s).
+
+        Returns:
+            (the new epoch, None); refused: (0, the live holder's NodeInfo, or None for a claim not yet
+            registered).
+        """
+        holder = self.get_node(node_id)
+        if holder is not None and not holder.draining:
+            return 0, holder
+        keys = [*self._node_keys(node_id), self._claim_key(node_id)]
+        args: list[EncodableT] = [_ms(self.node_ttl_s), self._epoch_ttl_ms, "absent" if holder is None else "draining"]
+        with self._errors(f"claim node {node_id}"):
+            ok, epoch = self._claim_node(keys=keys, args=args)
+        return (int(epoch), None) if ok else (0, self.get_node(node_id))
+
+    def _claim_key(self, node_id: str) -> str:
+        return f"{self.namespace}:claim:{node_id}"
+
+    def register_node(self, info: NodeInfo) -> None:
+        """Publish the node's NodeInfo for node_ttl_s (ending its `claim_node` claim).
+
+        Raises:
+            StaleNodeError: a newer incarnation of the node holds a higher epoch.
+        """
+        self._write_node(info)
+        with self._errors(f"register node {info.node_id}"):
+            self._redis.delete(self._claim_key(info.node_id))
+        logger.info("node %s registered: role=%s epoch=%d", info.node_id, info.role, info.epoch)
+
+    def heartbeat(self, info: NodeInfo) -> bool:
+        """Refresh the node's registration, with its current load, for another node_ttl_s.
+
+        Returns:
+            Whether the directory had lost the node's epoch (Redis restarted without its data, or was flushed):
+            whatever else the node wrote there is gone too, and the node may write it again.
+        Raises:
+            StaleNodeError: a newer incarnation of the node holds a higher epoch.
+        """
+        return self._write_node(info) < info.epoch
+
+    @_timed(DirectoryOp.WRITE_NODE)
+    def _write_node(self, info: NodeInfo) -> int:
+        """Writes the node's record; returns the epoch the directory held for it before (0: none)."""
+        args: list[EncodableT] = [encode(info), info.epoch, _ms(self.node_ttl_s), self._epoch_ttl_ms]
+        with self._errors(f"write node {info.node_id}"):
+            ok, latest = self._put_node(keys=self._node_keys(info.node_id), args=args)
+        if not ok:
+            reason = f"node {info.node_id} epoch {info.epoch} is older than its latest epoch {latest}"
+            raise StaleNodeError(reason, peer=self.peer)
+        return int(latest)
+
+    def deregister_node(self, node_id: str) -> None:
+        """Remove the node's registration, or its claim where it never registered (its epoch counter stays)."""
+        with self._errors(f"deregister node {node_id}"):
+            self._redis.delete(self._node_keys(node_id)[0], self._claim_key(node_id))
+        logger.info("node %s deregistered", node_id)
+
+    def get_node(self, node_id: str) -> NodeInfo | None:
+        """The node's NodeInfo; None if it is not registered or its TTL ran out.
+
+        Raises:
+            DirectoryError: also when the stored record is unreadable.
+        """
+        with self._errors(f"get node {node_id}"):
+            raw = cast(bytes | None, self._redis.get(self._node_keys(node_id)[0]))
+        try:
+            return None if raw is None else _node_info(raw)
+        except WireError as exc:
+            raise DirectoryError(f"unreadable record of node {node_id}: {exc}", peer=self.peer) from exc
+
+    @_timed(DirectoryOp.LIVE_NODES)
+    def live_nodes(self, role: NodeRole | None = None, *, include_draining: bool = False,
+                   engine: NodeEngine | None = NodeEngine.KVWIRE) -> list[NodeInfo]:
+        """Registered nodes, of `role` if given, sorted by node_id; unreadable records are skipped.
+
+        Args:
+            role: only nodes of this role; every role when None.
+            include_draining: also list nodes that are shutting down (they take no new work).
+            engine: only nodes behind which this engine serves (kvwire's own, by default: those take
+                PrefillWork / DecodeWork); every engine when None.
+        """
+        with self._errors("live_nodes"):
+            keys = list(self._redis.scan_iter(match=f"{self.namespace}:node:*", count=500))
+            raws = cast(list[bytes | None], self._redis.mget(keys)) if keys else []
+        nodes: list[NodeInfo] = []
+        for key, raw in zip(keys, raws):
+            try:
+                info = _node_info(raw) if raw is not None else None  # None: expired since SCAN
+            except WireError as exc:
+                logger.warning("skipping unreadable node record %s: %s", key.decode(errors="replace"), exc)
+                continue
+            if info is None or (engine is not None and info.engine != engine):
+                continue
+            if (role is None or info.role == role) and (include_draining or not info.draining):
+                nodes.append(info)
+        return sorted(nodes, key=lambda n: n.node_id)
+
+    # --- transport addresses ------------------------------------------------------------
+
+    def publish_transport_address(self, node_id: str, kind: ConnectorKind, address: bytes) -> None:
+        """Record the address a consumer node receives KV at over transport `kind` (TTL entry_ttl_s).
+
+        Producers send only to the address a node published here, never to one taken
+        from a message: UCX aborts the whole process on a malformed worker address.
+        """
+        with self._errors(f"publish {kind} transport address of {node_id}"):
+            self._redis.set(f"{self.namespace}:endpoint:{node_id}:{kind}", address, px=_ms(self.entry_ttl_s))
+
+    @_timed(DirectoryOp.TRANSPORT_ADDRESS_OF)
+    def transport_address_of(self, node_id: str, kind: ConnectorKind) -> bytes | None:
+        """The address `node_id` published for transport `kind`; None if none is live."""
+        with self._errors(f"get {kind} transport address of {node_id}"):
+            return cast(bytes | None, self._redis.get(f"{self.namespace}:endpoint:{node_id}:{kind}"))
+
+    @_timed(DirectoryOp.RECORD_TRANSFER)
+    def record_transfer(self, node_id: str, transport: ConnectorKind, nbytes: int) -> None:
+        """Count a completed transfer into `node_id`, per transport (a hash with the node's TTL x 10)."""
+        with self._errors(f"record transfer into {node_id}"):
+            pipe = self._redis.pipeline(transaction=False)
+            self.queue_record_transfer(pipe, node_id, transport, nbytes)
+            pipe.execute()
+
+    def queue_record_transfer(self, pipe: redis.client.Pipeline, node_id: str, transport: ConnectorKind,
+                              nbytes: int) -> None:
+        """`record_transfer`'s commands, queued on `pipe` (3 replies) for the caller to execute."""
+        key = f"{self.namespace}:transfers:{node_id}"
+        pipe.hincrby(key, f"{transport}:count", 1)
+        pipe.hincrby(key, f"{transport}:bytes", nbytes)
+        pipe.pexpire(key, self._epoch_ttl_ms)
+
+    def transfers(self, node_id: str) -> dict[str, int]:
+        """`{"<transport>:count": n, "<transport>:bytes": b}` recorded for `node_id`."""
+        with self._errors(f"transfers of {node_id}"):
+            raw = cast(_Fields, self._redis.hgetall(f"{self.namespace}:transfers:{node_id}"))
+        return {k.decode(): int(v) for k, v in raw.items()}

@@ -1,0 +1,61 @@
+"""The HTTP pieces of the router in front of vLLM: request ids, the headers passed on, an instance's whole
+answer as the client gets it, and the router's own error answers."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from kvwire.observability.labels import RequestStatus
+from kvwire.router.schemas import APIError
+from kvwire.router.vllm.upstream import FailureKind, InstanceError
+
+
+async def api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)  # the handler of APIError only
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def client_gone(request: Request) -> None:
+    """Returns once the client has disconnected (its body already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def request_id(request: Request) -> str:
+    return request.headers.get("x-request-id") or f"kvw-{uuid.uuid4().hex}"
+
+
+def upstream_headers(request: Request, rid: str) -> dict[str, str]:
+    headers = {"x-request-id": rid}
+    if auth := request.headers.get("authorization"):
+        headers["authorization"] = auth
+    return headers
+
+
+def whole(resp: httpx.Response, rid: str, kvwire_headers: dict[str, str]) -> Response:
+    """An instance's whole answer, as it gave it, with the request id and `kvwire_headers`."""
+    headers = {"x-request-id": rid} | kvwire_headers
+    return Response(resp.content, status_code=resp.status_code, headers=headers,
+                    media_type=resp.headers.get("content-type"))
+
+
+def no_decode(rid: str) -> APIError:
+    return APIError(503, f"request {rid}: no vLLM decode instance is up", type_="service_unavailable")
+
+
+def failed(exc: InstanceError) -> APIError:
+    if exc.kind == FailureKind.TIMEOUT:
+        return APIError(504, str(exc), type_="timeout")
+    return APIError(502, str(exc), type_="bad_gateway")
+
+
+def request_status(http_status: int) -> RequestStatus:
+    if http_status < 400:
+        return RequestStatus.OK
+    if http_status < 500:
+        return RequestStatus.INVALID
+    return {503: RequestStatus.UNAVAILABLE, 504: RequestStatus.TIMEOUT}.get(http_status, RequestStatus.ERROR)

@@ -1,0 +1,74 @@
+"""A request's prompt as token ids, which the prefix index is keyed by: as vLLM itself makes them, by its
+POST /tokenize (the chat template, special tokens and tools of the client's body applied exactly as the
+instance that answers will apply them)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from kvwire.router.vllm.bodies import Endpoint
+from kvwire.router.vllm.upstream import PEER_ERRORS
+
+# the fields of a chat body that change its prompt's tokens (vLLM's TokenizeChatRequest)
+_CHAT_FIELDS = ("model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+                "chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
+
+
+def tokenize_body(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any] | list[int] | None:
+    """Returns: the /tokenize body for the prompt of the client's `body`; its token ids when it gave them; None for
+    what has no single prompt (a batch of prompts, no prompt)."""
+    if endpoint == Endpoint.CHAT:
+        return {k: body[k] for k in _CHAT_FIELDS if k in body} if isinstance(body.get("messages"), list) else None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    if not isinstance(prompt, str):
+        return None
+    out: dict[str, Any] = {"model": body.get("model"), "prompt": prompt}
+    return out | ({"add_special_tokens": body["add_special_tokens"]} if "add_special_tokens" in body else {})
+
+
+class TokenizeFailed(Exception):
+    """An instance did not tokenize a prompt (its answer to the request itself says why, if the body is wrong)."""
+
+    def __init__(self, rid: str, url: str, reason: str):
+        super().__init__(f"request {rid}: vLLM instance {url} did not tokenize its prompt: {reason}")
+        self.url = url
+
+
+async def prompt_tokens(client: httpx.AsyncClient, rid: str, url: str, endpoint: Endpoint, body: dict[str, Any],
+                        headers: dict[str, str]) -> list[int] | None:
+    """The token ids of the prompt of `body`, by POST {url}/tokenize. Returns: None when it has no single prompt.
+    Raises: TokenizeFailed."""
+    ask = tokenize_body(endpoint, body)
+    if ask is None or isinstance(ask, list):
+        return ask
+    try:
+        resp = await client.post(f"{url}/tokenize", json=ask, headers=headers)
+    except PEER_ERRORS as exc:
+        raise TokenizeFailed(rid, url, type(exc).__name__) from None
+    if resp.status_code != 200:
+        raise TokenizeFailed(rid, url, f"answered {resp.status_code}")
+    try:
+        tokens = json.loads(resp.content).get("tokens")
+    except (ValueError, AttributeError):
+        tokens = None
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        raise TokenizeFailed(rid, url, "no token ids in its answer")
+    return tokens
+
+
+def completion_tokens_of(response: bytes) -> int:
+    """The tokens a decode instance's whole JSON answer generated for its one choice (usage.completion_tokens);
+    0 when it is not known (no usage, or several choices: which of them a next prompt continues is not)."""
+    try:
+        answer = json.loads(response)
+        tokens = answer["usage"]["completion_tokens"] if len(answer["choices"]) == 1 else 0
+    except (ValueError, KeyError, TypeError):
+        return 0
+    return tokens if isinstance(tokens, int) and tokens > 0 else 0
