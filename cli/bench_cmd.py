@@ -109,15 +109,32 @@ def directory(
     requests: Annotated[int, typer.Option("--requests", min=1, help="Requests whose directory life is measured.")]
         = 20000,
     batch: Annotated[int, typer.Option("--batch", min=1, help="Requests per pipelined round trip.")] = 256,
+    nodes: Annotated[int, typer.Option("--nodes", min=0, help="Instead: register this many nodes and measure what "
+                                       "listing them costs Redis and a router (bench/node_listing.py).")] = 0,
+    entries: Annotated[int, typer.Option("--entries", min=0, help="With --nodes: request entries beside them.")]
+        = 20000,
+    routers: Annotated[int, typer.Option("--routers", min=1, help="With --nodes: routers listing, for the rate.")]
+        = 10,
+    listings: Annotated[int, typer.Option("--listings", min=1, help="With --nodes: listings measured.")] = 200,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     redis_url: OptionalRedisUrl = None,
 ) -> None:
     """Directory throughput (pipelined publish + lookup + CAS + delete) and one request's round-trip latency
-    against a real redis-server (a private one unless --redis-url)."""
+    against a real redis-server (a private one unless --redis-url); with --nodes, the cost of listing nodes."""
     import msgspec
 
-    from kvwire.bench.directory import bench_directory
     from kvwire.cluster.redis_server import LocalRedis
+
+    if nodes:
+        from kvwire.bench.node_listing import bench_node_listing
+
+        with LocalRedis() if redis_url is None else contextlib.nullcontext() as redis:
+            listed = bench_node_listing(redis_url_of(redis_url, redis), nodes, entries, routers, listings)
+        typer.echo(msgspec.json.format(msgspec.json.encode(listed), indent=2).decode())
+        if not listed.verified:
+            raise typer.Exit(1)
+        return
+    from kvwire.bench.directory import bench_directory
 
     with LocalRedis() if redis_url is None else contextlib.nullcontext() as redis:
         result = bench_directory(redis_url_of(redis_url, redis), requests, batch)

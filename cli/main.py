@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from kvwire import __version__
 from kvwire.cli.bench_cmd import app as bench_app
 from kvwire.cli.demo_cmd import demo
 from kvwire.cli.generate_cmd import generate
@@ -15,7 +16,19 @@ from kvwire.cli.status_cmd import status
 from kvwire.cli.up_cmd import up
 
 app = typer.Typer(help="kvwire: disaggregated prefill/decode with KV transfer over UCX.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+                  no_args_is_help=True, pretty_exceptions_enable=False)  # --install-completion, --show-completion
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"kvwire {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                      help="Print kvwire's version and exit.")) -> None:
+    """kvwire: disaggregated prefill/decode with KV transfer over UCX."""
 app.command("init-model")(init_model)
 app.command()(prefill)
 app.command()(decode)

@@ -4,7 +4,8 @@ A process uses one `Metrics`, `process_metrics()`, which the node's or router's
 /metrics endpoint serves; it is not prometheus_client's global default registry, so
 components under test can be handed a fresh `Metrics()` of their own and read it alone.
 Label values come from the enums of observability/labels.py, so every series is a
-closed set; the enum-labelled counters start at 0 for every value.
+closed set; the enum-labelled counters start at 0 for every value. The standard collectors ride along
+(`process_*`, `python_gc_*`, `python_info`), as on prometheus_client's default registry.
 """
 
 from __future__ import annotations
@@ -14,7 +15,17 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 
 from kvwire.observability.labels import (
     NODES_PATH_REASONS,
@@ -58,6 +69,8 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
+        for standard in (ProcessCollector, GCCollector, PlatformCollector):  # process_*, python_gc_*, python_info
+            standard(registry=r)
         self.kv_transfer_bytes = Counter("kvwire_kv_transfer_bytes",
                                          "KV and hidden-state bytes received, per connector",
                                          ["connector"], registry=r)

@@ -75,6 +75,11 @@ class NodeRegistry(DirectoryConnection):
             ok, epoch = self._claim_node(keys=keys, args=args)
         return (int(epoch), None) if ok else (0, self.get_node(node_id))
 
+    @property
+    def _index_key(self) -> str:
+        """The node index: a sorted set of the ids of nodes that wrote their record (scripts.py, LUA_PUT_NODE)."""
+        return f"{self.namespace}:nodes"
+
     def _claim_key(self, node_id: str) -> str:
         return f"{self.namespace}:claim:{node_id}"
 
@@ -103,9 +108,9 @@ class NodeRegistry(DirectoryConnection):
     @_timed(DirectoryOp.WRITE_NODE)
     def _write_node(self, info: NodeInfo) -> int:
         """Writes the node's record; returns the epoch the directory held for it before (0: none)."""
-        args: list[EncodableT] = [encode(info), info.epoch, _ms(self.node_ttl_s), self._epoch_ttl_ms]
+        args: list[EncodableT] = [encode(info), info.epoch, _ms(self.node_ttl_s), self._epoch_ttl_ms, info.node_id]
         with self._errors(f"write node {info.node_id}"):
-            ok, latest = self._put_node(keys=self._node_keys(info.node_id), args=args)
+            ok, latest = self._put_node(keys=[*self._node_keys(info.node_id), self._index_key], args=args)
         if not ok:
             reason = f"node {info.node_id} epoch {info.epoch} is older than its latest epoch {latest}"
             raise StaleNodeError(reason, peer=self.peer)
@@ -114,7 +119,10 @@ class NodeRegistry(DirectoryConnection):
     def deregister_node(self, node_id: str) -> None:
         """Remove the node's registration, or its claim where it never registered (its epoch counter stays)."""
         with self._errors(f"deregister node {node_id}"):
-            self._redis.delete(self._node_keys(node_id)[0], self._claim_key(node_id))
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.delete(self._node_keys(node_id)[0], self._claim_key(node_id))
+            pipe.zrem(self._index_key, node_id)
+            pipe.execute()
         logger.info("node %s deregistered", node_id)
 
     def get_node(self, node_id: str) -> NodeInfo | None:
@@ -133,7 +141,8 @@ class NodeRegistry(DirectoryConnection):
     @_timed(DirectoryOp.LIVE_NODES)
     def live_nodes(self, role: NodeRole | None = None, *, include_draining: bool = False,
                    engine: NodeEngine | None = NodeEngine.KVWIRE) -> list[NodeInfo]:
-        """Registered nodes, of `role` if given, sorted by node_id; unreadable records are skipped.
+        """Registered nodes, of `role` if given, sorted by node_id; unreadable records are skipped. Read from the
+        node index: two round trips (three when one expired), however many keys the directory holds.
 
         Args:
             role: only nodes of this role; every role when None.
@@ -142,14 +151,17 @@ class NodeRegistry(DirectoryConnection):
                 PrefillWork / DecodeWork); every engine when None.
         """
         with self._errors("live_nodes"):
-            keys = list(self._redis.scan_iter(match=f"{self.namespace}:node:*", count=500))
-            raws = cast(list[bytes | None], self._redis.mget(keys)) if keys else []
+            ids = [m.decode() for m in cast(list[bytes], self._redis.zrange(self._index_key, 0, -1))]
+            raws = cast(list[bytes | None], self._redis.mget([self._node_keys(n)[0] for n in ids])) if ids else []
+            gone = [n for n, raw in zip(ids, raws) if raw is None]  # expired (or deregistered) since indexed
+            if gone:
+                self._redis.zrem(self._index_key, *gone)
         nodes: list[NodeInfo] = []
-        for key, raw in zip(keys, raws):
+        for node_id, raw in zip(ids, raws):
             try:
-                info = _node_info(raw) if raw is not None else None  # None: expired since SCAN
+                info = _node_info(raw) if raw is not None else None
             except WireError as exc:
-                logger.warning("skipping unreadable node record %s: %s", key.decode(errors="replace"), exc)
+                logger.warning("skipping unreadable record of node %s: %s", node_id, exc)
                 continue
             if info is None or (engine is not None and info.engine != engine):
                 continue

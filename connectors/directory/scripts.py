@@ -45,13 +45,17 @@ for i = 4, #ARGV do  -- ARGV: to, ttl_ms, reason, allowed_from...
 end
 return 0
 """
-# KEYS: node record, epoch counter. ARGV: record, epoch, node_ttl_ms, epoch_ttl_ms.
+# KEYS: node record, epoch counter, node index. ARGV: record, epoch, node_ttl_ms, epoch_ttl_ms, node id.
 # A counter below the writer's epoch was lost (Redis restarted empty, FLUSHALL): the live node puts its
-# epoch back, so the next incarnation still draws a higher one and fencing holds.
+# epoch back, so the next incarnation still draws a higher one and fencing holds. The index (a sorted set of
+# node ids) is what listing nodes reads instead of scanning the keyspace (nodes.py); a member whose record
+# has expired is dropped by the next listing.
 LUA_PUT_NODE = """
 local latest = tonumber(redis.call('GET', KEYS[2]) or '0')
 if tonumber(ARGV[2]) < latest then return {0, latest} end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+redis.call('ZADD', KEYS[3], 0, ARGV[5])
+redis.call('PEXPIRE', KEYS[3], ARGV[4])
 if tonumber(ARGV[2]) > latest then
   redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[4])
 else

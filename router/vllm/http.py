@@ -29,11 +29,19 @@ def request_id(request: Request) -> str:
     return request.headers.get("x-request-id") or f"kvw-{uuid.uuid4().hex}"
 
 
+# Passed on to every vLLM instance a request reaches, as the client sent them: its credentials, and its W3C
+# trace context, so that vLLM's own OpenTelemetry spans join the client's trace.
+PASSED_ON = ("authorization", "traceparent", "tracestate")
+
+
 def upstream_headers(request: Request, rid: str) -> dict[str, str]:
-    headers = {"x-request-id": rid}
-    if auth := request.headers.get("authorization"):
-        headers["authorization"] = auth
-    return headers
+    return {"x-request-id": rid} | {name: value for name in PASSED_ON if (value := request.headers.get(name))}
+
+
+def trace_id(request: Request) -> str:
+    """The trace id of the client's W3C `traceparent` (version-traceid-parentid-flags), or "" without one."""
+    parts = request.headers.get("traceparent", "").split("-")
+    return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else ""
 
 
 def whole(resp: httpx.Response, rid: str, kvwire_headers: dict[str, str]) -> Response:

@@ -177,6 +177,8 @@ class VLLMRouter:
         goes away before the answer starts; a stream's relay is stopped by Starlette itself."""
         started = time.monotonic()
         rid = http.request_id(request)
+        if trace := http.trace_id(request):  # passed on to the instances too (http.PASSED_ON)
+            log.info("request %s: trace %s", rid, trace)
         raw = await request.body()  # read before waiting for the disconnect: both come from receive()
         answer = asyncio.create_task(self._generate(request, endpoint, rid, raw, started))
         gone = asyncio.create_task(http.client_gone(request))

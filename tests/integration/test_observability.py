@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import httpx
 import msgspec
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
@@ -76,3 +82,43 @@ def test_status_json_lists_both_nodes_with_a_recent_heartbeat(cluster):
     assert {(n.node_id, n.role) for n in status.nodes} == want
     assert all(n.heartbeat_age_s is not None and n.heartbeat_age_s < 5 for n in status.nodes)
     assert all(n.connector == ConnectorKind.TCP and n.total_blocks == 256 for n in status.nodes)
+
+
+def test_a_real_prometheus_answers_every_panel_and_fires_an_alert(cluster, tmp_path):
+    """deploy/observability's dashboard and alerts as an operator's Prometheus runs them, against this cluster.
+
+    Every panel's query returns series, but the vLLM connector's (tests/vllm runs no Prometheus); every alert's
+    expression evaluates; a prefill node that stops answering (SIGSTOP) fires KvwireNodeDown. Last in the
+    module: the prefill node is stopped for a few seconds."""
+    from tests.observability.prometheus import DASHBOARD, RULES, Prometheus, draw
+
+    targets = {name: url.removeprefix("http://") for name, url in cluster.ops_urls.items()}
+    prometheus = Prometheus(tmp_path, targets)
+    try:
+        prometheus.wait_ready()
+        complete_all(cluster.url, ["scraped once", "scraped twice"], max_tokens=4)
+        panels = [(p["title"], t["expr"]) for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
+        deadline = time.monotonic() + 30
+        empty = panels
+        while empty and time.monotonic() < deadline:  # rate() needs two scrapes after the traffic
+            complete_all(cluster.url, ["keep the rates up"], max_tokens=2)
+            empty = [(title, expr) for title, expr in panels if "vllm:" not in expr and not prometheus.query(expr)]
+            time.sleep(1)
+        assert not empty, f"panels with no series: {empty}"
+        for rule in yaml.safe_load(RULES.read_text())["spec"]["groups"][0]["rules"]:
+            prometheus.query(rule["expr"])  # evaluates (HTTP 200), firing or not
+        assert prometheus.firing() == {}, "an alert fired on a healthy cluster"
+        if picture := os.environ.get("KVWIRE_DASHBOARD_PNG"):  # the picture in docs/observability.md
+            draw(prometheus, [p for p in panels if "vllm:" not in p[1]], Path(picture))
+        prefill = cluster.procs["prefill"]
+        prefill.send_signal(signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 30
+            while "KvwireNodeDown" not in prometheus.firing() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            down = prometheus.firing().get("KvwireNodeDown", [])
+        finally:
+            prefill.send_signal(signal.SIGCONT)
+        assert [a["component"] for a in down] == ["prefill"]
+    finally:
+        prometheus.stop()

@@ -129,3 +129,12 @@ def test_receiver_counts_failures_by_reason(redis_url):
     assert _failed(m, TransferFailure.DEADLINE) == 1
     assert _failed(m, TransferFailure.MISMATCH) == 1
     assert _failed(m, TransferFailure.TRANSPORT) == 0
+
+
+def test_the_standard_process_and_gc_collectors_are_exported():
+    from kvwire.observability.metrics import Metrics
+
+    text = Metrics().exposition().decode()
+    for series in ("process_cpu_seconds_total", "process_resident_memory_bytes", "python_gc_objects_collected_total",
+                   "python_info"):
+        assert f"\n{series}" in text or text.startswith(series), series

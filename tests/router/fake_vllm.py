@@ -9,7 +9,7 @@ which answer after `answer_delay_s` (or not at all, once their client has gone a
 - a decode's, `kv_wait_s` later if told of a remote prefill (waiting for its KV; given up, as vLLM aborts,
   when the client goes away: counted in `aborted`), with the `kv_transfer_params` it got echoed in its text;
   streams as two SSE chunks.
-`bodies` records what each POST carried.
+`bodies` records what each POST carried, `headers` its headers.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class FakeVLLM:
         self.hands_out_params = True
         self.prefill_status = 200
         self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
         self.aborted = 0  # decode calls whose client went away while they waited for KV
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -89,6 +90,7 @@ class FakeVLLM:
         async def generate(request: Request):
             body = await request.json()
             self.bodies.append(body)
+            self.headers.append(dict(request.headers))
             if not await self._wait(request, self.answer_delay_s):
                 return JSONResponse({}, status_code=499)
             params = body.get("kv_transfer_params") or {}

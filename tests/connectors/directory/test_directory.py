@@ -173,7 +173,7 @@ def test_every_key_has_a_ttl(directory: KVDirectory, raw: redis.Redis) -> None:
     directory.create_pending("r2", "p")
     directory.register_node(node("prefill-0", NodeRole.PREFILL, epoch=directory.next_epoch("prefill-0")))
     keys = sorted(k.decode() for k in raw.scan_iter())
-    assert {k.split(":")[1] for k in keys} == {"req", "ev", "node", "epoch"}
+    assert {k.split(":")[1] for k in keys} == {"req", "ev", "node", "epoch", "nodes"}  # nodes: the node index
     assert all(raw.pttl(k) > 0 for k in keys), {k: raw.pttl(k) for k in keys}
     assert raw.pttl("kvwire:req:r1") <= 5000 and raw.pttl("kvwire:node:prefill-0") <= 500
 
@@ -332,6 +332,38 @@ def test_node_expires_without_heartbeats(directory: KVDirectory) -> None:
     directory.register_node(node("decode-0", NodeRole.DECODE))
     time.sleep(0.7)  # node_ttl_s is 0.5
     assert directory.get_node("decode-0") is None and directory.live_nodes() == []
+
+
+def test_listing_nodes_reads_the_index_not_the_keyspace(directory: KVDirectory, redis_url: str) -> None:
+    """Request entries beside the nodes cost a listing nothing: no SCAN, and the same commands with 1 or 300."""
+    client = redis.Redis.from_url(redis_url)
+    directory.register_node(node("decode-0", NodeRole.DECODE))
+    directory.register_node(node("prefill-0", NodeRole.PREFILL))
+
+    def commands_of_a_listing() -> dict[str, int]:
+        before = client.info("commandstats")
+        assert [n.node_id for n in directory.live_nodes()] == ["decode-0", "prefill-0"]
+        after = client.info("commandstats")
+        spent = {k: after[k]["calls"] - before.get(k, {"calls": 0})["calls"] for k in after}
+        return {k: v for k, v in spent.items() if v and k != "cmdstat_info"}
+
+    directory.publish_ready(location("r-0"))
+    few = commands_of_a_listing()
+    for i in range(1, 300):
+        directory.publish_ready(location(f"r-{i}"))
+    assert commands_of_a_listing() == few and "cmdstat_scan" not in few
+    client.close()
+
+
+def test_a_node_gone_leaves_the_index(directory: KVDirectory, redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    directory.register_node(node("decode-0", NodeRole.DECODE))
+    directory.register_node(node("decode-1", NodeRole.DECODE))
+    directory.deregister_node("decode-1")
+    assert client.zrange(f"{directory.namespace}:nodes", 0, -1) == [b"decode-0"]
+    time.sleep(0.7)  # node_ttl_s is 0.5: decode-0's record expires; the next listing drops it from the index
+    assert directory.live_nodes() == [] and client.zrange(f"{directory.namespace}:nodes", 0, -1) == []
+    client.close()
 
 
 def test_heartbeat_keeps_node_alive_with_fresh_load(directory: KVDirectory) -> None:

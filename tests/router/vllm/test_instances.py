@@ -219,3 +219,21 @@ def test_a_client_that_goes_away_alongside_cancels_the_waiting_decode_call(fakes
         p.answer_delay_s = 0.0
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_a_clients_trace_context_and_credentials_reach_both_instances(fakes, caplog):
+    """W3C trace context passes through, so vLLM's OpenTelemetry spans join the client's trace; the router logs
+    the trace id with the request."""
+    p, d1 = fakes["p"], fakes["d1"]
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    sent = {"traceparent": f"00-{trace}-00f067aa0ba902b7-01", "tracestate": "vendor=1", "authorization": "Bearer k",
+            "x-request-id": "traced-1", "cookie": "not-for-vllm"}
+    with caplog.at_level("INFO", logger="kvwire.router.vllm.proxy"), _router([p], [d1]) as router:
+        resp = router.post("/v1/completions", json=BODY, headers=sent)
+    assert resp.status_code == 200 and resp.headers["x-kvwire-path"] == "disaggregated"
+    for fake in (p, d1):
+        got = fake.headers[-1]
+        assert {k: got.get(k) for k in ("traceparent", "tracestate", "authorization", "x-request-id")} == \
+            {k: sent[k] for k in ("traceparent", "tracestate", "authorization", "x-request-id")}
+        assert "cookie" not in got
+    assert f"request traced-1: trace {trace}" in caplog.text
