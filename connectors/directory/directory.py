@@ -17,6 +17,7 @@ cleans up vanishes after entry_ttl_s.
 
 The node registry over the same connection: nodes.py; the connection: connection.py.
 """
+
 from __future__ import annotations
 
 import enum

@@ -8,9 +8,9 @@
 2. Each step, `start` (vLLM's start_load_kv) takes the scheduler's metadata: holds and
    announces finished prompts (producer: this rank's copy, under its rank's key), starts
    waiting for the KV of parked requests (consumer: one part per prefill rank this rank
-   reads, tp.py). A part's pull runs on the pull thread once its location is known (the
-   `kvwire-ready` thread waits on the consumer's wake-up fd and hands it the parts the
-   consumer says are `ready()`); the request's pull ends when all its parts have.
+   reads, tp.py). A part's pull runs on the pull thread (`kvwire-pull`) once its location is
+   known: the thread waits on the consumer's wake-up fd and pulls, one after another, the parts
+   the consumer says are `ready()`; the request's pull ends when all its parts have.
 3. `transfer_results` (each step): requests whose held KV was pulled or whose hold lapsed
    (vLLM frees their blocks now), requests whose pull ended; a failed pull's request is
    reported failed and its blocks as load errors, so vLLM recomputes its prompt.
@@ -25,7 +25,6 @@ import logging
 import os
 import select
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
@@ -57,7 +56,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DISPATCH_IDLE_S = 0.5  # the kvwire-ready thread looks whether it is closing at least this often
+PULL_IDLE_S = 0.5  # the pull thread looks whether it is closing at least this often
 # A step that computes nothing (every request waits for KV, or is held for a consumer) waits this long for a
 # transfer to end before it reports none: vLLM steps again at once otherwise (1 ms apart), and its engine and
 # worker then keep a core busy for as long as the wait lasts, which on a host the servers share is the core the
@@ -91,10 +90,9 @@ class WorkerHalf:
         self._waiting: dict[str, tuple[str, Pull, RankPull]] = {}  # a prefill rank's key -> (ours, pull, part)
         self._parts: dict[str, _Parts] = {}  # our request id -> its parts' progress
         self._held_ids: dict[str, str] = {}  # producer: the key this rank holds a request under -> its id
-        self._pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwire-pull")
         self._closing = threading.Event()
         self._news = Wakeup()  # woken when a pull ends (transfer_results may be waiting)
-        self._ready_thread: threading.Thread | None = None
+        self._pull_thread: threading.Thread | None = None
         self._epoch = 0
         self._heartbeat: Heartbeat | None = None
         self.tally = Tally()  # what vLLM's /metrics gets (stats.py)
@@ -126,10 +124,10 @@ class WorkerHalf:
             if self._settings.role.consumes:
                 self._consumer = KVConsumer(config, directory, create_transport(config, epoch), region)
                 undo.callback(self._consumer.close)
-                self._ready_thread = threading.Thread(target=self._dispatch, args=(self._consumer,),
-                                                      name="kvwire-ready", daemon=True)
-                self._ready_thread.start()
-                undo.callback(self._stop_dispatch)
+                self._pull_thread = threading.Thread(target=self._pull_ready, args=(self._consumer,),
+                                                     name="kvwire-pull", daemon=True)
+                self._pull_thread.start()
+                undo.callback(self._stop_pulls)
             self._heartbeat = Heartbeat(directory, functools.partial(self._node_info, config, epoch),
                                         on_restored=self._producer.readvertise if self._producer else lambda: None)
             self._heartbeat.start()  # registered: `kvwire status` lists it; its epoch counter is kept alive
@@ -179,8 +177,7 @@ class WorkerHalf:
             except DirectoryError as exc:
                 log.warning("kvwire: node %s: cannot deregister (its registration expires): %s",
                             self._settings.node_id, exc)
-        self._stop_dispatch()
-        self._pulls.shutdown(wait=True, cancel_futures=True)
+        self._stop_pulls()  # a pull under way ends first; parts not begun are not pulled
         for role in (self._consumer, self._producer):
             if role is not None:
                 role.close()
@@ -251,24 +248,26 @@ class WorkerHalf:
                                                                  remote.remote_tp_size)
             self._consumer.expect(rank_key(remote.remote_request_id, part.rank, remote.remote_tp_size), producer)
 
-    def _dispatch(self, consumer: KVConsumer) -> None:
-        """The kvwire-ready thread: each part whose KV can be pulled now (or never will be: the pull then fails
-        fast) goes to the pull thread as soon as the consumer says so."""
+    def _pull_ready(self, consumer: KVConsumer) -> None:
+        """The pull thread: each part whose KV can be pulled now (or never will be: the pull then fails fast) is
+        pulled as soon as the consumer says so, one at a time."""
         while not self._closing.is_set():
-            select.select([consumer.wakeup.fd], [], [], DISPATCH_IDLE_S)
+            select.select([consumer.wakeup.fd], [], [], PULL_IDLE_S)
             consumer.wakeup.drain()
             for key in consumer.ready():
-                try:
-                    self._pulls.submit(self._pull, key)
-                except RuntimeError:  # shutting down
+                if self._closing.is_set():
                     return
+                try:
+                    self._pull(key)
+                except Exception:  # noqa: BLE001 - the one pull thread must outlive any one bad pull
+                    log.exception("kvwire: pull of %s failed unexpectedly", key)
 
-    def _stop_dispatch(self) -> None:
+    def _stop_pulls(self) -> None:
         self._closing.set()
         if self._consumer is not None:
             self._consumer.wakeup.wake()
-        if self._ready_thread is not None:
-            self._ready_thread.join(timeout=5)
+        if self._pull_thread is not None:
+            self._pull_thread.join(timeout=self._settings.kv_deadline_s + 5)  # a pull ends by its deadline
 
     def _pull(self, key: str) -> None:
         with self._lock:
