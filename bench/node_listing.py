@@ -6,6 +6,9 @@
    NODES_FRESH_S, every quarter second while requests come), counting between the first and the last what
    Redis processed (INFO commandstats: commands; INFO cpu: its CPU) and what the client's CPU spent.
 3. Scale to `routers` routers each listing every NODES_FRESH_S.
+
+Everything it writes is under a namespace of its own (NAMESPACE: no router of a deployment sharing the Redis lists
+its made-up nodes) and deleted at the end.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from kvwire.connectors.directory.batch import DirectoryBatch
 from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.wire import NodeInfo
 from kvwire.router.dispatch import NODES_FRESH_S
+
+NAMESPACE = "kvwire-bench-listing"
 
 
 class NodeListingResult(msgspec.Struct, frozen=True):
@@ -53,7 +58,7 @@ def _redis_counters(d: KVDirectory) -> tuple[int, float]:
 
 
 def bench_node_listing(redis_url: str, nodes: int, entries: int, routers: int, listings: int) -> NodeListingResult:
-    d = KVDirectory(redis_url, entry_ttl_s=600.0, node_ttl_s=600.0)
+    d = KVDirectory(redis_url, entry_ttl_s=600.0, node_ttl_s=600.0, namespace=NAMESPACE)
     try:
         for first in range(0, nodes, 256):
             for i in range(first, min(first + 256, nodes)):
@@ -85,4 +90,10 @@ def bench_node_listing(redis_url: str, nodes: int, entries: int, routers: int, l
                                  redis_commands_per_s=round(commands * per_s, 1),
                                  redis_cpu_share=round(redis_cpu * per_s, 3), verified=verified)
     finally:
+        for chunk in _chunks(list(d._redis.scan_iter(match=f"{NAMESPACE}:*", count=1000)), 1000):
+            d._redis.delete(*chunk)
         d.close()
+
+
+def _chunks(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]

@@ -125,6 +125,11 @@ def directory(
 
     from kvwire.cluster.redis_server import LocalRedis
 
+    if nodes and (requests, batch) != (20000, 256):
+        raise typer.BadParameter("--requests and --batch measure a request's directory life; --nodes measures "
+                                 "listing nodes instead")
+    if not nodes and (entries, routers, listings) != (20000, 10, 200):
+        raise typer.BadParameter("--entries, --routers and --listings go with --nodes")
     if nodes:
         from kvwire.bench.node_listing import bench_node_listing
 
