@@ -16,14 +16,16 @@ carried each big message by a rendezvous over TCP loopback anyway (UCX_PROTO_INF
 zero-copy fenced write to remote | tcp/lo", three quarters of the cores in the kernel). A host pool's
 context asks for UCX's own rendezvous choice above RNDV_THRESH (`_config`): a same-host message then
 goes through the shared-memory FIFOs in fragments ("rendezvous fragmented copy-in copy-out |
-sysv/memory"), as fast as NIXL's cross-memory-attach READ here (docs/BENCHMARKS.md), and only once
+sysv/memory"), as fast as NIXL's cross-memory-attach READ on kvwire's pool here (0.77 of it on vLLM's,
+whose pieces travel packed; docs/BENCHMARKS.md), and only once
 the consumer has posted its receive: an eager message nobody had posted for would sit in the
 consumer's memory, and one whose producer stopped between fragments would hang the consumer's worker
 as it is destroyed (ucxx drains every unexpected message then). Cross-memory attach (`cma`) stays out
 unless UCX_TLS says otherwise: unguarded, a read of a producer that died mid-pull was SIGABRT in
 `cma_ep.c` (tests/connectors/transports/ucx/test_dead_producer.py), and UCX does not use it for guarded tag
-messages at all. Unguarded (two CUDA pools on one host: `cuda_ipc`, which takes no part in error
-handling here), UCX does not notice a dead peer: every wait has a deadline and the directory's
+messages at all. Unguarded (two CUDA pools on one host, for `cuda_ipc`: NIXL's guarded endpoints got UCX's
+TCP emulation for GPU-to-GPU reads on an H200, and kvwire's device path is not yet measured guarded), UCX does not
+notice a dead peer: every wait has a deadline and the directory's
 TTLs clean up after it. Both sides must decide alike (UCX refuses an asymmetric pair): the consumer
 decides and says so (`PullRequest.guarded`); a producer asked by an older consumer decides from the
 consumer's host alone, as both did before.
