@@ -104,18 +104,24 @@ def transfer(
         raise typer.Exit(1)
 
 
+# `bench directory`'s defaults, per mode: a request's directory life, or (--nodes) listing nodes.
+LIFE_DEFAULTS = (20000, 256)  # --requests, --batch
+LISTING_DEFAULTS = (20000, 10, 200)  # --entries, --routers, --listings
+
+
 @app.command()
 def directory(
     requests: Annotated[int, typer.Option("--requests", min=1, help="Requests whose directory life is measured.")]
-        = 20000,
-    batch: Annotated[int, typer.Option("--batch", min=1, help="Requests per pipelined round trip.")] = 256,
+        = LIFE_DEFAULTS[0],
+    batch: Annotated[int, typer.Option("--batch", min=1, help="Requests per pipelined round trip.")] = LIFE_DEFAULTS[1],
     nodes: Annotated[int, typer.Option("--nodes", min=0, help="Instead: register this many nodes and measure what "
                                        "listing them costs Redis and a router (bench/node_listing.py).")] = 0,
     entries: Annotated[int, typer.Option("--entries", min=0, help="With --nodes: request entries beside them.")]
-        = 20000,
+        = LISTING_DEFAULTS[0],
     routers: Annotated[int, typer.Option("--routers", min=1, help="With --nodes: routers listing, for the rate.")]
-        = 10,
-    listings: Annotated[int, typer.Option("--listings", min=1, help="With --nodes: listings measured.")] = 200,
+        = LISTING_DEFAULTS[1],
+    listings: Annotated[int, typer.Option("--listings", min=1, help="With --nodes: listings measured.")]
+        = LISTING_DEFAULTS[2],
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     redis_url: OptionalRedisUrl = None,
 ) -> None:
@@ -125,10 +131,10 @@ def directory(
 
     from kvwire.cluster.redis_server import LocalRedis
 
-    if nodes and (requests, batch) != (20000, 256):
+    if nodes and (requests, batch) != LIFE_DEFAULTS:
         raise typer.BadParameter("--requests and --batch measure a request's directory life; --nodes measures "
                                  "listing nodes instead")
-    if not nodes and (entries, routers, listings) != (20000, 10, 200):
+    if not nodes and (entries, routers, listings) != LISTING_DEFAULTS:
         raise typer.BadParameter("--entries, --routers and --listings go with --nodes")
     if nodes:
         from kvwire.bench.node_listing import bench_node_listing

@@ -102,21 +102,9 @@ def _location(raw: bytes) -> KVLocation:
 
 class KVDirectory(NodeRegistry):
     """Client of the directory: request entries here, the node registry (nodes.py) over the same connection
-    (connection.py); thread-safe, one per process is enough.
+    (connection.py: `DirectoryConnection`, whose arguments it takes); thread-safe, one per process is enough.
 
     Every method raises DirectoryError when Redis cannot be reached.
-
-    Args:
-        redis_url: `redis://[[user]:password@]host:port/db`, `rediss://...` (TLS) or
-            `redis+sentinel://...` (connectors/directory/redis_url.py; docs/redis.md).
-        entry_ttl_s: TTL of a request's keys, refreshed on every transition.
-        node_ttl_s: TTL of a node's registration, refreshed by each heartbeat.
-        namespace: prefix of every key, so deployments can share one Redis.
-        command_timeout_s: how long one command may wait on a silent Redis before it raises DirectoryError
-            (and a connection attempt; a blocking read waits its block on top).
-        metrics: where operation latencies go; this process's metrics by default.
-    Raises:
-        ValueError: a non-positive TTL or timeout, or a namespace outside [A-Za-z0-9_.-].
     """
 
     @_timed(DirectoryOp.CREATE_PENDING)
