@@ -93,7 +93,7 @@ class _RowGiven(KVConnectorBase):
 
 
 def _engine(model_dir: Path, num_blocks: int, connector: KVConnectorBase | None):
-    from kvwire.connectors.config import NodeRole
+    """`(engine, runner)`: the runner receives from `connector` (None: computes every prompt)."""
     from kvwire.connectors.kv_pool import KVPool
     from kvwire.engine.block_allocator import BlockAllocator
     from kvwire.engine.gc_pauses import freeze_startup_heap
@@ -105,11 +105,11 @@ def _engine(model_dir: Path, num_blocks: int, connector: KVConnectorBase | None)
     torch.set_num_threads(1)  # as nodes run (--torch-threads 1)
     model = load_model(model_dir, "cpu")
     pool = KVPool.allocate(kv_layout(model.config, 16), num_blocks, "cpu")
-    role = NodeRole.DECODE if connector is not None else None
-    engine = LLMEngine(ModelRunner(model, pool, connector, role), BlockAllocator(num_blocks),
-                       model.config.max_position_embeddings, model.config.eos_token_id)
+    runner = ModelRunner(model, pool, consumer=connector)
+    engine = LLMEngine(runner, BlockAllocator(num_blocks), model.config.max_position_embeddings,
+                       model.config.eos_token_id)
     freeze_startup_heap()
-    return engine
+    return engine, runner
 
 
 def _decode_process(model_dir: Path, num_blocks: int, client: str, pipe) -> None:
@@ -118,8 +118,8 @@ def _decode_process(model_dir: Path, num_blocks: int, client: str, pipe) -> None
     from kvwire.protocol.work import SamplingParams
 
     given = _RowGiven()
-    engine = _engine(model_dir, num_blocks, given)
-    dtype = TORCH_DTYPES[engine.runner.model.config.dtype]
+    engine, runner = _engine(model_dir, num_blocks, given)
+    dtype = TORCH_DTYPES[runner.model.config.dtype]
     ctx = zmq.Context()
     inbox, reply = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     pipe.send(f"tcp://{DECODE_HOST}:{inbox.bind_to_random_port(f'tcp://{DECODE_HOST}')}")
@@ -136,7 +136,7 @@ def _decode_process(model_dir: Path, num_blocks: int, client: str, pipe) -> None
                 if first and out.new_token_ids:
                     reply.send(_encoder.encode(FirstToken(msg.rid, out.new_token_ids[0])))
                     first = False
-            engine.runner.after_step()
+            engine.after_step()
         reply.send(_encoder.encode(Finished(msg.rid)))
     ctx.destroy(linger=0)
 
@@ -145,7 +145,7 @@ def _prefill_process(model_dir: Path, num_blocks: int, decode: str, pipe) -> Non
     """Serve Prefill messages: compute the prompt, send its last hidden row on to the decode process."""
     from kvwire.connectors.model_input import ModelInput, SequenceInput
 
-    engine = _engine(model_dir, num_blocks, None)
+    engine, runner = _engine(model_dir, num_blocks, None)
     ctx = zmq.Context()
     inbox, onward = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     pipe.send(f"tcp://{DECODE_HOST}:{inbox.bind_to_random_port(f'tcp://{DECODE_HOST}')}")
@@ -154,7 +154,7 @@ def _prefill_process(model_dir: Path, num_blocks: int, decode: str, pipe) -> Non
         assert isinstance(msg, Prefill)
         blocks = engine.allocator.allocate(-(-len(msg.prompt) // engine.block_size))
         try:
-            result = engine.runner.run_prompt(ModelInput([SequenceInput(msg.rid, msg.prompt, 0, blocks)]))
+            result = runner.run_prompt(ModelInput([SequenceInput(msg.rid, msg.prompt, 0, blocks)]))
         finally:
             engine.allocator.free(blocks)
         row = result.last_hidden[0].float().contiguous()  # [hidden]

@@ -73,9 +73,11 @@ def open_producer(config: ConnectorConfig, *, layout: KVLayout | None = None, nu
 
 
 def open_consumer(config: ConnectorConfig, *, layout: KVLayout | None = None, num_blocks: int = 0,
-                  device: str | torch.device = "cpu", kv_caches: list[torch.Tensor] | None = None) -> ConsumerSide:
+                  device: str | torch.device = "cpu", kv_caches: list[torch.Tensor] | None = None,
+                  inbox: bool = False) -> ConsumerSide:
     """A consumer landing KV in a new pool of `num_blocks` of `layout`, or in `kv_caches`. Expected requests
-    whose KV can be pulled: `side.consumer.ready()`, its `wakeup.fd` readable when there are some."""
+    whose KV can be pulled: `side.consumer.ready()`, its `wakeup.fd` readable when there are some. `inbox`:
+    producers are told `side.consumer.kv_ready_endpoint` and push KVReady there (poll `inbox_socket` too)."""
     with ExitStack() as undo:  # what is opened here is closed again if the consumer cannot be built
         directory = KVDirectory(config.redis_url, entry_ttl_s=config.entry_ttl_s)
         undo.callback(directory.close)
@@ -84,6 +86,6 @@ def open_consumer(config: ConnectorConfig, *, layout: KVLayout | None = None, nu
         if kv_caches is None:
             assert layout is not None, "a layout, or the pool's kv_caches"
             kv_caches = KVPool.allocate(layout, num_blocks, device).kv_caches
-        consumer = KVConsumer(config, directory, transport, KVRegion.from_kv_caches(kv_caches))
+        consumer = KVConsumer(config, directory, transport, KVRegion.from_kv_caches(kv_caches), inbox=inbox)
         undo.pop_all()
     return ConsumerSide(ConsumerConnector(0, 0, config, consumer), kv_caches, directory)

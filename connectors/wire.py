@@ -189,6 +189,9 @@ class NodeInfo(_Msg, tag="node", frozen=True):
     recomputed: dict[TransferFailure, int] = {}
     block_size: int = 0  # tokens per KV block of its pool (0: an older node)
     prefix_cache: bool = False  # a decode node keeping computed blocks for later prompts (engine/block_allocator.py)
+    # a decode node's consumer inbox (connectors/consumer/inbox.py): producers push its KVReady there ("": an
+    # older node, told on its work endpoint)
+    kv_ready_endpoint: str = msgspec.field(default="", name="kv_ready_address")
 
 
 # --- transfer side channel ---------------------------------------------------------------

@@ -17,12 +17,13 @@ class DecodeRequest:
             none: computed here) and the router's reply endpoint (`reply_to`).
         kv: its consumer's record: deadline, location once known, stats once pulled (thread-safe itself);
             None when no producer computes the prompt.
-        admitted: in the engine (else still waiting for its KV's location or verdict).
+
+    Its state is the queue it sits in: the node's `awaiting_kv` (its KV's location or verdict not known yet),
+    then the engine's waiting, receiving (its KV being pulled) and running queues.
     """
 
     work: DecodeWork
     kv: ExpectedKV | None = None
-    admitted: bool = False
 
     @property
     def request_id(self) -> str:

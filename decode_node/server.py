@@ -4,10 +4,12 @@ A request here (its one record: `DecodeRequest`, request.py):
 
 1. A `DecodeWork` arrives on the zmq work socket and is validated (an invalid one is
    answered with `WorkError` at once).
-2. Its KV is expected (`KVConsumer.expect`): it waits outside the engine, so running
-   requests keep decoding, until the consumer says the KV can be pulled (the prefill
-   node's `KVReady` or the directory's READY, whichever comes first) or will never come.
-3. The engine admits it when its blocks fit, and the runner has the consumer pull its KV
+2. Its KV is expected (`KVConsumer.expect`): it waits in the node's `awaiting_kv` queue,
+   outside the engine, so running requests keep decoding, until the consumer says the KV
+   can be pulled (the prefill node's `KVReady` in the consumer's inbox, or the directory's
+   READY, whichever comes first) or will never come.
+3. It moves to the engine's queues: waiting until its blocks fit, then pulling (`receiving`,
+   on the runner's pull thread while others decode) and running. The consumer pulls its KV
    and hidden states: if they arrive within the KV deadline the prompt's forward is
    skipped (bypassed), otherwise the prompt is recomputed here, so no request is lost to
    a failed transfer. A request with no prefill node is computed here from the start.
@@ -33,14 +35,12 @@ import threading
 
 import zmq
 
-from kvwire.connectors.config import NodeRole
 from kvwire.connectors.connector import ConsumerConnector
-from kvwire.connectors.consumer.role import DIRECT_HEAD_START_S, KVConsumer
+from kvwire.connectors.consumer.role import KVConsumer
 from kvwire.connectors.control.sockets import PushSockets
 from kvwire.connectors.kv_pool import KVPool
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.wakeup import Wakeup
-from kvwire.connectors.wire import KVReady
 from kvwire.decode_node.request import DecodeRequest
 from kvwire.engine.llm_engine import InvalidRequest, LLMEngine, StepOutput
 from kvwire.engine.runner import ModelRunner
@@ -57,14 +57,16 @@ log = logging.getLogger(__name__)
 class DecodeNode:
     def __init__(self, config: NodeConfig):
         self.rt = rt = NodeRuntime.open(config, self._load)
-        self._requests: dict[str, DecodeRequest] = {}  # every request accepted and not yet answered
+        self._requests: dict[str, DecodeRequest] = {}  # every request accepted and not yet answered, by id
+        self._awaiting_kv: dict[str, DecodeRequest] = {}  # of those, the ones not in the engine yet
         self._wakeup = Wakeup()  # the consumer (a request settled) and the engine (a pull ended) wake us
         self._replies = PushSockets()  # TokenChunk / WorkError to routers
         pool = KVPool.allocate(rt.layout, config.engine.num_blocks, config.engine.device)
         self._consumer = KVConsumer(config.connector, rt.directory, rt.transport,
-                                    KVRegion.from_kv_caches(pool.kv_caches), wakeup=self._wakeup)
+                                    KVRegion.from_kv_caches(pool.kv_caches), wakeup=self._wakeup, inbox=True)
+        rt.kv_ready_endpoint = self._consumer.kv_ready_endpoint
         self._connector = ConsumerConnector(0, 0, config.connector, self._consumer)
-        runner = ModelRunner(rt.model, pool, self._connector, NodeRole.DECODE)
+        runner = ModelRunner(rt.model, pool, consumer=self._connector)
         self.engine = LLMEngine(runner, rt.allocator, rt.max_model_len, rt.model.config.eos_token_id,
                                 wakeup=self._wakeup, prefix_cache=config.engine.prefix_cache)
         self._drain = Drain(rt)
@@ -85,20 +87,19 @@ class DecodeNode:
         poller = zmq.Poller()
         poller.register(self.rt.work_socket, zmq.POLLIN)
         poller.register(self._wakeup.fd, zmq.POLLIN)
+        poller.register(self._consumer.inbox_socket, zmq.POLLIN)  # producers' KVReady: `ready()` reads them
         while True:
             if stop.is_set():
                 self._drain.begin()
             if self._drain.active and (self._idle() or self._drain.expired()):
                 break
             if not self.engine.can_step():  # a settled request or a pull ending wakes us
-                self.engine.runner.after_step(idle=True)  # and what we read just now, before we wait
+                self.engine.after_step(idle=True)  # and what we read just now, before we wait
                 poller.poll(self._drain.remaining_ms())
                 self._wakeup.drain()
             while self.rt.work_socket.poll(0):
-                msg = self.rt.read_work((DecodeWork, KVReady, CancelWork))
-                if isinstance(msg, KVReady):
-                    self._consumer.take_kv_ready(msg.location)  # admitted below, if it was awaited
-                elif isinstance(msg, DecodeWork):
+                msg = self.rt.read_work((DecodeWork, CancelWork))
+                if isinstance(msg, DecodeWork):
                     self._accept(msg)
                 elif isinstance(msg, CancelWork):  # draining or not: the router no longer wants it
                     self._cancel(msg.request_id)
@@ -117,7 +118,7 @@ class DecodeNode:
     def close(self) -> None:
         """Leave the directory, stop pulling, send what is queued for routers, close the rest."""
         self.rt.deregister()
-        self.engine.runner.close()
+        self.engine.close()
         self._connector.close()
         self._replies.close()  # with its linger: the last chunks still reach the router as the process exits
         self._drain.close()
@@ -130,8 +131,7 @@ class DecodeNode:
 
     def _awaiting(self) -> int:
         """Requests waiting for their KV: for its location, or being pulled. Any thread."""
-        records = list(self._requests.values())  # one C-level copy: safe against the engine thread's changes
-        return sum(not r.admitted for r in records) + len(self.engine.receiving)
+        return len(self._awaiting_kv) + len(self.engine.receiving)
 
     def _idle(self) -> bool:
         return not self._requests and not self.engine.has_unfinished()
@@ -167,15 +167,16 @@ class DecodeNode:
         record = self._requests[rid] = DecodeRequest(work)
         if not work.prefill_node:
             self.engine.add_request(rid, work.prompt_token_ids, work.sampling, receive_kv=False)
-            record.admitted = True
             return
-        record.kv = self._consumer.expect(rid, work.prefill_node, work.prefill_epoch, DIRECT_HEAD_START_S)
+        record.kv = self._consumer.expect(rid, work.prefill_node, work.prefill_epoch)
+        self._awaiting_kv[rid] = record
 
     def _cancel(self, rid: str) -> None:
         """Drop a request the router cancelled, silently: its record, its KV expectation, its engine state."""
         record = self._requests.pop(rid, None)
         if record is None:
             return  # unknown, or already answered
+        self._awaiting_kv.pop(rid, None)
         self._consumer.forget(rid)
         self.engine.abort(rid)
         log.info("node %s: request %s cancelled by the router", self.rt.config.node_id, rid)
@@ -183,9 +184,8 @@ class DecodeNode:
     def _admit(self, ready: list[str]) -> None:
         """Hand the engine the requests whose KV can be pulled now, or never will be (they then recompute)."""
         for rid in ready:
-            record = self._requests.get(rid)
-            if record is not None and not record.admitted:
-                record.admitted = True
+            record = self._awaiting_kv.pop(rid, None)
+            if record is not None:
                 self.engine.add_request(record.request_id, record.work.prompt_token_ids, record.work.sampling)
 
     def _step(self) -> None:
@@ -199,7 +199,7 @@ class DecodeNode:
             return
         for out in outputs:
             self._emit(out)
-        self.engine.runner.after_step()  # producers may release what we read a step or more ago
+        self.engine.after_step()  # producers may release what we read a step or more ago
 
     def _emit(self, out: StepOutput) -> None:
         seq = out.sequence
@@ -236,6 +236,7 @@ class DecodeNode:
 
     def _fail(self, rid: str, reason: str) -> None:
         record = self._requests.pop(rid, None)
+        self._awaiting_kv.pop(rid, None)
         self._consumer.forget(rid)
         if record is not None:
             self._send(record.work.reply_to, WorkError(request_id=rid, node=self.rt.config.node_id, reason=reason))

@@ -59,7 +59,7 @@ class LLMEngine:
         wakeup: woken, from the runner's pull thread, as each pull ends (the owner's loop waits on its fd).
         prefix_cache: keep computed blocks and start prompts on their cached prefix (module docstring).
         """
-        self.runner = runner
+        self._runner = runner  # the engine's alone: its owner asks the engine
         self.allocator = allocator
         self.block_size = runner.pool.layout.block_size
         self.max_model_len = max_model_len
@@ -84,9 +84,18 @@ class LLMEngine:
         self.waiting.append(seq)
         return seq
 
+    def after_step(self, idle: bool = False) -> None:
+        """The step's outputs are out (`idle`: and nothing is left to do): the connector's deferred work (a
+        consumer's read notes) runs now."""
+        self._runner.after_step(idle)
+
+    def close(self) -> None:
+        """Stop the runner's pull thread (a pull in progress ends on its own)."""
+        self._runner.close()
+
     @property
     def vocab_size(self) -> int:
-        return self.runner.model.config.vocab_size
+        return self._runner.model.config.vocab_size
 
     def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequest when the request can never run: bad prompt or sampling params, too long,
@@ -168,8 +177,8 @@ class LLMEngine:
             seq = self.waiting.popleft()
             self._allocate(seq)
             seq.metrics.mark_scheduled(time.monotonic())
-            if seq.receive_kv and self.runner.receives_async and not inline:
-                received = self.runner.start_receive(self._prompt_input(seq))
+            if seq.receive_kv and self._runner.receives_async and not inline:
+                received = self._runner.start_receive(self._prompt_input(seq))
                 self.receiving[seq.request_id] = (seq, received)
                 if self._wakeup is not None:
                     received.add_done_callback(self._wake)
@@ -222,13 +231,13 @@ class LLMEngine:
         batch = self._prompt_input(seq)
         start = time.monotonic()
         if received is not None:
-            result = self.runner.finish_prompt(batch, received)
+            result = self._runner.finish_prompt(batch, received)
         else:
-            result = self.runner.run_prompt(batch, receive_kv=seq.receive_kv)
+            result = self._runner.run_prompt(batch, receive_kv=seq.receive_kv)
         seq.bypassed = result.bypassed
         self._cache(seq, seq.prompt_ids)
         seq.metrics.model_forward_time += result.forward_s
-        token = self._sample(seq, self.runner.logits(result.last_hidden)[0])
+        token = self._sample(seq, self._runner.logits(result.last_hidden)[0])
         seq.metrics.model_execute_time += time.monotonic() - start
         seq.metrics.mark_first_token(time.monotonic())
         return token
@@ -238,9 +247,9 @@ class LLMEngine:
             [SequenceInput(s.request_id, [s.last_token], s.num_tokens - 1, s.block_ids) for s in seqs],
             is_prompt=False)
         start = time.monotonic()
-        hidden = self.runner.run_decode(batch)  # [B, hidden]
+        hidden = self._runner.run_decode(batch)  # [B, hidden]
         forward = time.monotonic() - start
-        logits = self.runner.logits(hidden)  # [B, vocab]
+        logits = self._runner.logits(hidden)  # [B, vocab]
         tokens = [self._sample(seq, logits[i]) for i, seq in enumerate(seqs)]
         execute = time.monotonic() - start
         for seq in seqs:

@@ -1,14 +1,14 @@
 """Runs the model on one batch, calling the KV connector at the contract's two points.
 
-A prompt batch:
+The runner holds no role: it is given the connector as the side it calls. A prompt batch:
 
-1. Decode role: the runner asks the connector for the batch's KV and hidden states
+1. With a `consumer` connector: the runner asks it for the batch's KV and hidden states
    (within the engine's step, or on its pull thread with `start_receive`, one pull at a
    time, while the engine keeps decoding; then `finish_prompt` once the pull has ended).
 2. When every request got its KV the forward is skipped (bypass); otherwise the prompt is
    computed here.
-3. Prefill role: the runner computes the prompt (handing each layer to the connector as it
-   is written, when the connector streams) and then hands KV and hidden states over.
+3. With a `producer` connector: the runner computes the prompt (handing each layer to it as
+   it is written, when it streams) and then hands KV and hidden states over.
 
 Decode batches never touch the connector. `close()` stops the pull thread.
 """
@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 from kvwire.connectors.base import KVConnectorBase
-from kvwire.connectors.config import NodeRole
 from kvwire.connectors.kv_pool import TORCH_DTYPES, KVPool
 from kvwire.connectors.model_input import ModelInput
 from kvwire.connectors.types import IntermediateTensors
@@ -41,18 +40,21 @@ class PromptResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool,
-                 connector: KVConnectorBase | None = None, role: NodeRole | None = None):
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, *, producer: KVConnectorBase | None = None,
+                 consumer: KVConnectorBase | None = None):
+        """Args:
+        producer: the connector that takes each computed prompt's KV and hidden states (a prefill node's).
+        consumer: the connector asked for each prompt's KV before its forward (a decode node's).
+        """
+        assert producer is None or consumer is None, "a runner hands KV over or receives it, not both"
         self.model = model
         self.pool = pool
         self.kv_caches = pool.kv_caches
-        self.connector = connector
-        self.role = role
-        if connector is not None:
-            connector.register_kv_caches(self.kv_caches)
-        self._pulls = None
-        if connector is not None and role == NodeRole.DECODE:
-            self._pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-pull")
+        self._producer, self._consumer = producer, consumer
+        for connector in (producer, consumer):
+            if connector is not None:
+                connector.register_kv_caches(self.kv_caches)
+        self._pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-pull") if consumer else None
 
     @property
     def receives_async(self) -> bool:
@@ -60,11 +62,11 @@ class ModelRunner:
         return self._pulls is not None
 
     def start_receive(self, model_input: ModelInput) -> Future:
-        """Decode role: ask the connector for the prompt batch's KV and hidden states on the pull thread
+        """Ask the consumer connector for the prompt batch's KV and hidden states on the pull thread
         (pulls run one at a time, in order). The future holds the contract's
         `(hidden, bypass, model_input)`; pass it to `finish_prompt` once done."""
-        assert self._pulls is not None and self.connector is not None and model_input.is_prompt
-        return self._pulls.submit(self.connector.recv_kv_caches_and_hidden_states, self.model, model_input,
+        assert self._pulls is not None and self._consumer is not None and model_input.is_prompt
+        return self._pulls.submit(self._consumer.recv_kv_caches_and_hidden_states, self.model, model_input,
                                   self.kv_caches)
 
     @torch.inference_mode()
@@ -83,8 +85,8 @@ class ModelRunner:
     def after_step(self, idle: bool = False) -> None:
         """The step's outputs are out (`idle`: and nothing is left to do): the connector's deferred work (a
         consumer's read notes) runs now."""
-        if self.connector is not None:
-            self.connector.after_step(idle)
+        if self._consumer is not None:
+            self._consumer.after_step(idle)
 
     def close(self) -> None:
         if self._pulls is not None:
@@ -95,15 +97,15 @@ class ModelRunner:
         assert model_input.is_prompt
         hidden, bypassed = None, False
         start = time.monotonic()
-        if self.connector is not None and self.role == NodeRole.DECODE and receive_kv:
-            hidden, bypassed, model_input = self.connector.recv_kv_caches_and_hidden_states(
+        if self._consumer is not None and receive_kv:
+            hidden, bypassed, model_input = self._consumer.recv_kv_caches_and_hidden_states(
                 self.model, model_input, self.kv_caches)
         if not bypassed:
             hidden = self._forward_prompt(model_input)
         forward_s = time.monotonic() - start
         assert hidden is not None
-        if self.connector is not None and self.role == NodeRole.PREFILL:
-            self.connector.send_kv_caches_and_hidden_states(self.model, model_input, self.kv_caches, hidden)
+        if self._producer is not None:
+            self._producer.send_kv_caches_and_hidden_states(self.model, model_input, self.kv_caches, hidden)
         return self._prompt_result(model_input, hidden, bypassed, forward_s)
 
     @staticmethod
@@ -115,16 +117,16 @@ class ModelRunner:
 
     def _forward_prompt(self, model_input: ModelInput) -> torch.Tensor:
         """The prompt's forward; a producer streaming layer-wise hands over each layer as it is written."""
-        on_layer = None
-        if self.connector is not None and self.role == NodeRole.PREFILL:
+        on_layer, producer = None, self._producer
+        if producer is not None:
             cfg = self.model.config
-            on_layer = self.connector.begin_layer_stream(model_input, cfg.hidden_size, TORCH_DTYPES[cfg.dtype])
+            on_layer = producer.begin_layer_stream(model_input, cfg.hidden_size, TORCH_DTYPES[cfg.dtype])
         start = time.monotonic()
         try:
             hidden = self.model(model_input, self.kv_caches, on_layer=on_layer)
         except Exception as exc:
-            if on_layer is not None and self.connector is not None:
-                self.connector.abort_layer_stream(model_input, f"prefill forward failed: {exc}")
+            if on_layer is not None and producer is not None:
+                producer.abort_layer_stream(model_input, f"prefill forward failed: {exc}")
             raise
         process_metrics().prompt_forward_seconds.observe(time.monotonic() - start)
         return hidden

@@ -89,6 +89,7 @@ class NodeRuntime:
     rejected_messages: int = 0
     transport_checks: list[TransportCheck] = field(default_factory=list)  # the start-up self-test's, per transport
     warmup: WarmupReport | None = None  # what `warm_up` did; None until it ran (or with warm-up off)
+    kv_ready_endpoint: str = ""  # a decode node's consumer inbox, published with the node ("": none)
 
     @classmethod
     def open(cls, config: NodeConfig, load: Callable[[], NodeLoad]) -> NodeRuntime:
@@ -169,7 +170,8 @@ class NodeRuntime:
                         free_blocks=self.allocator.num_free, total_blocks=self.allocator.num_blocks,
                         queue_depth=load.queue_depth, running=load.running, transport_checks=self.transport_checks,
                         host=host_identity(), pid=os.getpid(), block_size=self.config.engine.block_size,
-                        prefix_cache=self.config.engine.prefix_cache and self.config.connector.role == NodeRole.DECODE)
+                        prefix_cache=self.config.engine.prefix_cache and self.config.connector.role == NodeRole.DECODE,
+                        kv_ready_endpoint=self.kv_ready_endpoint)
 
     def is_ready(self) -> bool:
         """Whether the transport self-test passed and the directory lists this incarnation, not draining.

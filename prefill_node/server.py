@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 import zmq
 
-from kvwire.connectors.config import NodeRole
 from kvwire.connectors.connector import ProducerConnector
 from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.producer.role import KVProducer
@@ -63,7 +62,7 @@ class PrefillNode:
         self._producer = KVProducer(config.connector, rt.directory, rt.epoch, rt.transport,
                                     KVRegion.from_kv_caches(pool.kv_caches), wakeup=self._wakeup)
         self._connector = ProducerConnector(0, 0, config.connector, self._producer)
-        self._runner = ModelRunner(rt.model, pool, self._connector, NodeRole.PREFILL)
+        self._runner = ModelRunner(rt.model, pool, producer=self._connector)
         self._drain = Drain(rt)
         rt.metrics.watch_blocks(lambda: rt.allocator.num_free, rt.allocator.num_blocks)
         rt.metrics.watch_queue(Queue.PREFILL_PENDING, lambda: len(self._pending))
@@ -174,7 +173,7 @@ class PrefillNode:
         """Compute one prompt; the producer holds its blocks from publishing on (and frees them at release)."""
         rid = work.request_id
         blocks = self.rt.allocator.allocate(need)
-        seq = SequenceInput(rid, work.prompt_token_ids, 0, blocks, consumer_endpoint=work.decode_endpoint)
+        seq = SequenceInput(rid, work.prompt_token_ids, 0, blocks, consumer_endpoint=work.kv_ready_endpoint)
         try:
             self._runner.run_prompt(ModelInput([seq]))
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the node

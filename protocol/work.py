@@ -52,8 +52,9 @@ class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
 class PrefillWork(AnyMessage, tag="prefill", frozen=True):
     request_id: str
     prompt_token_ids: list[int]
-    # the decode node's work endpoint: told `KVReady` directly, ahead of the directory
-    decode_endpoint: str = msgspec.field(default="", name="notify")
+    # where the producer pushes `KVReady`, ahead of the directory: the decode node's consumer inbox (an older
+    # decode node's work endpoint)
+    kv_ready_endpoint: str = msgspec.field(default="", name="notify")
 
 
 class DecodeWork(AnyMessage, tag="decode", frozen=True):

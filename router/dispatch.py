@@ -266,9 +266,10 @@ class Dispatcher:
         self._queues[request_id] = queue
         self._serving[request_id] = (route.decode.node_id, route.decode.epoch)
         self._decoding_at[request_id] = route.decode.work_endpoint
-        if route.prefill is not None:
+        if route.prefill is not None:  # its producer tells the decode node's consumer directly (an older node: its
+            kv_ready = route.decode.kv_ready_endpoint or route.decode.work_endpoint  # work socket)
             await self._push(route.prefill, PrefillWork(request_id=request_id, prompt_token_ids=prompt_ids,
-                                                        decode_endpoint=route.decode.work_endpoint))
+                                                        kv_ready_endpoint=kv_ready))
         elif route.reason == PathReason.NO_PREFILL_INSTANCE:
             log.warning("request %s: no live prefill node; decode computes the prompt", request_id)
         await self._push(route.decode, DecodeWork(request_id=request_id, prompt_token_ids=prompt_ids,

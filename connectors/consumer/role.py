@@ -6,10 +6,11 @@ A request here:
    Its record (expected.py) gets the KV deadline, and the consumer's one watcher thread
    (watcher.py) waits on the directory for it, with every other expected request's.
 2. The record is settled by whichever answers first: `take_kv_ready` (the producer's direct
-   `KVReady`), the watcher (the directory's READY, or a FAILED / EXPIRED entry), or the
-   deadline. Its id is then queued, once, and the owner's `wakeup` woken: the owner's loop
-   takes it with `ready()`, on its own thread, and may admit the request.
-3. `receive` (the runner's pull, one at a time): check the producer's layout matches ours
+   `KVReady`, read from the consumer's own inbox by `ready()`: inbox.py), the watcher (the
+   directory's READY, or a FAILED / EXPIRED entry), or the deadline. Its id is then queued,
+   once, and the owner's `wakeup` woken: the owner's loop takes it with `ready()`, on its
+   own thread, and may admit the request.
+3. `receive` (the runner's pull, one at a time): check the producer's layout matches ours (fit.py)
    and that a same-host producer is not reached through the network stack (fast_path.py),
    let the transport's puller move the blocks and hidden states into ours, write the
    record's `stats`. A request nobody announced is looked up in the directory right there.
@@ -27,12 +28,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
 
 import msgspec
 import torch
@@ -40,8 +39,11 @@ import zmq
 
 from kvwire.connectors.base import HiddenStates, TransferError
 from kvwire.connectors.config import ConnectorConfig
+from kvwire.connectors.consumer.errors import ReceiveError, failure_of
 from kvwire.connectors.consumer.expected import ExpectedKV, Received
 from kvwire.connectors.consumer.fast_path import FastPathGuard
+from kvwire.connectors.consumer.fit import LocationFit
+from kvwire.connectors.consumer.inbox import Inbox
 from kvwire.connectors.consumer.producer_watch import ProducerWatch
 from kvwire.connectors.consumer.watcher import Watcher, settle_from
 from kvwire.connectors.control.side_channel import SideChannelClient
@@ -49,7 +51,6 @@ from kvwire.connectors.deferred import Deferred
 from kvwire.connectors.directory.directory import DirectoryError, KVDirectory, TransferState
 from kvwire.connectors.hidden import empty_like_descs, join_requests, tensors_from_bytes
 from kvwire.connectors.model_input import ModelInput, SequenceInput
-from kvwire.connectors.transports.kv_checksum import layer_checksums
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.transports.transport import Transport
 from kvwire.connectors.wakeup import Mailbox, Wakeup
@@ -68,24 +69,9 @@ EARLY_KV_READY = 1024  # KVReady messages kept for requests not expected yet (th
 MAX_RECORDS = 8192  # past this, records of requests never pulled (aborted) are dropped once settled
 
 
-class ReceiveError(TransferError):
-    """A TransferError the consumer itself found, with its kind for kvwire_kv_transfers_failed_total."""
-
-    def __init__(self, request_id: str, peer: str, reason: str, failure: TransferFailure):
-        super().__init__(request_id, peer, reason)
-        self.failure = failure
-
-
-def failure_of(exc: Exception) -> TransferFailure:
-    """Why a pull failed, for kvwire_kv_transfers_failed_total (and vLLM's counterpart: connectors/vllm/stats.py)."""
-    if isinstance(exc, ReceiveError):
-        return exc.failure
-    return TransferFailure.DIRECTORY if isinstance(exc, DirectoryError) else TransferFailure.TRANSPORT
-
-
 class KVConsumer:
     def __init__(self, config: ConnectorConfig, directory: KVDirectory, transport: Transport, region: KVRegion,
-                 wakeup: Wakeup | None = None, metrics: Metrics | None = None):
+                 wakeup: Wakeup | None = None, metrics: Metrics | None = None, inbox: bool = False):
         """Build the transport's puller over `region` and publish where it receives.
 
         Args:
@@ -95,6 +81,8 @@ class KVConsumer:
             region: the pool's bytes, where pulled KV lands.
             wakeup: woken once an expected request is queued for `ready()` (the owner's loop waits on its
                 fd); None: the consumer's own (`self.wakeup`), closed with it.
+            inbox: open an inbox (inbox.py) for producers' KVReady: the owner polls `inbox_socket` too, and
+                routers are told `kv_ready_endpoint`.
         """
         self._config = config
         self._directory = directory
@@ -105,6 +93,8 @@ class KVConsumer:
         self._metrics = metrics or process_metrics()
         self._puller = transport.puller(region)
         self._fast_path = FastPathGuard(config, lambda loc: transport.data_path(self._puller, loc))
+        self._fit = LocationFit(region, config.verify_kv)
+        self._inbox = Inbox(config, self._metrics) if inbox else None
         self._expected: dict[str, ExpectedKV] = {}  # announced, not yet pulled; guarded by _lock
         self._early: OrderedDict[str, tuple[float, KVLocation]] = OrderedDict()  # (when, location); guarded by _lock
         self._lock = threading.Lock()
@@ -119,15 +109,26 @@ class KVConsumer:
         self._producer_watch = ProducerWatch(directory, self._waiting, self._settled, directory.node_ttl_s)
         self._producer_watch.start()
 
+    @property
+    def kv_ready_endpoint(self) -> str:
+        """Where producers push this consumer's KVReady ("": it has no inbox)."""
+        return self._inbox.endpoint if self._inbox is not None else ""
+
+    @property
+    def inbox_socket(self) -> zmq.Socket | None:
+        """The inbox's socket, for the owner's poller (None: no inbox): a KVReady there is read by `ready()`."""
+        return self._inbox.socket if self._inbox is not None else None
+
     def expect(self, request_id: str, producer: str = "", producer_epoch: int = 0,
-               head_start_s: float = 0.0) -> ExpectedKV:
+               head_start_s: float | None = None) -> ExpectedKV:
         """A request whose KV `producer` is computing has arrived; its KV deadline starts now.
 
         Args:
             producer_epoch: the producer's incarnation that was sent the work (0: unknown); if another
                 incarnation registers, or none for a heartbeat TTL, the KV is given up at once.
-            head_start_s: how long the producer's KVReady has before the directory is first read
-                (DIRECT_HEAD_START_S where the producer tells this consumer directly; 0: read it at once).
+            head_start_s: how long the producer's KVReady has before the directory is first read; None: the
+                consumer's policy, DIRECT_HEAD_START_S with an inbox and a named producer (it is told
+                directly), else 0 (read it at once).
                 While a prompt is computed the consumer's node then makes no Redis round trip, which on a
                 shared host would take cores from the forward; a FAILED entry is seen this much later.
         Returns:
@@ -142,6 +143,8 @@ class KVConsumer:
             when, early = self._early.pop(request_id, (0.0, None))
         if early is not None and time.monotonic() - when < self._config.kv_deadline_s:
             self.take_kv_ready(early)  # the KVReady beat the work here: the pull can start now
+        if head_start_s is None:
+            head_start_s = DIRECT_HEAD_START_S if self._inbox is not None and producer else 0.0
         self._watcher.add(record, head_start_s)
         return record
 
@@ -188,7 +191,10 @@ class KVConsumer:
 
     def ready(self) -> list[str]:
         """The expected requests settled since the last call, each once: their KV can be pulled now, or never
-        will be (the pull then fails at once and the caller recomputes)."""
+        will be (the pull then fails at once and the caller recomputes). The inbox's KVReady are taken first."""
+        if self._inbox is not None:
+            for location in self._inbox.take():
+                self.take_kv_ready(location)
         return self._ready.take()
 
     def _settled(self, request_id: str) -> None:
@@ -282,6 +288,8 @@ class KVConsumer:
         self._watcher.close()
         self._puller.close()
         self._transport.close()
+        if self._inbox is not None:
+            self._inbox.close()
         self._ready.close()
 
     # --- where the KV is -------------------------------------------------------------------
@@ -311,7 +319,7 @@ class KVConsumer:
             self._settle(record)
         if record.location is None:
             raise ReceiveError(rid, record.producer or "unknown producer", record.failure, record.failure_kind)
-        loc, dst = self._check(rid, num_tokens, dst_blocks, first_block, record.location, heads, pick)
+        loc, dst = self._fit.check(rid, num_tokens, dst_blocks, first_block, record.location, heads, pick)
         loc = self._transport.choose(loc)
         if loc.heads is not None and loc.heads.num_heads == 0:
             return self._decline(loc, dst, record)
@@ -322,7 +330,7 @@ class KVConsumer:
         start = time.monotonic()
         nbytes = self._puller.pull(loc, dst, hidden, record.deadline)
         elapsed = time.monotonic() - start
-        self._verify(rid, dst, loc)
+        self._fit.verify(rid, dst, loc)
         self._metrics.observe_transfer(str(loc.kind), nbytes, elapsed)  # the producer marks the entry CONSUMED
         log.info("request %s: %d bytes from %s over %s in %.2f ms", rid, nbytes, loc.producer, loc.kind,
                  elapsed * 1e3)
@@ -375,79 +383,6 @@ class KVConsumer:
             raise
         record.stats = Received([], loc.hidden, loc.intermediate, 0, 0.0, loc.producer, loc.kind)
         return record.stats
-
-    def _check(self, rid: str, num_tokens: int, dst_blocks: list[int], first_block: int, loc: KVLocation,
-               heads: HeadSlice | None = None, pick: list[int] | None = None) -> tuple[KVLocation, list[int]]:
-        """`(loc, destination blocks)` if `loc` fits what we need, from `first_block` on
-        (`KVLocation.first_block`) or at `pick`'s positions, narrowed to `heads`; raises otherwise."""
-        def bad(reason: str) -> TransferError:
-            return ReceiveError(rid, loc.producer, reason, TransferFailure.MISMATCH)
-
-        layout = self._region.layout
-        if heads is not None:
-            loc = self._check_heads(loc, heads, bad)
-        elif loc.layout != layout:
-            raise bad(f"producer layout {loc.layout} does not match ours {layout}")
-        if loc.num_tokens != num_tokens:
-            raise bad(f"producer has {loc.num_tokens} prompt tokens, we need {num_tokens}")
-        if any(d.shape[:1] != (num_tokens,) for d in loc.hidden):
-            raise bad("hidden states do not cover the prompt")
-        if pick is not None:
-            return self._check_pick(loc, dst_blocks, pick, bad)
-        n_blocks = math.ceil(loc.num_tokens / layout.block_size)
-        if len(loc.block_ids) != n_blocks or len(dst_blocks) < n_blocks:
-            raise bad(f"block count mismatch: producer {len(loc.block_ids)}, needed {n_blocks}, "
-                      f"ours {len(dst_blocks)}")
-        if first_block == 0:
-            return loc, dst_blocks[:n_blocks]
-        if not 0 < first_block < n_blocks or loc.layerwise or loc.hidden or self._config.verify_kv:
-            raise bad(f"cannot pull from block {first_block} of {n_blocks} (layer-wise, hidden states or "
-                      "checksums need the whole prompt)")
-        return (msgspec.structs.replace(loc, block_ids=loc.block_ids[first_block:], first_block=first_block),
-                dst_blocks[first_block:n_blocks])
-
-    def _check_pick(self, loc: KVLocation, dst_blocks: list[int], pick: list[int],
-                    bad: Callable[[str], TransferError]) -> tuple[KVLocation, list[int]]:
-        """`loc` narrowed to the blocks at `pick`'s positions of its list, and ours at the same positions."""
-        if len(loc.block_ids) != len(dst_blocks):
-            raise bad(f"block count mismatch: producer {len(loc.block_ids)}, ours {len(dst_blocks)}")
-        if not pick or any(not 0 <= i < len(dst_blocks) for i in pick):
-            raise bad(f"a pick of {len(pick)} positions not among {len(dst_blocks)} blocks")
-        if (len(pick) < len(dst_blocks)) and (loc.layerwise or loc.hidden or self._config.verify_kv):
-            raise bad("layer-wise KV, hidden states and checksums need the whole prompt")
-        return (msgspec.structs.replace(loc, block_ids=[loc.block_ids[i] for i in pick]),
-                [dst_blocks[i] for i in pick])
-
-    def _check_heads(self, loc: KVLocation, heads: HeadSlice, bad: Callable[[str], TransferError]) -> KVLocation:
-        """`loc` narrowed to a head slice, if both pools allow it (same layout but for their head counts)."""
-        layout = self._region.layout
-        theirs = msgspec.structs.replace(loc.layout, num_kv_heads=layout.num_kv_heads)
-        if theirs != layout:
-            raise bad(f"producer layout {loc.layout} does not match ours {layout} (head counts aside)")
-        if loc.layerwise or loc.hidden or self._config.verify_kv:
-            raise bad("a head slice of layer-wise KV, of hidden states or with checksums is not pulled")
-        if heads.src_head + heads.num_heads > loc.layout.num_kv_heads:
-            raise bad(f"heads {heads} are not among the producer's {loc.layout.num_kv_heads}")
-        try:
-            self._region.heads(heads.dst_head, heads.num_heads, heads.per_block)
-        except ValueError as exc:
-            raise bad(f"heads {heads}: {exc}") from None
-        return msgspec.structs.replace(loc, heads=heads)
-
-    def _verify(self, rid: str, dst_blocks: list[int], loc: KVLocation) -> None:
-        """--verify-kv: the blocks we hold now must match the producer's per-layer checksums."""
-        if not self._config.verify_kv:
-            return
-
-        def bad(reason: str) -> TransferError:
-            return ReceiveError(rid, loc.producer, reason, TransferFailure.TRANSPORT)
-
-        if not loc.layer_checksums:
-            raise bad("producer published no KV checksums (run it with --verify-kv too)")
-        got = layer_checksums(self._region, dst_blocks)
-        if got != loc.layer_checksums:
-            wrong = [i for i, (a, b) in enumerate(zip(got, loc.layer_checksums)) if a != b]
-            raise bad(f"KV checksum mismatch in layers {wrong}")
 
     def _mark_failed(self, request_id: str, reason: str) -> None:
         log.warning("request %s: transfer failed, recomputing: %s", request_id, reason)

@@ -11,15 +11,17 @@
    reads, tp.py). A part's pull runs on the pull thread (`kvwire-pull`) once its location is
    known: the thread waits on the consumer's wake-up fd and pulls, one after another, the parts
    the consumer says are `ready()`; the request's pull ends when all its parts have.
-3. `transfer_results` (each step): requests whose held KV was pulled or whose hold lapsed
-   (vLLM frees their blocks now), requests whose pull ended; a failed pull's request is
-   reported failed and its blocks as load errors, so vLLM recomputes its prompt.
+3. `transfer_results` (each step): what ended since the last call, as the engine's thread
+   and the pull thread posted it to one mailbox (`Ended`): requests whose held KV was pulled
+   or whose hold lapsed (vLLM frees their blocks now), requests whose pull ended; a failed
+   pull's request is reported failed, so vLLM recomputes its prompt.
 4. `close` (vLLM's shutdown): deregister, stop pulls, release what is held, close the directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import logging
 import os
@@ -32,7 +34,8 @@ import torch
 
 from kvwire.connectors.base import TransferError
 from kvwire.connectors.config import ConnectorConfig
-from kvwire.connectors.consumer.role import KVConsumer, failure_of
+from kvwire.connectors.consumer.errors import failure_of
+from kvwire.connectors.consumer.role import KVConsumer
 from kvwire.connectors.control import auth
 from kvwire.connectors.directory.directory import DirectoryError, KVDirectory
 from kvwire.connectors.directory.heartbeat import Heartbeat
@@ -47,7 +50,7 @@ from kvwire.connectors.vllm.params import RemotePrefill
 from kvwire.connectors.vllm.settings import VLLMSettings
 from kvwire.connectors.vllm.tally import Tally
 from kvwire.connectors.vllm.tp import RankPull, TPSplit, plan, rank_key
-from kvwire.connectors.wakeup import Wakeup
+from kvwire.connectors.wakeup import Mailbox
 from kvwire.connectors.wire import HeadSlice, NodeEngine, NodeInfo
 from kvwire.observability.labels import TransferFailure
 
@@ -84,14 +87,12 @@ class WorkerHalf:
         self._consumer: KVConsumer | None = None
         self._directory: KVDirectory | None = None
         self._lock = threading.Lock()
-        self._sent: set[str] = set()  # producer: held requests released (pulled, lapsed, never held)
-        self._received: set[str] = set()  # consumer: requests whose pull ended, well or not
-        self._failed: set[str] = set()  # consumer: ... not
+        # transfers that ended, for vLLM's next `transfer_results` (from the engine's and the pull thread)
+        self._ended_transfers: Mailbox[tuple[str, Ended]] = Mailbox()
         self._waiting: dict[str, tuple[str, Pull, RankPull]] = {}  # a prefill rank's key -> (ours, pull, part)
         self._parts: dict[str, _Parts] = {}  # our request id -> its parts' progress
         self._held_ids: dict[str, str] = {}  # producer: the key this rank holds a request under -> its id
         self._closing = threading.Event()
-        self._news = Wakeup()  # woken when a pull ends (transfer_results may be waiting)
         self._pull_thread: threading.Thread | None = None
         self._epoch = 0
         self._heartbeat: Heartbeat | None = None
@@ -153,18 +154,22 @@ class WorkerHalf:
             for released in self._producer.released():
                 self._released(released.request_id, released.block_ids)
         self.tally.rejected_so_far(auth.rejected_count())
-        with self._lock:
-            out = (self._sent, self._received, self._failed)
-            self._sent, self._received, self._failed = set(), set(), set()
-        return out
+        sent: set[str] = set()
+        received: set[str] = set()
+        failed: set[str] = set()
+        for rid, ended in self._ended_transfers.take():
+            (sent if ended is Ended.SENT else received).add(rid)
+            if ended is Ended.FAILED:
+                failed.add(rid)
+        return sent, received, failed
 
     def _wait_for_news(self, wait_s: float) -> None:
+        """Until a transfer ends, at most `wait_s`; at once when one has already (its mailbox's fd is readable)."""
         with self._lock:
             busy = bool(self._parts or self._held_ids)
-            news = bool(self._sent or self._received)
-        if not busy or news:
+        if not busy:
             return
-        wakeups = [self._news] + ([self._producer.wakeup] if self._producer is not None else [])
+        wakeups = [self._ended_transfers.wakeup] + ([self._producer.wakeup] if self._producer is not None else [])
         ready, _, _ = select.select([w.fd for w in wakeups], [], [], wait_s)
         for wakeup in wakeups:  # what woke it is taken after this (released(), the sets)
             if wakeup.fd in ready:
@@ -183,6 +188,7 @@ class WorkerHalf:
                 role.close()
         if self._directory is not None:
             self._directory.close()
+        self._ended_transfers.close()
 
     def _node_info(self, config: ConnectorConfig, epoch: int) -> NodeInfo:
         pulls, recomputed = self.tally.totals()
@@ -216,7 +222,8 @@ class WorkerHalf:
 
     def _released(self, key: str, block_ids: list[int]) -> None:
         with self._lock:
-            self._sent.add(self._held_ids.pop(key, key))
+            rid = self._held_ids.pop(key, key)
+        self._ended_transfers.put((rid, Ended.SENT))
 
     # --- consumer --------------------------------------------------------------------------
 
@@ -318,11 +325,9 @@ class WorkerHalf:
                      "said once per peer and reason)" if first else "")
 
     def _ended(self, rid: str, ok: bool) -> None:
-        self._news.wake()
-        with self._lock:
-            self._received.add(rid)
-            if not ok:  # failed_recving: vLLM recomputes the whole prompt (blocks are not named: with several
-                self._failed.add(rid)  # KV cache groups a block id is ambiguous, and vLLM's engine dies on them)
+        # failed_recving: vLLM recomputes the whole prompt (blocks are not named: with several KV cache groups a
+        # block id is ambiguous, and vLLM's engine dies on them)
+        self._ended_transfers.put((rid, Ended.RECEIVED if ok else Ended.FAILED))
 
     def _abandon(self, remote: RemotePrefill) -> None:
         """This instance will not pull `remote`'s KV: the entries of the prefill ranks this rank answers for
@@ -338,6 +343,14 @@ class WorkerHalf:
                 self._directory.fail(key, "the consumer computed or cached the prompt itself")
             except DirectoryError as exc:
                 log.warning("request %s: cannot mark abandoned: %s", key, exc)
+
+
+class Ended(enum.Enum):
+    """How a transfer of this rank ended, as vLLM's `get_finished` reports it."""
+
+    SENT = "sent"  # producer: a held request released (pulled, lapsed, never held)
+    RECEIVED = "received"  # consumer: its pull ended well
+    FAILED = "failed"  # consumer: its pull ended, failed (vLLM recomputes the prompt)
 
 
 @dataclasses.dataclass

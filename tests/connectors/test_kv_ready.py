@@ -10,13 +10,16 @@ import torch
 import zmq
 
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
-from kvwire.connectors.control.framing import unpack
+from kvwire.connectors.consumer.role import DIRECT_HEAD_START_S
+from kvwire.connectors.control.framing import pack, unpack
 from kvwire.connectors.directory.directory import KVDirectory, TransferState
 from kvwire.connectors.kv_pool import KVPool
 from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.producer.role import ADVERTISE_DELAY_S
 from kvwire.connectors.standalone import open_consumer, open_producer
 from kvwire.connectors.wire import KVLocation, KVReady, PullRequest
+from kvwire.observability.metrics import process_metrics
+from kvwire.protocol.work import CancelWork
 from tests import procs
 from tests.connectors import peer
 
@@ -29,7 +32,7 @@ def _config(role: NodeRole, node_id: str, redis_url: str, deadline_s: float = 10
 
 
 def _work_socket() -> tuple[zmq.Socket, str]:
-    """A PULL socket standing in for a decode node's work endpoint, and its address."""
+    """A PULL socket standing in for a consumer's inbox, and its address."""
     sock = zmq.Context.instance().socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
     return sock, f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
@@ -154,27 +157,27 @@ def test_a_kv_ready_that_beats_its_work_is_kept_for_it(redis_url):
         side.close()
 
 
-def test_producer_tells_the_consumer_directly_and_the_consumer_pulls(redis_url):
-    """Two standalone roles over TCP, in two processes, around the session's redis: no node, engine or router."""
+def test_producer_tells_the_consumer_in_its_inbox_and_the_consumer_pulls(redis_url):
+    """Two standalone roles over TCP, in two processes, around the session's redis: no node, engine or router.
+    The producer pushes its KVReady to the consumer's own inbox; the consumer's `ready()` reads it."""
     lay, rid, tokens = peer.layout(), "direct-pull", 10
     src, dst = [5, 2, 9], [1, 12, 13]
-    sock, endpoint = _work_socket()
     pool = KVPool.allocate(lay, 16)
-    side = open_consumer(_config(NodeRole.DECODE, "d-direct", redis_url), kv_caches=pool.kv_caches)
+    side = open_consumer(_config(NodeRole.DECODE, "d-direct", redis_url), kv_caches=pool.kv_caches, inbox=True)
     consumer = side.consumer
     results = CTX.Queue()
     proc = CTX.Process(target=peer.produce, args=(redis_url, ConnectorKind.TCP, lay, [(rid, tokens, src)], False,
                                                   10.0, results),
-                       kwargs={"num_blocks": 16, "node_id": "p-direct", "consumer_endpoint": endpoint})
+                       kwargs={"num_blocks": 16, "node_id": "p-direct",
+                               "consumer_endpoint": consumer.kv_ready_endpoint})
     try:
-        record = consumer.expect(rid, producer="p-direct")
         proc.start()
         assert results.get(timeout=30) == ("published", 1)
-        ready = _kv_ready(sock)
-        assert ready.location.request_id == rid and ready.location.producer == "p-direct"
-        assert ready.location.block_ids == src
-        consumer.take_kv_ready(ready.location)  # False only if the directory's READY settled the record first
-        assert record.settled and record.location == ready.location
+        assert consumer.inbox_socket.poll(5000), "no KVReady in the inbox"
+        record = consumer.expect(rid, producer="p-direct")  # told directly: the directory waits its head start
+        assert consumer.ready() == [rid], "settled by the inbox's KVReady, read by ready()"
+        assert record.location is not None and record.location.producer == "p-direct"
+        assert record.location.block_ids == src
         hidden, bypass, _ = consumer.receive_batch(ModelInput([SequenceInput(rid, [0] * tokens, 0, dst)]))
         assert bypass
         assert torch.equal(pool.data[dst], peer.request_kv(rid, lay, len(src)))
@@ -183,7 +186,7 @@ def test_producer_tells_the_consumer_directly_and_the_consumer_pulls(redis_url):
         assert results.get(timeout=30) == ("released", {rid: src})
         proc.join(30)
         assert proc.exitcode == 0
-        assert consumer.ready() == [rid], "the owner is told once (by the KVReady or the directory, first)"
+        assert consumer.ready() == [], "the owner is told once"
         directory = KVDirectory(redis_url)
         try:
             assert directory.request_ids() == [], "the producer deletes the entry once the pull is confirmed"
@@ -191,9 +194,67 @@ def test_producer_tells_the_consumer_directly_and_the_consumer_pulls(redis_url):
             directory.close()
     finally:
         side.close()
-        sock.close(0)
         proc.join(5)
         proc.kill()
+
+
+def test_the_inbox_drops_what_is_not_a_kv_ready_and_keeps_reading(redis_url):
+    """A malformed message, or another message type, in the inbox is counted and dropped; the KVReady after it
+    still settles its request."""
+    side = open_consumer(_config(NodeRole.DECODE, "d-inbox", redis_url, deadline_s=5.0), layout=peer.layout(),
+                         num_blocks=8, inbox=True)
+    consumer = side.consumer
+    rejected = process_metrics().messages_rejected.labels("malformed")
+    before = rejected._value.get()
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(consumer.kv_ready_endpoint)
+    try:
+        record = consumer.expect("inbox-1", producer="p")
+        wrong_kind = pack(CancelWork(request_id="inbox-1"))
+        for frame in (b"not msgpack", wrong_kind, pack(KVReady(location=_location("inbox-1")))):
+            push.send(frame)
+        told = _ready_with_inbox(consumer, 1, 5.0)
+        assert told == ["inbox-1"] and record.location == _location("inbox-1")
+        assert rejected._value.get() - before == 2
+    finally:
+        push.close(0)
+        side.close()
+
+
+def test_a_consumer_told_directly_gives_its_kv_ready_a_head_start_by_itself(redis_url):
+    """The head start is the consumer's policy: with an inbox and a named producer the directory is first read
+    DIRECT_HEAD_START_S after `expect`; without an inbox, at once."""
+    told, untold = (open_consumer(_config(NodeRole.DECODE, f"d-policy-{i}", redis_url, deadline_s=5.0),
+                                  layout=peer.layout(), num_blocks=8, inbox=i == 0) for i in range(2))
+    try:
+        told.directory.fail("policy-told", "refused", producer="p")
+        told.directory.fail("policy-untold", "refused", producer="p")
+        start = time.monotonic()
+        told.consumer.expect("policy-told", producer="p")
+        untold.consumer.expect("policy-untold", producer="p")
+        when_untold = dict(_ready_as_told(untold.consumer, 1, 3.0))["policy-untold"]
+        when_told = dict(_ready_with_inbox(told.consumer, 1, 3.0, stamped=True))["policy-told"]
+        assert when_untold - start < DIRECT_HEAD_START_S
+        assert when_told - start >= DIRECT_HEAD_START_S
+    finally:
+        told.close()
+        untold.close()
+
+
+def _ready_with_inbox(consumer, want: int, timeout_s: float, stamped: bool = False) -> list:
+    """`ready()` as a decode node's loop reads it: woken by the consumer's fd or its inbox socket."""
+    poller = zmq.Poller()
+    poller.register(consumer.wakeup.fd, zmq.POLLIN)
+    poller.register(consumer.inbox_socket, zmq.POLLIN)
+    told: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(told) < want and (left := deadline - time.monotonic()) > 0:
+        poller.poll(left * 1000)
+        consumer.wakeup.drain()
+        now = time.monotonic()
+        told += [(rid, now) if stamped else rid for rid in consumer.ready()]
+    return told
 
 
 def test_a_head_start_keeps_the_directory_unread_until_it_ends_and_a_kv_ready_skips_it(redis_url, monkeypatch):

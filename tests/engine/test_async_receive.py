@@ -12,7 +12,6 @@ import time
 import pytest
 
 from kvwire.connectors.base import KVConnectorBase
-from kvwire.connectors.config import NodeRole
 from kvwire.connectors.kv_pool import KVPool
 from kvwire.connectors.wakeup import Wakeup
 from kvwire.engine.block_allocator import BlockAllocator
@@ -51,7 +50,7 @@ def model(tiny_model_dir):
 
 def _engine(model, connector=None, num_blocks=64, wakeup: Wakeup | None = None) -> LLMEngine:
     pool = KVPool.allocate(kv_layout(model.config, 4), num_blocks)
-    runner = ModelRunner(model, pool, connector, NodeRole.DECODE if connector else None)
+    runner = ModelRunner(model, pool, consumer=connector)
     return LLMEngine(runner, BlockAllocator(num_blocks), 256, model.config.eos_token_id, wakeup)
 
 
@@ -90,7 +89,7 @@ def test_running_requests_decode_while_a_prompt_is_pulled(model):
     assert b.bypassed and b.output_ids == _alone(model, PROMPT_B)
     assert a.output_ids == _alone(model, PROMPT_A)
     assert eng.allocator.num_free == 64
-    eng.runner.close()
+    eng.close()
 
 
 def test_an_abort_mid_pull_frees_the_blocks_once_the_pull_ends(model):
@@ -109,7 +108,7 @@ def test_an_abort_mid_pull_frees_the_blocks_once_the_pull_ends(model):
     _wait_received(eng)
     outputs = eng.step()
     assert outputs == [] and not eng.has_unfinished() and eng.allocator.num_free == 64
-    eng.runner.close()
+    eng.close()
 
 
 def test_with_nothing_else_running_the_pull_happens_within_the_step(model):
@@ -119,7 +118,7 @@ def test_with_nothing_else_running_the_pull_happens_within_the_step(model):
     b = eng.add_request("b", PROMPT_B, PARAMS)
     [out] = eng.step()
     assert out.sequence is b and len(out.new_token_ids) == 1 and b.bypassed and not eng.receiving
-    eng.runner.close()
+    eng.close()
 
 
 class _CountingPull(_GatedPull):
@@ -156,4 +155,4 @@ def test_a_step_never_runs_two_pulls_at_once(model, running_first):
         else:
             time.sleep(0.001)
     assert conn.most == 1 and all(s.bypassed for s in seqs)
-    eng.runner.close()
+    eng.close()

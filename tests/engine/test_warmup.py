@@ -20,10 +20,11 @@ from kvwire.protocol.work import SamplingParams
 BS = 4
 
 
-def _engine(model, num_blocks: int = 32, prefix_cache: bool = True) -> LLMEngine:
-    pool = KVPool.allocate(kv_layout(model.config, BS), num_blocks)
-    return LLMEngine(ModelRunner(model, pool), BlockAllocator(num_blocks), 256, model.config.eos_token_id,
-                     prefix_cache=prefix_cache)
+def _engine(model, num_blocks: int = 32, prefix_cache: bool = True) -> tuple[LLMEngine, ModelRunner]:
+    """An engine and its runner (which a node warms up before it makes the engine)."""
+    runner = ModelRunner(model, KVPool.allocate(kv_layout(model.config, BS), num_blocks))
+    return LLMEngine(runner, BlockAllocator(num_blocks), 256, model.config.eos_token_id,
+                     prefix_cache=prefix_cache), runner
 
 
 def _allocator_state(allocator: BlockAllocator) -> dict:
@@ -44,16 +45,16 @@ def _kvwire_series() -> list[str]:
 
 
 def test_warm_up_leaves_allocator_pool_and_metrics_exactly_as_they_were(tiny_model):
-    engine = _engine(tiny_model)
+    engine, runner = _engine(tiny_model)
     held = engine.allocator.allocate(3)  # some blocks in use, so the free set is not just 0..n
-    engine.runner.pool.data.normal_()  # bytes in every block, the free ones included
-    pool_before = engine.runner.pool.data.clone()
+    runner.pool.data.normal_()  # bytes in every block, the free ones included
+    pool_before = runner.pool.data.clone()
     allocator_before = _allocator_state(engine.allocator)
     metrics_before = _kvwire_series()
-    report = warm_up(engine.runner, engine.allocator, engine.max_model_len)
+    report = warm_up(runner, engine.allocator, engine.max_model_len)
     assert not report.skipped and 1 <= len(report.pass_ms) <= MAX_PASSES, report
     assert _allocator_state(engine.allocator) == allocator_before
-    assert torch.equal(engine.runner.pool.data, pool_before)
+    assert torch.equal(runner.pool.data, pool_before)
     assert engine.allocator.num_cached == 0  # no prefix-cache entry
     assert _kvwire_series() == metrics_before  # not counted as a request, nor as a forward
     engine.allocator.free(held)
@@ -61,28 +62,28 @@ def test_warm_up_leaves_allocator_pool_and_metrics_exactly_as_they_were(tiny_mod
 
 def test_tokens_after_a_warm_up_are_those_of_a_cold_engine(tiny_model):
     prompt = list(range(40, 71))
-    cold = _serve(_engine(tiny_model), "cold", prompt)
-    warm = _engine(tiny_model)
-    warm_up(warm.runner, warm.allocator, warm.max_model_len)
+    cold = _serve(_engine(tiny_model)[0], "cold", prompt)
+    warm, warm_runner = _engine(tiny_model)
+    warm_up(warm_runner, warm.allocator, warm.max_model_len)
     assert _serve(warm, "warm", prompt) == cold
     assert _serve(warm, "again", prompt) == cold  # from its prefix cache now: warm-up named nothing there
 
 
 def test_warm_up_is_skipped_while_blocks_are_cached_or_too_few_are_free(tiny_model):
-    engine = _engine(tiny_model)
+    engine, runner = _engine(tiny_model)
     _serve(engine, "r", list(range(1, 20)))  # leaves named blocks behind (the prefix cache)
     before = _allocator_state(engine.allocator)
-    report = warm_up(engine.runner, engine.allocator, engine.max_model_len)
+    report = warm_up(runner, engine.allocator, engine.max_model_len)
     assert report.pass_ms == () and "cached" in report.skipped
     assert _allocator_state(engine.allocator) == before
-    small = _engine(tiny_model, num_blocks=3, prefix_cache=False)
-    assert "free" in warm_up(small.runner, small.allocator, small.max_model_len).skipped
+    small, small_runner = _engine(tiny_model, num_blocks=3, prefix_cache=False)
+    assert "free" in warm_up(small_runner, small.allocator, small.max_model_len).skipped
 
 
 @pytest.mark.parametrize(("budget_s", "passes"), [(0.0, 1), (60.0, None)])
 def test_no_pass_starts_once_the_budget_is_spent(tiny_model, budget_s, passes):
-    engine = _engine(tiny_model)
-    report = warm_up(engine.runner, engine.allocator, engine.max_model_len, budget_s=budget_s)
+    engine, runner = _engine(tiny_model)
+    report = warm_up(runner, engine.allocator, engine.max_model_len, budget_s=budget_s)
     if passes is not None:
         assert len(report.pass_ms) == passes
     else:
@@ -92,8 +93,8 @@ def test_no_pass_starts_once_the_budget_is_spent(tiny_model, budget_s, passes):
 
 @pytest.mark.parametrize("max_model_len", [1, 2, 3, 9])
 def test_a_short_max_model_len_still_warms(tiny_model, max_model_len):
-    engine = _engine(tiny_model)
+    engine, runner = _engine(tiny_model)
     before = _allocator_state(engine.allocator)
-    report = warm_up(engine.runner, engine.allocator, max_model_len)
+    report = warm_up(runner, engine.allocator, max_model_len)
     assert report.pass_ms and not report.skipped
     assert _allocator_state(engine.allocator) == before

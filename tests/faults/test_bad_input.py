@@ -151,10 +151,12 @@ def test_malformed_control_messages_are_rejected_and_nodes_keep_serving(cluster,
     before = {r: metric(cluster.ops_urls[r], "kvwire_messages_rejected_total", reason="malformed") or 0.0
               for r in ("prefill", "decode")}
 
-    for role in ("prefill", "decode"):
+    assert nodes["decode"].kv_ready_endpoint, "the decode node publishes its consumer's KVReady inbox"
+    targets = [nodes["prefill"].work_endpoint, nodes["decode"].work_endpoint, nodes["decode"].kv_ready_endpoint]
+    for endpoint in targets:
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 5000)
-        push.connect(nodes[role].work_endpoint)
+        push.connect(endpoint)
         for _ in range(PER_TARGET):
             _send(push, malformed(rng, templates))
         push.close()
@@ -172,7 +174,7 @@ def test_malformed_control_messages_are_rejected_and_nodes_keep_serving(cluster,
                           transport_address=consumer_address, dst_block_ids=[1])]
     for msg in forged:
         side.send(encode(msg))
-    tally.malformed += 3 * PER_TARGET + len(forged)
+    tally.malformed += (len(targets) + 1) * PER_TARGET + len(forged)
 
     refused = {}
     deadline = time.monotonic() + 20
@@ -198,10 +200,11 @@ def test_malformed_control_messages_are_rejected_and_nodes_keep_serving(cluster,
     directory.close()
     side_rejections = _log_lines(cluster, "prefill", r"side channel: rejected message from peer \S+")
     work_rejections = {r: _log_lines(cluster, r, "rejected a message on the work socket") for r in before}
+    inbox_rejections = _log_lines(cluster, "decode", "rejected a message on its KVReady inbox")
     print(f"\n{tally.malformed} malformed messages; side-channel rejections logged {len(side_rejections)}, "
           f"work-socket rejections logged {({r: len(v) for r, v in work_rejections.items()})}, "
-          f"{answered} answers to reply_to")
-    assert len(side_rejections) >= PER_TARGET * 0.5
+          f"KVReady-inbox rejections logged {len(inbox_rejections)}, {answered} answers to reply_to")
+    assert len(side_rejections) >= PER_TARGET * 0.5 and len(inbox_rejections) >= PER_TARGET * 0.5
     assert all(len(v) >= PER_TARGET * 0.5 for v in work_rejections.values())
 
     prompt = [ord(c) for c in "after the barrage"]

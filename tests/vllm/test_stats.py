@@ -8,7 +8,7 @@ import logging
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvwire.connectors.base import TransferError
-from kvwire.connectors.consumer.role import ReceiveError
+from kvwire.connectors.consumer.errors import ReceiveError
 from kvwire.connectors.vllm.connector import KvwireConnector
 from kvwire.connectors.vllm.identity import EngineShape
 from kvwire.connectors.vllm.settings import VLLMSettings

@@ -1,0 +1,104 @@
+"""Whether a producer's KV location fits this consumer's pool, before the pull; and its checksums, after.
+
+A pull here: `check` (the layouts agree, or differ only in KV heads for a head slice; the
+prompt's token and block counts agree; a partial pull is allowed only where nothing needs
+the whole prompt) narrows the location to what is pulled and names the destination blocks;
+after the pull, `verify` (with --verify-kv) compares each layer's checksum with the
+producer's. Every refusal is a `ReceiveError` (a mismatch, or a transport fault for a bad
+checksum): the caller recomputes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import msgspec
+
+from kvwire.connectors.base import TransferError
+from kvwire.connectors.consumer.errors import ReceiveError
+from kvwire.connectors.transports.kv_checksum import layer_checksums
+from kvwire.connectors.transports.kv_region import KVRegion
+from kvwire.connectors.wire import HeadSlice, KVLocation
+from kvwire.observability.labels import TransferFailure
+
+
+class LocationFit:
+    """Checks locations against `region` (the consumer's pool); `verify_kv`: checksums are compared."""
+
+    def __init__(self, region: KVRegion, verify_kv: bool):
+        self._region = region
+        self._verify_kv = verify_kv
+
+    def check(self, rid: str, num_tokens: int, dst_blocks: list[int], first_block: int, loc: KVLocation,
+               heads: HeadSlice | None = None, pick: list[int] | None = None) -> tuple[KVLocation, list[int]]:
+        """`(loc, destination blocks)` if `loc` fits what we need, from `first_block` on
+        (`KVLocation.first_block`) or at `pick`'s positions, narrowed to `heads`; raises otherwise."""
+        def bad(reason: str) -> TransferError:
+            return ReceiveError(rid, loc.producer, reason, TransferFailure.MISMATCH)
+
+        layout = self._region.layout
+        if heads is not None:
+            loc = self._heads(loc, heads, bad)
+        elif loc.layout != layout:
+            raise bad(f"producer layout {loc.layout} does not match ours {layout}")
+        if loc.num_tokens != num_tokens:
+            raise bad(f"producer has {loc.num_tokens} prompt tokens, we need {num_tokens}")
+        if any(d.shape[:1] != (num_tokens,) for d in loc.hidden):
+            raise bad("hidden states do not cover the prompt")
+        if pick is not None:
+            return self._pick(loc, dst_blocks, pick, bad)
+        n_blocks = math.ceil(loc.num_tokens / layout.block_size)
+        if len(loc.block_ids) != n_blocks or len(dst_blocks) < n_blocks:
+            raise bad(f"block count mismatch: producer {len(loc.block_ids)}, needed {n_blocks}, "
+                      f"ours {len(dst_blocks)}")
+        if first_block == 0:
+            return loc, dst_blocks[:n_blocks]
+        if not 0 < first_block < n_blocks or loc.layerwise or loc.hidden or self._verify_kv:
+            raise bad(f"cannot pull from block {first_block} of {n_blocks} (layer-wise, hidden states or "
+                      "checksums need the whole prompt)")
+        return (msgspec.structs.replace(loc, block_ids=loc.block_ids[first_block:], first_block=first_block),
+                dst_blocks[first_block:n_blocks])
+
+    def _pick(self, loc: KVLocation, dst_blocks: list[int], pick: list[int],
+                    bad: Callable[[str], TransferError]) -> tuple[KVLocation, list[int]]:
+        """`loc` narrowed to the blocks at `pick`'s positions of its list, and ours at the same positions."""
+        if len(loc.block_ids) != len(dst_blocks):
+            raise bad(f"block count mismatch: producer {len(loc.block_ids)}, ours {len(dst_blocks)}")
+        if not pick or any(not 0 <= i < len(dst_blocks) for i in pick):
+            raise bad(f"a pick of {len(pick)} positions not among {len(dst_blocks)} blocks")
+        if (len(pick) < len(dst_blocks)) and (loc.layerwise or loc.hidden or self._verify_kv):
+            raise bad("layer-wise KV, hidden states and checksums need the whole prompt")
+        return (msgspec.structs.replace(loc, block_ids=[loc.block_ids[i] for i in pick]),
+                [dst_blocks[i] for i in pick])
+
+    def _heads(self, loc: KVLocation, heads: HeadSlice, bad: Callable[[str], TransferError]) -> KVLocation:
+        """`loc` narrowed to a head slice, if both pools allow it (same layout but for their head counts)."""
+        layout = self._region.layout
+        theirs = msgspec.structs.replace(loc.layout, num_kv_heads=layout.num_kv_heads)
+        if theirs != layout:
+            raise bad(f"producer layout {loc.layout} does not match ours {layout} (head counts aside)")
+        if loc.layerwise or loc.hidden or self._verify_kv:
+            raise bad("a head slice of layer-wise KV, of hidden states or with checksums is not pulled")
+        if heads.src_head + heads.num_heads > loc.layout.num_kv_heads:
+            raise bad(f"heads {heads} are not among the producer's {loc.layout.num_kv_heads}")
+        try:
+            self._region.heads(heads.dst_head, heads.num_heads, heads.per_block)
+        except ValueError as exc:
+            raise bad(f"heads {heads}: {exc}") from None
+        return msgspec.structs.replace(loc, heads=heads)
+
+    def verify(self, rid: str, dst_blocks: list[int], loc: KVLocation) -> None:
+        """--verify-kv: the blocks we hold now must match the producer's per-layer checksums."""
+        if not self._verify_kv:
+            return
+
+        def bad(reason: str) -> TransferError:
+            return ReceiveError(rid, loc.producer, reason, TransferFailure.TRANSPORT)
+
+        if not loc.layer_checksums:
+            raise bad("producer published no KV checksums (run it with --verify-kv too)")
+        got = layer_checksums(self._region, dst_blocks)
+        if got != loc.layer_checksums:
+            wrong = [i for i, (a, b) in enumerate(zip(got, loc.layer_checksums)) if a != b]
+            raise bad(f"KV checksum mismatch in layers {wrong}")
