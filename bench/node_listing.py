@@ -2,7 +2,7 @@
 
 1. Register `nodes` nodes (half prefill, half decode), as their heartbeats do, and put `entries` READY request
    entries beside them (the keyspace a busy directory holds: a listing that scans it pays for them).
-2. List the nodes `listings` times from one client, as a router's dispatch does (router/dispatch.py:
+2. List the nodes `listings` times from one client, as a router's placement does (router/placement.py:
    NODES_FRESH_S, every quarter second while requests come), counting between the first and the last what
    Redis processed (INFO commandstats: commands; INFO cpu: its CPU) and what the client's CPU spent.
 3. Scale to `routers` routers each listing every NODES_FRESH_S.
@@ -24,7 +24,7 @@ from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory.batch import DirectoryBatch
 from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.wire import NodeInfo
-from kvwire.router.dispatch import NODES_FRESH_S
+from kvwire.router.placement import NODES_FRESH_S
 
 NAMESPACE = "kvwire-bench-listing"
 

@@ -13,9 +13,13 @@ File map (file: what it holds, as its own docstring opens):
 - dispatch.py: Sends work to nodes and routes their answers back to waiting HTTP requests.
 - generation.py: One request's choices on the decode nodes: one sub-request per prompt and choice, their replies
   merged.
+- in_flight.py: One request of this router over its own nodes: the dispatcher's single record of it, from its pick
+  until it is forgotten.
 - kv_events.py: vLLM's KV cache events, read by the router: a decode instance's prefix cache as it changes (vLLM's
   `--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}'`), for an
   exact prefix index (router/prefix_index.py).
+- placement.py: Where a request of this router goes over kvwire's own nodes: its decode node and, unless it goes
+  decode-only, its prefill node.
 - prefix_index.py: Which instance holds which prompt prefix in its prefix cache, in KV blocks, predicted from the
   router's own routing (as Dynamo's approximate KV router and llm-d's prefix-cache scorer do).
 - responses.py: Answer bodies in OpenAI's shapes: completions and chat completions, whole or as stream chunks.

@@ -11,7 +11,7 @@ from kvwire.router.body_limit import MAX_BODY_BYTES
 
 
 class RoutingPolicy(enum.StrEnum):
-    """How the router picks a decode instance or node (router/vllm/schedule.py, router/dispatch.py)."""
+    """How the router picks a decode instance or node (router/vllm/schedule.py, router/placement.py)."""
 
     PREFIX = "prefix"  # by the prompt blocks each instance holds (predicted), weighed against its load
     LOAD = "load"  # by load alone; the prompt is not read for it
@@ -34,7 +34,7 @@ class RouterConfig:
     prefill_max_in_flight: a request goes decode-only (reason prefill-saturated) when every live prefill node has
         this many of the router's requests in flight, each until its first token (0: no limit).
     routing: PREFIX places a prompt on the decode node whose prefix cache holds most of it, weighed against its
-        free blocks (router/dispatch.py); LOAD by free blocks alone.
+        free blocks (router/placement.py); LOAD by free blocks alone.
     prefix_ttl_s: how long a decode node is taken to hold what it was last sent or answered.
     max_body_bytes: a request body over this many bytes gets a 413 before it is read (router/body_limit.py).
     """

@@ -1,7 +1,7 @@
-"""Which path the router gives a request over kvwire's own nodes (router/dispatch.py's `pick`): decode-only for a
-prompt shorter than decode_only_below, for one the client kept whole, without a live prefill node, or while every
-prefill node has prefill_max_in_flight requests in flight; a request stays in flight on its prefill node until its
-first reply arrives or it is forgotten."""
+"""Which path the router gives a request over kvwire's own nodes (router/placement.py, through router/dispatch.py's
+`pick`): decode-only for a prompt shorter than decode_only_below, for one the client kept whole, without a live
+prefill node, or while every prefill node has prefill_max_in_flight requests in flight; a request stays in flight on
+its prefill node until its first reply arrives or it is forgotten."""
 
 from __future__ import annotations
 
@@ -76,6 +76,14 @@ def test_saturated_prefill_nodes_are_skipped_then_every_one_sends_decode_only():
     first, second, third = (dispatcher.pick(_prompt(100), request_id=f"r{i}") for i in range(3))
     assert [r.prefill and r.prefill.node_id for r in (first, second)] == ["p0", "p1"]  # p0 has the most free
     assert (third.prefill, third.reason) == (None, PathReason.PREFILL_SATURATED)
+
+
+def test_a_pick_without_a_request_id_reserves_nothing():
+    dispatcher = _dispatcher(PAIR, prefill_max_in_flight=1)
+    assert [dispatcher.pick(_prompt(40)).reason for _ in range(2)] == [PathReason.PREFILLED] * 2
+    assert dispatcher.pick(_prompt(40), request_id="r1").reason == PathReason.PREFILLED
+    assert dispatcher.pick(_prompt(40)).reason == PathReason.PREFILL_SATURATED  # r1, named, is in flight on p0
+    asyncio.run(dispatcher.close())
 
 
 def test_a_request_leaves_its_prefill_node_at_its_first_reply_or_when_forgotten():

@@ -1,4 +1,4 @@
-"""Where the router places a prompt over kvwire's own decode nodes that keep a prefix cache (router/dispatch.py):
+"""Where the router places a prompt over kvwire's own decode nodes that keep a prefix cache (router/placement.py):
 a conversation's next turn on the node that holds its earlier turns (what it was sent, then what it answered, read
 from the decode node's replies on the real reply socket), decode-only there when little of it is left to compute;
 unrelated prompts spread; a restarted node, a node without a prefix cache and `--routing load` hold nothing."""
