@@ -24,6 +24,7 @@ from kvwire.cli.options import (
     RedisTimeout,
     RedisUrl,
     RequireFastPath,
+    TracesEndpoint,
     VerifyKV,
     Warmup,
     node_config,
@@ -60,7 +61,8 @@ def prefill(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port
             device: Device = "cpu", torch_threads: Threads = 1, http_port: HttpPort = 0,
             auth_secret_file: AuthSecretFile = None, verify_kv: VerifyKV = False, drain_timeout: DrainTimeout = 30.0,
             layerwise: Layerwise = False, advertise_host: AdvertiseHost = None, heartbeat_ttl: HeartbeatTTL = 5.0,
-            redis_timeout: RedisTimeout = 5.0, warmup: Warmup = True, log_level: LogLevel = "INFO") -> None:
+            redis_timeout: RedisTimeout = 5.0, warmup: Warmup = True, otlp_traces_endpoint: TracesEndpoint = "",
+            log_level: LogLevel = "INFO") -> None:
     """Run a prefill node: compute prompts and publish their KV."""
     _run(NodeRole.PREFILL, **locals())
 
@@ -72,6 +74,6 @@ def decode(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port:
            auth_secret_file: AuthSecretFile = None, verify_kv: VerifyKV = False, drain_timeout: DrainTimeout = 30.0,
            pull_lanes: PullLanes = 2, advertise_host: AdvertiseHost = None, require_fast_path: RequireFastPath = False,
            heartbeat_ttl: HeartbeatTTL = 5.0, redis_timeout: RedisTimeout = 5.0, prefix_cache: PrefixCache = True,
-           warmup: Warmup = True, log_level: LogLevel = "INFO") -> None:
+           warmup: Warmup = True, otlp_traces_endpoint: TracesEndpoint = "", log_level: LogLevel = "INFO") -> None:
     """Run a decode node: receive prompts' KV and generate tokens."""
     _run(NodeRole.DECODE, **locals())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import socket
@@ -38,6 +39,11 @@ KVDeadline = Annotated[float, typer.Option("--kv-deadline", min=0.01,
 HttpPort = Annotated[int, typer.Option("--http-port", min=0, max=65535,
                                         help="Serve GET /healthz, /readyz and /metrics on this port; 0: off.")]
 LogLevel = Annotated[str, typer.Option("--log-level", help="DEBUG, INFO, WARNING or ERROR.")]
+TracesEndpoint = Annotated[str, typer.Option(
+    "--otlp-traces-endpoint", envvar="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    help="Export kvwire's OpenTelemetry spans (routing, prefill, decode with the transfer's bytes and duration) "
+         "to this OTLP/HTTP endpoint, e.g. http://collector:4318/v1/traces; needs `pip install 'kvwire[otel]'`. "
+         "Client trace headers are passed on and logged either way.")]
 DrainTimeout = Annotated[float, typer.Option(
     "--drain-timeout", min=0, envvar="KVWIRE_DRAIN_TIMEOUT",
     help="On SIGTERM, seconds to finish what the node holds (it takes no new work) before it exits.")]
@@ -90,6 +96,16 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s")
 
 
+def traces_endpoint(value: str) -> str:
+    """--otlp-traces-endpoint, checked: refused where the otel extra is missing (the spans could not be made)."""
+    if value and importlib.util.find_spec("opentelemetry.sdk") is None:
+        raise typer.BadParameter("kvwire's spans need the OpenTelemetry SDK: pip install 'kvwire[otel]' (or unset "
+                                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)", param_hint="--otlp-traces-endpoint")
+    if value and not value.startswith(("http://", "https://")):
+        raise typer.BadParameter(f"{value!r} is not an http(s) URL (OTLP/HTTP)", param_hint="--otlp-traces-endpoint")
+    return value
+
+
 def default_node_id(role: NodeRole) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
 
@@ -101,7 +117,7 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
                 drain_timeout: float = 30.0, pull_lanes: int = 2, layerwise: bool = False,
                 advertise_host: str | None = None, require_fast_path: bool = False,
                 heartbeat_ttl: float = 5.0, redis_timeout: float = 5.0, prefix_cache: bool = False,
-                warmup: bool = True) -> NodeConfig:
+                warmup: bool = True, otlp_traces_endpoint: str = "") -> NodeConfig:
     """Build a node's one config object from its command-line options."""
     if not (model / "config.json").is_file():
         raise typer.BadParameter(f"{model} has no config.json (create one with `kvwire init-model`)",
@@ -124,7 +140,8 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
                             prefix_cache=prefix_cache),
         connector=connector_config,
         work_port=port, http_port=http_port, auth_secret=auth_secret(auth_secret_file),
-        drain_timeout_s=drain_timeout, heartbeat_ttl_s=heartbeat_ttl, redis_timeout_s=redis_timeout, warmup=warmup)
+        drain_timeout_s=drain_timeout, heartbeat_ttl_s=heartbeat_ttl, redis_timeout_s=redis_timeout, warmup=warmup,
+        traces_endpoint=traces_endpoint(otlp_traces_endpoint))
 
 
 ServedModelName = Annotated[str | None, typer.Option(

@@ -14,10 +14,12 @@ from kvwire.cli.options import (
     Lenient,
     LogLevel,
     ServedModelName,
+    TracesEndpoint,
     auth_secret,
     refuse_given,
     served_model_names,
     setup_logging,
+    traces_endpoint,
 )
 from kvwire.router.body_limit import MAX_BODY_BYTES
 from kvwire.router.config import RouterConfig, RoutingPolicy, VLLMRouterConfig
@@ -78,7 +80,7 @@ RequestTimeout = Annotated[float, typer.Option(
 MaxBodyBytes = Annotated[int, typer.Option(
     "--max-body-bytes", min=1, help="A request body over this many bytes gets a 413 naming this cap before it is read "
                                     "(a stated length at once; a chunked body at the first byte past it).")]
-_KVWIRE_ONLY = ("model", "redis_url", "auth_secret_file", "served_model_name", "lenient")
+_KVWIRE_ONLY = ("model", "redis_url", "auth_secret_file", "served_model_name", "lenient", "otlp_traces_endpoint")
 _VLLM_ONLY = ("health_interval", "connect_timeout", "instance_wait", "max_failures", "unresponsive_after", "sequential",
               "vllm_kv_events")
 
@@ -92,7 +94,8 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
            decode_only_below: DecodeOnlyBelow = None, prefix_ttl: PrefixTTL = 120.0,
            vllm_kv_events: VLLMKVEvents = None, auth_secret_file: AuthSecretFile = None,
            served_model_name: ServedModelName = None, lenient: Lenient = False,
-           max_body_bytes: MaxBodyBytes = MAX_BODY_BYTES, log_level: LogLevel = "INFO") -> None:
+           max_body_bytes: MaxBodyBytes = MAX_BODY_BYTES, otlp_traces_endpoint: TracesEndpoint = "",
+           log_level: LogLevel = "INFO") -> None:
     """Serve the OpenAI API (POST /v1/completions and /v1/chat/completions), GET /v1/models,
     /healthz, /readyz and /metrics: over kvwire's nodes (--model, --redis-url), or over vLLM servers
     (--vllm-decode, and --vllm-prefill to disaggregate)."""
@@ -107,8 +110,13 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
                             VLLMRouterConfig.decode_only_below if decode_only_below is None else decode_only_below,
                             prefix_ttl, tuple(e.strip() for e in vllm_kv_events.split(",")) if vllm_kv_events else ())
         app = _vllm_app(ctx, vllm_prefill, vllm_decode, host, port, timing, max_body_bytes)
+        if otlp_traces_endpoint:  # from the environment (on the command line it is refused)
+            logging.getLogger(__name__).info(
+                "the vLLM router makes no spans of its own (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is for kvwire's nodes);"
+                " it passes traceparent/tracestate on to the vLLM servers, which export theirs")
     else:
-        paths = NodesPaths(decode_only_below or 0, prefill_max_in_flight, routing, prefix_ttl)
+        paths = NodesPaths(decode_only_below or 0, prefill_max_in_flight, routing, prefix_ttl,
+                           traces_endpoint(otlp_traces_endpoint))
         app = _kvwire_app(ctx, model, redis_url, host, port, request_timeout, auth_secret_file,
                           served_model_names(served_model_name), lenient, paths, max_body_bytes)
     uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
@@ -121,6 +129,7 @@ class NodesPaths(NamedTuple):
     prefill_max_in_flight: int
     routing: RoutingPolicy
     prefix_ttl: float
+    traces_endpoint: str
 
 
 def _kvwire_app(ctx: typer.Context, model: Path | None, redis_url: str | None, host: str, port: int,
@@ -138,7 +147,8 @@ def _kvwire_app(ctx: typer.Context, model: Path | None, redis_url: str | None, h
     config = RouterConfig(model_dir=model, redis_url=redis_url, host=host, port=port, request_timeout_s=request_timeout,
                           served_model_names=names, lenient=lenient, auth_secret=auth_secret(auth_secret_file),
                           decode_only_below=paths.decode_only_below, prefill_max_in_flight=paths.prefill_max_in_flight,
-                          routing=paths.routing, prefix_ttl_s=paths.prefix_ttl, max_body_bytes=max_body_bytes)
+                          routing=paths.routing, prefix_ttl_s=paths.prefix_ttl, max_body_bytes=max_body_bytes,
+                          traces_endpoint=paths.traces_endpoint)
     auth.install(config.auth_secret)  # before any socket opens
     app = create_app(config)
     freeze_startup_heap()  # the router's heap holds torch and the tokenizer too

@@ -23,9 +23,11 @@ from kvwire.cli.options import (
     LogLevel,
     OptionalRedisUrl,
     ServedModelName,
+    TracesEndpoint,
     auth_secret,
     served_model_names,
     setup_logging,
+    traces_endpoint,
 )
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.cluster.paths import default_model_dir
@@ -46,7 +48,7 @@ def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a
                                               "than this many tokens (in its prefix cache) is computed there, without "
                                               "a transfer (0: every prompt disaggregated)."
        )] = 0,
-       log_level: LogLevel = "WARNING") -> None:
+       otlp_traces_endpoint: TracesEndpoint = "", log_level: LogLevel = "WARNING") -> None:
     """Start Redis, a prefill node, a decode node and the router; stop them all on Ctrl-C."""
     if layerwise and connector not in LAYERWISE_KINDS:
         raise typer.BadParameter("layer-wise streaming runs over the tcp and ucx connectors", param_hint="--layerwise")
@@ -58,7 +60,7 @@ def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a
                        redis_url=redis_url, kv_deadline_s=kv_deadline, log_level=log_level,
                        auth_secret_file=auth_secret_file, layerwise=layerwise, max_restarts=max_restarts,
                        served_model_names=served_model_names(served_model_name), lenient=lenient,
-                       decode_only_below=decode_only_below)
+                       decode_only_below=decode_only_below, traces_endpoint=traces_endpoint(otlp_traces_endpoint))
     auth_secret(auth_secret_file)  # a bad file fails here, not in four children
     with LocalCluster(spec) as cluster:
         typer.echo(f"kvwire is up: {cluster.url}  (model {spec.model_dir}, connector {connector}, "

@@ -62,6 +62,7 @@ class ClusterSpec:
     heartbeat_ttl_s: float = 5.0  # both nodes' --heartbeat-ttl: how long a dead node stays registered
     decode_nodes: int = 1  # decode nodes: "decode" (id decode-0), then "decode-1" ... (the router picks among them)
     warmup: bool = True  # the nodes warm up before they register; False: `--no-warmup` (cold first requests)
+    traces_endpoint: str = ""  # every child's --otlp-traces-endpoint ("": what the environment says)
     launch: Launcher | None = None  # how children start; None: `python -m kvwire.cli.main` (cluster/forked.py)
 
 
@@ -127,11 +128,14 @@ class LocalCluster:
         extra += ["--lenient"] if s.lenient else []
         extra += ["--decode-only-below", str(s.decode_only_below)] if s.decode_only_below else []
         return ["router", "--model", str(s.model_dir), "--redis-url", self.redis_url, "--host", s.host,
-                "--port", str(self.port), "--log-level", s.log_level, *extra, *self._auth_args()]
+                "--port", str(self.port), "--log-level", s.log_level, *extra, *self._auth_args(), *self._trace_args()]
 
     def _auth_args(self) -> list[str]:
         path = self.spec.auth_secret_file
         return [] if path is None else ["--auth-secret-file", str(path)]
+
+    def _trace_args(self) -> list[str]:
+        return ["--otlp-traces-endpoint", self.spec.traces_endpoint] if self.spec.traces_endpoint else []
 
     def _node_args(self, name: str) -> list[str]:
         """`name`: "prefill", "decode" (their id ends in -0) or "decode-N"."""
@@ -145,7 +149,7 @@ class LocalCluster:
                 *self._auth_args(),
                 *(["--layerwise"] if s.layerwise and role == "prefill" else []),
                 *(["--require-fast-path"] if s.require_fast_path and role == "decode" else []),
-                *([] if s.warmup else ["--no-warmup"])]
+                *([] if s.warmup else ["--no-warmup"]), *self._trace_args()]
 
     def spawn(self, name: str, args: list[str]) -> ChildProcess:
         """Start `python -m kvwire.cli.main ARGS` as a supervised child named `name`."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from kvwire.connectors.consumer.expected import ExpectedKV
+from kvwire.observability.tracing import TraceContext
 from kvwire.protocol.work import DecodeWork
 
 
@@ -17,6 +19,8 @@ class DecodeRequest:
             none: computed here) and the router's reply endpoint (`reply_to`).
         kv: its consumer's record: deadline, location once known, stats once pulled (thread-safe itself);
             None when no producer computes the prompt.
+        trace: the client's trace context, checked (observability/tracing.py); None: none came.
+        arrived_ns: when the work was taken (time.time_ns()), where its span starts.
 
     Its state is the queue it sits in: the node's `awaiting_kv` (its KV's location or verdict not known yet),
     then the engine's waiting, receiving (its KV being pulled) and running queues.
@@ -24,6 +28,8 @@ class DecodeRequest:
 
     work: DecodeWork
     kv: ExpectedKV | None = None
+    trace: TraceContext | None = None
+    arrived_ns: int = field(default_factory=time.time_ns)
 
     @property
     def request_id(self) -> str:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import zmq
 
@@ -49,7 +50,8 @@ from kvwire.node.config import NodeConfig
 from kvwire.node.drain import Drain
 from kvwire.node.runtime import NodeLoad, NodeRuntime
 from kvwire.observability.labels import Queue, RecomputeReason
-from kvwire.protocol.work import CancelWork, DecodeStats, DecodeWork, ErrorKind, TokenChunk, WorkError
+from kvwire.observability.tracing import checked, trace_id
+from kvwire.protocol.work import CancelWork, DecodeStats, DecodeWork, ErrorKind, TokenChunk, WorkError, span_attributes
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +166,9 @@ class DecodeNode:
             self._send(work.reply_to, WorkError(request_id=rid, node=self.rt.config.node_id,
                                                 reason=str(exc), kind=ErrorKind.INVALID_REQUEST))
             return
-        record = self._requests[rid] = DecodeRequest(work)
+        record = self._requests[rid] = DecodeRequest(work, trace=checked(work.trace))
+        if record.trace is not None:
+            log.info("request %s: trace %s", rid, trace_id(record.trace))
         if not work.prefill_node:
             self.engine.add_request(rid, work.prompt_token_ids, work.sampling, receive_kv=False)
             return
@@ -216,11 +220,16 @@ class DecodeNode:
         self._observe(record, seq)
         got = record.kv.stats if record.kv is not None else None
         ttft = seq.metrics.ttft or 0.0
-        return DecodeStats(
+        stats = DecodeStats(
             bypassed=seq.bypassed, transport=str(got.transport) if got else "", kv_bytes=got.kv_bytes if got else 0,
             transfer_ms=got.transfer_s * 1000 if got else 0.0, ttft_ms=ttft * 1000,
             prefill_node=got.producer if got else record.work.prefill_node, decode_node=self.rt.config.node_id,
             cached_tokens=seq.num_cached_tokens)
+        self.rt.spans.record("kvwire.decode", record.trace, record.arrived_ns, time.time_ns(), {
+            "kvwire.request_id": record.request_id, "kvwire.node": self.rt.config.node_id,
+            "kvwire.prompt_tokens": len(record.work.prompt_token_ids), "kvwire.output_tokens": len(seq.output_ids),
+            **span_attributes(stats)})
+        return stats
 
     def _observe(self, record: DecodeRequest, seq: Sequence) -> None:
         """Record a finished request's TTFT, time per output token, and whether its prompt was recomputed."""
@@ -239,6 +248,8 @@ class DecodeNode:
         self._awaiting_kv.pop(rid, None)
         self._consumer.forget(rid)
         if record is not None:
+            self.rt.spans.record("kvwire.decode", record.trace, record.arrived_ns, time.time_ns(),
+                                 {"kvwire.request_id": rid, "kvwire.node": self.rt.config.node_id}, error=reason)
             self._send(record.work.reply_to, WorkError(request_id=rid, node=self.rt.config.node_id, reason=reason))
 
     def _send(self, endpoint: str, msg: TokenChunk | WorkError) -> None:

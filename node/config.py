@@ -23,6 +23,7 @@ class NodeConfig:
         drain_timeout_s: on SIGTERM, how long the node may take to finish what it holds before it exits.
         warmup: run the engine and the transfer plane once on the node's device before registering
             (engine/warmup.py), so the first requests do not pay the device's start-up.
+        traces_endpoint: OTLP/HTTP endpoint for the node's spans (observability/tracing.py); "": none.
     """
 
     engine: EngineConfig
@@ -34,6 +35,7 @@ class NodeConfig:
     auth_secret: bytes | None = field(default=None, repr=False)
     drain_timeout_s: float = 30.0
     warmup: bool = True
+    traces_endpoint: str = ""
 
     def __post_init__(self) -> None:
         if self.drain_timeout_s < 0:

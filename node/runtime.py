@@ -54,6 +54,7 @@ from kvwire.node.config import NodeConfig
 from kvwire.observability.labels import RejectReason
 from kvwire.observability.metrics import Metrics, process_metrics
 from kvwire.observability.ops_server import OpsServer
+from kvwire.observability.tracing import Spans
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class NodeRuntime:
     transport_checks: list[TransportCheck] = field(default_factory=list)  # the start-up self-test's, per transport
     warmup: WarmupReport | None = None  # what `warm_up` did; None until it ran (or with warm-up off)
     kv_ready_endpoint: str = ""  # a decode node's consumer inbox, published with the node ("": none)
+    spans: Spans = field(default_factory=Spans)  # the node's OpenTelemetry spans (none without an endpoint)
 
     @classmethod
     def open(cls, config: NodeConfig, load: Callable[[], NodeLoad]) -> NodeRuntime:
@@ -109,7 +111,8 @@ class NodeRuntime:
             sock.bind(f"tcp://{config.host}:{port}")
         endpoint = f"tcp://{config.connector.advertised_host}:{port}"  # what routers connect to
         rt = cls(config, model, directory, epoch, create_transport(config.connector, epoch),
-                 BlockAllocator(eng.num_blocks), sock, endpoint, load)
+                 BlockAllocator(eng.num_blocks), sock, endpoint, load,
+                 spans=Spans.open(f"kvwire-{config.connector.role}", config.traces_endpoint))
         rt.transport_checks = run_self_test(config.connector, epoch)
         rt.metrics.report_transport_checks(rt.transport_checks)
         return rt
@@ -201,9 +204,10 @@ class NodeRuntime:
             log.warning("could not deregister %s: %s", self.config.node_id, exc)
 
     def close(self) -> None:
-        """Close the directory and the work socket (after the node has closed its role)."""
+        """Close the directory and the work socket (after the node has closed its role); export queued spans."""
         self.directory.close()
         self.work_socket.close(0)
+        self.spans.close()
 
 
 def serve_until_signalled(node: Node) -> None:

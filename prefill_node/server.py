@@ -43,6 +43,7 @@ from kvwire.node.config import NodeConfig
 from kvwire.node.drain import Drain
 from kvwire.node.runtime import NodeLoad, NodeRuntime
 from kvwire.observability.labels import Queue
+from kvwire.observability.tracing import TraceContext, checked, trace_id
 from kvwire.protocol.work import PrefillWork
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Pending:
     work: PrefillWork
-    arrived: float
+    arrived: float  # time.monotonic()
+    trace: TraceContext | None = None  # the client's, checked (observability/tracing.py)
+    arrived_ns: int = 0  # time.time_ns(), for its span
 
 
 class PrefillNode:
@@ -143,7 +146,10 @@ class PrefillNode:
             log.warning("request %s: %s", work.request_id, reason)
             self._producer.fail(work.request_id, reason)
             return
-        self._pending.append(_Pending(work, time.monotonic()))
+        trace = checked(work.trace)
+        if trace is not None:
+            log.info("request %s: trace %s", work.request_id, trace_id(trace))
+        self._pending.append(_Pending(work, time.monotonic(), trace, time.time_ns()))
 
     def _known(self, rid: str) -> bool:
         return self._producer.holds(rid) or any(p.work.request_id == rid for p in self._pending)
@@ -167,10 +173,14 @@ class PrefillNode:
             if need > self.rt.allocator.num_free:
                 return  # a release will wake us
             self._pending.popleft()
-            self._prefill(item.work, need)
+            error = self._prefill(item.work, need)
+            self.rt.spans.record("kvwire.prefill", item.trace, item.arrived_ns, time.time_ns(), {
+                "kvwire.request_id": item.work.request_id, "kvwire.node": self.rt.config.node_id,
+                "kvwire.prompt_tokens": len(item.work.prompt_token_ids)}, error=error)
 
-    def _prefill(self, work: PrefillWork, need: int) -> None:
-        """Compute one prompt; the producer holds its blocks from publishing on (and frees them at release)."""
+    def _prefill(self, work: PrefillWork, need: int) -> str:
+        """Compute one prompt; the producer holds its blocks from publishing on (and frees them at release).
+        Returns why it failed ("": it did not)."""
         rid = work.request_id
         blocks = self.rt.allocator.allocate(need)
         seq = SequenceInput(rid, work.prompt_token_ids, 0, blocks, consumer_endpoint=work.kv_ready_endpoint)
@@ -181,6 +191,8 @@ class PrefillNode:
             self._producer.fail(rid, f"prefill failed: {exc}")
             if not self._producer.holds(rid):  # layer-wise: held already; its release frees the blocks
                 self.rt.allocator.free(blocks)
+            return f"prefill failed: {exc}"
+        return ""
 
     def _invalid(self, work: PrefillWork) -> str:
         problem = prompt_problem(work.prompt_token_ids, self.rt.model.config.vocab_size, self.rt.max_model_len)

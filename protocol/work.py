@@ -2,8 +2,8 @@
 `WorkError`), with how the decode node samples (`SamplingParams`).
 
 They ride the transfer plane's envelope and wire version (connectors/wire.py, which `decode`s them once
-this module is imported: `register`): a decode node's work socket carries them beside the producer's
-direct `KVReady`. Peers' bytes are data: only these structs decode.
+this module is imported: `register`). The work carries the client's trace context when it came with one
+(observability/tracing.py). Peers' bytes are data: only these structs decode.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import enum
 import msgspec
 
 from kvwire.connectors.wire import AnyMessage, KVReady, register
+from kvwire.observability.tracing import TraceContext
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -55,6 +56,7 @@ class PrefillWork(AnyMessage, tag="prefill", frozen=True):
     # where the producer pushes `KVReady`, ahead of the directory: the decode node's consumer inbox (an older
     # decode node's work endpoint)
     kv_ready_endpoint: str = msgspec.field(default="", name="notify")
+    trace: TraceContext | None = None  # the client's (or the router's span's) W3C trace context
 
 
 class DecodeWork(AnyMessage, tag="decode", frozen=True):
@@ -64,6 +66,7 @@ class DecodeWork(AnyMessage, tag="decode", frozen=True):
     prefill_node: str  # "" when no prefill node was available: decode computes the prompt itself
     reply_to: str  # router's zmq endpoint for TokenChunk messages
     prefill_epoch: int = 0  # the incarnation of prefill_node the router picked; 0: unknown
+    trace: TraceContext | None = None  # the client's (or the router's span's) W3C trace context
 
 
 class DecodeStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -107,6 +110,14 @@ class WorkError(AnyMessage, tag="error", frozen=True):
     node: str
     reason: str
     kind: ErrorKind = ErrorKind.INTERNAL
+
+
+def span_attributes(stats: DecodeStats) -> dict[str, str | int | float | bool]:
+    """A finished request's transfer, as span attributes (the decode node's span and the router's)."""
+    return {"kvwire.bypassed": stats.bypassed, "kvwire.transport": stats.transport, "kvwire.kv_bytes": stats.kv_bytes,
+            "kvwire.transfer_ms": stats.transfer_ms, "kvwire.ttft_ms": stats.ttft_ms,
+            "kvwire.prefill_node": stats.prefill_node, "kvwire.decode_node": stats.decode_node,
+            "kvwire.cached_tokens": stats.cached_tokens}
 
 
 WorkMessage = PrefillWork | KVReady | DecodeWork | TokenChunk | WorkError | CancelWork

@@ -9,7 +9,8 @@ Lifecycle of the app:
    applied or refused), its prompts tokenized (a chat's messages rendered with the checkpoint's template
    first), and each of its choices dispatched to one prefill and one decode node (router/generation.py).
    It is answered whole or streamed as server-sent events (router/responses.py), with a `kvwire` object
-   telling how the KV travelled.
+   telling how the KV travelled. A client's W3C `traceparent` / `tracestate` go on to the nodes (the trace
+   id is logged with the request); with --otlp-traces-endpoint each choice is a "kvwire.route" span.
 4. On shutdown it closes the dispatcher and the directory.
 
 Each answer counts in kvwire_requests_total{status}; each successful one's time to its
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 
@@ -33,6 +35,7 @@ from kvwire.engine.model_config import load_config
 from kvwire.engine.tokenizer import load_tokenizer
 from kvwire.observability.labels import RequestStatus
 from kvwire.observability.metrics import CONTENT_TYPE, Metrics, process_metrics
+from kvwire.observability.tracing import Spans, TraceContext, trace_context, trace_id
 from kvwire.router import tokenize_routes
 from kvwire.router.body_limit import BodyLimit
 from kvwire.router.chat_template import ChatTemplate
@@ -43,6 +46,8 @@ from kvwire.router.generation import Generation
 from kvwire.router.responses import Api, Shaper
 from kvwire.router.sampling import Limits, Plan, chat_plan, completion_plan
 from kvwire.router.schemas import APIError, ChatRequest, CompletionRequest, parse_body
+
+log = logging.getLogger(__name__)
 
 
 class Router:
@@ -57,9 +62,11 @@ class Router:
         self.chat_template = ChatTemplate(config.model_dir)
         self.directory: KVDirectory | None = None
         self.dispatcher: Dispatcher | None = None
+        self.spans = Spans()  # opened with the app (lifespan)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):
+        self.spans = Spans.open("kvwire-router", self.config.traces_endpoint)
         self.directory = KVDirectory(self.config.redis_url, metrics=self.metrics)
         self.dispatcher = Dispatcher(self.directory, self.config.host, decode_only_below=self.config.decode_only_below,
                                      prefill_max_in_flight=self.config.prefill_max_in_flight,
@@ -68,6 +75,7 @@ class Router:
         yield
         await self.dispatcher.close()
         self.directory.close()
+        self.spans.close()
 
     async def healthz(self):
         dispatcher = self.dispatcher
@@ -118,8 +126,9 @@ class Router:
 
     async def _serve(self, request: Request, api: Api):
         started = time.monotonic()
+        trace = trace_context(request.headers.get("traceparent"), request.headers.get("tracestate"))
         try:
-            return await self._answer(await request.body(), api, started)
+            return await self._answer(await request.body(), api, started, trace)
         except APIError as exc:
             self.metrics.requests.labels(str(_status(exc))).inc()
             raise
@@ -153,9 +162,11 @@ class Router:
             raise APIError(404, f"The model `{model}` does not exist; this router serves "
                                 f"`{self.config.served_model_name}`.", param="model", code="model_not_found")
 
-    async def _answer(self, body: bytes, api: Api, started: float):
+    async def _answer(self, body: bytes, api: Api, started: float, trace: TraceContext | None):
         plan, texts = await self._plan(body, api)
         rid = f"{'chatcmpl' if api == Api.CHAT else 'cmpl'}-{uuid.uuid4().hex}"
+        if trace is not None:
+            log.info("request %s: trace %s", rid, trace_id(trace))
         dispatcher = self.dispatcher
         assert dispatcher is not None  # lifespan opened it before serving
 
@@ -163,7 +174,8 @@ class Router:
             echo = texts[k // plan.best_of] if plan.echo else ""
             return Choice(k, sub_id, prompt, plan, self.tokenizer, echo)
 
-        gen = Generation(dispatcher, plan, rid, started + self.config.request_timeout_s, make_choice)
+        gen = Generation(dispatcher, plan, rid, started + self.config.request_timeout_s, make_choice, self.spans,
+                         trace)
         try:
             await gen.start()
         except BaseException:

@@ -13,6 +13,7 @@ import time
 
 from kvwire.engine.tokenizer import Tokenizer
 from kvwire.observability.labels import PathReason, ProxyPath
+from kvwire.observability.tracing import SpanHandle
 from kvwire.protocol.work import DecodeStats, TokenChunk, TokenLogprobs
 from kvwire.router.sampling import Plan
 
@@ -43,6 +44,7 @@ class Choice:
         self.finish_reason: str | None = None
         self.stop_reason: str | None = None
         self.stats: DecodeStats | None = None
+        self.span: SpanHandle | None = None  # the router's span of it (observability/tracing.py), once dispatched
         self.path: ProxyPath | None = None  # the way the router sent it, and why (set once dispatched)
         self.reason: PathReason | None = None
         self.first_token_at: float | None = None

@@ -37,6 +37,7 @@ class RouterConfig:
         free blocks (router/placement.py); LOAD by free blocks alone.
     prefix_ttl_s: how long a decode node is taken to hold what it was last sent or answered.
     max_body_bytes: a request body over this many bytes gets a 413 before it is read (router/body_limit.py).
+    traces_endpoint: OTLP/HTTP endpoint for the router's spans (observability/tracing.py); "": none.
     """
 
     model_dir: Path
@@ -52,6 +53,7 @@ class RouterConfig:
     routing: RoutingPolicy = RoutingPolicy.PREFIX
     prefix_ttl_s: float = 120.0
     max_body_bytes: int = MAX_BODY_BYTES
+    traces_endpoint: str = ""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -121,6 +123,7 @@ class VLLMRouterConfig:
     prefix_ttl_s: float = 120.0
     decode_kv_events: tuple[str, ...] = ()
     max_body_bytes: int = MAX_BODY_BYTES
+    traces_endpoint: str = ""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

@@ -3,9 +3,10 @@
 A request here, kept in one in-flight record (router/in_flight.py) from its pick until it is forgotten:
 
 1. `submit()` asks the placement (router/placement.py) for a live decode node and, unless the request goes
-   decode-only, a prefill node; records the request in flight with a queue for its replies; and pushes
-   `PrefillWork` (naming the decode node's work endpoint) and `DecodeWork` at once: decode waits for the KV while
-   prefill computes. What the pick reserves weighs on later picks: the request is in flight on its prefill node
+   decode-only, a prefill node (on the event loop while the shared node list is fresh: no thread); records the
+   request in flight with a queue for its replies; and pushes `PrefillWork` (naming the decode node's KVReady
+   inbox) and `DecodeWork` at once, with the client's trace context: decode waits for the KV while prefill
+   computes. What the pick reserves weighs on later picks: the request is in flight on its prefill node
    until its first reply arrives or it is forgotten, and on its decode node until its last token.
 2. The reader task (started by `start()`, with the zmq PULL socket decode nodes answer
    to) puts each `TokenChunk` / `WorkError` on the request's queue; the HTTP handler
@@ -36,6 +37,7 @@ from kvwire.connectors.control.sockets import PushSockets, limit_receive
 from kvwire.connectors.directory.directory import DirectoryError, KVDirectory
 from kvwire.connectors.wire import NodeInfo, WireError
 from kvwire.observability.labels import PathReason
+from kvwire.observability.tracing import TraceContext
 from kvwire.protocol.work import CancelWork, DecodeWork, ErrorKind, PrefillWork, SamplingParams, TokenChunk, WorkError
 from kvwire.router.config import RoutingPolicy
 from kvwire.router.in_flight import InFlight
@@ -115,8 +117,12 @@ class Dispatcher:
         return self._placement.pick(prompt, disaggregate, nodes, reserved, max_tokens)
 
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                     disaggregate: bool = True) -> tuple[Route, asyncio.Queue]:
-        nodes = await asyncio.to_thread(self.live_nodes)
+                     disaggregate: bool = True, trace: TraceContext | None = None) -> tuple[Route, asyncio.Queue]:
+        """Place the request and send its work (`trace`: the context its nodes' spans join). The node list is read
+        on a thread only when the shared one is stale (a few times a second at most)."""
+        nodes = self._placement.fresh_nodes()
+        if nodes is None:
+            nodes = await asyncio.to_thread(self.live_nodes)
         # on the loop, from here to the record, nothing awaits: counted as it picks
         route, reservation = self._place(prompt_ids, disaggregate, nodes, sampling.max_tokens)
         queue: asyncio.Queue = asyncio.Queue()
@@ -124,13 +130,14 @@ class Dispatcher:
         if route.prefill is not None:  # its producer tells the decode node's consumer directly (an older node: its
             kv_ready = route.decode.kv_ready_endpoint or route.decode.work_endpoint  # work socket)
             await self._push(route.prefill, PrefillWork(request_id=request_id, prompt_token_ids=prompt_ids,
-                                                        kv_ready_endpoint=kv_ready))
+                                                        kv_ready_endpoint=kv_ready, trace=trace))
         elif route.reason == PathReason.NO_PREFILL_INSTANCE:
             log.warning("request %s: no live prefill node; decode computes the prompt", request_id)
         await self._push(route.decode, DecodeWork(request_id=request_id, prompt_token_ids=prompt_ids,
                                                   sampling=sampling, reply_to=self.reply_to,
                                                   prefill_node=route.prefill.node_id if route.prefill else "",
-                                                  prefill_epoch=route.prefill.epoch if route.prefill else 0))
+                                                  prefill_epoch=route.prefill.epoch if route.prefill else 0,
+                                                  trace=trace))
         return route, queue
 
     def cancel(self, request_id: str) -> None:

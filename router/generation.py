@@ -3,11 +3,13 @@
 Lifecycle:
 
 1. `start()` submits every choice through the dispatcher (each its own prefill and decode pick, its own
-   request id: the request's, with "-<k>" after it when there are several).
+   request id: the request's, with "-<k>" after it when there are several), each in a "kvwire.route" span
+   (a child of the client's trace context; its context is what the nodes are sent).
 2. `events()` yields each choice as a chunk of it arrives, until all are finished. A choice that a stop
    string ended is cancelled on its decode node (`CancelWork`) at once.
 3. `close()` (always called) cancels the choices not finished — a client that left, a timeout, another
-   choice's error — and forgets them all in the dispatcher.
+   choice's error — and forgets them all in the dispatcher. Each choice's span ends as it finishes (with the
+   transfer's bytes and duration) or here.
 
 A node's `WorkError` or the deadline fails the whole request with an APIError.
 """
@@ -19,7 +21,8 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
-from kvwire.protocol.work import ErrorKind, TokenChunk, WorkError
+from kvwire.observability.tracing import Spans, TraceContext
+from kvwire.protocol.work import ErrorKind, TokenChunk, WorkError, span_attributes
 from kvwire.router.choice import Choice
 from kvwire.router.dispatch import Dispatcher
 from kvwire.router.sampling import Plan
@@ -28,8 +31,11 @@ from kvwire.router.schemas import APIError
 
 class Generation:
     def __init__(self, dispatcher: Dispatcher, plan: Plan, request_id: str, deadline: float,
-                 make_choice: Callable[[int, str, list[int]], Choice]):
+                 make_choice: Callable[[int, str, list[int]], Choice], spans: Spans | None = None,
+                 trace: TraceContext | None = None):
         self._dispatcher = dispatcher
+        self._spans = spans or Spans()
+        self._trace = trace  # the client's
         self.plan = plan
         self._deadline = deadline
         self.request_id = request_id
@@ -42,8 +48,10 @@ class Generation:
     async def start(self) -> None:
         for choice in self.choices:
             sampling = self.plan.sampling_for(choice.index % self.plan.best_of)
+            choice.span = self._spans.start("kvwire.route", self._trace, {
+                "kvwire.request_id": choice.request_id, "kvwire.prompt_tokens": len(choice.prompt_ids)})
             route, queue = await self._dispatcher.submit(choice.request_id, choice.prompt_ids, sampling,
-                                                         self.plan.disaggregate)
+                                                         self.plan.disaggregate, trace=choice.span.context)
             choice.path, choice.reason = route.path, route.reason
             self._pumps.append(asyncio.create_task(self._pump(choice, queue)))
 
@@ -68,6 +76,7 @@ class Generation:
             if choice.finished:
                 unfinished -= 1
                 self._dispatcher.forget(choice.request_id)
+                self._end_span(choice)
             yield choice
 
     def close(self) -> None:
@@ -77,6 +86,19 @@ class Generation:
             if not choice.finished:
                 self._dispatcher.cancel(choice.request_id)
             self._dispatcher.forget(choice.request_id)
+            self._end_span(choice, error="" if choice.finished else "not finished: cancelled, failed or timed out")
+
+    @staticmethod
+    def _end_span(choice: Choice, error: str = "") -> None:
+        if choice.span is None:
+            return
+        attributes: dict[str, str | int | float | bool] = {
+            "kvwire.path": str(choice.path), "kvwire.path_reason": str(choice.reason),
+            "kvwire.output_tokens": len(choice.token_ids)}
+        if choice.stats is not None:
+            attributes.update(span_attributes(choice.stats))
+        choice.span.end(attributes, error)
+        choice.span = None
 
     def ranked(self) -> list[Choice]:
         """The n choices of each prompt to answer with (the best_of with highest total logprob), indexed anew."""

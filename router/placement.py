@@ -124,6 +124,13 @@ class Placement:
                 self._nodes = (time.monotonic(), nodes)
         return [n for n in nodes if role is None or n.role == role]
 
+    def fresh_nodes(self) -> list[NodeInfo] | None:
+        """The live nodes of every role if read within NODES_FRESH_S, else None (then `live_nodes` reads them).
+        Never reads the directory: safe on the event loop, where a request then needs no thread to be placed."""
+        with self._nodes_lock:
+            when, nodes = self._nodes
+        return nodes if time.monotonic() - when <= NODES_FRESH_S else None
+
     def pick(self, prompt: Sequence[int], disaggregate: bool, nodes: list[NodeInfo],
              reserved: Collection[Reservation], max_tokens: int = 0) -> tuple[Route, Reservation]:
         """Choose the decode node and, unless the request goes decode-only, the prefill node (module docstring).

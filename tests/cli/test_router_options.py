@@ -9,7 +9,8 @@ from kvwire.cli.main import app
 from kvwire.cli.router_cmd import vllm_urls
 
 runner = CliRunner()
-NO_ENV = {"KVWIRE_MODEL": None, "KVWIRE_REDIS_URL": None, "KVWIRE_VLLM_PREFILL": None, "KVWIRE_VLLM_DECODE": None}
+NO_ENV = {"KVWIRE_MODEL": None, "KVWIRE_REDIS_URL": None, "KVWIRE_VLLM_PREFILL": None, "KVWIRE_VLLM_DECODE": None,
+          "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": None}
 
 
 def _must_not_serve(*args, **kwargs):
@@ -21,6 +22,8 @@ def _must_not_serve(*args, **kwargs):
     (["--vllm-decode", "http://d:8200", "--model", "/tmp/m"], "--model: for kvwire's own nodes"),
     (["--vllm-decode", "http://d:8200", "--redis-url", "redis://r:6379/0"], "--redis-url: for kvwire's own nodes"),
     (["--vllm-decode", "d:8200"], "not a vLLM base URL"),
+    (["--vllm-decode", "http://d:8200", "--otlp-traces-endpoint", "http://c:4318/v1/traces"],
+     "--otlp-traces-endpoint: for kvwire's own nodes"),
     ([], "--model"),
     (["--model", "/tmp/m"], "--redis-url"),
     (["--model", "/tmp/m", "--redis-url", "redis://r:6379/0", "--instance-wait", "5", "--max-failures", "2"],

@@ -4,9 +4,11 @@ for token and logprob for logprob, to the single-process engine on the same prom
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,6 +20,7 @@ from kvwire.connectors.config import ConnectorKind
 from kvwire.engine.reference import generate_with_logprobs
 from kvwire.protocol.work import SamplingParams
 from tests.integration.cluster import wait_pools_full_and_directory_empty
+from tests.observability.otlp import OTLPReceiver, otel_missing
 from tests.procs import FORK
 
 pytestmark = pytest.mark.slow
@@ -35,9 +38,20 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir: Path, tmp_path_factory):
+def receiver() -> Iterator[OTLPReceiver | None]:
+    """A real OTLP/HTTP receiver the cluster's processes export their spans to (None without the otel extra)."""
+    if otel_missing():
+        yield None
+        return
+    with OTLPReceiver() as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path, tmp_path_factory, receiver: OTLPReceiver | None):
     spec = ClusterSpec(model_dir=model_dir, connector=ConnectorKind.TCP, served_model_names=(MODEL, "alias"),
-                       log_dir=tmp_path_factory.mktemp("openai-logs"), launch=FORK)
+                       log_dir=tmp_path_factory.mktemp("openai-logs"), launch=FORK,
+                       traces_endpoint=receiver.endpoint if receiver else "")
     with LocalCluster(spec) as c:
         yield c
 
@@ -190,3 +204,35 @@ def test_tokenize_and_detokenize(cluster):
     assert httpx.post(f"{cluster.url}/detokenize", json={"tokens": [72, 105]}).json() == {"prompt": "Hi"}
     assert httpx.post(f"{cluster.url}/detokenize", json={"tokens": [10**6]}).status_code == 400
     assert httpx.post(f"{cluster.url}/tokenize", json={"model": "nope", "prompt": "x"}).status_code == 404
+
+
+def test_a_clients_trace_reaches_the_nodes_and_their_spans_join_it(cluster, client, receiver):
+    """A client's W3C traceparent (sent by the official client as a header) goes through the router to both
+    nodes: each logs the trace id, and each exports its span (OTLP/HTTP, to a real receiver) in the client's
+    trace: the router's "kvwire.route" a child of the client's span, the nodes' children of the router's, the
+    decode span with the transfer's bytes and duration."""
+    if receiver is None:
+        pytest.skip(f"no spans here: {otel_missing()}")
+    trace, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "trace me"}],
+                                         max_tokens=4, temperature=0,
+                                         extra_headers={"traceparent": f"00-{trace}-{parent}-01",
+                                                        "tracestate": "vendor=kvwire-test"})
+    assert out.choices[0].finish_reason in ("stop", "length")
+    spans = receiver.wait_for(trace, {"kvwire.route", "kvwire.prefill", "kvwire.decode"}, timeout_s=30)
+    assert set(spans) == {"kvwire.route", "kvwire.prefill", "kvwire.decode"}, spans
+    route, prefill, decode = spans["kvwire.route"], spans["kvwire.prefill"], spans["kvwire.decode"]
+    assert (route.service, prefill.service, decode.service) == ("kvwire-router", "kvwire-prefill", "kvwire-decode")
+    assert route.parent_span_id == parent
+    assert prefill.parent_span_id == route.span_id and decode.parent_span_id == route.span_id
+    assert decode.attributes["kvwire.bypassed"] is True and decode.attributes["kvwire.kv_bytes"] > 0
+    assert decode.attributes["kvwire.transfer_ms"] > 0 and decode.attributes["kvwire.transport"] == "tcp"
+    assert route.attributes["kvwire.kv_bytes"] == decode.attributes["kvwire.kv_bytes"]
+    assert route.attributes["kvwire.path"] == "disaggregated" and not any(s.error for s in spans.values())
+    assert route.start_ns <= prefill.start_ns and decode.end_ns <= route.end_ns
+    for role in ("router", "prefill", "decode"):
+        log = (Path(cluster.spec.log_dir) / f"{role}.log").read_text(errors="replace")
+        assert re.search(rf"request \S+: trace {trace}", log), f"{role} did not log the trace id"
+    print(f"\nspans of trace {trace}: route {(route.end_ns - route.start_ns) / 1e6:.1f} ms, prefill "
+          f"{(prefill.end_ns - prefill.start_ns) / 1e6:.1f} ms, decode {(decode.end_ns - decode.start_ns) / 1e6:.1f} "
+          f"ms, {decode.attributes['kvwire.kv_bytes']} KV bytes in {decode.attributes['kvwire.transfer_ms']:.2f} ms")
