@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import zmq
@@ -152,6 +153,37 @@ def test_a_request_cancelled_while_the_nodes_are_read_is_never_counted():
             await asyncio.to_thread(read.wait, 5)  # the thread has returned its nodes, to nobody
             dispatcher.forget("gone")  # what the handler does on the way out
             assert dispatcher.pick(_prompt(40), nodes=PAIR).reason == PathReason.PREFILLED
+        finally:
+            await dispatcher.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_is_placed_on_the_event_loop_while_the_node_list_is_fresh(monkeypatch):
+    """No thread hand-off per request: the directory is read (on a thread) only when the shared node list is
+    older than NODES_FRESH_S; requests in between are placed on the loop from the list already read."""
+    threads: list[str] = []
+    real = asyncio.to_thread
+
+    async def counted(fn, *args, **kwargs):
+        threads.append(getattr(fn, "__name__", str(fn)))
+        return await real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", counted)
+    directory = _Directory(PAIR)
+    reads: list[float] = []
+    live = directory.live_nodes
+    directory.live_nodes = lambda *a, **kw: reads.append(time.monotonic()) or live(*a, **kw)  # type: ignore
+
+    async def scenario():
+        dispatcher = Dispatcher(directory, "127.0.0.1")  # type: ignore[arg-type]
+        try:
+            for i in range(5):
+                await dispatcher.submit(f"r{i}", [1] * 40, SamplingParams(max_tokens=2))
+            assert threads == ["live_nodes"] and len(reads) == 1, (threads, reads)
+            monkeypatch.setattr("kvwire.router.placement.NODES_FRESH_S", -1.0)  # stale now: read again, on a thread
+            await dispatcher.submit("r5", [1] * 40, SamplingParams(max_tokens=2))
+            assert len(threads) == 2 and len(reads) == 2
         finally:
             await dispatcher.close()
 
