@@ -15,6 +15,8 @@ File map (file: what it holds, as its own docstring opens):
 - layerwise.py: `kvwire bench transfer --layerwise`: how much of the KV transfer hides behind prefill's compute.
 - limits.py: The machine's limits on the same work: one process copying, and raw TCP with iovecs.
 - load.py: `kvwire bench load`: many requests from many concurrent clients through the router.
+- node_listing.py: `kvwire bench directory --nodes N`: what listing the live nodes costs Redis and a router, in a
+  fleet.
 - memory.py: Peak memory a process uses beyond what it held when measuring started (Linux /proc).
 - nixl_kill.py: The peer's row of the dead-producer repro: a NIXL producer SIGKILLed while its reader READs its
   pool.

@@ -12,17 +12,18 @@ and only it, for that thing.
     standalone.py: a role with no node around it; self_test.py: a node's start-up transport self-test.
   - wire.py: the transfer plane's messages (tagged msgspec structs) and the envelope with the wire version
     that every message rides in; the router ↔ node work messages are kvwire.protocol's (protocol/work.py).
-  - deferred.py, wakeup.py: calls run a little later on a thread of their own; a wake-up fd.
+  - deferred.py, wakeup.py: calls run a little later on a thread of their own; a wake-up fd (and `Mailbox`,
+    what other threads tell a loop); spin.py: polling a peer without starving it.
 - producer/: the **producer** role (role.py) a prefill node runs: it holds a computed prompt's KV
   (held.py, the **held table**, the blocks' one owner until their **release**), publishes its
   **location** (in the directory, and straight to the consumer the router named as a **KVReady**:
   `_send_kv_ready`), and answers **pulls** in a transfer server per transport (transfer_server.py);
   layer_gate.py: how far a layer-wise prefill has got; incarnations.py: its first directory act.
 - consumer/: the **consumer** role (role.py) a decode node runs: it learns a request's location
-  (expected.py; from a KVReady, `take_kv_ready`, or the directory, whichever comes first), waits on
-  the directory for every expected request in one thread (watcher.py), pulls it, and says what it
-  moved or why not; producer_watch.py: KV a dead producer owed is given up at once; fast_path.py: no
-  silent slow path on one host.
+  (expected.py; from a KVReady in its own inbox, inbox.py, or the directory, whichever comes first), waits on
+  the directory for every expected request in one thread (watcher.py), checks the location fits its pool
+  (fit.py), pulls it, and says what it moved or why not (errors.py); producer_watch.py: KV a dead producer
+  owed is given up at once; fast_path.py: no silent slow path on one host.
 - directory/: the Redis **directory** (`KVDirectory`, directory.py: request entries and their locations; nodes.py:
   the node registry; connection.py: the one Redis connection both use), with batch.py
   (many requests in one round trip), scripts.py (its atomic steps), heartbeat.py (a node's

@@ -111,7 +111,7 @@ class PathReason(enum.StrEnum):
 
 
 DISAGGREGATED_REASONS = frozenset({PathReason.PREFILLED, PathReason.PREFILLED_ALONGSIDE})
-# the reasons the router gives over kvwire's own nodes (router/dispatch.py)
+# the reasons the router gives over kvwire's own nodes (router/placement.py)
 NODES_PATH_REASONS = (PathReason.PREFILLED, PathReason.CACHED_ON_DECODE, PathReason.SHORT_PROMPT,
                       PathReason.NO_PREFILL_INSTANCE, PathReason.PREFILL_SATURATED, PathReason.NOT_ASKED)
 
