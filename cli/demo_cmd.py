@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
-import httpx
+import httpx2
 import typer
 
 from kvwire.bench.prompts import PROMPTS
@@ -46,7 +46,7 @@ class Row:
 def _ask(url: str, prompt: str, params: SamplingParams) -> dict:
     body = {"prompt": prompt, "max_tokens": params.max_tokens, "temperature": params.temperature,
             "return_token_ids": True}
-    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120.0)
+    resp = httpx2.post(f"{url}/v1/completions", json=body, timeout=120.0)
     data = resp.json()
     if resp.status_code != 200:
         raise RuntimeError(data["error"]["message"])

@@ -100,8 +100,8 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
 
     setup_logging(log_level)
     if vllm_prefill is not None or vllm_decode is not None:
-        if log_level.upper() != "DEBUG":  # httpx logs every call at INFO, health probes included
-            logging.getLogger("httpx").setLevel(logging.WARNING)
+        if log_level.upper() != "DEBUG":  # httpx2 logs every call at INFO, health probes included
+            logging.getLogger("httpx2").setLevel(logging.WARNING)
         timing = VLLMTiming(request_timeout, connect_timeout, health_interval, instance_wait, max_failures,
                             unresponsive_after, sequential, prefill_max_in_flight, routing,
                             VLLMRouterConfig.decode_only_below if decode_only_below is None else decode_only_below,
