@@ -20,6 +20,7 @@ import httpx2
 import typer
 
 from kvwire.bench.prompts import PROMPTS
+from kvwire.cli.extras import for_cluster, require
 from kvwire.cli.options import Connector, LogLevel, Warmup, setup_logging
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.cluster.paths import default_model_dir
@@ -113,6 +114,8 @@ def demo(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint;
                                              "run, e.g. cpu or cuda:0.")] = "cpu",
          warmup: Warmup = True, log_level: LogLevel = "WARNING") -> None:
     """Serve a few prompts through prefill → KV transfer → decode and compare with one process."""
+    require("demo", *for_cluster(connector, None))  # before torch's import, which a router's install lacks
+
     from kvwire.engine.reference import generate
     from kvwire.engine.tokenizer import load_tokenizer
 
