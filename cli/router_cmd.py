@@ -141,7 +141,7 @@ def _kvwire_app(ctx: typer.Context, model: Path | None, redis_url: str | None, h
                           routing=paths.routing, prefix_ttl_s=paths.prefix_ttl, max_body_bytes=max_body_bytes)
     auth.install(config.auth_secret)  # before any socket opens
     app = create_app(config)
-    freeze_startup_heap()  # the router's heap holds torch and the tokenizer too
+    freeze_startup_heap()  # the router's heap holds the tokenizer and the app (no torch: tests/test_lean_install.py)
     return app
 
 
