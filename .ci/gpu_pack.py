@@ -4,18 +4,19 @@ The GPU machine (issue 27; /work/.library/device) runs CPython 3.12 with PyTorch
 packages in IMAGE, and reaches no package registry: whatever else kvwire needs travels in `.gpu/`, carried
 with the working tree (64 MiB in all, the tree included), so `.gpu/` is kept under BUDGET_MIB.
 
-1. One pip resolution (`--dry-run --report`, nothing installed) of kvwire's dependencies and its test extra
-   for that interpreter and platform: `ucxx-cu13` in place of the CPU install's `ucxx-cu12`, UCX pinned to
-   the release whose wheel is smallest (LIBUCX: 1.21's ships static archives and perftest, 40 MiB against
-   27), and never torch.
-2. Groups, in the order they are packed: kvwire's own dependencies, then NIXL (the bench extra's, as its
-   CUDA 13 build: `kvwire bench transfer`'s peer rows), then each package of the test extra in pyproject
-   order; a group is what it needs beyond the image and the groups before it.
+1. One pip resolution (`--dry-run --report`, nothing installed) for that interpreter and platform of what
+   `.ci/gpu run` installs, the CUDA 13 extras (`kvwire[all-cu13,bench-cu13]`: `ucxx-cu13`, `nixl-cu13`),
+   and of the test extra's own packages: UCX pinned to the release whose wheel is smallest (LIBUCX: 1.21's
+   ships static archives and perftest, 40 MiB against 27), and never torch.
+2. Groups, in the order they are packed: kvwire's own dependencies (all-cu13: the base, node, ucx-cu13,
+   local), then NIXL (bench-cu13's: `kvwire bench transfer`'s peer rows), then each package of the test
+   extra in pyproject order; a group is what it needs beyond the image and the groups before it.
 3. Each group's wheels are fetched (sha256 checked) into a cache outside the tree, and those in gpu_strip.TRIMS
    trimmed to what the run loads (libucx-cu13 27 -> 17 MiB, nixl-cu13 56 -> 14 MiB); a group goes into
    `.gpu/wheels/` whole if it fits in what is left of the budget, else it is left out and named with its size.
-4. `.gpu/manifest.json` says what was packed (and trimmed) and left out; `.ci/gpu run` reads it and skips the
-   tests that need what was left out, saying so (without NIXL the bench says its rows were skipped).
+4. `.gpu/manifest.json` says what was packed (and trimmed) and left out, and the extras `.ci/gpu run` installs
+   kvwire with; `.ci/gpu run` reads it and skips the tests that need what was left out, saying so (without
+   NIXL the bench says its rows were skipped).
 
 Standard library only (and pip's vendored `packaging`, to read requirements as pip does).
 """
@@ -38,12 +39,14 @@ from pip._vendor.packaging.markers import Marker
 from pip._vendor.packaging.requirements import Requirement
 from pip._vendor.packaging.utils import canonicalize_name
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_strip import TRIMS, trim_wheel  # noqa: E402 - a sibling script, not a package
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / ".ci"), str(ROOT / "deploy" / "docker")]
+from gpu_strip import TRIMS, trim_wheel  # noqa: E402 - a sibling script, not a package
+from requirements import requirements  # noqa: E402 - the Dockerfiles' reader of pyproject's extras
+
 BUDGET_MIB = 60.0
 LIBUCX = "libucx-cu13==1.20.*"
+EXTRAS = ["all-cu13"]  # kvwire's extras on the GPU machine; `.ci/gpu run` adds bench-cu13 where NIXL was packed
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_12_x86_64", "manylinux2010_x86_64",
              "manylinux1_x86_64"]
@@ -76,10 +79,7 @@ def main() -> int:
     args = _args()
     py = args.python
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    runtime = [_for_gpu(r) for r in project["dependencies"] if canonicalize_name(Requirement(r).name) != "torch"]
-    extras = project["optional-dependencies"]
-    nixl = [_for_gpu(r) for r in extras["bench"] if Requirement(r).name.startswith("nixl")]
-    groups = [("kvwire", runtime + [LIBUCX]), ("nixl", nixl)] + [(Requirement(r).name, [r]) for r in extras["test"]]
+    groups = pack_groups(project)
     print(f"resolving kvwire + test extra for CPython {py}, manylinux x86_64 ...", flush=True)
     report = _resolve([r for _, reqs in groups for r in reqs], py)
     image = {canonicalize_name(n) for n in IMAGE.split()}
@@ -97,10 +97,13 @@ def _args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def _for_gpu(req: str) -> str:
-    """The CPU install's CUDA 12 UCX wheels become CUDA 13's, the GPU image's CUDA."""
-    r = Requirement(req)
-    return str(r).replace(r.name, r.name.replace("-cu12", "-cu13"), 1) if r.name.endswith("-cu12") else req
+def pack_groups(project: dict) -> list[tuple[str, list[str]]]:
+    """(group, requirements) in packing order: kvwire's CUDA 13 install, NIXL, each test package."""
+    runtime = [r for r in requirements(project, EXTRAS) if canonicalize_name(Requirement(r).name) != "torch"]
+    nixl = [r for r in requirements(project, ["bench-cu13"], base=False) if Requirement(r).name.startswith("nixl")]
+    tests = [r for r in project["optional-dependencies"]["test"] if Requirement(r).name != project["name"]]
+    assert not [r for r in runtime + nixl if "-cu12" in r], "the GPU image is CUDA 13's"
+    return [("kvwire", runtime + [LIBUCX]), ("nixl", nixl)] + [(Requirement(r).name, [r]) for r in tests]
 
 
 def _resolve(reqs: list[str], py: str) -> dict[str, dict]:
@@ -202,8 +205,9 @@ def _write(packed: list[dict], left_out: list[dict], report: dict[str, dict], py
     for row in packed:
         shutil.copyfile(row.pop("path"), gpu / "wheels" / row["file"])
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    extras = EXTRAS + (["bench-cu13"] if any(row["group"] == "nixl" for row in packed) else [])
     manifest = {"python": py, "platforms": PLATFORMS, "made": datetime.now(UTC).isoformat(timespec="seconds"),
-                "commit": head.stdout.strip() or None, "budget_mib": budget_mib, "packed": packed,
+                "commit": head.stdout.strip() or None, "budget_mib": budget_mib, "extras": extras, "packed": packed,
                 "left_out": left_out}
     (gpu / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     total = sum(f.stat().st_size for f in gpu.rglob("*") if f.is_file())

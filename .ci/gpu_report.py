@@ -47,6 +47,8 @@ class Report:
     def text(self) -> str:
         parts = [self._head(), self._steps()]
         for step in self.steps:
+            if step.name == "install" and step.stdout:
+                parts.append(f"### pip check (the install's venv)\n\n```\n{step.stdout.strip()}\n```\n")
             if step.name == "bench" and step.stdout:
                 parts.append(f"### bench transfer\n\n```\n{step.stdout.strip()}\n```\n")
                 parts.append(nixl_section(step.stdout))

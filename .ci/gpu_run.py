@@ -6,7 +6,9 @@ Run from the repository root with `.gpu/` (made by `.ci/gpu pack`) carried. Life
    a `.gpu/manifest.json` packed for this interpreter.
 2. install: a venv under VENV made with `--system-site-packages`; where `python3` is itself a venv (the GPU
    image's is /opt/torch/.venv) its site-packages are added by a .pth, since a venv made from a venv sees
-   only the base interpreter's. Then `.gpu/wheels/*` with `--no-index`, kvwire editable, `pip check`.
+   only the base interpreter's. Then `.gpu/wheels/*` with `--no-index`, kvwire editable with the CUDA 13
+   extras the manifest names (`[all-cu13,bench-cu13]`: pip checks that `.gpu` and the image hold all they
+   need), and `pip check`, whose output the report keeps.
 3. bench, demo, tests: each a subprocess in its own session, killed at its time limit; the last step gets
    whatever is left of `--budget-s`, so the whole run ends inside one device call (600 s).
 4. `$OUT/gpu-report.md` (device, driver, torch, commit, every test count and bench row) is rewritten after
@@ -163,14 +165,7 @@ def _install(out: Path, manifest: dict) -> StepResult:
         pip = _make_venv(py, f)
         ok = pip is not None and _logged(pip + ["install", "--no-index", "--no-deps", "--no-compile", *wheels], f)
         pip = pip or [py, "-m", "pip"]
-        how = "editable"
-        if ok and not _logged(pip + ["install", "--no-index", "--no-deps", "--no-build-isolation", "-e", str(ROOT)],
-                              f):
-            how = "a .pth view (the editable install failed: install.log)"
-            view = VENV / "kvwire-view"
-            view.mkdir()
-            (view / "kvwire").symlink_to(ROOT)
-            Path(_purelib(py), "_kvwire_view.pth").write_text(f"{view}\n")
+        how = _install_kvwire(pip, py, manifest.get("extras") or ["all-cu13"], f) if ok else "not installed"
         check = subprocess.run(pip + ["check"], capture_output=True, text=True)
         f.write(f"$ pip check\n{check.stdout}{check.stderr}")
         ok = ok and _logged([py, "-c", "import kvwire.connectors.factory, kvwire.cli.main, torch, ucxx"], f)
@@ -183,7 +178,25 @@ def _install(out: Path, manifest: dict) -> StepResult:
     note = (f"{len(wheels)} wheels from .gpu ({sum(p['bytes'] for p in manifest['packed']) / 2**20:.1f} MiB); "
             f"kvwire {how}; NIXL {nixl}; pip check: " + ("; ".join(problems) or "nothing of kvwire's broken") +
             others)
-    return StepResult("install", ok=ok, seconds=time.monotonic() - start, note=note, log=log.name)
+    return StepResult("install", ok=ok, seconds=time.monotonic() - start, note=note, log=log.name,
+                      stdout=f"$ pip check\n{check.stdout}{check.stderr}")
+
+
+def _install_kvwire(pip: list[str], py: str, extras: list[str], f) -> str:
+    """kvwire editable into the venv, with `extras` resolved from .gpu's wheels and the image's packages
+    (none fetched); without them where that fails, or as a .pth view where pip cannot install it at all.
+    Returns: how it was installed, for the report."""
+    named = ",".join(extras)
+    install = pip + ["install", "--no-index", "--no-build-isolation"]
+    if _logged(install + ["--find-links", str(ROOT / ".gpu" / "wheels"), "-e", f"{ROOT}[{named}]"], f):
+        return f"editable, [{named}] satisfied"
+    if _logged(install + ["--no-deps", "-e", str(ROOT)], f):
+        return f"editable without its dependencies: [{named}] not satisfied (install.log)"
+    view = VENV / "kvwire-view"
+    view.mkdir()
+    (view / "kvwire").symlink_to(ROOT)
+    Path(_purelib(py), "_kvwire_view.pth").write_text(f"{view}\n")
+    return "a .pth view (the editable install failed: install.log)"
 
 
 def _nixl_check(py: str, f) -> str:

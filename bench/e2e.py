@@ -23,7 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
-import httpx
+import httpx2
 import msgspec
 
 from kvwire.bench.load import scrape_samples
@@ -87,7 +87,7 @@ class _Sample(msgspec.Struct):
     tokens: list[int]
 
 
-def _ask(client: httpx.Client, url: str, i: int, max_tokens: int, mode: str) -> _Sample:
+def _ask(client: httpx2.Client, url: str, i: int, max_tokens: int, mode: str) -> _Sample:
     start = time.perf_counter()
     resp = client.post(f"{url}/v1/completions", json={
         "prompt": PROMPTS[i], "max_tokens": max_tokens, "temperature": 0.0, "return_token_ids": True,
@@ -100,7 +100,7 @@ def _ask(client: httpx.Client, url: str, i: int, max_tokens: int, mode: str) -> 
     return _Sample(i, k["ttft_ms"], tpot, k.get("transfer_ms") or 0.0, bool(k["bypassed"]), tokens)
 
 
-def _sequential(client: httpx.Client, url: str, rounds: int, max_tokens: int) -> dict[str, list[_Sample]]:
+def _sequential(client: httpx2.Client, url: str, rounds: int, max_tokens: int) -> dict[str, list[_Sample]]:
     out: dict[str, list[_Sample]] = {m: [] for m in MODES}
     for r in range(rounds):
         for i in range(len(PROMPTS)):
@@ -109,7 +109,7 @@ def _sequential(client: httpx.Client, url: str, rounds: int, max_tokens: int) ->
     return out
 
 
-def _burst(client: httpx.Client, url: str, max_tokens: int, mode: str) -> tuple[list[_Sample], float]:
+def _burst(client: httpx2.Client, url: str, max_tokens: int, mode: str) -> tuple[list[_Sample], float]:
     start = time.perf_counter()
     with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
         burst = list(pool.map(lambda i: _ask(client, url, i, max_tokens, mode), range(len(PROMPTS))))
@@ -170,7 +170,7 @@ def _bare_gap_ms(model_dir: Path, rounds: int, max_tokens: int) -> float:
 def bench_e2e(model_dir: Path, connector: ConnectorKind, rounds: int, max_tokens: int,
               layerwise: bool = False, bare: bool = True) -> E2EResult:
     spec = ClusterSpec(model_dir=model_dir, connector=connector, log_level="ERROR", layerwise=layerwise)
-    with LocalCluster(spec) as cluster, httpx.Client(timeout=120.0) as client:
+    with LocalCluster(spec) as cluster, httpx2.Client(timeout=120.0) as client:
         _sequential(client, cluster.url, 1, max_tokens)  # warm-up
         before = _forward_totals(cluster)
         samples = _sequential(client, cluster.url, rounds, max_tokens)

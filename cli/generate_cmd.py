@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
-import httpx
+import httpx2
 import typer
 
 
@@ -19,7 +19,7 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")],
              timeout: Annotated[float, typer.Option("--timeout", help="Seconds.")] = 120.0) -> None:
     """Send one completion request and print the text and the transfer statistics."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "stream": stream}
-    with httpx.Client(timeout=timeout) as client:
+    with httpx2.Client(timeout=timeout) as client:
         if not stream:
             resp = client.post(f"{url}/v1/completions", json=body)
             data = resp.json()

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from kvwire.cli.extras import NODE, require
 from kvwire.engine.model_config import PRESETS
 
 
@@ -18,6 +19,8 @@ def init_model(out_dir: Annotated[Path, typer.Argument(help="Directory to write 
                    "--hf-tokenizer", help="Also write tokenizer.json and tokenizer_config.json (byte-level, with a "
                                           "chat template), which vLLM and transformers need.")] = False) -> None:
     """Write a random checkpoint (Llama, Mistral, Qwen2 or Qwen3 by preset) that kvwire and transformers both load."""
+    require("init-model", NODE)
+
     from kvwire.engine.byte_tokenizer_files import write_byte_tokenizer, write_chat_template
     from kvwire.engine.init_model import write_random_checkpoint
 

@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from kvwire.cli.extras import for_cluster, require
 from kvwire.cli.options import (
     AdvertiseHost,
     AuthSecretFile,
@@ -46,6 +47,7 @@ PrefixCache = Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache",
 
 
 def _run(role: NodeRole, **kw) -> None:
+    require(role.value, *for_cluster(kw["connector"], kw["redis_url"]))
     setup_logging(kw.pop("log_level"))
     config = node_config(role, **kw)
     if role == NodeRole.PREFILL:

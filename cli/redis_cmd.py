@@ -8,10 +8,13 @@ from typing import Annotated
 
 import typer
 
+from kvwire.cli.extras import LOCAL, require
+
 
 def redis(port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port on 127.0.0.1.")] = 6379) -> None:
     """Run a redis-server on 127.0.0.1 for kvwire's directory (e.g. for vLLM servers with KvwireConnector);
     Ctrl-C or SIGTERM stops it."""
+    require("redis", LOCAL)
     from kvwire.cluster.redis_server import LocalRedis
 
     stop = threading.Event()

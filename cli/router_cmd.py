@@ -103,8 +103,8 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
 
     setup_logging(log_level)
     if vllm_prefill is not None or vllm_decode is not None:
-        if log_level.upper() != "DEBUG":  # httpx logs every call at INFO, health probes included
-            logging.getLogger("httpx").setLevel(logging.WARNING)
+        if log_level.upper() != "DEBUG":  # httpx2 logs every call at INFO, health probes included
+            logging.getLogger("httpx2").setLevel(logging.WARNING)
         timing = VLLMTiming(request_timeout, connect_timeout, health_interval, instance_wait, max_failures,
                             unresponsive_after, sequential, prefill_max_in_flight, routing,
                             VLLMRouterConfig.decode_only_below if decode_only_below is None else decode_only_below,
@@ -151,7 +151,7 @@ def _kvwire_app(ctx: typer.Context, model: Path | None, redis_url: str | None, h
                           traces_endpoint=paths.traces_endpoint)
     auth.install(config.auth_secret)  # before any socket opens
     app = create_app(config)
-    freeze_startup_heap()  # the router's heap holds torch and the tokenizer too
+    freeze_startup_heap()  # the router's heap holds the tokenizer and the app (no torch: tests/test_lean_install.py)
     return app
 
 

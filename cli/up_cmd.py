@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from kvwire.cli.extras import for_cluster, require
 from kvwire.cli.options import (
     AuthSecretFile,
     Connector,
@@ -50,6 +51,7 @@ def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a
        )] = 0,
        otlp_traces_endpoint: TracesEndpoint = "", log_level: LogLevel = "WARNING") -> None:
     """Start Redis, a prefill node, a decode node and the router; stop them all on Ctrl-C."""
+    require("up", *for_cluster(connector, redis_url))
     if layerwise and connector not in LAYERWISE_KINDS:
         raise typer.BadParameter("layer-wise streaming runs over the tcp and ucx connectors", param_hint="--layerwise")
     setup_logging(log_level)

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+import httpx2
 
 from kvwire.cluster.ports import free_port
 from kvwire.cluster.redis_server import LocalRedis, LocalRedisError
@@ -160,7 +160,7 @@ class LocalCluster:
         node and `decode_nodes` live decode nodes (nodes register once warmed up, so the first requests find
         them warm and are not recomputed). Raises ClusterError if a child dies or time runs out."""
         deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=2.0) as client:
+        with httpx2.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
                 dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
                 if dead and not self.supervisor.armed.is_set():
@@ -169,7 +169,7 @@ class LocalCluster:
                     body = client.get(f"{self.url}/readyz").json()
                     if body.get("disaggregate") and body.get("decode_nodes", 0) >= self.spec.decode_nodes:
                         return
-                except (httpx.HTTPError, ValueError):  # not listening yet, or not JSON yet
+                except (httpx2.HTTPError, ValueError):  # not listening yet, or not JSON yet
                     pass
                 time.sleep(0.2)  # start-up only: children are loading models
         raise ClusterError(f"cluster not ready within {timeout_s:.0f}s")

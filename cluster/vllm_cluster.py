@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+import httpx2
 
 from kvwire.cluster.local_cluster import ClusterError
 from kvwire.cluster.ports import free_port
@@ -115,7 +115,7 @@ class VLLMServer:
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Raises ClusterError when the server exits or does not answer /health in time."""
         deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=2.0) as client:
+        with httpx2.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
                 if self.proc is None or self.proc.poll() is not None:
                     code = None if self.proc is None else self.proc.returncode
@@ -124,7 +124,7 @@ class VLLMServer:
                 try:
                     if client.get(f"{self.url}/health").status_code == 200:
                         return
-                except httpx.HTTPError:
+                except httpx2.HTTPError:
                     pass
                 time.sleep(0.5)  # start-up only: loading the model, profiling
         raise ClusterError(f"vLLM server on port {self.port} not ready within {timeout_s:.0f}s")

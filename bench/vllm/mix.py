@@ -13,7 +13,7 @@ import random
 import time
 from typing import NamedTuple
 
-import httpx
+import httpx2
 import msgspec
 
 from kvwire.router.vllm.prefill import PATH_HEADER
@@ -73,7 +73,7 @@ def concurrent_asks(lengths: list[int], rounds: int, prefix: str = "") -> list[A
     return [Ask(f"{prefix}c{r}-p{i}", n) for r in range(rounds) for i, n in enumerate(lengths)]
 
 
-def stream_one(client: httpx.Client, url: str, model: str, ask: Ask, max_tokens: int) -> Sample:
+def stream_one(client: httpx2.Client, url: str, model: str, ask: Ask, max_tokens: int) -> Sample:
     """Send one greedy completion, streamed, and time it.
 
     Raises:

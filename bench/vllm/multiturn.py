@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import httpx
+import httpx2
 import msgspec
 
 from kvwire.bench.vllm.mix import RequestError, make_prompt
@@ -143,7 +143,7 @@ def _measure(row: Row, servers: Servers, cfg: MultiturnConfig) -> MultiturnRow:
     before = [counter_by_label(s.url, _SOURCES, "source") for s in counted]
     scripts = _scripts(row, cfg)
     started = time.perf_counter()
-    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client, cf.ThreadPoolExecutor(cfg.concurrency) as pool:
+    with httpx2.Client(timeout=REQUEST_TIMEOUT_S) as client, cf.ThreadPoolExecutor(cfg.concurrency) as pool:
         done = list(pool.map(lambda script: _run_script(client, url, str(cfg.model_dir), script, cfg.max_tokens),
                              scripts))
     wall_s = time.perf_counter() - started
@@ -203,14 +203,14 @@ class Ran(NamedTuple):
     error: str
 
 
-def _run_script(client: httpx.Client, url: str, model: str, script: Script, max_tokens: int) -> Ran:
+def _run_script(client: httpx2.Client, url: str, model: str, script: Script, max_tokens: int) -> Ran:
     """Every turn of `script` in order, each answer's text the next turn's assistant message; an error ends it."""
     ran = Ran([], [], "")
     for turn in range(len(script.users)):
         tag = f"{script.tag}-t{turn}"
         try:
             sample, text = _stream_chat(client, url, model, tag, _messages(script, ran.answers, turn), max_tokens)
-        except (RequestError, httpx.HTTPError) as exc:
+        except (RequestError, httpx2.HTTPError) as exc:
             return ran._replace(error=f"{tag}: {exc}")
         ran.samples.append(sample)
         ran.answers.append(text)
@@ -223,7 +223,7 @@ def _chat_body(model: str, messages: list[dict[str, str]], max_tokens: int, stre
     return body | ({"stream_options": {"include_usage": True}} if stream else {})
 
 
-def _stream_chat(client: httpx.Client, url: str, model: str, tag: str, messages: list[dict[str, str]],
+def _stream_chat(client: httpx2.Client, url: str, model: str, tag: str, messages: list[dict[str, str]],
                  max_tokens: int) -> tuple[TurnSample, str]:
     first, text, usage = 0.0, "", None
     ids: list[int] = []
@@ -251,7 +251,7 @@ def _stream_chat(client: httpx.Client, url: str, model: str, tag: str, messages:
 def _mismatched(plain_url: str, cfg: MultiturnConfig, done: list[Ran], scripts: list[Script]) -> list[str]:
     """Tags of the routed answers whose token ids differ from the plain server's for the same messages."""
     out = []
-    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+    with httpx2.Client(timeout=REQUEST_TIMEOUT_S) as client:
         for script, ran in zip(scripts, done):
             for turn, sample in enumerate(ran.samples):
                 body = _chat_body(str(cfg.model_dir), _messages(script, ran.answers, turn), cfg.max_tokens, False)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-import httpx
+import httpx2
 import msgspec
 
 from kvwire.bench.vllm.host import ForeignLoad
@@ -118,10 +118,10 @@ def check_plain_server(url: str, model: str) -> None:
         BenchError: it does not answer, or serves other models.
     """
     try:
-        r = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10)
+        r = httpx2.get(f"{url.rstrip('/')}/v1/models", timeout=10)
         r.raise_for_status()
         served = [m.get("id") for m in r.json().get("data", [])]
-    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+    except (httpx2.HTTPError, ValueError, AttributeError) as exc:
         raise BenchError(f"the plain vLLM server at {url} did not list its models: {exc}") from exc
     if model not in served:
         raise BenchError(f"the plain vLLM server at {url} serves {served}, not {model!r} (--model): its answers "
@@ -178,7 +178,7 @@ def _measure(setup: Setup, cfg: VLLMBenchConfig, log_dir: Path, reference: dict[
     rows: list[VLLMRow] = []
     outputs: dict[str, list[int]] = {}
     with started(setup, cfg.model_dir, cfg.redis_url, log_dir, cfg.dispatches, cfg.plain_url) as target, \
-            httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+            httpx2.Client(timeout=REQUEST_TIMEOUT_S) as client:
         ways = list(target.urls.items())
         if setup.kind == SetupKind.PLAIN:  # the first measured, the others' prompts answered for their reference
             ways = [(d, target.urls[None]) for d in cfg.dispatches] or ways
@@ -193,7 +193,7 @@ def _measure(setup: Setup, cfg: VLLMBenchConfig, log_dir: Path, reference: dict[
     return rows, outputs
 
 
-def _way_in(client: httpx.Client, url: str, prefix: str, name: str, kind: SetupKind, cfg: VLLMBenchConfig,
+def _way_in(client: httpx2.Client, url: str, prefix: str, name: str, kind: SetupKind, cfg: VLLMBenchConfig,
             target: Target, reference: dict[str, list[int]]) -> tuple[VLLMRow, dict[str, list[int]]]:
     """Steps 2-4 through `url`, every tag opening with `prefix`; the row named `name`, and the answers' tokens."""
     lengths = list(cfg.prompt_tokens)
@@ -225,7 +225,7 @@ def _tokens_by_source(target: Target) -> dict[str, float] | None:
     """The decode server's prompt tokens by source; None for a plain server, or one that does not answer."""
     try:
         return target.tokens_by_source() if target.tokens_by_source else None
-    except httpx.HTTPError:
+    except httpx2.HTTPError:
         return None
 
 
@@ -251,12 +251,12 @@ def _row(name: str, kind: SetupKind, passes: tuple[_Pass, _Pass, _Pass], outputs
         outputs_equal=None if kind == SetupKind.PLAIN else not mismatched, mismatched=mismatched)
 
 
-def _send(client: httpx.Client, url: str, model: str, asks: list[Ask], max_tokens: int, concurrency: int) -> _Pass:
+def _send(client: httpx2.Client, url: str, model: str, asks: list[Ask], max_tokens: int, concurrency: int) -> _Pass:
     """Every request of `asks`, `concurrency` at a time (1: one after another, in this thread)."""
     def one(ask: Ask) -> Sample | str:
         try:
             return stream_one(client, url, model, ask, max_tokens)
-        except (RequestError, httpx.HTTPError) as exc:
+        except (RequestError, httpx2.HTTPError) as exc:
             return f"{type(exc).__name__}: {exc}"
 
     start = time.perf_counter()

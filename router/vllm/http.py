@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 
-import httpx
+import httpx2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -44,7 +44,7 @@ def trace_id(request: Request) -> str:
     return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else ""
 
 
-def whole(resp: httpx.Response, rid: str, kvwire_headers: dict[str, str]) -> Response:
+def whole(resp: httpx2.Response, rid: str, kvwire_headers: dict[str, str]) -> Response:
     """An instance's whole answer, as it gave it, with the request id and `kvwire_headers`."""
     headers = {"x-request-id": rid} | kvwire_headers
     return Response(resp.content, status_code=resp.status_code, headers=headers,

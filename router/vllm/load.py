@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-import httpx
+import httpx2
 
 from kvwire.router.vllm.upstream import PEER_ERRORS
 
@@ -48,7 +48,7 @@ def parse_server_metrics(text: str) -> ServerLoad:
     return ServerLoad(int(waiting), max(usage), block_size)
 
 
-async def scrape(client: httpx.AsyncClient, url: str, timeout: httpx.Timeout) -> ServerLoad | None:
+async def scrape(client: httpx2.AsyncClient, url: str, timeout: httpx2.Timeout) -> ServerLoad | None:
     """GET {url}/metrics. Returns: what it shows; None when it did not answer 200 in time."""
     try:
         resp = await client.get(f"{url}/metrics", timeout=timeout)

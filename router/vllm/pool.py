@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-import httpx
+import httpx2
 
 from kvwire.connectors.config import NodeRole
 from kvwire.observability.labels import InstanceState
@@ -230,7 +230,7 @@ class InstancePool:
 class HealthProbe:
     """GET {url}/health, which vLLM answers 200 once its engine serves."""
 
-    def __init__(self, client: httpx.AsyncClient, timeout: httpx.Timeout):
+    def __init__(self, client: httpx2.AsyncClient, timeout: httpx2.Timeout):
         self._client = client
         self._timeout = timeout
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any, NamedTuple
 
-import httpx
+import httpx2
 
 from kvwire.observability.labels import PathReason, ProxyPath
 from kvwire.observability.metrics import Metrics
@@ -39,7 +39,7 @@ class Prefilled(NamedTuple):
     kv_transfer_params: dict[str, Any] | None
     reason: PathReason
     prefill: str | None = None
-    refusal: httpx.Response | None = None
+    refusal: httpx2.Response | None = None
 
     @property
     def path(self) -> ProxyPath:
@@ -70,7 +70,7 @@ class PrefillStep:
         """What `url`'s last answer showed of its KvwireConnector; None before one, or for another connector."""
         return self._producers.get(url)
 
-    async def run(self, client: httpx.AsyncClient, rid: str, url: str, endpoint: Endpoint, body: dict[str, Any],
+    async def run(self, client: httpx2.AsyncClient, rid: str, url: str, endpoint: Endpoint, body: dict[str, Any],
                   headers: dict[str, str], key: str | None = None) -> Prefilled:
         """`url` computes the prompt of the client's `body`, its KV held under `key` (None: its request id)."""
         self.pool.started(url)

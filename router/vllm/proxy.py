@@ -51,7 +51,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, NamedTuple
 
 import anyio
-import httpx
+import httpx2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -91,7 +91,7 @@ class VLLMRouter:
         self._prefill_step = PrefillStep(self.prefill, metrics)
         self.schedule = Scheduler(config.routing, config.decode_only_below, config.prefix_ttl_s, self.prefill,
                                   self.decode)
-        self._client: httpx.AsyncClient | None = None
+        self._client: httpx2.AsyncClient | None = None
         self._behind: set[asyncio.Task] = set()  # prefill steps still running after their request was answered
         self._tokenize_turn = 0
         self._untokenized: set[str] = set()  # instances whose /tokenize failed (warned about once)
@@ -99,19 +99,19 @@ class VLLMRouter:
             metrics.watch_instances(str(pool.role), pool.count)
 
     @property
-    def client(self) -> httpx.AsyncClient:
+    def client(self) -> httpx2.AsyncClient:
         assert self._client is not None  # the lifespan opens it before serving
         return self._client
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):
         connect = self.config.connect_timeout_s
-        timeout = httpx.Timeout(self.config.request_timeout_s, connect=connect)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)  # streams hold theirs
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        timeout = httpx2.Timeout(self.config.request_timeout_s, connect=connect)
+        limits = httpx2.Limits(max_connections=None, max_keepalive_connections=64)  # streams hold theirs
+        async with httpx2.AsyncClient(timeout=timeout, limits=limits) as client:
             self._client = client
             probe_s = max(self.config.health_interval_s, connect)  # answered before the next probe is due
-            probe_timeout = httpx.Timeout(probe_s, connect=connect)
+            probe_timeout = httpx2.Timeout(probe_s, connect=connect)
             probe = HealthProbe(client, probe_timeout)
 
             async def load(url: str):
@@ -311,7 +311,7 @@ class VLLMRouter:
             delay = min(2 * delay, _LAST_RETRY_S)
             url = again.decode if (again := self.schedule.place(call.tokens, frozenset(tried))) else None
 
-    def _whole_answer(self, resp: httpx.Response, call: _Call, url: str, prefilled: Prefilled) -> Response:
+    def _whole_answer(self, resp: httpx2.Response, call: _Call, url: str, prefilled: Prefilled) -> Response:
         """The client's answer from decode instance `url`'s whole one (or a stream's that was not 200)."""
         self._answered(resp, call.rid, url, prefilled)
         self._count(resp.status_code)
@@ -319,7 +319,7 @@ class VLLMRouter:
             self.schedule.answered(url, call.tokens, completion_tokens_of(resp.content))
         return http.whole(resp, call.rid, prefilled.headers(url))
 
-    async def _stream_answer(self, resp: httpx.Response, call: _Call, url: str, prefilled: Prefilled,
+    async def _stream_answer(self, resp: httpx2.Response, call: _Call, url: str, prefilled: Prefilled,
                              blocks: int) -> Response:
         """The client's stream, from decode instance `url`'s first chunk (read here: a stream cut before it is an
         InstanceError of the call); `url` counts the request until the relay ends."""
@@ -336,7 +336,7 @@ class VLLMRouter:
                                  media_type=resp.headers.get("content-type"),
                                  headers={"x-request-id": call.rid} | prefilled.headers(url))
 
-    def _answered(self, resp: httpx.Response, rid: str, url: str, prefilled: Prefilled) -> None:
+    def _answered(self, resp: httpx2.Response, rid: str, url: str, prefilled: Prefilled) -> None:
         self.metrics.vllm_requests.labels(str(prefilled.path)).inc()
         self.metrics.vllm_path_reasons.labels(str(prefilled.path), str(prefilled.reason)).inc()
         if upstream.is_instance_fault(resp.status_code):
@@ -345,7 +345,7 @@ class VLLMRouter:
         else:
             self.decode.observe(url, None)
 
-    async def _relay(self, resp: httpx.Response, chunks: AsyncIterator[bytes], first: bytes, call: _Call, peer: str,
+    async def _relay(self, resp: httpx2.Response, chunks: AsyncIterator[bytes], first: bytes, call: _Call, peer: str,
                      blocks: int):
         """The decode instance's stream, chunk by chunk from `first`; an SSE error event if it breaks."""
         status, events = 200, first.count(b"data: {")  # an event a generated token, near enough for the index

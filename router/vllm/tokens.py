@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import httpx
+import httpx2
 
 from kvwire.router.vllm.bodies import Endpoint
 from kvwire.router.vllm.upstream import PEER_ERRORS
@@ -41,7 +41,7 @@ class TokenizeFailed(Exception):
         self.url = url
 
 
-async def prompt_tokens(client: httpx.AsyncClient, rid: str, url: str, endpoint: Endpoint, body: dict[str, Any],
+async def prompt_tokens(client: httpx2.AsyncClient, rid: str, url: str, endpoint: Endpoint, body: dict[str, Any],
                         headers: dict[str, str]) -> list[int] | None:
     """The token ids of the prompt of `body`, by POST {url}/tokenize. Returns: None when it has no single prompt.
     Raises: TokenizeFailed."""

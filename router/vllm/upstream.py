@@ -6,7 +6,7 @@ import enum
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
+import httpx2
 
 from kvwire.router.vllm.bodies import Endpoint
 
@@ -43,19 +43,19 @@ def is_instance_fault(status: int) -> bool:
     return status >= 500
 
 
-# What a call to an instance may raise when the instance fails, beside httpx's own errors: httpcore over anyio
+# What a call to an instance may raise when the instance fails, beside httpx2's own errors: httpcore2 over anyio
 # raises AttributeError ('NoneType' object has no attribute 'getpeername') when the peer dies while the
 # connection is being set up (its socket is closed under it), and an OSError can escape the same way.
-PEER_ERRORS = (httpx.HTTPError, OSError, AttributeError)
+PEER_ERRORS = (httpx2.HTTPError, OSError, AttributeError)
 
 
 def failure_kind(exc: Exception) -> FailureKind:
     """How a call that raised `exc` (one of PEER_ERRORS) failed."""
-    if isinstance(exc, httpx.ConnectError):
+    if isinstance(exc, httpx2.ConnectError):
         return FailureKind.REFUSED
-    if isinstance(exc, httpx.ConnectTimeout):
+    if isinstance(exc, httpx2.ConnectTimeout):
         return FailureKind.BUSY
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, httpx2.TimeoutException):
         return FailureKind.TIMEOUT
     return FailureKind.BROKEN
 
@@ -69,8 +69,8 @@ def _failure(exc: Exception, request_id: str, peer: str) -> InstanceError:
     return InstanceError(request_id, peer, failure_kind(exc), str(exc) or type(exc).__name__)
 
 
-async def post(client: httpx.AsyncClient, request_id: str, peer: str, endpoint: Endpoint, body: dict[str, Any],
-               headers: dict[str, str]) -> httpx.Response:
+async def post(client: httpx2.AsyncClient, request_id: str, peer: str, endpoint: Endpoint, body: dict[str, Any],
+               headers: dict[str, str]) -> httpx2.Response:
     """POST `body` to `peer` and read the whole answer.
 
     Args:
@@ -89,8 +89,8 @@ async def post(client: httpx.AsyncClient, request_id: str, peer: str, endpoint: 
         raise _failure(exc, request_id, peer) from exc
 
 
-async def open_stream(client: httpx.AsyncClient, request_id: str, peer: str, endpoint: Endpoint,
-                      body: dict[str, Any], headers: dict[str, str]) -> httpx.Response:
+async def open_stream(client: httpx2.AsyncClient, request_id: str, peer: str, endpoint: Endpoint,
+                      body: dict[str, Any], headers: dict[str, str]) -> httpx2.Response:
     """POST `body` to `peer` and read the answer's head; the caller reads the body and must
     close the answer (`aclose`). An answer other than 200 comes back read and closed.
 
@@ -111,8 +111,8 @@ async def open_stream(client: httpx.AsyncClient, request_id: str, peer: str, end
     return resp
 
 
-async def get(client: httpx.AsyncClient, request_id: str, peer: str, path: str,
-              headers: dict[str, str]) -> httpx.Response:
+async def get(client: httpx2.AsyncClient, request_id: str, peer: str, path: str,
+              headers: dict[str, str]) -> httpx2.Response:
     """GET `path` of `peer`. Returns: the answer, whatever its status. Raises: InstanceError."""
     try:
         return await client.get(f"{peer}{path}", headers=headers)
@@ -120,7 +120,7 @@ async def get(client: httpx.AsyncClient, request_id: str, peer: str, path: str,
         raise _failure(exc, request_id, peer) from exc
 
 
-async def stream_bytes(resp: httpx.Response, request_id: str, peer: str) -> AsyncIterator[bytes]:
+async def stream_bytes(resp: httpx2.Response, request_id: str, peer: str) -> AsyncIterator[bytes]:
     """The bytes of an answer opened by `open_stream`, as they arrive. Raises: InstanceError."""
     try:
         async for chunk in resp.aiter_bytes():

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-import httpx
+import httpx2
 import pytest
 
 from kvwire.cluster.ports import free_port
@@ -56,7 +56,7 @@ def test_up_serves_then_stops_everything_it_started(tiny_model_dir, sig):
         assert f"http://127.0.0.1:{port}" in line
         children = _children(proc.pid)
         assert len(children) == 4  # redis-server, prefill, decode, router
-        resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+        resp = httpx2.post(f"http://127.0.0.1:{port}/v1/completions",
                           json={"prompt": "hi", "max_tokens": 4, "temperature": 0}, timeout=60)
         assert resp.status_code == 200 and resp.json()["kvwire"]["bypassed"] is True
         proc.send_signal(sig)

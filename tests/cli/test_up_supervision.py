@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 
 from kvwire.cluster.ports import free_port
@@ -40,11 +40,11 @@ def _role_pid(up: subprocess.Popen, role: str) -> int | None:
     return None
 
 
-def _post(url: str, prompt: list[int]) -> httpx.Response | None:
+def _post(url: str, prompt: list[int]) -> httpx2.Response | None:
     try:
-        return httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+        return httpx2.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
                                                           "return_token_ids": True}, timeout=60)
-    except httpx.HTTPError:
+    except httpx2.HTTPError:
         return None
 
 
@@ -59,12 +59,12 @@ def _wait(pred, timeout_s: float) -> bool:
 
 def _healthy(url: str) -> bool:
     try:
-        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
-    except httpx.HTTPError:
+        return httpx2.get(f"{url}/healthz", timeout=2).status_code == 200
+    except httpx2.HTTPError:
         return False
 
 
-def _in_flight(url: str, prompts, kill) -> list[httpx.Response | None]:
+def _in_flight(url: str, prompts, kill) -> list[httpx2.Response | None]:
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(_post, url, p) for p in prompts]
         time.sleep(0.3)

@@ -71,7 +71,8 @@ def test_cpu_demo_writes_the_tiny_model_before_every_kvwire_container():
         pod = by_kind(objects, "Deployment")[name]["spec"]["template"]["spec"]
         init = pod["initContainers"][0]
         assert init["command"] == ["kvwire", "init-model", "/models/tiny", "--preset", "tiny", "--seed", "0"]
-        assert init["image"] == pod["containers"][0]["image"] == "kvwire:cpu"
+        assert init["image"] == "kvwire:cpu"  # init-model needs the node extra, the router's image lacks it
+        assert pod["containers"][0]["image"] == ("kvwire-router:lean" if name == "kvwire-router" else "kvwire:cpu")
         assert _flag(_main(objects, name), "--model") == "/models/tiny"
         assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == "models")
 
@@ -127,3 +128,8 @@ def test_secret_generator_replaces_the_placeholders(tmp_path):
     refs = {v["secret"]["secretName"] for d in by_kind(objects, "Deployment").values()
             for v in d["spec"]["template"]["spec"]["volumes"] if "secret" in v}
     assert refs == {name}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_router_runs_the_lean_image_in_every_overlay(overlay):
+    assert _main(_overlay(overlay), "kvwire-router").spec["image"] == "kvwire-router:lean"

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
+import httpx2
 import redis
 
 from kvwire.cluster.local_cluster import LocalCluster
@@ -67,8 +67,8 @@ def post(url: str, body: dict, timeout_s: float) -> Outcome:
     """POST one completion; never raises."""
     start = time.monotonic()
     try:
-        resp = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout_s)
-    except httpx.HTTPError as exc:
+        resp = httpx2.post(f"{url}/v1/completions", json=body, timeout=timeout_s)
+    except httpx2.HTTPError as exc:
         return Outcome(None, None, time.monotonic() - start, f"{type(exc).__name__}: {exc}")
     try:
         data = resp.json()
@@ -121,8 +121,8 @@ def is_openai_error(body: dict | None) -> bool:
 def metric(ops_url: str, name: str, **labels: str) -> float | None:
     """One sample of a process's /metrics, or None if it cannot be read."""
     try:
-        text = httpx.get(f"{ops_url}/metrics", timeout=3).text
-    except httpx.HTTPError:
+        text = httpx2.get(f"{ops_url}/metrics", timeout=3).text
+    except httpx2.HTTPError:
         return None
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     match = re.search(rf"^{re.escape(name)}{{{re.escape(want)}}} (\S+)$" if want else rf"^{re.escape(name)} (\S+)$",
@@ -168,8 +168,8 @@ def wait_restarted(cluster: LocalCluster, name: str, old_pid: int, timeout_s: fl
         if proc.pid == old_pid or proc.poll() is not None:
             return False
         try:
-            return httpx.get(url, timeout=2).status_code == 200
-        except httpx.HTTPError:
+            return httpx2.get(url, timeout=2).status_code == 200
+        except httpx2.HTTPError:
             return False
 
     assert wait_until(ready, timeout_s, 0.1), f"{name} not restarted and ready within {timeout_s:.0f}s"

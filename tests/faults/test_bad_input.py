@@ -17,7 +17,7 @@ import re
 import time
 from pathlib import Path
 
-import httpx
+import httpx2
 import msgspec
 import pytest
 import zmq
@@ -264,14 +264,14 @@ BAD_BODIES = [
 ]
 
 
-def _is_400(resp: httpx.Response, param: str | None) -> bool:
+def _is_400(resp: httpx2.Response, param: str | None) -> bool:
     body = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else None
     return resp.status_code == 400 and is_openai_error(body) and (param is None or body["error"]["param"] == param)
 
 
 @pytest.mark.parametrize("body, param", BAD_BODIES, ids=[str(i) for i in range(len(BAD_BODIES))])
 def test_bad_http_bodies_get_400_in_openai_shape(cluster, body, param):
-    resp = httpx.post(f"{cluster.url}/v1/completions", content=body, headers={"content-type": "application/json"},
+    resp = httpx2.post(f"{cluster.url}/v1/completions", content=body, headers={"content-type": "application/json"},
                       timeout=REQUEST_TIMEOUT_S + SLACK_S)
     assert _is_400(resp, param), (resp.status_code, resp.text[:300])
 
@@ -300,7 +300,7 @@ def _cheap(obj) -> object:
 def test_random_json_bodies_never_get_5xx(cluster, tally):
     rng = random.Random(SEED)
     statuses: dict[int, int] = {}
-    client = httpx.Client(base_url=cluster.url, timeout=REQUEST_TIMEOUT_S + SLACK_S)  # one connection, as clients do
+    client = httpx2.Client(base_url=cluster.url, timeout=REQUEST_TIMEOUT_S + SLACK_S)  # one connection, as clients do
     for _ in range(300):
         body = json.dumps(_cheap(_random_json(rng))).encode()
         resp = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})

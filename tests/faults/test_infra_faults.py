@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-import httpx
+import httpx2
 import pytest
 import redis
 
@@ -50,7 +50,7 @@ def test_redis_killed_and_restarted_mid_load(cluster, tiny_model_dir, tally):
     # Without the directory the router cannot pick nodes (503), except from the node list it read less than
     # router.placement.NODES_FRESH_S before: those requests are served (judged exact above) or fail clearly.
     assert all(o.status in (200, 503) for o in during)
-    healthy = lambda: httpx.get(f"{cluster.url}/healthz", timeout=3).status_code == 200  # noqa: E731
+    healthy = lambda: httpx2.get(f"{cluster.url}/healthz", timeout=3).status_code == 200  # noqa: E731
     assert wait_until(healthy, 10, 0.25), "nodes did not re-register in the restarted Redis"
     # Over TCP a producer checks the puller's published address, which the empty Redis lost: the
     # first pull after the restart may be refused (exact output, recomputed); the decode node then

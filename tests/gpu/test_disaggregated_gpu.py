@@ -7,7 +7,7 @@ on one device). They skip where the GPUs are missing.
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 import pytest
 import torch
 
@@ -31,7 +31,8 @@ def _run(model_dir, connector: str, prefill_device: str, decode_device: str, tmp
                        decode_device=decode_device, log_dir=tmp_path / "logs", require_fast_path=require_fast_path)
     with LocalCluster(spec) as cluster:
         results = complete_all(cluster.url, PROMPTS, max_tokens=12)
-        ready = {role: httpx.get(f"{cluster.ops_urls[role]}/readyz", timeout=10).text for role in ("prefill", "decode")}
+        ready = {role: httpx2.get(f"{cluster.ops_urls[role]}/readyz", timeout=10).text
+                 for role in ("prefill", "decode")}
     for want, got in zip(expected, results):
         assert got["choices"][0]["token_ids"] == want
         assert got["kvwire"]["bypassed"] is True, got["kvwire"]

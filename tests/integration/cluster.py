@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import time
 
-import httpx
+import httpx2
 
 from kvwire.connectors.directory.directory import KVDirectory
 
@@ -14,7 +14,7 @@ def complete(url: str, prompt, *, max_tokens: int = 12, temperature: float = 0.0
              timeout: float = 120.0, **extra) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
             "return_token_ids": True, **extra}
-    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+    resp = httpx2.post(f"{url}/v1/completions", json=body, timeout=timeout)
     assert resp.status_code == 200, resp.text
     return resp.json()
 

@@ -8,7 +8,7 @@ import json
 import signal
 import time
 
-import httpx
+import httpx2
 import pytest
 
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
@@ -84,9 +84,9 @@ def _wait_ready(url: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+            if httpx2.get(f"{url}/readyz", timeout=2).status_code == 200:
                 return
-        except httpx.HTTPError:
+        except httpx2.HTTPError:
             pass
         time.sleep(0.1)
     raise AssertionError(f"the second router at {url} is not ready")
@@ -104,7 +104,7 @@ def test_streaming_sends_the_same_text(cluster):
     whole = complete(cluster.url, "stream me", max_tokens=8)
     body = {"prompt": "stream me", "max_tokens": 8, "temperature": 0, "stream": True}
     events = []
-    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60) as resp:
+    with httpx2.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
         events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -115,8 +115,8 @@ def test_streaming_sends_the_same_text(cluster):
 
 
 def test_models_and_health(cluster):
-    assert httpx.get(f"{cluster.url}/healthz").json()["nodes"] == {"prefill": 1, "decode": 1}
-    models = httpx.get(f"{cluster.url}/v1/models").json()
+    assert httpx2.get(f"{cluster.url}/healthz").json()["nodes"] == {"prefill": 1, "decode": 1}
+    models = httpx2.get(f"{cluster.url}/v1/models").json()
     assert models["data"][0]["id"] == "tiny"
 
 
@@ -131,7 +131,7 @@ def test_models_and_health(cluster):
     (json.dumps({"max_tokens": 3}).encode(), None),
 ])
 def test_bad_requests_get_openai_errors(cluster, body, param):
-    resp = httpx.post(f"{cluster.url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    resp = httpx2.post(f"{cluster.url}/v1/completions", content=body, headers={"content-type": "application/json"})
     assert resp.status_code == 400
     err = resp.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]

@@ -11,7 +11,7 @@ import re
 import signal
 import time
 
-import httpx
+import httpx2
 import msgspec
 import pytest
 import zmq
@@ -92,7 +92,7 @@ def _draining(redis_url: str, node_id: str) -> bool:
 
 def _queued(ops_url: str, *queues: str) -> float:
     """The sum of the node's kvwire_queue_depth gauges for `queues`, read from its /metrics."""
-    text = httpx.get(f"{ops_url}/metrics", timeout=2.0).text
+    text = httpx2.get(f"{ops_url}/metrics", timeout=2.0).text
     total = 0.0
     for q in queues:
         match = re.search(rf'^kvwire_queue_depth{{queue="{q}"}} (\S+)$', text, re.M)

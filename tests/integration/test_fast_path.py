@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 
 from kvwire.cluster.ports import free_port
@@ -35,15 +35,15 @@ def _spawn(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT, env=env)
 
 
-def _wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float = 90.0) -> httpx.Response:
+def _wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float = 90.0) -> httpx2.Response:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert all(p.poll() is None for p in procs), "a process exited during start-up"
         try:
-            resp = httpx.get(f"{url}/readyz", timeout=2)
+            resp = httpx2.get(f"{url}/readyz", timeout=2)
             if resp.status_code == 200:
                 return resp
-        except httpx.HTTPError:
+        except httpx2.HTTPError:
             pass
         time.sleep(0.2)  # start-up: nothing to wait on but the processes' HTTP endpoints
     raise AssertionError(f"{url} not ready within {timeout_s:.0f}s")
@@ -83,7 +83,7 @@ def cluster(request, tiny_model_dir, redis_url, tmp_path):
 def test_ucx_on_tcp_between_same_host_nodes_is_reported_and_warned_or_refused(cluster, tiny_model_dir, redis_url):
     router, ops, decode_log, require = cluster
     for role, url in ops.items():
-        lines = httpx.get(f"{url}/readyz", timeout=5).text.splitlines()  # ready, the self-test, the warm-up
+        lines = httpx2.get(f"{url}/readyz", timeout=5).text.splitlines()  # ready, the self-test, the warm-up
         assert lines[0] == "ready" and lines[1].startswith("transport ucx: ok in ") and \
             lines[1].endswith(" ms over tcp") and lines[2].startswith("warm-up: "), (role, lines)
         assert one(scrape(url), "kvwire_transport_info", transport="ucx", path="tcp", self_test="ok") == 1

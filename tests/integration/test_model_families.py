@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 import torch
 import transformers
@@ -34,7 +34,7 @@ def test_family_matches_transformers_through_the_cluster(family, dtype, tied, tm
     spec = ClusterSpec(model_dir=path, connector=ConnectorKind.TCP, redis_url=redis_url, num_blocks=64,
                        log_dir=tmp_path / "logs", launch=FORK)
     with LocalCluster(spec) as cluster:
-        resp = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
+        resp = httpx2.post(f"{cluster.url}/v1/completions", timeout=120, json={
             "prompt": PROMPT, "max_tokens": STEPS, "temperature": 0, "logprobs": TOP, "ignore_eos": True,
             "return_token_ids": True, "return_tokens_as_token_ids": True})
     assert resp.status_code == 200, resp.text

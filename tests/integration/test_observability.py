@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+import httpx2
 import msgspec
 import pytest
 import yaml
@@ -37,7 +37,7 @@ def cluster(tiny_model_dir, tmp_path_factory):
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:
     """{(sample name, labels): value} of the process's /metrics."""
-    resp = httpx.get(f"{url}/metrics", timeout=10)
+    resp = httpx2.get(f"{url}/metrics", timeout=10)
     assert resp.status_code == 200
     return {(s.name, frozenset(s.labels.items())): s.value
             for family in text_string_to_metric_families(resp.text) for s in family.samples}
@@ -50,9 +50,9 @@ def one(samples: dict, name: str, **labels) -> float:
 def test_every_process_is_ready(cluster):
     assert set(cluster.ops_urls) == {"router", "prefill", "decode"}
     for name, url in cluster.ops_urls.items():
-        assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200, name
+        assert httpx2.get(f"{url}/readyz", timeout=10).status_code == 200, name
     for role in ("prefill", "decode"):
-        assert httpx.get(f"{cluster.ops_urls[role]}/healthz", timeout=10).status_code == 200
+        assert httpx2.get(f"{cluster.ops_urls[role]}/healthz", timeout=10).status_code == 200
 
 
 def test_counters_moved_where_the_events_happened(cluster):

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
+import httpx2
 import openai
 import pytest
 
@@ -178,7 +178,7 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request(client, cluster):
     stream.close()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        metrics = httpx.get(f"{cluster.url}/metrics").text
+        metrics = httpx2.get(f"{cluster.url}/metrics").text
         if 'kvwire_requests_total{status="cancelled"} 1.0' in metrics:
             break
         time.sleep(0.2)
@@ -197,13 +197,13 @@ def test_chat_messages_that_need_tools_or_images_are_refused(client):
 
 
 def test_tokenize_and_detokenize(cluster):
-    got = httpx.post(f"{cluster.url}/tokenize", json={"model": MODEL, "prompt": "Hi"}).json()
+    got = httpx2.post(f"{cluster.url}/tokenize", json={"model": MODEL, "prompt": "Hi"}).json()
     assert got["tokens"] == [72, 105] and got["count"] == 2 and got["max_model_len"] > 0
-    chat = httpx.post(f"{cluster.url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    chat = httpx2.post(f"{cluster.url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
     assert bytes(chat["tokens"]).decode() == "<|user|>\nHi\n<|assistant|>\n"
-    assert httpx.post(f"{cluster.url}/detokenize", json={"tokens": [72, 105]}).json() == {"prompt": "Hi"}
-    assert httpx.post(f"{cluster.url}/detokenize", json={"tokens": [10**6]}).status_code == 400
-    assert httpx.post(f"{cluster.url}/tokenize", json={"model": "nope", "prompt": "x"}).status_code == 404
+    assert httpx2.post(f"{cluster.url}/detokenize", json={"tokens": [72, 105]}).json() == {"prompt": "Hi"}
+    assert httpx2.post(f"{cluster.url}/detokenize", json={"tokens": [10**6]}).status_code == 400
+    assert httpx2.post(f"{cluster.url}/tokenize", json={"model": "nope", "prompt": "x"}).status_code == 404
 
 
 def test_a_clients_trace_reaches_the_nodes_and_their_spans_join_it(cluster, client, receiver):

@@ -6,7 +6,7 @@ use both decode nodes."""
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 import pytest
 
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
@@ -50,7 +50,7 @@ def test_a_conversation_stays_on_one_decode_node_and_its_later_turns_are_decode_
     reasons = counter_by_label(cluster.url, "kvwire_path_reasons_total", "reason")
     assert reasons["cached-on-decode"] >= 2, reasons
     on_node = cluster.ops_urls["decode" if node == "decode-0" else node]
-    text = httpx.get(f"{on_node}/metrics", timeout=10).text
+    text = httpx2.get(f"{on_node}/metrics", timeout=10).text
     assert any(line.startswith("kvwire_prompt_tokens_cached_total ") and float(line.split()[1]) >= 192
                for line in text.splitlines()), "the decode node did not count its cached prompt tokens"
 

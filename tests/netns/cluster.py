@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+import httpx2
 import redis
 
 from kvwire.cluster.redis_server import find_redis_server
@@ -163,6 +163,6 @@ def _pings(client: redis.Redis) -> bool:
 
 def _status(url: str) -> int | None:
     try:
-        return httpx.get(url, timeout=2).status_code
-    except httpx.HTTPError:
+        return httpx2.get(url, timeout=2).status_code
+    except httpx2.HTTPError:
         return None

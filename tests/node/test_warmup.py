@@ -14,7 +14,7 @@ import signal
 import time
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 from fastapi.testclient import TestClient
 
@@ -61,8 +61,8 @@ def _until(check, what: str) -> None:
         time.sleep(0.05)
 
 
-def _node_readyz(port: int) -> httpx.Response:
-    return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5)
+def _node_readyz(port: int) -> httpx2.Response:
+    return httpx2.get(f"http://127.0.0.1:{port}/readyz", timeout=5)
 
 
 def _router_readyz(router: TestClient) -> tuple[int, dict]:
@@ -94,7 +94,7 @@ def test_a_node_registers_only_once_warmed_up(role, tiny_model_dir, redis_url):
             assert (status, body["disaggregate"]) == (200, True), body
             _until(lambda: _node_readyz(port).status_code == 200, "the node's /readyz turns 200")
             assert "warm-up: " in _node_readyz(port).text and "skipped" not in _node_readyz(port).text
-            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            metrics = httpx2.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
             assert "kvwire_prompt_forward_seconds_count 0.0" in metrics  # warm-up is not a prompt computed
             assert f'kvwire_kv_blocks{{state="free"}} {NUM_BLOCKS}.0' in metrics
             assert directory.get_node(f"{role}-w").free_blocks == NUM_BLOCKS

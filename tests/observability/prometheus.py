@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 import yaml
 
@@ -51,21 +51,21 @@ class Prometheus:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
+                if httpx2.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
                     return
-            except httpx.HTTPError:
+            except httpx2.HTTPError:
                 pass
             assert self._proc.poll() is None and time.monotonic() < deadline, "prometheus did not start"
             time.sleep(0.2)
 
     def query(self, expr: str) -> list[dict]:
-        resp = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10)
+        resp = httpx2.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10)
         assert resp.status_code == 200, resp.text
         return resp.json()["data"]["result"]
 
     def firing(self) -> dict[str, list[dict]]:
         """Alert name -> the labels of its firing alerts."""
-        alerts = httpx.get(f"{self.url}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
+        alerts = httpx2.get(f"{self.url}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
         out: dict[str, list[dict]] = {}
         for alert in alerts:
             if alert["state"] == "firing":
@@ -91,7 +91,7 @@ def draw(prometheus: Prometheus, panels: list[tuple[str, str]], path: Path, seco
     end = time.time()
     fig, axes = plt.subplots((len(panels) + 1) // 2, 2, figsize=(12, 2.6 * ((len(panels) + 1) // 2)))
     for ax, (title, expr) in zip(axes.flat, panels):
-        resp = httpx.get(f"{prometheus.url}/api/v1/query_range", timeout=10,
+        resp = httpx2.get(f"{prometheus.url}/api/v1/query_range", timeout=10,
                          params={"query": expr, "start": end - seconds, "end": end, "step": 1})
         for series in resp.json()["data"]["result"]:
             label = ",".join(f"{v}" for k, v in series["metric"].items() if k not in ("__name__", "job")) or expr

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 import pytest
 
 from kvwire.observability.metrics import Metrics
@@ -17,8 +17,8 @@ def ops():
         yield server
 
 
-def _get(ops: OpsServer, path: str) -> httpx.Response:
-    return httpx.get(f"http://127.0.0.1:{ops.port}{path}", timeout=5)
+def _get(ops: OpsServer, path: str) -> httpx2.Response:
+    return httpx2.get(f"http://127.0.0.1:{ops.port}{path}", timeout=5)
 
 
 def test_healthz_answers_at_once_and_readyz_waits_for_the_check(ops):

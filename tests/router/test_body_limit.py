@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-import httpx
+import httpx2
 import pytest
 from fastapi.testclient import TestClient
 
@@ -96,12 +96,12 @@ def test_the_vllm_router_process_refuses_64_mib_fast_and_serves_on(tmp_path):
     try:
         _wait_up(url, proc)
         start = time.monotonic()
-        big = httpx.post(f"{url}/v1/completions", content=b"x" * (64 << 20), timeout=30)
+        big = httpx2.post(f"{url}/v1/completions", content=b"x" * (64 << 20), timeout=30)
         took = time.monotonic() - start
         assert big.status_code == 413 and f"limit of {CAP} bytes" in big.json()["error"]["message"]
-        chunked = httpx.post(f"{url}/v1/completions", content=iter([b"y" * (CAP // 2)] * 4), timeout=30)
+        chunked = httpx2.post(f"{url}/v1/completions", content=iter([b"y" * (CAP // 2)] * 4), timeout=30)
         assert chunked.status_code == 413
-        after = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=30)
+        after = httpx2.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=30)
         assert after.status_code == 503, "served on: no decode instance is up, so a 503 in OpenAI's shape"
         assert took < 10, f"the refusal took {took:.1f} s"
     finally:
@@ -114,9 +114,9 @@ def _wait_up(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the router exited"
         try:
-            httpx.get(f"{url}/healthz", timeout=1)
+            httpx2.get(f"{url}/healthz", timeout=1)
             return
-        except httpx.TransportError:
+        except httpx2.TransportError:
             time.sleep(0.1)
     pytest.fail("the router did not answer")
 

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import httpx
+import httpx2
 
 from kvwire.cluster.redis_server import LocalRedis
 from kvwire.cluster.vllm_pd import kvwire_pair, pd_cluster_of
@@ -39,7 +39,7 @@ def main(work: Path) -> None:
             with pd_cluster_of(*pair, log_dir) as cluster:
                 for prompt in PROMPTS:
                     before = cluster.kv_pull_bytes()
-                    out = httpx.post(f"{cluster.router_url}/v1/completions", timeout=120, json={
+                    out = httpx2.post(f"{cluster.router_url}/v1/completions", timeout=120, json={
                         "model": str(model), "prompt": prompt, "max_tokens": 8, "temperature": 0}).json()
                     state = "on " if hybrid else "off"
                     print(f"hybrid manager {state}  prompt tokens {out['usage']['prompt_tokens']:>5}"

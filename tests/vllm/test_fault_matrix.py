@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 import redis
 
@@ -77,11 +77,11 @@ def _text(url: str, body: dict, retries: int = 0) -> tuple[str, int]:
     """The answer's text, and how many retries it took (a 5xx or a broken connection is retried)."""
     for attempt in range(retries + 1):
         try:
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            r = httpx2.post(f"{url}/v1/completions", json=body, timeout=120)
             if r.status_code < 500:
                 r.raise_for_status()
                 return r.json()["choices"][0]["text"], attempt
-        except httpx.TransportError:
+        except httpx2.TransportError:
             pass
         if attempt < retries:
             time.sleep(RETRY_S)
@@ -99,7 +99,7 @@ def _routed(cluster: PDCluster, model: str, fault, retries: int = 0) -> tuple[di
 
 
 def _usage(server: VLLMServer) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    text = httpx2.get(f"{server.url}/metrics", timeout=10).text
     return float(re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", text, re.M)[1])
 
 
@@ -173,7 +173,7 @@ def test_redis_killed_and_restarted_under_load(pair: PDCluster, want: dict[str, 
     got, retried = _routed(pair, str(vllm_model_dir), fault, retries=2)
     assert got == want
     computed, pulls, failed, decode_only = tally.check()
-    assert httpx.get(f"{pair.decode.url}/health").status_code == 200
+    assert httpx2.get(f"{pair.decode.url}/health").status_code == 200
     held_s = _usage_returns_to_zero(pair.prefill)
     _report("Redis killed and restarted", answered=len(got), retried=retried, pulled=pulls, recomputed=failed,
             decode_only=decode_only, computed_tokens=computed, usage_zero_after_s=round(held_s, 1),
@@ -185,7 +185,7 @@ def test_prefill_stopped_past_the_deadline(pair: PDCluster, want: dict[str, str]
     model, prompt = str(vllm_model_dir), PROMPT_MIX[0]
     tally = Tally(pair)
     body = _body(model, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-    held = httpx.post(f"{pair.prefill.url}/v1/completions", json=body, timeout=60).json()["kv_transfer_params"]
+    held = httpx2.post(f"{pair.prefill.url}/v1/completions", json=body, timeout=60).json()["kv_transfer_params"]
     assert pair.prefill.proc is not None
     os.killpg(pair.prefill.proc.pid, signal.SIGSTOP)
     start = time.monotonic()
@@ -227,6 +227,6 @@ def test_prefill_killed_under_load(pair: PDCluster, want: dict[str, str], vllm_m
     got, retried = _routed(pair, str(vllm_model_dir), pair.prefill.kill, retries=2)
     assert got == want
     computed, pulls, failed, decode_only = tally.check()
-    assert httpx.get(f"{pair.decode.url}/health").status_code == 200
+    assert httpx2.get(f"{pair.decode.url}/health").status_code == 200
     _report("prefill SIGKILLed under load", answered=len(got), retried=retried, pulled=pulls, recomputed=failed,
             decode_only=decode_only, computed_tokens=computed, keys=_keys_expire(own_redis.url))

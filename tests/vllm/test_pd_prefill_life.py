@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 import redis
 
@@ -78,7 +78,7 @@ def _body(model: str, prompt: str, **extra) -> dict:
 
 
 def _text(url: str, body: dict) -> str:
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    r = httpx2.post(f"{url}/v1/completions", json=body, timeout=120)
     r.raise_for_status()
     return r.json()["choices"][0]["text"]
 
@@ -86,7 +86,7 @@ def _text(url: str, body: dict) -> str:
 def _held_params(cluster: PDCluster, model: str, prompt: str) -> dict:
     """`prompt` computed on the prefill server alone (do_remote_decode): the kv_transfer_params it hands out."""
     body = _body(model, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-    return httpx.post(f"{cluster.prefill.url}/v1/completions", json=body, timeout=60).json()["kv_transfer_params"]
+    return httpx2.post(f"{cluster.prefill.url}/v1/completions", json=body, timeout=60).json()["kv_transfer_params"]
 
 
 @pytest.mark.usefixtures("duplicate")  # starts beside this test and the next (see the module's docstring)
@@ -97,7 +97,7 @@ def test_disaggregated_equals_plain_over_nccl(plain_server: VLLMServer, pair: PD
 # --- 1. delayed free -------------------------------------------------------------------------------------------
 
 def _usage(server: VLLMServer) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    text = httpx2.get(f"{server.url}/metrics", timeout=10).text
     return float(re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", text, re.M)[1])
 
 
@@ -180,7 +180,7 @@ def _used_again(model: str, cluster) -> None:
     before = cluster.prompt_tokens_by_source()
     deadline = time.monotonic() + 15  # the router's health check takes the restarted server back
     while True:
-        r = httpx.post(f"{cluster.router_url}/v1/completions", json=_body(model, PROMPTS[2]), timeout=60)
+        r = httpx2.post(f"{cluster.router_url}/v1/completions", json=_body(model, PROMPTS[2]), timeout=60)
         if r.headers["x-kvwire-path"] == "disaggregated" or time.monotonic() > deadline:
             break
         time.sleep(1)
@@ -208,7 +208,7 @@ def test_prefill_killed_mid_load(plain_server: VLLMServer, pair: PDCluster, vllm
         got_late = {p: f.result(timeout=120) for p, f in late.items()}
     assert got == want
     assert got_late == {p: want[p] for p in held}
-    assert pair.routers[0].poll() is None and httpx.get(f"{pair.decode.url}/health").status_code == 200
+    assert pair.routers[0].poll() is None and httpx2.get(f"{pair.decode.url}/health").status_code == 200
     _no_entry_left_ready(redis_server.url)
 
 

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
-import httpx
+import httpx2
 import pytest
 import zmq
 
@@ -123,7 +123,7 @@ def test_conversations_stay_where_their_kv_is_and_later_turns_are_decode_only(tr
     assert (raw.headers["x-kvwire-path"], raw.headers["x-kvwire-reason"]) == ("decode-only", "short-prompt")
     assert raw.parse().choices[0].text == plain.completions.create(model=model, prompt=prompt, max_tokens=8,
                                                                    temperature=0).choices[0].text
-    metrics = httpx.get(f"{trio.router_url}/metrics", timeout=10).text
+    metrics = httpx2.get(f"{trio.router_url}/metrics", timeout=10).text
     answered = dict(re.findall(r'^kvwire_requests_total\{status="([a-z]+)"\} (\S+)$', metrics, re.M))
     assert float(answered["ok"]) == 2 * len(USER) + 1, answered
     assert sum(float(n) for status, n in answered.items() if status != "ok") == 0, answered
@@ -187,7 +187,7 @@ def test_a_pull_forged_from_outside_is_refused_and_counted(trio: Trio, plain_ser
 
 
 def _rejected(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = httpx2.get(f"{url}/metrics", timeout=10).text
     return sum(float(m[1]) for m in re.finditer(
         r'^vllm:kvwire_messages_rejected_total\{[^}]*reason="unauthenticated"[^}]*\} (\S+)$', text, re.M))
 
@@ -224,7 +224,7 @@ def test_a_restarted_prefill_is_read_anew_and_a_killed_one_recomputed(trio: Trio
             restarted.kill()
             got_burst = {p: f.result(timeout=120).choices[0].text for p, f in burst.items()}
         assert got_burst == {p: want[p] for p in burst}
-        assert httpx.get(f"{decode.url}/health", timeout=10).status_code == 200
+        assert httpx2.get(f"{decode.url}/health", timeout=10).status_code == 200
     finally:
         if router is not None:
             router.terminate()

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-import httpx
+import httpx2
 import pytest
 import redis
 
@@ -159,7 +159,7 @@ def _complete(client: openai.OpenAI, model: str, prompt: str, **extra) -> Answer
 
 def _gauge(url: str, name: str) -> float:
     """The sum of metric `name` over its labels on the vLLM server at `url`."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = httpx2.get(f"{url}/metrics", timeout=10).text
     return sum(float(m[1]) for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
 
@@ -220,11 +220,11 @@ def test_a_pull_that_fails_is_recomputed_and_the_server_serves_on(model_dir: Pat
     got = _complete(openai_client(cluster.decode.url), model, prompt, kv_transfer_params=params)
     assert sum(cluster.kv_failed_by_reason().values()) == failed + 1, cluster.kv_failed_by_reason()
     _assert_same(got, want, dataclasses.replace(shape, ties=True) if shape.computed else shape)
-    assert httpx.get(f"{cluster.decode.url}/health", timeout=10).status_code == 200
+    assert httpx2.get(f"{cluster.decode.url}/health", timeout=10).status_code == 200
 
 def _block_size(url: str) -> int:
     """The block size (tokens) the vLLM server at `url` runs with."""
-    return int(re.search(r'^vllm:cache_config_info\{[^}]*block_size="(\d+)"', httpx.get(
+    return int(re.search(r'^vllm:cache_config_info\{[^}]*block_size="(\d+)"', httpx2.get(
         f"{url}/metrics", timeout=10).text, re.M)[1])
 
 

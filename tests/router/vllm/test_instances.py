@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-import httpx
+import httpx2
 import pytest
 from fastapi.testclient import TestClient
 
@@ -205,15 +205,15 @@ def test_a_client_that_goes_away_alongside_cancels_the_waiting_decode_call(fakes
     server, thread = serve_in_thread(create_vllm_app(config, Metrics()), port, "router")
     try:
         url = f"http://127.0.0.1:{port}/v1/completions"
-        assert httpx.post(url, json=BODY, timeout=10).headers["x-kvwire-reason"] == "prefilled"
+        assert httpx2.post(url, json=BODY, timeout=10).headers["x-kvwire-reason"] == "prefilled"
         p.answer_delay_s = d1.kv_wait_s = 30.0  # neither answers before the client gives up
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(url, json=BODY, timeout=0.5)
+        with pytest.raises(httpx2.ReadTimeout):
+            httpx2.post(url, json=BODY, timeout=0.5)
         deadline = time.monotonic() + 10
         while not d1.aborted and time.monotonic() < deadline:
             time.sleep(0.02)
         assert d1.aborted == 1, "the decode call waiting for KV was cancelled with the client's request"
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        metrics = httpx2.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         assert 'kvwire_requests_total{status="cancelled"} 1.0' in metrics
     finally:
         p.answer_delay_s = 0.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
+import httpx2
 
 from kvwire.connectors.config import NodeRole
 from kvwire.observability.labels import InstanceState
@@ -139,8 +139,8 @@ def test_check_takes_out_the_gone_keeps_the_slow_and_readmits_those_that_answer(
 
 def test_health_probe_reports_an_instance_nobody_listens_on_as_refused():
     async def probe_once() -> Problem | None:
-        async with httpx.AsyncClient() as client:
-            return await HealthProbe(client, httpx.Timeout(2.0))("http://127.0.0.1:1")
+        async with httpx2.AsyncClient() as client:
+            return await HealthProbe(client, httpx2.Timeout(2.0))("http://127.0.0.1:1")
 
     problem = asyncio.run(probe_once())
     assert problem is not None and problem.kind == FailureKind.REFUSED and "ConnectError" in problem.reason

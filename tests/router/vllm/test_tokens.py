@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
+import httpx2
 import pytest
 
 from kvwire.router.vllm.bodies import Endpoint
@@ -41,12 +41,12 @@ def test_the_tokens_an_answer_generated_come_from_its_usage_when_it_has_one_choi
 
 
 def test_a_prompt_an_instance_does_not_tokenize_raises_and_names_it():
-    def answer(request: httpx.Request) -> httpx.Response:
+    def answer(request: httpx2.Request) -> httpx2.Response:
         prompt = json.loads(request.content)["prompt"]
-        return httpx.Response(200, json={"tokens": [1, 2]}) if prompt == "ok" else httpx.Response(404)
+        return httpx2.Response(200, json={"tokens": [1, 2]}) if prompt == "ok" else httpx2.Response(404)
 
     async def ask(prompt: object) -> list[int] | None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        async with httpx2.AsyncClient(transport=httpx2.MockTransport(answer)) as client:
             return await prompt_tokens(client, "r1", "http://d:1", Endpoint.COMPLETIONS, {"prompt": prompt}, {})
 
     assert asyncio.run(ask("ok")) == [1, 2]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
+import httpx2
 import pytest
 
 from kvwire.router.vllm import upstream as upstream
@@ -12,15 +12,15 @@ from kvwire.router.vllm.bodies import Endpoint
 from kvwire.router.vllm.pool import HealthProbe
 
 
-def _raising(exc: Exception) -> httpx.AsyncClient:
-    def handler(request: httpx.Request) -> httpx.Response:
+def _raising(exc: Exception) -> httpx2.AsyncClient:
+    def handler(request: httpx2.Request) -> httpx2.Response:
         raise exc
-    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return httpx2.AsyncClient(transport=httpx2.MockTransport(handler))
 
 
 # what httpcore over anyio raised when the prefill server was SIGKILLed while the router connected to it
 DYING = [AttributeError("'NoneType' object has no attribute 'getpeername'"), ConnectionResetError(104, "reset"),
-         httpx.ReadError("read")]
+         httpx2.ReadError("read")]
 
 
 @pytest.mark.parametrize("exc", DYING, ids=lambda e: type(e).__name__)
@@ -31,5 +31,5 @@ def test_a_peer_dying_mid_call_is_an_instance_error(exc):
                 await upstream.post(client, "req-1", "http://p", Endpoint.COMPLETIONS, {"prompt": "x"}, {})
             with pytest.raises(upstream.InstanceError):
                 await upstream.open_stream(client, "req-1", "http://p", Endpoint.COMPLETIONS, {}, {})
-            assert await HealthProbe(client, httpx.Timeout(1.0))("http://p")  # down, with a reason
+            assert await HealthProbe(client, httpx2.Timeout(1.0))("http://p")  # down, with a reason
     asyncio.run(call())
