@@ -98,12 +98,19 @@ def setup_logging(level: str) -> None:
 
 def traces_endpoint(value: str) -> str:
     """--otlp-traces-endpoint, checked: refused where the otel extra is missing (the spans could not be made)."""
-    if value and importlib.util.find_spec("opentelemetry.sdk") is None:
+    if value and not _importable("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http"):
         raise typer.BadParameter("kvwire's spans need the OpenTelemetry SDK: pip install 'kvwire[otel]' (or unset "
                                  "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)", param_hint="--otlp-traces-endpoint")
     if value and not value.startswith(("http://", "https://")):
         raise typer.BadParameter(f"{value!r} is not an http(s) URL (OTLP/HTTP)", param_hint="--otlp-traces-endpoint")
     return value
+
+
+def _importable(*modules: str) -> bool:
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in modules)
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 def default_node_id(role: NodeRole) -> str:

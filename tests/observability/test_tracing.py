@@ -54,7 +54,16 @@ def test_the_endpoint_option_is_refused_where_spans_cannot_be_made(monkeypatch):
     with pytest.raises(typer.BadParameter, match="http"):
         traces_endpoint("collector:4318")
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "opentelemetry.sdk"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("opentelemetry.sdk")
                         else real(name, *a))
     with pytest.raises(typer.BadParameter, match=r"kvwire\[otel\]"):
         traces_endpoint("http://127.0.0.1:4318/v1/traces")
+    with monkeypatch.context() as m:  # a lean install: not even opentelemetry's namespace package
+        def no_parent(name, *a):
+            if name.startswith("opentelemetry"):
+                raise ModuleNotFoundError(name)
+            return real(name, *a)
+
+        m.setattr(importlib.util, "find_spec", no_parent)
+        with pytest.raises(typer.BadParameter, match=r"kvwire\[otel\]"):
+            traces_endpoint("http://127.0.0.1:4318/v1/traces")
