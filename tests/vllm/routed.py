@@ -1,6 +1,6 @@
-"""What the vLLM pair tests ask and check: the official `openai` client's answers (whole, streamed, chat) and
-`routed_equals_plain`, the check that a pair's router gives a plain vLLM server's tokens with every prompt token
-pulled, none computed on the decode server.
+"""What the vLLM pair tests ask and check: the official `openai` client's answers (whole, streamed, chat; sent with
+headers if given, e.g. a trace context, and kept with theirs) and `routed_equals_plain`, the check that a pair's router
+gives a plain vLLM server's tokens with every prompt token pulled, none computed on the decode server.
 
 `routed_equals_plain` runs over NCCL on test_pd_prefill_life.py's named pair and over `auto`, with every server
 kv_both, on test_pd_schedule.py's servers; TCP between vLLM servers runs in test_bench_vllm.py (every answer
@@ -9,6 +9,7 @@ equal to the plain server's, every one disaggregated) and test_offline.py.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import pytest
@@ -31,6 +32,7 @@ class Answer(NamedTuple):
     prompt_tokens: int
     top_logprobs: list[dict[str, float]]
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens: prompt tokens not computed
+    headers: Mapping[str, str] = {}  # the answer's HTTP headers (a router's x-request-id and x-kvwire-*)
 
 
 def _cached(usage) -> int | None:
@@ -38,25 +40,34 @@ def _cached(usage) -> int | None:
     return None if details is None else details.cached_tokens
 
 
-def complete(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> Answer:
-    out = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=2)
+def complete(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX_TOKENS,
+             headers: dict[str, str] | None = None) -> Answer:
+    """`prompt` asked as a whole completion (with `headers`, e.g. a trace context); likewise `stream` and `chat`."""
+    raw = client.completions.with_raw_response.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                                      temperature=0, logprobs=2, extra_headers=headers)
+    out = raw.parse()
     return Answer(out.choices[0].text, out.usage.prompt_tokens, list(out.choices[0].logprobs.top_logprobs),
-                  _cached(out.usage))
+                  _cached(out.usage), raw.headers)
 
 
-def stream(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> Answer:
-    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+def stream(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX_TOKENS,
+           headers: dict[str, str] | None = None) -> Answer:
+    raw = client.completions.with_raw_response.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                                      temperature=0, stream=True,
+                                                      stream_options={"include_usage": True}, extra_headers=headers)
+    chunks = list(raw.parse())
     usage = [c.usage for c in chunks if c.usage is not None]
     assert len(usage) == 1, "include_usage: one chunk carries the usage"
     return Answer("".join(c.choices[0].text for c in chunks if c.choices), usage[0].prompt_tokens, [],
-                  _cached(usage[0]))
+                  _cached(usage[0]), raw.headers)
 
 
-def chat(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> Answer:
-    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                         max_tokens=max_tokens, temperature=0)
-    return Answer(out.choices[0].message.content or "", out.usage.prompt_tokens, [], _cached(out.usage))
+def chat(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX_TOKENS,
+         headers: dict[str, str] | None = None) -> Answer:
+    raw = client.chat.completions.with_raw_response.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                           max_tokens=max_tokens, temperature=0, extra_headers=headers)
+    out = raw.parse()
+    return Answer(out.choices[0].message.content or "", out.usage.prompt_tokens, [], _cached(out.usage), raw.headers)
 
 
 def routed_equals_plain(cluster: PDCluster, plain_server: VLLMServer, model: str) -> None:

@@ -12,9 +12,11 @@ Then the same servers take tests/vllm/routed.py's checks over `auto` (`routed_eq
 second decode server, each of which may do either role, behind a router of their own that disaggregates every
 request (two start-ups fewer than a pair of their own); every pull read the prefill process's KV cache itself
 (path "cma"). Every server seals its control plane (`auth_secret_file`): a pull request forged from outside is
-refused, counted on the prefill server's /metrics, and it serves on. Last, that prefill server is restarted (a new
-epoch: its new process is read) and then SIGKILLed during a burst (every answer still the plain server's, the
-decode server alive).
+refused, counted on the prefill server's /metrics, and it serves on. The prefill and the second decode server export
+their OpenTelemetry spans (`--otlp-traces-endpoint`, to tests/vllm/otlp.py's collector): a client's `traceparent`
+passed on by the router makes each one's span of the request a child of the client's. Last, that prefill server is
+restarted (a new epoch: its new process is read) and then SIGKILLed during a burst (every answer still the plain
+server's, the decode server alive).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import secrets
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
@@ -42,12 +45,14 @@ from kvwire.connectors.vllm.tp import rank_key
 from kvwire.connectors.wire import PullRequest, encode
 from kvwire.observability.labels import DISAGGREGATED_REASONS
 from tests.vllm.conftest import PROMPTS
-from tests.vllm.routed import grown_since, openai_client, routed_equals_plain
+from tests.vllm.otlp import Collector, collector, traced
+from tests.vllm.routed import chat, complete, grown_since, openai_client, routed_equals_plain, stream
 
 openai = pytest.importorskip("openai")
 
 MAX_TOKENS = 16
 SECRET = "trio-secret-of-sixteen-bytes-or-more"
+TRACESTATE = "kvwire=test"
 # long enough (about 600 tokens of the byte tokenizer) for the first turn to be disaggregated by default
 SYSTEM = {"teacher": "You are a patient teacher of arithmetic and of nothing else. " * 10,
           "poet": "You are a poet who writes only about the sea, the wind and ships. " * 9}
@@ -61,7 +66,14 @@ class Trio(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def trio(vllm_model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -> Iterator[Trio]:
+def spans() -> Iterator[Collector]:
+    """Where the prefill and the second decode server export their spans (up until both have stopped)."""
+    with collector() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def trio(vllm_model_dir: Path, redis_server: LocalRedis, spans: Collector, tmp_path_factory) -> Iterator[Trio]:
     log_dir = tmp_path_factory.mktemp("schedule")
     secret = log_dir / "auth-secret"  # every server seals its control messages (the pairs' KV moves as before)
     secret.write_text(SECRET)
@@ -69,7 +81,9 @@ def trio(vllm_model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -> It
     # server may do either role, as the params say
     prefill, decode = (dataclasses.replace(s, kv_role="kv_both", auth_secret_file=secret)
                        for s in kvwire_pair(vllm_model_dir, redis_server.url, ConnectorKind.AUTO, log_dir))
-    decode2 = dataclasses.replace(decode, node_id="decode2-auto", log_path=log_dir / "decode2.log")
+    decode2 = traced(dataclasses.replace(decode, node_id="decode2-auto", log_path=log_dir / "decode2.log"),
+                     spans.endpoint("decode2"))
+    prefill = traced(prefill, spans.endpoint("prefill"))
     events = f"ipc://{log_dir}/decode-kv-events"  # vLLM's publisher binds it (as `tcp://*:5557`), the router connects
     decode = dataclasses.replace(decode, extra_args=("--kv-events-config", json.dumps(
         {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events})))
@@ -190,6 +204,54 @@ def _rejected(url: str) -> float:
     text = httpx2.get(f"{url}/metrics", timeout=10).text
     return sum(float(m[1]) for m in re.finditer(
         r'^vllm:kvwire_messages_rejected_total\{[^}]*reason="unauthenticated"[^}]*\} (\S+)$', text, re.M))
+
+
+def test_a_clients_trace_context_reaches_the_prefill_and_the_decode_server(trio: Trio, spans: Collector,
+                                                                           plain_server: VLLMServer,
+                                                                           vllm_model_dir: Path, tmp_path: Path):
+    """Through a router of its own in front of the prefill and the second decode server, a client's request with a
+    W3C `traceparent` and `tracestate`, whole (the router's first request: the decode step after the prefill step),
+    streamed and as chat (the later path: both steps at once): each server exports one `llm_request` span in the
+    client's trace, a child of the client's span (the router passes the header on unchanged and makes no span of its
+    own), with the client's tracestate, naming the router's request id and the step's max_tokens; the router logs
+    the trace id; every answer is disaggregated, pulled whole, and the plain server's."""
+    model = str(vllm_model_dir)
+    log = tmp_path / "router.log"
+    url, router = start_router([trio.prefill.url], [trio.decodes[1].url], log, ALWAYS_DISAGGREGATE)
+    try:
+        routed, plain = openai_client(url), openai_client(plain_server.url)
+        for n, (kind, ask) in enumerate({"whole": complete, "streamed": stream, "chat": chat}.items()):
+            trace, parent = secrets.token_hex(16), secrets.token_hex(8)
+            prompt = PROMPTS[n] + " Traced."
+            answer = ask(routed, model, prompt, MAX_TOKENS, {"traceparent": f"00-{trace}-{parent}-01",
+                                                             "tracestate": TRACESTATE})
+            _spans_join_the_clients(spans, kind, answer.headers, trace, parent, answered=time.monotonic())
+            assert answer.text == ask(plain, model, prompt, MAX_TOKENS).text, kind
+            assert answer.cached_tokens == answer.prompt_tokens, "the decode server computed no prompt token"
+            assert answer.headers["x-kvwire-path"] == "disaggregated", kind
+            assert answer.headers["x-kvwire-reason"] == ("prefilled" if n == 0 else "prefilled-alongside"), kind
+            assert f"request {answer.headers['x-request-id']}: trace {trace}" in log.read_text()
+    finally:
+        router.terminate()
+        router.wait(10)
+
+
+def _spans_join_the_clients(spans: Collector, kind: str, headers: Mapping[str, str], trace: str, parent: str,
+                            answered: float) -> None:
+    """The prefill and the decode server each export one `llm_request` span of the request in the client's trace,
+    its parent the client's span, with the client's tracestate, the router's request id and the step's max_tokens."""
+    rid = headers["x-request-id"]
+    got = spans.of_trace(trace, {"prefill", "decode2"}, timeout_s=30)
+    print(f"{kind} ({headers['x-kvwire-reason']}), trace {trace}, router's request {rid}: "
+          f"{[(s.source, s.name, s.parent_span_id, s.attributes.get('gen_ai.request.id')) for s in got]} "
+          f"{time.monotonic() - answered:.1f} s after the answer")
+    assert sorted((s.source, s.name) for s in got) == [("decode2", "llm_request"), ("prefill", "llm_request")], got
+    by_source = {s.source: s for s in got}
+    for source, max_tokens in (("prefill", 1), ("decode2", MAX_TOKENS)):
+        span = by_source[source]
+        assert span.parent_span_id == parent and span.trace_state == TRACESTATE, span
+        assert rid in str(span.attributes["gen_ai.request.id"]), span  # vLLM's id: the router's, prefixed
+        assert span.attributes["gen_ai.request.max_tokens"] == max_tokens, span
 
 
 def test_a_restarted_prefill_is_read_anew_and_a_killed_one_recomputed(trio: Trio, plain_server: VLLMServer,
