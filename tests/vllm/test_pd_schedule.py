@@ -13,10 +13,10 @@ second decode server, each of which may do either role, behind a router of their
 request (two start-ups fewer than a pair of their own); every pull read the prefill process's KV cache itself
 (path "cma"). Every server seals its control plane (`auth_secret_file`): a pull request forged from outside is
 refused, counted on the prefill server's /metrics, and it serves on. The prefill and the second decode server export
-their OpenTelemetry spans (`--otlp-traces-endpoint`, to tests/vllm/otlp.py's collector): a client's `traceparent`
-passed on by the router makes each one's span of the request a child of the client's. Last, that prefill server is
-restarted (a new epoch: its new process is read) and then SIGKILLed during a burst (every answer still the plain
-server's, the decode server alive).
+their OpenTelemetry spans (`--otlp-traces-endpoint`, to tests/observability/otlp.py's receiver): a client's
+`traceparent` passed on by the router makes each one's span of the request a child of the client's. Last, that
+prefill server is restarted (a new epoch: its new process is read) and then SIGKILLed during a burst (every answer
+still the plain server's, the decode server alive).
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ from kvwire.connectors.directory.directory import KVDirectory, TransferState
 from kvwire.connectors.vllm.tp import rank_key
 from kvwire.connectors.wire import PullRequest, encode
 from kvwire.observability.labels import DISAGGREGATED_REASONS
+from tests.observability.otlp import OTLPReceiver
 from tests.vllm.conftest import PROMPTS
-from tests.vllm.otlp import Collector, collector, traced
+from tests.vllm.otlp import traced
 from tests.vllm.routed import chat, complete, grown_since, openai_client, routed_equals_plain, stream
 
 openai = pytest.importorskip("openai")
@@ -66,14 +67,14 @@ class Trio(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def spans() -> Iterator[Collector]:
+def spans() -> Iterator[OTLPReceiver]:
     """Where the prefill and the second decode server export their spans (up until both have stopped)."""
-    with collector() as c:
+    with OTLPReceiver() as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def trio(vllm_model_dir: Path, redis_server: LocalRedis, spans: Collector, tmp_path_factory) -> Iterator[Trio]:
+def trio(vllm_model_dir: Path, redis_server: LocalRedis, spans: OTLPReceiver, tmp_path_factory) -> Iterator[Trio]:
     log_dir = tmp_path_factory.mktemp("schedule")
     secret = log_dir / "auth-secret"  # every server seals its control messages (the pairs' KV moves as before)
     secret.write_text(SECRET)
@@ -82,8 +83,8 @@ def trio(vllm_model_dir: Path, redis_server: LocalRedis, spans: Collector, tmp_p
     prefill, decode = (dataclasses.replace(s, kv_role="kv_both", auth_secret_file=secret)
                        for s in kvwire_pair(vllm_model_dir, redis_server.url, ConnectorKind.AUTO, log_dir))
     decode2 = traced(dataclasses.replace(decode, node_id="decode2-auto", log_path=log_dir / "decode2.log"),
-                     spans.endpoint("decode2"))
-    prefill = traced(prefill, spans.endpoint("prefill"))
+                     spans.endpoint_for("decode2"))
+    prefill = traced(prefill, spans.endpoint_for("prefill"))
     events = f"ipc://{log_dir}/decode-kv-events"  # vLLM's publisher binds it (as `tcp://*:5557`), the router connects
     decode = dataclasses.replace(decode, extra_args=("--kv-events-config", json.dumps(
         {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events})))
@@ -206,7 +207,7 @@ def _rejected(url: str) -> float:
         r'^vllm:kvwire_messages_rejected_total\{[^}]*reason="unauthenticated"[^}]*\} (\S+)$', text, re.M))
 
 
-def test_a_clients_trace_context_reaches_the_prefill_and_the_decode_server(trio: Trio, spans: Collector,
+def test_a_clients_trace_context_reaches_the_prefill_and_the_decode_server(trio: Trio, spans: OTLPReceiver,
                                                                            plain_server: VLLMServer,
                                                                            vllm_model_dir: Path, tmp_path: Path):
     """Through a router of its own in front of the prefill and the second decode server, a client's request with a
@@ -236,7 +237,7 @@ def test_a_clients_trace_context_reaches_the_prefill_and_the_decode_server(trio:
         router.wait(10)
 
 
-def _spans_join_the_clients(spans: Collector, kind: str, headers: Mapping[str, str], trace: str, parent: str,
+def _spans_join_the_clients(spans: OTLPReceiver, kind: str, headers: Mapping[str, str], trace: str, parent: str,
                             answered: float) -> None:
     """The prefill and the decode server each export one `llm_request` span of the request in the client's trace,
     its parent the client's span, with the client's tracestate, the router's request id and the step's max_tokens."""
