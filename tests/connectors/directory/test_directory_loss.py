@@ -57,6 +57,12 @@ def test_a_held_request_is_advertised_again_after_redis_lost_it(redis_url):
         client.flushall()  # the entry, the nodes' records, epochs and addresses go
         assert producer.directory.get("lost") is None
         _wait_ready(producer.directory, "lost")  # the next beat found the node gone: advertised again
+        # and the consumer's next beat published its addresses again: until it has, the producer refuses its pulls
+        # (an address it did not publish), and they recompute, counted (transport)
+        deadline = time.monotonic() + 5.0
+        while not producer.directory.transport_address_of("loss-decode", ConnectorKind.TCP):
+            assert time.monotonic() < deadline, "the consumer's heartbeat did not publish its address again"
+            time.sleep(BEAT_S / 5)
         _, bypass, _ = consumer.connector.recv_kv_caches_and_hidden_states(
             None, ModelInput([SequenceInput("lost", [0] * tokens, 0, list(range(BLOCKS)))]), consumer.kv_caches)
         assert bypass, "the request's KV was pulled, not recomputed"
