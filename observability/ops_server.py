@@ -14,14 +14,18 @@ a node started without --http-port needs no special case.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from kvwire.observability.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger(__name__)
+
+BIND_PATIENCE_S = 2.0  # how long a port held by someone else is waited for before start-up fails
 
 
 class OpsServer:
@@ -61,11 +65,23 @@ class OpsServer:
     def start(self) -> OpsServer:
         if self._port is None or self._server is not None:
             return self
-        self._server = ThreadingHTTPServer((self.host, self._port), _handler(self))
+        self._server = self._bind()
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, name="ops-http", daemon=True).start()
         log.info("ops endpoint on http://%s:%d (/healthz /readyz /metrics)", self.host, self.port)
         return self
+
+    def _bind(self, patience_s: float = BIND_PATIENCE_S) -> ThreadingHTTPServer:
+        """The server on its port. A port given out by a launcher (cluster/ports.py) can be held for a moment
+        by another process's check of it: EADDRINUSE is retried for `patience_s`, then raised."""
+        deadline = time.monotonic() + patience_s
+        while True:
+            try:
+                return ThreadingHTTPServer((self.host, self._port), _handler(self))
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.05)
 
     def close(self) -> None:
         if self._server is not None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import httpx2
 import pytest
 
@@ -56,3 +59,23 @@ def test_metrics_in_prometheus_text_format(ops):
 def test_port_none_serves_nothing():
     with OpsServer("127.0.0.1", None, Metrics()) as server:
         assert server.port is None
+
+
+def test_a_port_held_for_a_moment_is_waited_for_and_one_held_for_good_is_an_error():
+    """Another process's check of a port (cluster/ports.py binds it once) can hold it as a node starts: the ops
+    endpoint waits for it, within its patience; a port someone keeps listening on fails start-up."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    freed = threading.Timer(0.3, holder.close)
+    freed.start()
+    with OpsServer("127.0.0.1", port, Metrics()) as served:  # bound once the holder let go
+        assert served.port == port and httpx2.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
+    kept = socket.socket()
+    kept.bind(("127.0.0.1", 0))
+    kept.listen()
+    try:
+        with pytest.raises(OSError):
+            OpsServer("127.0.0.1", kept.getsockname()[1], Metrics())._bind(patience_s=0.2)
+    finally:
+        kept.close()

@@ -26,7 +26,7 @@ from kvwire.connectors.directory.heartbeat import Heartbeat
 from kvwire.connectors.wire import DType, KVLayout, KVLocation, NodeInfo, TensorDesc
 
 S = TransferState
-EDGES = [(src, dst) for src, dsts in LEGAL_TRANSITIONS.items() for dst in dsts]
+EDGES = [(src, dst) for src, dsts in LEGAL_TRANSITIONS.items() for dst in sorted(dsts)]
 ILLEGAL = [(src, dst) for src in S for dst in S if dst not in LEGAL_TRANSITIONS[src]]
 
 
@@ -93,7 +93,7 @@ def test_publish_ready_stores_location_intact(directory: KVDirectory, pending_fi
     assert entry.location == loc and entry.location.transport_address == b"\x00ucx\xff"
 
 
-@pytest.mark.parametrize("state", [S.READY, *TERMINAL_STATES])
+@pytest.mark.parametrize("state", [S.READY, *sorted(TERMINAL_STATES)])
 def test_publish_ready_refused_unless_pending_or_absent(directory: KVDirectory, state: TransferState) -> None:
     bring_to(directory, "r1", state)
     before = directory.get("r1")
