@@ -74,6 +74,7 @@ class OpsServer:
     def _bind(self, patience_s: float = BIND_PATIENCE_S) -> ThreadingHTTPServer:
         """The server on its port. A port given out by a launcher (cluster/ports.py) can be held for a moment
         by another process's check of it: EADDRINUSE is retried for `patience_s`, then raised."""
+        assert self._port is not None  # start() serves nothing without one
         deadline = time.monotonic() + patience_s
         while True:
             try:

@@ -89,8 +89,10 @@ class WorkerHalf:
         self._lock = threading.Lock()
         # transfers that ended, for vLLM's next `transfer_results` (from the engine's and the pull thread)
         self._ended_transfers: Mailbox[tuple[str, Ended]] = Mailbox()
-        self._waiting: dict[str, tuple[str, Pull, RankPull]] = {}  # a prefill rank's key -> (ours, pull, part)
-        self._parts: dict[str, _Parts] = {}  # our request id -> its parts' progress
+        # consumer: one record per request pulled (`Pulling`), until all its parts ended; each part waits under its
+        # prefill rank's key for the consumer to say it can be pulled
+        self._pulling: dict[str, Pulling] = {}  # our request id -> its record
+        self._waiting: dict[str, tuple[Pulling, RankPull]] = {}  # a prefill rank's key -> (its request's, the part)
         self._held_ids: dict[str, str] = {}  # producer: the key this rank holds a request under -> its id
         self._closing = threading.Event()
         self._pull_thread: threading.Thread | None = None
@@ -166,7 +168,7 @@ class WorkerHalf:
     def _wait_for_news(self, wait_s: float) -> None:
         """Until a transfer ends, at most `wait_s`; at once when one has already (its mailbox's fd is readable)."""
         with self._lock:
-            busy = bool(self._parts or self._held_ids)
+            busy = bool(self._pulling or self._held_ids)
         if not busy:
             return
         wakeups = [self._ended_transfers.wakeup] + ([self._producer.wakeup] if self._producer is not None else [])
@@ -247,9 +249,9 @@ class WorkerHalf:
             self._ended(rid, ok=False)
             return
         with self._lock:
-            self._parts[rid] = _Parts(len(parts))
+            record = self._pulling[rid] = Pulling(rid, pull, len(parts))
             for part in parts:
-                self._waiting[rank_key(remote.remote_request_id, part.rank, remote.remote_tp_size)] = (rid, pull, part)
+                self._waiting[rank_key(remote.remote_request_id, part.rank, remote.remote_tp_size)] = (record, part)
         for part in parts:  # _dispatch hands each part to the pull thread once it can be pulled
             producer = remote.remote_engine_id and rank_node_id(remote.remote_engine_id, part.rank,
                                                                  remote.remote_tp_size)
@@ -278,39 +280,40 @@ class WorkerHalf:
 
     def _pull(self, key: str) -> None:
         with self._lock:
-            rid, pull, part = self._waiting.pop(key, (None, None, None))
-        if rid is None or pull is None or part is None or self._consumer is None:
+            record, part = self._waiting.pop(key, (None, None))
+        if record is None or part is None or self._consumer is None:
             return
+        rid, pull = record.request_id, record.pull
         try:
             got = self._consumer.receive_blocks(key, pull.num_tokens, pull.block_ids, heads=_slice(part.heads),
                                                 pick=pull.pick)
         except TransferError as exc:
-            self._part_ended(rid, part, exc)
+            self._part_ended(record, part, exc)
             return
         if part.heads.num_heads:
             self.tally.pulled(got.kv_bytes, got.transfer_s, got.fallback, got.path)
             log.debug("request %s: %d bytes from %s over %s in %.2f ms", rid, got.kv_bytes, got.producer,
                       got.transport, got.transfer_s * 1e3)
-        self._part_ended(rid, part, None)
+        self._part_ended(record, part, None)
         self._consumer.flush()  # vLLM learns of the pull at its next step; the producer may release meanwhile
 
-    def _part_ended(self, rid: str, part: RankPull, error: TransferError | None) -> None:
+    def _part_ended(self, record: Pulling, part: RankPull, error: TransferError | None) -> None:
         """One part of a request's pull ended; once all have, so has the request's (failed if any part's did:
         a declined copy's failure only costs its producer the wait for its hold deadline)."""
+        rid = record.request_id
         if error is not None and not part.heads.num_heads:
             log.info("request %s: could not decline %s's copy (it lapses at its hold deadline): %s", rid,
                      error.peer, error)
             error = None
         with self._lock:
-            parts = self._parts[rid]
-            parts.left -= 1
-            parts.error = parts.error or error
-            if parts.left:
+            record.left -= 1
+            record.error = record.error or error
+            if record.left:
                 return
-            del self._parts[rid]
-        if parts.error is not None:
-            self._failed_pull(rid, parts.error)
-        self._ended(rid, ok=parts.error is None)
+            del self._pulling[rid]
+        if record.error is not None:
+            self._failed_pull(rid, record.error)
+        self._ended(rid, ok=record.error is None)
 
     def _failed_pull(self, rid: str, exc: TransferError) -> None:
         """Counted by reason (vLLM's /metrics); the first failure of each peer and reason is a warning that
@@ -353,12 +356,16 @@ class Ended(enum.Enum):
     FAILED = "failed"  # consumer: its pull ended, failed (vLLM recomputes the prompt)
 
 
-@dataclasses.dataclass
-class _Parts:
-    """A request's pull in progress on this rank: its parts still to end, and the first failure."""
+@dataclasses.dataclass(eq=False)
+class Pulling:
+    """A request whose KV this rank pulls: the worker's one record of it, from `start` (vLLM's start_load_kv)
+    until its last part's pull ended (then `Ended` goes to vLLM). Its parts (one per prefill rank read, tp.py)
+    count down on the pull thread, under the worker's lock."""
 
-    left: int
-    error: TransferError | None = None
+    request_id: str
+    pull: Pull  # what the scheduler asked: the prompt's tokens, our blocks, which of them to fill
+    left: int  # parts still to end
+    error: TransferError | None = None  # the first part's failure
 
 
 def _slice(heads: HeadSlice) -> HeadSlice | None:
