@@ -87,9 +87,9 @@ def test_status_json_lists_both_nodes_with_a_recent_heartbeat(cluster):
 def test_a_real_prometheus_answers_every_panel_and_fires_an_alert(cluster, tmp_path):
     """deploy/observability's dashboard and alerts as an operator's Prometheus runs them, against this cluster.
 
-    Every panel's query returns series, but the vLLM connector's (tests/vllm runs no Prometheus); every alert's
-    expression evaluates; a prefill node that stops answering (SIGSTOP) fires KvwireNodeDown. Last in the
-    module: the prefill node is stopped for a few seconds."""
+    Every panel's query returns series, but the vLLM connector's (tests/vllm/test_pd_schedule.py checks those against
+    real vLLM servers); every alert's expression evaluates; a prefill node that stops answering (SIGSTOP) fires
+    KvwireNodeDown. Last in the module: the prefill node is stopped for a few seconds."""
     from tests.observability.prometheus import DASHBOARD, RULES, Prometheus, draw
 
     targets = {name: url.removeprefix("http://") for name, url in cluster.ops_urls.items()}

@@ -27,8 +27,9 @@ def binary() -> str:
 
 
 class Prometheus:
-    def __init__(self, workdir: Path, targets: dict[str, str], rules_for: str = "0s"):
-        """`targets`: component -> host:port serving /metrics (the `component` label the PodMonitors set).
+    def __init__(self, workdir: Path, targets: dict[str, str] | list[tuple[str, str]], rules_for: str = "0s"):
+        """`targets`: component -> host:port serving /metrics (the `component` label the PodMonitors set), or
+        (component, host:port) pairs where a component has several.
         `rules_for`: every alert's `for`, so that one fires within a test (the rules are deploy/'s otherwise)."""
         groups = yaml.safe_load(RULES.read_text())["spec"]["groups"]
         for group in groups:
@@ -39,7 +40,7 @@ class Prometheus:
                   "rule_files": [str(workdir / "rules.yaml")],
                   "scrape_configs": [{"job_name": "kvwire", "static_configs": [
                       {"targets": [address], "labels": {"component": component}}
-                      for component, address in targets.items()]}]}
+                      for component, address in (targets.items() if isinstance(targets, dict) else targets)]}]}
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
         self._log = open(workdir / "prometheus.log", "wb")  # noqa: SIM115 - closed in stop()

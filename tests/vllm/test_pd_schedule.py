@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import httpx2
 import pytest
+import yaml
 import zmq
 
 from kvwire.cluster.redis_server import LocalRedis
@@ -253,6 +254,39 @@ def _spans_join_the_clients(spans: OTLPReceiver, kind: str, headers: Mapping[str
         assert span.parent_span_id == parent and span.trace_state == TRACESTATE, span
         assert rid in str(span.attributes["gen_ai.request.id"]), span  # vLLM's id: the router's, prefixed
         assert span.attributes["gen_ai.request.max_tokens"] == max_tokens, span
+
+
+def test_a_real_prometheus_reads_the_dashboards_vllm_panels(trio: Trio, vllm_model_dir: Path, tmp_path: Path):
+    """deploy/observability's dashboard as an operator's Prometheus runs it, against real vLLM servers with kvwire's
+    connector (the `component` labels its PodMonitor sets): the two vLLM-connector panels' queries return series
+    (KV pulled per second, a series per decode server that pulled; failed pulls by reason, every reason counted
+    from zero), and every alert's expression evaluates. tests/integration/test_observability.py checks the rest."""
+    from tests.observability.prometheus import DASHBOARD, RULES, Prometheus
+
+    targets = [("vllm-prefill", trio.prefill.url.removeprefix("http://"))] + [
+        ("vllm-decode", d.url.removeprefix("http://")) for d in trio.decodes]
+    panels = [(p["title"], t["expr"]) for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]
+              if "vllm:" in t["expr"]]
+    assert len(panels) == 2, panels
+    prometheus = Prometheus(tmp_path, targets)
+    client = openai_client(trio.router_url)
+    try:
+        prometheus.wait_ready()
+        deadline, empty = time.monotonic() + 60, panels
+        while empty and time.monotonic() < deadline:  # rate() needs two scrapes after the pulls
+            complete(client, str(vllm_model_dir), f"Scraped by Prometheus at {time.monotonic():.3f}.", max_tokens=2)
+            empty = [(title, expr) for title, expr in panels if not prometheus.query(expr)]
+            time.sleep(1)
+        assert not empty, f"vLLM panels with no series: {empty}"
+        pulled = prometheus.query(panels[0][1] if "pull_bytes" in panels[0][1] else panels[1][1])
+        print(f"\nPrometheus, vLLM panels: {[(r['metric'], r['value'][1]) for r in pulled]}")
+        assert any(float(r["value"][1]) > 0 for r in pulled), "no KV pulled per second"
+        for rule in yaml.safe_load(RULES.read_text())["spec"]["groups"][0]["rules"]:
+            prometheus.query(rule["expr"])  # evaluates (HTTP 200), firing or not
+        up = sorted((r["metric"]["component"], r["value"][1]) for r in prometheus.query('up{component=~"vllm-.*"}'))
+        assert up == [("vllm-decode", "1"), ("vllm-decode", "1"), ("vllm-prefill", "1")], up
+    finally:
+        prometheus.stop()
 
 
 def test_a_restarted_prefill_is_read_anew_and_a_killed_one_recomputed(trio: Trio, plain_server: VLLMServer,
