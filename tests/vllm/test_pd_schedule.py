@@ -272,13 +272,16 @@ def test_a_real_prometheus_reads_the_dashboards_vllm_panels(trio: Trio, vllm_mod
     client = openai_client(trio.router_url)
     try:
         prometheus.wait_ready()
-        deadline, empty = time.monotonic() + 60, panels
-        while empty and time.monotonic() < deadline:  # rate() needs two scrapes after the pulls
-            complete(client, str(vllm_model_dir), f"Scraped by Prometheus at {time.monotonic():.3f}.", max_tokens=2)
+        rate = next(expr for _, expr in panels if "pull_bytes" in expr)
+        deadline, empty, pulled = time.monotonic() + 60, panels, []
+        while (empty or not any(float(r["value"][1]) > 0 for r in pulled)) and time.monotonic() < deadline:
+            # new and long enough to be disaggregated (a short or cached prompt goes decode-only); rate() needs two
+            # scrapes after the pull
+            complete(client, str(vllm_model_dir), f"Scraped {secrets.token_hex(300)}.", max_tokens=2)
             empty = [(title, expr) for title, expr in panels if not prometheus.query(expr)]
+            pulled = prometheus.query(rate)
             time.sleep(1)
         assert not empty, f"vLLM panels with no series: {empty}"
-        pulled = prometheus.query(panels[0][1] if "pull_bytes" in panels[0][1] else panels[1][1])
         print(f"\nPrometheus, vLLM panels: {[(r['metric'], r['value'][1]) for r in pulled]}")
         assert any(float(r["value"][1]) > 0 for r in pulled), "no KV pulled per second"
         for rule in yaml.safe_load(RULES.read_text())["spec"]["groups"][0]["rules"]:
