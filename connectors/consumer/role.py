@@ -38,7 +38,7 @@ import torch
 import zmq
 
 from kvwire.connectors.base import HiddenStates, TransferError
-from kvwire.connectors.config import ConnectorConfig
+from kvwire.connectors.config import ConnectorConfig, ConnectorKind
 from kvwire.connectors.consumer.errors import ReceiveError, failure_of
 from kvwire.connectors.consumer.expected import ExpectedKV, Received
 from kvwire.connectors.consumer.fast_path import FastPathGuard
@@ -51,11 +51,12 @@ from kvwire.connectors.deferred import Deferred
 from kvwire.connectors.directory.directory import DirectoryError, KVDirectory, TransferState
 from kvwire.connectors.hidden import empty_like_descs, join_requests, tensors_from_bytes
 from kvwire.connectors.model_input import ModelInput, SequenceInput
+from kvwire.connectors.transports import row_copy
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.transports.transport import Transport
 from kvwire.connectors.wakeup import Mailbox, Wakeup
 from kvwire.connectors.wire import HeadSlice, KVLocation, PullRequest
-from kvwire.observability.labels import TransferFailure
+from kvwire.observability.labels import TransferFailure, TransportFallback
 from kvwire.observability.metrics import Metrics, process_metrics
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ DIRECT_HEAD_START_S = 0.05
 NOTE_AGE_S = 0.002  # a busy node tells producers of reads this old (its first tokens are out by then)
 NOTE_LATEST_S = 0.05  # a caller that never calls after_step (the classic contract alone): notes go this late
 EARLY_KV_READY = 1024  # KVReady messages kept for requests not expected yet (their work is still on its way)
+# transports whose copies on a GPU are kvwire's kernels (row_copy.py, piece_copy.py) where Triton runs
+KERNEL_COPIES = frozenset({ConnectorKind.SHM, ConnectorKind.UCX})
 MAX_RECORDS = 8192  # past this, records of requests never pulled (aborted) are dropped once settled
 
 
@@ -331,6 +334,8 @@ class KVConsumer:
         nbytes = self._puller.pull(loc, dst, hidden, record.deadline)
         elapsed = time.monotonic() - start
         self._fit.verify(rid, dst, loc)
+        if fallback is None and loc.kind in KERNEL_COPIES and row_copy.missing_on(self._region.planes[0].device):
+            fallback = TransportFallback.NO_COPY_KERNEL
         self._metrics.observe_transfer(str(loc.kind), nbytes, elapsed)  # the producer marks the entry CONSUMED
         log.info("request %s: %d bytes from %s over %s in %.2f ms", rid, nbytes, loc.producer, loc.kind,
                  elapsed * 1e3)

@@ -73,6 +73,22 @@ def _flat_part(flat: torch.Tensor) -> Part:
 
 
 @dataclass(frozen=True)
+class Spans:
+    """Pieces by position: piece i is bytes `[offset[i], offset[i] + nbytes[i])` of plane `plane[i]`'s memory."""
+
+    plane: torch.Tensor  # [pieces] int64, an index into the region's planes
+    offset: torch.Tensor  # [pieces] int64, bytes from the plane's start
+    nbytes: torch.Tensor  # [pieces] int64
+
+
+def _blocks(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Every block of the runs `(starts[i], counts[i])`, in order: `[sum(counts)]` int64."""
+    first = torch.repeat_interleave(starts, counts)
+    ends = torch.cumsum(counts, 0)
+    return first + torch.arange(int(ends[-1]) if len(ends) else 0) - torch.repeat_interleave(ends - counts, counts)
+
+
+@dataclass(frozen=True)
 class KVRegion:
     planes: tuple[torch.Tensor, ...]  # each [num_blocks, plane_block_nbytes] uint8
     layout: KVLayout
@@ -189,6 +205,34 @@ class KVRegion:
         """Every layer's `layer_parts`, layer 0 first: the order a layer-wise stream sends (and lands) them."""
         return [part for layer in range(self.layout.num_layers) for part in self.layer_parts(runs, layer)]
 
+    def spans(self, runs: list[tuple[int, int]], layer_major: bool = False) -> Spans:
+        """The pieces `parts(runs)` (`layer_major`: `layer_major_parts(runs)`) cuts, in the same order, by position
+        instead of by view: a few tensor ops, where a view each costs microseconds of Python (8,192 of them for a
+        2,048-token request in vLLM's pool).
+
+        Raises:
+            ValueError: a run outside the planes.
+        """
+        starts = torch.tensor([s for s, _ in runs], dtype=torch.int64)  # [runs]
+        counts = torch.tensor([n for _, n in runs], dtype=torch.int64)  # [runs]
+        if runs and (int(starts.min()) < 0 or int(counts.min()) < 0 or int((starts + counts).max()) > self.num_blocks):
+            raise ValueError(f"runs {runs} outside planes of {self.num_blocks} blocks")
+        steps = torch.tensor([p.shape[1] for p in self.planes], dtype=torch.int64)  # [planes] bytes a row
+        if layer_major and self.layout.pool == PoolLayout.KVWIRE:  # one plane; a layer is a slice of every row
+            per_layer = int(steps[0]) // self.layout.num_layers
+            blocks = _blocks(starts, counts)  # [blocks]
+            layers = torch.arange(self.layout.num_layers, dtype=torch.int64)
+            offset = (blocks[None, :] * steps[0] + layers[:, None] * per_layer).flatten()  # [layers * blocks]
+            return Spans(torch.zeros_like(offset), offset, torch.full_like(offset, per_layer))
+        planes = torch.arange(len(self.planes), dtype=torch.int64)
+        if self.rows is None:  # a run of whole rows is one piece (vLLM's layer-major order is its plane order)
+            offset, nbytes = starts[None, :] * steps[:, None], counts[None, :] * steps[:, None]  # [planes, runs]
+            return Spans(planes.repeat_interleave(len(runs)), offset.flatten(), nbytes.flatten())
+        lo, hi = self.rows  # a head slice: a piece per block
+        blocks = _blocks(starts, counts)
+        offset = (blocks[None, :] * steps[:, None] + lo).flatten()  # [planes * blocks]
+        return Spans(planes.repeat_interleave(len(blocks)), offset, torch.full_like(offset, hi - lo))
+
     @cached_property
     def _flat_planes(self) -> tuple[Part, ...]:
         return tuple(_flat_part(plane.view(-1)) for plane in self.planes)
@@ -238,7 +282,7 @@ def consumer_pieces(region: KVRegion, loc: KVLocation, dst_blocks: list[int], hi
     Raises:
         TransferError: more pieces than the transport can tag.
     """
-    region, runs = _consumer_runs(region, loc, dst_blocks, len(hidden), max_pieces)
+    region, runs = consumer_runs(region, loc, dst_blocks, len(hidden), max_pieces)
     return region.pieces(runs) + hidden
 
 
@@ -246,13 +290,18 @@ def consumer_parts(region: KVRegion, loc: KVLocation, dst_blocks: list[int], hid
                    max_pieces: int | None = None, layer_major: bool = False) -> list[Part]:
     """`consumer_pieces` as `Part`s (for transports that take buffers); `layer_major`: the blocks layer by
     layer (`KVRegion.layer_major_parts`), as a producer streaming layer-wise sends them."""
-    region, runs = _consumer_runs(region, loc, dst_blocks, len(hidden), max_pieces)
+    region, runs = consumer_runs(region, loc, dst_blocks, len(hidden), max_pieces)
     kv = region.layer_major_parts(runs) if layer_major else region.parts(runs)
     return kv + byte_parts(hidden)
 
 
-def _consumer_runs(region: KVRegion, loc: KVLocation, dst_blocks: list[int], n_hidden: int,
-                   max_pieces: int | None) -> tuple[KVRegion, list[tuple[int, int]]]:
+def consumer_runs(region: KVRegion, loc: KVLocation, dst_blocks: list[int], n_hidden: int,
+                  max_pieces: int | None) -> tuple[KVRegion, list[tuple[int, int]]]:
+    """The region a pull of `loc` lands in (its head slice, if any) and its runs of destination blocks there.
+
+    Raises:
+        TransferError: more pieces than `max_pieces`.
+    """
     from kvwire.connectors.base import TransferError
 
     if loc.heads is not None:

@@ -13,7 +13,11 @@ CUDA device, rows contiguous (a head slice's strided rows take block_copy's path
 the kernel on first use (about a second; its disk cache keeps it), so a process that will copy warms
 it first (`warm`: engine/warmup.py, the vLLM connector's worker). A kernel that cannot be built here
 (no C compiler for Triton's launcher, an unsupported device) is logged once and block_copy's path
-serves from then on.
+serves from then on; a consumer counts each pull into a GPU pool that ran without it
+(`missing_on`: `kvwire_transport_fallbacks_total{reason="no_copy_kernel"}`, and vLLM's
+`vllm:kvwire_kv_transport_fallbacks_total`). The block count is not a specialization of the kernel
+(`do_not_specialize`): Triton would compile a variant for 1 block and one for multiples of 16 on
+their first pulls, a second each.
 
 The kernel trusts its table: `copy_rows` checks every block index against both sides' planes first.
 """
@@ -38,7 +42,7 @@ WORDS_PER_PROGRAM = 1024  # words one program copies (8 KiB of int64): a 32 KiB 
 _broken: list[str] = []  # why the kernel cannot run in this process, once found out
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_blocks"])
     def _copy_rows(table, src_idx, dst_idx, num_blocks, WIDE: tl.constexpr, BLOCK: tl.constexpr):
         """Program (row, chunk): chunk `chunk` of block src_idx[b] of plane p to block dst_idx[b] of p."""
         row = tl.program_id(0)
@@ -59,14 +63,30 @@ if triton is not None:
         tl.store(d + offs, tl.load(s + offs, mask=mask), mask=mask)
 
 
+def kernels_usable(device: torch.device) -> bool:
+    """Whether kvwire's copy kernels (this one, piece_copy.py's) can run on `device` in this process."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: the CPU tests' way in
+    return triton is not None and not _broken and (device.type == "cuda" or interpreted)
+
+
+def missing_on(device: torch.device) -> bool:
+    """Whether copies on `device`, a GPU, go the slower way because the kernels cannot run in this process."""
+    return device.type == "cuda" and not kernels_usable(device)
+
+
+def broken(exc: Exception) -> None:
+    """A kernel failed to build or launch: neither runs again in this process (logged once)."""
+    _broken.append(f"{type(exc).__name__}: {exc}")
+    if len(_broken) == 1:
+        log.warning("kvwire's one-kernel copies cannot run here (%s); copying piece by piece and plane by plane "
+                    "instead (kvwire_transport_fallbacks_total{reason=\"no_copy_kernel\"})", _broken[0][:300])
+
+
 def usable(dst_planes: Sequence[torch.Tensor], src_planes: Sequence[torch.Tensor]) -> bool:
     """Whether `copy_rows` can copy between these planes (see the module docstring)."""
-    if triton is None or _broken or not dst_planes or len(dst_planes) != len(src_planes):
+    if not dst_planes or len(dst_planes) != len(src_planes) or not kernels_usable(dst_planes[0].device):
         return False
     device = dst_planes[0].device
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: the CPU tests' way in
-    if device.type != "cuda" and not interpreted:
-        return False
     return all(p.device == device and p.dim() == 2 and p.stride(1) == 1 for p in (*dst_planes, *src_planes))
 
 
@@ -114,9 +134,7 @@ class RowTable:
             _copy_rows[(len(self.src_planes) * n, self._chunks)](self._table, idx[:n], idx[n:], n, WIDE=self._wide,
                                                                  BLOCK=WORDS_PER_PROGRAM)
         except Exception as exc:  # Triton's compile and launch errors have no common base; any means "not here"
-            _broken.append(f"{type(exc).__name__}: {exc}")
-            log.warning("kvwire's one-kernel block copy cannot run here (%s); copying plane by plane instead",
-                        _broken[0][:300])
+            broken(exc)
             return False
         return True
 

@@ -30,8 +30,9 @@ never to be reused (the worker's `abandon` cancels their receives).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
-from kvwire.connectors.transports.kv_region import Part, part_nbytes
+from kvwire.connectors.transports.kv_region import Part
 from kvwire.connectors.transports.transport import Gate
 from kvwire.connectors.transports.ucx.packing import (
     PACK_BELOW,
@@ -39,6 +40,7 @@ from kvwire.connectors.transports.ucx.packing import (
     Staging,
     gather,
     pack_bytes,
+    piece_sizes,
     plan_messages,
     scatter,
     wire_buffer,
@@ -54,11 +56,11 @@ _Pack = tuple[ucx.UCXRequest, Array, Part, Message]  # a posted pack: request, i
 class _Flow:
     """What both sides share: the plan, the unpacked requests, the packs waiting for a slot or in flight."""
 
-    def __init__(self, parts: list[Part], transfer_id: int, pack_below: int, staging: Staging,
+    def __init__(self, parts: Sequence[Part], transfer_id: int, pack_below: int, staging: Staging,
                  lane: int = 0, lanes: int = 1, layer_pieces: int = 0):
         self._parts, self._staging = parts, staging
         self._transfer_id, self._packed, self._device_packs = transfer_id, pack_below > 0, pack_below > PACK_BELOW
-        plan = plan_messages([part_nbytes(p) for p in parts], pack_below, layer_pieces)
+        plan = plan_messages(piece_sizes(parts), pack_below, layer_pieces)
         assert staging.slot_bytes >= pack_bytes(pack_below) or not any(m.packed for m in plan), "slots too small"
         self._mine = [(i, m) for i, m in enumerate(plan) if i % lanes == lane]
         self._todo: deque[tuple[int, Message]] = deque()  # messages not posted yet, in order
@@ -100,7 +102,7 @@ class SendFlow(_Flow):
         ValueError: `peer` is not a well-formed address, or `pack_below` is out of range.
     """
 
-    def __init__(self, transport: UCXWorker, peer: bytes, parts: list[Part], transfer_id: int,
+    def __init__(self, transport: UCXWorker, peer: bytes, parts: Sequence[Part], transfer_id: int,
                  pack_below: int, staging: Staging, gate: Gate | None = None, layer_pieces: int = 0,
                  guarded: bool = True):
         super().__init__(parts, transfer_id, pack_below, staging, layer_pieces=layer_pieces)
@@ -175,7 +177,7 @@ class ReceiveFlow(_Flow):
     endpoint error handling on (the producer is on another host: worker.py).
     """
 
-    def __init__(self, transport: UCXWorker, peer: bytes, parts: list[Part], transfer_id: int,
+    def __init__(self, transport: UCXWorker, peer: bytes, parts: Sequence[Part], transfer_id: int,
                  pack_below: int, staging: Staging, lane: int = 0, lanes: int = 1, layer_pieces: int = 0,
                  guarded: bool = True):
         super().__init__(parts, transfer_id, pack_below, staging, lane, lanes, layer_pieces)

@@ -24,6 +24,7 @@ Lifecycle:
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import torch
 
@@ -115,7 +116,7 @@ class ReceiveLanes:
         self._flows: list[ReceiveFlow] = []
         self.address = pack_lanes([t.address for t in self._transports])
 
-    def post(self, producer: bytes, parts: list[Part], transfer_id: int, pack_below: int = 0,
+    def post(self, producer: bytes, parts: Sequence[Part], transfer_id: int, pack_below: int = 0,
              layer_pieces: int = 0, guarded: bool = True) -> None:
         """Post every lane's receives for the producer's worker at `producer` (pieces smaller than
         `pack_below` come packed, no pack across a multiple of `layer_pieces`; `guarded`: endpoint error handling on,

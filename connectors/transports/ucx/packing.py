@@ -41,13 +41,14 @@ a late read or write of it could still be under way (its memory stays allocated 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvwire.connectors.transports.block_copy import gather_parts, scatter_parts
 from kvwire.connectors.transports.kv_region import Part, part_nbytes
+from kvwire.connectors.transports.piece_copy import DevicePieces
 
 PACK_BYTES = 1 << 20  # a host pool's packs: one message at most (and a host slot's size)
 PACK_BELOW = 256 << 10  # a host pool's threshold: pieces smaller than this travel packed
@@ -162,14 +163,24 @@ def wire_buffer(part: Part) -> object:
     return part
 
 
-def gather(parts: list[Part], msg: Message, slot: Part) -> Part:
+def piece_sizes(parts: Sequence[Part]) -> list[int]:
+    """Every piece's bytes (a `DevicePieces` knows them without making its views)."""
+    return parts.sizes if isinstance(parts, DevicePieces) else [part_nbytes(p) for p in parts]
+
+
+def gather(parts: Sequence[Part], msg: Message, slot: Part) -> Part:
     """Copy `msg`'s pieces into `slot`, back to back; the filled part of the slot.
 
-    A host slot: host pieces are copied one by one (a memoryview slice assignment is cheaper than any
-    tensor op); device pieces in a few launches and one copy to the host (transports/block_copy.py).
-    A tensor slot: one `torch.cat` where every piece is on the slot's device, complete before this returns.
+    A device pool's pieces known by address (`DevicePieces`) into a slot on their device: one kernel
+    (piece_copy.py), complete before this returns. A host slot: host pieces are copied one by one (a
+    memoryview slice assignment is cheaper than any tensor op); device pieces in a few launches and one
+    copy to the host (transports/block_copy.py). A tensor slot otherwise: one `torch.cat` where every piece
+    is on the slot's device, complete before this returns.
     """
-    pieces = parts[msg.first:msg.first + msg.count]
+    if isinstance(parts, DevicePieces) and isinstance(slot, torch.Tensor) and parts.gather(msg.first, msg.count, slot):
+        _settle(slot)
+        return slot[:msg.nbytes]
+    pieces = list(parts[msg.first:msg.first + msg.count])
     if isinstance(slot, torch.Tensor):
         return _gather_tensor(pieces, slot)
     devices = _all_device(pieces)
@@ -187,10 +198,13 @@ def gather(parts: list[Part], msg: Message, slot: Part) -> Part:
     return slot[:pos]
 
 
-def scatter(slot: Part, parts: list[Part], msg: Message) -> None:
-    """Copy a received pack out of `slot` into `msg`'s pieces (as in `gather`; a tensor slot: one
+def scatter(slot: Part, parts: Sequence[Part], msg: Message) -> None:
+    """Copy a received pack out of `slot` into `msg`'s pieces (as in `gather`; a tensor slot: one kernel or one
     `torch.split_with_sizes_copy`, complete before this returns, so the slot may take the next message)."""
-    pieces = parts[msg.first:msg.first + msg.count]
+    if isinstance(parts, DevicePieces) and isinstance(slot, torch.Tensor) and parts.scatter(slot, msg.first, msg.count):
+        _settle(slot)
+        return
+    pieces = list(parts[msg.first:msg.first + msg.count])
     if isinstance(slot, torch.Tensor):
         _scatter_tensor(slot, pieces)
         return
@@ -275,11 +289,13 @@ class SendStaging:
     def __init__(self) -> None:
         self._pools: dict[tuple[torch.device | None, int], Staging] = {}
 
-    def for_pull(self, parts: list[Part], pack_below: int) -> Staging:
+    def for_pull(self, parts: Sequence[Part], pack_below: int) -> Staging:
         """The staging that a pull of `parts`, packed for a consumer's `pack_below`, takes its slots from."""
         size = pack_bytes(pack_below)
         first = parts[0] if parts else None
         device = first.device if size == DEVICE_PACK_BYTES and isinstance(first, torch.Tensor) else None
+        if isinstance(parts, DevicePieces) and size == DEVICE_PACK_BYTES:
+            device = parts.device
         staging = self._pools.get((device, size))
         if staging is None:
             slots = SEND_SLOTS if size == PACK_BYTES else DEVICE_SEND_SLOTS

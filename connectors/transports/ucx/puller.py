@@ -27,6 +27,7 @@ consumer republishes before its next pull.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import torch
 
@@ -34,10 +35,11 @@ from kvwire.connectors.base import TransferError
 from kvwire.connectors.control.side_channel import SideChannelClient
 from kvwire.connectors.transports.data_path import DataPath
 from kvwire.connectors.transports.host import host_identity
-from kvwire.connectors.transports.kv_region import KVRegion, consumer_parts, part_nbytes
+from kvwire.connectors.transports.kv_region import KVRegion, Part, consumer_parts, consumer_runs
+from kvwire.connectors.transports.piece_copy import DevicePieces
 from kvwire.connectors.transports.transport import ConfirmedPulls
 from kvwire.connectors.transports.ucx.lanes import ReceiveLanes
-from kvwire.connectors.transports.ucx.packing import DEVICE_PACK_BELOW, PACK_BELOW
+from kvwire.connectors.transports.ucx.packing import DEVICE_PACK_BELOW, PACK_BELOW, piece_sizes
 from kvwire.connectors.transports.ucx.worker import MAX_PIECES, error_handling
 from kvwire.connectors.wire import KVLocation, PullRequest
 
@@ -73,7 +75,7 @@ class UCXPuller(ConfirmedPulls):
         Raises:
             TransferError: refused, failed, or not complete by `deadline`.
         """
-        parts = consumer_parts(self._region, loc, dst_blocks, hidden, MAX_PIECES, layer_major=loc.layerwise)
+        parts = self._parts(loc, dst_blocks, hidden)
         transfer_id = next(self._transfer_ids)
         # Ask first, then post the receives while the producer handles the request: a send that
         # arrives before its receive waits in UCX's unexpected queue (rendezvous: only its header).
@@ -100,7 +102,19 @@ class UCXPuller(ConfirmedPulls):
             if isinstance(exc, (TransferError, KeyboardInterrupt)):
                 raise
             raise TransferError(loc.request_id, loc.producer, f"receive failed: {exc}") from exc
-        return sum(map(part_nbytes, parts))
+        return sum(piece_sizes(parts))
+
+    def _parts(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor]) -> Sequence[Part]:
+        """Where the pull lands: a device pool's pieces known by address (unpacked by one kernel a slot:
+        piece_copy.py), a host pool's as buffers.
+
+        Raises:
+            TransferError: more pieces than UCX's tags can name.
+        """
+        if self._slots_on is None:
+            return consumer_parts(self._region, loc, dst_blocks, hidden, MAX_PIECES, layer_major=loc.layerwise)
+        region, runs = consumer_runs(self._region, loc, dst_blocks, len(hidden), MAX_PIECES)
+        return DevicePieces(region, region.spans(runs, layer_major=loc.layerwise), hidden)
 
     def _guarded(self, loc: KVLocation) -> bool:
         """Endpoint error handling to `loc`'s producer (worker.py's `error_handling`; the producer is told)."""

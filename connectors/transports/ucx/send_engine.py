@@ -10,8 +10,11 @@ waits for a layer and has nothing in flight the server thread sleeps (the gate w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvwire.connectors.transports.host import elsewhere
-from kvwire.connectors.transports.kv_region import KVRegion
+from kvwire.connectors.transports.kv_region import KVRegion, Part
+from kvwire.connectors.transports.piece_copy import DevicePieces
 from kvwire.connectors.transports.transport import SendEngine, SendJob
 from kvwire.connectors.transports.ucx.flows import SendFlow
 from kvwire.connectors.transports.ucx.packing import SendStaging
@@ -59,7 +62,7 @@ class UCXSendEngine(SendEngine):
     def start(self, job: SendJob) -> None:
         if job.num_pieces > MAX_PIECES:
             raise ValueError(f"{job.num_pieces} pieces exceed {MAX_PIECES}")
-        gate, parts = job.held.gate, job.parts()
+        gate, parts = job.held.gate, _parts(job)
         job.state = SendFlow(self._transport, job.msg.transport_address, parts, job.msg.transfer_id,
                              job.msg.pack_below, self._staging.for_pull(parts, job.msg.pack_below), gate,
                              job.layer_pieces if gate else 0, _guarded(job.msg))
@@ -82,6 +85,14 @@ def _flow(job: SendJob) -> SendFlow:
     flow = job.state
     assert isinstance(flow, SendFlow)  # set by start()
     return flow
+
+
+def _parts(job: SendJob) -> Sequence[Part]:
+    """What the pull sends: a device pool's pieces known by address (packed by one kernel a slot: piece_copy.py),
+    a host pool's as buffers."""
+    if job.region.planes[0].device.type != "cuda":
+        return job.parts()
+    return DevicePieces(job.region, job.region.spans(job.runs, layer_major=job.held.gate is not None), job.held.hidden)
 
 
 def _guarded(msg: PullRequest) -> bool:

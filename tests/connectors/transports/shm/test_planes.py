@@ -267,6 +267,26 @@ def test_auto_pulls_over_ucx_where_shared_memory_cannot_reach_and_counts_it(redi
         proc.kill()
 
 
+@pytest.mark.parametrize("kind", [ConnectorKind.SHM, ConnectorKind.AUTO])
+def test_a_gpu_pool_pulling_without_the_copy_kernel_counts_each_pull(redis_url, monkeypatch, kind):
+    """Triton missing or broken in a decode process on a GPU: its pulls copy plane by plane, each counted
+    (`no_copy_kernel`). Here the CPU pool stands in for the GPU's: the check is told the kernel is missing."""
+    from kvwire.connectors.consumer import role
+
+    monkeypatch.setattr(role.row_copy, "missing_on", lambda device: True)
+    proc, results, _ = _start(redis_url, kind, 2, 8, [("a", [1, 2]), ("b", [4])])
+    side = Consumer(redis_url, kind, 2, 8)
+    try:
+        assert side.pull("a", [6, 7]).fallback == "no_copy_kernel" and side.holds("a", [6, 7])
+        assert side.pull("b", [0]).fallback == "no_copy_kernel" and side.holds("b", [0])
+        assert side.metrics.transport_fallbacks.labels("no_copy_kernel")._value.get() == 2
+        assert results.get(timeout=30) == ("released", ["a", "b"])
+    finally:
+        side.close()
+        proc.join(10)
+        proc.kill()
+
+
 def test_a_cuda_plane_outside_its_storage_is_refused(monkeypatch):
     """The consumer bounds every plane a producer describes by the allocation its handle opens (no CUDA needed:
     the handle is not opened for real)."""

@@ -15,7 +15,7 @@ import torch
 
 from kvwire.connectors.transports.kv_region import plan_runs
 from kvwire.connectors.transports.ucx.flows import PULL_SLOTS, ReceiveFlow, SendFlow
-from kvwire.connectors.transports.ucx.lanes import ReceiveLanes
+from kvwire.connectors.transports.ucx.lanes import LANE_SLOTS, ReceiveLanes
 from kvwire.connectors.transports.ucx.packing import (
     DEVICE_PACK_BELOW,
     DEVICE_PACK_BYTES,
@@ -200,3 +200,28 @@ def test_slots_of_a_failed_pull_are_discarded_on_both_sides_never_reused():
         stuck.abandon(producer.address)
         stuck.close()
         producer.close()
+
+
+def test_a_vllm_pull_known_by_address_crosses_ucx_in_device_packs_byte_exact():
+    """Both sides' pieces as `DevicePieces` (what a GPU pool's pull uses; without the kernel, as here, packs go
+    through the views): more packs than slots, every byte lands where `parts` says."""
+    from kvwire.connectors.transports.piece_copy import DevicePieces
+
+    src, dst = _vllm_region(300, seed=1), _vllm_region(300, seed=2)
+    src_runs, dst_runs = [(b, 1) for b in range(0, 300, 2)], [(b, 1) for b in range(299, 0, -2)]
+    sent, landing = DevicePieces(src, src.spans(src_runs)), DevicePieces(dst, dst.spans(dst_runs))
+    assert len(plan_messages(sent.sizes, DEVICE_PACK_BELOW)) > LANE_SLOTS  # 600 pieces of 64 KiB: 5 packs
+    producer, consumer = UCXWorker(Role.PRODUCER), ReceiveLanes(1, CPU)
+    try:
+        consumer.post(producer.address, landing, 6, DEVICE_PACK_BELOW)
+        staging = SendStaging().for_pull(sent, DEVICE_PACK_BELOW)
+        assert isinstance(staging.take(), torch.Tensor)  # device slots, on the pieces' device
+        sends = SendFlow(producer, consumer.address, sent, 6, DEVICE_PACK_BELOW, staging)
+        assert _run(consumer, producer, sends, timeout_s=20.0), "transfer did not complete"
+        consumer.check_errors()
+        sends.check_errors()
+    finally:
+        consumer.close()
+        producer.close()
+    for (s, _), (d, _) in zip(src_runs, dst_runs):
+        assert all(torch.equal(sp[s], dp[d]) for sp, dp in zip(src.planes, dst.planes))

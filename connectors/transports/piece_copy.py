@@ -1,0 +1,148 @@
+"""One pull's pieces in device memory, known by address: a pack is one kernel, not a view and a copy per piece.
+
+vLLM's per-layer pool cuts a 2,048-token request into 8,192 pieces of 32 KiB. UCX's device packing
+(ucx/packing.py) sends them in 8 MiB slots, but each piece was still a CUDA tensor view made in Python
+(a few microseconds each, on both sides, before the first byte moved) and an input of `torch.cat` or
+an output of `torch.split_with_sizes_copy`. `DevicePieces` keeps the pieces as a table instead
+(`KVRegion.spans`: their planes and offsets, a few tensor ops for the whole pull), uploaded to the
+device once per pull: address, size and place in the packed stream of every piece. A pack is then one
+Triton launch (`gather`: the pieces into a slot, back to back; `scatter`: the reverse), and a view
+is made only for a piece that travels alone.
+
+Lifecycle: built when a pull starts (producer: the job's pieces; consumer: its destination blocks),
+it holds the region's planes until the pull ends, so no piece's memory can go while a kernel reads it.
+Where the kernel cannot run (no Triton, a hidden state on another device, a build that fails: row_copy's
+one log line and its count) `gather`/`scatter` return False and the caller copies the views as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import overload
+
+import torch
+
+from kvwire.connectors.transports import row_copy
+from kvwire.connectors.transports.kv_region import KVRegion, Part, Spans, byte_parts, part_nbytes
+from kvwire.connectors.transports.row_copy import triton
+
+WORDS_PER_PROGRAM = 1024  # words one program copies: a 32 KiB piece is four programs of 8 KiB (8-byte words)
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["first", "slot"])
+    def _copy_pieces(address, nbytes, position, first, slot, TO_SLOT: tl.constexpr, WIDE: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        """Program (j, chunk): chunk `chunk` of piece first + j, between its address and its place in the slot
+        (its position in the stream less the pack's first piece's)."""
+        i = first + tl.program_id(0)
+        piece = tl.load(address + i)
+        packed = slot + tl.load(position + i) - tl.load(position + first)
+        if TO_SLOT:
+            src = piece
+            dst = packed
+        else:
+            src = packed
+            dst = piece
+        n = tl.load(nbytes + i)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        if WIDE:
+            mask = offs < n // 8
+            s = src.to(tl.pointer_type(tl.int64))
+            d = dst.to(tl.pointer_type(tl.int64))
+        else:
+            mask = offs < n
+            s = src.to(tl.pointer_type(tl.uint8))
+            d = dst.to(tl.pointer_type(tl.uint8))
+        tl.store(d + offs, tl.load(s + offs, mask=mask), mask=mask)
+
+
+class DevicePieces(Sequence[Part]):
+    """The pieces of one pull, as `KVRegion.parts` would cut them (blocks, then `hidden`), in one device's memory.
+
+    Indexing makes the view of one piece (for a piece that travels alone); `sizes` are every piece's bytes.
+
+    Args:
+        spans: `region.spans(...)` of the pull's runs.
+        hidden: the hidden-state tensors that follow the blocks (contiguous).
+    """
+
+    def __init__(self, region: KVRegion, spans: Spans, hidden: Sequence[torch.Tensor] = ()):
+        self._flat = [plane.view(-1) for plane in region.planes]
+        self._spans = spans
+        self._hidden = byte_parts(list(hidden))
+        self.sizes: list[int] = spans.nbytes.tolist() + [part_nbytes(p) for p in self._hidden]
+        self.device = region.planes[0].device
+        bases = torch.tensor([p.data_ptr() for p in self._flat], dtype=torch.int64)  # [planes]
+        extra = [h.data_ptr() for h in hidden]
+        self._address = torch.cat([bases[spans.plane] + spans.offset, torch.tensor(extra, dtype=torch.int64)])
+        self._kernel_ok = all(h.device == self.device for h in hidden)
+        self._table: tuple[torch.Tensor, ...] | None = None  # on the device once the first pack asks
+        self._pinned: torch.Tensor | None = None  # the table's host copy, alive until its upload is surely done
+        self._wide = False
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    @overload
+    def __getitem__(self, i: int) -> Part: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Part]: ...
+    def __getitem__(self, i: int | slice) -> Part | list[Part]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        n = len(self._spans.offset)
+        if i >= n:
+            return self._hidden[i - n]
+        start = int(self._spans.offset[i])
+        return self._flat[int(self._spans.plane[i])][start:start + self.sizes[i]]
+
+    def __iter__(self) -> Iterator[Part]:
+        return (self[i] for i in range(len(self)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
+
+    def gather(self, first: int, count: int, slot: torch.Tensor) -> bool:
+        """Copy pieces `[first, first + count)` into `slot`, back to back, in one launch on the current stream.
+        False, having copied nothing, where the kernel cannot do it (the caller copies the views)."""
+        return self._launch(first, count, slot, to_slot=True)
+
+    def scatter(self, slot: torch.Tensor, first: int, count: int) -> bool:
+        """The reverse of `gather`: the pieces `[first, first + count)` from `slot`, back to back."""
+        return self._launch(first, count, slot, to_slot=False)
+
+    def _launch(self, first: int, count: int, slot: torch.Tensor, to_slot: bool) -> bool:
+        if not self._kernel_ok or slot.device != self.device or not row_copy.kernels_usable(self.device):
+            return False
+        assert 0 <= first and first + count <= len(self) and slot.numel() >= sum(self.sizes[first:first + count])
+        table = self._upload()
+        wide = self._wide and slot.data_ptr() % 8 == 0
+        word = 8 if wide else 1
+        chunks = -(-max(self.sizes[first:first + count], default=0) // (word * WORDS_PER_PROGRAM))
+        if not count or not chunks:
+            return True
+        try:
+            _copy_pieces[(count, chunks)](*table, first, slot.data_ptr(), TO_SLOT=to_slot, WIDE=wide,
+                                          BLOCK=WORDS_PER_PROGRAM)
+        except Exception as exc:  # Triton's compile and launch errors have no common base; any means "not here"
+            row_copy.broken(exc)
+            return False
+        return True
+
+    def _upload(self) -> tuple[torch.Tensor, ...]:
+        """The table on the device, once: each piece's address, bytes and position in the stream."""
+        if self._table is None:
+            nbytes = torch.tensor(self.sizes, dtype=torch.int64)
+            position = torch.cumsum(nbytes, 0) - nbytes  # [pieces] bytes before each
+            self._wide = bool(((self._address % 8 == 0) & (nbytes % 8 == 0)).all())
+            host = torch.stack([self._address, nbytes, position])  # [3, pieces]
+            if self.device.type == "cuda":
+                host = host.pin_memory()
+            on_device = host.to(self.device, non_blocking=True)  # ordered before every launch on this stream
+            self._table, self._pinned = (on_device[0], on_device[1], on_device[2]), host  # kept until the pull ends
+        return self._table
