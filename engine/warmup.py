@@ -13,8 +13,9 @@ A warm-up pass, on the node's device, in the node's own pool:
    few decode steps (one new token each), projects to logits and samples greedily and at a temperature
    with top-k, top-p and logprobs (the sampler's paths).
 3. Copies blocks within the pool with the transfer plane's gather/scatter (connectors/transports/
-   block_copy.py, what a pull's copies launch), batched and run by run: the part of the transfer plane
-   that needs no peer (the node's transport self-test already looped a transfer on the host).
+   block_copy.py, what a pull's copies launch), batched and run by run, and compiles the UCX packs'
+   kernel (piece_copy.py) where Triton runs: the part of the transfer plane that needs no peer (the
+   node's transport self-test already looped a transfer on the host).
 4. Puts the blocks' bytes back and frees the blocks: the allocator and the pool are left exactly as they
    were. Nothing is named (no prefix-cache entry), no connector is called (nothing published, no pull),
    no metric is touched (it is no request).
@@ -31,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from kvwire.connectors.model_input import ModelInput, SequenceInput
+from kvwire.connectors.transports import piece_copy
 from kvwire.connectors.transports.block_copy import copy_blocks
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.engine.block_allocator import BlockAllocator
@@ -117,6 +119,7 @@ def _one_pass(runner: ModelRunner, blocks: list[int], prompt_len: int, steps: in
     a, b, c, d = blocks[:COPY_BLOCKS]
     for batched in (True, False):
         copy_blocks(planes, planes, [(a, c, 1), (b, d, 1)], batched=batched)
+    piece_copy.warm(runner.pool.data.device)  # UCX's device packs (a layer-wise stream's per-layer pieces)
     _synchronize(runner.pool.data.device)
 
 

@@ -122,17 +122,7 @@ class DevicePieces(Sequence[Part]):
         assert 0 <= first and first + count <= len(self) and slot.numel() >= sum(self.sizes[first:first + count])
         table = self._upload()
         wide = self._wide and slot.data_ptr() % 8 == 0
-        word = 8 if wide else 1
-        chunks = -(-max(self.sizes[first:first + count], default=0) // (word * WORDS_PER_PROGRAM))
-        if not count or not chunks:
-            return True
-        try:
-            _copy_pieces[(count, chunks)](*table, first, slot.data_ptr(), TO_SLOT=to_slot, WIDE=wide,
-                                          BLOCK=WORDS_PER_PROGRAM)
-        except Exception as exc:  # Triton's compile and launch errors have no common base; any means "not here"
-            row_copy.broken(exc)
-            return False
-        return True
+        return _run(table, first, count, max(self.sizes[first:first + count], default=0), slot, to_slot, wide)
 
     def _upload(self) -> tuple[torch.Tensor, ...]:
         """The table on the device, once: each piece's address, bytes and position in the stream."""
@@ -140,9 +130,48 @@ class DevicePieces(Sequence[Part]):
             nbytes = torch.tensor(self.sizes, dtype=torch.int64)
             position = torch.cumsum(nbytes, 0) - nbytes  # [pieces] bytes before each
             self._wide = bool(((self._address % 8 == 0) & (nbytes % 8 == 0)).all())
-            host = torch.stack([self._address, nbytes, position])  # [3, pieces]
-            if self.device.type == "cuda":
-                host = host.pin_memory()
-            on_device = host.to(self.device, non_blocking=True)  # ordered before every launch on this stream
-            self._table, self._pinned = (on_device[0], on_device[1], on_device[2]), host  # kept until the pull ends
+            self._table, self._pinned = _table(self._address, nbytes, position, self.device)
         return self._table
+
+
+def warm(device: torch.device) -> bool:
+    """Compile the pack kernel's four variants (to and from a slot, bytes and words) for `device`, copying a few
+    bytes there, so that no pull pays Triton's compile (a second or so); whether it can run."""
+    if not row_copy.kernels_usable(device):
+        return False
+    piece, slot = torch.arange(16, dtype=torch.uint8, device=device), torch.zeros(16, dtype=torch.uint8, device=device)
+    one = torch.tensor([piece.data_ptr()]), torch.tensor([16]), torch.tensor([0])
+    table, _ = _table(*one, device)
+    ok = all(_run(table, 0, 1, 16, slot, to_slot, wide) for to_slot in (True, False) for wide in (True, False))
+    return ok and bool(torch.equal(piece, slot))
+
+
+def _table(address: torch.Tensor, nbytes: torch.Tensor, position: torch.Tensor,
+           device: torch.device) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The three columns on `device` (uploaded on the current stream, before any launch on it reads them), each
+    starting 16-byte aligned whatever the count (Triton compiles a variant per pointer alignment); and the host
+    copy, to be kept until the upload is surely done."""
+    n = len(address)
+    m = n + n % 2
+    host = torch.zeros(3, m, dtype=torch.int64)  # [3, pieces rounded up to even]
+    host[0, :n], host[1, :n], host[2, :n] = address, nbytes, position
+    if device.type == "cuda":
+        host = host.pin_memory()
+    on_device = host.to(device, non_blocking=True)
+    return (on_device[0], on_device[1], on_device[2]), host
+
+
+def _run(table: tuple[torch.Tensor, ...], first: int, count: int, largest: int, slot: torch.Tensor, to_slot: bool,
+         wide: bool) -> bool:
+    """Launch the kernel for pieces `[first, first + count)` (the largest `largest` bytes) on the current stream;
+    False where it cannot be built here (logged once, never tried again in this process)."""
+    chunks = -(-largest // ((8 if wide else 1) * WORDS_PER_PROGRAM))
+    if not count or not chunks:
+        return True
+    try:
+        _copy_pieces[(count, chunks)](*table, first, slot.data_ptr(), TO_SLOT=to_slot, WIDE=wide,
+                                      BLOCK=WORDS_PER_PROGRAM)
+    except Exception as exc:  # Triton's compile and launch errors have no common base; any means "not here"
+        row_copy.broken(exc)
+        return False
+    return True

@@ -127,11 +127,13 @@ class RowTable:
         if not src_blocks:
             return True
         n = len(src_blocks)
-        idx = torch.tensor(src_blocks + dst_blocks, dtype=torch.int64)  # [2 * blocks]
+        # [m + n]: the destination ids start 16-byte aligned whatever n's parity (Triton specializes on alignment)
+        m = n + n % 2
+        idx = torch.tensor(src_blocks + [0] * (m - n) + dst_blocks, dtype=torch.int64)
         if self._device.type == "cuda":
             idx = idx.pin_memory().to(self._device, non_blocking=True)  # one upload
         try:
-            _copy_rows[(len(self.src_planes) * n, self._chunks)](self._table, idx[:n], idx[n:], n, WIDE=self._wide,
+            _copy_rows[(len(self.src_planes) * n, self._chunks)](self._table, idx[:n], idx[m:], n, WIDE=self._wide,
                                                                  BLOCK=WORDS_PER_PROGRAM)
         except Exception as exc:  # Triton's compile and launch errors have no common base; any means "not here"
             broken(exc)

@@ -41,7 +41,7 @@ from kvwire.connectors.directory.directory import DirectoryError, KVDirectory
 from kvwire.connectors.directory.heartbeat import Heartbeat
 from kvwire.connectors.factory import create_transport
 from kvwire.connectors.producer.role import KVProducer
-from kvwire.connectors.transports import row_copy
+from kvwire.connectors.transports import piece_copy, row_copy
 from kvwire.connectors.transports.host import host_identity
 from kvwire.connectors.vllm.identity import claim_node_id, rank_node_id
 from kvwire.connectors.vllm.layout import region_of
@@ -112,8 +112,10 @@ class WorkerHalf:
                              f"model's {split.heads} over {split.tp} ranks should give {split.per_rank}")
         if region.planes[0].device.type == "cpu":
             _allow_amx()
-        elif self._settings.role.consumes:
-            row_copy.warm(region.planes[0].device)  # compiled now, not in the first pull (a second or so)
+        else:  # kvwire's copy kernels compiled now, not in the first pull (a second or so each)
+            if self._settings.role.consumes:
+                row_copy.warm(region.planes[0].device)
+            piece_copy.warm(region.planes[0].device)  # UCX's device packs, both sides
         config = self._settings.connector_config()
         auth.install(self._settings.auth_secret)  # this worker process's control messages, before any socket opens
         with ExitStack() as undo:

@@ -17,13 +17,14 @@ import textwrap
 import pytest
 import torch
 
-from kvwire.connectors.transports import row_copy
+from kvwire.connectors.transports import piece_copy, row_copy
 from kvwire.connectors.transports.kv_region import KVRegion, Part
 from kvwire.connectors.transports.piece_copy import DevicePieces
 from kvwire.connectors.transports.ucx.packing import DEVICE_PACK_BELOW, gather, plan_messages, scatter
 from kvwire.connectors.wire import PoolLayout
 from tests.connectors.transports.test_block_copy import NUM_BLOCKS, _region
 
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 RUNS = [(3, 2), (9, 1), (0, 4), (NUM_BLOCKS - 1, 1)]
 
 
@@ -120,11 +121,13 @@ INTERPRETED = textwrap.dedent("""
         untouched = [b for b in range(dst.num_blocks) if b not in (10, 11, 0, 15)]
         before = _region(pool, seed=2)
         assert all(torch.equal(p[untouched], q[untouched]) for p, q in zip(dst.planes, before.planes))
+    from kvwire.connectors.transports import piece_copy
+    assert piece_copy.warm(torch.device("cpu"))  # its four variants
     print("ok")
 """)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (torch's CPU build "
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (torch's CPU build "
                     "lacks it; GPU installs have it)")
 def test_the_pack_kernel_gathers_and_scatters_every_layout_in_tritons_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -145,3 +148,28 @@ def test_a_message_plan_from_device_pieces_equals_the_one_from_views():
     region = _region(PoolLayout.VLLM)
     assert plan_messages(DevicePieces(region, region.spans(RUNS)).sizes, DEVICE_PACK_BELOW) == plan_messages(
         [p.nbytes for p in region.parts(RUNS)], DEVICE_PACK_BELOW)
+
+
+def test_warming_on_the_cpu_does_nothing_and_says_so():
+    assert piece_copy.warm(torch.device("cpu")) == (os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pool", [PoolLayout.VLLM, PoolLayout.VLLM_HNC, PoolLayout.KVWIRE], ids=str)
+def test_on_a_gpu_a_pack_is_one_kernel_each_way_and_lands_every_byte(pool):
+    assert piece_copy.warm(torch.device("cuda")), row_copy._broken  # Triton builds and runs it on this machine
+    src, dst = _region(pool, "cuda", seed=1), _region(pool, "cuda", seed=2)
+    before = [p.clone() for p in dst.planes]
+    src_runs, dst_runs = [(3, 2), (9, 1), (0, 1)], [(10, 2), (0, 1), (15, 1)]
+    for layer_major in (False, True):
+        sent = DevicePieces(src, src.spans(src_runs, layer_major), [torch.arange(8, dtype=torch.uint8, device="cuda")])
+        landing = DevicePieces(dst, dst.spans(dst_runs, layer_major), [torch.zeros(8, dtype=torch.uint8,
+                                                                                    device="cuda")])
+        slot = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        for msg in plan_messages(sent.sizes, DEVICE_PACK_BELOW):
+            assert sent.gather(msg.first, msg.count, slot) and landing.scatter(slot, msg.first, msg.count)
+        torch.cuda.synchronize()
+        assert all(torch.equal(s, d) for s, d in zip(sent, landing))
+    untouched = [b for b in range(NUM_BLOCKS) if b not in (10, 11, 0, 15)]
+    assert all(torch.equal(p[untouched], q[untouched]) for p, q in zip(dst.planes, before))
