@@ -25,7 +25,7 @@ import zmq
 
 from kvwire.bench.cpu import CpuTally, CpuTicks
 from kvwire.bench.memory import PeakTracker
-from kvwire.bench.procs import apply_env, helper_context
+from kvwire.bench.procs import apply_env, child_env, helper_context
 from kvwire.bench.workload import Workload, allocate_pool, checksum, fill_random, zero_blocks
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind, NodeRole
 from kvwire.connectors.control.framing import unpack
@@ -99,7 +99,7 @@ def run_connector(kind: ConnectorKind, work: Workload, runs: int, warmup: int, r
     ready.setsockopt(zmq.LINGER, 0)
     endpoint = f"tcp://127.0.0.1:{ready.bind_to_random_port('tcp://127.0.0.1')}"
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=_producer, args=(kind, redis_url, work, there, endpoint, env))
+    proc = ctx.Process(target=_producer, args=(kind, redis_url, work, there, endpoint, child_env(env)))
     proc.start()
     with scoped_env(env or {}):  # the consumer is this process
         side = open_consumer(bench_config(kind, NodeRole.DECODE, redis_url), **bench_pool(work))

@@ -11,12 +11,15 @@ child applies them itself first (`apply_env`), before it loads what reads them.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 from collections.abc import Mapping, Sequence
 from multiprocessing.context import ForkServerContext
 
 PRELOAD = ("torch", "kvwire.connectors.standalone", "kvwire.bench.workload")
+LOG_LEVEL = "KVWIRE_BENCH_LOG_LEVEL"  # helpers log at this level (`log_everywhere`); unset: Python's default
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"
 
 
 _preload: list[str] = list(PRELOAD)  # what every caller so far asked for, in order
@@ -31,10 +34,29 @@ def helper_context(extra: Sequence[str] = ()) -> ForkServerContext:
     return ctx
 
 
+def log_everywhere(level: str) -> None:
+    """Log at `level` here and in every helper started from now on (`child_env` carries it).
+
+    Raises:
+        ValueError: not a logging level's name.
+    """
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+    os.environ[LOG_LEVEL] = level.upper()
+
+
+def child_env(env: Mapping[str, str | None] | None = None) -> dict[str, str | None]:
+    """`env` and this process's log level (`log_everywhere`), for a helper to `apply_env`."""
+    level = os.environ.get(LOG_LEVEL)
+    return {**(env or {}), **({LOG_LEVEL: level} if level else {})}
+
+
 def apply_env(env: Mapping[str, str | None]) -> None:
-    """This process's environment with `env` applied (None: unset), e.g. first thing in a helper process."""
+    """This process's environment with `env` applied (None: unset), e.g. first thing in a helper process; and
+    its logging at the level `env` names (`child_env`), if any."""
     for key, value in env.items():
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+    if level := env.get(LOG_LEVEL):
+        logging.basicConfig(level=level, format=LOG_FORMAT)

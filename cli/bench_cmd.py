@@ -10,9 +10,10 @@ from typing import Annotated
 import typer
 
 from kvwire.bench.choices import Device, Method, Placement
+from kvwire.bench.procs import log_everywhere
 from kvwire.cli.bench_vllm_cmd import vllm
 from kvwire.cli.extras import NODE, for_cluster, local_unless, require
-from kvwire.cli.options import Connector, OptionalRedisUrl, csv_of, redis_url_of
+from kvwire.cli.options import Connector, LogLevel, OptionalRedisUrl, csv_of, redis_url_of
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.wire import PoolLayout
 
@@ -54,6 +55,7 @@ def transfer(
     compute_ms: Annotated[float | None, typer.Option("--compute-ms-per-layer", min=0.0, help="With --layerwise: "
                                                      "compute per layer; default one layer's transfer time.")] = None,
     redis_url: OptionalRedisUrl = None,
+    log_level: LogLevel = "WARNING",
 ) -> None:
     """Move one Llama-3-8B-shaped request's KV (32 layers, 8 KV heads, head dim 128, bf16, block size 16)
     between two processes with each method, next to the machine's limits; bytes verified every run."""
@@ -67,6 +69,7 @@ def transfer(
 
     sizes = csv_of(tokens, int)
     chosen, where, whose = csv_of(methods, Method), csv_of(placements, Placement), csv_of(pools, PoolLayout)
+    log_everywhere(log_level)  # DEBUG: each UCX pull's time, where it went, on both sides
     if layerwise and device != Device.CPU:
         raise typer.BadParameter("--layerwise runs on host memory only", param_hint="--device")
     if device == Device.CUDA:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -73,6 +74,22 @@ def test_cli_prints_json_rows_and_draws_the_plot(tmp_path):
     for cpu in (r["cpu"] for r in rows):  # None when the runs were too short for the host's counters to tick
         assert cpu is None or 0 <= cpu["kernel"] <= cpu["busy"] <= 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_cli_at_debug_says_where_each_ucx_pulls_time_went_on_both_sides():
+    """`--log-level DEBUG` reaches the producer's process too (forked from a server that predates it)."""
+    done = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "bench", "transfer", "--tokens", "64",
+                           "--methods", "ucx", "--layouts", "scattered", "--pools", "vllm", "--runs", "1",
+                           "--warmup", "0", "--json", "--log-level", "DEBUG"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    sent = [line for line in done.stderr.splitlines() if "ucx.send_engine" in line and " sent bench-ucx-64" in line]
+    pulled = [line for line in done.stderr.splitlines() if "ucx.puller" in line and " pulled bench-ucx-64" in line]
+    assert len(sent) == len(pulled) == 1, done.stderr[-3000:]
+    assert re.search(r"\d+ messages \(\d+ packed\), [\d.]+ ms since it was built, [\d.]+ ms of it packing", sent[0])
+    assert re.search(r"257 pieces in [\d.]+ ms; lane 0: ", pulled[0])  # 32 layers x 2 planes x 4 blocks + hidden
+    producer, consumer = (re.search(r"\[(\d+)\]", line).group(1) for line in (sent[0], pulled[0]))  # type: ignore
+    assert producer != consumer
 
 
 def test_raw_ucxx_moves_the_same_pieces_verified(redis_url):

@@ -29,6 +29,7 @@ never to be reused (the worker's `abandon` cancels their receives).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -66,6 +67,14 @@ class _Flow:
         self._todo: deque[tuple[int, Message]] = deque()  # messages not posted yet, in order
         self._packs: list[_Pack] = []
         self.requests: Requests = []  # unpacked pieces' requests
+        self.started = time.perf_counter()
+        self.packing_s = 0.0  # spent copying packs into or out of slots (and waiting for those copies)
+
+    def summary(self) -> str:
+        """Where this flow's time went so far, for a DEBUG line: its messages, and the packing's share."""
+        packed = sum(m.packed for _, m in self._mine)
+        return (f"{len(self._mine)} messages ({packed} packed), {(time.perf_counter() - self.started) * 1e3:.2f} ms "
+                f"since it was built, {self.packing_s * 1e3:.2f} ms of it packing")
 
     def done(self) -> bool:
         return not self._todo and not self._packs and all_done(self.requests)
@@ -157,7 +166,10 @@ class SendFlow(_Flow):
                 self.requests.append((ep.tag_send(buf, self._tag(i)), buf))
             elif len(self._packs) < self._share and (slot := self._staging.take()) is not None:
                 try:
-                    buf = Array(wire_buffer(gather(self._parts, m, slot)))
+                    start = time.perf_counter()
+                    packed = gather(self._parts, m, slot)
+                    self.packing_s += time.perf_counter() - start
+                    buf = Array(wire_buffer(packed))
                     request = ep.tag_send(buf, self._tag(i))
                 except BaseException:
                     self._staging.discard(slot)  # in no pack yet: `discard_slots` would not see it
@@ -197,7 +209,9 @@ class ReceiveFlow(_Flow):
         done = self._reap()
         for k, (_, _, slot, m) in enumerate(done):
             try:
+                start = time.perf_counter()
                 scatter(slot, self._parts, m)
+                self.packing_s += time.perf_counter() - start
             except BaseException:
                 for _, _, lost, _ in done[k:]:  # out of `_packs` already: `discard_slots` would not see them
                     self._staging.discard(lost)

@@ -157,6 +157,10 @@ class ReceiveLanes:
         for flow in self._flows:
             flow.check_errors()
 
+    def summary(self) -> str:
+        """Each lane's flow's `summary` (a DEBUG line's)."""
+        return "; ".join(f"lane {k}: {flow.summary()}" for k, flow in enumerate(self._flows))
+
     def stop(self, producer: bytes) -> int:
         """After a failure: stop the lane threads, then cancel whatever is still posted on any lane and
         drop the staging slots it used. Returns how many receives were cancelled."""

@@ -27,6 +27,8 @@ consumer republishes before its next pull.
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -42,6 +44,8 @@ from kvwire.connectors.transports.ucx.lanes import ReceiveLanes
 from kvwire.connectors.transports.ucx.packing import DEVICE_PACK_BELOW, PACK_BELOW, piece_sizes
 from kvwire.connectors.transports.ucx.worker import MAX_PIECES, error_handling
 from kvwire.connectors.wire import KVLocation, PullRequest
+
+log = logging.getLogger(__name__)
 
 
 class UCXPuller(ConfirmedPulls):
@@ -75,6 +79,7 @@ class UCXPuller(ConfirmedPulls):
         Raises:
             TransferError: refused, failed, or not complete by `deadline`.
         """
+        start = time.perf_counter()
         parts = self._parts(loc, dst_blocks, hidden)
         transfer_id = next(self._transfer_ids)
         # Ask first, then post the receives while the producer handles the request: a send that
@@ -95,6 +100,9 @@ class UCXPuller(ConfirmedPulls):
                                can_block=lambda: False, done=self._lanes.done, reply_needed=False)
             self._lanes.check_errors()
             self._lanes.flush()  # the producer's sends complete on our acknowledgements
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("pulled %s from %s: %d pieces in %.2f ms; %s", loc.request_id, loc.producer, len(parts),
+                          (time.perf_counter() - start) * 1e3, self._lanes.summary())
         except BaseException as exc:
             self._lanes.stop(loc.transport_address)
             self._fence()

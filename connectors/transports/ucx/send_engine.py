@@ -10,6 +10,7 @@ waits for a layer and has nothing in flight the server thread sleeps (the gate w
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from kvwire.connectors.transports.host import elsewhere
@@ -20,6 +21,8 @@ from kvwire.connectors.transports.ucx.flows import SendFlow
 from kvwire.connectors.transports.ucx.packing import SendStaging
 from kvwire.connectors.transports.ucx.worker import MAX_PIECES, Role, UCXWorker
 from kvwire.connectors.wire import PullRequest
+
+log = logging.getLogger(__name__)
 
 
 class UCXSendEngine(SendEngine):
@@ -49,6 +52,7 @@ class UCXSendEngine(SendEngine):
                 self.claims.finish(job, exc)
                 continue
             self._active.remove(job)
+            log.debug("sent %s to %s: %s", job.msg.request_id, job.msg.consumer, flow.summary())
             self.claims.finish(job, None)
             moved = True
         return moved
