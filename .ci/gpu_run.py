@@ -50,9 +50,10 @@ NEEDS = {"kubernetes-validate": ["tests/deploy"]}
 KVWIRE_METHODS = "limit-memcpy,limit-gather,ucx,shm,tcp,auto"
 BENCH = [(128, f"{KVWIRE_METHODS},nixl", "kvwire,vllm"), (2048, f"{KVWIRE_METHODS},nixl,nixl-defaults", "kvwire,vllm"),
          (16384, f"{KVWIRE_METHODS},nixl", "vllm"), (16384, KVWIRE_METHODS, "kvwire")]
-BENCH_ARGS = ["--layouts", "scattered", "--runs", "3", "--warmup", "1"]
+# DEBUG: each UCX pull's breakdown on both sides (messages, packing's share) in bench.log, a few lines a row
+BENCH_ARGS = ["--layouts", "scattered", "--runs", "3", "--warmup", "1", "--log-level", "DEBUG"]
 BENCH_REHEARSAL = [(128, f"{KVWIRE_METHODS},nixl", "kvwire,vllm"), (2048, f"{KVWIRE_METHODS},nixl", "kvwire,vllm")]
-BENCH_REHEARSAL_ARGS = ["--layouts", "scattered", "--runs", "1", "--warmup", "0"]
+BENCH_REHEARSAL_ARGS = ["--layouts", "scattered", "--runs", "1", "--warmup", "0", "--log-level", "DEBUG"]
 BENCH_LIMIT_S = 360
 STEPS = ("bench", "demo", "tests")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # the GPU machine reaches nothing outside
