@@ -11,8 +11,8 @@ is made only for a piece that travels alone.
 
 Lifecycle: built when a pull starts (producer: the job's pieces; consumer: its destination blocks),
 it holds the region's planes until the pull ends, so no piece's memory can go while a kernel reads it.
-Where the kernel cannot run (no Triton, a hidden state on another device, a build that fails: row_copy's
-one log line and its count) `gather`/`scatter` return False and the caller copies the views as before.
+Where the kernel cannot run (no Triton, a build that fails: row_copy's one log line and its count; a pack
+holding hidden states on another device) `gather`/`scatter` return False and the caller copies the views.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ class DevicePieces(Sequence[Part]):
         bases = torch.tensor([p.data_ptr() for p in self._flat], dtype=torch.int64)  # [planes]
         extra = [h.data_ptr() for h in hidden]
         self._address = torch.cat([bases[spans.plane] + spans.offset, torch.tensor(extra, dtype=torch.int64)])
-        self._kernel_ok = all(h.device == self.device for h in hidden)
+        # the kernel copies the hidden states' packs too where they are on the pool's device (else their views)
+        self._reach = len(self.sizes) if all(h.device == self.device for h in hidden) else len(spans.offset)
         self._table: tuple[torch.Tensor, ...] | None = None  # on the device once the first pack asks
         self._pinned: torch.Tensor | None = None  # the table's host copy, alive until its upload is surely done
         self._wide = False
@@ -117,7 +118,7 @@ class DevicePieces(Sequence[Part]):
         return self._launch(first, count, slot, to_slot=False)
 
     def _launch(self, first: int, count: int, slot: torch.Tensor, to_slot: bool) -> bool:
-        if not self._kernel_ok or slot.device != self.device or not row_copy.kernels_usable(self.device):
+        if first + count > self._reach or slot.device != self.device or not row_copy.kernels_usable(self.device):
             return False
         assert 0 <= first and first + count <= len(self) and slot.numel() >= sum(self.sizes[first:first + count])
         table = self._upload()
@@ -129,7 +130,8 @@ class DevicePieces(Sequence[Part]):
         if self._table is None:
             nbytes = torch.tensor(self.sizes, dtype=torch.int64)
             position = torch.cumsum(nbytes, 0) - nbytes  # [pieces] bytes before each
-            self._wide = bool(((self._address % 8 == 0) & (nbytes % 8 == 0)).all())
+            reach = slice(0, self._reach)  # 8-byte words where every piece the kernel may copy allows them
+            self._wide = bool(((self._address[reach] % 8 == 0) & (nbytes[reach] % 8 == 0)).all())
             self._table, self._pinned = _table(self._address, nbytes, position, self.device)
         return self._table
 

@@ -173,3 +173,7 @@ def test_on_a_gpu_a_pack_is_one_kernel_each_way_and_lands_every_byte(pool):
         assert all(torch.equal(s, d) for s, d in zip(sent, landing))
     untouched = [b for b in range(NUM_BLOCKS) if b not in (10, 11, 0, 15)]
     assert all(torch.equal(p[untouched], q[untouched]) for p, q in zip(dst.planes, before))
+    on_host = DevicePieces(src, src.spans(src_runs), [torch.arange(8, dtype=torch.uint8)])  # hidden on the CPU
+    kv = len(on_host) - 1
+    slot = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    assert on_host.gather(0, kv, slot) and not on_host.gather(kv - 1, 2, slot)  # that pack: the views' copy
