@@ -8,7 +8,11 @@ tests/gpu/test_device_packing_gpu.py.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -202,22 +206,23 @@ def test_slots_of_a_failed_pull_are_discarded_on_both_sides_never_reused():
         producer.close()
 
 
-def test_a_vllm_pull_known_by_address_crosses_ucx_in_device_packs_byte_exact():
-    """Both sides' pieces as `DevicePieces` (what a GPU pool's pull uses; without the kernel, as here, packs go
-    through the views): more packs than slots, every byte lands where `parts` says."""
+def pull_by_address(blocks: int = 300) -> bool:
+    """Both sides' pieces as `DevicePieces` (what a GPU pool's pull uses) over real UCX in tensor slots: more packs
+    than slots; every byte lands where `parts` says. Returns whether the pack kernel copied them (both sides'
+    address tables uploaded) rather than the views."""
     from kvwire.connectors.transports.piece_copy import DevicePieces
 
-    src, dst = _vllm_region(300, seed=1), _vllm_region(300, seed=2)
-    src_runs, dst_runs = [(b, 1) for b in range(0, 300, 2)], [(b, 1) for b in range(299, 0, -2)]
+    src, dst = _vllm_region(blocks, seed=1), _vllm_region(blocks, seed=2)
+    src_runs, dst_runs = [(b, 1) for b in range(0, blocks, 2)], [(b, 1) for b in range(blocks - 1, 0, -2)]
     sent, landing = DevicePieces(src, src.spans(src_runs)), DevicePieces(dst, dst.spans(dst_runs))
-    assert len(plan_messages(sent.sizes, DEVICE_PACK_BELOW)) > LANE_SLOTS  # 600 pieces of 64 KiB: 5 packs
+    assert len(plan_messages(sent.sizes, DEVICE_PACK_BELOW)) > LANE_SLOTS  # 300 blocks: 600 pieces, 5 packs
     producer, consumer = UCXWorker(Role.PRODUCER), ReceiveLanes(1, CPU)
     try:
         consumer.post(producer.address, landing, 6, DEVICE_PACK_BELOW)
         staging = SendStaging().for_pull(sent, DEVICE_PACK_BELOW)
         assert isinstance(staging.take(), torch.Tensor)  # device slots, on the pieces' device
         sends = SendFlow(producer, consumer.address, sent, 6, DEVICE_PACK_BELOW, staging)
-        assert _run(consumer, producer, sends, timeout_s=20.0), "transfer did not complete"
+        assert _run(consumer, producer, sends, timeout_s=60.0), "transfer did not complete"
         consumer.check_errors()
         sends.check_errors()
     finally:
@@ -225,3 +230,21 @@ def test_a_vllm_pull_known_by_address_crosses_ucx_in_device_packs_byte_exact():
         producer.close()
     for (s, _), (d, _) in zip(src_runs, dst_runs):
         assert all(torch.equal(sp[s], dp[d]) for sp, dp in zip(src.planes, dst.planes))
+    return sent._table is not None and landing._table is not None
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the kernel serves under the interpreter")
+def test_a_vllm_pull_known_by_address_crosses_ucx_in_device_packs_byte_exact():
+    """Without the kernel (a CPU pool, no interpreter) packs go through the views."""
+    assert not pull_by_address()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (torch's CPU build "
+                    "lacks it; GPU installs have it)")
+def test_the_pack_kernel_moves_a_vllm_pull_over_ucx_in_tritons_interpreter():
+    """The same pull with the kernel packing and unpacking every slot (Triton's interpreter, in a child)."""
+    script = ("from tests.connectors.transports.ucx.test_device_packing import pull_by_address\n"
+              "assert pull_by_address()\nprint('ok')")
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
