@@ -117,12 +117,15 @@ class UCXPuller(ConfirmedPulls):
         piece_copy.py), a host pool's as buffers.
 
         Raises:
-            TransferError: more pieces than UCX's tags can name.
+            TransferError: more pieces than UCX's tags can name, or blocks outside the pool.
         """
         if self._slots_on is None:
             return consumer_parts(self._region, loc, dst_blocks, hidden, MAX_PIECES, layer_major=loc.layerwise)
         region, runs = consumer_runs(self._region, loc, dst_blocks, len(hidden), MAX_PIECES)
-        return DevicePieces(region, region.spans(runs, layer_major=loc.layerwise), hidden)
+        try:
+            return DevicePieces(region, region.spans(runs, layer_major=loc.layerwise), hidden)
+        except ValueError as exc:
+            raise TransferError(loc.request_id, loc.producer, str(exc)) from exc
 
     def _guarded(self, loc: KVLocation) -> bool:
         """Endpoint error handling to `loc`'s producer (worker.py's `error_handling`; the producer is told)."""
