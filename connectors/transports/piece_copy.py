@@ -171,8 +171,9 @@ def _run(table: tuple[torch.Tensor, ...], first: int, count: int, largest: int, 
     if not count or not chunks:
         return True
     try:
-        _copy_pieces[(count, chunks)](*table, first, slot.data_ptr(), TO_SLOT=to_slot, WIDE=wide,
-                                      BLOCK=WORDS_PER_PROGRAM)
+        with row_copy.on_device(slot.device):
+            _copy_pieces[(count, chunks)](*table, first, slot.data_ptr(), TO_SLOT=to_slot, WIDE=wide,
+                                          BLOCK=WORDS_PER_PROGRAM)
     except Exception as exc:  # Triton's compile and launch errors have no common base; any means "not here"
         row_copy.broken(exc)
         return False

@@ -24,6 +24,7 @@ The kernel trusts its table: `copy_rows` checks every block index against both s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -67,6 +68,12 @@ def kernels_usable(device: torch.device) -> bool:
     """Whether kvwire's copy kernels (this one, piece_copy.py's) can run on `device` in this process."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: the CPU tests' way in
     return triton is not None and not _broken and (device.type == "cuda" or interpreted)
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Where a kernel for `device` must be launched from: Triton launches on the calling thread's current device,
+    which on a thread of kvwire's own (a transfer server, a pull thread) is device 0 whatever the pool's."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def missing_on(device: torch.device) -> bool:
@@ -133,8 +140,9 @@ class RowTable:
         if self._device.type == "cuda":
             idx = idx.pin_memory().to(self._device, non_blocking=True)  # one upload
         try:
-            _copy_rows[(len(self.src_planes) * n, self._chunks)](self._table, idx[:n], idx[m:], n, WIDE=self._wide,
-                                                                 BLOCK=WORDS_PER_PROGRAM)
+            with on_device(self._device):
+                _copy_rows[(len(self.src_planes) * n, self._chunks)](self._table, idx[:n], idx[m:], n,
+                                                                     WIDE=self._wide, BLOCK=WORDS_PER_PROGRAM)
         except Exception as exc:  # Triton's compile and launch errors have no common base; any means "not here"
             broken(exc)
             return False
