@@ -42,8 +42,10 @@ or, during a pull, the consumer's engine thread or that lane's thread).
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import struct
+import time
 
 # ucxx sets UCX_MEMTYPE_CACHE, which UCX 1.21 no longer knows and warns about at every start.
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -62,6 +64,13 @@ DEVICE_PACK_BIT = 1 << (SEGMENT_BITS - 2)  # and this one too where its packs ar
 MAX_PIECES = DEVICE_PACK_BIT  # messages (and pieces) one transfer may have
 Requests = list[tuple[ucx.UCXRequest, Array]]  # posted UCX requests, each with the buffer it must keep alive
 LANES_MAGIC = b"kvwire-ucx-lanes\x00"  # starts an address packing several lanes' worker addresses
+# A network interface that goes between UCX listing the host's devices (its context) and opening them (its
+# worker) fails the worker with "No such device": a container's veth torn down on the host, a test's network
+# namespace removed. A new context lists the devices again; the pause doubles from OPEN_PAUSE_S each try.
+OPEN_ATTEMPTS = 5
+OPEN_PAUSE_S = 0.02
+
+log = logging.getLogger(__name__)
 
 
 class Role(enum.Enum):
@@ -103,8 +112,7 @@ def error_handling(peer_host: str, device_pool: bool) -> bool:
 class UCXWorker:
     def __init__(self, role: Role, device_pool: bool = False) -> None:
         """`device_pool`: the KV it moves is in CUDA memory (its context's rendezvous scheme: `_config`)."""
-        self._ctx = ucx.UCXContext(config_dict=_config(role, device_pool), feature_flags=(ucx.Feature.TAG,))
-        self._worker = ucx.UCXWorker(self._ctx)
+        self._ctx, self._worker = open_worker(_config(role, device_pool))
         # a peer's (packed) address, and whether error handling is on -> one endpoint per lane
         self._endpoints: dict[tuple[bytes, bool], list[ucx.UCXEndpoint]] = {}
         self._paths: dict[bytes, DataPath] = {}  # what UCX selected for those endpoints: fixed for their life
@@ -166,6 +174,23 @@ class UCXWorker:
             return DataPath.unknown(str(exc))
         self._paths[peer] = path
         return path
+
+
+def open_worker(config: dict[str, str], attempts: int = OPEN_ATTEMPTS,
+                pause_s: float = OPEN_PAUSE_S) -> tuple[ucx.UCXContext, ucx.UCXWorker]:
+    """A UCX context with `config` and its worker, listing the host's devices again while one of them vanishes
+    before it is opened (OPEN_ATTEMPTS). Raises UCXNoDeviceError when that goes on `attempts` times."""
+    for attempt in range(1, attempts + 1):
+        try:
+            ctx = ucx.UCXContext(config_dict=config, feature_flags=(ucx.Feature.TAG,))
+            return ctx, ucx.UCXWorker(ctx)
+        except ucx.UCXNoDeviceError as exc:
+            if attempt == attempts:
+                raise ucx.UCXNoDeviceError(f"UCX could not open this host's network devices in {attempts} tries "
+                                           f"(one vanished each time): {exc}") from exc
+            log.warning("UCX: a network device vanished while the worker opened it (%s); listing them again", exc)
+            time.sleep(pause_s * 2 ** (attempt - 1))
+    raise AssertionError("unreachable")
 
 
 def pack_lanes(addresses: list[bytes]) -> bytes:
