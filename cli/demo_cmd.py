@@ -22,7 +22,8 @@ import typer
 from kvwire.bench.prompts import PROMPTS
 from kvwire.cli.extras import for_cluster, require
 from kvwire.cli.options import Connector, LogLevel, Warmup, setup_logging
-from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
+from kvwire.cli.up_cmd import cluster_of
+from kvwire.cluster.local_cluster import ClusterSpec
 from kvwire.cluster.paths import default_model_dir
 from kvwire.connectors.config import ConnectorKind
 from kvwire.protocol.work import SamplingParams
@@ -131,7 +132,7 @@ def demo(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint;
     started = time.monotonic()
     spec = ClusterSpec(model_dir=model_dir, connector=connector, log_level=log_level, prefill_device=device,
                        decode_device=device, warmup=warmup)
-    with LocalCluster(spec) as cluster:
+    with cluster_of(spec, "demo") as cluster:
         typer.echo(f"cluster ready to disaggregate in {time.monotonic() - started:.1f}s at {cluster.url} "
                    f"(nodes {'warmed up' if warmup else 'not warmed up: --no-warmup'})")
         typer.echo(_first_requests(cluster.url, len(tokenizer.encode(TTFT_PROMPT))))

@@ -6,8 +6,10 @@ Ctrl-C, SIGTERM or `--max-restarts` used up stops everything.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -30,7 +32,7 @@ from kvwire.cli.options import (
     setup_logging,
     traces_endpoint,
 )
-from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
+from kvwire.cluster.local_cluster import ClusterError, ClusterSpec, LocalCluster
 from kvwire.cluster.paths import default_model_dir
 from kvwire.connectors.config import LAYERWISE_KINDS, ConnectorKind
 
@@ -64,7 +66,7 @@ def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a
                        served_model_names=served_model_names(served_model_name), lenient=lenient,
                        decode_only_below=decode_only_below, traces_endpoint=traces_endpoint(otlp_traces_endpoint))
     auth_secret(auth_secret_file)  # a bad file fails here, not in four children
-    with LocalCluster(spec) as cluster:
+    with cluster_of(spec, "up") as cluster:
         typer.echo(f"kvwire is up: {cluster.url}  (model {spec.model_dir}, connector {connector}, "
                    f"redis {cluster.redis_url})")
         typer.echo("ops endpoints (/healthz /readyz /metrics): "
@@ -77,3 +79,18 @@ def up(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a
                 typer.echo("kvwire: --max-restarts used up; shutting down", err=True)
                 raise typer.Exit(1)
     typer.echo("kvwire stopped")
+
+
+@contextlib.contextmanager
+def cluster_of(spec: ClusterSpec, command: str) -> Iterator[LocalCluster]:
+    """The local cluster of `spec`, started, and stopped on leaving. A start that fails (a child exited, time ran
+    out) is one line on stderr after the children's own errors, and exit 1: not a traceback."""
+    try:
+        cluster = LocalCluster(spec).start()
+    except ClusterError as exc:
+        typer.echo(f"kvwire {command}: {exc} (the processes' own errors are above)", err=True)
+        raise typer.Exit(1) from None
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import select
 import signal
@@ -82,3 +83,16 @@ def test_demo_exits_zero_with_identical_outputs(tiny_model_dir):
     ttft = re.search(r"first request ([\d.]+) ms \((\S+)\), tenth ([\d.]+) ms \((\S+)\)", done.stdout)
     assert ttft is not None, done.stdout
     assert (ttft[2], ttft[4]) == ("disaggregated", "disaggregated") and float(ttft[1]) > 0 < float(ttft[3])
+
+
+def test_up_whose_nodes_cannot_start_says_so_in_one_line(tiny_model_dir):
+    """Nodes that exit during start-up (UCX told to use a transport that does not exist: both fail their transport
+    self-test) end `kvwire up` with exit 1 and one line naming them, after their own errors: no traceback of its own."""
+    env = {**os.environ, "UCX_TLS": "no-such-transport"}
+    done = subprocess.run([sys.executable, "-m", "kvwire.cli.main", "up", "--model", str(tiny_model_dir),
+                           "--port", str(free_port())], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvwire up: processes exited during start-up:"), done.stderr
+    assert "self-test (auto) failed" in done.stderr  # a node's own error, above
+    assert "kvwire/cli/up_cmd.py" not in done.stderr and "local_cluster.py" not in done.stderr

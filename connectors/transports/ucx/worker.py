@@ -179,10 +179,15 @@ class UCXWorker:
 def open_worker(config: dict[str, str], attempts: int = OPEN_ATTEMPTS,
                 pause_s: float = OPEN_PAUSE_S) -> tuple[ucx.UCXContext, ucx.UCXWorker]:
     """A UCX context with `config` and its worker, listing the host's devices again while one of them vanishes
-    before it is opened (OPEN_ATTEMPTS). Raises UCXNoDeviceError when that goes on `attempts` times."""
+    before the worker opens it (OPEN_ATTEMPTS).
+
+    Raises:
+        UCXNoDeviceError: the context found no usable device (UCX_TLS naming none here: at once), or the worker
+            failed to open one `attempts` times.
+    """
     for attempt in range(1, attempts + 1):
+        ctx = ucx.UCXContext(config_dict=config, feature_flags=(ucx.Feature.TAG,))
         try:
-            ctx = ucx.UCXContext(config_dict=config, feature_flags=(ucx.Feature.TAG,))
             return ctx, ucx.UCXWorker(ctx)
         except ucx.UCXNoDeviceError as exc:
             if attempt == attempts:

@@ -62,11 +62,20 @@ def test_a_device_gone_before_the_worker_opens_it_is_listed_again(vanishing_veth
 def test_a_device_vanishing_every_time_is_a_clear_error(monkeypatch):
     calls = []
 
-    def no_device(*args, **kwargs):
-        calls.append(1)
+    def no_device(ctx):
+        calls.append(ctx)
         raise worker.ucx.UCXNoDeviceError("No such device")
 
-    monkeypatch.setattr(worker.ucx, "UCXContext", no_device)
+    monkeypatch.setattr(worker.ucx, "UCXWorker", no_device)
     with pytest.raises(worker.ucx.UCXNoDeviceError, match="in 3 tries"):
         worker.open_worker({}, attempts=3, pause_s=0.0)
-    assert len(calls) == 3
+    assert len(calls) == 3 and len({id(c) for c in calls}) == 3  # a new context (a new listing) each time
+
+
+def test_transports_that_name_no_device_here_fail_at_once(monkeypatch):
+    """UCX_TLS naming nothing this host has is a configuration error, not a race: no retries."""
+    opened = []
+    monkeypatch.setattr(worker.ucx, "UCXWorker", lambda ctx: opened.append(ctx))
+    with pytest.raises(worker.ucx.UCXNoDeviceError):
+        worker.open_worker({"TLS": "no-such-transport"}, attempts=3, pause_s=0.0)
+    assert opened == []
