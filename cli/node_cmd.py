@@ -12,6 +12,7 @@ from kvwire.cli.options import (
     AuthSecretFile,
     BlockSize,
     Connector,
+    DirectoryWait,
     DrainTimeout,
     HeartbeatTTL,
     Host,
@@ -32,6 +33,7 @@ from kvwire.cli.options import (
     setup_logging,
 )
 from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.directory.connection import DirectoryError
 
 NodeId = Annotated[str | None, typer.Option("--node-id", help="Name in the directory; role-host-pid by default.")]
 Port = Annotated[int, typer.Option("--port", min=0, max=65535, help="zmq work port; 0 picks a free one.")]
@@ -54,7 +56,11 @@ def _run(role: NodeRole, **kw) -> None:
         from kvwire.prefill_node.main import run
     else:
         from kvwire.decode_node.main import run
-    run(config)
+    try:
+        run(config)
+    except DirectoryError as exc:  # Redis unreachable past --directory-wait: one line, not a traceback
+        typer.echo(f"kvwire {role.value}: {exc}", err=True)
+        raise typer.Exit(1) from None
 
 
 def prefill(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port: Port = 0,
@@ -63,8 +69,8 @@ def prefill(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port
             device: Device = "cpu", torch_threads: Threads = 1, http_port: HttpPort = 0,
             auth_secret_file: AuthSecretFile = None, verify_kv: VerifyKV = False, drain_timeout: DrainTimeout = 30.0,
             layerwise: Layerwise = False, advertise_host: AdvertiseHost = None, heartbeat_ttl: HeartbeatTTL = 5.0,
-            redis_timeout: RedisTimeout = 5.0, warmup: Warmup = True, otlp_traces_endpoint: TracesEndpoint = "",
-            log_level: LogLevel = "INFO") -> None:
+            redis_timeout: RedisTimeout = 5.0, directory_wait: DirectoryWait = 60.0, warmup: Warmup = True,
+            otlp_traces_endpoint: TracesEndpoint = "", log_level: LogLevel = "INFO") -> None:
     """Run a prefill node: compute prompts and publish their KV."""
     _run(NodeRole.PREFILL, **locals())
 
@@ -75,7 +81,8 @@ def decode(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port:
            device: Device = "cpu", torch_threads: Threads = 1, http_port: HttpPort = 0,
            auth_secret_file: AuthSecretFile = None, verify_kv: VerifyKV = False, drain_timeout: DrainTimeout = 30.0,
            pull_lanes: PullLanes = 2, advertise_host: AdvertiseHost = None, require_fast_path: RequireFastPath = False,
-           heartbeat_ttl: HeartbeatTTL = 5.0, redis_timeout: RedisTimeout = 5.0, prefix_cache: PrefixCache = True,
-           warmup: Warmup = True, otlp_traces_endpoint: TracesEndpoint = "", log_level: LogLevel = "INFO") -> None:
+           heartbeat_ttl: HeartbeatTTL = 5.0, redis_timeout: RedisTimeout = 5.0, directory_wait: DirectoryWait = 60.0,
+           prefix_cache: PrefixCache = True, warmup: Warmup = True, otlp_traces_endpoint: TracesEndpoint = "",
+           log_level: LogLevel = "INFO") -> None:
     """Run a decode node: receive prompts' KV and generate tokens."""
     _run(NodeRole.DECODE, **locals())

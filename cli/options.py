@@ -56,6 +56,10 @@ RedisTimeout = Annotated[float, typer.Option(
     "--redis-timeout", min=0.1, envvar="KVWIRE_REDIS_TIMEOUT",
     help="Seconds one Redis command may wait on a silent Redis before it fails (a heartbeat retries at its next "
          "beat; a request's KV wait goes on until its deadline, then recomputes).")]
+DirectoryWait = Annotated[float, typer.Option(
+    "--directory-wait", min=0, envvar="KVWIRE_DIRECTORY_WAIT",
+    help="Seconds a starting node waits for Redis to answer (started beside it, or restarting) before it exits; "
+         "it waits with its model loaded, not ready.")]
 VerifyKV = Annotated[bool, typer.Option(
     "--verify-kv", help="Prefill: publish a crc32 per layer with each request's KV; decode: require and check them, "
                         "recomputing on a mismatch. Costs a read of every KV byte on each side.")]
@@ -123,8 +127,8 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
                 auth_secret_file: Path | None = None, verify_kv: bool = False,
                 drain_timeout: float = 30.0, pull_lanes: int = 2, layerwise: bool = False,
                 advertise_host: str | None = None, require_fast_path: bool = False,
-                heartbeat_ttl: float = 5.0, redis_timeout: float = 5.0, prefix_cache: bool = False,
-                warmup: bool = True, otlp_traces_endpoint: str = "") -> NodeConfig:
+                heartbeat_ttl: float = 5.0, redis_timeout: float = 5.0, directory_wait: float = 60.0,
+                prefix_cache: bool = False, warmup: bool = True, otlp_traces_endpoint: str = "") -> NodeConfig:
     """Build a node's one config object from its command-line options."""
     if not (model / "config.json").is_file():
         raise typer.BadParameter(f"{model} has no config.json (create one with `kvwire init-model`)",
@@ -147,7 +151,8 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
                             prefix_cache=prefix_cache),
         connector=connector_config,
         work_port=port, http_port=http_port, auth_secret=auth_secret(auth_secret_file),
-        drain_timeout_s=drain_timeout, heartbeat_ttl_s=heartbeat_ttl, redis_timeout_s=redis_timeout, warmup=warmup,
+        drain_timeout_s=drain_timeout, heartbeat_ttl_s=heartbeat_ttl, redis_timeout_s=redis_timeout,
+        directory_wait_s=directory_wait, warmup=warmup,
         traces_endpoint=traces_endpoint(otlp_traces_endpoint))
 
 

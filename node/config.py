@@ -18,6 +18,8 @@ class NodeConfig:
         work_port: zmq port taking work from routers; 0 picks a free one.
         heartbeat_ttl_s: the node's directory entry expires this long after its last heartbeat.
         redis_timeout_s: how long one directory command may wait on a silent Redis before it fails.
+        directory_wait_s: at start, how long the node waits for a directory that does not answer yet (Redis
+            starting beside it) before it exits.
         http_port: port of the node's /healthz, /readyz and /metrics endpoint; 0: none.
         auth_secret: shared secret sealing control messages (connectors/control/auth.py); None: no authentication.
         drain_timeout_s: on SIGTERM, how long the node may take to finish what it holds before it exits.
@@ -31,6 +33,7 @@ class NodeConfig:
     work_port: int = 0
     heartbeat_ttl_s: float = 5.0
     redis_timeout_s: float = 5.0
+    directory_wait_s: float = 60.0
     http_port: int = 0
     auth_secret: bytes | None = field(default=None, repr=False)
     drain_timeout_s: float = 30.0

@@ -102,7 +102,7 @@ class NodeRuntime:
         model = load_model(eng.model_dir, eng.device)
         directory = KVDirectory(config.connector.redis_url, entry_ttl_s=config.connector.entry_ttl_s,
                                 node_ttl_s=config.heartbeat_ttl_s, command_timeout_s=config.redis_timeout_s)
-        epoch = directory.next_epoch(config.node_id)
+        epoch = directory.first_epoch(config.node_id, config.directory_wait_s)
         sock: zmq.Socket = zmq.Context.instance().socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         limit_receive(sock)

@@ -4,7 +4,8 @@ and the transfers counted into each node.
 A node's registration passes through these steps:
 
 1. `next_epoch`: each incarnation of a node gets a higher epoch than every earlier one (`claim_node`: only
-   while no live server holds the id, checked and taken in one step).
+   while no live server holds the id, checked and taken in one step; `first_epoch`: waiting a while for a Redis
+   that does not answer yet, as a starting node does).
 2. `register_node`: its NodeInfo goes under a key that lives node_ttl_s.
 3. `heartbeat`: a `Heartbeat` thread (connectors/directory/heartbeat.py) rewrites it every node_ttl_s/3.
    Writes from an older incarnation are refused (StaleNodeError).
@@ -16,6 +17,7 @@ Consumer nodes also publish the transport address they receive KV at (`publish_t
 from __future__ import annotations
 
 import logging
+import time
 from typing import cast
 
 import redis
@@ -34,6 +36,8 @@ from kvwire.connectors.wire import NodeEngine, NodeInfo, WireError, decode, enco
 from kvwire.observability.labels import DirectoryOp
 
 logger = logging.getLogger(__name__)
+FIRST_PAUSE_S = 0.25  # between a starting node's tries to reach the directory; doubles up to MAX_PAUSE_S
+MAX_PAUSE_S = 2.0
 
 
 def _node_info(raw: bytes) -> NodeInfo:
@@ -55,6 +59,33 @@ class NodeRegistry(DirectoryConnection):
             pipe.pexpire(epoch_key, self._epoch_ttl_ms)
             epoch, _ = pipe.execute()
         return int(epoch)
+
+    def first_epoch(self, node_id: str, wait_s: float) -> int:
+        """`next_epoch` for a node that is starting: a Redis that does not answer yet (started beside the node, or
+        restarting) is waited for up to `wait_s`, logged when the wait begins and when it ends.
+
+        Raises:
+            DirectoryError: no answer within `wait_s`; or, at once, an answer that is an error.
+        """
+        deadline, pause, waited = time.monotonic() + wait_s, FIRST_PAUSE_S, False
+        while True:
+            try:
+                epoch = self.next_epoch(node_id)
+            except DirectoryError as exc:
+                if not isinstance(exc.__cause__, (redis.ConnectionError, redis.TimeoutError)):
+                    raise
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DirectoryError(f"not answering after {wait_s:g} s: {exc.reason}", peer=self.peer) from exc
+                if not waited:
+                    logger.warning("%s (node %s waits up to %g s for it)", exc, node_id, wait_s)
+                waited = True
+                time.sleep(min(pause, left))
+                pause = min(2 * pause, MAX_PAUSE_S)
+                continue
+            if waited:
+                logger.warning("directory %s answers; node %s goes on", self.peer, node_id)
+            return epoch
 
     def claim_node(self, node_id: str) -> tuple[int, NodeInfo | None]:
         """`next_epoch` for a server that must be the only live holder of `node_id`, in one atomic step.
