@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import cast
+from collections.abc import Callable
+from typing import TypeVar, cast
 
 import redis
 from redis.typing import EncodableT
@@ -38,6 +39,7 @@ from kvwire.observability.labels import DirectoryOp
 logger = logging.getLogger(__name__)
 FIRST_PAUSE_S = 0.25  # between a starting node's tries to reach the directory; doubles up to MAX_PAUSE_S
 MAX_PAUSE_S = 2.0
+T = TypeVar("T")
 
 
 def _node_info(raw: bytes) -> NodeInfo:
@@ -61,16 +63,21 @@ class NodeRegistry(DirectoryConnection):
         return int(epoch)
 
     def first_epoch(self, node_id: str, wait_s: float) -> int:
-        """`next_epoch` for a node that is starting: a Redis that does not answer yet (started beside the node, or
-        restarting) is waited for up to `wait_s`, logged when the wait begins and when it ends.
+        """`next_epoch` for a node that is starting, waiting up to `wait_s` for a Redis that does not answer yet
+        (`_starting`). Raises DirectoryError past `wait_s`, or at once for an answer that is an error."""
+        return self._starting(lambda: self.next_epoch(node_id), node_id, wait_s)
 
-        Raises:
-            DirectoryError: no answer within `wait_s`; or, at once, an answer that is an error.
-        """
+    def first_claim(self, node_id: str, wait_s: float) -> tuple[int, NodeInfo | None]:
+        """`claim_node` for a server that is starting, waiting as `first_epoch` does."""
+        return self._starting(lambda: self.claim_node(node_id), node_id, wait_s)
+
+    def _starting(self, op: Callable[[], T], node_id: str, wait_s: float) -> T:
+        """`op()`, tried again while Redis refuses or times out (started beside the node, or restarting) until
+        `wait_s` has passed; logged when the wait begins and when it ends."""
         deadline, pause, waited = time.monotonic() + wait_s, FIRST_PAUSE_S, False
         while True:
             try:
-                epoch = self.next_epoch(node_id)
+                out = op()
             except DirectoryError as exc:
                 if not isinstance(exc.__cause__, (redis.ConnectionError, redis.TimeoutError)):
                     raise
@@ -85,7 +92,7 @@ class NodeRegistry(DirectoryConnection):
                 continue
             if waited:
                 logger.warning("directory %s answers; node %s goes on", self.peer, node_id)
-            return epoch
+            return out
 
     def claim_node(self, node_id: str) -> tuple[int, NodeInfo | None]:
         """`next_epoch` for a server that must be the only live holder of `node_id`, in one atomic step.

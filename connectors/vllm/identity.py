@@ -75,13 +75,16 @@ def refuse_shape(engine: EngineShape) -> None:
                          "only its own layers. Serve with PP=1 (use tensor parallel), or another KV connector")
 
 
-def claim_node_id(directory: KVDirectory, node_id: str) -> int:
+def claim_node_id(directory: KVDirectory, node_id: str, wait_s: float = 0.0) -> int:
     """Take `node_id` for this worker, in one atomic step with the check that no live server holds it
     (`KVDirectory.claim_node`: a registration lives only node_ttl_s past its last heartbeat, so one that is there
     and not draining is a running server). Returns this incarnation's epoch.
 
-    Raises: ValueError naming the live holder (or the server whose start claimed it a moment ago)."""
-    epoch, other = directory.claim_node(node_id)
+    `wait_s`: how long a Redis that does not answer yet is waited for (`KVDirectory.first_claim`).
+
+    Raises: ValueError naming the live holder (or the server whose start claimed it a moment ago); DirectoryError
+    for a Redis that does not answer within `wait_s`."""
+    epoch, other = directory.first_claim(node_id, wait_s)
     if epoch:
         return epoch
     advice = ("give each server its own kv_connector_extra_config node_id (or none: the default is unique per "

@@ -59,6 +59,8 @@ class VLLMSettings:
         kv_deadline_s: consumer: how long a request waits for its KV before it is recomputed;
             producer: how long computed KV is held for a consumer that has not pulled it.
         entry_ttl_s: TTL of every directory key of a request.
+        directory_wait_s: at start, how long a worker waits for a Redis that does not answer yet (started beside
+            the server, or restarting) before the server fails.
         pull_lanes: consumer threads moving one pull's pieces (host pools).
         engine: the server's shape (and, in a worker, its tensor-parallel rank).
         auth_secret: what seals every control message of the connector (side channels, shared-memory hand-offs),
@@ -73,6 +75,7 @@ class VLLMSettings:
     advertise_host: str = ""
     kv_deadline_s: float = 30.0
     entry_ttl_s: float = 120.0
+    directory_wait_s: float = 60.0
     pull_lanes: int = 2
     engine: EngineShape = EngineShape("")
     auth_secret: bytes | None = field(default=None, repr=False)
@@ -93,8 +96,7 @@ class VLLMSettings:
         does not serve (identity.py)."""
         refuse_shape(engine)
         known = {"redis_url", "transport", "node_id", "host", "advertise_host", "kv_deadline_s", "entry_ttl_s",
-                 "auth_secret_file",
-                 "pull_lanes"}
+                 "auth_secret_file", "pull_lanes", "directory_wait_s"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"kvwire: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
@@ -104,10 +106,13 @@ class VLLMSettings:
         transport = _enum(ConnectorKind, extra.get("transport", "auto"), "transport")
         node_id = node_id_of(str(extra.get("node_id") or ""), engine, socket.gethostname())
         try:
-            numbers = {k: float(extra[k]) for k in ("kv_deadline_s", "entry_ttl_s") if k in extra}
+            numbers = {k: float(extra[k]) for k in ("kv_deadline_s", "entry_ttl_s", "directory_wait_s")
+                       if k in extra}
             lanes = int(extra.get("pull_lanes", 2))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"kvwire: a numeric kv_connector_extra_config value is malformed: {exc}") from None
+        if numbers.get("directory_wait_s", 0.0) < 0:
+            raise ValueError(f"kvwire: directory_wait_s must not be negative, got {numbers['directory_wait_s']}")
         host = str(extra.get("host", "127.0.0.1"))
         advertised = advertise_host(host, str(extra.get("advertise_host") or "") or None, extra["redis_url"])
         secret = read_secret_file(Path(str(extra["auth_secret_file"]))) if extra.get("auth_secret_file") else None

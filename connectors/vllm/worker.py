@@ -121,7 +121,7 @@ class WorkerHalf:
         with ExitStack() as undo:
             self._directory = directory = KVDirectory(config.redis_url, entry_ttl_s=config.entry_ttl_s)
             undo.callback(directory.close)
-            self._epoch = epoch = claim_node_id(directory, config.node_id)
+            self._epoch = epoch = claim_node_id(directory, config.node_id, self._settings.directory_wait_s)
             undo.callback(directory.deregister_node, config.node_id)  # a claim never registered ends with us
             if self._settings.role.produces:
                 self._producer = KVProducer(config, directory, epoch, create_transport(config, epoch), region)

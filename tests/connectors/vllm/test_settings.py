@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -25,12 +26,14 @@ ONE = EngineShape("3f2a9c1e-0b7d-4c6e-9a51-2d8e4f6a7b90")  # what vLLM gives a s
 
 def test_settings_apply_every_key():
     s = VLLMSettings.parse("kv_consumer", {"redis_url": URL, "transport": "tcp", "node_id": "d0", "host": "10.0.0.2",
-                                           "kv_deadline_s": 5, "entry_ttl_s": 50, "pull_lanes": 4}, ONE)
+                                           "kv_deadline_s": 5, "entry_ttl_s": 50, "pull_lanes": 4,
+                                           "directory_wait_s": 7.5}, ONE)
     config = s.connector_config()
     assert (config.kind, config.role, config.node_id, config.host) == (ConnectorKind.TCP, NodeRole.DECODE, "d0",
                                                                       "10.0.0.2")
     assert (config.kv_deadline_s, config.entry_ttl_s, config.pull_lanes) == (5.0, 50.0, 4)
     assert s.role == KVRole.CONSUMER and s.role.consumes and not s.role.produces
+    assert s.directory_wait_s == 7.5 and VLLMSettings.parse("kv_both", {"redis_url": URL}, ONE).directory_wait_s == 60
 
 
 def test_settings_defaults_name_each_server_apart():
@@ -95,6 +98,7 @@ def test_each_tensor_parallel_rank_is_its_own_node():
     ("kv_both", {"redis_url": URL, "kv_deadline_s": "soon"}, "malformed"),
     ("kv_both", {"redis_url": URL, "kv_deadline_s": 90, "entry_ttl_s": 10}, "entry_ttl_s"),
     ("kv_both", {"redis_url": URL, "pull_lanes": 99}, "pull_lanes"),
+    ("kv_both", {"redis_url": URL, "directory_wait_s": -1}, "directory_wait_s"),
 ])
 def test_settings_refuse_what_they_do_not_do(role, extra, match):
     with pytest.raises(ValueError, match=match):
@@ -224,3 +228,29 @@ def test_a_claim_that_never_registers_lapses_and_a_draining_holder_may_be_replac
         assert claim_node_id(directory, "crashed") == 4
     finally:
         directory.close()
+
+
+def test_a_server_starting_before_redis_claims_its_id_once_redis_answers():
+    """A real redis-server started a second after the claim began, on the port the claim was given: the claim
+    waits for it (directory_wait_s), then takes the id; past the wait, a DirectoryError."""
+    from kvwire.cluster.ports import free_port
+    from kvwire.cluster.redis_server import LocalRedis
+    from kvwire.connectors.directory.connection import DirectoryError
+    from kvwire.connectors.directory.directory import KVDirectory
+    from kvwire.connectors.vllm.identity import claim_node_id
+
+    port = free_port()
+    directory = KVDirectory(f"redis://127.0.0.1:{port}/0")
+    with pytest.raises(DirectoryError, match="not answering after 0.3 s"):
+        claim_node_id(directory, "early-vllm", 0.3)
+    redis = LocalRedis(port=port)
+    starter = threading.Timer(1.0, redis.start)
+    starter.start()
+    try:
+        started = time.monotonic()
+        assert claim_node_id(directory, "early-vllm", 30) >= 1
+        assert 0.8 < time.monotonic() - started < 15
+    finally:
+        starter.join()
+        directory.close()
+        redis.stop()
