@@ -21,7 +21,7 @@ import typer
 
 from kvwire.bench.prompts import PROMPTS
 from kvwire.cli.extras import for_cluster, require
-from kvwire.cli.options import Connector, LogLevel, Warmup, setup_logging
+from kvwire.cli.options import Connector, LogLevel, Warmup, check_device, setup_logging
 from kvwire.cli.up_cmd import cluster_of
 from kvwire.cluster.local_cluster import ClusterSpec
 from kvwire.cluster.paths import default_model_dir
@@ -92,21 +92,6 @@ def _table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def _check_device(device: str) -> None:
-    """Refuse a device this machine does not have before anything starts."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except RuntimeError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--device") from exc
-    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
-        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        raise typer.BadParameter(f"no CUDA device {device} on this machine (found {found})", param_hint="--device")
-    if dev.type not in ("cpu", "cuda"):
-        raise typer.BadParameter(f"kvwire's nodes run on cpu or cuda, not {dev.type}", param_hint="--device")
-
-
 def demo(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a tiny random one by default.")]
          = None,
          connector: Connector = ConnectorKind.AUTO,
@@ -120,7 +105,7 @@ def demo(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint;
     from kvwire.engine.reference import generate
     from kvwire.engine.tokenizer import load_tokenizer
 
-    _check_device(device)
+    check_device(device)
     setup_logging(log_level)
     model_dir = model or default_model_dir()
     tokenizer = load_tokenizer(model_dir)

@@ -121,6 +121,21 @@ def default_node_id(role: NodeRole) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
 
 
+def check_device(device: str) -> None:
+    """Refuse a device this machine does not have before anything starts."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--device") from exc
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise typer.BadParameter(f"no CUDA device {device} on this machine (found {found})", param_hint="--device")
+    if dev.type not in ("cpu", "cuda"):
+        raise typer.BadParameter(f"kvwire's nodes run on cpu or cuda, not {dev.type}", param_hint="--device")
+
+
 def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port: int, node_id: str | None,
                 connector: ConnectorKind, block_size: int, num_blocks: int, kv_deadline: float,
                 max_model_len: int, device: str, torch_threads: int, http_port: int = 0,
@@ -130,6 +145,7 @@ def node_config(role: NodeRole, *, model: Path, redis_url: str, host: str, port:
                 heartbeat_ttl: float = 5.0, redis_timeout: float = 5.0, directory_wait: float = 60.0,
                 prefix_cache: bool = False, warmup: bool = True, otlp_traces_endpoint: str = "") -> NodeConfig:
     """Build a node's one config object from its command-line options."""
+    check_device(device)
     if not (model / "config.json").is_file():
         raise typer.BadParameter(f"{model} has no config.json (create one with `kvwire init-model`)",
                                  param_hint="--model")

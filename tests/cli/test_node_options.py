@@ -12,7 +12,7 @@ from kvwire.connectors.config import ConnectorKind, NodeRole
 def _config(model_dir, connector=ConnectorKind.UCX, **kw):
     return node_config(NodeRole.DECODE, model=model_dir, redis_url="redis://127.0.0.1:1", host="127.0.0.1", port=0,
                        node_id="d", connector=connector, block_size=16, num_blocks=8, kv_deadline=1.0,
-                       max_model_len=0, device="cpu", torch_threads=1, **kw)
+                       max_model_len=0, torch_threads=1, **({"device": "cpu"} | kw))
 
 
 def test_pull_lanes_reach_the_connector_config(tiny_model_dir):
@@ -32,9 +32,21 @@ def test_layerwise_reaches_the_config_and_needs_tcp_or_ucx(tiny_model_dir):
         _config(tiny_model_dir, connector=ConnectorKind.SHM, layerwise=True)
 
 
-def test_redis_timeout_reaches_the_config(tiny_model_dir):
+def test_redis_timeout_and_directory_wait_reach_the_config(tiny_model_dir):
     assert _config(tiny_model_dir).redis_timeout_s == 5.0
     assert _config(tiny_model_dir, redis_timeout=1.5).redis_timeout_s == 1.5
+    assert _config(tiny_model_dir).directory_wait_s == 60.0
+    assert _config(tiny_model_dir, directory_wait=2.5).directory_wait_s == 2.5
+
+
+def test_a_device_this_machine_lacks_is_refused_before_anything_starts(tiny_model_dir):
+    import torch
+
+    missing = f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+    with pytest.raises(typer.BadParameter, match=f"no CUDA device {missing}"):
+        _config(tiny_model_dir, device=missing)
+    with pytest.raises(typer.BadParameter, match="not meta"):
+        _config(tiny_model_dir, device="meta")
 
 
 @pytest.mark.parametrize(("role", "flag", "want"), [
