@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import httpx2
 import typer
@@ -19,24 +19,47 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")],
              timeout: Annotated[float, typer.Option("--timeout", help="Seconds.")] = 120.0) -> None:
     """Send one completion request and print the text and the transfer statistics."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "stream": stream}
-    with httpx2.Client(timeout=timeout) as client:
-        if not stream:
-            resp = client.post(f"{url}/v1/completions", json=body)
-            data = resp.json()
-            if resp.status_code != 200:
-                typer.echo(f"error {resp.status_code}: {data['error']['message']}", err=True)
+    try:
+        with httpx2.Client(timeout=timeout) as client:
+            if stream:
+                _stream(client, url, body)
+            else:
+                _complete(client, url, body)
+    except httpx2.HTTPError as exc:  # nothing listening, a timeout, a broken connection
+        typer.echo(f"kvwire generate: {url}: {type(exc).__name__}: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _complete(client: httpx2.Client, url: str, body: dict) -> None:
+    resp = client.post(f"{url}/v1/completions", json=body)
+    if resp.status_code != 200:
+        _refused(resp.status_code, resp.text)
+    data = resp.json()
+    typer.echo(data["choices"][0]["text"])
+    typer.echo(f"kvwire: {json.dumps(data['kvwire'])}", err=True)
+
+
+def _stream(client: httpx2.Client, url: str, body: dict) -> None:
+    with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            _refused(resp.status_code, resp.read().decode(errors="replace"))
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                typer.echo(f"\nerror: {data['error']['message']}", err=True)
                 raise typer.Exit(1)
-            typer.echo(data["choices"][0]["text"])
-            typer.echo(f"kvwire: {json.dumps(data['kvwire'])}", err=True)
-            return
-        with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            for line in resp.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
-                if "error" in data:
-                    typer.echo(f"\nerror: {data['error']['message']}", err=True)
-                    raise typer.Exit(1)
-                typer.echo(data["choices"][0]["text"], nl=False)
-                if "kvwire" in data:
-                    typer.echo(f"\nkvwire: {json.dumps(data['kvwire'])}", err=True)
+            typer.echo(data["choices"][0]["text"], nl=False)
+            if "kvwire" in data:
+                typer.echo(f"\nkvwire: {json.dumps(data['kvwire'])}", err=True)
+
+
+def _refused(status: int, text: str) -> NoReturn:
+    """An answer other than 200: the OpenAI error's message where the body is one, else the body's start."""
+    try:
+        message = json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = text[:300]
+    typer.echo(f"error {status}: {message}", err=True)
+    raise typer.Exit(1)
