@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from typing import Annotated
 
 import typer
@@ -60,6 +61,11 @@ def _run(role: NodeRole, **kw) -> None:
         run(config)
     except DirectoryError as exc:  # Redis unreachable past --directory-wait: one line, not a traceback
         typer.echo(f"kvwire {role.value}: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except OSError as exc:
+        if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+            raise
+        typer.echo(f"kvwire {role.value}: {exc.strerror}", err=True)  # which port or address: runtime.py, ops_server.py
         raise typer.Exit(1) from None
 
 

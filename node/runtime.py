@@ -106,9 +106,13 @@ class NodeRuntime:
         sock: zmq.Socket = zmq.Context.instance().socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         limit_receive(sock)
-        port = config.work_port or sock.bind_to_random_port(f"tcp://{config.host}")
-        if config.work_port:
-            sock.bind(f"tcp://{config.host}:{port}")
+        try:
+            port = config.work_port or sock.bind_to_random_port(f"tcp://{config.host}")
+            if config.work_port:
+                sock.bind(f"tcp://{config.host}:{port}")
+        except zmq.ZMQError as exc:  # the port in use, an address not this host's: an OSError, like the ops port's
+            sock.close()
+            raise OSError(exc.errno, f"work socket tcp://{config.host}:{config.work_port}: {exc.strerror}") from exc
         endpoint = f"tcp://{config.connector.advertised_host}:{port}"  # what routers connect to
         rt = cls(config, model, directory, epoch, create_transport(config.connector, epoch),
                  BlockAllocator(eng.num_blocks), sock, endpoint, load,

@@ -81,7 +81,7 @@ class OpsServer:
                 return ThreadingHTTPServer((self.host, self._port), _handler(self))
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
-                    raise
+                    raise OSError(exc.errno, f"ops endpoint http://{self.host}:{self._port}: {exc.strerror}") from exc
             time.sleep(0.05)
 
     def close(self) -> None:
