@@ -85,11 +85,12 @@ class Shaper:
         shift = len(c.echo_text)
         return {"tokens": [self._name(c.token_ids[i]) for i in picked],
                 "token_logprobs": [c.logprobs[i].logprob for i in picked],
-                "top_logprobs": [self._top_dict(c.logprobs[i]) for i in picked],
+                "top_logprobs": [self._top_dict(c.token_ids[i], c.logprobs[i]) for i in picked],
                 "text_offset": [c.offsets[i] + shift for i in picked]}
 
-    def _top_dict(self, lp: TokenLogprobs) -> dict[str, float]:
-        out: dict[str, float] = {}
+    def _top_dict(self, token: int, lp: TokenLogprobs) -> dict[str, float]:
+        """The sampled token first, then the top ones: up to logprobs + 1 entries (OpenAI's and vLLM's)."""
+        out: dict[str, float] = {self._name(token): lp.logprob}
         for token, value in zip(lp.top_ids, lp.top_logprobs, strict=True):
             out.setdefault(self._name(token), value)
         return out

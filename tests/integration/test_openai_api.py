@@ -87,8 +87,10 @@ def test_parameters_equal_the_single_process_engine(client, model_dir, case):
     assert choice.token_ids == want_ids
     assert choice.logprobs.token_logprobs == [lp.logprob for lp in want_lps]
     assert choice.logprobs.tokens == [f"token_id:{t}" for t in want_ids]
-    assert choice.logprobs.top_logprobs == [{f"token_id:{t}": v for t, v in zip(lp.top_ids, lp.top_logprobs)}
-                                            for lp in want_lps]
+    # the sampled token's entry comes first, as OpenAI's and vLLM's do: up to logprobs + 1 of them
+    assert choice.logprobs.top_logprobs == [{f"token_id:{t}": lp.logprob,
+                                             **{f"token_id:{i}": v for i, v in zip(lp.top_ids, lp.top_logprobs)}}
+                                            for t, lp in zip(want_ids, want_lps, strict=True)]
     assert got.model_extra["kvwire"]["bypassed"] is True  # the prompt's KV came from the prefill node
     assert got.usage.completion_tokens == len(want_ids) and got.usage.prompt_tokens == len(PROMPT)
 
