@@ -49,7 +49,7 @@ from kvwire.engine.sequence import Sequence
 from kvwire.node.config import NodeConfig
 from kvwire.node.drain import Drain
 from kvwire.node.runtime import NodeLoad, NodeRuntime
-from kvwire.observability.labels import Queue, RecomputeReason
+from kvwire.observability.labels import Queue, RecomputeReason, TransferFailure
 from kvwire.observability.tracing import checked, trace_id
 from kvwire.protocol.work import CancelWork, DecodeStats, DecodeWork, ErrorKind, TokenChunk, WorkError, span_attributes
 
@@ -224,12 +224,19 @@ class DecodeNode:
             bypassed=seq.bypassed, transport=str(got.transport) if got else "", kv_bytes=got.kv_bytes if got else 0,
             transfer_ms=got.transfer_s * 1000 if got else 0.0, ttft_ms=ttft * 1000,
             prefill_node=got.producer if got else record.work.prefill_node, decode_node=self.rt.config.node_id,
-            cached_tokens=seq.num_cached_tokens)
+            cached_tokens=seq.num_cached_tokens, transfer_failure=self._transfer_failure(record, seq))
         self.rt.spans.record("kvwire.decode", record.trace, record.arrived_ns, time.time_ns(), {
             "kvwire.request_id": record.request_id, "kvwire.node": self.rt.config.node_id,
             "kvwire.prompt_tokens": len(record.work.prompt_token_ids), "kvwire.output_tokens": len(seq.output_ids),
             **span_attributes(stats)})
         return stats
+
+    @staticmethod
+    def _transfer_failure(record: DecodeRequest, seq: Sequence) -> TransferFailure | None:
+        """Why a prompt meant to receive its KV was recomputed; None when it was not."""
+        if seq.bypassed or record.kv is None or not record.kv.failure:
+            return None
+        return record.kv.failure_kind
 
     def _observe(self, record: DecodeRequest, seq: Sequence) -> None:
         """Record a finished request's TTFT, time per output token, and whether its prompt was recomputed."""

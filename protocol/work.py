@@ -13,6 +13,7 @@ import enum
 import msgspec
 
 from kvwire.connectors.wire import AnyMessage, KVReady, register
+from kvwire.observability.labels import TransferFailure
 from kvwire.observability.tracing import TraceContext
 
 
@@ -78,6 +79,9 @@ class DecodeStats(msgspec.Struct, frozen=True, kw_only=True):
     prefill_node: str
     decode_node: str
     cached_tokens: int = 0  # of the prompt, from the decode node's prefix cache
+    # why the KV a prefill node was asked for never came (the prompt was recomputed); None when it came or
+    # none was asked for (kvwire_kv_transfers_failed_total counts the same reasons)
+    transfer_failure: TransferFailure | None = None
 
 
 class TokenChunk(AnyMessage, tag="tokens", frozen=True):
@@ -117,7 +121,8 @@ def span_attributes(stats: DecodeStats) -> dict[str, str | int | float | bool]:
     return {"kvwire.bypassed": stats.bypassed, "kvwire.transport": stats.transport, "kvwire.kv_bytes": stats.kv_bytes,
             "kvwire.transfer_ms": stats.transfer_ms, "kvwire.ttft_ms": stats.ttft_ms,
             "kvwire.prefill_node": stats.prefill_node, "kvwire.decode_node": stats.decode_node,
-            "kvwire.cached_tokens": stats.cached_tokens}
+            "kvwire.cached_tokens": stats.cached_tokens,
+            **({"kvwire.transfer_failure": str(stats.transfer_failure)} if stats.transfer_failure else {})}
 
 
 WorkMessage = PrefillWork | KVReady | DecodeWork | TokenChunk | WorkError | CancelWork

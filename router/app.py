@@ -278,7 +278,8 @@ def _report(choice: Choice, started: float) -> dict:
     if stats is not None:
         out.update(bypassed=stats.bypassed, transport=stats.transport or None, kv_bytes=stats.kv_bytes,
                    transfer_ms=stats.transfer_ms, prefill_node=stats.prefill_node or None,
-                   decode_node=stats.decode_node, decode_ttft_ms=stats.ttft_ms, cached_tokens=stats.cached_tokens)
+                   decode_node=stats.decode_node, decode_ttft_ms=stats.ttft_ms, cached_tokens=stats.cached_tokens,
+                   transfer_failure=stats.transfer_failure and str(stats.transfer_failure))
     return out
 
 

@@ -81,6 +81,12 @@ class ExpectedKV:
             self._settled.set()
             return True
 
+    def pull_failed(self, reason: str, kind: TransferFailure) -> None:
+        """The pull from a known location failed: the KV will not come after all (first reason kept)."""
+        with self._lock:
+            if not self.failure:
+                self.failure, self.failure_kind = reason, kind
+
     def wait(self, timeout_s: float) -> bool:
         """Block until settled or `timeout_s` passes; returns whether it is settled."""
         return self._settled.wait(max(0.0, timeout_s))

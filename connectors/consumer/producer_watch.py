@@ -81,7 +81,7 @@ class ProducerWatch:
                       f"producer {record.producer} restarted (epoch {record.producer_epoch} -> {epoch_now}); "
                       "its earlier incarnation took this request with it")
             if record.give_up(reason, TransferFailure.PRODUCER):
-                log.warning("request %s: %s; recomputing", record.request_id, reason)
+                log.info("request %s: %s; its pull will fail", record.request_id, reason)
                 given_up.append(record.request_id)
                 self._on_given_up(record.request_id)
         return given_up

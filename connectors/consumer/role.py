@@ -218,7 +218,8 @@ class KVConsumer:
                 try:
                     received.append(self.receive(seq, record))
                 except TransferError as exc:
-                    log.warning("%s", exc)
+                    log.warning("%s; recomputing its prompt (kvwire_kv_transfers_failed_total{reason=\"%s\"})",
+                                exc, failure_of(exc))
                     return None, False, model_input
         if not received:
             return None, False, model_input
@@ -258,7 +259,9 @@ class KVConsumer:
             return received
         except (TransferError, DirectoryError) as exc:
             self._addresses_published = 0.0  # a restarted Redis forgets our addresses: republish
-            self._metrics.kv_transfers_failed.labels(str(failure_of(exc))).inc()
+            failure = failure_of(exc)
+            self._metrics.kv_transfers_failed.labels(str(failure)).inc()
+            record.pull_failed(str(exc), failure)
             self._mark_failed(request_id, str(exc))
             self._abandon(record)
             if isinstance(exc, TransferError):
@@ -390,7 +393,9 @@ class KVConsumer:
         return record.stats
 
     def _mark_failed(self, request_id: str, reason: str) -> None:
-        log.warning("request %s: transfer failed, recomputing: %s", request_id, reason)
+        """Mark the entry FAILED. The caller logs the failure, once (a node per request, vLLM per peer and
+        reason)."""
+        log.debug("request %s: transfer failed: %s", request_id, reason)
         try:
             self._directory.fail(request_id, reason)
         except DirectoryError as exc:

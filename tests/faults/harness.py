@@ -98,6 +98,9 @@ def judge(outcomes: list[Outcome], expected: list[list[int]], tally: Tally, *, d
             tally.lost += 1
         elif out.status == 200 and out.body and out.body["choices"][0]["token_ids"] == want:
             ok_bypass = require_bypass is None or out.body["kvwire"]["bypassed"] is require_bypass
+            if _silent_recompute(out.body["kvwire"]):
+                ok_bypass = False
+                print(f"silent recompute (no transfer_failure named): {out.body['kvwire']}")
             tally.completed += ok_bypass
             tally.recomputed += ok_bypass and not out.body["kvwire"]["bypassed"]
             tally.lost += not ok_bypass
@@ -108,6 +111,11 @@ def judge(outcomes: list[Outcome], expected: list[list[int]], tally: Tally, *, d
         else:
             tally.lost += 1
             print(f"lost: status={out.status} elapsed={out.elapsed_s:.1f}s body={str(out.body)[:300]} {out.error}")
+
+
+def _silent_recompute(report: dict) -> bool:
+    """A prompt sent to a prefill node, recomputed on decode, with no reason given."""
+    return report["path"] == "disaggregated" and not report["bypassed"] and not report.get("transfer_failure")
 
 
 def is_openai_error(body: dict | None) -> bool:

@@ -155,6 +155,8 @@ def test_prefill_killed_requests_recompute_with_identical_output(tiny_model_dir,
         for want, got in zip(expected, results):
             assert got["choices"][0]["token_ids"] == want
             assert got["kvwire"]["bypassed"] is False
+            # and says why: the dead producer's KV never came (its entry never READY, or its restart seen)
+            assert got["kvwire"]["transfer_failure"] in {"deadline", "producer"}, got["kvwire"]
         assert elapsed < deadline_s + 8.0  # the deadline plus recompute, not a hang
         # failed transfers stay marked FAILED until their TTL, so a late producer lets go at once
         pools, _ = wait_pools_full_and_directory_empty(cluster.redis_url, expect_empty=False)
@@ -172,6 +174,7 @@ def test_prefill_killed_requests_recompute_with_identical_output(tiny_model_dir,
         got = complete(cluster.url, prompts[0], max_tokens=8)
         assert got["choices"][0]["token_ids"] == expected[0] and got["kvwire"]["bypassed"] is False
         assert (got["kvwire"]["path"], got["kvwire"]["reason"]) == ("decode-only", "no-prefill-instance")
+        assert got["kvwire"]["transfer_failure"] is None  # none was asked for: no transfer failed
         assert time.monotonic() - start < deadline_s
 
 
