@@ -97,9 +97,9 @@ def _paths(checks: list[TransportCheck]) -> str:
 
 
 def _kv(n: NodeStatus) -> list[str]:
-    """PULLS, RECOMPUTED: a vLLM consumer rank's ("deadline:2 producer:1"; "0"); "-" for others (kvwire's own
-    nodes count them in their /metrics)."""
-    if n.engine != NodeEngine.VLLM or n.role == NodeRole.PREFILL:
+    """PULLS, RECOMPUTED: a consumer's, a decode node or a vLLM consumer rank ("deadline:2 producer:1"; "0");
+    "-" for producers."""
+    if n.role == NodeRole.PREFILL:
         return ["-", "-"]
     return [str(n.pulls), " ".join(f"{r}:{c}" for r, c in sorted(n.recomputed.items()) if c) or "0"]
 

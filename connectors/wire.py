@@ -183,8 +183,8 @@ class NodeInfo(_Msg, tag="node", frozen=True):
     engine: NodeEngine = NodeEngine.KVWIRE
     host: str = ""  # host_identity() of the process behind the id ("": an older node)
     pid: int = 0  # its process id there (0: an older node)
-    # A vLLM server's consumer rank (KvwireConnector): its pulls so far, and the prompts it was meant to receive and
-    # recomputed instead, by reason (connectors/vllm/tally.py). kvwire's own nodes count these in their metrics.
+    # A consumer's (a decode node, a vLLM server's consumer rank): its pulls so far, and the prompts it was meant to
+    # receive and recomputed instead, by reason (connectors/consumer/totals.py). 0 and {} for producers.
     pulls: int = 0
     recomputed: dict[TransferFailure, int] = {}
     block_size: int = 0  # tokens per KV block of its pool (0: an older node)

@@ -129,7 +129,8 @@ class DecodeNode:
 
     def _load(self) -> NodeLoad:
         """The node's queues, for its heartbeat (read on another thread)."""
-        return NodeLoad(self._awaiting() + len(self.engine.waiting), len(self.engine.running))
+        return NodeLoad(self._awaiting() + len(self.engine.waiting), len(self.engine.running),
+                        *self._consumer.totals.snapshot())
 
     def _awaiting(self) -> int:
         """Requests waiting for their KV: for its location, or being pulled. Any thread."""

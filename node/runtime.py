@@ -51,7 +51,7 @@ from kvwire.engine.model_config import kv_layout
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.warmup import WarmupReport, warm_up
 from kvwire.node.config import NodeConfig
-from kvwire.observability.labels import RejectReason
+from kvwire.observability.labels import RejectReason, TransferFailure
 from kvwire.observability.metrics import Metrics, process_metrics
 from kvwire.observability.ops_server import OpsServer
 from kvwire.observability.tracing import Spans
@@ -62,6 +62,8 @@ log = logging.getLogger(__name__)
 class NodeLoad(NamedTuple):
     queue_depth: int  # requests waiting
     running: int  # requests in progress
+    pulls: int = 0  # a decode node's: pulls that moved a prompt's KV since it started
+    recomputed: dict[TransferFailure, int] = {}  # a decode node's: pulls that failed since it started, by reason
 
 
 class Node(Protocol):
@@ -176,6 +178,7 @@ class NodeRuntime:
                         work_endpoint=self.work_endpoint, connector=self.config.connector.kind,
                         free_blocks=self.allocator.num_free, total_blocks=self.allocator.num_blocks,
                         queue_depth=load.queue_depth, running=load.running, transport_checks=self.transport_checks,
+                        pulls=load.pulls, recomputed=load.recomputed,
                         host=host_identity(), pid=os.getpid(), block_size=self.config.engine.block_size,
                         prefix_cache=self.config.engine.prefix_cache and self.config.connector.role == NodeRole.DECODE,
                         kv_ready_endpoint=self.kv_ready_endpoint)

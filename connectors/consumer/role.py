@@ -45,6 +45,7 @@ from kvwire.connectors.consumer.fast_path import FastPathGuard
 from kvwire.connectors.consumer.fit import LocationFit
 from kvwire.connectors.consumer.inbox import Inbox
 from kvwire.connectors.consumer.producer_watch import ProducerWatch
+from kvwire.connectors.consumer.totals import PullTotals
 from kvwire.connectors.consumer.watcher import Watcher, settle_from
 from kvwire.connectors.control.side_channel import SideChannelClient
 from kvwire.connectors.deferred import Deferred
@@ -94,6 +95,7 @@ class KVConsumer:
         self._ready: Mailbox[str] = Mailbox(wakeup)
         self.wakeup = self._ready.wakeup
         self._metrics = metrics or process_metrics()
+        self.totals = PullTotals()  # for the node's heartbeat (`kvwire status`)
         self._puller = transport.puller(region)
         self._fast_path = FastPathGuard(config, lambda loc: transport.data_path(self._puller, loc))
         self._fit = LocationFit(region, config.verify_kv)
@@ -255,12 +257,14 @@ class KVConsumer:
             self.publish_addresses()  # they expire with entry_ttl_s: producers refuse pulls to unknown addresses
         try:
             received = self._receive(request_id, num_tokens, dst_blocks, record, first_block, heads, pick)
+            self.totals.pulled()
             self._notes_due()
             return received
         except (TransferError, DirectoryError) as exc:
             self._addresses_published = 0.0  # a restarted Redis forgets our addresses: republish
             failure = failure_of(exc)
             self._metrics.kv_transfers_failed.labels(str(failure)).inc()
+            self.totals.failed(failure)
             record.pull_failed(str(exc), failure)
             self._mark_failed(request_id, str(exc))
             self._abandon(record)

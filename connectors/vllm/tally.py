@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from kvwire.connectors.consumer.totals import PullTotals
 from kvwire.observability.labels import TransferFailure, TransportFallback
 
 
@@ -24,21 +25,19 @@ class Tally:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._data = empty()
-        self._pulls = 0  # since the start, for `kvwire status` (the heartbeat)
-        self._recomputed: dict[TransferFailure, int] = {}
+        self._totals = PullTotals()  # since the start, for `kvwire status` (the heartbeat)
         self._rejected = 0  # auth rejections already counted
 
     def totals(self) -> tuple[int, dict[TransferFailure, int]]:
         """Pulls and failed pulls by reason since the start (vLLM's takes do not reset them)."""
-        with self._lock:
-            return self._pulls, dict(self._recomputed)
+        return self._totals.snapshot()
 
     def pulled(self, nbytes: int, seconds: float, fallback: TransportFallback | None = None, path: str = "") -> None:
         """One pull; `path`: what carried it (Received.path), "" if not known."""
         with self._lock:
             if path:
                 self._data["paths"][path] = self._data["paths"].get(path, 0) + 1
-            self._pulls += 1
+            self._totals.pulled()
             self._data["pulls"] += 1
             self._data["pull_bytes"] += nbytes
             self._data["pull_seconds"].append(seconds)
@@ -54,7 +53,7 @@ class Tally:
 
     def failed(self, reason: TransferFailure) -> None:
         with self._lock:
-            self._recomputed[reason] = self._recomputed.get(reason, 0) + 1
+            self._totals.failed(reason)
             failed = self._data["failed"]
             failed[str(reason)] = failed.get(str(reason), 0) + 1
 

@@ -164,6 +164,12 @@ def test_prefill_killed_requests_recompute_with_identical_output(tiny_model_dir,
         # once the dead node's registration expires (its TTL, not a sleep) the router sends work to decode alone
         directory = KVDirectory(cluster.redis_url)
         try:
+            # `kvwire status` counts them by reason too (the decode node's next heartbeat publishes them)
+            failed = lambda: sum(directory.get_node("decode-0").recomputed.values())  # noqa: E731
+            counted_by = time.monotonic() + 2 * heartbeat_ttl_s
+            while failed() < len(prompts):
+                assert time.monotonic() < counted_by, directory.get_node("decode-0")
+                time.sleep(0.1)
             gone_by = time.monotonic() + 2 * heartbeat_ttl_s
             while directory.live_nodes(NodeRole.PREFILL, include_draining=True):
                 assert time.monotonic() < gone_by, "the killed prefill node is still registered"

@@ -17,8 +17,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
-from kvwire.cluster.status import ClusterStatus
+from kvwire.cluster.status import ClusterStatus, read_status, render
 from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.directory.directory import KVDirectory
 from tests.integration.cluster import complete_all
 from tests.procs import FORK
 
@@ -82,6 +83,29 @@ def test_status_json_lists_both_nodes_with_a_recent_heartbeat(cluster):
     assert {(n.node_id, n.role) for n in status.nodes} == want
     assert all(n.heartbeat_age_s is not None and n.heartbeat_age_s < 5 for n in status.nodes)
     assert all(n.connector == ConnectorKind.TCP and n.total_blocks == 256 for n in status.nodes)
+
+
+def test_status_counts_the_decode_nodes_pulls(cluster):
+    def decode_pulls() -> tuple[int, dict]:
+        status = read_status_of(cluster.redis_url)
+        [decode] = [n for n in status.nodes if n.role == NodeRole.DECODE]
+        return decode.pulls, decode.recomputed
+
+    by = time.monotonic() + 10  # its next heartbeat publishes them
+    while decode_pulls()[0] < 2:
+        assert time.monotonic() < by, decode_pulls()
+        time.sleep(0.1)
+    assert decode_pulls()[1] == {}  # nothing failed
+    row = next(line for line in render(read_status_of(cluster.redis_url)).splitlines() if line.startswith("decode-0"))
+    assert row.split()[-2:] == [str(decode_pulls()[0]), "0"]
+
+
+def read_status_of(redis_url: str) -> ClusterStatus:
+    directory = KVDirectory(redis_url)
+    try:
+        return read_status(directory)
+    finally:
+        directory.close()
 
 
 def test_a_real_prometheus_answers_every_panel_and_fires_an_alert(cluster, tmp_path):
