@@ -28,8 +28,9 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     draining: bool = False  # shutting down: finishing what it holds, taking no new work
     transport_checks: list[TransportCheck] = []  # its start-up self-test (empty: an older node)
     engine: NodeEngine = NodeEngine.KVWIRE
-    pulls: int = 0  # a vLLM consumer rank's pulls so far
+    pulls: int = 0  # a consumer's pulls so far (a decode node, a vLLM consumer rank)
     recomputed: dict[TransferFailure, int] = {}  # ... and the prompts it recomputed instead, by reason
+    model: str = ""  # its checkpoint's fingerprint ("": not known); a prefill and a decode node of two trade no KV
 
 
 class TransferStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -55,7 +56,7 @@ def node_status(info: NodeInfo, now: float) -> NodeStatus:
                       epoch=info.epoch, queue_depth=info.queue_depth, running=info.running,
                       free_blocks=info.free_blocks, total_blocks=info.total_blocks, heartbeat_age_s=age,
                       draining=info.draining, transport_checks=info.transport_checks, engine=info.engine,
-                      pulls=info.pulls, recomputed=info.recomputed)
+                      pulls=info.pulls, recomputed=info.recomputed, model=info.model)
 
 
 def transfer_status(aged: AgedEntry) -> TransferStatus:
@@ -115,12 +116,13 @@ def _load(n: NodeStatus) -> list[str]:
 def render(status: ClusterStatus) -> str:
     """The status as two plain-text tables: live nodes, then request entries."""
     node_rows = [[n.node_id, f"{n.role} (draining)" if n.draining else str(n.role), n.address, str(n.connector),
-                  str(n.epoch), *_load(n), _age(n.heartbeat_age_s), _paths(n.transport_checks), *_kv(n)]
+                  str(n.epoch), *_load(n), _age(n.heartbeat_age_s), _paths(n.transport_checks), *_kv(n), n.model or "-"]
                  for n in status.nodes]
     transfer_rows = [[t.request_id, str(t.state), t.producer, _age(t.age_s), t.reason] for t in status.transfers]
     lines = [f"directory {status.directory}", "", f"nodes ({len(status.nodes)} live)"]
-    lines += _table(["NODE", "ROLE", "ADDRESS", "CONNECTOR", "EPOCH", "QUEUED", "RUNNING", "FREE BLOCKS",
-                     "HEARTBEAT", "TRANSPORT PATH", "PULLS", "RECOMPUTED"], node_rows) if node_rows else ["  (none)"]
+    headers = ["NODE", "ROLE", "ADDRESS", "CONNECTOR", "EPOCH", "QUEUED", "RUNNING", "FREE BLOCKS", "HEARTBEAT",
+               "TRANSPORT PATH", "PULLS", "RECOMPUTED", "MODEL"]
+    lines += _table(headers, node_rows) if node_rows else ["  (none)"]
     lines += ["", f"transfers ({len(status.transfers)} in the directory)"]
     lines += _table(["REQUEST", "STATE", "PRODUCER", "AGE", "REASON"], transfer_rows) if transfer_rows else ["  (none)"]
     return "\n".join(lines)

@@ -79,6 +79,14 @@ class KVLayout(_Msg, tag="layout", frozen=True):
     block_size: int
     dtype: DType
     pool: PoolLayout = PoolLayout.KVWIRE
+    # the checkpoint whose KV this is (engine/fingerprint.py): two models of one shape must not trade KV.
+    # "": not known (vLLM's pools, older nodes), which agrees with any (`same_model`)
+    model: str = ""
+
+
+def same_model(a: KVLayout, b: KVLayout) -> bool:
+    """Whether two pools hold KV of one checkpoint, as far as both know."""
+    return not a.model or not b.model or a.model == b.model
 
 
 class TransportOffer(msgspec.Struct, frozen=True, array_like=True):
@@ -192,6 +200,7 @@ class NodeInfo(_Msg, tag="node", frozen=True):
     # a decode node's consumer inbox (connectors/consumer/inbox.py): producers push its KVReady there ("": an
     # older node, told on its work endpoint)
     kv_ready_endpoint: str = msgspec.field(default="", name="kv_ready_address")
+    model: str = ""  # its checkpoint's fingerprint (KVLayout.model); "": not known (vLLM, an older node)
 
 
 # --- transfer side channel ---------------------------------------------------------------

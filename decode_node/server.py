@@ -65,7 +65,8 @@ class DecodeNode:
         self._replies = PushSockets()  # TokenChunk / WorkError to routers
         pool = KVPool.allocate(rt.layout, config.engine.num_blocks, config.engine.device)
         self._consumer = KVConsumer(config.connector, rt.directory, rt.transport,
-                                    KVRegion.from_kv_caches(pool.kv_caches), wakeup=self._wakeup, inbox=True)
+                                    KVRegion.from_kv_caches(pool.kv_caches, pool.layout.model), wakeup=self._wakeup,
+                                    inbox=True)
         rt.kv_ready_endpoint = self._consumer.kv_ready_endpoint
         self._connector = ConsumerConnector(0, 0, config.connector, self._consumer)
         runner = ModelRunner(rt.model, pool, consumer=self._connector)

@@ -7,39 +7,16 @@ Only safetensors are read: a checkpoint is data, and pickle-based formats
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from kvwire.connectors.checkpoint import checkpoint_files
 from kvwire.engine.model import LlamaForCausalLM
 from kvwire.engine.model_config import ModelConfig, load_config
 
-INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers older transformers saved; recomputed here
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: those its index names, else every `*.safetensors`.
-
-    Raises:
-        FileNotFoundError: no safetensors file (pickle checkpoints are not read).
-    """
-    model_dir = Path(model_dir)
-    index = model_dir / INDEX_FILE
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index} names shards that are absent: {missing}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(
-            f"no *.safetensors in {model_dir} (pickle formats such as *.bin are not loaded)")
-    return files
 
 
 def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -290,12 +290,13 @@ def _single_id(value: int | list[int] | None) -> int | None:
     return value
 
 
-def kv_layout(config: ModelConfig, block_size: int) -> KVLayout:
+def kv_layout(config: ModelConfig, block_size: int, model: str = "") -> KVLayout:
     """The KV pool layout a model with this config needs.
 
     Args:
         config: the model.
         block_size: tokens per KV block.
+        model: the checkpoint's fingerprint (engine/fingerprint.py); "": not known.
     Returns:
         The layout (one K and one V per layer, `num_kv_heads x head_dim` per token).
     """
@@ -308,6 +309,7 @@ def kv_layout(config: ModelConfig, block_size: int) -> KVLayout:
         head_dim=config.head_dim,
         block_size=block_size,
         dtype=config.dtype,
+        model=model,
     )
 
 

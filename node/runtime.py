@@ -31,6 +31,7 @@ from typing import NamedTuple, Protocol
 import torch
 import zmq
 
+from kvwire.connectors.checkpoint import model_fingerprint
 from kvwire.connectors.config import NodeRole
 from kvwire.connectors.control import auth
 from kvwire.connectors.control.auth import AuthError
@@ -94,6 +95,7 @@ class NodeRuntime:
     warmup: WarmupReport | None = None  # what `warm_up` did; None until it ran (or with warm-up off)
     kv_ready_endpoint: str = ""  # a decode node's consumer inbox, published with the node ("": none)
     spans: Spans = field(default_factory=Spans)  # the node's OpenTelemetry spans (none without an endpoint)
+    model_fingerprint: str = ""  # of its checkpoint (engine/fingerprint.py): in its pool's layout and its NodeInfo
 
     @classmethod
     def open(cls, config: NodeConfig, load: Callable[[], NodeLoad]) -> NodeRuntime:
@@ -102,6 +104,7 @@ class NodeRuntime:
         if eng.torch_threads:
             torch.set_num_threads(eng.torch_threads)
         model = load_model(eng.model_dir, eng.device)
+        fingerprint = model_fingerprint(eng.model_dir)
         directory = KVDirectory(config.connector.redis_url, entry_ttl_s=config.connector.entry_ttl_s,
                                 node_ttl_s=config.heartbeat_ttl_s, command_timeout_s=config.redis_timeout_s)
         epoch = directory.first_epoch(config.node_id, config.directory_wait_s)
@@ -118,14 +121,15 @@ class NodeRuntime:
         endpoint = f"tcp://{config.connector.advertised_host}:{port}"  # what routers connect to
         rt = cls(config, model, directory, epoch, create_transport(config.connector, epoch),
                  BlockAllocator(eng.num_blocks), sock, endpoint, load,
-                 spans=Spans.open(f"kvwire-{config.connector.role}", config.traces_endpoint))
+                 spans=Spans.open(f"kvwire-{config.connector.role}", config.traces_endpoint),
+                 model_fingerprint=fingerprint)
         rt.transport_checks = run_self_test(config.connector, epoch)
         rt.metrics.report_transport_checks(rt.transport_checks)
         return rt
 
     @property
     def layout(self) -> KVLayout:
-        return kv_layout(self.model.config, self.config.engine.block_size)
+        return kv_layout(self.model.config, self.config.engine.block_size, self.model_fingerprint)
 
     @property
     def max_model_len(self) -> int:
@@ -181,7 +185,7 @@ class NodeRuntime:
                         pulls=load.pulls, recomputed=load.recomputed,
                         host=host_identity(), pid=os.getpid(), block_size=self.config.engine.block_size,
                         prefix_cache=self.config.engine.prefix_cache and self.config.connector.role == NodeRole.DECODE,
-                        kv_ready_endpoint=self.kv_ready_endpoint)
+                        kv_ready_endpoint=self.kv_ready_endpoint, model=self.model_fingerprint)
 
     def is_ready(self) -> bool:
         """Whether the transport self-test passed and the directory lists this incarnation, not draining.

@@ -106,6 +106,8 @@ class PathReason(enum.StrEnum):
     CACHED_ON_DECODE = "cached-on-decode"  # the decode instance holds all but fewer than --decode-only-below tokens
     SHORT_PROMPT = "short-prompt"  # it holds none of a prompt shorter than --decode-only-below tokens
     NO_PREFILL_INSTANCE = "no-prefill-instance"  # none configured, or none up
+    PREFILL_OTHER_MODEL = "prefill-other-model"  # every prefill node up serves another checkpoint than the decode
+    # node picked (kvwire's own nodes: NodeInfo.model); its KV would be refused as a mismatch
     PREFILL_SATURATED = "prefill-saturated"  # every prefill instance up had --prefill-max-in-flight requests
     PREFILL_FAILED = "prefill-failed"  # the prefill instance was not reached, timed out, broke or answered 5xx
     NO_KV_PARAMS = "no-kv-transfer-params"  # it answered without them (a vLLM started with no KV connector)
@@ -114,8 +116,12 @@ class PathReason(enum.StrEnum):
 
 DISAGGREGATED_REASONS = frozenset({PathReason.PREFILLED, PathReason.PREFILLED_ALONGSIDE})
 # the reasons the router gives over kvwire's own nodes (router/placement.py)
-NODES_PATH_REASONS = (PathReason.PREFILLED, PathReason.CACHED_ON_DECODE, PathReason.SHORT_PROMPT,
-                      PathReason.NO_PREFILL_INSTANCE, PathReason.PREFILL_SATURATED, PathReason.NOT_ASKED)
+NODES_PATH_REASONS: tuple[PathReason, ...] = (
+    PathReason.PREFILLED, PathReason.CACHED_ON_DECODE, PathReason.SHORT_PROMPT, PathReason.NO_PREFILL_INSTANCE,
+    PathReason.PREFILL_OTHER_MODEL, PathReason.PREFILL_SATURATED, PathReason.NOT_ASKED)
+# the reasons the router in front of vLLM servers gives (router/vllm/)
+VLLM_PATH_REASONS: tuple[PathReason, ...] = tuple(
+    r for r in PathReason if r not in (PathReason.NOT_ASKED, PathReason.PREFILL_OTHER_MODEL))
 
 
 def path_of(reason: PathReason) -> ProxyPath:

@@ -29,10 +29,10 @@ from prometheus_client import (
 
 from kvwire.observability.labels import (
     NODES_PATH_REASONS,
+    VLLM_PATH_REASONS,
     BlockState,
     InstanceState,
     KVEventKind,
-    PathReason,
     ProxyPath,
     Queue,
     RecomputeReason,
@@ -128,10 +128,9 @@ class Metrics:
                                 (self.transport_fallbacks, TransportFallback)):
             for value in labels:
                 counter.labels(str(value))
-        for reason in set(PathReason) - {PathReason.NOT_ASKED}:  # the vLLM router's reasons
-            self.vllm_path_reasons.labels(str(path_of(reason)), str(reason))
-        for reason in NODES_PATH_REASONS:
-            self.path_reasons.labels(str(path_of(reason)), str(reason))
+        for counter, reasons in ((self.vllm_path_reasons, VLLM_PATH_REASONS), (self.path_reasons, NODES_PATH_REASONS)):
+            for reason in reasons:
+                counter.labels(str(path_of(reason)), str(reason))
 
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format (serve with CONTENT_TYPE)."""

@@ -133,6 +133,9 @@ class Dispatcher:
                                                         kv_ready_endpoint=kv_ready, trace=trace))
         elif route.reason == PathReason.NO_PREFILL_INSTANCE:
             log.warning("request %s: no live prefill node; decode computes the prompt", request_id)
+        elif route.reason == PathReason.PREFILL_OTHER_MODEL:
+            log.warning("request %s: no live prefill node serves decode node %s's checkpoint (model %s); decode "
+                        "computes the prompt", request_id, route.decode.node_id, route.decode.model)
         await self._push(route.decode, DecodeWork(request_id=request_id, prompt_token_ids=prompt_ids,
                                                   sampling=sampling, reply_to=self.reply_to,
                                                   prefill_node=route.prefill.node_id if route.prefill else "",

@@ -186,6 +186,9 @@ class Placement:
         prefills = [n for n in nodes if n.role == NodeRole.PREFILL]
         if not prefills:
             return Route(None, decode, PathReason.NO_PREFILL_INSTANCE)
+        prefills = [n for n in prefills if not n.model or not decode.model or n.model == decode.model]
+        if not prefills:
+            return Route(None, decode, PathReason.PREFILL_OTHER_MODEL)
         limit = self._prefill_max_in_flight
         there = collections.Counter(r.prefill for r in reserved if r.prefill) if limit else collections.Counter()
         prefill = self._cheapest([n for n in prefills if not limit or there[n.node_id] < limit], turn,

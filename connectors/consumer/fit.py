@@ -19,7 +19,7 @@ from kvwire.connectors.base import TransferError
 from kvwire.connectors.consumer.errors import ReceiveError
 from kvwire.connectors.transports.kv_checksum import layer_checksums
 from kvwire.connectors.transports.kv_region import KVRegion
-from kvwire.connectors.wire import HeadSlice, KVLocation
+from kvwire.connectors.wire import HeadSlice, KVLayout, KVLocation, same_model
 from kvwire.observability.labels import TransferFailure
 
 
@@ -40,8 +40,8 @@ class LocationFit:
         layout = self._region.layout
         if heads is not None:
             loc = self._heads(loc, heads, bad)
-        elif loc.layout != layout:
-            raise bad(f"producer layout {loc.layout} does not match ours {layout}")
+        elif loc.layout != layout and not _same_but_unknown_model(loc.layout, layout):
+            raise bad(_differ(loc.layout, layout))
         if loc.num_tokens != num_tokens:
             raise bad(f"producer has {loc.num_tokens} prompt tokens, we need {num_tokens}")
         if any(d.shape[:1] != (num_tokens,) for d in loc.hidden):
@@ -76,8 +76,8 @@ class LocationFit:
         """`loc` narrowed to a head slice, if both pools allow it (same layout but for their head counts)."""
         layout = self._region.layout
         theirs = msgspec.structs.replace(loc.layout, num_kv_heads=layout.num_kv_heads)
-        if theirs != layout:
-            raise bad(f"producer layout {loc.layout} does not match ours {layout} (head counts aside)")
+        if theirs != layout and not _same_but_unknown_model(theirs, layout):
+            raise bad(_differ(loc.layout, layout) + " (head counts aside)")
         if loc.layerwise or loc.hidden or self._verify_kv:
             raise bad("a head slice of layer-wise KV, of hidden states or with checksums is not pulled")
         if heads.src_head + heads.num_heads > loc.layout.num_kv_heads:
@@ -102,3 +102,15 @@ class LocationFit:
         if got != loc.layer_checksums:
             wrong = [i for i, (a, b) in enumerate(zip(got, loc.layer_checksums)) if a != b]
             raise bad(f"KV checksum mismatch in layers {wrong}")
+
+
+def _same_but_unknown_model(a: KVLayout, b: KVLayout) -> bool:
+    """Layouts equal but for a model one of them does not know."""
+    return same_model(a, b) and msgspec.structs.replace(a, model="") == msgspec.structs.replace(b, model="")
+
+
+def _differ(theirs: KVLayout, ours: KVLayout) -> str:
+    if not same_model(theirs, ours):
+        return (f"the producer's KV is of another checkpoint (model {theirs.model}, ours {ours.model}): prefill and "
+                "decode must serve the same one")
+    return f"producer layout {theirs} does not match ours {ours}"

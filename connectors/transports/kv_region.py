@@ -9,6 +9,7 @@ per layer, so the same run is 2 x num_layers pieces.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -96,9 +97,14 @@ class KVRegion:
     # pieces of their own (consecutive blocks' slices are not adjacent), on both sides of a pull.
     rows: tuple[int, int] | None = None
 
+    def of_model(self, model: str) -> KVRegion:
+        """This region, its layout naming the checkpoint `model` (its fingerprint: connectors/checkpoint.py)."""
+        return dataclasses.replace(self, layout=msgspec.structs.replace(self.layout, model=model))
+
     @classmethod
-    def from_kv_caches(cls, kv_caches: list[torch.Tensor]) -> KVRegion:
-        """Recover the planes behind the contract's per-layer tensors.
+    def from_kv_caches(cls, kv_caches: list[torch.Tensor], model: str = "") -> KVRegion:
+        """Recover the planes behind the contract's per-layer tensors (`model`: the checkpoint's fingerprint,
+        for the layout; "": not known).
 
         Per-layer views `[num_blocks, 2, ...]` of one block-major tensor (kvwire's pool)
         give one plane; separate contiguous per-layer tensors `[2, num_blocks, ...]`
@@ -122,7 +128,7 @@ class KVRegion:
             raise ValueError(f"per-layer KV tensors differ in shape: {sorted({tuple(kv.shape) for kv in kv_caches})}")
         block_size, heads, head_dim = shape
         layout = KVLayout(num_layers=len(kv_caches), num_kv_heads=heads, head_dim=head_dim, block_size=block_size,
-                          dtype=dtype_of(kv_caches[0]), pool=pool)
+                          dtype=dtype_of(kv_caches[0]), pool=pool, model=model)
         return cls(planes, layout)
 
     @property

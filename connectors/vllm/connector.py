@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvwire.connectors.vllm.groups import Groups
-from kvwire.connectors.vllm.identity import EngineShape
+from kvwire.connectors.vllm.identity import EngineShape, checkpoint_of
 from kvwire.connectors.vllm.metadata import KvwireMetadata
 from kvwire.connectors.vllm.scheduler import SchedulerHalf
 from kvwire.connectors.vllm.settings import VLLMSettings
@@ -115,7 +115,8 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
         if len(backends) != 1:
             raise ValueError(f"kvwire moves KV of one attention backend per model; this one has "
                              f"{[b.get_name() for b in backends]}")
-        self._worker.register(planes, backends[0])
+        model = self._vllm_config.model_config
+        self._worker.register(planes, backends[0], checkpoint_of(model.model, model.revision) if model else "")
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None

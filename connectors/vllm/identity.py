@@ -13,18 +13,25 @@
 4. `claim_node_id` (the worker, before it registers): a name whose current holder is alive and heartbeating
    is refused, naming that process, instead of silently fencing a live server; the check and the taking of
    the name are one atomic step, so of two servers started under one name at the same instant one serves.
+5. `checkpoint_of` (the worker): which checkpoint its KV is of (connectors/checkpoint.py), from the model's
+   files where they are found (its directory, or the Hugging Face cache vLLM loaded it from), else from
+   its name and revision as vLLM's NIXL connector does; a consumer refuses KV of another.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from kvwire.connectors.checkpoint import model_fingerprint, name_fingerprint
 from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.wire import NodeInfo
 
+log = logging.getLogger(__name__)
 _DP_SUFFIX = re.compile(r"_dp\d+$")  # what vLLM appends to each data-parallel engine's engine_id
 _UUID = re.compile(r"^([0-9a-f]{8})-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
@@ -106,3 +113,23 @@ def _who(info: NodeInfo) -> str:
 def rank_node_id(server: str, rank: int, tp: int) -> str:
     """The directory name of one tensor-parallel rank of server `server` (the server's own name at TP=1)."""
     return server if tp == 1 else f"{server}-tp{rank}"
+
+
+def checkpoint_of(model: str, revision: str | None) -> str:
+    """The fingerprint of vLLM's `model_config.model` at `revision` (see the module docstring)."""
+    path: Path | None = Path(model)
+    if not Path(model).is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(model, revision=revision, local_files_only=True))
+        except Exception:  # noqa: BLE001 - not a hub id, or not in the cache: the name stands for it
+            path = None
+    if path is not None:
+        try:
+            fingerprint = model_fingerprint(path)
+            log.info("kvwire: model %s is checkpoint %s (from its files in %s)", model, fingerprint, path)
+            return fingerprint
+        except (OSError, ValueError) as exc:
+            log.info("kvwire: model %s: its files say nothing (%s); its name stands for it", model, exc)
+    return name_fingerprint(model, revision)

@@ -100,12 +100,16 @@ class WorkerHalf:
         self._heartbeat: Heartbeat | None = None
         self.tally = Tally()  # what vLLM's /metrics gets (stats.py)
         self._warned: set[tuple[str, TransferFailure]] = set()  # (peer, reason) already warned about
+        self._model = ""  # the checkpoint's fingerprint, once registered
 
-    def register(self, kv_caches: dict[str, torch.Tensor], backend: type[AttentionBackend] | None = None) -> None:
-        """`backend`: vLLM's attention backend class of these layers (layout.py).
+    def register(self, kv_caches: dict[str, torch.Tensor], backend: type[AttentionBackend] | None = None,
+                 model: str = "") -> None:
+        """`backend`: vLLM's attention backend class of these layers (layout.py); `model`: the checkpoint's
+        fingerprint (identity.checkpoint_of; "": not known).
 
         Raises: ValueError for a KV layout or transport kvwire cannot serve; DirectoryError."""
-        region = region_of(kv_caches, self._num_blocks, self._block_size, backend=backend)
+        region = region_of(kv_caches, self._num_blocks, self._block_size, backend=backend).of_model(model)
+        self._model = model
         split = self._settings.split
         if region.layout.num_kv_heads != split.per_rank:
             raise ValueError(f"kvwire: this rank's KV tensors hold {region.layout.num_kv_heads} KV heads; the "
@@ -198,7 +202,8 @@ class WorkerHalf:
         pulls, recomputed = self.tally.totals()
         return NodeInfo(node_id=config.node_id, role=config.role, epoch=epoch, work_endpoint="",
                         connector=config.kind, free_blocks=0, total_blocks=self._num_blocks, engine=NodeEngine.VLLM,
-                        host=host_identity(), pid=os.getpid(), pulls=pulls, recomputed=recomputed)
+                        host=host_identity(), pid=os.getpid(), pulls=pulls, recomputed=recomputed,
+                        model=self._model)
 
     # --- producer --------------------------------------------------------------------------
 

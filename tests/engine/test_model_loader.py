@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvwire.connectors.checkpoint import INDEX_FILE
 from kvwire.engine.init_model import random_tensors, write_checkpoint
-from kvwire.engine.loader import INDEX_FILE, load_model
+from kvwire.engine.loader import load_model
 from kvwire.engine.model_config import PRESETS
 
 

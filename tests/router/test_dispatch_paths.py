@@ -22,9 +22,9 @@ from kvwire.router.dispatch import Dispatcher
 from kvwire.router.schemas import APIError
 
 
-def _node(node_id: str, role: NodeRole, free: int = 8) -> NodeInfo:
+def _node(node_id: str, role: NodeRole, free: int = 8, model: str = "") -> NodeInfo:
     return NodeInfo(node_id=node_id, role=role, epoch=1, work_endpoint="tcp://127.0.0.1:9", connector=ConnectorKind.TCP,
-                    free_blocks=free, total_blocks=8)
+                    free_blocks=free, total_blocks=8, model=model)
 
 
 class _Directory:
@@ -62,6 +62,18 @@ def test_by_default_every_prompt_is_disaggregated_unless_the_client_keeps_it_who
     assert dispatcher.pick(_prompt(1)).reason == PathReason.PREFILLED
     assert dispatcher.pick(_prompt(1000), disaggregate=False).reason == PathReason.NOT_ASKED
     assert _dispatcher(PAIR[1:]).pick(_prompt(1000)).reason == PathReason.NO_PREFILL_INSTANCE
+
+
+def test_a_prefill_node_of_another_checkpoint_is_not_paired():
+    """Its KV would be refused (a mismatch): the prompt stays on decode, and the reason says so."""
+    other = [_node("p0", NodeRole.PREFILL, free=8, model="aaaa"), _node("d0", NodeRole.DECODE, model="bbbb")]
+    route = _dispatcher(other).pick(_prompt(100))
+    assert (route.prefill, route.reason, route.path) == (None, PathReason.PREFILL_OTHER_MODEL, ProxyPath.DECODE_ONLY)
+    # one of the same checkpoint is picked, even with fewer free blocks; one that does not say (older) is too
+    both = [*other, _node("p1", NodeRole.PREFILL, free=2, model="bbbb")]
+    assert _dispatcher(both).pick(_prompt(100)).prefill.node_id == "p1"  # type: ignore[union-attr]
+    unknown = [_node("p0", NodeRole.PREFILL), _node("d0", NodeRole.DECODE, model="bbbb")]
+    assert _dispatcher(unknown).pick(_prompt(100)).reason == PathReason.PREFILLED
 
 
 def test_no_decode_node_is_a_503():

@@ -1,0 +1,46 @@
+"""A location's fit: KV of another checkpoint is refused as a mismatch, whatever the shapes say."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvwire.connectors.config import ConnectorKind
+from kvwire.connectors.consumer.errors import ReceiveError
+from kvwire.connectors.consumer.fit import LocationFit
+from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.transports.kv_region import KVRegion
+from kvwire.connectors.wire import DType, HeadSlice, KVLayout, KVLocation
+from kvwire.observability.labels import TransferFailure
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=DType.FLOAT32)
+
+
+def _fit(model: str) -> LocationFit:
+    return LocationFit(KVRegion.from_kv_caches(KVPool.allocate(LAYOUT, 8).kv_caches, model), verify_kv=False)
+
+
+def _loc(model: str) -> KVLocation:
+    return KVLocation(request_id="r1", producer="prefill-0", producer_epoch=1, kind=ConnectorKind.TCP,
+                      side_channel="tcp://127.0.0.1:1", transport_address=b"",
+                      layout=msgspec.structs.replace(LAYOUT, model=model), block_ids=[3, 4], num_tokens=6, hidden=[])
+
+
+@pytest.mark.parametrize("heads", [None, HeadSlice(src_head=0, num_heads=2, dst_head=0)])
+def test_kv_of_another_checkpoint_is_a_mismatch_naming_both(heads):
+    with pytest.raises(ReceiveError) as err:
+        _fit("bbbb").check("r1", 6, [0, 1], 0, _loc("aaaa"), heads=heads)
+    assert err.value.failure == TransferFailure.MISMATCH and err.value.peer == "prefill-0"
+    assert "another checkpoint (model aaaa, ours bbbb)" in str(err.value)
+
+
+@pytest.mark.parametrize("ours, theirs", [("bbbb", "bbbb"), ("", "bbbb"), ("bbbb", "")])
+def test_the_same_checkpoint_or_one_not_known_fits(ours, theirs):
+    loc, dst = _fit(ours).check("r1", 6, [0, 1, 2], 0, _loc(theirs))
+    assert dst == [0, 1] and loc.block_ids == [3, 4]
+
+
+def test_other_shapes_still_say_so():
+    other = msgspec.structs.replace(_loc("bbbb"), layout=msgspec.structs.replace(LAYOUT, head_dim=16, model="bbbb"))
+    with pytest.raises(ReceiveError, match="does not match ours"):
+        _fit("bbbb").check("r1", 6, [0, 1], 0, other)
