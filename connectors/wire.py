@@ -80,13 +80,14 @@ class KVLayout(_Msg, tag="layout", frozen=True):
     dtype: DType
     pool: PoolLayout = PoolLayout.KVWIRE
     # the checkpoint whose KV this is (engine/fingerprint.py): two models of one shape must not trade KV.
-    # "": not known (vLLM's pools, older nodes), which agrees with any (`same_model`)
+    # "": not known (older nodes), which agrees with any (`models_agree`)
     model: str = ""
 
 
-def same_model(a: KVLayout, b: KVLayout) -> bool:
-    """Whether two pools hold KV of one checkpoint, as far as both know."""
-    return not a.model or not b.model or a.model == b.model
+def models_agree(a: str, b: str) -> bool:
+    """Whether two checkpoint fingerprints (KVLayout.model, NodeInfo.model) name one checkpoint, as far as both
+    know."""
+    return not a or not b or a == b
 
 
 class TransportOffer(msgspec.Struct, frozen=True, array_like=True):

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvwire.connectors.config import NodeRole
 from kvwire.connectors.directory.directory import DirectoryError, KVDirectory
+from kvwire.connectors.wire import models_agree
 from kvwire.engine.model_config import load_config
 from kvwire.engine.tokenizer import load_tokenizer
 from kvwire.observability.labels import RequestStatus
@@ -86,7 +87,8 @@ class Router:
 
     async def readyz(self):
         """Whether the router can serve (200: the directory answers and lists a live decode node; 503 otherwise)
-        and, in the body, whether it can disaggregate now (`disaggregate`: a live prefill node too).
+        and, in the body, whether it can disaggregate now (`disaggregate`: a live prefill node too, of the checkpoint
+        of a live decode node: `reason` says when none is).
 
         A router with decode nodes alone serves every request (decode-only, recomputed), so it stays ready
         when no prefill node is live: `disaggregate: false` says so, for what waits for disaggregation (`kvwire
@@ -98,11 +100,14 @@ class Router:
             nodes = await asyncio.to_thread(directory.live_nodes)
         except DirectoryError as exc:
             return JSONResponse({"ready": False, "disaggregate": False, "reason": str(exc)}, status_code=503)
-        decodes = sum(n.role == NodeRole.DECODE for n in nodes)
-        prefills = sum(n.role == NodeRole.PREFILL for n in nodes)
-        ready = decodes > 0
-        return JSONResponse({"ready": ready, "disaggregate": ready and prefills > 0, "decode_nodes": decodes,
-                             "prefill_nodes": prefills}, status_code=200 if ready else 503)
+        decodes = [n for n in nodes if n.role == NodeRole.DECODE]
+        prefills = [n for n in nodes if n.role == NodeRole.PREFILL]
+        paired = any(models_agree(p.model, d.model) for p in prefills for d in decodes)
+        body: dict[str, object] = {"ready": bool(decodes), "disaggregate": paired, "decode_nodes": len(decodes),
+                                   "prefill_nodes": len(prefills)}
+        if prefills and decodes and not paired:
+            body["reason"] = "no live prefill node serves a decode node's checkpoint (kvwire status: MODEL)"
+        return JSONResponse(body, status_code=200 if decodes else 503)
 
     async def metrics_text(self):
         return Response(content=self.metrics.exposition(), media_type=CONTENT_TYPE)

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 from kvwire.connectors.config import NodeRole
 from kvwire.connectors.directory.directory import DirectoryError, KVDirectory
-from kvwire.connectors.wire import NodeInfo
+from kvwire.connectors.wire import NodeInfo, models_agree
 from kvwire.observability.labels import PathReason, ProxyPath
 from kvwire.router.config import RoutingPolicy
 from kvwire.router.prefix_index import PrefixIndex
@@ -186,7 +186,7 @@ class Placement:
         prefills = [n for n in nodes if n.role == NodeRole.PREFILL]
         if not prefills:
             return Route(None, decode, PathReason.NO_PREFILL_INSTANCE)
-        prefills = [n for n in prefills if not n.model or not decode.model or n.model == decode.model]
+        prefills = [n for n in prefills if models_agree(n.model, decode.model)]
         if not prefills:
             return Route(None, decode, PathReason.PREFILL_OTHER_MODEL)
         limit = self._prefill_max_in_flight

@@ -19,7 +19,7 @@ from kvwire.connectors.base import TransferError
 from kvwire.connectors.consumer.errors import ReceiveError
 from kvwire.connectors.transports.kv_checksum import layer_checksums
 from kvwire.connectors.transports.kv_region import KVRegion
-from kvwire.connectors.wire import HeadSlice, KVLayout, KVLocation, same_model
+from kvwire.connectors.wire import HeadSlice, KVLayout, KVLocation, models_agree
 from kvwire.observability.labels import TransferFailure
 
 
@@ -106,11 +106,12 @@ class LocationFit:
 
 def _same_but_unknown_model(a: KVLayout, b: KVLayout) -> bool:
     """Layouts equal but for a model one of them does not know."""
-    return same_model(a, b) and msgspec.structs.replace(a, model="") == msgspec.structs.replace(b, model="")
+    unnamed = msgspec.structs.replace(a, model="") == msgspec.structs.replace(b, model="")
+    return unnamed and models_agree(a.model, b.model)
 
 
 def _differ(theirs: KVLayout, ours: KVLayout) -> str:
-    if not same_model(theirs, ours):
+    if not models_agree(theirs.model, ours.model):
         return (f"the producer's KV is of another checkpoint (model {theirs.model}, ours {ours.model}): prefill and "
                 "decode must serve the same one")
     return f"producer layout {theirs} does not match ours {ours}"

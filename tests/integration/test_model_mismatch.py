@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import httpx2
 import pytest
 
 from kvwire.cluster.local_cluster import ClusterSpec, LocalCluster
@@ -44,6 +45,8 @@ def test_a_decode_node_of_another_checkpoint_gets_no_prefilled_kv(tiny_model_dir
         finally:
             directory.close()
         assert models["prefill-0"] and models["decode-1"] and models["prefill-0"] != models["decode-1"]
+        ready = httpx2.get(f"{cluster.url}/readyz", timeout=10).json()
+        assert (ready["ready"], ready["disaggregate"]) == (True, False), ready  # and says why
         got = complete(cluster.url, PROMPT, max_tokens=8)
         kv = got["kvwire"]
         assert (kv["path"], kv["reason"], kv["bypassed"], kv["prefill_node"], kv["transfer_failure"]) == \

@@ -74,3 +74,17 @@ def test_metrics_count_answers_by_status(client):
     assert 'kvwire_requests_total{status="invalid"} 1.0' in text
     assert 'kvwire_requests_total{status="unavailable"} 1.0' in text
     assert 'kvwire_requests_total{status="ok"} 0.0' in text
+
+
+def test_readyz_cannot_disaggregate_over_nodes_of_two_checkpoints(client, redis_url):
+    directory = KVDirectory(redis_url)
+    try:
+        directory.register_node(msgspec.structs.replace(node("decode-0", NodeRole.DECODE), model="bbbb"))
+        directory.register_node(msgspec.structs.replace(node("prefill-0", NodeRole.PREFILL), model="aaaa"))
+        body = client.get("/readyz").json()
+        assert (body["ready"], body["disaggregate"]) == (True, False) and "checkpoint" in body["reason"]
+        directory.register_node(msgspec.structs.replace(node("prefill-1", NodeRole.PREFILL), model="bbbb"))
+        body = client.get("/readyz").json()
+        assert (body["disaggregate"], body["prefill_nodes"]) == (True, 2) and "reason" not in body
+    finally:
+        directory.close()
