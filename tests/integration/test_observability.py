@@ -97,7 +97,8 @@ def test_status_counts_the_decode_nodes_pulls(cluster):
         time.sleep(0.1)
     assert decode_pulls()[1] == {}  # nothing failed
     row = next(line for line in render(read_status_of(cluster.redis_url)).splitlines() if line.startswith("decode-0"))
-    assert row.split()[-2:] == [str(decode_pulls()[0]), "0"]
+    [decode] = [n for n in read_status_of(cluster.redis_url).nodes if n.role == NodeRole.DECODE]
+    assert row.split()[-3:] == [str(decode_pulls()[0]), "0", decode.model] and len(decode.model) == 16
 
 
 def read_status_of(redis_url: str) -> ClusterStatus:
