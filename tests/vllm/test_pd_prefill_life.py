@@ -17,6 +17,8 @@ its prefill server's life, started once for the module's tests, which run in thi
 3. SIGKILL mid-load: some requests are mid-way through the router when the prefill server dies; three more had
    their KV computed and held (their kv_transfer_params handed out) but not pulled yet. Decode recomputes
    what it cannot pull; afterwards no directory entry is left READY and every one expires.
+2b. (between 2 and 3) A decode server of another checkpoint of the same shapes, started for the test: the pair's
+   KV is refused as a mismatch and the prompt computed there, counted on its /metrics.
 
 One pair instead of five saves four pairs' start-up (about 25-45 s each on this host): this pair is also the
 one that checks NCCL between vLLM servers (TCP's is test_bench_vllm.py's pair). The module's Redis
@@ -39,7 +41,7 @@ import redis
 from kvwire.cluster.local_cluster import ClusterError
 from kvwire.cluster.redis_server import LocalRedis
 from kvwire.cluster.vllm_cluster import VLLMServer
-from kvwire.cluster.vllm_pd import PDCluster, kvwire_pair, pd_cluster_of
+from kvwire.cluster.vllm_pd import PDCluster, counter_by_label, kvwire_pair, pd_cluster_of
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.directory.directory import KVDirectory, TransferState
 from tests.vllm.conftest import PROMPTS
@@ -187,6 +189,40 @@ def _used_again(model: str, cluster) -> None:
     assert r.headers["x-kvwire-path"] == "disaggregated"
     after = cluster.prompt_tokens_by_source()
     assert after["external_kv_transfer"] > before["external_kv_transfer"]
+
+
+# --- 2b. another checkpoint -----------------------------------------------------------------------------------
+
+def test_a_decode_server_of_another_checkpoint_refuses_the_kv(pair: PDCluster, vllm_model_dir: Path,
+                                                               redis_server: LocalRedis, tmp_path: Path):
+    """Same architecture and shapes, other weights: the pull is refused as a mismatch naming both checkpoints, the
+    prompt computed on the decode server, and counted where vLLM's users look; no byte of the wrong KV is used."""
+    from kvwire.engine.byte_tokenizer_files import write_byte_tokenizer
+    from kvwire.engine.init_model import write_random_checkpoint
+
+    other = tmp_path / "tiny-seed1"
+    config = write_random_checkpoint(other, "tiny", 1)
+    assert config.bos_token_id is not None and config.eos_token_id is not None
+    write_byte_tokenizer(other, config.bos_token_id, config.eos_token_id)
+    spec = dataclasses.replace(pair.decode.spec, model_dir=other, node_id="decode-other", port=0,
+                               log_path=tmp_path / "other.log")
+    stranger = VLLMServer(spec).start()
+    try:
+        stranger.wait_ready()
+        params = _held_params(pair, str(vllm_model_dir), PROMPTS[0] + " Another checkpoint.")
+        _wait_ready_entry(redis_server.url, params["remote_request_id"])
+        body = _body(str(other), PROMPTS[0] + " Another checkpoint.", kv_transfer_params=params)
+        assert _text(stranger.url, body)  # answered, computed on the stranger
+        deadline = time.monotonic() + 10
+        while (failed := counter_by_label(stranger.url, "vllm:kvwire_kv_transfers_failed_total", "reason")).get(
+                "mismatch", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)  # vLLM records connector stats with its next engine step's
+        assert failed["mismatch"] == 1 and sum(failed.values()) == 1, failed
+        sources = counter_by_label(stranger.url, "vllm:prompt_tokens_by_source_total", "source")
+        assert sources["external_kv_transfer"] == 0 and sources["local_compute"] > 0, sources
+        assert "the producer's KV is of another checkpoint" in (tmp_path / "other.log").read_text()
+    finally:
+        stranger.stop()
 
 
 # --- 3. SIGKILL mid-load ------------------------------------------------------------------------------------------
