@@ -49,7 +49,7 @@ from kvwire.engine.sequence import Sequence
 from kvwire.node.config import NodeConfig
 from kvwire.node.drain import Drain
 from kvwire.node.runtime import NodeLoad, NodeRuntime
-from kvwire.observability.labels import Queue, RecomputeReason, TransferFailure
+from kvwire.observability.labels import PathReason, Queue, RecomputeReason, TransferFailure
 from kvwire.observability.tracing import checked, trace_id
 from kvwire.protocol.work import CancelWork, DecodeStats, DecodeWork, ErrorKind, TokenChunk, WorkError, span_attributes
 
@@ -248,8 +248,8 @@ class DecodeNode:
         if len(seq.output_ids) > 1 and t.first_token_time is not None and t.finished_time is not None:
             m.tpot_seconds.observe((t.finished_time - t.first_token_time) / (len(seq.output_ids) - 1))
         m.prompt_tokens_cached.inc(seq.num_cached_tokens)
-        if not seq.bypassed:
-            reason = RecomputeReason.KV_NOT_RECEIVED if record.work.prefill_node else RecomputeReason.NO_PREFILL_NODE
+        reason = None if seq.bypassed else recompute_reason(record.work)
+        if reason is not None:
             m.recomputes.labels(str(reason)).inc()
 
     def _fail(self, rid: str, reason: str) -> None:
@@ -263,3 +263,17 @@ class DecodeNode:
 
     def _send(self, endpoint: str, msg: TokenChunk | WorkError) -> None:
         self._replies.send(endpoint, msg)
+
+
+_BY_DESIGN = frozenset({PathReason.SHORT_PROMPT, PathReason.CACHED_ON_DECODE, PathReason.NOT_ASKED})
+_NOT_PREFILLED = {PathReason.PREFILL_SATURATED: RecomputeReason.PREFILL_SATURATED,
+                  PathReason.PREFILL_OTHER_MODEL: RecomputeReason.PREFILL_OTHER_MODEL}
+
+
+def recompute_reason(work: DecodeWork) -> RecomputeReason | None:
+    """Why a prompt computed here should have come as KV; None when the router kept it here by design."""
+    if work.prefill_node:
+        return RecomputeReason.KV_NOT_RECEIVED
+    if work.path_reason in _BY_DESIGN:
+        return None
+    return _NOT_PREFILLED.get(work.path_reason, RecomputeReason.NO_PREFILL_NODE)  # type: ignore[arg-type]

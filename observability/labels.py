@@ -30,7 +30,11 @@ class RecomputeReason(enum.StrEnum):
     """Why a decode node computed a prompt itself instead of receiving its KV."""
 
     NO_PREFILL_NODE = "no_prefill_node"  # the router found no live prefill node
+    PREFILL_SATURATED = "prefill_saturated"  # every live prefill node had --prefill-max-in-flight requests in flight
+    PREFILL_OTHER_MODEL = "prefill_other_model"  # every live prefill node serves another checkpoint
     KV_NOT_RECEIVED = "kv_not_received"  # a prefill node was asked, its KV did not arrive
+    # Not recomputes: prompts the router kept on decode by design (short, cached there, or the client's wish);
+    # kvwire_path_reasons_total counts those.
 
 
 class RequestStatus(enum.StrEnum):

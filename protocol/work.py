@@ -13,7 +13,7 @@ import enum
 import msgspec
 
 from kvwire.connectors.wire import AnyMessage, KVReady, register
-from kvwire.observability.labels import TransferFailure
+from kvwire.observability.labels import PathReason, TransferFailure
 from kvwire.observability.tracing import TraceContext
 
 
@@ -68,6 +68,7 @@ class DecodeWork(AnyMessage, tag="decode", frozen=True):
     reply_to: str  # router's zmq endpoint for TokenChunk messages
     prefill_epoch: int = 0  # the incarnation of prefill_node the router picked; 0: unknown
     trace: TraceContext | None = None  # the client's (or the router's span's) W3C trace context
+    path_reason: PathReason | None = None  # why the router took this path (None: an older router)
 
 
 class DecodeStats(msgspec.Struct, frozen=True, kw_only=True):

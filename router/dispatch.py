@@ -140,7 +140,7 @@ class Dispatcher:
                                                   sampling=sampling, reply_to=self.reply_to,
                                                   prefill_node=route.prefill.node_id if route.prefill else "",
                                                   prefill_epoch=route.prefill.epoch if route.prefill else 0,
-                                                  trace=trace))
+                                                  trace=trace, path_reason=route.reason))
         return route, queue
 
     def cancel(self, request_id: str) -> None:

@@ -55,3 +55,6 @@ def test_a_decode_node_of_another_checkpoint_gets_no_prefilled_kv(tiny_model_dir
         assert got["choices"][0]["token_ids"] == want
         reasons = counter_by_label(cluster.ops_urls["router"], "kvwire_path_reasons_total", "reason")
         assert reasons["prefill-other-model"] == 1
+        decode_ops = f"http://127.0.0.1:{cluster.http_ports['decode-1']}"
+        recomputed = counter_by_label(decode_ops, "kvwire_recomputes_total", "reason")
+        assert recomputed["prefill_other_model"] == 1 and sum(recomputed.values()) == 1, recomputed
