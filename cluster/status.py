@@ -8,7 +8,7 @@ import msgspec
 
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory.directory import AgedEntry, KVDirectory, TransferState
-from kvwire.connectors.wire import NodeEngine, NodeInfo, TransportCheck
+from kvwire.connectors.wire import NodeEngine, NodeInfo, TransportCheck, models_agree
 from kvwire.observability.labels import TransferFailure
 
 
@@ -113,6 +113,14 @@ def _load(n: NodeStatus) -> list[str]:
     return [str(n.queue_depth), str(n.running), f"{n.free_blocks}/{n.total_blocks}"]
 
 
+def _unpaired(nodes: list[NodeStatus]) -> list[str]:
+    """A warning line for each live consumer no live producer can hand KV to: they serve other checkpoints."""
+    producers = [n for n in nodes if n.role == NodeRole.PREFILL]
+    return [f"WARNING: {n.node_id} serves checkpoint {n.model}, no live prefill node does: its prompts are computed "
+            "there, never received" for n in nodes
+            if n.role != NodeRole.PREFILL and producers and not any(models_agree(p.model, n.model) for p in producers)]
+
+
 def render(status: ClusterStatus) -> str:
     """The status as two plain-text tables: live nodes, then request entries."""
     node_rows = [[n.node_id, f"{n.role} (draining)" if n.draining else str(n.role), n.address, str(n.connector),
@@ -123,6 +131,7 @@ def render(status: ClusterStatus) -> str:
     headers = ["NODE", "ROLE", "ADDRESS", "CONNECTOR", "EPOCH", "QUEUED", "RUNNING", "FREE BLOCKS", "HEARTBEAT",
                "TRANSPORT PATH", "PULLS", "RECOMPUTED", "MODEL"]
     lines += _table(headers, node_rows) if node_rows else ["  (none)"]
+    lines += _unpaired(status.nodes)
     lines += ["", f"transfers ({len(status.transfers)} in the directory)"]
     lines += _table(["REQUEST", "STATE", "PRODUCER", "AGE", "REASON"], transfer_rows) if transfer_rows else ["  (none)"]
     return "\n".join(lines)

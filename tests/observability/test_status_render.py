@@ -92,3 +92,14 @@ def test_a_vllm_servers_rank_is_listed_with_its_process_and_no_load_it_cannot_kn
     row = next(line for line in render(status).splitlines() if line.startswith("vllm-vm-6d45e7cd"))
     cells = row.split()
     assert cells[1:7] == ["prefill", "vllm", "pid", "4242", "on", "vm"] and cells[9:12] == ["-", "-", "-/8192"]
+
+
+def test_a_decode_node_no_prefill_node_shares_a_checkpoint_with_is_called_out():
+    status = _status()
+    decode, prefill = status.nodes
+    other = msgspec.structs.replace(prefill, model="aaaa")  # decode-0's is 5be3cded080143ef
+    lines = render(msgspec.structs.replace(status, nodes=[decode, other])).splitlines()
+    assert "WARNING: decode-0 serves checkpoint 5be3cded080143ef, no live prefill node does" in "\n".join(lines)
+    same = msgspec.structs.replace(prefill, model=decode.model)
+    assert "WARNING" not in render(msgspec.structs.replace(status, nodes=[decode, same, other]))
+    assert "WARNING" not in render(status)  # a node that does not say its model agrees with any
