@@ -1,4 +1,8 @@
-"""`kvwire generate`: a small client of the router's completions API."""
+"""`kvwire generate`: a small client of the router's completions API.
+
+The transfer statistics come from the answer's `kvwire` object (the router over kvwire's nodes), or from its
+x-kvwire-* headers (the router in front of vLLM servers: the path, its reason and the instances).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text.")],
                                                         help="0 is greedy.")] = 0.0,
              seed: Annotated[int | None, typer.Option("--seed", help="Seed of the sampler.")] = None,
              stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print tokens as they come.")] = False,
-             timeout: Annotated[float, typer.Option("--timeout", help="Seconds.")] = 120.0) -> None:
+             timeout: Annotated[float, typer.Option("--timeout", min=0.001, help="Seconds.")] = 120.0) -> None:
     """Send one completion request and print the text and the transfer statistics."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "stream": stream}
     try:
@@ -36,7 +40,7 @@ def _complete(client: httpx2.Client, url: str, body: dict) -> None:
         _refused(resp.status_code, resp.text)
     data = resp.json()
     typer.echo(data["choices"][0]["text"])
-    typer.echo(f"kvwire: {json.dumps(data['kvwire'])}", err=True)
+    _report(data.get("kvwire"), resp.headers)
 
 
 def _stream(client: httpx2.Client, url: str, body: dict) -> None:
@@ -50,9 +54,14 @@ def _stream(client: httpx2.Client, url: str, body: dict) -> None:
             if "error" in data:
                 typer.echo(f"\nerror: {data['error']['message']}", err=True)
                 raise typer.Exit(1)
-            typer.echo(data["choices"][0]["text"], nl=False)
+            if data.get("choices"):
+                typer.echo(data["choices"][0]["text"], nl=False)
             if "kvwire" in data:
-                typer.echo(f"\nkvwire: {json.dumps(data['kvwire'])}", err=True)
+                typer.echo("")
+                _report(data["kvwire"], resp.headers)
+                return
+        typer.echo("")
+        _report(None, resp.headers)
 
 
 def _refused(status: int, text: str) -> NoReturn:
@@ -63,3 +72,10 @@ def _refused(status: int, text: str) -> NoReturn:
         message = text[:300]
     typer.echo(f"error {status}: {message}", err=True)
     raise typer.Exit(1)
+
+
+def _report(kvwire: dict | None, headers: httpx2.Headers) -> None:
+    """The transfer statistics, on stderr: the `kvwire` object, else the x-kvwire-* headers, else nothing."""
+    report = kvwire or {k.removeprefix("x-kvwire-"): v for k, v in headers.items() if k.startswith("x-kvwire-")}
+    if report:
+        typer.echo(f"kvwire: {json.dumps(report)}", err=True)

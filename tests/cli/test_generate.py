@@ -24,6 +24,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(400, "application/json", json.dumps({"error": {"message": "prompt too long"}}).encode())
         elif body["prompt"] == "broken":
             self._send(502, "text/plain", b"bad gateway")
+        elif body["prompt"] == "vllm":  # the router in front of vLLM servers: vLLM's body, kvwire's headers
+            sse = b'data: {"choices": [{"text": "Hel"}]}\n\ndata: {"choices": [{"text": "lo"}]}\n\ndata: [DONE]\n\n'
+            whole = json.dumps({"choices": [{"text": "Hello"}]}).encode()
+            headers = {"x-kvwire-path": "disaggregated", "x-kvwire-reason": "prefilled"}
+            self._send(200, "text/event-stream" if body["stream"] else "application/json",
+                       sse if body["stream"] else whole, headers)
         elif body["stream"]:
             chunks = [{"choices": [{"text": "Hel"}]}, {"choices": [{"text": "lo"}], "kvwire": KVWIRE}]
             self._send(200, "text/event-stream",
@@ -31,8 +37,10 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send(200, "application/json", json.dumps({"choices": [{"text": "Hello"}], "kvwire": KVWIRE}).encode())
 
-    def _send(self, status: int, kind: str, payload: bytes) -> None:
+    def _send(self, status: int, kind: str, payload: bytes, headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("content-type", kind)
         self.send_header("content-length", str(len(payload)))
         self.end_headers()
