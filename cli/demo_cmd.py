@@ -88,8 +88,15 @@ def _table(rows: list[Row]) -> str:
         lines.append(f"{i:>2} {r.prompt_tokens:>10} {len(r.got or []):>7} {str(k.get('bypassed', '-')):>8} "
                      f"{k.get('transport') or '-':>5} "
                      f"{k.get('kv_bytes', 0):>10} {k.get('transfer_ms', 0.0):>8.2f} {gbps:>6.2f} {ttft:>8.1f}  "
-                     f"{'yes' if r.ok else 'NO ' + (r.error or '')}")
+                     f"{'yes' if r.ok else 'NO ' + (r.error or _why_not_bypassed(k))}")
     return "\n".join(lines)
+
+
+def _why_not_bypassed(k: dict) -> str:
+    """What the answer says of a prompt computed on decode: the failed transfer's reason, or the path's."""
+    if not k or k.get("bypassed"):
+        return ""
+    return f"(transfer_failure {k['transfer_failure']})" if k.get("transfer_failure") else f"({k.get('reason')})"
 
 
 def demo(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint; a tiny random one by default.")]
