@@ -96,6 +96,9 @@ def _ask(client: httpx2.Client, url: str, i: int, max_tokens: int, mode: str) ->
     resp.raise_for_status()
     data = resp.json()
     k, tokens = data["kvwire"], data["choices"][0]["token_ids"]
+    if k.get("cached_tokens"):  # a node started with its prefix cache on: the modes would not compare
+        raise RuntimeError(f"prompt {i} ({mode}): the decode node held {k['cached_tokens']} of its tokens in its "
+                           "prefix cache; bench e2e compares whole prompts (decode nodes with --no-prefix-cache)")
     tpot = (total_ms - k["ttft_ms"]) / max(1, len(tokens) - 1)
     return _Sample(i, k["ttft_ms"], tpot, k.get("transfer_ms") or 0.0, bool(k["bypassed"]), tokens)
 
@@ -169,7 +172,10 @@ def _bare_gap_ms(model_dir: Path, rounds: int, max_tokens: int) -> float:
 
 def bench_e2e(model_dir: Path, connector: ConnectorKind, rounds: int, max_tokens: int,
               layerwise: bool = False, bare: bool = True) -> E2EResult:
-    spec = ClusterSpec(model_dir=model_dir, connector=connector, log_level="ERROR", layerwise=layerwise)
+    # no prefix cache on decode: each prompt is asked in both modes, and a cached one would be neither computed
+    # (single-node) nor pulled (disaggregated) whole the second time
+    spec = ClusterSpec(model_dir=model_dir, connector=connector, log_level="ERROR", layerwise=layerwise,
+                       prefix_cache=False)
     with LocalCluster(spec) as cluster, httpx2.Client(timeout=120.0) as client:
         _sequential(client, cluster.url, 1, max_tokens)  # warm-up
         before = _forward_totals(cluster)
