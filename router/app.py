@@ -268,7 +268,9 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
 def _usage(gen: Generation) -> dict:
     prompt = sum(len(p) for p in gen.plan.prompts)
     completion = sum(len(c.token_ids) for c in gen.choices)
-    cached = sum(c.stats.cached_tokens for c in gen.choices if c.stats is not None)
+    # per prompt, as vLLM counts its one prefill of it: the prompt's first choice's (n > 1 runs one per choice)
+    firsts = [c for c in gen.choices if c.index % gen.plan.best_of == 0]
+    cached = sum(c.stats.cached_tokens for c in firsts if c.stats is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 

@@ -38,3 +38,22 @@ def test_logprobs_zero_still_names_the_sampled_token():
     chunk = TokenChunk("r", [ord("z")], finished=True, finish_reason="length",
                        logprobs=[TokenLogprobs(-1.25, [], [])])
     assert _top_logprobs(0, chunk) == [{"z": -1.25}]
+
+
+def test_usage_counts_a_prompts_cached_tokens_once_however_many_choices():
+    from types import SimpleNamespace
+
+    from kvwire.protocol.work import DecodeStats
+    from kvwire.router.app import _usage
+
+    def choice(index: int, cached: int) -> SimpleNamespace:
+        stats = DecodeStats(bypassed=True, transport="shm", kv_bytes=1, transfer_ms=0.1, ttft_ms=1.0,
+                            prefill_node="p", decode_node="d", cached_tokens=cached)
+        return SimpleNamespace(index=index, token_ids=[1, 2], stats=stats)
+
+    # two prompts (10 and 20 tokens), two choices each: each prompt's first choice says what was cached
+    gen = SimpleNamespace(plan=SimpleNamespace(prompts=[[0] * 10, [0] * 20], best_of=2),
+                          choices=[choice(0, 8), choice(1, 8), choice(2, 16), choice(3, 0)])
+    usage = _usage(gen)  # type: ignore[arg-type]
+    assert usage["prompt_tokens"] == 30 and usage["completion_tokens"] == 8
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 24}
