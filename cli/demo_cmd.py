@@ -3,10 +3,8 @@
 1. The prompts' tokens from one process (engine/reference.py): what the cluster must answer.
 2. A local cluster starts; the demo goes on once the router can disaggregate (its /readyz: a live prefill
    node and decode node, both warmed up before they registered).
-3. One prompt is asked TTFT_REQUESTS times, one request at a time, each time with another first word (so the
-   decode node's prefix cache holds none of it: every request is computed and moved whole): the first
-   request's time to first token against the tenth's shows whether the nodes' warm-up worked (on a GPU, the
-   first within 2x the tenth).
+3. One prompt is asked TTFT_REQUESTS times, one request at a time: the first request's time to first token
+   against the tenth's shows whether the nodes' warm-up worked (on a GPU, the first within 2x the tenth).
 4. Every prompt is sent at once; the table shows how each one's KV travelled, and each output is compared.
 """
 
@@ -62,9 +60,9 @@ def _first_requests(url: str, prompt_tokens: int) -> str:
     compares the first request's time to first token with the tenth's (or the last's, when fewer came)."""
     ttfts: list[float] = []
     paths: list[str] = []
-    for k in range(TTFT_REQUESTS):
+    for _ in range(TTFT_REQUESTS):
         try:
-            report = _ask(url, f"({k}) {TTFT_PROMPT}", SamplingParams(max_tokens=1, temperature=0.0))["kvwire"]
+            report = _ask(url, TTFT_PROMPT, SamplingParams(max_tokens=1, temperature=0.0))["kvwire"]
         except Exception as exc:  # noqa: BLE001 - reported on the line
             if not ttfts:
                 return f"time to first token, one request at a time: the first request failed: {exc}"
@@ -129,7 +127,7 @@ def demo(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint;
     with cluster_of(spec, "demo") as cluster:
         typer.echo(f"cluster ready to disaggregate in {time.monotonic() - started:.1f}s at {cluster.url} "
                    f"(nodes {'warmed up' if warmup else 'not warmed up: --no-warmup'})")
-        typer.echo(_first_requests(cluster.url, len(tokenizer.encode(f"(0) {TTFT_PROMPT}"))))
+        typer.echo(_first_requests(cluster.url, len(tokenizer.encode(TTFT_PROMPT))))
         typer.echo(f"sending {len(PROMPTS)} prompts at once")
         with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
             futures = [pool.submit(_ask, cluster.url, p, params) for p in PROMPTS]
