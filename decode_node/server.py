@@ -65,8 +65,8 @@ class DecodeNode:
         self._replies = PushSockets()  # TokenChunk / WorkError to routers
         pool = KVPool.allocate(rt.layout, config.engine.num_blocks, config.engine.device)
         self._consumer = KVConsumer(config.connector, rt.directory, rt.transport,
-                                    KVRegion.from_kv_caches(pool.kv_caches, pool.layout.model), wakeup=self._wakeup,
-                                    inbox=True)
+                                    KVRegion.from_kv_caches(pool.kv_caches).of_model(pool.layout.model),
+                                    wakeup=self._wakeup, inbox=True)
         rt.kv_ready_endpoint = self._consumer.kv_ready_endpoint
         self._connector = ConsumerConnector(0, 0, config.connector, self._consumer)
         runner = ModelRunner(rt.model, pool, consumer=self._connector)
@@ -274,6 +274,8 @@ def recompute_reason(work: DecodeWork) -> RecomputeReason | None:
     """Why a prompt computed here should have come as KV; None when the router kept it here by design."""
     if work.prefill_node:
         return RecomputeReason.KV_NOT_RECEIVED
+    if work.path_reason is None:  # an older router
+        return RecomputeReason.NO_PREFILL_NODE
     if work.path_reason in _BY_DESIGN:
         return None
-    return _NOT_PREFILLED.get(work.path_reason, RecomputeReason.NO_PREFILL_NODE)  # type: ignore[arg-type]
+    return _NOT_PREFILLED.get(work.path_reason, RecomputeReason.NO_PREFILL_NODE)

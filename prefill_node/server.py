@@ -63,7 +63,8 @@ class PrefillNode:
         self._wakeup = Wakeup()
         pool = rt.transport.producer_pool(rt.layout, config.engine.num_blocks, config.engine.device)
         self._producer = KVProducer(config.connector, rt.directory, rt.epoch, rt.transport,
-                                    KVRegion.from_kv_caches(pool.kv_caches, pool.layout.model), wakeup=self._wakeup)
+                                    KVRegion.from_kv_caches(pool.kv_caches).of_model(pool.layout.model),
+                                    wakeup=self._wakeup)
         self._connector = ProducerConnector(0, 0, config.connector, self._producer)
         self._runner = ModelRunner(rt.model, pool, producer=self._connector)
         self._drain = Drain(rt)

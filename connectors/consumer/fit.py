@@ -40,7 +40,7 @@ class LocationFit:
         layout = self._region.layout
         if heads is not None:
             loc = self._heads(loc, heads, bad)
-        elif loc.layout != layout and not _same_but_unknown_model(loc.layout, layout):
+        elif not _agree(loc.layout, layout):
             raise bad(_differ(loc.layout, layout))
         if loc.num_tokens != num_tokens:
             raise bad(f"producer has {loc.num_tokens} prompt tokens, we need {num_tokens}")
@@ -76,7 +76,7 @@ class LocationFit:
         """`loc` narrowed to a head slice, if both pools allow it (same layout but for their head counts)."""
         layout = self._region.layout
         theirs = msgspec.structs.replace(loc.layout, num_kv_heads=layout.num_kv_heads)
-        if theirs != layout and not _same_but_unknown_model(theirs, layout):
+        if not _agree(theirs, layout):
             raise bad(_differ(loc.layout, layout) + " (head counts aside)")
         if loc.layerwise or loc.hidden or self._verify_kv:
             raise bad("a head slice of layer-wise KV, of hidden states or with checksums is not pulled")
@@ -104,10 +104,10 @@ class LocationFit:
             raise bad(f"KV checksum mismatch in layers {wrong}")
 
 
-def _same_but_unknown_model(a: KVLayout, b: KVLayout) -> bool:
-    """Layouts equal but for a model one of them does not know."""
-    unnamed = msgspec.structs.replace(a, model="") == msgspec.structs.replace(b, model="")
-    return unnamed and models_agree(a.model, b.model)
+def _agree(a: KVLayout, b: KVLayout) -> bool:
+    """Layouts equal, their models too where both name one."""
+    return a == b or (models_agree(a.model, b.model)
+                      and msgspec.structs.replace(a, model="") == msgspec.structs.replace(b, model=""))
 
 
 def _differ(theirs: KVLayout, ours: KVLayout) -> str:

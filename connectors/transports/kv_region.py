@@ -102,9 +102,8 @@ class KVRegion:
         return dataclasses.replace(self, layout=msgspec.structs.replace(self.layout, model=model))
 
     @classmethod
-    def from_kv_caches(cls, kv_caches: list[torch.Tensor], model: str = "") -> KVRegion:
-        """Recover the planes behind the contract's per-layer tensors (`model`: the checkpoint's fingerprint,
-        for the layout; "": not known).
+    def from_kv_caches(cls, kv_caches: list[torch.Tensor]) -> KVRegion:
+        """Recover the planes behind the contract's per-layer tensors (the layout names no checkpoint: `of_model`).
 
         Per-layer views `[num_blocks, 2, ...]` of one block-major tensor (kvwire's pool)
         give one plane; separate contiguous per-layer tensors `[2, num_blocks, ...]`
@@ -128,7 +127,7 @@ class KVRegion:
             raise ValueError(f"per-layer KV tensors differ in shape: {sorted({tuple(kv.shape) for kv in kv_caches})}")
         block_size, heads, head_dim = shape
         layout = KVLayout(num_layers=len(kv_caches), num_kv_heads=heads, head_dim=head_dim, block_size=block_size,
-                          dtype=dtype_of(kv_caches[0]), pool=pool, model=model)
+                          dtype=dtype_of(kv_caches[0]), pool=pool)
         return cls(planes, layout)
 
     @property

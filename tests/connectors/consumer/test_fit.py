@@ -17,7 +17,7 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=
 
 
 def _fit(model: str) -> LocationFit:
-    return LocationFit(KVRegion.from_kv_caches(KVPool.allocate(LAYOUT, 8).kv_caches, model), verify_kv=False)
+    return LocationFit(KVRegion.from_kv_caches(KVPool.allocate(LAYOUT, 8).kv_caches).of_model(model), verify_kv=False)
 
 
 def _loc(model: str) -> KVLocation:
