@@ -12,7 +12,9 @@ A request here (its one record: `DecodeRequest`, request.py):
    on the runner's pull thread while others decode) and running. The consumer pulls its KV
    and hidden states: if they arrive within the KV deadline the prompt's forward is
    skipped (bypassed), otherwise the prompt is recomputed here, so no request is lost to
-   a failed transfer. A request with no prefill node is computed here from the start.
+   a failed transfer. A request with no prefill node is computed here from the start, unless it is a
+   later choice of a request (`DecodeWork.prompt_of`): it then starts from that one's prompt KV, shared
+   and sampled in the same step as its first token (engine/shared_prompts.py).
 4. Each engine step streams the new tokens (and their logprobs, when asked) to the router
    as `TokenChunk`s; the last one carries the finish reason and the transfer statistics.
    Finished requests free their blocks at once.
@@ -172,10 +174,27 @@ class DecodeNode:
         if record.trace is not None:
             log.info("request %s: trace %s", rid, trace_id(record.trace))
         if not work.prefill_node:
-            self.engine.add_request(rid, work.prompt_token_ids, work.sampling, receive_kv=False)
+            self.engine.add_request(rid, work.prompt_token_ids, work.sampling, receive_kv=False,
+                                    fork_of=self._shared_prompt_of(work))
             return
         record.kv = self._consumer.expect(rid, work.prefill_node, work.prefill_epoch)
         self._awaiting_kv[rid] = record
+
+    def _shared_prompt_of(self, work: DecodeWork) -> str:
+        """The request whose prompt KV `work` (a later choice) starts from: its `prompt_of` while that one's prompt is
+        not done here; "" when there is none (`work` then computes the prompt, counted as PROMPT_NOT_SHARED)."""
+        if not work.prompt_of:
+            return ""
+        leader = self._requests.get(work.prompt_of)
+        if leader is None or leader.work.prompt_token_ids != work.prompt_token_ids:
+            why = "is not here" if leader is None else "has another prompt"
+        elif work.prompt_of in self._awaiting_kv or self.engine.prompt_pending(work.prompt_of):
+            return work.prompt_of
+        else:
+            why = "is past its prompt"
+        log.info("request %s: request %s, whose prompt KV it was to start from, %s; computing the prompt",
+                 work.request_id, work.prompt_of, why)
+        return ""
 
     def _cancel(self, rid: str) -> None:
         """Drop a request the router cancelled, silently: its record, its KV expectation, its engine state."""
@@ -248,7 +267,7 @@ class DecodeNode:
         if len(seq.output_ids) > 1 and t.first_token_time is not None and t.finished_time is not None:
             m.tpot_seconds.observe((t.finished_time - t.first_token_time) / (len(seq.output_ids) - 1))
         m.prompt_tokens_cached.inc(seq.num_cached_tokens)
-        reason = None if seq.bypassed else recompute_reason(record.work)
+        reason = None if seq.bypassed or seq.prompt_shared else recompute_reason(record.work)
         if reason is not None:
             m.recomputes.labels(str(reason)).inc()
 
@@ -267,7 +286,8 @@ class DecodeNode:
 
 _BY_DESIGN = frozenset({PathReason.SHORT_PROMPT, PathReason.CACHED_ON_DECODE, PathReason.NOT_ASKED})
 _NOT_PREFILLED = {PathReason.PREFILL_SATURATED: RecomputeReason.PREFILL_SATURATED,
-                  PathReason.PREFILL_OTHER_MODEL: RecomputeReason.PREFILL_OTHER_MODEL}
+                  PathReason.PREFILL_OTHER_MODEL: RecomputeReason.PREFILL_OTHER_MODEL,
+                  PathReason.PROMPT_SHARED: RecomputeReason.PROMPT_NOT_SHARED}
 
 
 def recompute_reason(work: DecodeWork) -> RecomputeReason | None:

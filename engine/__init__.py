@@ -27,6 +27,8 @@ File map (file: what it holds, as its own docstring opens):
   ban on stop tokens, then greedy, or temperature, top-k, top-p (nucleus) and min-p with a per-request generator.
 - sequence.py: One request as the engine tracks it: prompt, sampled tokens (and their logprobs), blocks, RNG,
   metrics.
+- shared_prompts.py: A request's later choices (n > 1, best_of) that start from its first choice's prompt KV instead
+  of computing or receiving the same prompt again, as vLLM forks a request's sequences from one prefill.
 - tokenizer.py: Text <-> token ids: a checkpoint's tokenizer.json when it ships one, else raw UTF-8 bytes.
 - validation.py: The one check of a prompt and of sampling parameters that the router, the nodes and the engine all
   apply.

@@ -8,7 +8,9 @@ A block's life:
 2. `name(block, name)` (the engine, once the block holds the whole KV of the prefix `name` stands for,
    engine/block_names.py) makes it findable: `share(names)` hands the longest run of a prompt's named blocks to
    another request, each block counted once more.
-3. `free(ids)` counts each block once less. At zero a named block is idle (still findable, the first taken
+3. `retain(ids)` counts blocks in use once more (a request's later choice sharing its prompt's blocks,
+   engine/shared_prompts.py).
+4. `free(ids)` counts each block once less. At zero a named block is idle (still findable, the first taken
    when blocks run out), and an unnamed one is free.
 
 Without `name`, it is a plain free-list allocator (the prefill node's). Thread-safe.
@@ -84,6 +86,15 @@ class BlockAllocator:
                     self._idle[block] = None
                 else:
                     self._free.add(block)
+
+    def retain(self, block_ids: Sequence[int]) -> None:
+        """Count blocks in use once more each (free them once more too). Raises ValueError on an id not in use."""
+        with self._lock:
+            bad = [b for b in block_ids if b not in self._users]
+            if bad:
+                raise ValueError(f"retaining blocks that are not allocated: {bad[:8]}")
+            for block in block_ids:
+                self._users[block] += 1
 
     def share(self, names: Sequence[bytes]) -> list[int]:
         """The blocks holding the longest run of `names` from its start, each now used once more (free them

@@ -13,6 +13,9 @@ A request here:
    owner's loop (`wakeup`) and a later step takes it (bypassed, or computed then).
 4. Its first token is sampled; every later step decodes one more token for it, until EOS (unless
    ignore_eos) or one of stop_token_ids (reason "stop", never before min_tokens), or max_tokens ("length").
+A request's later choices (n > 1) may start from its first choice's prompt KV instead (`fork_of`,
+engine/shared_prompts.py): their first tokens come in the step of the first choice's.
+
 5. Finished or aborted, its blocks are freed at once, unless a pull may still be
    writing them: then when the pull ends. With the prefix cache on, every full block whose KV it
    computed or received (prompt, then answer) stays cached under its prefix's name once the prompt is
@@ -35,6 +38,7 @@ from kvwire.engine.outputs import ModelRunnerOutput
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.sampler import TokenHistory, make_generator, sample
 from kvwire.engine.sequence import FinishReason, Sequence
+from kvwire.engine.shared_prompts import SharedPrompts
 from kvwire.engine.validation import check_params, prompt_problem
 from kvwire.protocol.work import SamplingParams, TokenLogprobs
 
@@ -69,20 +73,32 @@ class LLMEngine:
         self.receiving: dict[str, tuple[Sequence, Future]] = {}  # admitted, KV being pulled on the pull thread
         self._wakeup = wakeup
         self.prefix_cache = prefix_cache
+        self.shared = SharedPrompts(allocator, self.block_size)  # later choices waiting on a first one's prompt
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    receive_kv: bool = True) -> Sequence:
+                    receive_kv: bool = True, fork_of: str = "") -> Sequence:
         """Queue a request. Raises InvalidRequest when it can never run.
 
         Args:
             receive_kv: whether a decode-role runner should ask the connector for the
                 prompt's KV (False when no prefill node is computing it).
+            fork_of: a request with the same prompt whose prompt is not done yet (`prompt_pending`, or one the
+                caller adds later): this one starts from its prompt KV (engine/shared_prompts.py), unless that
+                one ends first (then it computes the prompt).
         """
         self.validate(request_id, prompt_ids, params)
-        seq = Sequence(request_id, list(prompt_ids), params, make_generator(params.seed), receive_kv=receive_kv,
+        seq = Sequence(request_id, list(prompt_ids), params, make_generator(params.seed),
+                       receive_kv=receive_kv and not fork_of,
                        history=TokenHistory.start(prompt_ids, params, self.vocab_size, self.eos_token_id))
-        self.waiting.append(seq)
+        if fork_of:
+            self.shared.add(seq, fork_of)
+        else:
+            self.waiting.append(seq)
         return seq
+
+    def prompt_pending(self, request_id: str) -> bool:
+        """Whether `request_id` is here and its prompt is not done yet (a later choice can still fork from it)."""
+        return any(s.request_id == request_id for s in [*self.waiting, *(s for s, _ in self.receiving.values())])
 
     def after_step(self, idle: bool = False) -> None:
         """The step's outputs are out (`idle`: and nothing is left to do): the connector's deferred work (a
@@ -120,19 +136,22 @@ class LLMEngine:
             if seq.request_id == request_id:
                 seq.finish_reason = FinishReason.ABORT
         self.waiting = deque(s for s in self.waiting if not s.finished)
+        self.shared.abort(request_id)
+        self.waiting.extend(self.shared.orphans(request_id))  # its prompt never came: they compute it
         self._reap()
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.receiving)
+        return bool(self.waiting or self.running or self.receiving or self.shared.sequences)
 
     def can_step(self) -> bool:
         """Whether `step()` has anything to do now (else wait for new work or a pull ending: `wakeup`)."""
         return bool(self.running or any(f.done() for _, f in self.receiving.values())
-                    or (self.waiting and self._fits(self.waiting[0])))
+                    or (self.waiting and self._fits(self.waiting[0]))
+                    or (self.shared.ready and self._fits(self.shared.ready[0].seq, shared=True)))
 
     @property
     def unfinished(self) -> list[Sequence]:
-        return [*self.running, *self.waiting, *(s for s, _ in self.receiving.values())]
+        return [*self.running, *self.waiting, *(s for s, _ in self.receiving.values()), *self.shared.sequences]
 
     def step(self) -> list[StepOutput]:
         """Admit what fits and compute (or receive) their prompts, or else decode one token for every running
@@ -145,6 +164,8 @@ class LLMEngine:
         for seq in admitted:
             seq.metrics.scheduler_time += time.monotonic() - start
             outputs[seq.request_id] = StepOutput(seq, [self._prefill(seq)])
+        for seq, token in self._start_shared():
+            outputs[seq.request_id] = StepOutput(seq, [token])
         decoding = [] if outputs else [s for s in self.running if not s.finished]
         if decoding:
             result = self._decode(decoding)
@@ -165,8 +186,29 @@ class LLMEngine:
     def _blocks_needed(self, prompt_len: int, params: SamplingParams) -> int:
         return math.ceil(min(prompt_len + params.max_tokens, self.max_model_len) / self.block_size)
 
-    def _fits(self, seq: Sequence) -> bool:
-        return self._blocks_needed(len(seq.prompt_ids), seq.params) <= self.allocator.num_free
+    def _fits(self, seq: Sequence, shared: bool = False) -> bool:
+        """Whether `seq`'s blocks fit now (`shared`: a later choice, whose full prompt blocks are its leader's)."""
+        held = len(seq.prompt_ids) // self.block_size if shared else 0
+        return self._blocks_needed(len(seq.prompt_ids), seq.params) - held <= self.allocator.num_free
+
+    def _start_shared(self) -> list[tuple[Sequence, int]]:
+        """Start the later choices whose leader's prompt is done, while their blocks fit (engine/shared_prompts.py);
+        each with its first token."""
+        started = []
+        while self.shared.ready and self._fits(self.shared.ready[0].seq, shared=True):
+            ready = self.shared.ready.popleft()
+            seq, full = ready.seq, len(ready.seq.prompt_ids) // self.block_size
+            fresh = self.allocator.allocate(self._blocks_needed(len(seq.prompt_ids), seq.params) - full)
+            if len(ready.prompt_blocks) > full:  # the leader's partial last block: this one's own copy
+                self._runner.copy_block(ready.prompt_blocks[full], fresh[0])
+            self.allocator.free(ready.prompt_blocks[full:])
+            seq.block_ids = ready.prompt_blocks[:full] + fresh
+            seq.bypassed, seq.prompt_shared = ready.bypassed, True
+            seq.metrics.mark_scheduled(time.monotonic())
+            self.running.append(seq)
+            started.append((seq, self._sample(seq, ready.logits.clone())))
+            seq.metrics.mark_first_token(time.monotonic())
+        return started
 
     def _admit(self) -> list[Sequence]:
         """Admit waiting requests while their blocks fit; those whose KV is pulled asynchronously start
@@ -237,7 +279,10 @@ class LLMEngine:
         seq.bypassed = result.bypassed
         self._cache(seq, seq.prompt_ids)
         seq.metrics.model_forward_time += result.forward_s
-        token = self._sample(seq, self._runner.logits(result.last_hidden)[0])
+        logits = self._runner.logits(result.last_hidden)[0]  # [vocab]
+        if self.shared.has_choices(seq.request_id):
+            self.shared.prompt_done(seq, logits.clone())
+        token = self._sample(seq, logits)
         seq.metrics.model_execute_time += time.monotonic() - start
         seq.metrics.mark_first_token(time.monotonic())
         return token

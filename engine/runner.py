@@ -138,5 +138,10 @@ class ModelRunner:
         return self.model(model_input, self.kv_caches)
 
     @torch.inference_mode()
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's KV, every layer's, within the pool."""
+        self.pool.data[dst].copy_(self.pool.data[src])
+
+    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)  # [B, vocab] float32

@@ -32,6 +32,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     receive_kv: bool = True  # ask the connector for the prompt's KV before computing it
     bypassed: bool = False
+    prompt_shared: bool = False  # started from another request's prompt KV (engine/shared_prompts.py)
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache (not computed, not received)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
 

@@ -185,7 +185,8 @@ class NodeRuntime:
                         pulls=load.pulls, recomputed=load.recomputed,
                         host=host_identity(), pid=os.getpid(), block_size=self.config.engine.block_size,
                         prefix_cache=self.config.engine.prefix_cache and self.config.connector.role == NodeRole.DECODE,
-                        kv_ready_endpoint=self.kv_ready_endpoint, model=self.model_fingerprint)
+                        kv_ready_endpoint=self.kv_ready_endpoint, model=self.model_fingerprint,
+                        shares_prompts=self.config.connector.role == NodeRole.DECODE)
 
     def is_ready(self) -> bool:
         """Whether the transport self-test passed and the directory lists this incarnation, not draining.

@@ -33,6 +33,9 @@ class RecomputeReason(enum.StrEnum):
     PREFILL_SATURATED = "prefill_saturated"  # every live prefill node had --prefill-max-in-flight requests in flight
     PREFILL_OTHER_MODEL = "prefill_other_model"  # every live prefill node serves another checkpoint
     KV_NOT_RECEIVED = "kv_not_received"  # a prefill node was asked, its KV did not arrive
+    # a later choice meant to start from its first choice's prompt KV (PathReason.PROMPT_SHARED): that one was not on
+    # the node, its prompt was already done, or it ended before its prompt was
+    PROMPT_NOT_SHARED = "prompt_not_shared"
     # Not recomputes: prompts the router kept on decode by design (short, cached there, or the client's wish);
     # kvwire_path_reasons_total counts those.
 
@@ -116,16 +119,19 @@ class PathReason(enum.StrEnum):
     PREFILL_FAILED = "prefill-failed"  # the prefill instance was not reached, timed out, broke or answered 5xx
     NO_KV_PARAMS = "no-kv-transfer-params"  # it answered without them (a vLLM started with no KV connector)
     NOT_ASKED = "not-asked"  # the client's body said "disaggregate": false (kvwire's own nodes)
+    # a later choice (n > 1, best_of) of a prompt: it starts from its first choice's prompt KV on that one's decode
+    # node (kvwire's own nodes: DecodeWork.prompt_of), neither computed nor moved again
+    PROMPT_SHARED = "prompt-shared"
 
 
 DISAGGREGATED_REASONS = frozenset({PathReason.PREFILLED, PathReason.PREFILLED_ALONGSIDE})
 # the reasons the router gives over kvwire's own nodes (router/placement.py)
 NODES_PATH_REASONS: tuple[PathReason, ...] = (
     PathReason.PREFILLED, PathReason.CACHED_ON_DECODE, PathReason.SHORT_PROMPT, PathReason.NO_PREFILL_INSTANCE,
-    PathReason.PREFILL_OTHER_MODEL, PathReason.PREFILL_SATURATED, PathReason.NOT_ASKED)
+    PathReason.PREFILL_OTHER_MODEL, PathReason.PREFILL_SATURATED, PathReason.NOT_ASKED, PathReason.PROMPT_SHARED)
 # the reasons the router in front of vLLM servers gives (router/vllm/)
 VLLM_PATH_REASONS: tuple[PathReason, ...] = tuple(
-    r for r in PathReason if r not in (PathReason.NOT_ASKED, PathReason.PREFILL_OTHER_MODEL))
+    r for r in PathReason if r not in (PathReason.NOT_ASKED, PathReason.PREFILL_OTHER_MODEL, PathReason.PROMPT_SHARED))
 
 
 def path_of(reason: PathReason) -> ProxyPath:

@@ -69,6 +69,10 @@ class DecodeWork(AnyMessage, tag="decode", frozen=True):
     prefill_epoch: int = 0  # the incarnation of prefill_node the router picked; 0: unknown
     trace: TraceContext | None = None  # the client's (or the router's span's) W3C trace context
     path_reason: PathReason | None = None  # why the router took this path (None: an older router)
+    # a request of the same prompt on this node (its first choice) that this one, a later choice of the client's
+    # request, starts from: its prompt KV, not computed or received again (engine/shared_prompts.py); sent only to
+    # nodes that say they do (NodeInfo.shares_prompts), with prefill_node "" and path_reason PROMPT_SHARED
+    prompt_of: str = ""
 
 
 class DecodeStats(msgspec.Struct, frozen=True, kw_only=True):

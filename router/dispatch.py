@@ -8,6 +8,8 @@ A request here, kept in one in-flight record (router/in_flight.py) from its pick
    inbox) and `DecodeWork` at once, with the client's trace context: decode waits for the KV while prefill
    computes. What the pick reserves weighs on later picks: the request is in flight on its prefill node
    until its first reply arrives or it is forgotten, and on its decode node until its last token.
+   `submit_shared()` sends a request's later choice to its first choice's decode node instead, to start
+   from that one's prompt KV.
 2. The reader task (started by `start()`, with the zmq PULL socket decode nodes answer
    to) puts each `TokenChunk` / `WorkError` on the request's queue; the HTTP handler
    consumes it.
@@ -141,6 +143,20 @@ class Dispatcher:
                                                   prefill_node=route.prefill.node_id if route.prefill else "",
                                                   prefill_epoch=route.prefill.epoch if route.prefill else 0,
                                                   trace=trace, path_reason=route.reason))
+        return route, queue
+
+    async def submit_shared(self, request_id: str, first: str, decode: NodeInfo, prompt_ids: list[int],
+                            sampling: SamplingParams, trace: TraceContext | None = None) -> tuple[Route, asyncio.Queue]:
+        """Send a later choice of request `first` (submitted just before, same prompt) to `first`'s decode node
+        (one that `shares_prompts`), to start from `first`'s prompt KV there: no prefill node, the prompt neither
+        computed nor moved again. It reserves its own blocks beyond the prompt's."""
+        route = Route(None, decode, PathReason.PROMPT_SHARED)
+        queue: asyncio.Queue = asyncio.Queue()
+        reservation = self._placement.shared(decode, prompt_ids, sampling.max_tokens)
+        self._in_flight[request_id] = InFlight(decode, reservation, queue, watched=True)
+        await self._push(decode, DecodeWork(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
+                                            reply_to=self.reply_to, prefill_node="", trace=trace,
+                                            path_reason=route.reason, prompt_of=first))
         return route, queue
 
     def cancel(self, request_id: str) -> None:

@@ -2,9 +2,11 @@
 
 Lifecycle:
 
-1. `start()` submits every choice through the dispatcher (each its own prefill and decode pick, its own
-   request id: the request's, with "-<k>" after it when there are several), each in a "kvwire.route" span
-   (a child of the client's trace context; its context is what the nodes are sent).
+1. `start()` submits every choice through the dispatcher, each with its own request id (the request's, with
+   "-<k>" after it when there are several), each in a "kvwire.route" span (a child of the client's trace
+   context; its context is what the nodes are sent). A prompt's first choice gets its own prefill and decode
+   pick; its later ones (n > 1, best_of) go to that decode node to start from its prompt KV, when the node
+   does that (`NodeInfo.shares_prompts`; else each is picked as a first one is).
 2. `events()` yields each choice as a chunk of it arrives, until all are finished. A choice that a stop
    string ended is cancelled on its decode node (`CancelWork`) at once.
 3. `close()` (always called) cancels the choices not finished — a client that left, a timeout, another
@@ -25,6 +27,7 @@ from kvwire.observability.tracing import Spans, TraceContext
 from kvwire.protocol.work import ErrorKind, TokenChunk, WorkError, span_attributes
 from kvwire.router.choice import Choice
 from kvwire.router.dispatch import Dispatcher
+from kvwire.router.placement import Route
 from kvwire.router.sampling import Plan
 from kvwire.router.schemas import APIError
 
@@ -46,12 +49,21 @@ class Generation:
         self._pumps: list[asyncio.Task] = []
 
     async def start(self) -> None:
+        first: tuple[Choice, Route] | None = None  # the prompt's first choice, and where it went
         for choice in self.choices:
-            sampling = self.plan.sampling_for(choice.index % self.plan.best_of)
+            k = choice.index % self.plan.best_of
+            sampling = self.plan.sampling_for(k)
             choice.span = self._spans.start("kvwire.route", self._trace, {
                 "kvwire.request_id": choice.request_id, "kvwire.prompt_tokens": len(choice.prompt_ids)})
-            route, queue = await self._dispatcher.submit(choice.request_id, choice.prompt_ids, sampling,
-                                                         self.plan.disaggregate, trace=choice.span.context)
+            if k and first is not None and first[1].decode.shares_prompts:
+                route, queue = await self._dispatcher.submit_shared(
+                    choice.request_id, first[0].request_id, first[1].decode, choice.prompt_ids, sampling,
+                    trace=choice.span.context)
+            else:
+                route, queue = await self._dispatcher.submit(choice.request_id, choice.prompt_ids, sampling,
+                                                             self.plan.disaggregate, trace=choice.span.context)
+            if not k:
+                first = (choice, route)
             choice.path, choice.reason = route.path, route.reason
             self._pumps.append(asyncio.create_task(self._pump(choice, queue)))
 

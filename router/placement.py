@@ -157,6 +157,13 @@ class Placement:
             self._index.record(_key(route.decode), prompt)
         return route, reservation
 
+    def shared(self, decode: NodeInfo, prompt: Sequence[int], max_tokens: int) -> Reservation:
+        """The reservation of a request's later choice on `decode`, which starts from its first choice's prompt
+        blocks there: only its blocks past the prompt's full ones."""
+        size = decode.block_size
+        blocks = -(-(len(prompt) + max_tokens) // size) - len(prompt) // size if size else 0
+        return Reservation(_key(decode), list(prompt), False, blocks, time.time())
+
     def ended(self, reservation: Reservation, finished: bool) -> None:
         """The request is no longer in flight on its decode node: its last token came (`finished`: a node that
         keeps a prefix cache holds its prompt and answer now), or it is forgotten."""

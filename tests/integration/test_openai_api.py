@@ -132,6 +132,11 @@ def test_n_best_of_and_batched_prompts(client, model_dir):
     for c in got.choices:  # prompt c.index // 2, choice j = c.index % 2 sampled with seed 5 + j
         prompt = [PROMPT, OTHER][c.index // 2]
         assert c.token_ids == _reference(model_dir, prompt, max_tokens=6, temperature=1.0, seed=5 + c.index % 2)[0]
+    # each prompt prefilled and moved once: its later choice started from that KV on the same decode node
+    reports = got.model_extra["kvwire"]["choices"]  # type: ignore[index]
+    assert [(r["reason"], r["bypassed"], r["kv_bytes"] > 0) for r in reports] == \
+        [("prefilled", True, True), ("prompt-shared", True, False)] * 2
+    assert reports[1]["decode_node"] == reports[0]["decode_node"]
     best = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, n=1, best_of=3,
                                      seed=5, extra_body={"return_token_ids": True})
     runs = [_reference(model_dir, PROMPT, max_tokens=6, temperature=1.0, seed=5 + j, logprobs=0) for j in range(3)]
