@@ -146,7 +146,7 @@ class LLMEngine:
     def can_step(self) -> bool:
         """Whether `step()` has anything to do now (else wait for new work or a pull ending: `wakeup`)."""
         return bool(self.running or any(f.done() for _, f in self.receiving.values())
-                    or (self.waiting and self._fits(self.waiting[0]))
+                    or (self.waiting and not self.shared.ready and self._fits(self.waiting[0]))
                     or (self.shared.ready and self._fits(self.shared.ready[0].seq, shared=True)))
 
     @property
@@ -160,11 +160,13 @@ class LLMEngine:
         start = time.monotonic()
         for seq, received in self._received():
             outputs[seq.request_id] = StepOutput(seq, [self._prefill(seq, received)])
+        for seq, token in self._start_shared():  # before any new request: theirs is admitted already
+            outputs[seq.request_id] = StepOutput(seq, [token])
         admitted = self._admit()
         for seq in admitted:
             seq.metrics.scheduler_time += time.monotonic() - start
             outputs[seq.request_id] = StepOutput(seq, [self._prefill(seq)])
-        for seq, token in self._start_shared():
+        for seq, token in self._start_shared():  # those of the prompts just done: in the same step
             outputs[seq.request_id] = StepOutput(seq, [token])
         decoding = [] if outputs else [s for s in self.running if not s.finished]
         if decoding:
@@ -211,11 +213,12 @@ class LLMEngine:
         return started
 
     def _admit(self) -> list[Sequence]:
-        """Admit waiting requests while their blocks fit; those whose KV is pulled asynchronously start
-        their pull and wait in `receiving`. Returns the ones to compute (or receive) in this step."""
+        """Admit waiting requests while their blocks fit (none while a later choice waits for its own: it came
+        first); those whose KV is pulled asynchronously start their pull and wait in `receiving`. Returns the ones
+        to compute (or receive) in this step."""
         admitted = []
         inline = not self.running and not self.receiving  # the whole step's pulls on one thread, never two at once
-        while self.waiting and self._fits(self.waiting[0]):
+        while self.waiting and not self.shared.ready and self._fits(self.waiting[0]):
             seq = self.waiting.popleft()
             self._allocate(seq)
             seq.metrics.mark_scheduled(time.monotonic())

@@ -129,3 +129,17 @@ def test_prompt_pending_is_true_only_until_the_first_token(model):
     assert eng.prompt_pending("a") and not eng.prompt_pending("b")
     eng.step()
     assert not eng.prompt_pending("a")
+
+
+def test_a_later_choice_waiting_for_blocks_is_not_overtaken_by_a_new_request(model):
+    prompt = list(range(50, 63))
+    eng, _ = _engine(model, num_blocks=12)
+    eng.add_request("r-0", prompt, _params(1, max_tokens=10))  # 6 blocks
+    eng.add_request("x", list(range(3, 20)), _params(9, max_tokens=4))  # 6 blocks
+    later = eng.add_request("r-1", prompt, _params(2, max_tokens=10), receive_kv=False, fork_of="r-0")
+    eng.step()
+    eng.add_request("small", list(range(100, 113)), _params(4, max_tokens=1))  # 4 blocks: r-1 needs 3
+    order = []
+    while eng.has_unfinished():
+        order += [o.sequence.request_id for o in eng.step() if len(o.sequence.output_ids) == 1]
+    assert order.index("r-1") < order.index("small") and later.prompt_shared
