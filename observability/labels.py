@@ -14,6 +14,9 @@ class TransferFailure(enum.StrEnum):
     TRANSPORT = "transport"  # the transport failed while moving the bytes
     DIRECTORY = "directory"  # Redis could not be reached or held an unreadable record
     SLOW_PATH = "slow_path"  # refused: a same-host producer's KV would cross the network stack (--require-fast-path)
+    # vLLM: another request of the server pulled this KV (the n > 1 children of one request share it) and the prefix
+    # cache does not hold it (prefix caching off, or evicted): computed again
+    PROMPT_NOT_SHARED = "prompt_not_shared"
 
 
 class TransportFallback(enum.StrEnum):

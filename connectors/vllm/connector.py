@@ -91,7 +91,7 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        meta = self._scheduler.build_metadata()
+        meta = self._scheduler.build_metadata(scheduler_output.num_scheduled_tokens)
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 

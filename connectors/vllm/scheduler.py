@@ -4,7 +4,10 @@ A consumer's request (its `kv_transfer_params` name a remote prefill):
 
 1. `matched_tokens`: its prompt tokens beyond the local prefix cache are "external", loaded
    asynchronously (vLLM parks the request until the worker reports it received). With state
-   groups (Mamba) the last prompt token is not: the consumer computes it (groups.py).
+   groups (Mamba) the last prompt token is not: the consumer computes it (groups.py). A request
+   whose KV another request of this server pulls or pulled (the n > 1 children of one request
+   share their parent's params) waits for that pull, then starts from the prefix cache
+   (shared_pulls.py).
 2. `after_alloc`: its blocks are known; the next step's metadata asks the worker to pull
    into those past the cached prefix. A request that will not pull (everything cached, or
    aborted before its blocks) is abandoned: the producer is told to release now.
@@ -25,6 +28,7 @@ each that move.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from kvwire.connectors.vllm.groups import Groups
@@ -37,6 +41,7 @@ from kvwire.connectors.vllm.params import (
     wants_remote_decode,
 )
 from kvwire.connectors.vllm.settings import VLLMSettings
+from kvwire.connectors.vllm.shared_pulls import SharedPulls
 from kvwire.connectors.vllm.tally import Tally
 from kvwire.observability.labels import TransferFailure
 
@@ -55,6 +60,7 @@ class SchedulerHalf:
         self._groups = groups
         self._next = KvwireMetadata()  # what the next step's metadata carries
         self.tally = Tally()  # prompts not pulled for want of a match (stats.py)
+        self._shared = SharedPulls()  # keys pulled by one request for all that name them
 
     def new_request(self, request: Request) -> None:
         """A producer's request: with state groups, drop its last prompt token (module docstring, step 0); it
@@ -73,12 +79,18 @@ class SchedulerHalf:
         request.max_tokens = 1
         params[TRUNCATED] = True  # once, even if preempted and scheduled again
 
-    def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Prompt tokens a producer holds beyond `num_computed_tokens`, and whether they load asynchronously."""
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Prompt tokens a producer holds beyond `num_computed_tokens`, and whether they load asynchronously
+        (None: not known yet, another request of this server pulls the same KV; vLLM asks again later)."""
         remote = self._remote(request)
         if remote is None:
             return 0, False
+        if self._shared.must_wait(remote.remote_request_id, request.request_id):
+            return None, False
         prompt = len(request.prompt_token_ids or ())
+        if self._shared.pulled(remote.remote_request_id):
+            self._from_prefix_cache(request, remote, self._loaded(prompt) - num_computed_tokens)
+            return 0, False
         loaded = self._loaded(prompt)
         if remote.remote_num_tokens not in (loaded, ANNOUNCED_AHEAD):
             log.warning("request %s: producer %s computed %d prompt tokens, this prompt has %d (%d to load); "
@@ -88,6 +100,17 @@ class SchedulerHalf:
             return 0, False
         count = loaded - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _from_prefix_cache(self, request: Request, remote: RemotePrefill, uncached: int) -> None:
+        """`request` names KV another request of this server pulled: it computes past its prefix-cache hit, and
+        is counted when that leaves more than the prompt's last block (prefix caching off, or the blocks evicted)."""
+        assert request.kv_transfer_params is not None
+        request.kv_transfer_params["do_remote_prefill"] = False
+        if uncached > self._groups.block_size:
+            log.warning("request %s: the KV of %s was pulled for another request of this server (n > 1), and the "
+                        "prefix cache does not hold it: computing %d of its prompt tokens (is prefix caching off?)",
+                        request.request_id, remote.remote_request_id, uncached)
+            self.tally.failed(TransferFailure.PROMPT_NOT_SHARED)
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         remote = self._remote(request)
@@ -100,6 +123,7 @@ class SchedulerHalf:
             return
         loaded = self._loaded(len(request.prompt_token_ids or ()))
         first_block = (loaded - num_external_tokens) // self._groups.block_size
+        self._shared.pulling(remote.remote_request_id, request.request_id)  # received, or recomputed if it fails
         try:
             block_ids, pick = self._groups.pull(blocks.get_block_ids(), loaded, first_block)
         except ValueError as exc:  # the worker fails it: vLLM recomputes the prompt
@@ -113,6 +137,7 @@ class SchedulerHalf:
         for it. `block_ids`: the request's blocks, per KV cache group."""
         from vllm.v1.request import RequestStatus
 
+        self._shared.ended(request.request_id)
         remote = self._remote(request)
         if remote is not None:  # finished (aborted) before its blocks came: the producer may release
             assert request.kv_transfer_params is not None
@@ -136,7 +161,9 @@ class SchedulerHalf:
         self._next.hold[request.request_id] = Hold(held, num_tokens, key=key)
         return True, params
 
-    def build_metadata(self) -> KvwireMetadata:
+    def build_metadata(self, scheduled: Collection[str] = ()) -> KvwireMetadata:
+        """The next step's metadata; `scheduled`: the ids of the requests that step computes."""
+        self._shared.scheduled(scheduled)
         meta, self._next = self._next, KvwireMetadata()
         return meta
 

@@ -75,6 +75,8 @@ HINTS = {  # what to do when pulls fail for this reason
                                "address (advertise_host), over the same transport?",
     TransferFailure.DIRECTORY: "Redis could not be reached or held an unreadable record: check redis_url",
     TransferFailure.SLOW_PATH: "the KV would cross the network stack between processes on one host",
+    TransferFailure.PROMPT_NOT_SHARED: "turn vLLM's prefix caching on: a request's n > 1 choices then start from "
+                                       "one pull",
 }
 
 
@@ -216,7 +218,12 @@ class WorkerHalf:
             self._producer.fail(key, hold.error)
             return
         with self._lock:
-            self._held_ids[key] = rid
+            holder = self._held_ids.setdefault(key, rid)
+        if holder != rid:  # e.g. the n > 1 children of one request a proxy sent with its one key: the first has it
+            log.warning("request %s: its KV key %s is held already, for request %s (a proxy gave several requests "
+                        "one key, as with n > 1); not held: its blocks go back to vLLM", rid, key, holder)
+            self._ended_transfers.put((rid, Ended.SENT))
+            return
         if self._producer is None:
             log.error("request %s: asked to hold KV, but this instance does not produce", rid)
             self._released(key, block_ids)
@@ -231,7 +238,10 @@ class WorkerHalf:
 
     def _released(self, key: str, block_ids: list[int]) -> None:
         with self._lock:
-            rid = self._held_ids.pop(key, key)
+            rid = self._held_ids.pop(key, None)
+        if rid is None:  # never ours to report: an id vLLM does not know stops its engine
+            log.error("KV held under key %s was released, but no request of this server holds that key", key)
+            return
         self._ended_transfers.put((rid, Ended.SENT))
 
     # --- consumer --------------------------------------------------------------------------
@@ -255,14 +265,22 @@ class WorkerHalf:
             self.tally.failed(TransferFailure.MISMATCH)
             self._ended(rid, ok=False)
             return
+        keys = [rank_key(remote.remote_request_id, part.rank, remote.remote_tp_size) for part in parts]
         with self._lock:
-            record = self._pulling[rid] = Pulling(rid, pull, len(parts))
-            for part in parts:
-                self._waiting[rank_key(remote.remote_request_id, part.rank, remote.remote_tp_size)] = (record, part)
-        for part in parts:  # _dispatch hands each part to the pull thread once it can be pulled
+            taken = next((self._waiting[k][0].request_id for k in keys if k in self._waiting), None)
+            if taken is None:
+                record = self._pulling[rid] = Pulling(rid, pull, len(parts))
+                self._waiting.update((k, (record, part)) for k, part in zip(keys, parts))
+        if taken is not None:  # the scheduler lets one request pull a key at a time (shared_pulls.py)
+            log.error("request %s: request %s pulls the same KV (%s) already; vLLM recomputes this one's prompt",
+                      rid, taken, remote.remote_request_id)
+            self.tally.failed(TransferFailure.PROMPT_NOT_SHARED)
+            self._ended(rid, ok=False)
+            return
+        for key, part in zip(keys, parts):  # _dispatch hands each part to the pull thread once it can be pulled
             producer = remote.remote_engine_id and rank_node_id(remote.remote_engine_id, part.rank,
                                                                  remote.remote_tp_size)
-            self._consumer.expect(rank_key(remote.remote_request_id, part.rank, remote.remote_tp_size), producer)
+            self._consumer.expect(key, producer)
 
     def _pull_ready(self, consumer: KVConsumer) -> None:
         """The pull thread: each part whose KV can be pulled now (or never will be: the pull then fails fast) is

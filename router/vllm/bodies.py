@@ -14,9 +14,10 @@ from kvwire.connectors.vllm.params import KEY, TRANSFER
 from kvwire.router.schemas import APIError
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
-# Fields the prefill body leaves out: stream_options is refused without stream, and a
-# min_tokens above the prefill's max_tokens of 1 would be refused too.
-_NOT_FOR_PREFILL = frozenset({"stream_options", "min_tokens", KV_TRANSFER_PARAMS})
+# Fields the prefill body leaves out: stream_options is refused without stream, a min_tokens above the
+# prefill's max_tokens of 1 would be refused too, and best_of (like n, which it sets to 1) would make the
+# prefill instance compute the prompt once per choice: the decode instance's choices start from one prefill.
+_NOT_FOR_PREFILL = frozenset({"stream_options", "min_tokens", "best_of", KV_TRANSFER_PARAMS})
 
 
 class Endpoint(enum.StrEnum):
@@ -53,11 +54,12 @@ class Producer(NamedTuple):
 
 
 def prefill_body(body: dict[str, Any], endpoint: Endpoint, key: str | None = None) -> dict[str, Any]:
-    """The body a prefill instance gets: one token, no stream, and its KV kept for a decode instance (under the
-    directory key `key` when the router chose one: the decode instance is told it ahead, `ahead_params`)."""
+    """The body a prefill instance gets: one choice of one token, no stream, and its KV kept for a decode
+    instance (under the directory key `key` when the router chose one: the decode instance is told it ahead,
+    `ahead_params`)."""
     out = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
     params: dict[str, Any] = {"do_remote_decode": True} | ({KEY: key} if key is not None else {})
-    out.update(max_tokens=1, stream=False, kv_transfer_params=params)
+    out.update(max_tokens=1, n=1, stream=False, kv_transfer_params=params)
     if endpoint == Endpoint.CHAT and "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
     return out

@@ -3,6 +3,10 @@ its prefill server's life, started once for the module's tests, which run in thi
 
 0. tests/vllm/routed.py's checks (`routed_equals_plain`: whole, streamed and chat answers equal a plain server's,
    and the decode server computes no prompt token itself), on the fresh pair.
+0b. n > 1: a request's choices (vLLM's children of one request, each with the parent's kv_transfer_params) are
+   prefilled once and pulled once, the others starting from the decode server's prefix cache, each choice equal to
+   a plain server's; and n > 1 sent to the prefill server itself under one key (as a proxy that passes n on does)
+   holds the KV once and leaves the server serving once that hold lapses.
 1. Delayed free: two prompts computed with do_remote_decode and never pulled keep their blocks in use
    (vLLM's KV cache usage above zero) until the prefill server's kv_deadline_s (LEASE_S), then the connector
    reports them finished sending, vLLM frees them, and their directory entries say EXPIRED.
@@ -94,6 +98,38 @@ def _held_params(cluster: PDCluster, model: str, prompt: str) -> dict:
 @pytest.mark.usefixtures("duplicate")  # starts beside this test and the next (see the module's docstring)
 def test_disaggregated_equals_plain_over_nccl(plain_server: VLLMServer, pair: PDCluster, vllm_model_dir: Path):
     routed_equals_plain(pair, plain_server, str(vllm_model_dir))  # first: the decode server's metrics are fresh
+
+
+# --- 0b. n > 1 ----------------------------------------------------------------------------------------------------
+
+CHOICES_PROMPT = "Several answers to one prompt share its prefill. " * 14  # 700 tokens: disaggregated
+
+
+def test_n_choices_are_prefilled_and_pulled_once(plain_server: VLLMServer, pair: PDCluster, vllm_model_dir: Path):
+    model = str(vllm_model_dir)
+    body = _body(model, CHOICES_PROMPT, n=3, temperature=1.0, seed=4)
+    computed = lambda: counter_by_label(pair.prefill.url, "vllm:prompt_tokens_by_source_total", "source")  # noqa: E731
+    before = pair.kv_pulls(), pair.kv_failed_by_reason(), computed()
+    routed = httpx2.post(f"{pair.router_url}/v1/completions", json=body, timeout=120)
+    routed.raise_for_status()
+    plain = httpx2.post(f"{plain_server.url}/v1/completions", json=body, timeout=120).json()
+    assert [c["text"] for c in routed.json()["choices"]] == [c["text"] for c in plain["choices"]]
+    assert routed.headers["x-kvwire-path"] == "disaggregated"
+    assert pair.kv_pulls() - before[0] == 1 and pair.kv_failed_by_reason() == before[1]
+    prompt_tokens = routed.json()["usage"]["prompt_tokens"]
+    assert sum(computed().values()) - sum(before[2].values()) == prompt_tokens  # once, not once per choice
+
+    # a proxy that passes n on to the prefill server with one key: one hold, the others' blocks back at once
+    held = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, "kvwire_key": "n3-one-key"}}
+    assert httpx2.post(f"{pair.prefill.url}/v1/completions", json=held, timeout=60).status_code == 200
+    deadline = time.monotonic() + LEASE_S + 20
+    while _usage(pair.prefill) > 0:  # the one hold lapses (nobody pulls it)
+        assert time.monotonic() < deadline, "the held KV was never freed"
+        time.sleep(0.5)  # another process's state: polled
+    # its next steps take the release (which stopped vLLM's engine when a second child's hold had taken the key)
+    assert _text(pair.prefill.url, _body(model, PROMPTS[0] + " after n=3")) == _text(
+        plain_server.url, _body(model, PROMPTS[0] + " after n=3"))
+    assert httpx2.get(f"{pair.prefill.url}/health", timeout=10).status_code == 200
 
 
 # --- 1. delayed free -------------------------------------------------------------------------------------------

@@ -15,9 +15,18 @@ CLIENT = {"model": "m", "prompt": "Hello", "max_tokens": 64, "min_tokens": 8, "s
 
 def test_prefill_body_asks_one_token_without_stream_and_keeps_the_kv_for_decode():
     body = prefill_body(CLIENT, Endpoint.COMPLETIONS)
-    assert body == {"model": "m", "prompt": "Hello", "max_tokens": 1, "stream": False, "temperature": 0.0, "seed": 3,
-                    "kv_transfer_params": {"do_remote_decode": True}}
+    assert body == {"model": "m", "prompt": "Hello", "max_tokens": 1, "n": 1, "stream": False, "temperature": 0.0,
+                    "seed": 3, "kv_transfer_params": {"do_remote_decode": True}}
     assert CLIENT["max_tokens"] == 64 and "stream_options" in CLIENT  # the client's body is left as it was
+
+
+def test_prefill_body_asks_one_choice_the_decode_body_all():
+    """n > 1 and best_of would make the prefill instance compute the prompt once per choice, each child holding its
+    KV under the one key the router chose; the decode instance's choices start from one prefill."""
+    client = {**CLIENT, "n": 4, "best_of": 6}
+    body = prefill_body(client, Endpoint.COMPLETIONS, key="k1")
+    assert body["n"] == 1 and "best_of" not in body
+    assert decode_body(client, {"remote_request_id": "k1"})["n"] == 4
 
 
 def test_prefill_body_caps_max_completion_tokens_of_chat_only_when_given():
