@@ -77,14 +77,15 @@ def post(url: str, body: dict, timeout_s: float) -> Outcome:
     return Outcome(resp.status_code, data, time.monotonic() - start)
 
 
-def body_for(prompt, max_tokens: int) -> dict:
-    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+def body_for(prompt, max_tokens: int, n: int = 1) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True, "n": n}
 
 
-def send_all(url: str, prompts: list, max_tokens: int, timeout_s: float = REQUEST_TIMEOUT_S + 30) -> list[cf.Future]:
-    """Start every prompt at once on its own thread; the futures resolve to Outcomes."""
+def send_all(url: str, prompts: list, max_tokens: int, timeout_s: float = REQUEST_TIMEOUT_S + 30,
+             n: int = 1) -> list[cf.Future]:
+    """Start every prompt at once on its own thread (`n` choices each); the futures resolve to Outcomes."""
     pool = cf.ThreadPoolExecutor(len(prompts))
-    futures = [pool.submit(post, url, body_for(p, max_tokens), timeout_s) for p in prompts]
+    futures = [pool.submit(post, url, body_for(p, max_tokens, n), timeout_s) for p in prompts]
     pool.shutdown(wait=False)
     return futures
 
@@ -96,9 +97,10 @@ def judge(outcomes: list[Outcome], expected: list[list[int]], tally: Tally, *, d
     for out, want in zip(outcomes, expected):
         if out.elapsed_s > deadline_s:
             tally.lost += 1
-        elif out.status == 200 and out.body and out.body["choices"][0]["token_ids"] == want:
+        elif out.status == 200 and out.body and all(c["token_ids"] == want for c in out.body["choices"]):
             ok_bypass = require_bypass is None or out.body["kvwire"]["bypassed"] is require_bypass
-            if _silent_recompute(out.body["kvwire"]):
+            reports = out.body["kvwire"].get("choices", [out.body["kvwire"]])  # every choice's (n > 1)
+            if any(_silent_recompute(r) for r in reports):
                 ok_bypass = False
                 print(f"silent recompute (no transfer_failure named): {out.body['kvwire']}")
             tally.completed += ok_bypass

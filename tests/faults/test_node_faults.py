@@ -59,13 +59,14 @@ def assert_recovered_and_serving(cluster, model_dir, tally, *, bypass: bool = Tr
 
 def test_prefill_sigkilled_mid_transfer(cluster, tiny_model_dir, tally):
     """The prefill node dies while it holds published KV its decode node has yet to pull: every request still
-    completes, the unpulled ones recomputed. The decode node is stopped until the kill, so that the kill cannot
-    miss that moment (a held request is pulled within milliseconds otherwise)."""
+    completes, the unpulled ones recomputed, and each request's second choice (n=2), which starts from its first
+    one's prompt, answers the same. The decode node is stopped until the kill, so that the kill cannot miss that
+    moment (a held request is pulled within milliseconds otherwise)."""
     expected = reference(tiny_model_dir, LONG, 8)
     decode = cluster.procs["decode"]
     decode.send_signal(signal.SIGSTOP)
     try:
-        futures = send_all(cluster.url, LONG, 8)
+        futures = send_all(cluster.url, LONG, 8, n=2)
         assert wait_until(lambda: queue_depth(cluster, "prefill", "prefill_held") > 0, 30, 0.02)
         killed = crash(cluster, "prefill")
     finally:
@@ -77,6 +78,8 @@ def test_prefill_sigkilled_mid_transfer(cluster, tiny_model_dir, tally):
     print(f"\n{bypassed} of {len(LONG)} bypassed, the rest recomputed")
     assert tally.completed == len(LONG), [o.status for o in outcomes]  # decode recomputes: none fails
     assert bypassed < len(LONG), "the held KV was pulled from a dead prefill node?"
+    seconds = [o.body["kvwire"]["choices"][1] for o in outcomes]
+    assert {(r["reason"], r["kv_bytes"]) for r in seconds} == {("prompt-shared", 0)}, seconds
     wait_restarted(cluster, "prefill", killed)
     assert_recovered_and_serving(cluster, tiny_model_dir, tally)
 
