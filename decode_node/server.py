@@ -175,7 +175,7 @@ class DecodeNode:
             log.info("request %s: trace %s", rid, trace_id(record.trace))
         if not work.prefill_node:
             self.engine.add_request(rid, work.prompt_token_ids, work.sampling, receive_kv=False,
-                                    fork_of=self._shared_prompt_of(work))
+                                    prompt_of=self._shared_prompt_of(work))
             return
         record.kv = self._consumer.expect(rid, work.prefill_node, work.prefill_epoch)
         self._awaiting_kv[rid] = record

@@ -10,12 +10,12 @@ A request here:
 3. Its prompt is computed, or its KV received: within the step when nothing else runs
    (no thread hand-off on the way to its first token); otherwise on the runner's pull
    thread (`receiving`) while steps go on decoding the others; the pull's end wakes the
-   owner's loop (`wakeup`) and a later step takes it (bypassed, or computed then).
+   owner's loop (`wakeup`) and a later step takes it (bypassed, or computed then). A request's later
+   choice (n > 1) starts from its first choice's prompt KV instead (`prompt_of`, engine/shared_prompts.py),
+   its first token in the step of the first choice's (or, when its own blocks do not fit yet, before any
+   waiting request is admitted).
 4. Its first token is sampled; every later step decodes one more token for it, until EOS (unless
    ignore_eos) or one of stop_token_ids (reason "stop", never before min_tokens), or max_tokens ("length").
-A request's later choices (n > 1) may start from its first choice's prompt KV instead (`fork_of`,
-engine/shared_prompts.py): their first tokens come in the step of the first choice's.
-
 5. Finished or aborted, its blocks are freed at once, unless a pull may still be
    writing them: then when the pull ends. With the prefix cache on, every full block whose KV it
    computed or received (prompt, then answer) stays cached under its prefix's name once the prompt is
@@ -76,28 +76,28 @@ class LLMEngine:
         self.shared = SharedPrompts(allocator, self.block_size)  # later choices waiting on a first one's prompt
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    receive_kv: bool = True, fork_of: str = "") -> Sequence:
+                    receive_kv: bool = True, prompt_of: str = "") -> Sequence:
         """Queue a request. Raises InvalidRequest when it can never run.
 
         Args:
             receive_kv: whether a decode-role runner should ask the connector for the
                 prompt's KV (False when no prefill node is computing it).
-            fork_of: a request with the same prompt whose prompt is not done yet (`prompt_pending`, or one the
+            prompt_of: a request with the same prompt whose prompt is not done yet (`prompt_pending`, or one the
                 caller adds later): this one starts from its prompt KV (engine/shared_prompts.py), unless that
                 one ends first (then it computes the prompt).
         """
         self.validate(request_id, prompt_ids, params)
         seq = Sequence(request_id, list(prompt_ids), params, make_generator(params.seed),
-                       receive_kv=receive_kv and not fork_of,
+                       receive_kv=receive_kv and not prompt_of,
                        history=TokenHistory.start(prompt_ids, params, self.vocab_size, self.eos_token_id))
-        if fork_of:
-            self.shared.add(seq, fork_of)
+        if prompt_of:
+            self.shared.add(seq, prompt_of)
         else:
             self.waiting.append(seq)
         return seq
 
     def prompt_pending(self, request_id: str) -> bool:
-        """Whether `request_id` is here and its prompt is not done yet (a later choice can still fork from it)."""
+        """Whether `request_id` is here and its prompt is not done yet (a later choice can still start from it)."""
         return any(s.request_id == request_id for s in [*self.waiting, *(s for s, _ in self.receiving.values())])
 
     def after_step(self, idle: bool = False) -> None:

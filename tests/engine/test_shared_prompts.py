@@ -59,7 +59,7 @@ def test_later_choices_answer_as_if_alone_and_the_prompt_is_computed_once(model,
     prompt = list(range(40, 40 + prompt_len))
     eng, runner = _engine(model)
     first = eng.add_request("r-0", prompt, _params(5))
-    later = [eng.add_request(f"r-{k}", prompt, _params(5 + k), receive_kv=False, fork_of="r-0") for k in (1, 2, 3)]
+    later = [eng.add_request(f"r-{k}", prompt, _params(5 + k), receive_kv=False, prompt_of="r-0") for k in (1, 2, 3)]
     outputs = eng.step()
     assert [o.sequence.request_id for o in outputs] == ["r-0", "r-1", "r-2", "r-3"]  # one step: every first token
     _run(eng)
@@ -74,7 +74,7 @@ def test_a_later_choice_added_before_its_first_choice_waits_for_it(model):
     """The decode node adds a later choice while its first one still waits outside the engine for its KV."""
     prompt = list(range(7, 30))
     eng, runner = _engine(model)
-    later = eng.add_request("r-1", prompt, _params(2), receive_kv=False, fork_of="r-0")
+    later = eng.add_request("r-1", prompt, _params(2), receive_kv=False, prompt_of="r-0")
     assert not eng.can_step() and eng.has_unfinished() and eng.unfinished == [later]
     first = eng.add_request("r-0", prompt, _params(1))
     _run(eng)
@@ -87,7 +87,7 @@ def test_a_later_choice_waits_for_its_own_blocks_holding_the_prompts(model):
     eng, runner = _engine(model, num_blocks=12)
     first = eng.add_request("r-0", prompt, _params(1, max_tokens=10))  # 6 blocks
     other = eng.add_request("x", list(range(3, 20)), _params(9, max_tokens=4))  # 6 blocks: none left
-    later = eng.add_request("r-1", prompt, _params(2, max_tokens=10), receive_kv=False, fork_of="r-0")
+    later = eng.add_request("r-1", prompt, _params(2, max_tokens=10), receive_kv=False, prompt_of="r-0")
     eng.step()
     assert later in eng.unfinished and not later.prompt_shared  # needs 3 blocks of its own; 0 free
     _run(eng)
@@ -100,7 +100,7 @@ def test_a_first_choice_that_ends_before_its_prompt_leaves_its_later_ones_to_com
     prompt = list(range(20, 34))
     eng, runner = _engine(model)
     eng.add_request("r-0", prompt, _params(1))
-    later = eng.add_request("r-1", prompt, _params(2), receive_kv=False, fork_of="r-0")
+    later = eng.add_request("r-1", prompt, _params(2), receive_kv=False, prompt_of="r-0")
     eng.abort("r-0")
     _run(eng)
     assert not later.prompt_shared and runner.prompt_tokens == len(prompt)
@@ -112,8 +112,8 @@ def test_a_later_choice_aborted_before_or_after_its_prompt_gives_everything_back
     prompt = list(range(60, 73))
     eng, _ = _engine(model, num_blocks=10)
     eng.add_request("r-0", prompt, _params(1, max_tokens=20))  # 9 blocks of 10
-    waiting = eng.add_request("r-1", prompt, _params(2), receive_kv=False, fork_of="r-0")
-    ready = eng.add_request("r-2", prompt, _params(3), receive_kv=False, fork_of="r-0")
+    waiting = eng.add_request("r-1", prompt, _params(2), receive_kv=False, prompt_of="r-0")
+    ready = eng.add_request("r-2", prompt, _params(3), receive_kv=False, prompt_of="r-0")
     eng.abort("r-1")  # still waiting for the prompt
     eng.step()  # r-0's prompt: r-2 holds its blocks, and waits for 2 of its own (1 free)
     assert eng.unfinished[-1] is ready and not ready.prompt_shared
@@ -136,7 +136,7 @@ def test_a_later_choice_waiting_for_blocks_is_not_overtaken_by_a_new_request(mod
     eng, _ = _engine(model, num_blocks=12)
     eng.add_request("r-0", prompt, _params(1, max_tokens=10))  # 6 blocks
     eng.add_request("x", list(range(3, 20)), _params(9, max_tokens=4))  # 6 blocks
-    later = eng.add_request("r-1", prompt, _params(2, max_tokens=10), receive_kv=False, fork_of="r-0")
+    later = eng.add_request("r-1", prompt, _params(2, max_tokens=10), receive_kv=False, prompt_of="r-0")
     eng.step()
     eng.add_request("small", list(range(100, 113)), _params(4, max_tokens=1))  # 4 blocks: r-1 needs 3
     order = []
