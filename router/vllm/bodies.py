@@ -65,6 +65,12 @@ def prefill_body(body: dict[str, Any], endpoint: Endpoint, key: str | None = Non
     return out
 
 
+def choices(body: dict[str, Any]) -> int:
+    """How many choices the client's body asks vLLM to generate: its n, or best_of when larger."""
+    asked = [v for k in ("n", "best_of") if isinstance(v := body.get(k), int) and not isinstance(v, bool)]
+    return max([1, *asked])
+
+
 def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
     """The client's body for a decode instance, with the prefill's `kv_transfer_params`
     (None: none, the decode instance computes the prompt itself)."""

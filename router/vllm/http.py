@@ -32,6 +32,7 @@ def request_id(request: Request) -> str:
 # Passed on to every vLLM instance a request reaches, as the client sent them: its credentials, and its W3C
 # trace context, so that vLLM's own OpenTelemetry spans join the client's trace.
 PASSED_ON = ("authorization", "traceparent", "tracestate")
+DP_RANK = "x-data-parallel-rank"  # vLLM's: the data-parallel engine that takes the request (router/vllm/pool.py)
 
 
 def upstream_headers(request: Request, rid: str) -> dict[str, str]:

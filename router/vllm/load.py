@@ -22,16 +22,20 @@ class ServerLoad(NamedTuple):
             vLLM sets it at each engine step, so an idle server shows its last busy step's: a figure for
             whether the cache is nearly full, not a count of other clients' blocks.
         block_size: tokens per KV block (vllm:cache_config_info); 0 when the metric was missing.
+        engines: each data-parallel engine's requests, waiting and running, by its index (the `engine` label,
+            vLLM's data-parallel rank); () for a server of one engine.
     """
 
     waiting: int
     kv_usage: float
     block_size: int
+    engines: tuple[int, ...] = ()
 
 
 def parse_server_metrics(text: str) -> ServerLoad:
     """Returns: the load that vLLM's Prometheus exposition `text` shows (0s where a series is missing)."""
     waiting, usage, block_size = 0.0, [0.0], 0
+    engines: dict[int, float] = {}
     for line in text.splitlines():
         match = _SAMPLE.match(line)
         if match is None:
@@ -39,13 +43,17 @@ def parse_server_metrics(text: str) -> ServerLoad:
         name, labels, value = match.group(1), dict(_LABEL.findall(match.group(2) or "")), float(match.group(3))
         if value != value:  # NaN
             continue
+        if name in ("vllm:num_requests_waiting", "vllm:num_requests_running") and labels.get("engine", "").isdigit():
+            engine = int(labels["engine"])
+            engines[engine] = engines.get(engine, 0.0) + value
         if name == "vllm:num_requests_waiting":
             waiting += value
         elif name == "vllm:kv_cache_usage_perc":
             usage.append(value)
         elif name == "vllm:cache_config_info":
             block_size = int(labels.get("block_size") or 0) or block_size
-    return ServerLoad(int(waiting), max(usage), block_size)
+    ranks = tuple(int(engines.get(i, 0)) for i in range(max(engines) + 1)) if len(engines) > 1 else ()
+    return ServerLoad(int(waiting), max(usage), block_size, ranks)
 
 
 async def scrape(client: httpx2.AsyncClient, url: str, timeout: httpx2.Timeout) -> ServerLoad | None:

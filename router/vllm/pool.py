@@ -89,6 +89,8 @@ class Instance:
     failures: int = 0  # BROKEN or 5xx in a row
     slow: bool = False  # its last call timed out
     last_ok: float = 0.0  # when it last answered
+    engines: tuple[int, ...] = ()  # each data-parallel engine's requests at its last GET /metrics (() for one)
+    engine_turn: int = 0  # rotates ties between its engines
 
 
 class InstancePool:
@@ -139,8 +141,21 @@ class InstancePool:
         instance = self._instances[url]
         ours = max(in_flight_then, instance.in_flight)  # queued there, for all the router knows
         instance.queued, instance.full = max(0, server.waiting - ours), server.kv_usage >= FULL
+        instance.engines = server.engines
         if server.block_size:
             self._block_size = min(self._block_size or server.block_size, server.block_size)
+
+    def engine_for(self, url: str) -> int | None:
+        """The data-parallel engine of `url` to send all of one request's choices to (vLLM spreads a request's
+        n > 1 choices over its engines otherwise, and each engine would pull the one KV): the least busy at its
+        last GET /metrics, ties in turn. None for a server of one engine (or whose metrics did not say)."""
+        instance = self._instances[url]
+        count = len(instance.engines)
+        if count < 2:
+            return None
+        least = [k for k in range(count) if instance.engines[k] == min(instance.engines)]
+        instance.engine_turn += 1
+        return least[instance.engine_turn % len(least)]
 
     def block_size(self) -> int:
         """The KV block size the instances' metrics showed (the smallest, if they differ); 0 before any did."""

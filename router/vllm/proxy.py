@@ -20,7 +20,9 @@ Lifecycle of a request:
      decode instance answers, that call is cancelled (vLLM aborts the request) and the request
      goes on decode-only.
    - SEQUENTIAL: the decode step starts once the prefill instance has answered, with its params.
-4. DECODE: the decode instance placed gets the client's body with those params. A call
+4. DECODE: the decode instance placed gets the client's body with those params (a request of n > 1 choices
+   to a data-parallel instance, with `x-data-parallel-rank` naming its least busy engine: vLLM would spread
+   the choices over its engines, each pulling the one KV). A call
    that never reached its instance (refused, or no connection in time) is tried again, on another
    instance if one is up, with back-off until `instance_wait_s` after arrival; one that reached it
    and timed out or broke gives the client a 504 or 502.
@@ -64,7 +66,7 @@ from kvwire.router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored,
 from kvwire.router.schemas import APIError
 from kvwire.router.vllm import http as http
 from kvwire.router.vllm import upstream as upstream
-from kvwire.router.vllm.bodies import Endpoint, Producer, ahead_params, decode_body, is_stream, parse_body
+from kvwire.router.vllm.bodies import Endpoint, Producer, ahead_params, choices, decode_body, is_stream, parse_body
 from kvwire.router.vllm.load import scrape
 from kvwire.router.vllm.pool import HealthProbe, InstancePool, Tolerance, run_health_checks
 from kvwire.router.vllm.prefill import Prefilled, PrefillStep, record_failure
@@ -288,8 +290,11 @@ class VLLMRouter:
             if url is not None:
                 self.decode.started(url, blocks)
                 self.schedule.sent(NodeRole.DECODE, url, call.tokens)
+                headers = call.headers
+                if choices(body) > 1 and (engine := self.decode.engine_for(url)) is not None:
+                    headers = headers | {http.DP_RANK: str(engine)}  # one engine pulls the KV, once, for all
                 try:
-                    resp = await send(self.client, call.rid, url, call.endpoint, body, call.headers)
+                    resp = await send(self.client, call.rid, url, call.endpoint, body, headers)
                     if not stream or resp.status_code != 200:
                         self.decode.ended(url, blocks)
                         return self._whole_answer(resp, call, url, prefilled)

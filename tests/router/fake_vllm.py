@@ -9,7 +9,8 @@ which answer after `answer_delay_s` (or not at all, once their client has gone a
 - a decode's, `kv_wait_s` later if told of a remote prefill (waiting for its KV; given up, as vLLM aborts,
   when the client goes away: counted in `aborted`), with the `kv_transfer_params` it got echoed in its text;
   streams as two SSE chunks.
-`bodies` records what each POST carried, `headers` its headers.
+`bodies` records what each POST carried, `headers` its headers. GET /metrics answers `metrics` (404 while it is
+"").
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 
 def serve_in_thread(app: Any, port: int, name: str) -> tuple[uvicorn.Server, threading.Thread]:
@@ -51,6 +52,8 @@ class FakeVLLM:
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.aborted = 0  # decode calls whose client went away while they waited for KV
+        self.metrics = ""  # its Prometheus exposition, as vLLM's GET /metrics ("": none, 404)
+        self.scrapes = 0  # GET /metrics asked
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -82,6 +85,13 @@ class FakeVLLM:
         async def health():
             await asyncio.sleep(self.health_delay_s)
             return JSONResponse({})
+
+        @app.get("/metrics")
+        async def metrics():
+            self.scrapes += 1
+            if not self.metrics:
+                return JSONResponse({}, status_code=404)
+            return PlainTextResponse(self.metrics)
 
         @app.get("/v1/models")
         async def models():

@@ -144,6 +144,23 @@ def test_requests_go_to_the_less_loaded_decode_instance(fakes):
     assert others == [idle.url] * 3, f"{busy.url} was busy with the slow request"
 
 
+def test_a_requests_n_choices_go_to_one_data_parallel_engine_the_least_busy(fakes):
+    """vLLM spreads a request's n > 1 choices over its engines, each then pulling the one KV (the second fails, a
+    recompute): the router names the engine with vLLM's x-data-parallel-rank, for n > 1 (or best_of) only."""
+    d1 = fakes["d1"]
+    d1.metrics = "\n".join(f'vllm:num_requests_{kind}{{engine="{e}",model_name="fake"}} {n}'
+                           for kind, counts in (("waiting", (1, 0)), ("running", (2, 0))) for e, n in enumerate(counts))
+    with _router([], [d1]) as router:
+        scraped, deadline = d1.scrapes, time.monotonic() + 10
+        while d1.scrapes < scraped + 2:  # one health check read /metrics whole (the next has begun)
+            assert time.monotonic() < deadline, "the router never read the decode instance's metrics"
+            time.sleep(HEALTH_S / 2)  # another thread's state
+        for body in (BODY, {**BODY, "n": 3}, {**BODY, "n": 1, "best_of": 2}):
+            assert router.post("/v1/completions", json=body).status_code == 200
+    ranks = [h.get("x-data-parallel-rank") for h in d1.headers]
+    assert ranks == [None, "1", "1"], ranks
+
+
 def test_a_gone_decode_instance_leaves_and_its_request_goes_to_another(fakes):
     d1, d2 = fakes["d1"], fakes["d2"]
     with _router([], [d1, d2], instance_wait_s=5.0) as router:

@@ -157,3 +157,14 @@ def test_wait_up_returns_when_an_instance_is_readmitted_and_false_at_its_timeout
         return came, await pool.wait_up(0.05)
 
     assert asyncio.run(readmitted_later()) == (True, False)
+
+
+def test_a_requests_choices_go_to_the_least_busy_data_parallel_engine():
+    from kvwire.router.vllm.load import ServerLoad
+
+    pool = InstancePool(NodeRole.DECODE, [A, B])
+    assert pool.engine_for(A) is None  # its metrics not read yet
+    pool.measured(A, ServerLoad(0, 0.0, 16, engines=(3, 1, 1)))
+    pool.measured(B, ServerLoad(0, 0.0, 16))  # one engine
+    assert pool.engine_for(B) is None
+    assert sorted(pool.engine_for(A) for _ in range(4)) == [1, 1, 2, 2]  # the two least busy, in turn

@@ -133,5 +133,16 @@ vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
 vllm:cache_config_info{block_size="128",cache_dtype="auto",engine="0",num_gpu_blocks="40"} 1.0
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
 """
-    assert parse_server_metrics(text) == ServerLoad(waiting=3, kv_usage=0.5, block_size=128)
+    assert parse_server_metrics(text) == ServerLoad(waiting=3, kv_usage=0.5, block_size=128, engines=(5, 1))
     assert parse_server_metrics("") == ServerLoad(0, 0.0, 0)
+
+
+def test_each_data_parallel_engines_requests_are_read():
+    text = "\n".join([
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0',
+        'vllm:num_requests_waiting{engine="1",model_name="m"} 0.0',
+        'vllm:num_requests_running{engine="0",model_name="m"} 1.0',
+        'vllm:num_requests_running{engine="1",model_name="m"} 4.0'])
+    assert parse_server_metrics(text) == ServerLoad(waiting=2, kv_usage=0.0, block_size=0, engines=(3, 4))
+    one = 'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\nvllm:num_requests_running{engine="0"} 1.0'
+    assert parse_server_metrics(one).engines == ()
