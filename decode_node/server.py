@@ -78,7 +78,7 @@ class DecodeNode:
         m, alloc = rt.metrics, rt.allocator
         m.watch_blocks(lambda: alloc.num_free, alloc.num_blocks)
         m.watch_queue(Queue.DECODE_AWAITING_KV, self._awaiting)
-        m.watch_queue(Queue.DECODE_WAITING, lambda: len(self.engine.waiting))
+        m.watch_queue(Queue.DECODE_WAITING, lambda: len(self.engine.waiting) + len(self.engine.shared))
         m.watch_queue(Queue.DECODE_RUNNING, lambda: len(self.engine.running))
         rt.warm_up(runner)  # before registering: no router picks a cold node
         rt.start_heartbeat(on_beat=self._consumer.publish_addresses)
@@ -132,7 +132,7 @@ class DecodeNode:
 
     def _load(self) -> NodeLoad:
         """The node's queues, for its heartbeat (read on another thread)."""
-        return NodeLoad(self._awaiting() + len(self.engine.waiting), len(self.engine.running),
+        return NodeLoad(self._awaiting() + len(self.engine.waiting) + len(self.engine.shared), len(self.engine.running),
                         *self._consumer.totals.snapshot())
 
     def _awaiting(self) -> int:

@@ -141,7 +141,7 @@ class LLMEngine:
         self._reap()
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.receiving or self.shared.sequences)
+        return bool(self.waiting or self.running or self.receiving or len(self.shared))
 
     def can_step(self) -> bool:
         """Whether `step()` has anything to do now (else wait for new work or a pull ending: `wakeup`)."""
@@ -198,7 +198,7 @@ class LLMEngine:
         each with its first token."""
         started = []
         while self.shared.ready and self._fits(self.shared.ready[0].seq, shared=True):
-            ready = self.shared.ready.popleft()
+            ready = self.shared.started()
             seq, full = ready.seq, len(ready.seq.prompt_ids) // self.block_size
             fresh = self.allocator.allocate(self._blocks_needed(len(seq.prompt_ids), seq.params) - full)
             if len(ready.prompt_blocks) > full:  # the leader's partial last block: this one's own copy

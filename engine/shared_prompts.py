@@ -39,15 +39,25 @@ class ReadyChoice:
 
 
 class SharedPrompts:
-    """Owned by the engine (engine/llm_engine.py): its thread only."""
+    """Owned by the engine (engine/llm_engine.py): its thread only, but `len()`, which any thread may read."""
 
     def __init__(self, allocator: BlockAllocator, block_size: int):
         self._allocator, self._block_size = allocator, block_size
         self._waiting: dict[str, list[Sequence]] = {}  # leader's request id -> its later choices
         self.ready: deque[ReadyChoice] = deque()
+        self._count = 0  # later choices not started yet, waiting or ready (an int: read from any thread)
+
+    def __len__(self) -> int:
+        return self._count
 
     def add(self, seq: Sequence, leader: str) -> None:
         self._waiting.setdefault(leader, []).append(seq)
+        self._count += 1
+
+    def started(self) -> ReadyChoice:
+        """The first ready choice, which the engine starts now."""
+        self._count -= 1
+        return self.ready.popleft()
 
     def has_choices(self, leader: str) -> bool:
         return leader in self._waiting
@@ -63,7 +73,9 @@ class SharedPrompts:
 
     def orphans(self, leader: str) -> list[Sequence]:
         """The later choices of a leader that ended before its prompt was done (they compute it themselves)."""
-        return self._waiting.pop(leader, [])
+        later = self._waiting.pop(leader, [])
+        self._count -= len(later)
+        return later
 
     def abort(self, request_id: str) -> bool:
         """Drop a later choice not started yet, giving back the leader's blocks it held. Whether it was one."""
@@ -73,11 +85,13 @@ class SharedPrompts:
                 self._waiting[leader] = kept
                 if not kept:
                     del self._waiting[leader]
+                self._count -= 1
                 return True
         for ready in self.ready:
             if ready.seq.request_id == request_id:
                 self.ready.remove(ready)
                 self._allocator.free(ready.prompt_blocks)
+                self._count -= 1
                 return True
         return False
 

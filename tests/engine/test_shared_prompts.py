@@ -143,3 +143,15 @@ def test_a_later_choice_waiting_for_blocks_is_not_overtaken_by_a_new_request(mod
     while eng.has_unfinished():
         order += [o.sequence.request_id for o in eng.step() if len(o.sequence.output_ids) == 1]
     assert order.index("r-1") < order.index("small") and later.prompt_shared
+
+
+def test_len_counts_the_later_choices_not_started(model):
+    prompt = list(range(20, 41))
+    eng, _ = _engine(model)
+    eng.add_request("r-0", prompt, _params(1))
+    for k in (1, 2, 3):
+        eng.add_request(f"r-{k}", prompt, _params(1 + k), receive_kv=False, prompt_of="r-0")
+    eng.abort("r-3")
+    assert len(eng.shared) == 2
+    eng.step()
+    assert len(eng.shared) == 0 and len(eng.running) == 3
