@@ -160,7 +160,7 @@ class DecodeNode:
                                                 reason=f"decode node {node} is shutting down; no other is live"))
 
     def _accept(self, work: DecodeWork) -> None:
-        if self._drain.active:
+        if self._drain.active and not self._starts_from_here(work):  # a later choice of one here finishes with it
             self._turn_away(work)
             return
         rid = work.request_id
@@ -185,16 +185,24 @@ class DecodeNode:
         not done here; "" when there is none (`work` then computes the prompt, counted as PROMPT_NOT_SHARED)."""
         if not work.prompt_of:
             return ""
-        leader = self._requests.get(work.prompt_of)
-        if leader is None or leader.work.prompt_token_ids != work.prompt_token_ids:
-            why = "is not here" if leader is None else "has another prompt"
-        elif work.prompt_of in self._awaiting_kv or self.engine.prompt_pending(work.prompt_of):
+        if self._starts_from_here(work):
             return work.prompt_of
+        leader = self._requests.get(work.prompt_of)
+        if leader is None:
+            why = "is not here"
+        elif leader.work.prompt_token_ids != work.prompt_token_ids:
+            why = "has another prompt"
         else:
             why = "is past its prompt"
         log.info("request %s: request %s, whose prompt KV it was to start from, %s; computing the prompt",
                  work.request_id, work.prompt_of, why)
         return ""
+
+    def _starts_from_here(self, work: DecodeWork) -> bool:
+        """Whether `work` is a later choice of a request here whose prompt (the same) is not done yet."""
+        leader = self._requests.get(work.prompt_of) if work.prompt_of else None
+        return (leader is not None and leader.work.prompt_token_ids == work.prompt_token_ids
+                and (work.prompt_of in self._awaiting_kv or self.engine.prompt_pending(work.prompt_of)))
 
     def _cancel(self, rid: str) -> None:
         """Drop a request the router cancelled, silently: its record, its KV expectation, its engine state."""
