@@ -2,7 +2,8 @@
 
 The minimal connector config (no node_id) on every server, the kvwire router in front, the official
 `openai` client: a TP=2 prefill server feeding a TP=1 decode server, the reverse, and a prefill server of two
-data-parallel engines (each its own node; the API server spreads the requests over them). Each decode rank
+data-parallel engines (each its own node; the API server spreads the requests over them), which then decodes
+requests of n > 1 choices, each pulled once. Each decode rank
 pulls its KV heads from the prefill ranks that hold them (connectors/vllm/tp.py); the answers equal the
 plain server's and the decode server computes no prompt token itself. The tiny model has 2 KV heads: at
 TP=2 each rank holds one.
@@ -87,14 +88,19 @@ def _data_parallel(prefill: VLLMServerSpec) -> VLLMServerSpec:
 
 
 # first: the TP=2 server is not started yet (a module fixture lives until the module's end)
-def test_data_parallel_prefill_equals_plain(one: VLLMServer, plain_answers: dict[str, tuple[Answer, Answer]],
-                                            vllm_model_dir: Path, redis_url: str, tmp_path: Path):
+def test_data_parallel_prefill_and_decode_equal_plain(one: VLLMServer,
+                                                      plain_answers: dict[str, tuple[Answer, Answer]],
+                                                      plain_server: VLLMServer, vllm_model_dir: Path, redis_url: str,
+                                                      tmp_path: Path):
     """Each engine of a DP server is a node of its own: `<node_id>-dp<rank>` under a given id (vLLM runs a dense
     model's engines as DP=1 engines, so the rank comes from the engine id), vLLM's `_dp<rank>` engine ids
-    without. Both servers start at once (one start-up's wait, not two) behind one router."""
+    without. Both servers start at once (one start-up's wait, not two) behind one router. The second, kv_both,
+    then decodes for `one`: a request of n=3 choices is pulled once (the router names one engine for all three,
+    x-data-parallel-rank; vLLM would spread them over both, and the second engine's pull would fail)."""
     # `one` first: it starts while the plain server is asked its answers
     specs = [_data_parallel(kvwire_pair(vllm_model_dir, redis_url, ConnectorKind.UCX, tmp_path / kind,
                                         named=kind == "named")[0]) for kind in ("named", "default")]
+    specs[1] = dataclasses.replace(specs[1], kv_role="kv_both")
     servers = [VLLMServer(spec).start() for spec in specs]
     try:
         for server in servers:
@@ -111,6 +117,13 @@ def test_data_parallel_prefill_equals_plain(one: VLLMServer, plain_answers: dict
         try:
             _routed_equal_plain(PDCluster(servers[0], one, url, [router]), DP_PROMPTS, plain_answers,
                                 str(vllm_model_dir), parts=1, prefill_instances=2)
+        finally:
+            router.terminate()
+            router.wait(10)
+        url, router = start_router([one.url], [servers[1].url], tmp_path / "router-dp-decode.log",
+                                   ALWAYS_DISAGGREGATE)
+        try:
+            _choices_pulled_once(PDCluster(one, servers[1], url, [router]), plain_server, str(vllm_model_dir))
         finally:
             router.terminate()
             router.wait(10)
@@ -149,6 +162,21 @@ def test_tp_pairs_equal_plain(plain_answers: dict[str, tuple[Answer, Answer]], d
                               vllm_model_dir: Path, direction: str):
     # TP2 -> TP1: the decode rank reads a part of each prefill rank; TP1 -> TP2: each decode rank reads its own
     _routed_equal_plain(directions[direction], DIRECTIONS[direction], plain_answers, str(vllm_model_dir), parts=2)
+
+
+def _choices_pulled_once(cluster: PDCluster, plain_server: VLLMServer, model: str) -> None:
+    """Requests of n=3 choices through `cluster`'s router to its data-parallel decode server: each equal to the
+    plain server's, each pulled once, nothing recomputed."""
+    routed, plain = openai_client(cluster.router_url), openai_client(plain_server.url)
+    pulls, failed = cluster.kv_pulls(), cluster.kv_failed_by_reason()
+    prompts = [f"Three choices, one engine: {p}" for p in PROMPTS[:2]]
+    for prompt in prompts:
+        ask = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "n": 3, "temperature": 1.0, "seed": 5}
+        got = routed.completions.with_raw_response.create(**ask)
+        assert got.headers["x-kvwire-path"] == "disaggregated", dict(got.headers)
+        assert [c.text for c in got.parse().choices] == [c.text for c in plain.completions.create(**ask).choices]
+    assert cluster.kv_pulls() - pulls == len(prompts)
+    assert grown_since(failed, cluster.kv_failed_by_reason()) == {}, "recomputed prompts, by reason"
 
 
 def _routed_equal_plain(cluster: PDCluster, prompts: list[str], plain_answers: dict[str, tuple[Answer, Answer]],
