@@ -5,8 +5,9 @@ Lifecycle:
 1. `start()` submits every choice through the dispatcher, each with its own request id (the request's, with
    "-<k>" after it when there are several), each in a "kvwire.route" span (a child of the client's trace
    context; its context is what the nodes are sent). A prompt's first choice gets its own prefill and decode
-   pick; its later ones (n > 1, best_of) go to that decode node to start from its prompt KV, when the node
-   does that (`NodeInfo.shares_prompts`; else each is picked as a first one is).
+   pick; its later ones (n > 1, best_of, and every choice of the same prompt again in a batch) go to that
+   decode node to start from its prompt KV, when the node does that (`NodeInfo.shares_prompts`; else each is
+   picked as a first one is).
 2. `events()` yields each choice as a chunk of it arrives, until all are finished. A choice that a stop
    string ended is cancelled on its decode node (`CancelWork`) at once.
 3. `close()` (always called) cancels the choices not finished — a client that left, a timeout, another
@@ -49,21 +50,20 @@ class Generation:
         self._pumps: list[asyncio.Task] = []
 
     async def start(self) -> None:
-        first: tuple[Choice, Route] | None = None  # the prompt's first choice, and where it went
+        firsts: dict[tuple[int, ...], tuple[Choice, Route]] = {}  # each prompt's first choice, and where it went
         for choice in self.choices:
-            k = choice.index % self.plan.best_of
-            sampling = self.plan.sampling_for(k)
+            sampling = self.plan.sampling_for(choice.index % self.plan.best_of)
             choice.span = self._spans.start("kvwire.route", self._trace, {
                 "kvwire.request_id": choice.request_id, "kvwire.prompt_tokens": len(choice.prompt_ids)})
-            if k and first is not None and first[1].decode.shares_prompts:
+            first = firsts.get(key := tuple(choice.prompt_ids))  # a batch's repeated prompt: one prompt
+            if first is not None and first[1].decode.shares_prompts:
                 route, queue = await self._dispatcher.submit_shared(
                     choice.request_id, first[0].request_id, first[1].decode, choice.prompt_ids, sampling,
                     trace=choice.span.context)
             else:
                 route, queue = await self._dispatcher.submit(choice.request_id, choice.prompt_ids, sampling,
                                                              self.plan.disaggregate, trace=choice.span.context)
-            if not k:
-                first = (choice, route)
+                firsts.setdefault(key, (choice, route))
             choice.path, choice.reason = route.path, route.reason
             self._pumps.append(asyncio.create_task(self._pump(choice, queue)))
 

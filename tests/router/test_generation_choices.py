@@ -34,15 +34,16 @@ def _node(node_id: str, role: NodeRole, endpoint: str, shares_prompts: bool) -> 
                     free_blocks=64, total_blocks=64, block_size=16, shares_prompts=shares_prompts)
 
 
-async def _sent(shares_prompts: bool) -> tuple[list[DecodeWork], list[PrefillWork], list[Choice]]:
-    """What the nodes receive for 2 prompts x best_of 3, and the choices as the router recorded them."""
+async def _sent(shares_prompts: bool, prompts: list[list[int]] | None = None
+                ) -> tuple[list[DecodeWork], list[PrefillWork], list[Choice]]:
+    """What the nodes receive for 2 prompts (by default) x best_of 3, and the choices as the router recorded them."""
     ctx = zmq.asyncio.Context.instance()
     decode, prefill = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
     d_port, p_port = decode.bind_to_random_port("tcp://127.0.0.1"), prefill.bind_to_random_port("tcp://127.0.0.1")
     nodes = [_node("p0", NodeRole.PREFILL, f"tcp://127.0.0.1:{p_port}", False),
              _node("d0", NodeRole.DECODE, f"tcp://127.0.0.1:{d_port}", shares_prompts)]
     dispatcher = Dispatcher(_Directory(nodes), "127.0.0.1")  # type: ignore[arg-type]
-    plan = Plan(prompts=[[1] * 40, [2] * 30], n=2, best_of=3,
+    plan = Plan(prompts=prompts or [[1] * 40, [2] * 30], n=2, best_of=3,
                 sampling=SamplingParams(max_tokens=4, temperature=1.0, seed=7))
     gen = Generation(dispatcher, plan, "req", time.monotonic() + 10,
                      lambda k, rid, prompt: Choice(k, rid, prompt, plan, None))  # type: ignore[arg-type]
@@ -78,3 +79,9 @@ def test_a_decode_node_that_does_not_share_prompts_gets_every_choice_prefilled()
     works, prefills, _ = asyncio.run(_sent(shares_prompts=False))
     assert len(prefills) == 6
     assert {(w.prompt_of, w.path_reason) for w in works} == {("", PathReason.PREFILLED)}
+
+
+def test_a_batchs_repeated_prompt_starts_from_its_first_occurrence():
+    works, prefills, _ = asyncio.run(_sent(shares_prompts=True, prompts=[[3] * 40, [3] * 40]))
+    assert [p.request_id for p in prefills] == ["req-0"]
+    assert [(w.prefill_node, w.prompt_of) for w in works] == [("p0", "")] + [("", "req-0")] * 5
