@@ -171,6 +171,7 @@ class KVLocation(_Msg, tag="location", frozen=True):
     inline_hidden: bytes = b""
     # A consumer's view only, never published: the pull takes this head slice (tensor parallel, HeadSlice).
     heads: HeadSlice | None = None
+    prompt: str = ""  # the fingerprint of the token ids the KV is of (connectors/prompt.py); "": not known
 
 
 class NodeInfo(_Msg, tag="node", frozen=True):

@@ -31,9 +31,11 @@ class LocationFit:
         self._verify_kv = verify_kv
 
     def check(self, rid: str, num_tokens: int, dst_blocks: list[int], first_block: int, loc: KVLocation,
-               heads: HeadSlice | None = None, pick: list[int] | None = None) -> tuple[KVLocation, list[int]]:
+              heads: HeadSlice | None = None, pick: list[int] | None = None,
+              prompt: str = "") -> tuple[KVLocation, list[int]]:
         """`(loc, destination blocks)` if `loc` fits what we need, from `first_block` on
-        (`KVLocation.first_block`) or at `pick`'s positions, narrowed to `heads`; raises otherwise."""
+        (`KVLocation.first_block`) or at `pick`'s positions, narrowed to `heads`; raises otherwise. `prompt`: our
+        prompt's fingerprint (connectors/prompt.py; "": not known), which the location's must equal."""
         def bad(reason: str) -> TransferError:
             return ReceiveError(rid, loc.producer, reason, TransferFailure.MISMATCH)
 
@@ -44,6 +46,9 @@ class LocationFit:
             raise bad(_differ(loc.layout, layout))
         if loc.num_tokens != num_tokens:
             raise bad(f"producer has {loc.num_tokens} prompt tokens, we need {num_tokens}")
+        if prompt and loc.prompt and loc.prompt != prompt:
+            raise bad(f"the producer's KV is of another prompt of {num_tokens} tokens (prompt {loc.prompt}, ours "
+                      f"{prompt}): were one request's kv_transfer_params given to another?")
         if any(d.shape[:1] != (num_tokens,) for d in loc.hidden):
             raise bad("hidden states do not cover the prompt")
         if pick is not None:

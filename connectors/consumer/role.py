@@ -52,6 +52,7 @@ from kvwire.connectors.deferred import Deferred
 from kvwire.connectors.directory.directory import DirectoryError, KVDirectory, TransferState
 from kvwire.connectors.hidden import empty_like_descs, join_requests, tensors_from_bytes
 from kvwire.connectors.model_input import ModelInput, SequenceInput
+from kvwire.connectors.prompt import prompt_fingerprint
 from kvwire.connectors.transports import row_copy
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.transports.transport import Transport
@@ -237,16 +238,18 @@ class KVConsumer:
             TransferError: the KV did not come; the entry is now FAILED.
         """
         tokens = seq.num_tokens if seq.start_pos == 0 else -1  # a prompt's tail never matches a location
-        return self.receive_blocks(seq.request_id, tokens, list(seq.block_ids), record)
+        return self.receive_blocks(seq.request_id, tokens, list(seq.block_ids), record,
+                                   prompt=prompt_fingerprint(seq.token_ids))
 
     def receive_blocks(self, request_id: str, num_tokens: int, dst_blocks: list[int],
                        record: ExpectedKV | None = None, first_block: int = 0,
-                       heads: HeadSlice | None = None, pick: list[int] | None = None) -> Received:
+                       heads: HeadSlice | None = None, pick: list[int] | None = None, prompt: str = "") -> Received:
         """Pull the KV of a prompt of `num_tokens` from block `first_block` of the producer's on into
         `dst_blocks` (the consumer holds the blocks before it already, e.g. in vLLM's prefix cache);
         `heads`: only that slice of each block's KV heads (tensor parallel; 0 heads declines the copy).
         `pick` (instead of `first_block`): `dst_blocks` pairs with the producer's whole block list, which
         must be as long, and the pull moves the blocks at these positions of both (vLLM's KV cache groups).
+        `prompt`: the fingerprint of the prompt's first `num_tokens` tokens (connectors/prompt.py; "": not known).
 
         Raises:
             TransferError: the KV did not come; the entry is now FAILED.
@@ -256,7 +259,7 @@ class KVConsumer:
         if time.monotonic() - self._addresses_published > self._config.entry_ttl_s / 3:
             self.publish_addresses()  # they expire with entry_ttl_s: producers refuse pulls to unknown addresses
         try:
-            received = self._receive(request_id, num_tokens, dst_blocks, record, first_block, heads, pick)
+            received = self._receive(request_id, num_tokens, dst_blocks, record, first_block, heads, pick, prompt)
             self.totals.pulled()
             self._notes_due()
             return received
@@ -322,14 +325,15 @@ class KVConsumer:
     # --- the pull --------------------------------------------------------------------------
 
     def _receive(self, rid: str, num_tokens: int, dst_blocks: list[int], record: ExpectedKV,
-                 first_block: int, heads: HeadSlice | None, pick: list[int] | None = None) -> Received:
+                 first_block: int, heads: HeadSlice | None, pick: list[int] | None = None,
+                 prompt: str = "") -> Received:
         if not record.settled and record.watched:
             record.wait(record.deadline - time.monotonic())
         if not record.settled:  # nobody announced it, or the watcher is late: look here
             self._settle(record)
         if record.location is None:
             raise ReceiveError(rid, record.producer or "unknown producer", record.failure, record.failure_kind)
-        loc, dst = self._fit.check(rid, num_tokens, dst_blocks, first_block, record.location, heads, pick)
+        loc, dst = self._fit.check(rid, num_tokens, dst_blocks, first_block, record.location, heads, pick, prompt)
         loc = self._transport.choose(loc)
         if loc.heads is not None and loc.heads.num_heads == 0:
             return self._decline(loc, dst, record)

@@ -44,6 +44,7 @@ from kvwire.connectors.producer.held import HeldRequest, HeldTable
 from kvwire.connectors.producer.incarnations import fail_earlier_incarnations
 from kvwire.connectors.producer.layer_gate import LayerGate
 from kvwire.connectors.producer.transfer_server import TransferServer
+from kvwire.connectors.prompt import prompt_fingerprint
 from kvwire.connectors.transports.host import host_identity
 from kvwire.connectors.transports.kv_checksum import layer_checksums
 from kvwire.connectors.transports.kv_region import KVRegion
@@ -137,18 +138,20 @@ class KVProducer:
             descs, tensors, intermediate = split_request(hidden, rows)
             blocks = self._blocks_of(seq)
             loc = self._location(seq.request_id, seq.end_pos, blocks, descs, intermediate, self._checksums(blocks),
-                                 tensors)
+                                 tensors, prompt=prompt_fingerprint(seq.token_ids))
             self._held.add(HeldRequest(loc, tensors, time.monotonic() + self._config.kv_deadline_s))
             self._announce(loc, seq.consumer_endpoint, tensors)
         self._wake_servers()
 
-    def hold(self, request_id: str, block_ids: list[int], num_tokens: int) -> None:
+    def hold(self, request_id: str, block_ids: list[int], num_tokens: int, prompt: str = "") -> None:
         """Hold and announce (in the directory only) a prompt another engine computed into `block_ids`, e.g.
-        vLLM's: KV only, no hidden states. Its blocks must be written (a CUDA pool is synchronized here)."""
+        vLLM's: KV only, no hidden states. Its blocks must be written (a CUDA pool is synchronized here).
+        `prompt`: the fingerprint of its first `num_tokens` tokens (prompt.py; "": not known)."""
         plane = self._region.planes[0]
         if plane.is_cuda:
             torch.cuda.synchronize(plane.device)
-        loc = self._location(request_id, num_tokens, list(block_ids), [], False, self._checksums(block_ids))
+        loc = self._location(request_id, num_tokens, list(block_ids), [], False, self._checksums(block_ids),
+                             prompt=prompt)
         self._held.add(HeldRequest(loc, [], time.monotonic() + self._config.kv_deadline_s))
         self._announce(loc, "")
         self._wake_servers()
@@ -174,7 +177,7 @@ class KVProducer:
             for server in self._servers.values():
                 gate.add_waker(server.wake)
             loc = self._location(seq.request_id, seq.end_pos, self._blocks_of(seq), [desc], False, [],
-                                 layerwise=True)
+                                 layerwise=True, prompt=prompt_fingerprint(seq.token_ids))
             hidden = empty_like_descs([desc], self._region.planes[0].device)
             self._held.add(HeldRequest(loc, hidden, time.monotonic() + self._config.kv_deadline_s, gate=gate))
             self._streaming.add(seq.request_id)
@@ -253,9 +256,9 @@ class KVProducer:
 
     def _location(self, request_id: str, num_tokens: int, blocks: list[int], descs: list[TensorDesc],
                   intermediate: bool, checksums: list[int], hidden: Sequence[torch.Tensor] = (),
-                  layerwise: bool = False) -> KVLocation:
+                  layerwise: bool = False, prompt: str = "") -> KVLocation:
         """Where `blocks` and `hidden` (the tensors `descs` describes) are offered; shared memory: the hold word,
-        and the hidden states copied into the board's area."""
+        and the hidden states copied into the board's area. `prompt`: the KV's prompt fingerprint (prompt.py)."""
         offers = [o for o in self._offers if o.kind in LAYERWISE_KINDS] if layerwise else self._offers
         if not offers:
             raise ValueError(f"request {request_id}: no transport serves this KV"
@@ -267,7 +270,7 @@ class KVProducer:
             kind=self._config.kind, side_channel=first.side_channel, transport_address=first.transport_address,
             layout=self._layout, block_ids=blocks, num_tokens=num_tokens,
             hidden=descs, intermediate=intermediate, offers=offers, host=host_identity(),
-            layer_checksums=checksums, layerwise=layerwise, shm_hold=hold)
+            layer_checksums=checksums, layerwise=layerwise, shm_hold=hold, prompt=prompt)
 
     def _unhold(self, loc: KVLocation) -> None:
         """Just before `loc`'s blocks are released: shared-memory readers from now on discard their read."""

@@ -17,6 +17,7 @@ class Hold:
     num_tokens: int
     error: str = ""  # why there is nothing to hold after all: the worker fails the entry with it
     key: str = ""  # the directory key (params.key_of); "": the request id
+    prompt: str = ""  # the fingerprint of its first num_tokens prompt tokens (connectors/prompt.py)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class Pull:
     block_ids: list[int]  # the request's blocks, paired with the producer's held list (groups.py)
     pick: list[int]
     error: str = ""  # why it cannot be pulled after all: the worker fails the request with it (vLLM recomputes)
+    prompt: str = ""  # the fingerprint of its first num_tokens prompt tokens: the producer's must be the same
 
 
 @dataclass

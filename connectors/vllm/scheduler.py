@@ -31,6 +31,7 @@ import logging
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
+from kvwire.connectors.prompt import prompt_fingerprint
 from kvwire.connectors.vllm.groups import Groups
 from kvwire.connectors.vllm.metadata import Hold, KvwireMetadata, Pull
 from kvwire.connectors.vllm.params import (
@@ -130,7 +131,7 @@ class SchedulerHalf:
             log.error("request %s: cannot take the KV of %s: %s", request.request_id, remote.remote_engine_id, exc)
             self._next.pull[request.request_id] = Pull(remote, loaded, [], [], error=str(exc))
             return
-        self._next.pull[request.request_id] = Pull(remote, loaded, block_ids, pick)
+        self._next.pull[request.request_id] = Pull(remote, loaded, block_ids, pick, prompt=_prompt(request, loaded))
 
     def finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's request_finished(_all_groups): whether the blocks stay (held for a consumer), and the params
@@ -158,7 +159,7 @@ class SchedulerHalf:
         except ValueError as exc:  # the worker fails its entry: the consumer counts it and recomputes
             self._next.hold[request.request_id] = Hold([], num_tokens, error=str(exc), key=key)
             return False, params
-        self._next.hold[request.request_id] = Hold(held, num_tokens, key=key)
+        self._next.hold[request.request_id] = Hold(held, num_tokens, key=key, prompt=_prompt(request, num_tokens))
         return True, params
 
     def build_metadata(self, scheduled: Collection[str] = ()) -> KvwireMetadata:
@@ -175,3 +176,10 @@ class SchedulerHalf:
         if not self._settings.role.consumes:
             return None
         return RemotePrefill.of(request.request_id, request.kv_transfer_params)
+
+
+def _prompt(request: Request, num_tokens: int) -> str:
+    """The fingerprint of `request`'s first `num_tokens` prompt tokens (connectors/prompt.py); "" for a prompt of
+    embeddings, which has no token ids."""
+    ids = request.prompt_token_ids
+    return "" if ids is None else prompt_fingerprint(ids[:num_tokens])

@@ -229,7 +229,7 @@ class WorkerHalf:
             self._released(key, block_ids)
             return
         try:
-            self._producer.hold(key, block_ids, hold.num_tokens)
+            self._producer.hold(key, block_ids, hold.num_tokens, hold.prompt)
         except Exception as exc:  # noqa: BLE001 - vLLM must get its blocks back whatever went wrong
             log.error("request %s: cannot hold its KV for a consumer (it will recompute): %s", rid, exc)
             self._producer.fail(key, f"producer could not hold the KV: {exc}")
@@ -311,7 +311,7 @@ class WorkerHalf:
         rid, pull = record.request_id, record.pull
         try:
             got = self._consumer.receive_blocks(key, pull.num_tokens, pull.block_ids, heads=_slice(part.heads),
-                                                pick=pull.pick)
+                                                pick=pull.pick, prompt=pull.prompt)
         except TransferError as exc:
             self._part_ended(record, part, exc)
             return

@@ -1,4 +1,5 @@
-"""A location's fit: KV of another checkpoint is refused as a mismatch, whatever the shapes say."""
+"""A location's fit: KV of another checkpoint, or of another prompt of the same length, is refused as a mismatch,
+whatever the shapes say."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.consumer.errors import ReceiveError
 from kvwire.connectors.consumer.fit import LocationFit
 from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.prompt import prompt_fingerprint
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.wire import DType, HeadSlice, KVLayout, KVLocation
 from kvwire.observability.labels import TransferFailure
@@ -44,3 +46,19 @@ def test_other_shapes_still_say_so():
     other = msgspec.structs.replace(_loc("bbbb"), layout=msgspec.structs.replace(LAYOUT, head_dim=16, model="bbbb"))
     with pytest.raises(ReceiveError, match="does not match ours"):
         _fit("bbbb").check("r1", 6, [0, 1], 0, other)
+
+
+def test_kv_of_another_prompt_of_the_same_length_is_a_mismatch():
+    """A batch's prompts all told one key, or one request's params handed to another: the lengths agree."""
+    ours, theirs = prompt_fingerprint([1, 2, 3, 4, 5, 6]), prompt_fingerprint([1, 2, 3, 4, 5, 7])
+    with pytest.raises(ReceiveError) as err:
+        _fit("m").check("r1", 6, [0, 1], 0, msgspec.structs.replace(_loc("m"), prompt=theirs), prompt=ours)
+    assert err.value.failure == TransferFailure.MISMATCH and "another prompt of 6 tokens" in str(err.value)
+    for loc_prompt, our_prompt in ((ours, ours), ("", ours), (ours, "")):  # the same, or one side not known
+        loc = msgspec.structs.replace(_loc("m"), prompt=loc_prompt)
+        assert _fit("m").check("r1", 6, [0, 1], 0, loc, prompt=our_prompt)[1] == [0, 1]
+
+
+def test_a_prompts_fingerprint_is_of_its_token_ids():
+    assert prompt_fingerprint([5, 70000, 2**40]) == prompt_fingerprint((5, 70000, 2**40))
+    assert len({prompt_fingerprint(p) for p in ([], [0], [1], [0, 0], [1, 0], [0, 1])}) == 6
