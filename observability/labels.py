@@ -126,6 +126,9 @@ class PathReason(enum.StrEnum):
     # a later choice (n > 1, best_of) of a prompt: it starts from its first choice's prompt KV on that one's decode
     # node (kvwire's own nodes: DecodeWork.prompt_of), neither computed nor moved again
     PROMPT_SHARED = "prompt-shared"
+    # a completions request of several prompts (the vLLM router): vLLM answers a prefill step with one prompt's
+    # kv_transfer_params, which every prompt's request on the decode instance would then name
+    BATCHED_PROMPTS = "batched-prompts"
 
 
 DISAGGREGATED_REASONS = frozenset({PathReason.PREFILLED, PathReason.PREFILLED_ALONGSIDE})

@@ -65,6 +65,12 @@ def prefill_body(body: dict[str, Any], endpoint: Endpoint, key: str | None = Non
     return out
 
 
+def batched(body: dict[str, Any]) -> bool:
+    """Whether the body is a completions request of several prompts (texts or token-id lists)."""
+    prompt = body.get("prompt")
+    return isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt)
+
+
 def choices(body: dict[str, Any]) -> int:
     """How many choices the client's body asks vLLM to generate: its n, or best_of when larger."""
     asked = [v for k in ("n", "best_of") if isinstance(v := body.get(k), int) and not isinstance(v, bool)]

@@ -8,7 +8,8 @@ Lifecycle of a request:
    With no decode instance up it waits for one, up to `instance_wait_s`, then gets a 503.
 2. PLACED (router/vllm/schedule.py): its prompt's token ids (from an instance's POST /tokenize, when the
    scheduler needs them) pick its decode instance, by the prefix each holds and its load, and its path:
-   decode-only when that instance holds all but a short part of the prompt.
+   decode-only when that instance holds all but a short part of the prompt, or when the body is a batch of
+   several prompts (vLLM's prefill answer carries one prompt's kv_transfer_params).
 3. PREFILL (router/vllm/prefill.py): the prefill instance the scheduler picks computes the prompt
    (max_tokens 1, its KV kept for a decode instance). Its 4xx goes back to the client unchanged.
    With no prefill instance up, every one up with `prefill_max_in_flight` requests in flight, or one
@@ -66,7 +67,16 @@ from kvwire.router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored,
 from kvwire.router.schemas import APIError
 from kvwire.router.vllm import http as http
 from kvwire.router.vllm import upstream as upstream
-from kvwire.router.vllm.bodies import Endpoint, Producer, ahead_params, choices, decode_body, is_stream, parse_body
+from kvwire.router.vllm.bodies import (
+    Endpoint,
+    Producer,
+    ahead_params,
+    batched,
+    choices,
+    decode_body,
+    is_stream,
+    parse_body,
+)
 from kvwire.router.vllm.load import scrape
 from kvwire.router.vllm.pool import HealthProbe, InstancePool, Tolerance, run_health_checks
 from kvwire.router.vllm.prefill import Prefilled, PrefillStep, record_failure
@@ -209,6 +219,8 @@ class VLLMRouter:
                 raise http.no_decode(rid)
             if placed.decode_only is not None:
                 return await self._decode(call, Prefilled(None, placed.decode_only), placed)
+            if batched(body):  # the prefill's one kv_transfer_params could not tell the prompts' KV apart
+                return await self._decode(call, Prefilled(None, PathReason.BATCHED_PROMPTS), placed)
             url = self.schedule.prefill(call.tokens)
             if url is None:
                 return await self._decode(call, Prefilled(None, PathReason.NO_PREFILL_INSTANCE), placed)

@@ -161,6 +161,17 @@ def test_a_requests_n_choices_go_to_one_data_parallel_engine_the_least_busy(fake
     assert ranks == [None, "1", "1"], ranks
 
 
+def test_a_batch_of_prompts_goes_decode_only_and_one_prompt_in_a_list_does_not(fakes):
+    p, d1 = fakes["p"], fakes["d1"]
+    with _router([p], [d1]) as router:
+        batch = router.post("/v1/completions", json={**BODY, "prompt": ["hello", "world"]})
+        one = router.post("/v1/completions", json={**BODY, "prompt": ["hello"]})
+        ids = router.post("/v1/completions", json={**BODY, "prompt": [[1, 2], [3, 4]]})
+    assert [(r.headers["x-kvwire-path"], r.headers["x-kvwire-reason"]) for r in (batch, one, ids)] == [
+        ("decode-only", "batched-prompts"), ("disaggregated", "prefilled"), ("decode-only", "batched-prompts")]
+    assert len(p.bodies) == 1  # the one prompt's prefill step alone
+
+
 def test_a_gone_decode_instance_leaves_and_its_request_goes_to_another(fakes):
     d1, d2 = fakes["d1"], fakes["d2"]
     with _router([], [d1, d2], instance_wait_s=5.0) as router:
