@@ -7,7 +7,8 @@ and only it, for that thing.
   - base.py: the **connector** contract the engine's runner calls (vLLM's classic KV connector);
     connector.py: its two faces, one per role; types.py, model_input.py: the contract's data types;
     kv_pool.py: a node's paged KV **pool** (a **block** is `block_size` tokens of every layer's K and V);
-    hidden.py: hidden states per request.
+    hidden.py: hidden states per request; checkpoint.py: a checkpoint's files and its **fingerprint**;
+    prompt.py: a prompt's **fingerprint** (which tokens a location's KV is of).
   - config.py: the one frozen `ConnectorConfig`; factory.py: a **transport** by name;
     standalone.py: a role with no node around it; self_test.py: a node's start-up transport self-test.
   - wire.py: the transfer plane's messages (tagged msgspec structs) and the envelope with the wire version

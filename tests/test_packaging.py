@@ -20,7 +20,7 @@ SUBPACKAGES = tuple(sorted(p for layer in LAYERS for p in layer))
 CONNECTOR_LAYERS = (("core",), ("control", "directory"), ("transports",), ("producer", "consumer", "factory"),
                     ("connector", "self_test"), ("standalone", "vllm"))
 CONNECTOR_CORE = {"__init__", "base", "config", "types", "wire", "kv_pool", "hidden", "model_input", "spin", "wakeup",
-                  "deferred", "checkpoint"}
+                  "deferred", "checkpoint", "prompt"}
 
 
 def _package_dirs() -> list[Path]:
