@@ -150,7 +150,7 @@ class Placement:
         route = self._route(prompt, disaggregate, nodes, reserved)
         predicted = self._predicted(route.decode)
         size = route.decode.block_size
-        blocks = -(-(len(prompt) + max_tokens) // size) if size else 0
+        blocks = _blocks_of(len(prompt) + max_tokens, size)
         reservation = Reservation(_key(route.decode), list(prompt), predicted, blocks, time.time(),
                                   prefill=route.prefill.node_id if route.prefill else "")
         if predicted and self._index is not None:
@@ -161,7 +161,7 @@ class Placement:
         """The reservation of a request's later choice on `decode`, which starts from its first choice's prompt
         blocks there: only its blocks past the prompt's full ones."""
         size = decode.block_size
-        blocks = -(-(len(prompt) + max_tokens) // size) - len(prompt) // size if size else 0
+        blocks = _blocks_of(len(prompt) + max_tokens, size) - (len(prompt) // size if size else 0)
         return Reservation(_key(decode), list(prompt), False, blocks, time.time())
 
     def ended(self, reservation: Reservation, finished: bool) -> None:
@@ -247,3 +247,8 @@ class Placement:
 def _key(node: NodeInfo) -> str:
     """A node's incarnation, what holds a prefix cache: a restarted node's starts empty."""
     return f"{node.node_id}@{node.epoch}"
+
+
+def _blocks_of(tokens: int, size: int) -> int:
+    """The KV blocks of `size` tokens that `tokens` take (0 when the size is not known)."""
+    return -(-tokens // size) if size else 0
