@@ -129,6 +129,10 @@ class PathReason(enum.StrEnum):
     # a completions request of several prompts (the vLLM router): vLLM answers a prefill step with one prompt's
     # kv_transfer_params, which every prompt's request on the decode instance would then name
     BATCHED_PROMPTS = "batched-prompts"
+    BEAM_SEARCH = "beam-search"  # vLLM's beam search answers a prefill step without kv_transfer_params
+    # a Responses API turn naming an earlier one (previous_response_id), stored on the decode instance that
+    # answered it: the prefill instances do not have it
+    PREVIOUS_RESPONSE = "previous-response"
 
 
 DISAGGREGATED_REASONS = frozenset({PathReason.PREFILLED, PathReason.PREFILLED_ALONGSIDE})

@@ -11,6 +11,7 @@ import json
 from typing import Any, NamedTuple
 
 from kvwire.connectors.vllm.params import KEY, TRANSFER
+from kvwire.observability.labels import PathReason
 from kvwire.router.schemas import APIError
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
@@ -21,10 +22,20 @@ _NOT_FOR_PREFILL = frozenset({"stream_options", "min_tokens", "best_of", KV_TRAN
 
 
 class Endpoint(enum.StrEnum):
-    """The generation endpoints the router passes on, by path."""
+    """The generation endpoints the router passes on, by path: each carries vLLM's kv_transfer_params both ways."""
 
     COMPLETIONS = "/v1/completions"
     CHAT = "/v1/chat/completions"
+    RESPONSES = "/v1/responses"  # OpenAI's Responses API
+    MESSAGES = "/v1/messages"  # Anthropic's Messages API
+
+
+# Each endpoint's field for the most tokens an answer may generate (a chat body may give either of two).
+_MAX_TOKENS = {Endpoint.COMPLETIONS: ("max_tokens",), Endpoint.CHAT: ("max_tokens", "max_completion_tokens"),
+               Endpoint.RESPONSES: ("max_output_tokens",), Endpoint.MESSAGES: ("max_tokens",)}
+# What the Responses API's prefill body sets besides: no stored answer (a decode instance's answer is the one a
+# later turn names) and no background run (the router reads its answer's params at once).
+_RESPONSES_PREFILL = {"store": False, "background": False}
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -59,10 +70,29 @@ def prefill_body(body: dict[str, Any], endpoint: Endpoint, key: str | None = Non
     `ahead_params`)."""
     out = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
     params: dict[str, Any] = {"do_remote_decode": True} | ({KEY: key} if key is not None else {})
-    out.update(max_tokens=1, n=1, stream=False, kv_transfer_params=params)
-    if endpoint == Endpoint.CHAT and "max_completion_tokens" in body:
-        out["max_completion_tokens"] = 1
+    first, *others = _MAX_TOKENS[endpoint]
+    out.update({first: 1} | {k: 1 for k in others if k in body}, stream=False, kv_transfer_params=params)
+    if endpoint in (Endpoint.COMPLETIONS, Endpoint.CHAT):
+        out["n"] = 1
+    if endpoint == Endpoint.RESPONSES:
+        out.update(_RESPONSES_PREFILL)
     return out
+
+
+def decode_only_reason(body: dict[str, Any], endpoint: Endpoint) -> PathReason | None:
+    """Why the client's body goes decode-only whatever the instances hold; None: it may be disaggregated.
+
+    A batch of prompts: vLLM's prefill answer carries one prompt's kv_transfer_params, which every prompt's request
+    on the decode instance would name. Beam search: vLLM's answers none. A Responses turn naming an earlier one: the
+    earlier turns are stored on the decode instance that answered them, not on a prefill instance.
+    """
+    if endpoint == Endpoint.COMPLETIONS and batched(body):
+        return PathReason.BATCHED_PROMPTS
+    if endpoint in (Endpoint.COMPLETIONS, Endpoint.CHAT) and body.get("use_beam_search") is True:
+        return PathReason.BEAM_SEARCH
+    if endpoint == Endpoint.RESPONSES and body.get("previous_response_id"):
+        return PathReason.PREVIOUS_RESPONSE
+    return None
 
 
 def batched(body: dict[str, Any]) -> bool:

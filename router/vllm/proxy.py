@@ -1,5 +1,6 @@
-"""The router in front of vLLM servers: POST /v1/completions and /v1/chat/completions,
-GET /v1/models, /healthz, /readyz and /metrics.
+"""The router in front of vLLM servers: POST /v1/completions, /v1/chat/completions, /v1/responses (OpenAI's
+Responses API) and /v1/messages (Anthropic's Messages API), each disaggregated as below; GET /v1/models, /healthz,
+/readyz and /metrics; and the calls it passes on to a decode instance as they are (router/vllm/pass_on.py).
 
 Lifecycle of a request:
 
@@ -9,7 +10,8 @@ Lifecycle of a request:
 2. PLACED (router/vllm/schedule.py): its prompt's token ids (from an instance's POST /tokenize, when the
    scheduler needs them) pick its decode instance, by the prefix each holds and its load, and its path:
    decode-only when that instance holds all but a short part of the prompt, or when the body is a batch of
-   several prompts (vLLM's prefill answer carries one prompt's kv_transfer_params).
+   several prompts, asks for beam search, or continues a stored Responses answer (bodies.decode_only_reason;
+   the last goes to the decode instance that holds it, router/vllm/stored.py).
 3. PREFILL (router/vllm/prefill.py): the prefill instance the scheduler picks computes the prompt
    (max_tokens 1, its KV kept for a decode instance). Its 4xx goes back to the client unchanged.
    With no prefill instance up, every one up with `prefill_max_in_flight` requests in flight, or one
@@ -71,16 +73,18 @@ from kvwire.router.vllm.bodies import (
     Endpoint,
     Producer,
     ahead_params,
-    batched,
     choices,
     decode_body,
+    decode_only_reason,
     is_stream,
     parse_body,
 )
 from kvwire.router.vllm.load import scrape
+from kvwire.router.vllm.pass_on import PASSED_ON_PATHS, PassOn
 from kvwire.router.vllm.pool import HealthProbe, InstancePool, Tolerance, run_health_checks
 from kvwire.router.vllm.prefill import Prefilled, PrefillStep, record_failure
 from kvwire.router.vllm.schedule import Placement, Scheduler
+from kvwire.router.vllm.stored import StoredResponses, response_id_of
 from kvwire.router.vllm.tokens import TokenizeFailed, completion_tokens_of, prompt_tokens
 from kvwire.router.vllm.upstream import FailureKind, InstanceError, unsent
 
@@ -107,6 +111,8 @@ class VLLMRouter:
         self._behind: set[asyncio.Task] = set()  # prefill steps still running after their request was answered
         self._tokenize_turn = 0
         self._untokenized: set[str] = set()  # instances whose /tokenize failed (warned about once)
+        self.stored = StoredResponses()
+        self.pass_on = PassOn(lambda: self.client, self.decode, metrics, self.stored)
         for pool in (self.prefill, self.decode):
             metrics.watch_instances(str(pool.role), pool.count)
 
@@ -184,6 +190,12 @@ class VLLMRouter:
     async def chat_completions(self, request: Request):
         return await self._unless_client_leaves(request, Endpoint.CHAT)
 
+    async def responses(self, request: Request):
+        return await self._unless_client_leaves(request, Endpoint.RESPONSES)
+
+    async def messages(self, request: Request):
+        return await self._unless_client_leaves(request, Endpoint.MESSAGES)
+
     async def _unless_client_leaves(self, request: Request, endpoint: Endpoint) -> Response:
         """`_generate`, cancelled (and with it every call to an instance, which vLLM then aborts) if the client
         goes away before the answer starts; a stream's relay is stopped by Starlette itself."""
@@ -217,10 +229,10 @@ class VLLMRouter:
             placed = self.schedule.place(call.tokens)
             if placed is None:
                 raise http.no_decode(rid)
+            if (reason := decode_only_reason(body, endpoint)) is not None:
+                return await self._decode(call, Prefilled(None, reason), self._holder(body, placed))
             if placed.decode_only is not None:
                 return await self._decode(call, Prefilled(None, placed.decode_only), placed)
-            if batched(body):  # the prefill's one kv_transfer_params could not tell the prompts' KV apart
-                return await self._decode(call, Prefilled(None, PathReason.BATCHED_PROMPTS), placed)
             url = self.schedule.prefill(call.tokens)
             if url is None:
                 return await self._decode(call, Prefilled(None, PathReason.NO_PREFILL_INSTANCE), placed)
@@ -242,6 +254,12 @@ class VLLMRouter:
         except Exception:
             self._count(500)
             raise
+
+    def _holder(self, body: dict[str, Any], placed: Placement) -> Placement:
+        """`placed`, or the decode instance up that holds the stored answer the body's `previous_response_id` names."""
+        earlier = body.get("previous_response_id")
+        home = self.stored.home(earlier) if isinstance(earlier, str) else None
+        return placed._replace(decode=home) if home in self.decode.urls(InstanceState.UP) else placed
 
     async def _wait_for_decode(self, rid: str, deadline: float) -> None:
         """Returns once a decode instance is up. Raises: APIError(503) when none is by `deadline`."""
@@ -334,6 +352,7 @@ class VLLMRouter:
         self._count(resp.status_code)
         if resp.status_code == 200:
             self.schedule.answered(url, call.tokens, completion_tokens_of(resp.content))
+            self._stored(call, url, resp.content)
         return http.whole(resp, call.rid, prefilled.headers(url))
 
     async def _stream_answer(self, resp: httpx2.Response, call: _Call, url: str, prefilled: Prefilled,
@@ -367,9 +386,11 @@ class VLLMRouter:
         """The decode instance's stream, chunk by chunk from `first`; an SSE error event if it breaks."""
         status, events = 200, first.count(b"data: {")  # an event a generated token, near enough for the index
         try:
+            stored = self._stored(call, peer, first)
             yield first
             async for chunk in chunks:
                 events += chunk.count(b"data: {")
+                stored = stored or self._stored(call, peer, chunk)
                 yield chunk
             self.schedule.answered(peer, call.tokens, events)
         except InstanceError as exc:
@@ -383,6 +404,13 @@ class VLLMRouter:
             with anyio.CancelScope(shield=True):  # the client may have gone: close the instance's stream anyway
                 await resp.aclose()
         self._count(status)
+
+    def _stored(self, call: _Call, url: str, content: bytes) -> bool:
+        """Whether `content`, of decode instance `url`'s answer, named its Responses answer's id (then remembered)."""
+        if call.endpoint != Endpoint.RESPONSES or (response_id := response_id_of(content)) is None:
+            return False
+        self.stored.remember(response_id, url)
+        return True
 
     def _count(self, http_status: int) -> None:
         self.metrics.requests.labels(str(http.request_status(http_status))).inc()
@@ -411,5 +439,11 @@ def create_vllm_app(config: VLLMRouterConfig, metrics: Metrics | None = None) ->
     app.add_api_route("/v1/models", router.models, methods=["GET"])
     app.add_api_route(str(Endpoint.COMPLETIONS), router.completions, methods=["POST"])
     app.add_api_route(str(Endpoint.CHAT), router.chat_completions, methods=["POST"])
+    app.add_api_route(str(Endpoint.RESPONSES), router.responses, methods=["POST"])
+    app.add_api_route(str(Endpoint.MESSAGES), router.messages, methods=["POST"])
+    for path in PASSED_ON_PATHS:
+        app.add_api_route(path, router.pass_on.to_any, methods=["POST"])
+    app.add_api_route(f"{Endpoint.RESPONSES}/{{response_id}}", router.pass_on.to_holder, methods=["GET"])
+    app.add_api_route(f"{Endpoint.RESPONSES}/{{response_id}}/cancel", router.pass_on.to_holder, methods=["POST"])
     app.add_exception_handler(APIError, http.api_error)
     return app

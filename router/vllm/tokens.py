@@ -19,9 +19,12 @@ _CHAT_FIELDS = ("model", "messages", "add_generation_prompt", "continue_final_me
 
 def tokenize_body(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any] | list[int] | None:
     """Returns: the /tokenize body for the prompt of the client's `body`; its token ids when it gave them; None for
-    what has no single prompt (a batch of prompts, no prompt)."""
+    what has no single prompt (a batch of prompts, no prompt) or whose prompt the router cannot tell (below)."""
     if endpoint == Endpoint.CHAT:
         return {k: body[k] for k in _CHAT_FIELDS if k in body} if isinstance(body.get("messages"), list) else None
+    if endpoint in (Endpoint.RESPONSES, Endpoint.MESSAGES):
+        messages = _as_chat(endpoint, body)
+        return None if messages is None else {"model": body.get("model"), "messages": messages}
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
@@ -31,6 +34,42 @@ def tokenize_body(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any] | 
         return None
     out: dict[str, Any] = {"model": body.get("model"), "prompt": prompt}
     return out | ({"add_special_tokens": body["add_special_tokens"]} if "add_special_tokens" in body else {})
+
+
+def _as_chat(endpoint: Endpoint, body: dict[str, Any]) -> list[dict[str, str]] | None:
+    """The chat messages vLLM renders a Responses or Messages body's prompt from, for the plain bodies whose rendering
+    is the same: texts only, no tools, no earlier stored turn (its KV is where that turn was answered). None for
+    the rest: placed by load alone, as a prompt the router knows nothing of.
+
+    Responses: `instructions` as the system message, then `input` (a text: one user message; or messages of text
+    content). Messages: `system` as the system message, then the messages of text content, none of them a system
+    message (vLLM may merge those into the first)."""
+    if body.get("tools") or body.get("previous_response_id"):
+        return None
+    system, turns = (("instructions", "input") if endpoint == Endpoint.RESPONSES else ("system", "messages"))
+    lead = body.get(system)
+    if lead is not None and not isinstance(lead, str):
+        return None
+    given = body.get(turns)
+    if endpoint == Endpoint.RESPONSES and isinstance(given, str):
+        given = [{"role": "user", "content": given}]
+    if not isinstance(given, list):
+        return None
+    texts = [_text_turn(turn) for turn in given]
+    if not all(texts):
+        return None
+    return ([{"role": "system", "content": lead}] if lead else []) + texts  # type: ignore[operator]
+
+
+_TURN_KEYS = frozenset({"role", "content", "type"})
+
+
+def _text_turn(turn: object) -> dict[str, str] | None:
+    """A user's or the assistant's message of a text alone, as chat's; None for anything else."""
+    if not isinstance(turn, dict) or set(turn) - _TURN_KEYS or turn.get("type", "message") != "message":
+        return None
+    role, content = turn.get("role"), turn.get("content")
+    return {"role": role, "content": content} if role in ("user", "assistant") and isinstance(content, str) else None
 
 
 class TokenizeFailed(Exception):

@@ -111,6 +111,17 @@ async def open_stream(client: httpx2.AsyncClient, request_id: str, peer: str, en
     return resp
 
 
+async def open_call(client: httpx2.AsyncClient, request_id: str, peer: str, method: str, path: str, content: bytes,
+                    headers: dict[str, str]) -> httpx2.Response:
+    """`method` `path` of `peer` with `content` as the body, as the client sent it; the answer's head read (the caller
+    reads its body, `stream_bytes`, and closes it). Returns: the answer, whatever its status. Raises: InstanceError."""
+    req = client.build_request(method, f"{peer}{path}", content=content or None, headers=headers)
+    try:
+        return await client.send(req, stream=True)
+    except PEER_ERRORS as exc:
+        raise _failure(exc, request_id, peer) from exc
+
+
 async def get(client: httpx2.AsyncClient, request_id: str, peer: str, path: str,
               headers: dict[str, str]) -> httpx2.Response:
     """GET `path` of `peer`. Returns: the answer, whatever its status. Raises: InstanceError."""

@@ -1,16 +1,17 @@
 """A stand-in for a vLLM server's HTTP API, for the router's unit tests: real sockets, scripted behaviour.
 
 `FakeVLLM(port)` serves in a thread once `start()`ed, until `stop()` (and may start again on the same port):
-GET /health (after `health_delay_s`), GET /v1/models, and POST /v1/completions and /v1/chat/completions,
-which answer after `answer_delay_s` (or not at all, once their client has gone away):
+GET /health (after `health_delay_s`), GET /v1/models, and POST /v1/completions, /v1/chat/completions,
+/v1/responses and /v1/messages, which answer after `answer_delay_s` (or not at all, once their client has gone
+away), a Responses answer with an id (in a stream, its first event) that GET /v1/responses/{id} then finds:
 - a prefill's body (`do_remote_decode`) as KvwireConnector's producer would: `kv_transfer_params` naming
   `name` and the `kvwire_key` it was given (none while `hands_out_params` is off; the HTTP status
   `prefill_status` instead of 200 when set);
 - a decode's, `kv_wait_s` later if told of a remote prefill (waiting for its KV; given up, as vLLM aborts,
   when the client goes away: counted in `aborted`), with the `kv_transfer_params` it got echoed in its text;
   streams as two SSE chunks.
-`bodies` records what each POST carried, `headers` its headers. GET /metrics answers `metrics` (404 while it is
-"").
+POST /detokenize answers a text naming it (no /tokenize: the router places by load alone). `bodies` records what
+each POST carried, `headers` its headers. GET /metrics answers `metrics` (404 while it is "").
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.testclient import TestClient
+
+from kvwire.observability.metrics import Metrics
+from kvwire.router.config import VLLMRouterConfig
+from kvwire.router.vllm.proxy import create_vllm_app
+
+HEALTH_S = 0.1  # the router's health interval in the tests
+CONNECT_S = 0.2  # its connect timeout, and so its probes' read timeout (the longer of the two)
 
 
 def serve_in_thread(app: Any, port: int, name: str) -> tuple[uvicorn.Server, threading.Thread]:
@@ -54,6 +63,7 @@ class FakeVLLM:
         self.aborted = 0  # decode calls whose client went away while they waited for KV
         self.metrics = ""  # its Prometheus exposition, as vLLM's GET /metrics ("": none, 404)
         self.scrapes = 0  # GET /metrics asked
+        self.stored: set[str] = set()  # the ids of the Responses answers it stored (GET /v1/responses/{id})
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -114,12 +124,44 @@ class FakeVLLM:
             handed = {"do_remote_prefill": True, "remote_engine_id": self.name, "remote_num_tokens": 5,
                       "remote_request_id": params.get("kvwire_key", f"cmpl-{len(self.bodies)}"),
                       "remote_block_ids": [[1]], "remote_tp_size": 1, "transfer": "kvwire"}
+            answer_id = self._answer_id(request, prefill, body)
             if body.get("stream") and not prefill:
                 chunks = [f"data: {json.dumps({'choices': [{'text': t}]})}\n\n" for t in (self.name, " done")]
+                if answer_id:  # as the Responses API's first event
+                    created = json.dumps({"response": {"id": answer_id}})
+                    chunks.insert(0, f"event: response.created\ndata: {created}\n\n")
                 return StreamingResponse(iter([*chunks, "data: [DONE]\n\n"]), media_type="text/event-stream")
             handed = handed if prefill and self.hands_out_params else None
-            return JSONResponse({"choices": [{"text": text}], "kv_transfer_params": handed})
+            return JSONResponse({"id": answer_id, "choices": [{"text": text}], "kv_transfer_params": handed})
 
-        app.add_api_route("/v1/completions", generate, methods=["POST"])
-        app.add_api_route("/v1/chat/completions", generate, methods=["POST"])
+        async def stored(response_id: str):
+            found = response_id in self.stored
+            return JSONResponse({"id": response_id, "by": self.name} if found else {"error": {"code": 404}},
+                                status_code=200 if found else 404)
+
+        async def detokenize(request: Request):
+            self.bodies.append(await request.json())
+            self.headers.append(dict(request.headers))
+            return JSONResponse({"prompt": f"by {self.name}"})
+
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"):
+            app.add_api_route(path, generate, methods=["POST"])
+        app.add_api_route("/v1/responses/{response_id}", stored, methods=["GET"])
+        app.add_api_route("/detokenize", detokenize, methods=["POST"])
         return app
+
+    def _answer_id(self, request: Request, prefill: bool, body: dict[str, Any]) -> str | None:
+        """A Responses answer's id (kept in `stored` unless the body said `store: false`); None for other APIs."""
+        if request.url.path != "/v1/responses":
+            return None
+        answer_id = f"resp_{self.name}_{len(self.bodies)}"
+        if body.get("store", True) and not prefill:
+            self.stored.add(answer_id)
+        return answer_id
+
+
+def router_over(prefill: list[FakeVLLM], decode: list[FakeVLLM], **config) -> TestClient:
+    """The vLLM-mode router in front of `prefill` and `decode` (enter it to serve), with a short health interval."""
+    made = VLLMRouterConfig(prefill_urls=tuple(f.url for f in prefill), decode_urls=tuple(f.url for f in decode),
+                            health_interval_s=HEALTH_S, connect_timeout_s=CONNECT_S, **config)
+    return TestClient(create_vllm_app(made, Metrics()))

@@ -45,6 +45,8 @@ from kvwire.connectors.directory.directory import KVDirectory, TransferState
 from kvwire.connectors.vllm.tp import rank_key
 from kvwire.connectors.wire import PullRequest, encode
 from kvwire.observability.labels import DISAGGREGATED_REASONS
+from kvwire.router.vllm.bodies import Endpoint
+from kvwire.router.vllm.tokens import tokenize_body
 from tests.observability.otlp import OTLPReceiver
 from tests.vllm.conftest import PROMPTS
 from tests.vllm.otlp import traced
@@ -59,6 +61,7 @@ TRACESTATE = "kvwire=test"
 SYSTEM = {"teacher": "You are a patient teacher of arithmetic and of nothing else. " * 10,
           "poet": "You are a poet who writes only about the sea, the wind and ships. " * 9}
 USER = ["Tell me something.", "Go on, please.", "And what then?"]
+STORE = (("VLLM_ENABLE_RESPONSES_API_STORE", "1"),)  # the Responses API keeps answers (store) for later turns
 
 
 class Trio(NamedTuple):
@@ -81,7 +84,7 @@ def trio(vllm_model_dir: Path, redis_server: LocalRedis, spans: OTLPReceiver, tm
     secret.write_text(SECRET)
     # `auto` on one host: the decode servers read the prefill server's KV cache from its process (cma); kv_both: each
     # server may do either role, as the params say
-    prefill, decode = (dataclasses.replace(s, kv_role="kv_both", auth_secret_file=secret)
+    prefill, decode = (dataclasses.replace(s, kv_role="kv_both", auth_secret_file=secret, extra_env=STORE)
                        for s in kvwire_pair(vllm_model_dir, redis_server.url, ConnectorKind.AUTO, log_dir))
     decode2 = traced(dataclasses.replace(decode, node_id="decode2-auto", log_path=log_dir / "decode2.log"),
                      spans.endpoint_for("decode2"))
@@ -145,6 +148,55 @@ def test_conversations_stay_where_their_kv_is_and_later_turns_are_decode_only(tr
     assert sum(float(n) for status, n in answered.items() if status != "ok") == 0, answered
     events = dict(re.findall(r'^kvwire_vllm_kv_events_total\{kind="([a-z]+)"\} (\S+)$', metrics, re.M))
     assert float(events["stored"]) > 0, events  # the first decode server's blocks, as its cache stored them
+
+
+def test_responses_and_messages_apis_are_disaggregated_and_answers_found(trio: Trio, plain_server: VLLMServer,
+                                                                        vllm_model_dir: Path):
+    """OpenAI's Responses API (the official client) and Anthropic's Messages API through the router, whole and
+    streamed: disaggregated, each answer the plain server's, the router's count of their prompts' tokens vLLM's
+    own. Answers stored on both decode servers are each found through the router (GET /v1/responses/{id}), and a
+    later turn naming one goes decode-only to the server that stored it and answers as that server does."""
+    model = str(vllm_model_dir)
+    routed, plain = openai_client(trio.router_url), openai_client(plain_server.url)
+    ask = {"model": model, "instructions": "Be brief.", "max_output_tokens": MAX_TOKENS, "temperature": 0}
+    text = "Tell me of ships, harbours, tides and the lighthouses along the coast. " * 9  # > 512 tokens
+    want = plain.responses.create(input=text, store=False, **ask).output_text
+    raw = routed.responses.with_raw_response.create(input=text, **ask)
+    assert (raw.headers["x-kvwire-path"], raw.parse().output_text) == ("disaggregated", want)
+    counted = httpx2.post(f"{trio.decodes[0].url}/tokenize", json=tokenize_body(Endpoint.RESPONSES, {
+        "model": model, "input": text, "instructions": "Be brief."}), timeout=10).json()["count"]
+    assert counted == raw.parse().usage.input_tokens
+    with routed.responses.stream(input=text + " Streamed.", **ask) as events:
+        streamed = events.get_final_response().output_text
+    assert streamed == plain.responses.create(input=text + " Streamed.", store=False, **ask).output_text
+
+    # another system prompt: the same one would share the Responses requests' prefix (cached-on-decode)
+    message = {"model": model, "system": "Answer in one line.", "max_tokens": MAX_TOKENS, "temperature": 0,
+               "messages": [{"role": "user", "content": text + " Anthropic."}]}
+    got, plain_got = (httpx2.post(f"{url}/v1/messages", json=message, timeout=120) for url in (trio.router_url,
+                                                                                             plain_server.url))
+    assert got.headers["x-kvwire-path"] == "disaggregated", got.headers["x-kvwire-reason"]
+    assert got.json()["content"] == plain_got.json()["content"]
+    usage = got.json()["usage"]  # Anthropic's: input_tokens leaves out what was read from a cache (the pulled KV)
+    assert usage["cache_read_input_tokens"] > 0, usage
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == httpx2.post(
+        f"{trio.decodes[0].url}/tokenize", json=tokenize_body(Endpoint.MESSAGES, message), timeout=10).json()["count"]
+    streamed = httpx2.post(f"{trio.router_url}/v1/messages", json={**message, "stream": True}, timeout=120)
+    deltas = [json.loads(line[5:]).get("delta", {}) for line in streamed.text.splitlines() if line.startswith("data:")]
+    assert "".join(d.get("text", "") for d in deltas) == plain_got.json()["content"][0]["text"]
+
+    # prompts that share no prefix with the ones above (which would keep them where those are): placed by load
+    stored = [routed.responses.with_raw_response.create(input=f"Voyage {i}. {text}", **ask) for i in range(4)]
+    homes = {r.parse().id: r.headers["x-kvwire-decode"] for r in stored}
+    assert set(homes.values()) == {s.url for s in trio.decodes}, "answers stored on both decode servers"
+    for rid, home in homes.items():
+        found = httpx2.get(f"{trio.router_url}/v1/responses/{rid}", timeout=10)
+        assert found.status_code == 200 and found.json()["id"] == rid and found.headers["x-kvwire-decode"] == home
+        later = routed.responses.with_raw_response.create(input="Go on.", previous_response_id=rid, **ask)
+        assert (later.headers["x-kvwire-path"], later.headers["x-kvwire-reason"], later.headers["x-kvwire-decode"]) \
+            == ("decode-only", "previous-response", home)
+        alone = openai_client(home).responses.create(input="Go on.", previous_response_id=rid, store=False, **ask)
+        assert later.parse().output_text == alone.output_text
 
 
 def test_kv_both_servers_over_auto_equal_plain(trio: Trio, plain_server: VLLMServer, vllm_model_dir: Path,

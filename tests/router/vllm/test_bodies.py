@@ -6,8 +6,16 @@ import json
 
 import pytest
 
+from kvwire.observability.labels import PathReason
 from kvwire.router.schemas import APIError
-from kvwire.router.vllm.bodies import Endpoint, decode_body, kv_transfer_params_of, parse_body, prefill_body
+from kvwire.router.vllm.bodies import (
+    Endpoint,
+    decode_body,
+    decode_only_reason,
+    kv_transfer_params_of,
+    parse_body,
+    prefill_body,
+)
 
 CLIENT = {"model": "m", "prompt": "Hello", "max_tokens": 64, "min_tokens": 8, "stream": True,
           "stream_options": {"include_usage": True}, "temperature": 0.0, "seed": 3}
@@ -33,6 +41,36 @@ def test_prefill_body_caps_max_completion_tokens_of_chat_only_when_given():
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 50}
     assert prefill_body(chat, Endpoint.CHAT)["max_completion_tokens"] == 1
     assert "max_completion_tokens" not in prefill_body({"model": "m", "messages": []}, Endpoint.CHAT)
+
+
+def test_a_responses_prefill_body_asks_one_token_stores_nothing_and_runs_in_the_foreground():
+    """A stored prefill answer would be one a later turn could name, on an instance that never decodes it."""
+    client = {"model": "m", "input": "hi", "instructions": "Be brief.", "max_output_tokens": 64, "stream": True,
+              "store": True, "background": True}
+    assert prefill_body(client, Endpoint.RESPONSES) == {
+        "model": "m", "input": "hi", "instructions": "Be brief.", "max_output_tokens": 1, "stream": False,
+        "store": False, "background": False, "kv_transfer_params": {"do_remote_decode": True}}
+
+
+def test_a_messages_prefill_body_asks_one_token_and_no_choices():
+    client = {"model": "m", "system": "s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64,
+              "stream": True, "thinking": {"type": "enabled", "budget_tokens": 32}}
+    assert prefill_body(client, Endpoint.MESSAGES) == {**client, "max_tokens": 1, "stream": False,
+                                                       "kv_transfer_params": {"do_remote_decode": True}}
+
+
+@pytest.mark.parametrize(("endpoint", "body", "reason"), [
+    (Endpoint.COMPLETIONS, {"prompt": ["a", "b"]}, PathReason.BATCHED_PROMPTS),
+    (Endpoint.COMPLETIONS, {"prompt": ["a"]}, None),
+    (Endpoint.COMPLETIONS, {"prompt": "a", "use_beam_search": True}, PathReason.BEAM_SEARCH),
+    (Endpoint.CHAT, {"messages": [], "use_beam_search": True}, PathReason.BEAM_SEARCH),
+    (Endpoint.CHAT, {"messages": [], "use_beam_search": False}, None),
+    (Endpoint.RESPONSES, {"input": "a", "previous_response_id": "resp_1"}, PathReason.PREVIOUS_RESPONSE),
+    (Endpoint.RESPONSES, {"input": "a", "previous_response_id": None}, None),
+    (Endpoint.MESSAGES, {"messages": []}, None),
+])
+def test_what_goes_decode_only_whatever_the_instances_hold(endpoint, body, reason):
+    assert decode_only_reason(body, endpoint) == reason
 
 
 def test_decode_body_is_the_clients_with_the_prefills_params_or_none():

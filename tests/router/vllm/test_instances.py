@@ -9,42 +9,22 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx2
 import pytest
-from fastapi.testclient import TestClient
 
 from kvwire.cluster.ports import free_port
 from kvwire.observability.metrics import Metrics
 from kvwire.router.config import VLLMRouterConfig
 from kvwire.router.vllm.proxy import create_vllm_app
-from tests.router.fake_vllm import FakeVLLM, serve_in_thread
+from tests.router.fake_vllm import CONNECT_S, HEALTH_S, router_over, serve_in_thread
 
-HEALTH_S = 0.1  # the router's health interval here
-CONNECT_S = 0.2  # its connect timeout, and so its probes' read timeout (the longer of the two)
 BODY = {"model": "fake", "prompt": "hello", "max_tokens": 4}
-
-
-@pytest.fixture
-def fakes() -> Iterator[dict[str, FakeVLLM]]:
-    made = {name: FakeVLLM(name, free_port()) for name in ("p", "d1", "d2")}
-    for fake in made.values():
-        fake.start()
-    yield made
-    for fake in made.values():
-        fake.stop()
-
-
-def _router(prefill: list[FakeVLLM], decode: list[FakeVLLM], **config) -> TestClient:
-    config = VLLMRouterConfig(prefill_urls=tuple(f.url for f in prefill), decode_urls=tuple(f.url for f in decode),
-                              health_interval_s=HEALTH_S, connect_timeout_s=CONNECT_S, **config)
-    return TestClient(create_vllm_app(config, Metrics()))
 
 
 def test_answers_say_which_path_why_and_which_instances(fakes):
     p, d1 = fakes["p"], fakes["d1"]
-    with _router([p], [d1]) as router:
+    with router_over([p], [d1]) as router:
         whole = router.post("/v1/completions", json=BODY)  # sequential: the first answer shows kvwire's connector
         streamed = router.post("/v1/completions", json={**BODY, "stream": True})  # alongside from then on
         p.hands_out_params = False  # say, restarted without kvwire's connector
@@ -71,7 +51,7 @@ def test_answers_say_which_path_why_and_which_instances(fakes):
 def test_alongside_the_decode_instance_is_told_the_key_the_prefill_instance_holds_the_kv_under(fakes):
     p, d1 = fakes["p"], fakes["d1"]
     d1.answer_delay_s = 0.3
-    with _router([p], [d1]) as router:
+    with router_over([p], [d1]) as router:
         router.post("/v1/completions", json=BODY)
         resp = router.post("/v1/completions", json={**BODY, "stream": True})
     assert resp.headers["x-kvwire-reason"] == "prefilled-alongside"
@@ -87,7 +67,7 @@ def test_alongside_the_decode_instance_is_told_the_key_the_prefill_instance_hold
 
 def test_sequential_waits_for_the_prefill_answer_every_time(fakes):
     p, d1 = fakes["p"], fakes["d1"]
-    with _router([p], [d1], sequential=True) as router:
+    with router_over([p], [d1], sequential=True) as router:
         reasons = [router.post("/v1/completions", json=BODY).headers["x-kvwire-reason"] for _ in range(3)]
     assert reasons == ["prefilled"] * 3 and all("kvwire_key" not in b["kv_transfer_params"] for b in p.bodies)
     assert [b["kv_transfer_params"]["remote_request_id"] for b in d1.bodies] == ["cmpl-1", "cmpl-2", "cmpl-3"]
@@ -95,7 +75,7 @@ def test_sequential_waits_for_the_prefill_answer_every_time(fakes):
 
 def test_alongside_a_failed_prefill_cancels_the_waiting_decode_call_and_goes_decode_only(fakes):
     p, d1 = fakes["p"], fakes["d1"]
-    with _router([p], [d1]) as router:
+    with router_over([p], [d1]) as router:
         router.post("/v1/completions", json=BODY)
         p.prefill_status = 500
         d1.kv_wait_s = 30.0  # the decode instance waits for KV that never comes
@@ -113,7 +93,7 @@ def test_alongside_a_failed_prefill_cancels_the_waiting_decode_call_and_goes_dec
 
 
 def test_no_prefill_instance_is_said_and_counted(fakes):
-    with _router([], [fakes["d1"]]) as router:
+    with router_over([], [fakes["d1"]]) as router:
         resp = router.post("/v1/completions", json=BODY)
     assert (resp.headers["x-kvwire-path"], resp.headers["x-kvwire-reason"]) == ("decode-only", "no-prefill-instance")
 
@@ -121,7 +101,7 @@ def test_no_prefill_instance_is_said_and_counted(fakes):
 def test_a_slow_decode_instance_stays_in_rotation_and_serves(fakes):
     d1 = fakes["d1"]
     d1.health_delay_s = 3 * CONNECT_S  # every probe times out: busy, not gone
-    with _router([], [d1], unresponsive_s=30.0) as router:
+    with router_over([], [d1], unresponsive_s=30.0) as router:
         time.sleep(3 * (HEALTH_S + CONNECT_S))
         health = router.get("/healthz").json()
         resp = router.post("/v1/completions", json=BODY)
@@ -132,7 +112,7 @@ def test_a_slow_decode_instance_stays_in_rotation_and_serves(fakes):
 def test_requests_go_to_the_less_loaded_decode_instance(fakes):
     d1, d2 = fakes["d1"], fakes["d2"]
     d1.answer_delay_s = d2.answer_delay_s = 0.5
-    with _router([], [d1, d2]) as router:
+    with router_over([], [d1, d2]) as router:
         slow = threading.Thread(target=router.post, args=("/v1/completions",), kwargs={"json": BODY})
         slow.start()
         while not d1.bodies and not d2.bodies:
@@ -150,7 +130,7 @@ def test_a_requests_n_choices_go_to_one_data_parallel_engine_the_least_busy(fake
     d1 = fakes["d1"]
     d1.metrics = "\n".join(f'vllm:num_requests_{kind}{{engine="{e}",model_name="fake"}} {n}'
                            for kind, counts in (("waiting", (1, 0)), ("running", (2, 0))) for e, n in enumerate(counts))
-    with _router([], [d1]) as router:
+    with router_over([], [d1]) as router:
         scraped, deadline = d1.scrapes, time.monotonic() + 10
         while d1.scrapes < scraped + 2:  # one health check read /metrics whole (the next has begun)
             assert time.monotonic() < deadline, "the router never read the decode instance's metrics"
@@ -163,7 +143,7 @@ def test_a_requests_n_choices_go_to_one_data_parallel_engine_the_least_busy(fake
 
 def test_a_batch_of_prompts_goes_decode_only_and_one_prompt_in_a_list_does_not(fakes):
     p, d1 = fakes["p"], fakes["d1"]
-    with _router([p], [d1]) as router:
+    with router_over([p], [d1]) as router:
         batch = router.post("/v1/completions", json={**BODY, "prompt": ["hello", "world"]})
         one = router.post("/v1/completions", json={**BODY, "prompt": ["hello"]})
         ids = router.post("/v1/completions", json={**BODY, "prompt": [[1, 2], [3, 4]]})
@@ -174,7 +154,7 @@ def test_a_batch_of_prompts_goes_decode_only_and_one_prompt_in_a_list_does_not(f
 
 def test_a_gone_decode_instance_leaves_and_its_request_goes_to_another(fakes):
     d1, d2 = fakes["d1"], fakes["d2"]
-    with _router([], [d1, d2], instance_wait_s=5.0) as router:
+    with router_over([], [d1, d2], instance_wait_s=5.0) as router:
         d1.stop()
         served = [router.post("/v1/completions", json=BODY) for _ in range(4)]
         health = router.get("/healthz").json()
@@ -185,7 +165,7 @@ def test_a_gone_decode_instance_leaves_and_its_request_goes_to_another(fakes):
 
 def test_a_request_waits_for_the_only_decode_instance_to_come_back(fakes):
     d1 = fakes["d1"]
-    with _router([], [d1], instance_wait_s=10.0) as router:
+    with router_over([], [d1], instance_wait_s=10.0) as router:
         d1.stop()
         restarted = threading.Timer(0.5, d1.start)
         restarted.start()
@@ -199,7 +179,7 @@ def test_a_request_waits_for_the_only_decode_instance_to_come_back(fakes):
 
 def test_a_request_gets_503_once_no_decode_instance_came_back_within_the_wait(fakes):
     d1 = fakes["d1"]
-    with _router([], [d1], instance_wait_s=0.5) as router:
+    with router_over([], [d1], instance_wait_s=0.5) as router:
         d1.stop()
         started = time.monotonic()
         resp = router.post("/v1/completions", json=BODY, headers={"x-request-id": "req-9"})
@@ -211,7 +191,7 @@ def test_a_request_gets_503_once_no_decode_instance_came_back_within_the_wait(fa
 def test_a_request_goes_decode_only_while_every_prefill_instance_is_saturated(fakes):
     p, d1 = fakes["p"], fakes["d1"]
     p.answer_delay_s = 0.5
-    with _router([p], [d1], prefill_max_in_flight=1, sequential=True) as router:
+    with router_over([p], [d1], prefill_max_in_flight=1, sequential=True) as router:
         first = threading.Thread(target=router.post, args=("/v1/completions",), kwargs={"json": BODY})
         first.start()
         while not p.bodies:
@@ -256,7 +236,7 @@ def test_a_clients_trace_context_and_credentials_reach_both_instances(fakes, cap
     trace = "4bf92f3577b34da6a3ce929d0e0e4736"
     sent = {"traceparent": f"00-{trace}-00f067aa0ba902b7-01", "tracestate": "vendor=1", "authorization": "Bearer k",
             "x-request-id": "traced-1", "cookie": "not-for-vllm"}
-    with caplog.at_level("INFO", logger="kvwire.router.vllm.proxy"), _router([p], [d1]) as router:
+    with caplog.at_level("INFO", logger="kvwire.router.vllm.proxy"), router_over([p], [d1]) as router:
         resp = router.post("/v1/completions", json=BODY, headers=sent)
     assert resp.status_code == 200 and resp.headers["x-kvwire-path"] == "disaggregated"
     for fake in (p, d1):

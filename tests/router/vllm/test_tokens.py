@@ -30,6 +30,32 @@ def test_a_completion_prompt_is_tokenized_and_token_ids_are_taken_as_they_are():
     assert tokenize_body(Endpoint.COMPLETIONS, {"prompt": [True, 2]}) is None
 
 
+def test_a_plain_responses_or_messages_body_is_tokenized_as_the_chat_vllm_renders_it_from():
+    """Texts alone, as vLLM's Responses (instructions, then input) and Messages (system, then messages) APIs build
+    their chat; tests/vllm/test_pd_schedule.py checks the counts against vLLM's own usage."""
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    chat = {"model": "m", "messages": [{"role": "system", "content": "Be brief."}, *turns]}
+    assert tokenize_body(Endpoint.RESPONSES, {"model": "m", "input": "hi"}) == {
+        "model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert tokenize_body(Endpoint.RESPONSES, {"model": "m", "instructions": "Be brief.", "max_output_tokens": 3,
+                                              "input": [turns[0], {"type": "message", **turns[1]}]}) == chat
+    assert tokenize_body(Endpoint.MESSAGES, {"model": "m", "system": "Be brief.", "messages": turns,
+                                             "max_tokens": 5}) == chat
+
+
+@pytest.mark.parametrize(("endpoint", "body"), [
+    (Endpoint.RESPONSES, {"input": "hi", "tools": [{"type": "function", "name": "f"}]}),
+    (Endpoint.RESPONSES, {"input": "hi", "previous_response_id": "resp_1"}),  # the earlier turns are not here
+    (Endpoint.RESPONSES, {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}),
+    (Endpoint.RESPONSES, {"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}),
+    (Endpoint.MESSAGES, {"messages": [{"role": "system", "content": "inline"}]}),  # vLLM may merge it
+    (Endpoint.MESSAGES, {"system": [{"type": "text", "text": "s"}], "messages": []}),
+    (Endpoint.MESSAGES, {"messages": "hi"}),
+])
+def test_a_body_whose_prompt_the_router_cannot_tell_is_not_tokenized(endpoint, body):
+    assert tokenize_body(endpoint, body) is None
+
+
 def test_the_tokens_an_answer_generated_come_from_its_usage_when_it_has_one_choice():
     def answer(choices: int, usage: object) -> bytes:
         return json.dumps({"choices": [{}] * choices, "usage": usage}).encode()
