@@ -84,8 +84,8 @@ from kvwire.router.vllm.pass_on import PASSED_ON_PATHS, PassOn
 from kvwire.router.vllm.pool import HealthProbe, InstancePool, Tolerance, run_health_checks
 from kvwire.router.vllm.prefill import Prefilled, PrefillStep, record_failure
 from kvwire.router.vllm.schedule import Placement, Scheduler
-from kvwire.router.vllm.stored import StoredResponses, response_id_of
-from kvwire.router.vllm.tokens import TokenizeFailed, completion_tokens_of, prompt_tokens
+from kvwire.router.vllm.stored import StoredResponses
+from kvwire.router.vllm.tokens import PromptReader, completion_tokens_of
 from kvwire.router.vllm.upstream import FailureKind, InstanceError, unsent
 
 log = logging.getLogger(__name__)
@@ -109,8 +109,7 @@ class VLLMRouter:
                                   self.decode)
         self._client: httpx2.AsyncClient | None = None
         self._behind: set[asyncio.Task] = set()  # prefill steps still running after their request was answered
-        self._tokenize_turn = 0
-        self._untokenized: set[str] = set()  # instances whose /tokenize failed (warned about once)
+        self._prompts = PromptReader(metrics)
         self.stored = StoredResponses()
         self.pass_on = PassOn(lambda: self.client, self.decode, metrics, self.stored)
         for pool in (self.prefill, self.decode):
@@ -168,22 +167,6 @@ class VLLMRouter:
     async def metrics_text(self):
         return Response(content=self.metrics.exposition(), media_type=CONTENT_TYPE)
 
-    async def models(self, request: Request):
-        """A decode instance's GET /v1/models, as it answers."""
-        rid = http.request_id(request)
-        for _ in self.config.decode_urls:
-            url = self.decode.pick()
-            if url is None:
-                break
-            try:
-                resp = await upstream.get(self.client, rid, url, "/v1/models", http.upstream_headers(request, rid))
-            except InstanceError as exc:
-                record_failure(self.metrics, self.decode, url, exc)
-                continue
-            self.decode.observe(url, None)
-            return http.whole(resp, rid, {})
-        raise http.no_decode(rid)
-
     async def completions(self, request: Request):
         return await self._unless_client_leaves(request, Endpoint.COMPLETIONS)
 
@@ -230,7 +213,10 @@ class VLLMRouter:
             if placed is None:
                 raise http.no_decode(rid)
             if (reason := decode_only_reason(body, endpoint)) is not None:
-                return await self._decode(call, Prefilled(None, reason), self._holder(body, placed))
+                home = self.stored.home_of(body)  # a later Responses turn: where the earlier one is stored
+                if home in self.decode.urls(InstanceState.UP):
+                    placed = placed._replace(decode=home)
+                return await self._decode(call, Prefilled(None, reason), placed)
             if placed.decode_only is not None:
                 return await self._decode(call, Prefilled(None, placed.decode_only), placed)
             url = self.schedule.prefill(call.tokens)
@@ -255,12 +241,6 @@ class VLLMRouter:
             self._count(500)
             raise
 
-    def _holder(self, body: dict[str, Any], placed: Placement) -> Placement:
-        """`placed`, or the decode instance up that holds the stored answer the body's `previous_response_id` names."""
-        earlier = body.get("previous_response_id")
-        home = self.stored.home(earlier) if isinstance(earlier, str) else None
-        return placed._replace(decode=home) if home in self.decode.urls(InstanceState.UP) else placed
-
     async def _wait_for_decode(self, rid: str, deadline: float) -> None:
         """Returns once a decode instance is up. Raises: APIError(503) when none is by `deadline`."""
         if not await self.decode.wait_up(deadline - time.monotonic()):
@@ -270,17 +250,8 @@ class VLLMRouter:
         """`call` with its prompt's token ids, when the scheduler needs them and an instance tokenizes them."""
         if not self.schedule.reads_prompts() or not (up := self.decode.urls(InstanceState.UP)):
             return call
-        self._tokenize_turn += 1  # the decode instances up take turns
-        try:
-            tokens = await prompt_tokens(self.client, call.rid, up[self._tokenize_turn % len(up)], call.endpoint,
-                                         call.body, call.headers)
-        except TokenizeFailed as exc:  # placed by load alone, the path decided as if it held nothing
-            self.metrics.vllm_tokenize_failures.inc()
-            level = logging.DEBUG if exc.url in self._untokenized else logging.WARNING
-            self._untokenized.add(exc.url)
-            log.log(level, "%s; placed by load alone (kvwire_vllm_tokenize_failures_total)", exc)
-            return call
-        return call._replace(tokens=tokens)
+        return call._replace(tokens=await self._prompts.read(self.client, call.rid, up, call.endpoint, call.body,
+                                                             call.headers))
 
     async def _alongside(self, call: _Call, url: str, producer: Producer, placed: Placement) -> Response:
         """The prefill and the decode step at once (module docstring, ALONGSIDE)."""
@@ -352,7 +323,7 @@ class VLLMRouter:
         self._count(resp.status_code)
         if resp.status_code == 200:
             self.schedule.answered(url, call.tokens, completion_tokens_of(resp.content))
-            self._stored(call, url, resp.content)
+            self.stored.remember_from(call.endpoint, url, resp.content)
         return http.whole(resp, call.rid, prefilled.headers(url))
 
     async def _stream_answer(self, resp: httpx2.Response, call: _Call, url: str, prefilled: Prefilled,
@@ -386,11 +357,11 @@ class VLLMRouter:
         """The decode instance's stream, chunk by chunk from `first`; an SSE error event if it breaks."""
         status, events = 200, first.count(b"data: {")  # an event a generated token, near enough for the index
         try:
-            stored = self._stored(call, peer, first)
+            stored = self.stored.remember_from(call.endpoint, peer, first)
             yield first
             async for chunk in chunks:
                 events += chunk.count(b"data: {")
-                stored = stored or self._stored(call, peer, chunk)
+                stored = stored or self.stored.remember_from(call.endpoint, peer, chunk)
                 yield chunk
             self.schedule.answered(peer, call.tokens, events)
         except InstanceError as exc:
@@ -404,13 +375,6 @@ class VLLMRouter:
             with anyio.CancelScope(shield=True):  # the client may have gone: close the instance's stream anyway
                 await resp.aclose()
         self._count(status)
-
-    def _stored(self, call: _Call, url: str, content: bytes) -> bool:
-        """Whether `content`, of decode instance `url`'s answer, named its Responses answer's id (then remembered)."""
-        if call.endpoint != Endpoint.RESPONSES or (response_id := response_id_of(content)) is None:
-            return False
-        self.stored.remember(response_id, url)
-        return True
 
     def _count(self, http_status: int) -> None:
         self.metrics.requests.labels(str(http.request_status(http_status))).inc()
@@ -436,7 +400,7 @@ def create_vllm_app(config: VLLMRouterConfig, metrics: Metrics | None = None) ->
     app.add_api_route("/healthz", router.healthz, methods=["GET"])
     app.add_api_route("/readyz", router.readyz, methods=["GET"])
     app.add_api_route("/metrics", router.metrics_text, methods=["GET"])
-    app.add_api_route("/v1/models", router.models, methods=["GET"])
+    app.add_api_route("/v1/models", router.pass_on.to_any, methods=["GET"])
     app.add_api_route(str(Endpoint.COMPLETIONS), router.completions, methods=["POST"])
     app.add_api_route(str(Endpoint.CHAT), router.chat_completions, methods=["POST"])
     app.add_api_route(str(Endpoint.RESPONSES), router.responses, methods=["POST"])

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from typing import Any
+
+from kvwire.router.vllm.bodies import Endpoint
 
 # a Responses answer's id as vLLM (and OpenAI) make them, as the first "id" of a body or of a stream's events
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]{1,200})"')
@@ -42,6 +45,19 @@ class StoredResponses:
     def home(self, response_id: str) -> str | None:
         """The decode instance that answered `response_id`; None if the router does not know it."""
         return self._homes.get(response_id)
+
+    def home_of(self, body: dict[str, Any]) -> str | None:
+        """The decode instance that answered the earlier turn a Responses body names (`previous_response_id`)."""
+        earlier = body.get("previous_response_id")
+        return self.home(earlier) if isinstance(earlier, str) else None
+
+    def remember_from(self, endpoint: Endpoint, url: str, content: bytes) -> bool:
+        """Whether `content` (decode instance `url`'s answer to a request to `endpoint`, or a piece of its stream)
+        named a Responses answer's id, then remembered as `url`'s."""
+        if endpoint != Endpoint.RESPONSES or (response_id := response_id_of(content)) is None:
+            return False
+        self.remember(response_id, url)
+        return True
 
     def __len__(self) -> int:
         return len(self._homes)

@@ -5,13 +5,17 @@ instance that answers will apply them)."""
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Sequence
 from typing import Any
 
 import httpx2
 
+from kvwire.observability.metrics import Metrics
 from kvwire.router.vllm.bodies import Endpoint
 from kvwire.router.vllm.upstream import PEER_ERRORS
 
+log = logging.getLogger(__name__)
 # the fields of a chat body that change its prompt's tokens (vLLM's TokenizeChatRequest)
 _CHAT_FIELDS = ("model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
                 "chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
@@ -100,6 +104,29 @@ async def prompt_tokens(client: httpx2.AsyncClient, rid: str, url: str, endpoint
     if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
         raise TokenizeFailed(rid, url, "no token ids in its answer")
     return tokens
+
+
+class PromptReader:
+    """Reads prompts' token ids of the decode instances up in turn; one that does not tokenize a prompt is counted
+    (kvwire_vllm_tokenize_failures_total) and said once per instance, and the prompt is then placed by load alone."""
+
+    def __init__(self, metrics: Metrics):
+        self._metrics = metrics
+        self._turn = 0
+        self._untokenized: set[str] = set()  # instances whose /tokenize failed (warned about once)
+
+    async def read(self, client: httpx2.AsyncClient, rid: str, up: Sequence[str], endpoint: Endpoint,
+                   body: dict[str, Any], headers: dict[str, str]) -> list[int] | None:
+        """The token ids of the prompt of `body`, by the next of `up`; None when it has none or was not tokenized."""
+        self._turn += 1
+        try:
+            return await prompt_tokens(client, rid, up[self._turn % len(up)], endpoint, body, headers)
+        except TokenizeFailed as exc:  # placed by load alone, the path decided as if it held nothing
+            self._metrics.vllm_tokenize_failures.inc()
+            level = logging.DEBUG if exc.url in self._untokenized else logging.WARNING
+            self._untokenized.add(exc.url)
+            log.log(level, "%s; placed by load alone (kvwire_vllm_tokenize_failures_total)", exc)
+            return None
 
 
 def completion_tokens_of(response: bytes) -> int:
