@@ -88,7 +88,7 @@ def _trials(work: Workload, compute_s: float, n: int, tag: str, pipe, conn, kv_c
         if last is None:
             last = pipe.recv()
         out.append(ready - start if not compute_s else ready - last)
-        ok &= bypass and torch.equal(hidden, work.hidden())
+        ok &= bypass and work.hidden_received(hidden)
     return out, ok
 
 

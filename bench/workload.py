@@ -40,6 +40,13 @@ class Workload:
         """The request's hidden states, the same in every process: `[tokens, hidden_width]` float32."""
         return torch.arange(self.tokens * self.hidden_width, dtype=torch.float32).view(self.tokens, -1)
 
+    def hidden_received(self, hidden: object) -> bool:
+        """Whether a consumer's hidden states are the request's as a connector delivers them: `[tokens,
+        hidden_width]` whose last row is the request's (only that row travels: connectors/hidden.py)."""
+        want = self.hidden()
+        return isinstance(hidden, torch.Tensor) and hidden.shape == want.shape and torch.equal(hidden[-1].cpu(),
+                                                                                                want[-1])
+
     @property
     def num_blocks(self) -> int:
         return -(-self.tokens // self.layout.block_size)

@@ -18,7 +18,10 @@ _DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 def split_request(hidden: torch.Tensor | IntermediateTensors,
                   rows: slice) -> tuple[list[TensorDesc], list[torch.Tensor], bool]:
-    """One request's rows of the batch's hidden states, as contiguous tensors.
+    """What travels of one request's rows (`rows`) of the batch's hidden states, as contiguous tensors: a last
+    pipeline stage's hidden states, the prompt's last row alone (`[1, hidden]`: the first token is sampled from
+    it, and nothing reads the others); a pipeline stage's intermediate tensors, every row (the next stage's
+    forward reads them all).
 
     Returns:
         (descriptors, tensors, is_intermediate).
@@ -27,7 +30,7 @@ def split_request(hidden: torch.Tensor | IntermediateTensors,
         named = [(k, v[rows]) for k, v in hidden.items()]
         intermediate = True
     else:
-        named = [(HIDDEN_KEY, hidden[rows])]
+        named = [(HIDDEN_KEY, hidden[rows][-1:])]
         intermediate = False
     tensors = [t.contiguous() for _, t in named]
     descs = [TensorDesc(name, dtype_of(t), tuple(t.shape)) for (name, _), t in zip(named, tensors)]
@@ -71,15 +74,24 @@ def tensors_from_bytes(descs: list[TensorDesc], data: bytes, device: torch.devic
 
 
 def join_requests(
-    parts: list[list[torch.Tensor]], descs: list[TensorDesc], intermediate: bool
+    parts: list[list[torch.Tensor]], descs: list[TensorDesc], intermediate: bool, lengths: Sequence[int]
 ) -> torch.Tensor | IntermediateTensors:
-    """Concatenate per-request tensors (same descriptors' names) along the token dim."""
-    if len(parts) == 1 and not intermediate and len(parts[0]) == 1:
-        return parts[0][0]  # one request, one tensor: nothing to join
-    joined = {d.name: torch.cat([p[i] for p in parts], dim=0) for i, d in enumerate(descs)}
-    if intermediate:
-        return IntermediateTensors(joined)
-    return joined[HIDDEN_KEY]
+    """The batch's hidden states from per-request tensors (same descriptors' names), requests of `lengths` tokens
+    back to back along the token dim. A request's part of one row (a last stage's: `split_request`) is its last
+    row; its other rows are left unwritten (nothing reads them)."""
+    if len(parts) == 1 and not intermediate and len(parts[0]) == 1 and parts[0][0].shape[0] == lengths[0]:
+        return parts[0][0]  # one request, every row: nothing to join
+    if intermediate or all(p[0].shape[0] == n for p, n in zip(parts, lengths)):
+        joined = {d.name: torch.cat([p[i] for p in parts], dim=0) for i, d in enumerate(descs)}
+        return IntermediateTensors(joined) if intermediate else joined[HIDDEN_KEY]
+    first = parts[0][0]
+    out = torch.empty((sum(lengths), *first.shape[1:]), dtype=first.dtype, device=first.device)  # [tokens, hidden]
+    end = 0
+    for part, n in zip(parts, lengths):
+        end += n
+        rows = part[0]  # [1 or n, hidden]
+        out[end - rows.shape[0]:end] = rows
+    return out
 
 
 INLINE_MAX = 64 << 10  # hidden states up to this size travel inline (KVReady; shm reply packet), not a memfd

@@ -49,8 +49,8 @@ class LocationFit:
         if prompt and loc.prompt and loc.prompt != prompt:
             raise bad(f"the producer's KV is of another prompt of {num_tokens} tokens (prompt {loc.prompt}, ours "
                       f"{prompt}): were one request's kv_transfer_params given to another?")
-        if any(d.shape[:1] != (num_tokens,) for d in loc.hidden):
-            raise bad("hidden states do not cover the prompt")
+        if any(d.shape[:1] != (num_tokens,) and (loc.intermediate or d.shape[:1] != (1,)) for d in loc.hidden):
+            raise bad("hidden states are neither the prompt's last row nor every row")
         if pick is not None:
             return self._pick(loc, dst_blocks, pick, bad)
         n_blocks = math.ceil(loc.num_tokens / layout.block_size)

@@ -226,8 +226,9 @@ class KVConsumer:
                     return None, False, model_input
         if not received:
             return None, False, model_input
-        return join_requests([r.hidden for r in received], received[0].descs, received[0].intermediate), True, \
-            model_input
+        lengths = [seq.num_tokens for seq in model_input.sequences]
+        return join_requests([r.hidden for r in received], received[0].descs, received[0].intermediate, lengths), \
+            True, model_input
 
     def receive(self, seq: SequenceInput, record: ExpectedKV | None = None) -> Received:
         """Pull one request's KV into `seq.block_ids` (a whole prompt: `seq.start_pos` is 0).

@@ -172,7 +172,7 @@ class KVProducer:
         for seq in model_input.sequences:
             if seq.start_pos != 0:
                 raise ValueError(f"request {seq.request_id}: only whole prompts can stream layer by layer")
-            desc = TensorDesc(HIDDEN_KEY, dtype_of(hidden_dtype), (seq.end_pos, hidden_size))
+            desc = TensorDesc(HIDDEN_KEY, dtype_of(hidden_dtype), (1, hidden_size))  # the last row (split_request)
             gate = LayerGate(seq.request_id, self._layout.num_layers, self._region.planes[0].device)
             for server in self._servers.values():
                 gate.add_waker(server.wake)
@@ -248,7 +248,7 @@ class KVProducer:
         held = self._held.get(request_id)
         if held is not None and held.gate is not None:
             assert isinstance(hidden, torch.Tensor), "layer-wise KV is published by a last pipeline stage"
-            held.hidden[0].copy_(hidden)
+            held.hidden[0].copy_(hidden[-1:])
             held.gate.complete()
 
     def _blocks_of(self, seq: SequenceInput) -> list[int]:

@@ -50,6 +50,14 @@ def request_hidden(rid: str, tokens: int, intermediate: bool, width: int = HIDDE
     return h
 
 
+def received_as_sent(hidden: torch.Tensor, rid: str, tokens: int, width: int = HIDDEN) -> bool:
+    """Whether a consumer's hidden states of one request are what a producer of `request_hidden` sent: `[tokens,
+    width]` whose last row is the request's (only that row travels: connectors/hidden.py, split_request)."""
+    want = request_hidden(rid, tokens, False, width)
+    assert isinstance(want, torch.Tensor)
+    return tuple(hidden.shape) == tuple(want.shape) and torch.equal(hidden[-1].cpu(), want[-1])
+
+
 def config(kind: ConnectorKind, role: NodeRole, node_id: str, redis_url: str, deadline_s: float) -> ConnectorConfig:
     return ConnectorConfig(kind=kind, role=role, node_id=node_id, redis_url=redis_url, kv_deadline_s=deadline_s)
 

@@ -181,7 +181,7 @@ def test_producer_tells_the_consumer_in_its_inbox_and_the_consumer_pulls(redis_u
         hidden, bypass, _ = consumer.receive_batch(ModelInput([SequenceInput(rid, [0] * tokens, 0, dst)]))
         assert bypass
         assert torch.equal(pool.data[dst], peer.request_kv(rid, lay, len(src)))
-        assert torch.equal(hidden, peer.request_hidden(rid, tokens, False))
+        assert peer.received_as_sent(hidden, rid, tokens)
         assert record.stats is not None and record.stats.kv_bytes > 0 and record.stats.producer == "p-direct"
         assert results.get(timeout=30) == ("released", {rid: src})
         proc.join(30)

@@ -49,7 +49,7 @@ from kvwire.connectors.wire import ShmHold
 
 WORD = 8  # bytes per word: int64, aligned, stored and loaded whole
 PAGE = mmap.PAGESIZE  # the hidden area starts on a page and is handed out in pages
-HIDDEN_AREA = 64 << 20  # bytes of hidden area by default: 512 requests of Llama-3-8B's 16-token hidden states
+HIDDEN_AREA = 64 << 20  # bytes of hidden area by default: 8,192 requests' Llama-3-8B hidden rows (8 KiB, 2 pages)
 # The check after the copy relies on loads not passing older loads (x86's order); elsewhere reads claim first.
 ORDERED_LOADS = platform.machine().lower() in {"x86_64", "amd64"}
 _SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL

@@ -12,7 +12,7 @@ from kvwire.connectors.consumer.fit import LocationFit
 from kvwire.connectors.kv_pool import KVPool
 from kvwire.connectors.prompt import prompt_fingerprint
 from kvwire.connectors.transports.kv_region import KVRegion
-from kvwire.connectors.wire import DType, HeadSlice, KVLayout, KVLocation
+from kvwire.connectors.wire import DType, HeadSlice, KVLayout, KVLocation, TensorDesc
 from kvwire.observability.labels import TransferFailure
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=DType.FLOAT32)
@@ -62,3 +62,20 @@ def test_kv_of_another_prompt_of_the_same_length_is_a_mismatch():
 def test_a_prompts_fingerprint_is_of_its_token_ids():
     assert prompt_fingerprint([5, 70000, 2**40]) == prompt_fingerprint((5, 70000, 2**40))
     assert len({prompt_fingerprint(p) for p in ([], [0], [1], [0, 0], [1, 0], [0, 1])}) == 6
+
+
+@pytest.mark.parametrize(("rows", "intermediate", "fits"), [
+    (1, False, True),  # a last stage's prompt's last row
+    (6, False, True),  # every row: a producer of an earlier build
+    (6, True, True),  # a pipeline stage's intermediate tensors, every row
+    (1, True, False),  # ... which the next stage's forward reads all of
+    (5, False, False),
+])
+def test_hidden_states_fit_as_the_last_row_or_every_row(rows, intermediate, fits):
+    loc = msgspec.structs.replace(_loc("m"), hidden=[TensorDesc("hidden_states", DType.FLOAT32, (rows, 8))],
+                                  intermediate=intermediate)
+    if fits:
+        assert _fit("m").check("r1", 6, [0, 1], 0, loc)[1] == [0, 1]
+    else:
+        with pytest.raises(ReceiveError, match="neither the prompt's last row nor every row"):
+            _fit("m").check("r1", 6, [0, 1], 0, loc)

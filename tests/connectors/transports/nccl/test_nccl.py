@@ -52,7 +52,7 @@ def _pull(side: ConsumerSide, pool: KVPool, rid: str, tokens: int, src: list[int
     hidden, bypass, _ = side.connector.recv_kv_caches_and_hidden_states(
         None, ModelInput([SequenceInput(rid, [0] * tokens, 0, dst)]), pool.kv_caches)
     return bool(bypass) and torch.equal(pool.data[dst], peer.request_kv(rid, LAYOUT, len(src))) \
-        and torch.equal(hidden, peer.request_hidden(rid, tokens, False))
+        and peer.received_as_sent(hidden, rid, tokens)
 
 
 def consume(redis_url: str, node_id: str, requests, dsts, go, results, die_after_request: bool = False) -> None:
@@ -108,7 +108,7 @@ def test_one_consumer_receives_from_two_producers(redis_url):
             assert bypass
             for (rid, t, s), d, rows in zip(batch, dsts, mi.token_slices()):
                 assert torch.equal(pool.data[d], peer.request_kv(rid, LAYOUT, len(s)))
-                assert torch.equal(hidden[rows], peer.request_hidden(rid, t, False))
+                assert peer.received_as_sent(hidden[rows], rid, t)
             links = _links(side)  # one live pair per producer, never reopened
             assert len(links) == 2 and all(link.group is not None for link in links.values())
             opened = opened or {a: link.opened for a, link in links.items()}

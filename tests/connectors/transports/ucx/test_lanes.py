@@ -83,7 +83,7 @@ def test_pulls_over_any_number_of_lanes_are_byte_exact(redis_url, lanes):
                 None, ModelInput([SequenceInput(rid, [0] * tokens, 0, d)]), pool.kv_caches)
             assert bypass
             assert torch.equal(pool.data[d], peer.request_kv(rid, lay, len(s)))
-            assert torch.equal(hidden, peer.request_hidden(rid, tokens, False))
+            assert peer.received_as_sent(hidden, rid, tokens)
         assert results.get(timeout=30) == ("released", {r: s for r, _, s in requests})
     finally:
         side.close()
