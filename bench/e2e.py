@@ -172,7 +172,7 @@ def _bare_gap_ms(model_dir: Path, rounds: int, max_tokens: int) -> float:
 
 def bench_e2e(model_dir: Path, connector: ConnectorKind, rounds: int, max_tokens: int,
               layerwise: bool = False, bare: bool = True) -> E2EResult:
-    # no prefix cache on decode: each prompt is asked in both modes, and single-node would find it cached (the
+    # no prefix cache on either node: each prompt is asked in both modes, and single-node would find it cached (the
     # blocks the disaggregated run received, or an earlier round computed) and compute only its tail
     spec = ClusterSpec(model_dir=model_dir, connector=connector, log_level="ERROR", layerwise=layerwise,
                        prefix_cache=False)

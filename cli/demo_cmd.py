@@ -3,8 +3,9 @@
 1. The prompts' tokens from one process (engine/reference.py): what the cluster must answer.
 2. A local cluster starts; the demo goes on once the router can disaggregate (its /readyz: a live prefill
    node and decode node, both warmed up before they registered).
-3. One prompt is asked TTFT_REQUESTS times, one request at a time: the first request's time to first token
-   against the tenth's shows whether the nodes' warm-up worked (on a GPU, the first within 2x the tenth).
+3. One prompt is asked TTFT_REQUESTS times (each led by its own number, so that no prefix cache holds it), one
+   request at a time: the first request's time to first token against the tenth's shows whether the nodes'
+   warm-up worked (on a GPU, the first within 2x the tenth).
 4. Every prompt is sent at once; the table shows how each one's KV travelled, and each output is compared.
 """
 
@@ -56,13 +57,14 @@ def _ask(url: str, prompt: str, params: SamplingParams) -> dict:
 
 
 def _first_requests(url: str, prompt_tokens: int) -> str:
-    """Ask TTFT_PROMPT TTFT_REQUESTS times, one request at a time (a failure ends the series); the line that
-    compares the first request's time to first token with the tenth's (or the last's, when fewer came)."""
+    """Ask TTFT_PROMPT TTFT_REQUESTS times, one request at a time, each led by its number (a failure ends the
+    series); the line that compares the first request's time to first token with the tenth's (or the last's, when
+    fewer came)."""
     ttfts: list[float] = []
     paths: list[str] = []
-    for _ in range(TTFT_REQUESTS):
-        try:
-            report = _ask(url, TTFT_PROMPT, SamplingParams(max_tokens=1, temperature=0.0))["kvwire"]
+    for i in range(TTFT_REQUESTS):
+        try:  # each its own first token: no node's prefix cache holds any of the next one
+            report = _ask(url, f"{i} {TTFT_PROMPT}", SamplingParams(max_tokens=1, temperature=0.0))["kvwire"]
         except Exception as exc:  # noqa: BLE001 - reported on the line
             if not ttfts:
                 return f"time to first token, one request at a time: the first request failed: {exc}"
@@ -127,7 +129,7 @@ def demo(model: Annotated[Path | None, typer.Option("--model", help="Checkpoint;
     with cluster_of(spec, "demo") as cluster:
         typer.echo(f"cluster ready to disaggregate in {time.monotonic() - started:.1f}s at {cluster.url} "
                    f"(nodes {'warmed up' if warmup else 'not warmed up: --no-warmup'})")
-        typer.echo(_first_requests(cluster.url, len(tokenizer.encode(TTFT_PROMPT))))
+        typer.echo(_first_requests(cluster.url, len(tokenizer.encode(f"0 {TTFT_PROMPT}"))))
         typer.echo(f"sending {len(PROMPTS)} prompts at once")
         with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
             futures = [pool.submit(_ask, cluster.url, p, params) for p in PROMPTS]

@@ -75,8 +75,8 @@ def prefill(model: ModelDir, redis_url: RedisUrl, host: Host = "127.0.0.1", port
             device: Device = "cpu", torch_threads: Threads = 1, http_port: HttpPort = 0,
             auth_secret_file: AuthSecretFile = None, verify_kv: VerifyKV = False, drain_timeout: DrainTimeout = 30.0,
             layerwise: Layerwise = False, advertise_host: AdvertiseHost = None, heartbeat_ttl: HeartbeatTTL = 5.0,
-            redis_timeout: RedisTimeout = 5.0, directory_wait: DirectoryWait = 60.0, warmup: Warmup = True,
-            otlp_traces_endpoint: TracesEndpoint = "", log_level: LogLevel = "INFO") -> None:
+            redis_timeout: RedisTimeout = 5.0, directory_wait: DirectoryWait = 60.0, prefix_cache: PrefixCache = True,
+            warmup: Warmup = True, otlp_traces_endpoint: TracesEndpoint = "", log_level: LogLevel = "INFO") -> None:
     """Run a prefill node: compute prompts and publish their KV."""
     _run(NodeRole.PREFILL, **locals())
 

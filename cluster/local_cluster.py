@@ -62,7 +62,7 @@ class ClusterSpec:
     heartbeat_ttl_s: float = 5.0  # both nodes' --heartbeat-ttl: how long a dead node stays registered
     decode_nodes: int = 1  # decode nodes: "decode" (id decode-0), then "decode-1" ... (the router picks among them)
     warmup: bool = True  # the nodes warm up before they register; False: `--no-warmup` (cold first requests)
-    prefix_cache: bool = True  # the decode nodes keep computed blocks for later prompts; False: `--no-prefix-cache`
+    prefix_cache: bool = True  # every node keeps computed blocks for later prompts; False: `--no-prefix-cache`
     traces_endpoint: str = ""  # every child's --otlp-traces-endpoint ("": what the environment says)
     launch: Launcher | None = None  # how children start; None: `python -m kvwire.cli.main` (cluster/forked.py)
 
@@ -150,7 +150,7 @@ class LocalCluster:
                 *self._auth_args(),
                 *(["--layerwise"] if s.layerwise and role == "prefill" else []),
                 *(["--require-fast-path"] if s.require_fast_path and role == "decode" else []),
-                *(["--no-prefix-cache"] if not s.prefix_cache and role == "decode" else []),
+                *([] if s.prefix_cache else ["--no-prefix-cache"]),
                 *([] if s.warmup else ["--no-warmup"]), *self._trace_args()]
 
     def spawn(self, name: str, args: list[str]) -> ChildProcess:

@@ -16,6 +16,8 @@ class SequenceInput:
         block_ids: the request's whole block table.
         consumer_endpoint: producer side: the work endpoint of the node whose consumer waits
             for this prompt's KV, told its location directly (`KVReady`); "" for none.
+        prompt_ids: producer side, a prompt step started on a cached prefix (`start_pos` > 0): the whole
+            prompt, whose KV (cached and computed) is published; None when `token_ids` are all of it.
     """
 
     request_id: str
@@ -23,6 +25,7 @@ class SequenceInput:
     start_pos: int
     block_ids: list[int]
     consumer_endpoint: str = ""
+    prompt_ids: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -31,6 +34,15 @@ class SequenceInput:
     @property
     def end_pos(self) -> int:
         return self.start_pos + len(self.token_ids)
+
+    def whole_prompt(self) -> list[int]:
+        """The prompt whose KV a producer publishes: `token_ids`, or `prompt_ids` for a tail of a cached prefix.
+        Raises: ValueError for a tail without its whole prompt."""
+        if self.start_pos == 0:
+            return self.token_ids
+        if self.prompt_ids is None or len(self.prompt_ids) != self.end_pos:
+            raise ValueError(f"request {self.request_id}: tokens from {self.start_pos} on, without the whole prompt")
+        return self.prompt_ids
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ class EngineConfig:
         must not oversubscribe them: OpenMP threads spinning in barriers while the other
         process runs made a 2-core demo many times slower, so nodes default to 1.
     prefix_cache: keep computed blocks to start later prompts on their longest cached prefix (a decode node's
-        engine; a prefill node computes every prompt whole).
+        engine; a prefill node's prompts, each published whole).
     """
 
     model_dir: Path

@@ -184,7 +184,7 @@ class NodeRuntime:
                         queue_depth=load.queue_depth, running=load.running, transport_checks=self.transport_checks,
                         pulls=load.pulls, recomputed=load.recomputed,
                         host=host_identity(), pid=os.getpid(), block_size=self.config.engine.block_size,
-                        prefix_cache=self.config.engine.prefix_cache and self.config.connector.role == NodeRole.DECODE,
+                        prefix_cache=self.config.engine.prefix_cache,
                         kv_ready_endpoint=self.kv_ready_endpoint, model=self.model_fingerprint,
                         shares_prompts=self.config.connector.role == NodeRole.DECODE)
 

@@ -83,8 +83,8 @@ class Metrics:
                                            "than the one they would have taken, by reason", ["reason"], registry=r)
         self.recomputes = Counter("kvwire_recomputes", "Prompts a decode node computed itself, by reason",
                                   ["reason"], registry=r)
-        self.prompt_tokens_cached = Counter("kvwire_prompt_tokens_cached", "Prompt tokens a decode node found in its "
-                                            "prefix cache (neither computed nor received)", registry=r)
+        self.prompt_tokens_cached = Counter("kvwire_prompt_tokens_cached", "Prompt tokens a node found in its prefix "
+                                            "cache (neither computed nor received)", registry=r)
         self.directory_op_seconds = Histogram("kvwire_directory_op_seconds", "Latency of directory (Redis) operations",
                                               ["op"], buckets=_FAST_BUCKETS, registry=r)
         self.kv_blocks = Gauge("kvwire_kv_blocks", "KV blocks of this node's pool, used or free", ["state"], registry=r)

@@ -6,7 +6,9 @@ A request here:
    never fit, is refused; an invalid one is failed, so its decode node recomputes).
 2. It waits until its prompt's blocks fit in the pool, bounded by the KV deadline (after
    that the decode node recomputes anyway, so the work is failed and dropped).
-3. The runner computes the prompt, and the producer publishes its KV and hidden states:
+3. The runner computes the prompt (with the prefix cache on, past its longest prefix whose KV is in
+   blocks an earlier prompt computed: those blocks are shared, and named in turn once computed), and the
+   producer publishes its KV (the prefix's too) and its last hidden row:
    `KVReady` straight to the decode node the router chose, READY in the directory (with
    --layerwise: before the forward, each layer sent as it is computed).
 4. The producer's held table keeps the blocks until the decode node pulled them, refused
@@ -37,6 +39,7 @@ from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.producer.role import KVProducer
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.wakeup import Wakeup
+from kvwire.engine.block_names import block_names
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.validation import prompt_problem
 from kvwire.node.config import NodeConfig
@@ -68,6 +71,7 @@ class PrefillNode:
         self._connector = ProducerConnector(0, 0, config.connector, self._producer)
         self._runner = ModelRunner(rt.model, pool, producer=self._connector)
         self._drain = Drain(rt)
+        self._prefix_cache = config.engine.prefix_cache
         rt.metrics.watch_blocks(lambda: rt.allocator.num_free, rt.allocator.num_blocks)
         rt.metrics.watch_queue(Queue.PREFILL_PENDING, lambda: len(self._pending))
         rt.metrics.watch_queue(Queue.PREFILL_HELD, lambda: self._producer.held_requests)
@@ -180,11 +184,13 @@ class PrefillNode:
                 "kvwire.prompt_tokens": len(item.work.prompt_token_ids)}, error=error)
 
     def _prefill(self, work: PrefillWork, need: int) -> str:
-        """Compute one prompt; the producer holds its blocks from publishing on (and frees them at release).
+        """Compute one prompt, on its longest cached prefix (`_blocks`); the producer holds its blocks from
+        publishing on (and frees them at release: a block shared with other prompts is freed once per prompt).
         Returns why it failed ("": it did not)."""
-        rid = work.request_id
-        blocks = self.rt.allocator.allocate(need)
-        seq = SequenceInput(rid, work.prompt_token_ids, 0, blocks, consumer_endpoint=work.kv_ready_endpoint)
+        rid, prompt = work.request_id, work.prompt_token_ids
+        blocks, start = self._blocks(prompt, need)
+        seq = SequenceInput(rid, prompt[start:], start, blocks, consumer_endpoint=work.kv_ready_endpoint,
+                            prompt_ids=prompt if start else None)
         try:
             self._runner.run_prompt(ModelInput([seq]))
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the node
@@ -193,7 +199,19 @@ class PrefillNode:
             if not self._producer.holds(rid):  # layer-wise: held already; its release frees the blocks
                 self.rt.allocator.free(blocks)
             return f"prefill failed: {exc}"
+        if self._prefix_cache:
+            for block, name in zip(blocks, block_names(prompt, self.rt.layout.block_size)):
+                self.rt.allocator.name(block, name)  # their KV is written: later prompts may start on them
+        self.rt.metrics.prompt_tokens_cached.inc(start)
         return ""
+
+    def _blocks(self, prompt: list[int], need: int) -> tuple[list[int], int]:
+        """`need` blocks for `prompt`: those of its longest cached prefix first (shared, with the prefix cache on;
+        never its last token's: its hidden row is computed), then fresh ones. Returns (blocks, cached tokens)."""
+        size = self.rt.layout.block_size
+        cached = self.rt.allocator.share(block_names(prompt[:(len(prompt) - 1) // size * size], size)) \
+            if self._prefix_cache else []
+        return cached + self.rt.allocator.allocate(need - len(cached)), len(cached) * size
 
     def _invalid(self, work: PrefillWork) -> str:
         problem = prompt_problem(work.prompt_token_ids, self.rt.model.config.vocab_size, self.rt.max_model_len)

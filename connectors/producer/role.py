@@ -133,12 +133,13 @@ class KVProducer:
             if seq.request_id in self._streaming:
                 self._complete_layers(seq.request_id, hidden[rows])
                 continue
-            if seq.start_pos != 0:
-                raise ValueError(f"request {seq.request_id}: only whole prompts can be published")
+            prompt = seq.whole_prompt()  # a tail computed on a cached prefix publishes the prefix's KV too
+            if seq.start_pos and isinstance(hidden, IntermediateTensors):
+                raise ValueError(f"request {seq.request_id}: a pipeline stage's tail lacks the prefix's rows")
             descs, tensors, intermediate = split_request(hidden, rows)
             blocks = self._blocks_of(seq)
             loc = self._location(seq.request_id, seq.end_pos, blocks, descs, intermediate, self._checksums(blocks),
-                                 tensors, prompt=prompt_fingerprint(seq.token_ids))
+                                 tensors, prompt=prompt_fingerprint(prompt))
             self._held.add(HeldRequest(loc, tensors, time.monotonic() + self._config.kv_deadline_s))
             self._announce(loc, seq.consumer_endpoint, tensors)
         self._wake_servers()
@@ -170,14 +171,13 @@ class KVProducer:
         """
         gates = []
         for seq in model_input.sequences:
-            if seq.start_pos != 0:
-                raise ValueError(f"request {seq.request_id}: only whole prompts can stream layer by layer")
+            prompt = seq.whole_prompt()  # a cached prefix's layers are written already: they go with the rest
             desc = TensorDesc(HIDDEN_KEY, dtype_of(hidden_dtype), (1, hidden_size))  # the last row (split_request)
             gate = LayerGate(seq.request_id, self._layout.num_layers, self._region.planes[0].device)
             for server in self._servers.values():
                 gate.add_waker(server.wake)
             loc = self._location(seq.request_id, seq.end_pos, self._blocks_of(seq), [desc], False, [],
-                                 layerwise=True, prompt=prompt_fingerprint(seq.token_ids))
+                                 layerwise=True, prompt=prompt_fingerprint(prompt))
             hidden = empty_like_descs([desc], self._region.planes[0].device)
             self._held.add(HeldRequest(loc, hidden, time.monotonic() + self._config.kv_deadline_s, gate=gate))
             self._streaming.add(seq.request_id)

@@ -49,9 +49,9 @@ def test_a_device_this_machine_lacks_is_refused_before_anything_starts(tiny_mode
         _config(tiny_model_dir, device="meta")
 
 
-@pytest.mark.parametrize(("role", "flag", "want"), [
-    ("decode", [], True), ("decode", ["--no-prefix-cache"], False), ("prefill", [], False)])
-def test_a_decode_node_keeps_a_prefix_cache_unless_told_not_to(role, flag, want, tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize(("flag", "want"), [([], True), (["--no-prefix-cache"], False), (["--prefix-cache"], True)])
+def test_a_node_keeps_a_prefix_cache_unless_told_not_to(role, flag, want, tiny_model_dir, monkeypatch):
     from typer.testing import CliRunner
 
     from kvwire.cli.main import app
@@ -62,16 +62,6 @@ def test_a_decode_node_keeps_a_prefix_cache_unless_told_not_to(role, flag, want,
                                       *flag])
     assert result.exit_code == 0, result.output
     assert built[0].engine.prefix_cache is want
-
-
-def test_a_prefill_node_refuses_the_prefix_cache_flag(tiny_model_dir):
-    from typer.testing import CliRunner
-
-    from kvwire.cli.main import app
-
-    result = CliRunner().invoke(app, ["prefill", "--model", str(tiny_model_dir), "--redis-url", "redis://127.0.0.1:1",
-                                      "--prefix-cache"])
-    assert result.exit_code == 2
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])

@@ -67,3 +67,25 @@ def test_unrelated_prompts_use_both_decode_nodes(cluster, tiny_model_dir):
         assert (got["kvwire"]["path"], got["kvwire"]["cached_tokens"]) == ("disaggregated", 0)
         nodes.add(got["kvwire"]["decode_node"])
     assert nodes == {"decode-0", "decode-1"}
+
+
+def _prefill_cached_tokens(cluster) -> float:
+    text = httpx2.get(f"{cluster.ops_urls['prefill']}/metrics", timeout=10).text
+    return sum(float(line.split()[1]) for line in text.splitlines()
+               if line.startswith("kvwire_prompt_tokens_cached_total "))
+
+
+def test_prompts_sharing_a_system_prompt_compute_it_once_on_the_prefill_node(cluster, tiny_model_dir):
+    """Questions after one system prompt: the prefill node computes the system prompt's blocks once and starts the
+    later prompts on them. Each prompt is still disaggregated (its whole KV moves, the shared blocks' too), the
+    decode node computes none of it, and each answers what one process answers."""
+    system = list(range(200, 280))  # 80 tokens: 5 full blocks
+    before = _prefill_cached_tokens(cluster)
+    for question in ([7] * 40, [8] * 41, [9] * 42):  # past --decode-only-below (32) beyond the system prompt
+        prompt = system + question
+        got = complete(cluster.url, prompt, max_tokens=MAX_TOKENS)
+        assert got["choices"][0]["token_ids"] == _reference(tiny_model_dir, prompt)
+        kv = got["kvwire"]
+        assert (kv["path"], kv["bypassed"], kv["cached_tokens"]) == ("disaggregated", True, 0), kv
+        assert kv["kv_bytes"] > 0
+    assert _prefill_cached_tokens(cluster) - before == 2 * len(system)
