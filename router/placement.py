@@ -13,8 +13,10 @@ A pick (`Placement.pick`, asked by the dispatcher, router/dispatch.py):
 2. The request goes decode-only (the decode node computes the prompt, no prefill node) when the client asked so,
    when the part of its prompt that node does not hold is shorter than `decode_only_below` tokens (a short
    prompt, or a cached one), when no prefill node is live, or when every live prefill node has
-   `prefill_max_in_flight` requests of this router in flight. Otherwise the prefill node is the one with the most
-   free blocks (ties in turn).
+   `prefill_max_in_flight` requests of this router in flight. Otherwise the prefill node is the one of the least
+   cost: the prompt's blocks it does not hold in its prefix cache (predicted from the prompts it was sent) less
+   its free blocks; ties in turn. Prompts sharing a system prompt go where it was computed, unless that node has
+   fewer free blocks than computing it elsewhere costs.
 3. The pick returns the request's `Reservation`, which the dispatcher keeps in the request's in-flight record
    (router/in_flight.py) and hands back at every later pick: it holds a slot on its prefill node until its first
    reply, and its blocks on its decode node until its last token (or it is forgotten).
@@ -103,7 +105,7 @@ class Placement:
         self._directory = directory
         self._routing, self._prefix_ttl_s = routing, prefix_ttl_s
         self._decode_only_below, self._prefill_max_in_flight = decode_only_below, prefill_max_in_flight
-        self._index: PrefixIndex | None = None  # made with the first decode node that keeps a prefix cache
+        self._index: PrefixIndex | None = None  # made with the first node that keeps a prefix cache
         self._ended: dict[str, collections.deque[Ended]] = {}  # decode node key -> requests that ended there
         self._rr = itertools.count()
         self._nodes: tuple[float, list[NodeInfo]] = (float("-inf"), [])  # (when read, live nodes of every role)
@@ -155,6 +157,8 @@ class Placement:
                                   prefill=route.prefill.node_id if route.prefill else "")
         if predicted and self._index is not None:
             self._index.record(_key(route.decode), prompt)
+        if route.prefill is not None and self._predicted(route.prefill) and self._index is not None:
+            self._index.record(_key(route.prefill), prompt)  # its prefix cache keeps the prompt's blocks
         return route, reservation
 
     def shared(self, decode: NodeInfo, prompt: Sequence[int], max_tokens: int) -> Reservation:
@@ -198,17 +202,18 @@ class Placement:
             return Route(None, decode, PathReason.PREFILL_OTHER_MODEL)
         limit = self._prefill_max_in_flight
         there = collections.Counter(r.prefill for r in reserved if r.prefill) if limit else collections.Counter()
+        uncached = self._uncached_blocks(prompt, self._held(prompt, prefills))
         prefill = self._cheapest([n for n in prefills if not limit or there[n.node_id] < limit], turn,
-                                 lambda n: -n.free_blocks)
+                                 lambda n: uncached(n) - n.free_blocks)
         if prefill is None:
             return Route(None, decode, PathReason.PREFILL_SATURATED)
         return Route(prefill, decode, PathReason.PREFILLED)
 
-    def _held(self, prompt: Sequence[int], decodes: list[NodeInfo]) -> dict[str, int]:
-        """How many of `prompt`'s first tokens each decode node (by `_key`) holds in its prefix cache, predicted."""
+    def _held(self, prompt: Sequence[int], nodes: list[NodeInfo]) -> dict[str, int]:
+        """How many of `prompt`'s first tokens each of `nodes` (by `_key`) holds in its prefix cache, predicted."""
         if self._routing == RoutingPolicy.LOAD or not prompt:
             return {}
-        caching = [n for n in decodes if n.prefix_cache and n.block_size]
+        caching = [n for n in nodes if n.prefix_cache and n.block_size]
         if self._index is None and caching:
             self._index = PrefixIndex(caching[0].block_size, self._prefix_ttl_s)
         if self._index is None:
@@ -230,7 +235,7 @@ class Placement:
         return max(0, used - gone) + since
 
     def _uncached_blocks(self, prompt: Sequence[int], held: dict[str, int]) -> Callable[[NodeInfo], int]:
-        """The prompt's blocks a decode node does not hold (0 for every node when nothing is predicted)."""
+        """The prompt's blocks a node does not hold (0 for every node when nothing is predicted)."""
         if self._index is None or not held:
             return lambda node: 0
         size = self._index.block_size

@@ -9,6 +9,7 @@ import asyncio
 import time
 
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -19,6 +20,7 @@ from kvwire.observability.labels import PathReason
 from kvwire.protocol.work import SamplingParams, TokenChunk
 from kvwire.router.config import RoutingPolicy
 from kvwire.router.dispatch import Dispatcher
+from kvwire.router.placement import Placement
 
 BLOCK = 4
 
@@ -137,3 +139,19 @@ def test_a_heartbeat_taken_while_a_request_ran_is_corrected_once_it_ended():
     seen = [NODES[0], _beat(d0, beat, 2), _beat(d1, beat, 10)]
     assert dispatcher.pick(list(range(12)), nodes=seen, request_id="r1").decode.node_id == "d1"
     asyncio.run(dispatcher.close())
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_prompts_sharing_a_system_prompt_go_to_the_prefill_node_that_computed_it(cache):
+    """Prefill nodes keep a prefix cache too: the later prompts after one system prompt go where its blocks are
+    (without the cache, equally free nodes take turns)."""
+    nodes = [_node("p0", NodeRole.PREFILL, cache=cache), _node("p1", NodeRole.PREFILL, cache=cache),
+             _node("d0", NodeRole.DECODE)]
+    placement = Placement(_Directory(nodes))  # type: ignore[arg-type]
+    system = list(range(100, 140))  # 10 blocks
+    picked = []
+    for question in ([1] * 6, [2] * 7, [3] * 5, [4] * 6):
+        route, _ = placement.pick(system + question, True, nodes, [])
+        assert route.reason == PathReason.PREFILLED and route.prefill is not None
+        picked.append(route.prefill.node_id)
+    assert len(set(picked)) == (1 if cache else 2), picked
