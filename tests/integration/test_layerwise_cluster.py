@@ -51,6 +51,19 @@ def test_layerwise_cluster_matches_single_process(cluster, tiny_model_dir):
     assert all(free == total for free, total in pools.values()) and leftover == []
 
 
+def test_prompts_streamed_past_a_cached_prefix_match_single_process(cluster, tiny_model_dir):
+    """The prefill node's prefix cache: a later prompt after one system prompt computes only its rest, and its
+    stream carries the cached blocks' layers with the computed ones."""
+    system = list(range(10, 90))  # 80 tokens: 5 full blocks
+    prompts = [system + [q] * (40 + q) for q in (5, 6, 7)]
+    expected = generate(tiny_model_dir, prompts, SamplingParams(max_tokens=8, temperature=0.0), block_size=BS)
+    before = metric(cluster.ops_urls["prefill"], "kvwire_prompt_tokens_cached_total") or 0
+    for prompt, want in zip(prompts, expected):  # one at a time: each finds the one before it cached
+        got = complete_all(cluster.url, [prompt], max_tokens=8)[0]
+        assert got["choices"][0]["token_ids"] == want and got["kvwire"]["bypassed"] is True
+    assert (metric(cluster.ops_urls["prefill"], "kvwire_prompt_tokens_cached_total") or 0) - before == 2 * len(system)
+
+
 def test_prefill_killed_mid_stream_costs_recomputes_not_requests(cluster, tiny_model_dir):
     tally = Tally()
     expected = generate(tiny_model_dir, LONG, SamplingParams(max_tokens=8, temperature=0.0), block_size=BS)
