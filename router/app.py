@@ -44,6 +44,7 @@ from kvwire.router.choice import Choice
 from kvwire.router.config import RouterConfig
 from kvwire.router.dispatch import Dispatcher
 from kvwire.router.generation import Generation
+from kvwire.router.not_served import answer_not_served
 from kvwire.router.responses import Api, Shaper
 from kvwire.router.sampling import Limits, Plan, chat_plan, completion_plan
 from kvwire.router.schemas import APIError, ChatRequest, CompletionRequest, parse_body
@@ -244,6 +245,7 @@ def create_app(config: RouterConfig, metrics: Metrics | None = None) -> FastAPI:
     app.add_api_route("/v1/chat/completions", router.chat, methods=["POST"])
     app.add_api_route("/tokenize", router.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", router.detokenize, methods=["POST"])
+    answer_not_served(app)
     return app
 
 

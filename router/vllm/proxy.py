@@ -66,6 +66,7 @@ from kvwire.observability.metrics import CONTENT_TYPE, Metrics, process_metrics
 from kvwire.router.body_limit import BodyLimit
 from kvwire.router.config import VLLMRouterConfig
 from kvwire.router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, follow
+from kvwire.router.not_served import answer_not_served
 from kvwire.router.schemas import APIError
 from kvwire.router.vllm import http as http
 from kvwire.router.vllm import upstream as upstream
@@ -410,4 +411,5 @@ def create_vllm_app(config: VLLMRouterConfig, metrics: Metrics | None = None) ->
     app.add_api_route(f"{Endpoint.RESPONSES}/{{response_id}}", router.pass_on.to_holder, methods=["GET"])
     app.add_api_route(f"{Endpoint.RESPONSES}/{{response_id}}/cancel", router.pass_on.to_holder, methods=["POST"])
     app.add_exception_handler(APIError, http.api_error)
+    answer_not_served(app)
     return app
