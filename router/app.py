@@ -1,4 +1,5 @@
-"""The router's HTTP API: POST /v1/completions, /v1/chat/completions, /tokenize and /detokenize; GET /v1/models,
+"""The router's HTTP API: POST /v1/completions, /v1/chat/completions, /v1/responses (router/responses_api.py),
+/tokenize and /detokenize; GET /v1/models,
 /healthz, /readyz, /metrics.
 
 Lifecycle of the app:
@@ -46,6 +47,7 @@ from kvwire.router.dispatch import Dispatcher
 from kvwire.router.generation import Generation
 from kvwire.router.not_served import answer_not_served
 from kvwire.router.responses import Api, Shaper
+from kvwire.router.responses_api import ResponseShaper, ResponsesRequest, as_chat, renamed
 from kvwire.router.sampling import Limits, Plan, chat_plan, completion_plan
 from kvwire.router.schemas import APIError, ChatRequest, CompletionRequest, parse_body
 
@@ -130,11 +132,15 @@ class Router:
     async def chat(self, request: Request):
         return await self._serve(request, Api.CHAT)
 
+    async def responses(self, request: Request):
+        return await self._serve(request, Api.RESPONSES)
+
     async def _serve(self, request: Request, api: Api):
         started = time.monotonic()
         trace = trace_context(request.headers.get("traceparent"), request.headers.get("tracestate"))
+        answer = self._respond if api == Api.RESPONSES else self._answer
         try:
-            return await self._answer(await request.body(), api, started, trace)
+            return await answer(await request.body(), api, started, trace)
         except APIError as exc:
             self.metrics.requests.labels(str(_status(exc))).inc()
             raise
@@ -150,18 +156,21 @@ class Router:
 
     async def _plan(self, body: bytes, api: Api) -> tuple[Plan, list[str]]:
         """The request's plan and its prompts' texts (for echo)."""
-        limits = Limits(self.max_len, self.model_config.vocab_size)
         if api == Api.CHAT:
-            chat = parse_body(body, ChatRequest, self.config.lenient)
-            self.check_model(chat.model)
-            text = await asyncio.to_thread(self.chat_template.render, chat)
-            return chat_plan(chat, self.tokenizer.encode(text, add_special_tokens=False), limits), [text]
+            return await self._chat_plan(parse_body(body, ChatRequest, self.config.lenient)), []
+        limits = Limits(self.max_len, self.model_config.vocab_size)
         req = parse_body(body, CompletionRequest, self.config.lenient)
         self.check_model(req.model)
         prompts = _prompt_list(req.prompt)
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
         texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts] if req.echo else []
         return completion_plan(req, ids, limits), texts
+
+    async def _chat_plan(self, chat: ChatRequest) -> Plan:
+        self.check_model(chat.model)
+        text = await asyncio.to_thread(self.chat_template.render, chat)
+        return chat_plan(chat, self.tokenizer.encode(text, add_special_tokens=False),
+                         Limits(self.max_len, self.model_config.vocab_size))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and not self.config.serves(model):
@@ -171,6 +180,63 @@ class Router:
     async def _answer(self, body: bytes, api: Api, started: float, trace: TraceContext | None):
         plan, texts = await self._plan(body, api)
         rid = f"{'chatcmpl' if api == Api.CHAT else 'cmpl'}-{uuid.uuid4().hex}"
+        gen = await self._start(plan, rid, texts, started, trace)
+        shaper = Shaper(api, rid, self.config.served_model_name, plan, self.tokenizer)
+        if plan.stream:
+            return StreamingResponse(self._stream(gen, shaper, started), media_type="text/event-stream")
+        try:
+            async for _ in gen.events():
+                pass
+        finally:
+            gen.close()
+        self._answered(gen, started, RequestStatus.OK)
+        choices = gen.ranked()
+        return shaper.whole(choices, _usage(gen), _kvwire(choices, started))
+
+    async def _respond(self, body: bytes, api: Api, started: float, trace: TraceContext | None):
+        """A Responses API request (router/responses_api.py), run as the chat request it stands for."""
+        req = parse_body(body, ResponsesRequest, self.config.lenient)
+        try:
+            plan = await self._chat_plan(as_chat(req))
+        except APIError as exc:
+            raise renamed(exc) from None
+        shaper = ResponseShaper(req, self.config.served_model_name)
+        gen = await self._start(plan, shaper.id, [], started, trace)
+        if plan.stream:
+            return StreamingResponse(self._stream_events(gen, shaper, started), media_type="text/event-stream")
+        try:
+            async for _ in gen.events():
+                pass
+        finally:
+            gen.close()
+        self._answered(gen, started, RequestStatus.OK)
+        return shaper.whole(gen.ranked()[0], _usage(gen), _kvwire(gen.choices, started))
+
+    async def _stream_events(self, gen: Generation, shaper: ResponseShaper, started: float):
+        """A Responses API stream: its events as the choice's text comes (ResponseShaper)."""
+        status = RequestStatus.OK
+        try:
+            for event in shaper.opening():
+                yield _named_sse(event)
+            async for choice in gen.events():
+                if (delta := shaper.delta(choice.stream_delta()[0])) is not None:
+                    yield _named_sse(delta)
+                if choice.finished:
+                    for event in shaper.closing(choice, _usage(gen), _kvwire(gen.choices, started)):
+                        yield _named_sse(event)
+        except APIError as exc:
+            status = _status(exc)
+            yield _named_sse(shaper.error(exc))
+        except (asyncio.CancelledError, GeneratorExit):
+            status = RequestStatus.CANCELLED  # the client left: close() stops its choice on the nodes
+            raise
+        finally:
+            gen.close()
+            self._answered(gen, started, status)
+
+    async def _start(self, plan: Plan, rid: str, texts: list[str], started: float,
+                     trace: TraceContext | None) -> Generation:
+        """The request's choices, each dispatched (its path and reason counted)."""
         if trace is not None:
             log.info("request %s: trace %s", rid, trace_id(trace))
         dispatcher = self.dispatcher
@@ -189,17 +255,7 @@ class Router:
             raise
         for choice in gen.choices:  # each dispatched: its path and reason set
             self.metrics.path_reasons.labels(str(choice.path), str(choice.reason)).inc()
-        shaper = Shaper(api, rid, self.config.served_model_name, plan, self.tokenizer)
-        if plan.stream:
-            return StreamingResponse(self._stream(gen, shaper, started), media_type="text/event-stream")
-        try:
-            async for _ in gen.events():
-                pass
-        finally:
-            gen.close()
-        self._answered(gen, started, RequestStatus.OK)
-        choices = gen.ranked()
-        return shaper.whole(choices, _usage(gen), _kvwire(choices, started))
+        return gen
 
     async def _stream(self, gen: Generation, shaper: Shaper, started: float):
         status = RequestStatus.OK
@@ -243,6 +299,7 @@ def create_app(config: RouterConfig, metrics: Metrics | None = None) -> FastAPI:
     app.add_api_route("/v1/models", router.models, methods=["GET"])
     app.add_api_route("/v1/completions", router.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", router.chat, methods=["POST"])
+    app.add_api_route("/v1/responses", router.responses, methods=["POST"])
     app.add_api_route("/tokenize", router.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", router.detokenize, methods=["POST"])
     answer_not_served(app)
@@ -300,3 +357,8 @@ def _kvwire(choices: list[Choice], started: float) -> dict:
 
 def _sse(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
+
+
+def _named_sse(event: dict) -> str:
+    """A Responses API event, named by its type."""
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"

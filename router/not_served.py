@@ -18,7 +18,7 @@ def answer_not_served(app: FastAPI) -> None:
         assert isinstance(exc, HTTPException)  # the handler of HTTPException only
         if exc.status_code in (404, 405):
             served = sorted(f"{method} {route.path}" for route in app.routes if isinstance(route, APIRoute)
-                            for method in route.methods)
+                            for method in route.methods or ())
             what = f"{request.method} {request.url.path} is not served" if exc.status_code == 404 else \
                 f"{request.url.path} does not take {request.method}"
             message = f"{what} here; this router serves {', '.join(served)}"

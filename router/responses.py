@@ -19,6 +19,7 @@ from kvwire.router.sampling import Plan
 class Api(enum.StrEnum):
     COMPLETIONS = "text_completion"
     CHAT = "chat.completion"
+    RESPONSES = "response"  # OpenAI's Responses API: shaped by router/responses_api.py
 
 
 class Shaper:

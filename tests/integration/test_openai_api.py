@@ -163,6 +163,34 @@ def test_chat_whole_streamed_and_equal_to_its_rendered_prompt(client, cluster, m
     assert [e.logprob for e in whole.choices[0].logprobs.content] == [lp.logprob for lp in want[1]]
 
 
+def test_responses_api_whole_and_streamed_equal_chat(client, model_dir):
+    """OpenAI's Responses API (the official client's `responses`): the chat request it stands for, disaggregated,
+    its text the single-process engine's; streamed through the client's own helper; what it does not do refused."""
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi"}]
+    whole = client.responses.create(model=MODEL, instructions="You are terse.", input="Say hi", max_output_tokens=8,
+                                    temperature=0)
+    rendered = list(b"<|system|>\nYou are terse.\n<|user|>\nSay hi\n<|assistant|>\n")
+    want = _reference(model_dir, rendered, max_tokens=8, temperature=0.0)[0]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=8, temperature=0)
+    assert whole.output_text == chat.choices[0].message.content and whole.usage.input_tokens == len(rendered)
+    assert (whole.status, whole.incomplete_details.reason, whole.usage.output_tokens) == (
+        "incomplete", "max_output_tokens", len(want))
+    report = whole.model_extra["kvwire"]
+    assert (report["path"], report["bypassed"]) == ("disaggregated", True)
+    with client.responses.stream(model=MODEL, instructions="You are terse.", input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Say hi"}]}], max_output_tokens=8,
+            temperature=0) as events:
+        kinds = [e.type for e in events]
+        final = events.get_final_response()
+    assert final.output_text == whole.output_text and final.id.startswith("resp_")
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"] and kinds[-1] == "response.completed"
+    for refused in ({"store": True}, {"previous_response_id": "resp_1"}, {"include": ["reasoning.encrypted_content"]}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model=MODEL, input="hi", **refused)
+        assert err.value.body["param"] == next(iter(refused))
+
+
 def test_echo_and_refusals(client):
     echoed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, echo=True)
     assert echoed.choices[0].text.startswith("Hello") and len(echoed.choices[0].text.encode()) >= 5
