@@ -184,13 +184,7 @@ class Router:
         shaper = Shaper(api, rid, self.config.served_model_name, plan, self.tokenizer)
         if plan.stream:
             return StreamingResponse(self._stream(gen, shaper, started), media_type="text/event-stream")
-        try:
-            async for _ in gen.events():
-                pass
-        finally:
-            gen.close()
-        self._answered(gen, started, RequestStatus.OK)
-        choices = gen.ranked()
+        choices = await self._finished(gen, started)
         return shaper.whole(choices, _usage(gen), _kvwire(choices, started))
 
     async def _respond(self, body: bytes, api: Api, started: float, trace: TraceContext | None):
@@ -204,13 +198,18 @@ class Router:
         gen = await self._start(plan, shaper.id, [], started, trace)
         if plan.stream:
             return StreamingResponse(self._stream_events(gen, shaper, started), media_type="text/event-stream")
+        choices = await self._finished(gen, started)
+        return shaper.whole(choices[0], _usage(gen), _kvwire(choices, started))
+
+    async def _finished(self, gen: Generation, started: float) -> list[Choice]:
+        """A whole answer's choices, ranked, once every one has ended."""
         try:
             async for _ in gen.events():
                 pass
         finally:
             gen.close()
         self._answered(gen, started, RequestStatus.OK)
-        return shaper.whole(gen.ranked()[0], _usage(gen), _kvwire(gen.choices, started))
+        return gen.ranked()
 
     async def _stream_events(self, gen: Generation, shaper: ResponseShaper, started: float):
         """A Responses API stream: its events as the choice's text comes (ResponseShaper)."""
