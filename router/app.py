@@ -294,6 +294,7 @@ def create_app(config: RouterConfig, metrics: Metrics | None = None) -> FastAPI:
     app.add_exception_handler(APIError, _api_error)
     app.add_api_route("/healthz", router.healthz, methods=["GET"])
     app.add_api_route("/readyz", router.readyz, methods=["GET"])
+    app.add_api_route("/health", router.readyz, methods=["GET"])  # vLLM's name: what a probe of vLLM asks
     app.add_api_route("/metrics", router.metrics_text, methods=["GET"])
     app.add_api_route("/v1/models", router.models, methods=["GET"])
     app.add_api_route("/v1/completions", router.completions, methods=["POST"])

@@ -1,8 +1,8 @@
 """Calls the router passes on to one decode instance as the client made them, and relays as the instance answers
 (whole or streamed, whatever its status):
 
-- POST /tokenize, /detokenize and /v1/messages/count_tokens: the least loaded decode instance up (each serves
-  the one model), or the next one up when a call does not reach it;
+- GET /v1/models and /version, POST /tokenize, /detokenize and /v1/messages/count_tokens: the least loaded
+  decode instance up (each serves the one model), or the next one up when a call does not reach it;
 - GET /v1/responses/{id} and POST /v1/responses/{id}/cancel: the decode instance that holds the stored answer
   (router/vllm/stored.py); for an id the router does not know, each instance up in turn until one does not
   answer 404.

@@ -400,8 +400,10 @@ def create_vllm_app(config: VLLMRouterConfig, metrics: Metrics | None = None) ->
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_api_route("/healthz", router.healthz, methods=["GET"])
     app.add_api_route("/readyz", router.readyz, methods=["GET"])
+    app.add_api_route("/health", router.readyz, methods=["GET"])  # vLLM's name: what a probe of vLLM asks
     app.add_api_route("/metrics", router.metrics_text, methods=["GET"])
-    app.add_api_route("/v1/models", router.pass_on.to_any, methods=["GET"])
+    for path in ("/v1/models", "/version"):
+        app.add_api_route(path, router.pass_on.to_any, methods=["GET"])
     app.add_api_route(str(Endpoint.COMPLETIONS), router.completions, methods=["POST"])
     app.add_api_route(str(Endpoint.CHAT), router.chat_completions, methods=["POST"])
     app.add_api_route(str(Endpoint.RESPONSES), router.responses, methods=["POST"])

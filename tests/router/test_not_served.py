@@ -35,3 +35,8 @@ def test_a_method_a_path_does_not_take_is_405_naming_the_routes_served(client):
     resp = client.get("/v1/completions")
     assert resp.status_code == 405 and resp.headers["allow"] == "POST"
     assert resp.json()["error"]["message"].startswith("/v1/completions does not take GET here; this router serves")
+
+
+def test_vllms_health_path_answers_as_readyz(client):
+    """A probe written for a vLLM server (GET /health) finds the router: 503 here, with no decode node or instance."""
+    assert client.get("/health").status_code == client.get("/readyz").status_code == 503
