@@ -1,5 +1,5 @@
 """The router's HTTP API: POST /v1/completions, /v1/chat/completions, /v1/responses (router/responses_api.py),
-/tokenize and /detokenize; GET /v1/models,
+/v1/messages and its count_tokens (router/messages_api.py), /tokenize and /detokenize; GET /v1/models,
 /healthz, /readyz, /metrics.
 
 Lifecycle of the app:
@@ -26,6 +26,7 @@ import json
 import logging
 import time
 import uuid
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -39,19 +40,22 @@ from kvwire.observability.labels import RequestStatus
 from kvwire.observability.metrics import CONTENT_TYPE, Metrics, process_metrics
 from kvwire.observability.tracing import Spans, TraceContext, trace_context, trace_id
 from kvwire.router import tokenize_routes
+from kvwire.router.api_adapter import EventShaper, named_sse
 from kvwire.router.body_limit import BodyLimit
 from kvwire.router.chat_template import ChatTemplate
 from kvwire.router.choice import Choice
 from kvwire.router.config import RouterConfig
 from kvwire.router.dispatch import Dispatcher
 from kvwire.router.generation import Generation
+from kvwire.router.messages_api import MESSAGES, MessageShaper, MessagesRequest, count_chat
 from kvwire.router.not_served import answer_not_served
 from kvwire.router.responses import Api, Shaper
-from kvwire.router.responses_api import ResponseShaper, ResponsesRequest, as_chat, renamed
+from kvwire.router.responses_api import RESPONSES
 from kvwire.router.sampling import Limits, Plan, chat_plan, completion_plan
 from kvwire.router.schemas import APIError, ChatRequest, CompletionRequest, parse_body
 
 log = logging.getLogger(__name__)
+_ADAPTERS = {Api.RESPONSES: RESPONSES, Api.MESSAGES: MESSAGES}  # the APIs served as chat requests
 
 
 class Router:
@@ -135,10 +139,26 @@ class Router:
     async def responses(self, request: Request):
         return await self._serve(request, Api.RESPONSES)
 
+    async def messages(self, request: Request):
+        try:
+            return await self._serve(request, Api.MESSAGES)
+        except APIError as exc:  # in Anthropic's shape, which its clients read
+            return JSONResponse(MessageShaper.error_body(exc), status_code=exc.status)
+
+    async def count_tokens(self, request: Request):
+        """Anthropic's POST /v1/messages/count_tokens: the prompt's tokens, rendered as /v1/messages renders it."""
+        try:
+            chat = count_chat(parse_body(await request.body(), MessagesRequest, self.config.lenient))
+            self.check_model(chat.model)
+            text = await asyncio.to_thread(self.chat_template.render, chat)
+        except APIError as exc:
+            return JSONResponse(MessageShaper.error_body(exc), status_code=exc.status)
+        return {"input_tokens": len(self.tokenizer.encode(text, add_special_tokens=False))}
+
     async def _serve(self, request: Request, api: Api):
         started = time.monotonic()
         trace = trace_context(request.headers.get("traceparent"), request.headers.get("tracestate"))
-        answer = self._respond if api == Api.RESPONSES else self._answer
+        answer = self._respond if api in _ADAPTERS else self._answer
         try:
             return await answer(await request.body(), api, started, trace)
         except APIError as exc:
@@ -188,13 +208,14 @@ class Router:
         return shaper.whole(choices, _usage(gen), _kvwire(choices, started))
 
     async def _respond(self, body: bytes, api: Api, started: float, trace: TraceContext | None):
-        """A Responses API request (router/responses_api.py), run as the chat request it stands for."""
-        req = parse_body(body, ResponsesRequest, self.config.lenient)
+        """A Responses or Messages API request (router/api_adapter.py), run as the chat request it stands for."""
+        adapter = _ADAPTERS[api]
+        req: Any = parse_body(body, adapter.request, self.config.lenient)
         try:
-            plan = await self._chat_plan(as_chat(req))
+            plan = await self._chat_plan(adapter.as_chat(req))
         except APIError as exc:
-            raise renamed(exc) from None
-        shaper = ResponseShaper(req, self.config.served_model_name)
+            raise adapter.renamed(exc) from None
+        shaper = adapter.shaper(req, self.config.served_model_name, len(plan.prompts[0]))
         gen = await self._start(plan, shaper.id, [], started, trace)
         if plan.stream:
             return StreamingResponse(self._stream_events(gen, shaper, started), media_type="text/event-stream")
@@ -211,21 +232,21 @@ class Router:
         self._answered(gen, started, RequestStatus.OK)
         return gen.ranked()
 
-    async def _stream_events(self, gen: Generation, shaper: ResponseShaper, started: float):
-        """A Responses API stream: its events as the choice's text comes (ResponseShaper)."""
+    async def _stream_events(self, gen: Generation, shaper: EventShaper, started: float):
+        """A Responses or Messages API stream: its events as the choice's text comes."""
         status = RequestStatus.OK
         try:
             for event in shaper.opening():
-                yield _named_sse(event)
+                yield named_sse(event)
             async for choice in gen.events():
                 if (delta := shaper.delta(choice.stream_delta()[0])) is not None:
-                    yield _named_sse(delta)
+                    yield named_sse(delta)
                 if choice.finished:
                     for event in shaper.closing(choice, _usage(gen), _kvwire(gen.choices, started)):
-                        yield _named_sse(event)
+                        yield named_sse(event)
         except APIError as exc:
             status = _status(exc)
-            yield _named_sse(shaper.error(exc))
+            yield named_sse(shaper.error(exc))
         except (asyncio.CancelledError, GeneratorExit):
             status = RequestStatus.CANCELLED  # the client left: close() stops its choice on the nodes
             raise
@@ -300,6 +321,8 @@ def create_app(config: RouterConfig, metrics: Metrics | None = None) -> FastAPI:
     app.add_api_route("/v1/completions", router.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", router.chat, methods=["POST"])
     app.add_api_route("/v1/responses", router.responses, methods=["POST"])
+    app.add_api_route("/v1/messages", router.messages, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", router.count_tokens, methods=["POST"])
     app.add_api_route("/tokenize", router.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", router.detokenize, methods=["POST"])
     answer_not_served(app)
@@ -358,7 +381,3 @@ def _kvwire(choices: list[Choice], started: float) -> dict:
 def _sse(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
-
-def _named_sse(event: dict) -> str:
-    """A Responses API event, named by its type."""
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"

@@ -20,6 +20,7 @@ class Api(enum.StrEnum):
     COMPLETIONS = "text_completion"
     CHAT = "chat.completion"
     RESPONSES = "response"  # OpenAI's Responses API: shaped by router/responses_api.py
+    MESSAGES = "message"  # Anthropic's Messages API: shaped by router/messages_api.py
 
 
 class Shaper:

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from kvwire.router.api_adapter import ChatAdapter
 from kvwire.router.choice import Choice
 from kvwire.router.schemas import APIError, ChatMessage, ChatRequest, ContentPart, Stop
 
@@ -153,7 +154,7 @@ def _message(m: InputMessage, i: int) -> ChatMessage:
 class ResponseShaper:
     """One request's Response body, whole or as the Responses API's stream of events."""
 
-    def __init__(self, req: ResponsesRequest, model: str):
+    def __init__(self, req: ResponsesRequest, model: str, prompt_tokens: int = 0):
         self.req = req
         self.model = model
         self.id = f"resp_{uuid.uuid4().hex}"
@@ -196,6 +197,10 @@ class ResponseShaper:
         """The event of an error that ended a stream."""
         return self._event("error", code=str(exc.code), message=exc.message, param=exc.param)
 
+    @staticmethod
+    def error_body(exc: APIError) -> dict:
+        return exc.body()  # OpenAI's
+
     def _event(self, kind: str, **fields: Any) -> dict:
         self._sequence += 1
         return {"type": kind, "sequence_number": self._sequence - 1, **fields}
@@ -232,3 +237,6 @@ def _usage(chat: dict) -> dict:
             "total_tokens": chat["total_tokens"],
             "input_tokens_details": {**chat["prompt_tokens_details"], "cache_write_tokens": 0},
             "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+RESPONSES = ChatAdapter(ResponsesRequest, as_chat, renamed, ResponseShaper)

@@ -191,6 +191,36 @@ def test_responses_api_whole_and_streamed_equal_chat(client, model_dir):
         assert err.value.body["param"] == next(iter(refused))
 
 
+def test_anthropic_messages_whole_streamed_and_counted(cluster, client, model_dir):
+    """Anthropic's Messages API through the official `anthropic` client: the chat request it stands for,
+    disaggregated, its text the same chat answer's; streamed through the client's own helper; a stop sequence
+    named as it ended the answer; count_tokens the rendered prompt's length; a refusal in Anthropic's shape."""
+    anthropic = pytest.importorskip("anthropic")
+    claude = anthropic.Anthropic(base_url=cluster.url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Say hi"}]
+    whole = claude.messages.create(model=MODEL, max_tokens=8, system="You are terse.", messages=messages,
+                                   extra_body={"temperature": 0})
+    chat = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0,
+                                          messages=[{"role": "system", "content": "You are terse."}, *messages])
+    text = chat.choices[0].message.content
+    rendered = len(b"<|system|>\nYou are terse.\n<|user|>\nSay hi\n<|assistant|>\n")
+    assert (whole.content[0].text, whole.stop_reason, whole.usage.output_tokens) == (text, "max_tokens", 8)
+    assert whole.usage.input_tokens + whole.usage.cache_read_input_tokens == rendered
+    assert (whole.model_extra["kvwire"]["path"], whole.model_extra["kvwire"]["bypassed"]) == ("disaggregated", True)
+    cut = next(k for k in range(1, len(text) - 1) if text.find(text[k:k + 2]) == k)  # a stop first seen there
+    stop = text[cut:cut + 2]
+    with claude.messages.stream(model=MODEL, max_tokens=8, system="You are terse.", messages=messages,
+                                extra_body={"temperature": 0}, stop_sequences=[stop]) as events:
+        final = events.get_final_message()
+    assert (final.content[0].text, final.stop_reason, final.stop_sequence) == (text[:cut], "stop_sequence", stop)
+    counted = claude.messages.count_tokens(model=MODEL, system="You are terse.", messages=messages)
+    assert counted.input_tokens == rendered
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(model=MODEL, max_tokens=8, messages=messages,
+                               thinking={"type": "enabled", "budget_tokens": 1024})
+    assert err.value.body["error"] == {"type": "invalid_request_error", "message": "extended thinking is not supported"}
+
+
 def test_echo_and_refusals(client):
     echoed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, echo=True)
     assert echoed.choices[0].text.startswith("Hello") and len(echoed.choices[0].text.encode()) >= 5
