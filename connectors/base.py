@@ -73,7 +73,9 @@ class KVConnectorBase(ABC):
             model_input: the batch just computed.
             kv_caches: per-layer views `[num_blocks, 2, block_size, kv_heads, head_dim]`.
             hidden_or_intermediate_states: `[num_tokens, hidden]` for the whole batch,
-                or IntermediateTensors sliced the same way.
+                or IntermediateTensors sliced the same way. Of a hidden-states tensor each
+                request's last row travels (the next token is sampled from it alone); of
+                IntermediateTensors every row.
         """
 
     @abstractmethod
@@ -88,8 +90,10 @@ class KVConnectorBase(ABC):
         Returns:
             `(hidden_or_intermediate_states, bypass_model_exec, model_input)`. bypass is
             True only when every request of the batch received all of its KV and hidden
-            states; then the hidden states cover the whole batch. Otherwise hidden is None
-            and the returned model_input is what must still be computed.
+            states; then the hidden states cover the whole batch (`[num_tokens, hidden]`: each
+            request's last row the producer's, its other rows unwritten; IntermediateTensors
+            whole). Otherwise hidden is None and the returned model_input is what must still
+            be computed.
         """
 
     def after_step(self, idle: bool = False) -> None:
