@@ -188,7 +188,8 @@ class PrefillNode:
         publishing on (and frees them at release: a block shared with other prompts is freed once per prompt).
         Returns why it failed ("": it did not)."""
         rid, prompt = work.request_id, work.prompt_token_ids
-        blocks, start = self._blocks(prompt, need)
+        names = block_names(prompt, self.rt.layout.block_size) if self._prefix_cache else []  # of its full blocks
+        blocks, start = self._blocks(prompt, names, need)
         seq = SequenceInput(rid, prompt[start:], start, blocks, consumer_endpoint=work.kv_ready_endpoint,
                             prompt_ids=prompt if start else None)
         try:
@@ -199,18 +200,17 @@ class PrefillNode:
             if not self._producer.holds(rid):  # layer-wise: held already; its release frees the blocks
                 self.rt.allocator.free(blocks)
             return f"prefill failed: {exc}"
-        if self._prefix_cache:
-            for block, name in zip(blocks, block_names(prompt, self.rt.layout.block_size)):
-                self.rt.allocator.name(block, name)  # their KV is written: later prompts may start on them
+        for block, name in zip(blocks, names):
+            self.rt.allocator.name(block, name)  # their KV is written: later prompts may start on them
         self.rt.metrics.prompt_tokens_cached.inc(start)
         return ""
 
-    def _blocks(self, prompt: list[int], need: int) -> tuple[list[int], int]:
-        """`need` blocks for `prompt`: those of its longest cached prefix first (shared, with the prefix cache on;
-        never its last token's: its hidden row is computed), then fresh ones. Returns (blocks, cached tokens)."""
+    def _blocks(self, prompt: list[int], names: list[bytes], need: int) -> tuple[list[int], int]:
+        """`need` blocks for `prompt`: those of its longest cached prefix first (shared, by the `names` of its full
+        blocks; never its last token's: its hidden row is computed), then fresh ones. Returns (blocks, cached
+        tokens)."""
         size = self.rt.layout.block_size
-        cached = self.rt.allocator.share(block_names(prompt[:(len(prompt) - 1) // size * size], size)) \
-            if self._prefix_cache else []
+        cached = self.rt.allocator.share(names[:(len(prompt) - 1) // size])
         return cached + self.rt.allocator.allocate(need - len(cached)), len(cached) * size
 
     def _invalid(self, work: PrefillWork) -> str:

@@ -122,15 +122,6 @@ async def open_call(client: httpx2.AsyncClient, request_id: str, peer: str, meth
         raise _failure(exc, request_id, peer) from exc
 
 
-async def get(client: httpx2.AsyncClient, request_id: str, peer: str, path: str,
-              headers: dict[str, str]) -> httpx2.Response:
-    """GET `path` of `peer`. Returns: the answer, whatever its status. Raises: InstanceError."""
-    try:
-        return await client.get(f"{peer}{path}", headers=headers)
-    except PEER_ERRORS as exc:
-        raise _failure(exc, request_id, peer) from exc
-
-
 async def stream_bytes(resp: httpx2.Response, request_id: str, peer: str) -> AsyncIterator[bytes]:
     """The bytes of an answer opened by `open_stream`, as they arrive. Raises: InstanceError."""
     try:
