@@ -96,6 +96,13 @@ class KVConnectorBase(ABC):
             be computed.
         """
 
+    @property
+    def receives_tails(self) -> bool:
+        """Consumer: whether `recv_kv_caches_and_hidden_states` takes a prompt's tail, a `SequenceInput` from a
+        block boundary (`start_pos`) with its whole prompt (`prompt_ids`), whose earlier blocks the caller holds
+        (its prefix cache): only the tail's blocks are pulled. False (the default): whole prompts only."""
+        return False
+
     def after_step(self, idle: bool = False) -> None:
         """The engine's step is done and its outputs sent (`idle`: and it has nothing to do): work the
         receives left for later happens now, all of it when idle."""

@@ -73,6 +73,10 @@ class ConsumerConnector(KVConnectorBase):
                                          kv_caches: list[torch.Tensor]) -> tuple[HiddenStates | None, bool, ModelInput]:
         return self.consumer.receive_batch(model_input)
 
+    @property
+    def receives_tails(self) -> bool:
+        return self.consumer.pulls_tails
+
     def after_step(self, idle: bool = False) -> None:
         self.consumer.flush(0.0 if idle else NOTE_AGE_S)
 

@@ -16,8 +16,9 @@ class SequenceInput:
         block_ids: the request's whole block table.
         consumer_endpoint: producer side: the work endpoint of the node whose consumer waits
             for this prompt's KV, told its location directly (`KVReady`); "" for none.
-        prompt_ids: producer side, a prompt step started on a cached prefix (`start_pos` > 0): the whole
-            prompt, whose KV (cached and computed) is published; None when `token_ids` are all of it.
+        prompt_ids: a prompt step started on a cached prefix (`start_pos` > 0): the whole prompt, whose KV
+            (cached and computed) a producer publishes, or whose tail's KV a consumer pulls; None when
+            `token_ids` are all of it.
     """
 
     request_id: str

@@ -5,8 +5,8 @@ A request here:
 1. `add_request` validates it and puts it in the waiting queue.
 2. `step()` admits waiting requests while their blocks fit (blocks for the prompt plus
    max_tokens are reserved up front, so a running request never runs out). With the prefix cache on,
-   a prompt computed here starts on the cached blocks of its longest computed prefix (always leaving
-   its last token to compute): only the rest is computed.
+   a prompt starts on the cached blocks of its longest computed prefix (always leaving its last token):
+   only the rest is computed, or pulled when the connector receives tails (a pull writes past them).
 3. Its prompt is computed, or its KV received: within the step when nothing else runs
    (no thread hand-off on the way to its first token); otherwise on the runner's pull
    thread (`receiving`) while steps go on decoding the others; the pull's end wakes the
@@ -233,9 +233,9 @@ class LLMEngine:
         return admitted
 
     def _allocate(self, seq: Sequence) -> None:
-        """Give `seq` its blocks: those of its cached prefix first (prompts it computes itself), then fresh ones."""
+        """Give `seq` its blocks: those of its cached prefix first (unless its KV is pulled whole), then fresh ones."""
         cached: list[int] = []
-        if self.prefix_cache and not seq.receive_kv:  # a pull writes every block: never into shared ones
+        if self.prefix_cache and not (seq.receive_kv and self._runner.pulls_whole_prompts):  # a pull writes after
             usable = (len(seq.prompt_ids) - 1) // self.block_size  # its last token is computed, for its logits
             cached = self.allocator.share(block_names(seq.prompt_ids[:usable * self.block_size], self.block_size))
         needed = self._blocks_needed(len(seq.prompt_ids), seq.params)
@@ -266,10 +266,10 @@ class LLMEngine:
 
     @staticmethod
     def _prompt_input(seq: Sequence) -> ModelInput:
-        """The prompt's tokens past its cached prefix (all of them without one)."""
+        """The prompt's tokens past its cached prefix (all of them without one; a tail names its whole prompt)."""
         start = seq.num_cached_tokens
-        return ModelInput([SequenceInput(seq.request_id, seq.prompt_ids[start:], start, seq.block_ids)],
-                          is_prompt=True)
+        return ModelInput([SequenceInput(seq.request_id, seq.prompt_ids[start:], start, seq.block_ids,
+                                         prompt_ids=seq.prompt_ids if start else None)], is_prompt=True)
 
     def _prefill(self, seq: Sequence, received: Future | None = None) -> int:
         """Compute (or receive, or take the ended pull of) a prompt and sample its first token."""

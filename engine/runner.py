@@ -61,6 +61,12 @@ class ModelRunner:
         """Whether prompts' KV can be received on the pull thread (`start_receive`)."""
         return self._pulls is not None
 
+    @property
+    def pulls_whole_prompts(self) -> bool:
+        """Whether a prompt's KV is received whole, never from a later block (KVConnectorBase.receives_tails):
+        then a prompt that asks for its KV must not start on cached blocks."""
+        return self._consumer is not None and not self._consumer.receives_tails
+
     def start_receive(self, model_input: ModelInput) -> Future:
         """Ask the consumer connector for the prompt batch's KV and hidden states on the pull thread
         (pulls run one at a time, in order). The future holds the contract's

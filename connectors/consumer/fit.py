@@ -1,8 +1,10 @@
 """Whether a producer's KV location fits this consumer's pool, before the pull; and its checksums, after.
 
 A pull here: `check` (the layouts agree, or differ only in KV heads for a head slice; the
-prompt's token and block counts agree; a partial pull is allowed only where nothing needs
-the whole prompt) narrows the location to what is pulled and names the destination blocks;
+prompt's token and block counts agree; a pull from a later block, or of a pick of blocks, is
+allowed only where nothing needs the whole prompt: the last hidden row is the prompt's, whichever
+blocks move, while a pipeline stage's intermediate tensors and --verify-kv's checksums are the
+whole prompt's) narrows the location to what is pulled and names the destination blocks;
 after the pull, `verify` (with --verify-kv) compares each layer's checksum with the
 producer's. Every refusal is a `ReceiveError` (a mismatch, or a transport fault for a bad
 checksum): the caller recomputes.
@@ -30,12 +32,18 @@ class LocationFit:
         self._region = region
         self._verify_kv = verify_kv
 
+    @property
+    def pulls_tails(self) -> bool:
+        """Whether a pull may start at a later block (the consumer holds the ones before): not with checksums."""
+        return not self._verify_kv
+
     def check(self, rid: str, num_tokens: int, dst_blocks: list[int], first_block: int, loc: KVLocation,
               heads: HeadSlice | None = None, pick: list[int] | None = None,
               prompt: str = "") -> tuple[KVLocation, list[int]]:
         """`(loc, destination blocks)` if `loc` fits what we need, from `first_block` on
-        (`KVLocation.first_block`) or at `pick`'s positions, narrowed to `heads`; raises otherwise. `prompt`: our
-        prompt's fingerprint (connectors/prompt.py; "": not known), which the location's must equal."""
+        (`KVLocation.first_block`) or at `pick`'s positions, narrowed to `heads`; raises otherwise. `num_tokens`:
+        the whole prompt's (-1: a tail the consumer cannot pull). `prompt`: our prompt's fingerprint
+        (connectors/prompt.py; "": not known), which the location's must equal."""
         def bad(reason: str) -> TransferError:
             return ReceiveError(rid, loc.producer, reason, TransferFailure.MISMATCH)
 
@@ -44,6 +52,9 @@ class LocationFit:
             loc = self._heads(loc, heads, bad)
         elif not _agree(loc.layout, layout):
             raise bad(_differ(loc.layout, layout))
+        if num_tokens < 0:
+            raise bad("a prompt's tail is pulled only from a block boundary, given its whole prompt, without "
+                      "--verify-kv")
         if loc.num_tokens != num_tokens:
             raise bad(f"producer has {loc.num_tokens} prompt tokens, we need {num_tokens}")
         if prompt and loc.prompt and loc.prompt != prompt:
@@ -59,9 +70,9 @@ class LocationFit:
                       f"ours {len(dst_blocks)}")
         if first_block == 0:
             return loc, dst_blocks[:n_blocks]
-        if not 0 < first_block < n_blocks or loc.layerwise or loc.hidden or self._verify_kv:
-            raise bad(f"cannot pull from block {first_block} of {n_blocks} (layer-wise, hidden states or "
-                      "checksums need the whole prompt)")
+        if not 0 < first_block < n_blocks or loc.intermediate or self._verify_kv:
+            raise bad(f"cannot pull from block {first_block} of {n_blocks} (a pipeline stage's intermediate "
+                      "tensors and checksums need the whole prompt)")
         return (msgspec.structs.replace(loc, block_ids=loc.block_ids[first_block:], first_block=first_block),
                 dst_blocks[first_block:n_blocks])
 
@@ -72,8 +83,8 @@ class LocationFit:
             raise bad(f"block count mismatch: producer {len(loc.block_ids)}, ours {len(dst_blocks)}")
         if not pick or any(not 0 <= i < len(dst_blocks) for i in pick):
             raise bad(f"a pick of {len(pick)} positions not among {len(dst_blocks)} blocks")
-        if (len(pick) < len(dst_blocks)) and (loc.layerwise or loc.hidden or self._verify_kv):
-            raise bad("layer-wise KV, hidden states and checksums need the whole prompt")
+        if (len(pick) < len(dst_blocks)) and (loc.intermediate or self._verify_kv):
+            raise bad("a pipeline stage's intermediate tensors and checksums need the whole prompt")
         return (msgspec.structs.replace(loc, block_ids=[loc.block_ids[i] for i in pick]),
                 [dst_blocks[i] for i in pick])
 

@@ -26,6 +26,7 @@ A request here:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
@@ -230,17 +231,31 @@ class KVConsumer:
         return join_requests([r.hidden for r in received], received[0].descs, received[0].intermediate, lengths), \
             True, model_input
 
+    @property
+    def pulls_tails(self) -> bool:
+        """Whether `receive` takes a prompt's tail (the blocks before it held here, in a prefix cache)."""
+        return self._fit.pulls_tails
+
     def receive(self, seq: SequenceInput, record: ExpectedKV | None = None) -> Received:
-        """Pull one request's KV into `seq.block_ids` (a whole prompt: `seq.start_pos` is 0).
+        """Pull one request's KV into `seq.block_ids`: the whole prompt's (`seq.start_pos` 0) or, for a tail
+        starting on a block boundary (`seq.prompt_ids` the whole prompt; see `pulls_tails`), its blocks only.
+        A tail's hidden states are the prompt's last row.
 
         Args:
             record: its record, if already taken from this consumer's table.
         Raises:
             TransferError: the KV did not come; the entry is now FAILED.
         """
-        tokens = seq.num_tokens if seq.start_pos == 0 else -1  # a prompt's tail never matches a location
-        return self.receive_blocks(seq.request_id, tokens, list(seq.block_ids), record,
-                                   prompt=prompt_fingerprint(seq.token_ids))
+        first_block, tokens, prompt = 0, -1, seq.token_ids  # -1: a tail this cannot pull (refused by the fit)
+        with contextlib.suppress(ValueError):  # a tail without its whole prompt
+            prompt = seq.whole_prompt()
+            if seq.start_pos == 0 or (seq.start_pos % self._region.layout.block_size == 0 and self.pulls_tails):
+                tokens, first_block = len(prompt), seq.start_pos // self._region.layout.block_size
+        received = self.receive_blocks(seq.request_id, tokens, list(seq.block_ids), record, first_block,
+                                       prompt=prompt_fingerprint(prompt))
+        if first_block and not received.intermediate:  # an older producer's every row: the tail wants its last
+            received = dataclasses.replace(received, hidden=[t[-1:] for t in received.hidden])
+        return received
 
     def receive_blocks(self, request_id: str, num_tokens: int, dst_blocks: list[int],
                        record: ExpectedKV | None = None, first_block: int = 0,

@@ -306,7 +306,7 @@ def _sources(msg: PullRequest, held: HeldRequest) -> list[int]:
 
 def _source_refusal(msg: PullRequest, held: HeldRequest) -> str:
     """Why `msg`'s source blocks cannot be sent ("" if they can): a pick of blocks not held for the request
-    (a consumer never reads other memory), a count unlike its destination's, a layer-wise pull not whole."""
+    (a consumer never reads other memory), a count unlike its destination's."""
     blocks = held.location.block_ids
     if msg.src_block_ids:
         if not set(msg.src_block_ids) <= set(blocks):
@@ -318,6 +318,4 @@ def _source_refusal(msg: PullRequest, held: HeldRequest) -> str:
         sources = len(blocks) - msg.first_block
     if len(msg.dst_block_ids) != sources:
         return f"{len(msg.dst_block_ids)} destination blocks for {sources} source blocks"
-    if held.gate is not None and _sources(msg, held) != blocks:
-        return "layer-wise KV is pulled whole"
     return ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvwire.connectors.base import KVConnectorBase
 from kvwire.connectors.kv_pool import KVPool
 from kvwire.engine.block_allocator import BlockAllocator
 from kvwire.engine.llm_engine import InvalidRequest, LLMEngine
@@ -207,11 +208,52 @@ def test_prefix_cache_computes_only_the_uncached_rest_and_answers_as_without(mod
     assert eng.allocator.num_free == 32 and eng.allocator.num_cached > 0
 
 
-def test_prefix_cache_leaves_prompts_whose_kv_is_received_alone(model):
-    params = SamplingParams(max_tokens=2, temperature=0.0)
-    eng = _cached_engine(model)
-    eng.add_request("a", list(range(20)), params, receive_kv=False)
+class _Receiver(KVConnectorBase):
+    """A consumer that "pulls" by computing what it is asked into the engine's blocks (a unit test's stand-in),
+    recording each ask; `tails`: whether it takes a prompt's tail."""
+
+    def __init__(self, model, tails: bool):
+        self.model, self.tails, self.asked = model, tails, []
+
+    @property
+    def receives_tails(self) -> bool:
+        return self.tails
+
+    def close(self) -> None:
+        pass
+
+    def send_kv_caches_and_hidden_states(self, *args) -> None:
+        raise AssertionError("a consumer does not send")
+
+    def recv_kv_caches_and_hidden_states(self, model_executable, model_input, kv_caches):
+        self.asked.append(model_input.sequences[0])
+        return self.model(model_input, kv_caches), True, model_input
+
+
+@pytest.mark.parametrize("tails", [False, True])
+def test_a_received_prompt_starts_on_cached_blocks_only_where_its_connector_pulls_tails(model, tails):
+    """A prompt whose KV is received starts on its cached prefix, and only its tail is asked for, when the
+    connector takes tails; a connector that pulls whole prompts gets the whole prompt, into fresh blocks. Either
+    way it answers as an engine without the cache."""
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    receiver = _Receiver(model, tails)
+    pool = KVPool.allocate(kv_layout(model.config, 4), 32)
+    eng = LLMEngine(ModelRunner(model, pool, consumer=receiver), BlockAllocator(32), 256,
+                    model.config.eos_token_id, prefix_cache=True)
+    first = eng.add_request("a", list(range(20)), params, receive_kv=False)
+    eng.step()
+    cached = first.block_ids[:5]  # its prompt's full blocks, named once computed
     _run(eng)
-    pulled = eng.add_request("b", list(range(20)), params)  # receive_kv: a pull writes every block it has
+    pulled = eng.add_request("b", list(range(20)) + [3, 4, 5], params)
     _run(eng)
-    assert pulled.num_cached_tokens == 0
+    asked = receiver.asked[-1]
+    if tails:  # 20 of its 23 tokens cached: the first prompt's 5 full blocks
+        assert pulled.num_cached_tokens == 20 and asked.start_pos == 20 and asked.token_ids == [3, 4, 5]
+        assert asked.prompt_ids == list(range(20)) + [3, 4, 5] and asked.block_ids[:5] == cached
+    else:
+        assert pulled.num_cached_tokens == 0 and asked.start_pos == 0 and asked.prompt_ids is None
+        assert not set(asked.block_ids) & set(cached)
+    plain = _engine(model)
+    alone = plain.add_request("b", list(range(20)) + [3, 4, 5], params)
+    _run(plain)
+    assert pulled.output_ids == alone.output_ids

@@ -53,7 +53,8 @@ def test_layerwise_cluster_matches_single_process(cluster, tiny_model_dir):
 
 def test_prompts_streamed_past_a_cached_prefix_match_single_process(cluster, tiny_model_dir):
     """The prefill node's prefix cache: a later prompt after one system prompt computes only its rest, and its
-    stream carries the cached blocks' layers with the computed ones."""
+    stream carries the cached blocks' layers with the computed ones; the decode node, holding the system prompt's
+    blocks too, pulls only the later blocks' layers."""
     system = list(range(10, 90))  # 80 tokens: 5 full blocks
     prompts = [system + [q] * (40 + q) for q in (5, 6, 7)]
     expected = generate(tiny_model_dir, prompts, SamplingParams(max_tokens=8, temperature=0.0), block_size=BS)
@@ -61,6 +62,7 @@ def test_prompts_streamed_past_a_cached_prefix_match_single_process(cluster, tin
     for prompt, want in zip(prompts, expected):  # one at a time: each finds the one before it cached
         got = complete_all(cluster.url, [prompt], max_tokens=8)[0]
         assert got["choices"][0]["token_ids"] == want and got["kvwire"]["bypassed"] is True
+        assert got["kvwire"]["cached_tokens"] == (0 if prompt is prompts[0] else len(system))
     assert (metric(cluster.ops_urls["prefill"], "kvwire_prompt_tokens_cached_total") or 0) - before == 2 * len(system)
 
 

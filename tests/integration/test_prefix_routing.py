@@ -77,15 +77,21 @@ def _prefill_cached_tokens(cluster) -> float:
 
 def test_prompts_sharing_a_system_prompt_compute_it_once_on_the_prefill_node(cluster, tiny_model_dir):
     """Questions after one system prompt: the prefill node computes the system prompt's blocks once and starts the
-    later prompts on them. Each prompt is still disaggregated (its whole KV moves, the shared blocks' too), the
-    decode node computes none of it, and each answers what one process answers."""
+    later prompts on them. Each prompt is still disaggregated; the first pulls its whole KV, the later ones (on the
+    decode node that holds the system prompt's blocks) only the blocks after them. The decode node computes none
+    of it, and each answers what one process answers."""
     system = list(range(200, 280))  # 80 tokens: 5 full blocks
     before = _prefill_cached_tokens(cluster)
+    seen = []
     for question in ([7] * 40, [8] * 41, [9] * 42):  # past --decode-only-below (32) beyond the system prompt
         prompt = system + question
         got = complete(cluster.url, prompt, max_tokens=MAX_TOKENS)
         assert got["choices"][0]["token_ids"] == _reference(tiny_model_dir, prompt)
         kv = got["kvwire"]
-        assert (kv["path"], kv["bypassed"], kv["cached_tokens"]) == ("disaggregated", True, 0), kv
-        assert kv["kv_bytes"] > 0
+        assert (kv["path"], kv["bypassed"]) == ("disaggregated", True), kv
+        seen.append((kv["decode_node"], kv["cached_tokens"], kv["kv_bytes"]))
     assert _prefill_cached_tokens(cluster) - before == 2 * len(system)
+    (node, cached, whole), *later = seen
+    assert cached == 0 and whole > 0
+    for decode_node, cached, nbytes in later:  # 3 blocks of 8 pulled, not 8
+        assert (decode_node, cached) == (node, len(system)) and 0 < nbytes < whole / 2
