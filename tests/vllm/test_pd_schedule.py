@@ -46,7 +46,7 @@ from kvwire.connectors.vllm.tp import rank_key
 from kvwire.connectors.wire import PullRequest, encode
 from kvwire.observability.labels import DISAGGREGATED_REASONS
 from kvwire.router.vllm.bodies import Endpoint
-from kvwire.router.vllm.tokens import tokenize_body
+from kvwire.router.vllm.tokens import Ask, tokenize_body
 from tests.observability.otlp import OTLPReceiver
 from tests.vllm.conftest import PROMPTS
 from tests.vllm.otlp import traced
@@ -62,6 +62,8 @@ SYSTEM = {"teacher": "You are a patient teacher of arithmetic and of nothing els
           "poet": "You are a poet who writes only about the sea, the wind and ships. " * 9}
 USER = ["Tell me something.", "Go on, please.", "And what then?"]
 STORE = (("VLLM_ENABLE_RESPONSES_API_STORE", "1"),)  # the Responses API keeps answers (store) for later turns
+# a coding agent's servers: tools (auto tool choice), and the render endpoints the router renders its bodies by
+AGENTS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-scale-out")
 
 
 class Trio(NamedTuple):
@@ -84,13 +86,14 @@ def trio(vllm_model_dir: Path, redis_server: LocalRedis, spans: OTLPReceiver, tm
     secret.write_text(SECRET)
     # `auto` on one host: the decode servers read the prefill server's KV cache from its process (cma); kv_both: each
     # server may do either role, as the params say
-    prefill, decode = (dataclasses.replace(s, kv_role="kv_both", auth_secret_file=secret, extra_env=STORE)
+    prefill, decode = (dataclasses.replace(s, kv_role="kv_both", auth_secret_file=secret, extra_env=STORE,
+                                           extra_args=AGENTS)
                        for s in kvwire_pair(vllm_model_dir, redis_server.url, ConnectorKind.AUTO, log_dir))
     decode2 = traced(dataclasses.replace(decode, node_id="decode2-auto", log_path=log_dir / "decode2.log"),
                      spans.endpoint_for("decode2"))
     prefill = traced(prefill, spans.endpoint_for("prefill"))
     events = f"ipc://{log_dir}/decode-kv-events"  # vLLM's publisher binds it (as `tcp://*:5557`), the router connects
-    decode = dataclasses.replace(decode, extra_args=("--kv-events-config", json.dumps(
+    decode = dataclasses.replace(decode, extra_args=(*AGENTS, "--kv-events-config", json.dumps(
         {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events})))
     servers = start_all([prefill, decode, decode2])
     router: subprocess.Popen | None = None
@@ -163,7 +166,7 @@ def test_responses_and_messages_apis_are_disaggregated_and_answers_found(trio: T
     want = plain.responses.create(input=text, store=False, **ask).output_text
     raw = routed.responses.with_raw_response.create(input=text, **ask)
     assert (raw.headers["x-kvwire-path"], raw.parse().output_text) == ("disaggregated", want)
-    counted = httpx2.post(f"{trio.decodes[0].url}/tokenize", json=tokenize_body(Endpoint.RESPONSES, {
+    counted = httpx2.post(f"{trio.decodes[0].url}/tokenize", json=_tokenize(Endpoint.RESPONSES, {
         "model": model, "input": text, "instructions": "Be brief."}), timeout=10).json()["count"]
     assert counted == raw.parse().usage.input_tokens
     with routed.responses.stream(input=text + " Streamed.", **ask) as events:
@@ -180,7 +183,7 @@ def test_responses_and_messages_apis_are_disaggregated_and_answers_found(trio: T
     usage = got.json()["usage"]  # Anthropic's: input_tokens leaves out what was read from a cache (the pulled KV)
     assert usage["cache_read_input_tokens"] > 0, usage
     assert usage["input_tokens"] + usage["cache_read_input_tokens"] == httpx2.post(
-        f"{trio.decodes[0].url}/tokenize", json=tokenize_body(Endpoint.MESSAGES, message), timeout=10).json()["count"]
+        f"{trio.decodes[0].url}/tokenize", json=_tokenize(Endpoint.MESSAGES, message), timeout=10).json()["count"]
     streamed = httpx2.post(f"{trio.router_url}/v1/messages", json={**message, "stream": True}, timeout=120)
     deltas = [json.loads(line[5:]).get("delta", {}) for line in streamed.text.splitlines() if line.startswith("data:")]
     assert "".join(d.get("text", "") for d in deltas) == plain_got.json()["content"][0]["text"]
@@ -197,6 +200,42 @@ def test_responses_and_messages_apis_are_disaggregated_and_answers_found(trio: T
             == ("decode-only", "previous-response", home)
         alone = openai_client(home).responses.create(input="Go on.", previous_response_id=rid, store=False, **ask)
         assert later.parse().output_text == alone.output_text
+
+
+def _tokenize(endpoint: Endpoint, body: dict) -> dict:
+    """What the router asks vLLM's /tokenize for a plain body's prompt."""
+    ask = tokenize_body(endpoint, body)
+    assert isinstance(ask, Ask) and ask.path == "/tokenize"
+    return ask.body
+
+
+def test_a_coding_agents_turns_are_rendered_and_stay_where_their_kv_is(trio: Trio, vllm_model_dir: Path):
+    """A coding agent's Messages bodies (the system prompt in text blocks, tools, tool_use and tool_result blocks):
+    the router has the decode servers render them (POST /v1/messages/render, served with --enable-scale-out), so
+    the first turn is disaggregated, with the count vLLM's own, and the next, which adds a tool's result, goes
+    decode-only to the server that holds the first turn's KV (cached-on-decode). Each answers as that server does
+    when asked directly. Before, such bodies were placed by load and every turn disaggregated."""
+    body = {"model": str(vllm_model_dir), "max_tokens": MAX_TOKENS, "temperature": 0,
+            "system": [{"type": "text", "text": "You are a coding agent working in a small repository. " * 12}],
+            "tools": [{"name": "read_file", "description": "Read a file of the repository.",
+                       "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "What does notes.txt say?"}]}]}
+    first = httpx2.post(f"{trio.router_url}/v1/messages", json=body, timeout=120)
+    assert first.status_code == 200, first.text
+    assert first.headers["x-kvwire-path"] == "disaggregated", first.headers["x-kvwire-reason"]
+    home = first.headers["x-kvwire-decode"]
+    rendered = httpx2.post(f"{home}/v1/messages/render", json=body, timeout=10).json()["token_ids"]
+    usage = first.json()["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == len(rendered)
+    body["messages"] += [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "read_file",
+                                           "input": {"path": "notes.txt"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": [{"type": "text", "text": "Buy milk."}]}]}]
+    second = httpx2.post(f"{trio.router_url}/v1/messages", json=body, timeout=120)
+    assert (second.headers["x-kvwire-path"], second.headers["x-kvwire-reason"], second.headers["x-kvwire-decode"]) \
+        == ("decode-only", "cached-on-decode", home)
+    assert second.json()["content"] == httpx2.post(f"{home}/v1/messages", json=body, timeout=120).json()["content"]
 
 
 def test_kv_both_servers_over_auto_equal_plain(trio: Trio, plain_server: VLLMServer, vllm_model_dir: Path,
