@@ -178,11 +178,15 @@ def _renders(endpoint: Endpoint, body: dict[str, Any]) -> bool:
 
 
 def completion_tokens_of(response: bytes) -> int:
-    """The tokens a decode instance's whole JSON answer generated for its one choice (usage.completion_tokens);
-    0 when it is not known (no usage, or several choices: which of them a next prompt continues is not)."""
+    """The tokens a decode instance's whole JSON answer generated: a completion's or chat's for its one choice
+    (usage.completion_tokens), a Response's or Message's (usage.output_tokens); 0 when it is not known (no usage,
+    or several choices: which of them a next prompt continues is not)."""
     try:
         answer = json.loads(response)
-        tokens = answer["usage"]["completion_tokens"] if len(answer["choices"]) == 1 else 0
+        if "choices" in answer:
+            tokens = answer["usage"]["completion_tokens"] if len(answer["choices"]) == 1 else 0
+        else:
+            tokens = answer["usage"]["output_tokens"]
     except (ValueError, KeyError, TypeError):
         return 0
     return tokens if isinstance(tokens, int) and tokens > 0 else 0

@@ -73,7 +73,7 @@ def test_a_turn_after_a_stored_response_is_not_tokenized():
     assert tokenize_body(Endpoint.RESPONSES, {"input": "hi", "previous_response_id": "resp_1"}) is None
 
 
-def test_the_tokens_an_answer_generated_come_from_its_usage_when_it_has_one_choice():
+def test_the_tokens_an_answer_generated_come_from_its_usage_when_it_has_one_choice_or_is_a_message():
     def answer(choices: int, usage: object) -> bytes:
         return json.dumps({"choices": [{}] * choices, "usage": usage}).encode()
 
@@ -81,6 +81,9 @@ def test_the_tokens_an_answer_generated_come_from_its_usage_when_it_has_one_choi
     assert completion_tokens_of(answer(2, {"completion_tokens": 7})) == 0
     assert completion_tokens_of(answer(1, None)) == 0
     assert completion_tokens_of(b"not json") == 0
+    assert completion_tokens_of(json.dumps({"type": "message", "usage": {"input_tokens": 9, "output_tokens": 4}})
+                                .encode()) == 4  # a Message's, or a Response's
+    assert completion_tokens_of(json.dumps({"object": "response", "usage": None}).encode()) == 0
 
 
 def test_a_prompt_an_instance_does_not_tokenize_raises_and_names_it():
