@@ -111,6 +111,45 @@ def test_an_abort_mid_pull_frees_the_blocks_once_the_pull_ends(model):
     eng.close()
 
 
+class _TailPull(_GatedPull):
+    """Takes a prompt's tail (its blocks before held in the engine's prefix cache)."""
+
+    @property
+    def receives_tails(self) -> bool:
+        return True
+
+
+def test_an_abort_mid_tail_pull_keeps_the_cached_prefix_and_frees_the_rest_once_the_pull_ends(model):
+    """A pulled tail's prompt shares its cached prefix's blocks: aborted mid-pull, its fresh blocks are freed once
+    the pull stops writing them, the shared ones stay cached (another prompt starts on them again), and none
+    leaks."""
+    conn = _TailPull(model)
+    pool = KVPool.allocate(kv_layout(model.config, 4), 64)
+    eng = LLMEngine(ModelRunner(model, pool, consumer=conn), BlockAllocator(64), 256, model.config.eos_token_id,
+                    prefix_cache=True)
+    first = eng.add_request("a", PROMPT_A, PARAMS, receive_kv=False)
+    eng.step()
+    shared = first.block_ids[:len(PROMPT_A) // 4]  # its prompt's 5 full blocks, named once computed
+    eng.add_request("r", PROMPT_B, PARAMS, receive_kv=False)  # keeps the pull off the step's thread
+    eng.step()
+    tail = eng.add_request("c", PROMPT_A + [1, 2, 3], PARAMS)
+    eng.step()
+    assert conn.pulling.wait(10) and tail.num_cached_tokens == len(PROMPT_A) and tail.block_ids[:5] == shared
+    eng.abort("c")
+    eng.abort("a")
+    eng.abort("r")
+    assert eng.allocator.num_free < 64, "the pull may still be writing c's fresh blocks"
+    conn.go.set()
+    _wait_received(eng)
+    eng.step()
+    assert not eng.has_unfinished() and eng.allocator.num_free == 64
+    again = eng.add_request("d", PROMPT_A + [4, 5, 6], PARAMS)
+    while eng.has_unfinished():
+        eng.step()
+    assert again.num_cached_tokens == len(PROMPT_A) and again.block_ids == [] and again.bypassed
+    eng.close()
+
+
 def test_with_nothing_else_running_the_pull_happens_within_the_step(model):
     conn = _GatedPull(model)
     conn.go.set()
