@@ -295,6 +295,7 @@ class DecodeNode:
 _BY_DESIGN = frozenset({PathReason.SHORT_PROMPT, PathReason.CACHED_ON_DECODE, PathReason.NOT_ASKED})
 _NOT_PREFILLED = {PathReason.PREFILL_SATURATED: RecomputeReason.PREFILL_SATURATED,
                   PathReason.PREFILL_OTHER_MODEL: RecomputeReason.PREFILL_OTHER_MODEL,
+                  PathReason.PREFILL_OTHER_BLOCK_SIZE: RecomputeReason.PREFILL_OTHER_BLOCK_SIZE,
                   PathReason.PROMPT_SHARED: RecomputeReason.PROMPT_NOT_SHARED}
 
 

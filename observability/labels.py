@@ -35,6 +35,7 @@ class RecomputeReason(enum.StrEnum):
     NO_PREFILL_NODE = "no_prefill_node"  # the router found no live prefill node
     PREFILL_SATURATED = "prefill_saturated"  # every live prefill node had --prefill-max-in-flight requests in flight
     PREFILL_OTHER_MODEL = "prefill_other_model"  # every live prefill node serves another checkpoint
+    PREFILL_OTHER_BLOCK_SIZE = "prefill_other_block_size"  # every live prefill node keeps KV blocks of another size
     KV_NOT_RECEIVED = "kv_not_received"  # a prefill node was asked, its KV did not arrive
     # a later choice meant to start from its first choice's prompt KV (PathReason.PROMPT_SHARED): that one was not on
     # the node, its prompt was already done, or it ended before its prompt was
@@ -119,6 +120,9 @@ class PathReason(enum.StrEnum):
     NO_PREFILL_INSTANCE = "no-prefill-instance"  # none configured, or none up
     PREFILL_OTHER_MODEL = "prefill-other-model"  # every prefill node up serves another checkpoint than the decode
     # node picked (kvwire's own nodes: NodeInfo.model); its KV would be refused as a mismatch
+    # every prefill instance up keeps KV blocks of another size than the decode instance picked (NodeInfo.block_size;
+    # the vLLM router: vllm:cache_config_info): its KV would be refused as a mismatch
+    PREFILL_OTHER_BLOCK_SIZE = "prefill-other-block-size"
     PREFILL_SATURATED = "prefill-saturated"  # every prefill instance up had --prefill-max-in-flight requests
     PREFILL_FAILED = "prefill-failed"  # the prefill instance was not reached, timed out, broke or answered 5xx
     NO_KV_PARAMS = "no-kv-transfer-params"  # it answered without them (a vLLM started with no KV connector)
@@ -139,7 +143,8 @@ DISAGGREGATED_REASONS = frozenset({PathReason.PREFILLED, PathReason.PREFILLED_AL
 # the reasons the router gives over kvwire's own nodes (router/placement.py)
 NODES_PATH_REASONS: tuple[PathReason, ...] = (
     PathReason.PREFILLED, PathReason.CACHED_ON_DECODE, PathReason.SHORT_PROMPT, PathReason.NO_PREFILL_INSTANCE,
-    PathReason.PREFILL_OTHER_MODEL, PathReason.PREFILL_SATURATED, PathReason.NOT_ASKED, PathReason.PROMPT_SHARED)
+    PathReason.PREFILL_OTHER_MODEL, PathReason.PREFILL_OTHER_BLOCK_SIZE, PathReason.PREFILL_SATURATED,
+    PathReason.NOT_ASKED, PathReason.PROMPT_SHARED)
 # the reasons the router in front of vLLM servers gives (router/vllm/)
 VLLM_PATH_REASONS: tuple[PathReason, ...] = tuple(
     r for r in PathReason if r not in (PathReason.NOT_ASKED, PathReason.PREFILL_OTHER_MODEL, PathReason.PROMPT_SHARED))

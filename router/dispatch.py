@@ -138,6 +138,10 @@ class Dispatcher:
         elif route.reason == PathReason.PREFILL_OTHER_MODEL:
             log.warning("request %s: no live prefill node serves decode node %s's checkpoint (model %s); decode "
                         "computes the prompt", request_id, route.decode.node_id, route.decode.model)
+        elif route.reason == PathReason.PREFILL_OTHER_BLOCK_SIZE:
+            log.warning("request %s: no live prefill node keeps KV blocks of decode node %s's size (%d tokens; "
+                        "give every node the same --block-size); decode computes the prompt", request_id,
+                        route.decode.node_id, route.decode.block_size)
         await self._push(route.decode, DecodeWork(request_id=request_id, prompt_token_ids=prompt_ids,
                                                   sampling=sampling, reply_to=self.reply_to,
                                                   prefill_node=route.prefill.node_id if route.prefill else "",

@@ -12,7 +12,8 @@ A pick (`Placement.pick`, asked by the dispatcher, router/dispatch.py):
    load alone decides.
 2. The request goes decode-only (the decode node computes the prompt, no prefill node) when the client asked so,
    when the part of its prompt that node does not hold is shorter than `decode_only_below` tokens (a short
-   prompt, or a cached one), when no prefill node is live, or when every live prefill node has
+   prompt, or a cached one), when no prefill node is live, when none serves its checkpoint or keeps KV blocks of
+   its size (its KV would be refused as a mismatch), or when every live prefill node has
    `prefill_max_in_flight` requests of this router in flight. Otherwise the prefill node is the one of the least
    cost: the prompt's blocks it does not hold in its prefix cache (predicted from the prompts it was sent) less
    its free blocks; ties in turn. Prompts sharing a system prompt go where it was computed, unless that node has
@@ -200,6 +201,10 @@ class Placement:
         prefills = [n for n in prefills if models_agree(n.model, decode.model)]
         if not prefills:
             return Route(None, decode, PathReason.PREFILL_OTHER_MODEL)
+        size = decode.block_size
+        prefills = [n for n in prefills if not (n.block_size and size) or n.block_size == size]
+        if not prefills:
+            return Route(None, decode, PathReason.PREFILL_OTHER_BLOCK_SIZE)
         limit = self._prefill_max_in_flight
         there = collections.Counter(r.prefill for r in reserved if r.prefill) if limit else collections.Counter()
         uncached = self._uncached_blocks(prompt, self._held(prompt, prefills))

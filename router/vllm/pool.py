@@ -91,6 +91,7 @@ class Instance:
     last_ok: float = 0.0  # when it last answered
     engines: tuple[int, ...] = ()  # each data-parallel engine's requests at its last GET /metrics (() for one)
     engine_turn: int = 0  # rotates ties between its engines
+    block_size: int = 0  # tokens per KV block, as its GET /metrics last showed (0: not yet)
 
 
 class InstancePool:
@@ -107,11 +108,13 @@ class InstancePool:
         self._block_size = 0
 
     def pick(self, avoid: frozenset[str] = frozenset(), cost: Callable[[str], float] | None = None,
-             request_blocks: int = 1) -> str | None:
+             request_blocks: int = 1, block_size: int = 0) -> str | None:
         """Returns: the URL of the UP instance (not in `avoid`, unless only those are UP) of the least `cost(url)`
         + load, ties in round-robin order; None when none is UP. `request_blocks`: a request's KV blocks, what
-        each request queued on an instance (or SLOW_WEIGHT of them) weighs."""
-        up = [i for i in self._instances.values() if i.state == InstanceState.UP]
+        each request queued on an instance (or SLOW_WEIGHT of them) weighs. `block_size`: only instances of KV
+        blocks of that size, or not yet known (0: any)."""
+        up = [i for i in self._instances.values() if i.state == InstanceState.UP
+              and (not block_size or not i.block_size or i.block_size == block_size)]
         up = [i for i in up if i.url not in avoid] or up
         if not up:
             return None
@@ -143,7 +146,16 @@ class InstancePool:
         instance.queued, instance.full = max(0, server.waiting - ours), server.kv_usage >= FULL
         instance.engines = server.engines
         if server.block_size:
+            instance.block_size = server.block_size
             self._block_size = min(self._block_size or server.block_size, server.block_size)
+
+    def block_size_of(self, url: str) -> int:
+        """`url`'s KV block size, as its GET /metrics last showed; 0 before it did."""
+        return self._instances[url].block_size
+
+    def block_sizes(self) -> dict[str, int]:
+        """Each UP instance's KV block size, where its GET /metrics showed one."""
+        return {i.url: i.block_size for i in self._instances.values() if i.state == InstanceState.UP and i.block_size}
 
     def engine_for(self, url: str) -> int | None:
         """The data-parallel engine of `url` to send all of one request's choices to (vLLM spreads a request's
@@ -236,7 +248,7 @@ class InstancePool:
     def describe(self) -> dict[str, object]:
         """Returns: the instances UP (and those of them slow) and those DOWN with why, for /healthz."""
         now = self._clock()
-        return {"up": self.urls(InstanceState.UP),
+        return {"up": self.urls(InstanceState.UP), "block_sizes": self.block_sizes(),
                 "slow": [i.url for i in self._instances.values() if i.state == InstanceState.UP and i.slow],
                 "down": [{"url": i.url, "reason": i.reason, "down_s": round(now - i.since, 1)}
                          for i in self._instances.values() if i.state == InstanceState.DOWN]}

@@ -220,9 +220,9 @@ class VLLMRouter:
                 return await self._decode(call, Prefilled(None, reason), placed)
             if placed.decode_only is not None:
                 return await self._decode(call, Prefilled(None, placed.decode_only), placed)
-            url = self.schedule.prefill(call.tokens)
-            if url is None:
-                return await self._decode(call, Prefilled(None, PathReason.NO_PREFILL_INSTANCE), placed)
+            url = self.schedule.prefill(call.tokens, placed.decode)
+            if isinstance(url, PathReason):
+                return await self._decode(call, Prefilled(None, url), placed)
             limit = self.config.prefill_max_in_flight
             if limit and self.prefill.in_flight(url) >= limit:  # the least loaded one: every one is
                 return await self._decode(call, Prefilled(None, PathReason.PREFILL_SATURATED), placed)

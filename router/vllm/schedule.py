@@ -11,7 +11,10 @@ For each request, once its prompt's token ids are known (router/vllm/tokens.py):
 2. PATH (`place`): decode-only when the part of the prompt that instance does not hold is shorter than
    `decode_only_below` tokens (PathReason.CACHED_ON_DECODE when it holds some, SHORT_PROMPT when none):
    computing it there costs less than a prefill instance's round trip and the pull; else disaggregated.
-3. PREFILL INSTANCE (`prefill`): the UP prefill instance of the least cost, the same way.
+3. PREFILL INSTANCE (`prefill`): the UP prefill instance of the least cost, the same way, among those whose KV
+   blocks are the decode instance's size (as their metrics show; not yet shown counts as equal): a pull between
+   block sizes is refused as a mismatch, so with none the request goes decode-only
+   (PathReason.PREFILL_OTHER_BLOCK_SIZE, an ERROR once per decode instance).
 4. The prediction: what each instance was sent is held there from then (`sent`), and a decode instance's
    answer adds the tokens it generated (`answered`), which the conversation's next prompt starts with.
    An instance that leaves rotation is forgotten (its process may have restarted with an empty cache).
@@ -70,6 +73,7 @@ class Scheduler:
         self._exact: set[str] = set()  # decode instances whose KV events came
         self._unlike: set[str] = set()  # ... whose events' block size is not the index's (said once)
         self._said_no_block_size = False
+        self._unpaired: set[str] = set()  # decode instances no prefill instance's block size matched (said once)
 
     def reads_prompts(self) -> bool:
         """Whether a request's prompt must be tokenized to place it."""
@@ -94,11 +98,26 @@ class Scheduler:
                       {u: pool.load(u, blocks) for u in pool.urls(InstanceState.UP)}, url)
         return Placement(url, held.get(url, 0), blocks, self._path(tokens, held.get(url, 0)))
 
-    def prefill(self, tokens: Sequence[int] | None) -> str | None:
-        """Returns: the prefill instance for a prompt of `tokens` (step 3); None: none is UP."""
+    def prefill(self, tokens: Sequence[int] | None, decode: str) -> str | PathReason:
+        """Returns: the prefill instance for a prompt of `tokens` that decode instance `decode` takes (step 3): one
+        of KV blocks of its size (a pull between block sizes is refused as a mismatch); else why none."""
         index, pool = self._index(NodeRole.PREFILL), self._pools[NodeRole.PREFILL]
         held = index.held(tokens, pool.urls(InstanceState.UP)) if index and tokens else {}
-        return pool.pick(cost=self._uncached(tokens, held, index), request_blocks=_blocks(tokens, index))
+        size = self._pools[NodeRole.DECODE].block_size_of(decode)
+        url = pool.pick(cost=self._uncached(tokens, held, index), request_blocks=_blocks(tokens, index),
+                        block_size=size)
+        if url is not None:
+            return url
+        if not pool.count(InstanceState.UP):
+            return PathReason.NO_PREFILL_INSTANCE
+        if decode not in self._unpaired:
+            self._unpaired.add(decode)
+            log.error("decode instance %s keeps KV blocks of %d tokens and no prefill instance up does (%s): KV "
+                      "moves only between equal block sizes, so its requests go decode-only (reason %s) until one "
+                      "does; give prefill and decode servers the same --block-size", decode, size,
+                      ", ".join(f"{u}: {n}" for u, n in pool.block_sizes().items()),
+                      PathReason.PREFILL_OTHER_BLOCK_SIZE)
+        return PathReason.PREFILL_OTHER_BLOCK_SIZE
 
     def sent(self, role: NodeRole, url: str, tokens: Sequence[int] | None) -> None:
         """`url`, an instance of `role`, was sent a prompt of `tokens`."""

@@ -27,6 +27,7 @@ def test_kv_asked_of_a_prefill_node_that_never_came(path, want):
     (PathReason.NO_PREFILL_INSTANCE, RecomputeReason.NO_PREFILL_NODE),
     (PathReason.PREFILL_SATURATED, RecomputeReason.PREFILL_SATURATED),
     (PathReason.PREFILL_OTHER_MODEL, RecomputeReason.PREFILL_OTHER_MODEL),
+    (PathReason.PREFILL_OTHER_BLOCK_SIZE, RecomputeReason.PREFILL_OTHER_BLOCK_SIZE),
     # a later choice that could not start from its first one's prompt (one that could is never asked: the node
     # counts only prompts it computed)
     (PathReason.PROMPT_SHARED, RecomputeReason.PROMPT_NOT_SHARED),

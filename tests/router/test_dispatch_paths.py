@@ -22,9 +22,9 @@ from kvwire.router.dispatch import Dispatcher
 from kvwire.router.schemas import APIError
 
 
-def _node(node_id: str, role: NodeRole, free: int = 8, model: str = "") -> NodeInfo:
+def _node(node_id: str, role: NodeRole, free: int = 8, model: str = "", block_size: int = 0) -> NodeInfo:
     return NodeInfo(node_id=node_id, role=role, epoch=1, work_endpoint="tcp://127.0.0.1:9", connector=ConnectorKind.TCP,
-                    free_blocks=free, total_blocks=8, model=model)
+                    free_blocks=free, total_blocks=8, model=model, block_size=block_size)
 
 
 class _Directory:
@@ -73,6 +73,19 @@ def test_a_prefill_node_of_another_checkpoint_is_not_paired():
     both = [*other, _node("p1", NodeRole.PREFILL, free=2, model="bbbb")]
     assert _dispatcher(both).pick(_prompt(100)).prefill.node_id == "p1"  # type: ignore[union-attr]
     unknown = [_node("p0", NodeRole.PREFILL), _node("d0", NodeRole.DECODE, model="bbbb")]
+    assert _dispatcher(unknown).pick(_prompt(100)).reason == PathReason.PREFILLED
+
+
+def test_a_prefill_node_of_another_block_size_is_not_paired():
+    """KV moves only between equal block sizes: the prompt stays on decode, and the reason says so; a node that
+    does not say (older) is paired as before."""
+    other = [_node("p0", NodeRole.PREFILL, block_size=32), _node("d0", NodeRole.DECODE, block_size=16)]
+    route = _dispatcher(other).pick(_prompt(100))
+    assert (route.prefill, route.reason, route.path) == (None, PathReason.PREFILL_OTHER_BLOCK_SIZE,
+                                                         ProxyPath.DECODE_ONLY)
+    both = [*other, _node("p1", NodeRole.PREFILL, free=2, block_size=16)]
+    assert _dispatcher(both).pick(_prompt(100)).prefill.node_id == "p1"  # type: ignore[union-attr]
+    unknown = [_node("p0", NodeRole.PREFILL), _node("d0", NodeRole.DECODE, block_size=16)]
     assert _dispatcher(unknown).pick(_prompt(100)).reason == PathReason.PREFILLED
 
 

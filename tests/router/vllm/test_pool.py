@@ -8,6 +8,7 @@ import httpx2
 
 from kvwire.connectors.config import NodeRole
 from kvwire.observability.labels import InstanceState
+from kvwire.router.vllm.load import ServerLoad
 from kvwire.router.vllm.pool import HealthProbe, InstancePool, Problem, Tolerance
 from kvwire.router.vllm.upstream import FailureKind
 
@@ -122,7 +123,9 @@ def test_describe_tells_why_and_how_long_an_instance_is_down():
     pool.take_out(A, "answered 500")
     clock.now += 3.25
     pool.take_out(A, "answered 502")  # still down: the reason changes, not since when
-    assert pool.describe() == {"up": [B], "slow": [], "down": [{"url": A, "reason": "answered 502", "down_s": 3.2}]}
+    pool.measured(B, ServerLoad(0, 0.0, 16))
+    assert pool.describe() == {"up": [B], "block_sizes": {B: 16}, "slow": [],
+                               "down": [{"url": A, "reason": "answered 502", "down_s": 3.2}]}
 
 
 def test_check_takes_out_the_gone_keeps_the_slow_and_readmits_those_that_answer():
@@ -160,7 +163,6 @@ def test_wait_up_returns_when_an_instance_is_readmitted_and_false_at_its_timeout
 
 
 def test_a_requests_choices_go_to_the_least_busy_data_parallel_engine():
-    from kvwire.router.vllm.load import ServerLoad
 
     pool = InstancePool(NodeRole.DECODE, [A, B])
     assert pool.engine_for(A) is None  # its metrics not read yet

@@ -146,3 +146,24 @@ def test_each_data_parallel_engines_requests_are_read():
     assert parse_server_metrics(text) == ServerLoad(waiting=2, kv_usage=0.0, block_size=0, engines=(3, 4))
     one = 'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\nvllm:num_requests_running{engine="0"} 1.0'
     assert parse_server_metrics(one).engines == ()
+
+
+def test_a_prefill_instance_is_picked_only_of_the_decode_instance_s_block_size(caplog):
+    """KV moves only between equal block sizes: a decode instance of another size than every prefill instance's
+    takes its requests decode-only, said once (ERROR) with both sizes; unknown sizes count as equal."""
+    p2 = "http://p2:1"
+    prefill, decode = InstancePool(NodeRole.PREFILL, [P, p2]), InstancePool(NodeRole.DECODE, [D1, D2])
+    s = Scheduler(RoutingPolicy.PREFIX, 0, 120.0, prefill, decode)
+    assert s.prefill(list(range(40)), D1) in (P, p2)  # nothing shown yet: any
+    prefill.measured(P, ServerLoad(0, 0.0, 64))
+    prefill.measured(p2, ServerLoad(0, 0.0, 16))
+    decode.measured(D1, ServerLoad(0, 0.0, 16))
+    decode.measured(D2, ServerLoad(0, 0.0, 32))
+    assert {s.prefill(list(range(40)), D1) for _ in range(4)} == {p2}
+    assert s.prefill(list(range(40)), D2) == PathReason.PREFILL_OTHER_BLOCK_SIZE
+    assert s.prefill(list(range(40)), D2) == PathReason.PREFILL_OTHER_BLOCK_SIZE
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "KV blocks of 32 tokens" in errors[0] and "http://p:1: 64" in errors[0], errors
+    prefill.take_out(P, "gone")
+    prefill.take_out(p2, "gone")
+    assert s.prefill(list(range(40)), D1) == PathReason.NO_PREFILL_INSTANCE
