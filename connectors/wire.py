@@ -172,6 +172,12 @@ class KVLocation(_Msg, tag="location", frozen=True):
     # A consumer's view only, never published: the pull takes this head slice (tensor parallel, HeadSlice).
     heads: HeadSlice | None = None
     prompt: str = ""  # the fingerprint of the token ids the KV is of (connectors/prompt.py); "": not known
+    # The producer serves pulls in blocks smaller than its own (PullRequest.block_size); False: an older one
+    sub_blocks: bool = False
+    # A consumer's view only, never published: the pull moves blocks of this many tokens, the smaller of the two
+    # pools' block sizes (connectors/transports/sub_blocks.py); block_ids and first_block then count those; 0:
+    # the layout's own blocks.
+    pull_block_size: int = 0
 
 
 class NodeInfo(_Msg, tag="node", frozen=True):
@@ -237,6 +243,9 @@ class PullRequest(_Msg, tag="pull", frozen=True):
     # The consumer will not pull it (it refused the location, or failed before or during its pull): one puller
     # less and nothing delivered, so the producer releases the blocks now rather than at the hold deadline.
     abandon: bool = False
+    # Send the location's blocks seen in blocks of this many tokens (KVLocation.pull_block_size): first_block,
+    # src_block_ids and dst_block_ids then count those; 0: the producer's own blocks.
+    block_size: int = 0
 
 
 class PullReply(_Msg, tag="pull_reply", frozen=True):
@@ -298,6 +307,7 @@ class ShmRead(_Msg, tag="shm_read", frozen=True):
     first_block: int = 0
     src_block_ids: list[int] = []  # the producer's blocks read, in dst order (PullRequest.src_block_ids)
     heads: HeadSlice | None = None  # tensor parallel: the head slice read (its `pullers` count)
+    block_size: int = 0  # the blocks read were of this many tokens (PullRequest.block_size); 0: the producer's
 
 
 class ShmAccess(enum.StrEnum):

@@ -25,6 +25,9 @@ class TransportFallback(enum.StrEnum):
     CMA_REFUSED = "cma_refused"  # the kernel refused cross-memory attach to a same-host producer: UCX instead
     CUDA_IPC_REFUSED = "cuda_ipc_refused"  # a same-host producer's device memory could not be opened, or lies on
     # another device than ours (e.g. each server sees only its own GPU): UCX instead
+    # blocks of another size than ours from a same-host producer whose memory is not read by cross-memory attach
+    # (CUDA IPC, a memfd): UCX instead
+    SUB_BLOCKS = "sub_blocks"
     NO_COPY_KERNEL = "no_copy_kernel"  # a GPU pool's pull copied piece by piece and plane by plane: kvwire's
     # one-kernel copies (Triton) cannot run in this process (not installed, or failed to build: logged once)
 

@@ -50,6 +50,9 @@ class LocationFit:
         layout = self._region.layout
         if heads is not None:
             loc = self._heads(loc, heads, bad)
+        elif _agree(msgspec.structs.replace(loc.layout, block_size=layout.block_size), layout) \
+                and loc.layout.block_size != layout.block_size and num_tokens == loc.num_tokens:
+            loc, dst_blocks, first_block, pick = self._in_sub_blocks(loc, dst_blocks, first_block, pick, bad)
         elif not _agree(loc.layout, layout):
             raise bad(_differ(loc.layout, layout))
         if num_tokens < 0:
@@ -64,7 +67,7 @@ class LocationFit:
             raise bad("hidden states are neither the prompt's last row nor every row")
         if pick is not None:
             return self._pick(loc, dst_blocks, pick, bad)
-        n_blocks = math.ceil(loc.num_tokens / layout.block_size)
+        n_blocks = math.ceil(loc.num_tokens / (loc.pull_block_size or loc.layout.block_size))
         if len(loc.block_ids) != n_blocks or len(dst_blocks) < n_blocks:
             raise bad(f"block count mismatch: producer {len(loc.block_ids)}, needed {n_blocks}, "
                       f"ours {len(dst_blocks)}")
@@ -75,6 +78,37 @@ class LocationFit:
                       "tensors and checksums need the whole prompt)")
         return (msgspec.structs.replace(loc, block_ids=loc.block_ids[first_block:], first_block=first_block),
                 dst_blocks[first_block:n_blocks])
+
+    def _in_sub_blocks(self, loc: KVLocation, dst_blocks: list[int], first_block: int, pick: list[int] | None,
+                       bad: Callable[[str], TransferError]) -> tuple[KVLocation, list[int], int, list[int] | None]:
+        """A pull between pools of different block sizes, in blocks of the smaller one on both sides
+        (connectors/transports/sub_blocks.py): `loc` seen so (`pull_block_size`; its layout stays the producer's),
+        and our destination blocks, first block and pick counted in them."""
+        theirs, ours = loc.layout.block_size, self._region.layout.block_size
+        size = min(theirs, ours)
+        why = ("the producer is older" if not loc.sub_blocks else "checksums cover whole blocks" if self._verify_kv
+               else "layer-wise KV moves in whole blocks" if loc.layerwise
+               else f"{max(theirs, ours)} is not a multiple of {size}" if max(theirs, ours) % size else "")
+        n_theirs, n_ours = math.ceil(loc.num_tokens / theirs), math.ceil(loc.num_tokens / ours)
+        if not why and pick is not None and (len(loc.block_ids), len(dst_blocks)) != (n_theirs, n_ours):
+            why = "several KV cache groups move in whole blocks"
+        try:
+            self._region.sub_blocks(size)
+        except ValueError as exc:
+            why = why or str(exc)
+        if why:
+            raise bad(f"the producer's KV blocks hold {theirs} tokens, ours {ours}: {why} (give prefill and decode "
+                      "the same --block-size)")
+        if len(loc.block_ids) != n_theirs:
+            raise bad(f"block count mismatch: producer {len(loc.block_ids)}, needed {n_theirs}")
+        needed = math.ceil(loc.num_tokens / size)
+        loc = msgspec.structs.replace(loc, block_ids=_split(loc.block_ids, theirs // size)[:needed],
+                                      pull_block_size=size)
+        ratio = ours // size
+        if pick is not None:
+            pick = [v for j in pick for v in range(j * ratio, (j + 1) * ratio) if v < needed]
+            return loc, _split(dst_blocks, ratio)[:needed], 0, pick
+        return loc, _split(dst_blocks, ratio), first_block * ratio, None
 
     def _pick(self, loc: KVLocation, dst_blocks: list[int], pick: list[int],
                     bad: Callable[[str], TransferError]) -> tuple[KVLocation, list[int]]:
@@ -118,6 +152,11 @@ class LocationFit:
         if got != loc.layer_checksums:
             wrong = [i for i, (a, b) in enumerate(zip(got, loc.layer_checksums)) if a != b]
             raise bad(f"KV checksum mismatch in layers {wrong}")
+
+
+def _split(blocks: list[int], ratio: int) -> list[int]:
+    """`blocks` as the blocks `ratio` times smaller they hold (block b: sub-blocks `b * ratio` on)."""
+    return blocks if ratio == 1 else [b * ratio + i for b in blocks for i in range(ratio)]
 
 
 def _agree(a: KVLayout, b: KVLayout) -> bool:

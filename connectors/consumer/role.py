@@ -407,7 +407,7 @@ class KVConsumer:
         self._declines.send(loc.side_channel, PullRequest(
             request_id=loc.request_id, transfer_id=transfer_id, consumer=self._config.node_id,
             transport_address=address, dst_block_ids=dst, first_block=loc.first_block, heads=loc.heads,
-            src_block_ids=loc.block_ids))
+            src_block_ids=loc.block_ids, block_size=loc.pull_block_size))
         try:
             self._declines.wait(loc, transfer_id, record.deadline)
         except TransferError:

@@ -270,7 +270,7 @@ class KVProducer:
             kind=self._config.kind, side_channel=first.side_channel, transport_address=first.transport_address,
             layout=self._layout, block_ids=blocks, num_tokens=num_tokens,
             hidden=descs, intermediate=intermediate, offers=offers, host=host_identity(),
-            layer_checksums=checksums, layerwise=layerwise, shm_hold=hold, prompt=prompt)
+            layer_checksums=checksums, layerwise=layerwise, shm_hold=hold, prompt=prompt, sub_blocks=True)
 
     def _unhold(self, loc: KVLocation) -> None:
         """Just before `loc`'s blocks are released: shared-memory readers from now on discard their read."""

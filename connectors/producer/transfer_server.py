@@ -237,6 +237,8 @@ class TransferServer:
         region = self._region
         if msg.heads is not None:
             region = region.heads(msg.heads.src_head, msg.heads.num_heads, msg.heads.per_block)
+        if msg.block_size:
+            region = region.sub_blocks(msg.block_size)
         job = SendJob(identity, msg, held, region, runs, time.monotonic() + self._send_deadline_s)
         self._jobs[(msg.request_id, msg.consumer, msg.transfer_id)] = job
         return job
@@ -274,6 +276,15 @@ class TransferServer:
             return f"prefill failed: {held.gate.failure}"
         if reason := _source_refusal(msg, held):
             return reason
+        if msg.heads is not None and msg.block_size:
+            return "a head slice in blocks of another size is not served"
+        if msg.block_size:
+            try:
+                self._region.sub_blocks(msg.block_size)
+            except ValueError as exc:
+                return f"blocks of {msg.block_size} tokens: {exc}"
+            if held.gate is not None:
+                return "layer-wise KV is not served in blocks of another size"
         if msg.heads is not None:
             try:
                 self._region.heads(msg.heads.src_head, msg.heads.num_heads, msg.heads.per_block)
@@ -299,15 +310,25 @@ class TransferServer:
         self._sock.send_multipart([identity, pack(reply)])
 
 
+def _held_blocks(msg: PullRequest, held: HeldRequest) -> list[int]:
+    """The blocks held for the request, as `msg` counts them: the location's, or each of them as the blocks of
+    `msg.block_size` tokens it holds (sub-block `b * ratio + i` is the i-th of block b), as many as hold tokens."""
+    blocks = held.location.block_ids
+    if not msg.block_size or msg.block_size == held.location.layout.block_size:
+        return blocks
+    ratio = held.location.layout.block_size // msg.block_size
+    return [b * ratio + i for b in blocks for i in range(ratio)][:-(-held.location.num_tokens // msg.block_size)]
+
+
 def _sources(msg: PullRequest, held: HeldRequest) -> list[int]:
     """The held blocks `msg` asks for, in its destination order (`_source_refusal` passed)."""
-    return msg.src_block_ids or held.location.block_ids[msg.first_block:]
+    return msg.src_block_ids or _held_blocks(msg, held)[msg.first_block:]
 
 
 def _source_refusal(msg: PullRequest, held: HeldRequest) -> str:
     """Why `msg`'s source blocks cannot be sent ("" if they can): a pick of blocks not held for the request
     (a consumer never reads other memory), a count unlike its destination's."""
-    blocks = held.location.block_ids
+    blocks = _held_blocks(msg, held)
     if msg.src_block_ids:
         if not set(msg.src_block_ids) <= set(blocks):
             return "source blocks not held for this request"

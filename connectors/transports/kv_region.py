@@ -16,6 +16,7 @@ from functools import cached_property
 import msgspec
 import torch
 
+from kvwire.connectors.transports.sub_blocks import SubBlocks
 from kvwire.connectors.wire import KVLayout, KVLocation, PoolLayout
 
 # pools whose plane rows hold a block's KV heads one after another (a head slice is a byte range of a row)
@@ -82,6 +83,12 @@ class Spans:
     nbytes: torch.Tensor  # [pieces] int64
 
 
+def _runs_blocks(runs: list[tuple[int, int]]) -> torch.Tensor:
+    """Every block of `runs`, in order: `[blocks]` int64."""
+    return _blocks(torch.tensor([s for s, _ in runs], dtype=torch.int64),
+                   torch.tensor([n for _, n in runs], dtype=torch.int64))
+
+
 def _blocks(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Every block of the runs `(starts[i], counts[i])`, in order: `[sum(counts)]` int64."""
     first = torch.repeat_interleave(starts, counts)
@@ -96,6 +103,9 @@ class KVRegion:
     # A head slice's bytes `[lo, hi)` of every plane's rows (`heads`); None: whole rows. A slice's blocks are
     # pieces of their own (consecutive blocks' slices are not adjacent), on both sides of a pull.
     rows: tuple[int, int] | None = None
+    # Blocks smaller than the planes' rows (`sub_blocks`: a pull between pools of different block sizes); the
+    # layout's block_size is then theirs, and block ids count them.
+    split: SubBlocks | None = None
 
     def of_model(self, model: str) -> KVRegion:
         """This region, its layout naming the checkpoint `model` (its fingerprint: connectors/checkpoint.py)."""
@@ -132,13 +142,25 @@ class KVRegion:
 
     @property
     def num_blocks(self) -> int:
-        return self.planes[0].shape[0]
+        return self.planes[0].shape[0] * (self.split.ratio if self.split else 1)
 
     @property
     def block_nbytes(self) -> int:
         if self.rows is not None:
             return (self.rows[1] - self.rows[0]) * len(self.planes)
-        return sum(p.shape[1] for p in self.planes)
+        return sum(p.shape[1] for p in self.planes) // (self.split.ratio if self.split else 1)
+
+    def sub_blocks(self, block_size: int) -> KVRegion:
+        """This region in blocks of `block_size` tokens, theirs or a divisor (connectors/transports/sub_blocks.py):
+        a block per piece per run of tokens of a row, for a pull between pools of different block sizes.
+
+        Raises:
+            ValueError: a head slice, kvwire's own pool, or a block size that does not divide this one's.
+        """
+        if self.rows is not None or self.split is not None:
+            raise ValueError("a head slice or a region in sub-blocks is not seen in sub-blocks again")
+        split = SubBlocks.of(self.layout, block_size, self.planes[0].shape[1])
+        return KVRegion(self.planes, msgspec.structs.replace(self.layout, block_size=block_size), split=split)
 
     def heads(self, first: int, count: int, per_block: bool = True) -> KVRegion:
         """The region of KV heads `[first, first + count)` only: in vLLM's head-major layouts (a plane's row
@@ -148,6 +170,8 @@ class KVRegion:
         Raises:
             ValueError: a layout whose heads are not contiguous runs of a row, or a slice out of range.
         """
+        if self.split is not None:
+            raise ValueError("a region in sub-blocks is not sliced by heads")
         rows = head_rows(self.layout, self.planes[0].shape[1], first, count, per_block)
         if rows is None:
             return self
@@ -158,6 +182,8 @@ class KVRegion:
     def row_views(self) -> tuple[torch.Tensor, ...]:
         """Each plane as `[num_blocks, row]` uint8 views of just the bytes this region moves per block (a head
         slice's columns; whole rows otherwise): what a copy between two regions reads or writes."""
+        if self.split is not None:
+            raise ValueError("a region in sub-blocks has no rows to copy: its pieces are runs of rows")
         if self.rows is None:
             return self.planes
         lo, hi = self.rows
@@ -166,11 +192,18 @@ class KVRegion:
     def num_parts(self, runs: list[tuple[int, int]]) -> int:
         """How many pieces `parts(runs)` (and `pieces`) make."""
         per_plane = sum(n for _, n in runs) if self.rows is not None else len(runs)
+        if self.split is not None:
+            per_plane = sum(n for _, n in runs) * self.split.pieces_per_block
         return per_plane * len(self.planes)
 
     def pieces(self, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
         """Flat uint8 views, plane by plane, of each `(first_block, num_blocks)` run (a head slice: of each
         block of each run)."""
+        if self.split is not None:
+            spans = self.spans(runs)
+            flats = [plane.view(-1) for plane in self.planes]
+            return [flats[p][o:o + n] for p, o, n in zip(spans.plane.tolist(), spans.offset.tolist(),
+                                                          spans.nbytes.tolist())]
         if self.rows is not None:
             lo, hi = self.rows
             return [plane[b, lo:hi] for plane in self.planes for start, n in runs for b in range(start, start + n)]
@@ -187,6 +220,9 @@ class KVRegion:
     def _plane_parts(self, p: int, runs: list[tuple[int, int]]) -> list[Part]:
         flat, plane = self._flat_planes[p], self.planes[p]
         step = plane.shape[1]
+        if self.split is not None:
+            offsets, sizes = self.split.offsets(_runs_blocks(runs), plane.stride(0))
+            return [flat[o:o + n] for o, n in zip(offsets.tolist(), sizes.tolist())]
         if self.rows is None:
             return [flat[start * step:(start + n) * step] for start, n in runs]
         lo, hi = self.rows
@@ -230,6 +266,12 @@ class KVRegion:
             offset = (blocks[None, :] * steps[0] + layers[:, None] * per_layer).flatten()  # [layers * blocks]
             return Spans(torch.zeros_like(offset), offset, torch.full_like(offset, per_layer))
         planes = torch.arange(len(self.planes), dtype=torch.int64)
+        if self.split is not None:  # a piece per run of tokens of each sub-block
+            blocks = _blocks(starts, counts)
+            cut = [self.split.offsets(blocks, plane.stride(0)) for plane in self.planes]
+            per_plane = len(blocks) * self.split.pieces_per_block
+            return Spans(planes.repeat_interleave(per_plane), torch.cat([o for o, _ in cut]),
+                         torch.cat([n for _, n in cut]))  # each [planes * pieces]
         if self.rows is None:  # a run of whole rows is one piece (vLLM's layer-major order is its plane order)
             offset, nbytes = starts[None, :] * steps[:, None], counts[None, :] * steps[:, None]  # [planes, runs]
             return Spans(planes.repeat_interleave(len(runs)), offset.flatten(), nbytes.flatten())
@@ -248,7 +290,7 @@ def same_planes(a: KVRegion, b: KVRegion) -> bool:
     def geometry(r: KVRegion) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
         return [(p.data_ptr(), tuple(p.shape), p.stride()) for p in r.planes]
 
-    return a.rows is None and b.rows is None and geometry(a) == geometry(b)
+    return a.rows is None and b.rows is None and a.split is None and b.split is None and geometry(a) == geometry(b)
 
 
 def head_rows(layout: KVLayout, row_nbytes: int, first: int, count: int,
@@ -302,7 +344,8 @@ def consumer_parts(region: KVRegion, loc: KVLocation, dst_blocks: list[int], hid
 
 def consumer_runs(region: KVRegion, loc: KVLocation, dst_blocks: list[int], n_hidden: int,
                   max_pieces: int | None) -> tuple[KVRegion, list[tuple[int, int]]]:
-    """The region a pull of `loc` lands in (its head slice, if any) and its runs of destination blocks there.
+    """The region a pull of `loc` lands in (its head slice, or its sub-blocks, if any) and its runs of destination
+    blocks there.
 
     Raises:
         TransferError: more pieces than `max_pieces`.
@@ -311,6 +354,8 @@ def consumer_runs(region: KVRegion, loc: KVLocation, dst_blocks: list[int], n_hi
 
     if loc.heads is not None:
         region = region.heads(loc.heads.dst_head, loc.heads.num_heads, loc.heads.per_block)
+    if loc.pull_block_size:
+        region = region.sub_blocks(loc.pull_block_size)
     runs = [(d, n) for _, d, n in plan_runs(loc.block_ids, dst_blocks)]
     count = region.num_parts(runs) + n_hidden
     if max_pieces is not None and count > max_pieces:

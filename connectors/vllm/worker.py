@@ -70,7 +70,8 @@ HINTS = {  # what to do when pulls fail for this reason
     TransferFailure.DEADLINE: "the KV was not announced within kv_deadline_s: is the prefill server overloaded, "
                               "or on another Redis?",
     TransferFailure.PRODUCER: "the prefill server failed the request or its entry expired: see its log",
-    TransferFailure.MISMATCH: "the servers differ in model, --block-size or --dtype: serve the same on both",
+    TransferFailure.MISMATCH: "the servers differ in model, --dtype or --block-size (one must be a multiple of the "
+                              "other): serve such on both",
     TransferFailure.TRANSPORT: "the bytes did not move: can this server reach the prefill server's advertised "
                                "address (advertise_host), over the same transport?",
     TransferFailure.DIRECTORY: "Redis could not be reached or held an unreadable record: check redis_url",

@@ -111,10 +111,9 @@ class InstancePool:
              request_blocks: int = 1, block_size: int = 0) -> str | None:
         """Returns: the URL of the UP instance (not in `avoid`, unless only those are UP) of the least `cost(url)`
         + load, ties in round-robin order; None when none is UP. `request_blocks`: a request's KV blocks, what
-        each request queued on an instance (or SLOW_WEIGHT of them) weighs. `block_size`: only instances of KV
-        blocks of that size, or not yet known (0: any)."""
-        up = [i for i in self._instances.values() if i.state == InstanceState.UP
-              and (not block_size or not i.block_size or i.block_size == block_size)]
+        each request queued on an instance (or SLOW_WEIGHT of them) weighs. `block_size`: only instances whose KV
+        blocks pair with blocks of that size (`pairs`), or not yet known (0: any)."""
+        up = [i for i in self._instances.values() if i.state == InstanceState.UP and pairs(i.block_size, block_size)]
         up = [i for i in up if i.url not in avoid] or up
         if not up:
             return None
@@ -252,6 +251,12 @@ class InstancePool:
                 "slow": [i.url for i in self._instances.values() if i.state == InstanceState.UP and i.slow],
                 "down": [{"url": i.url, "reason": i.reason, "down_s": round(now - i.since, 1)}
                          for i in self._instances.values() if i.state == InstanceState.DOWN]}
+
+
+def pairs(a: int, b: int) -> bool:
+    """Whether KV moves between pools of blocks of `a` and `b` tokens (0: not known, taken to): one divides the
+    other (a pull moves it in blocks of the smaller: connectors/transports/sub_blocks.py)."""
+    return not a or not b or max(a, b) % min(a, b) == 0
 
 
 class HealthProbe:

@@ -12,9 +12,9 @@ For each request, once its prompt's token ids are known (router/vllm/tokens.py):
    `decode_only_below` tokens (PathReason.CACHED_ON_DECODE when it holds some, SHORT_PROMPT when none):
    computing it there costs less than a prefill instance's round trip and the pull; else disaggregated.
 3. PREFILL INSTANCE (`prefill`): the UP prefill instance of the least cost, the same way, among those whose KV
-   blocks are the decode instance's size (as their metrics show; not yet shown counts as equal): a pull between
-   block sizes is refused as a mismatch, so with none the request goes decode-only
-   (PathReason.PREFILL_OTHER_BLOCK_SIZE, an ERROR once per decode instance).
+   block size pairs with the decode instance's (one divides the other, as their metrics show; not yet shown
+   counts as pairing): a pull between others is refused as a mismatch, so with none the request goes
+   decode-only (PathReason.PREFILL_OTHER_BLOCK_SIZE, an ERROR once per decode instance).
 4. The prediction: what each instance was sent is held there from then (`sent`), and a decode instance's
    answer adds the tokens it generated (`answered`), which the conversation's next prompt starts with.
    An instance that leaves rotation is forgotten (its process may have restarted with an empty cache).
@@ -100,7 +100,7 @@ class Scheduler:
 
     def prefill(self, tokens: Sequence[int] | None, decode: str) -> str | PathReason:
         """Returns: the prefill instance for a prompt of `tokens` that decode instance `decode` takes (step 3): one
-        of KV blocks of its size (a pull between block sizes is refused as a mismatch); else why none."""
+        whose KV block size pairs with its (router/vllm/pool.py, `pairs`); else why none."""
         index, pool = self._index(NodeRole.PREFILL), self._pools[NodeRole.PREFILL]
         held = index.held(tokens, pool.urls(InstanceState.UP)) if index and tokens else {}
         size = self._pools[NodeRole.DECODE].block_size_of(decode)
@@ -112,9 +112,10 @@ class Scheduler:
             return PathReason.NO_PREFILL_INSTANCE
         if decode not in self._unpaired:
             self._unpaired.add(decode)
-            log.error("decode instance %s keeps KV blocks of %d tokens and no prefill instance up does (%s): KV "
-                      "moves only between equal block sizes, so its requests go decode-only (reason %s) until one "
-                      "does; give prefill and decode servers the same --block-size", decode, size,
+            log.error("decode instance %s keeps KV blocks of %d tokens and no prefill instance up pairs with it "
+                      "(%s): KV moves between block sizes only where one divides the other, so its requests go "
+                      "decode-only (reason %s) until one does; give prefill and decode servers such --block-size",
+                      decode, size,
                       ", ".join(f"{u}: {n}" for u, n in pool.block_sizes().items()),
                       PathReason.PREFILL_OTHER_BLOCK_SIZE)
         return PathReason.PREFILL_OTHER_BLOCK_SIZE

@@ -45,7 +45,14 @@ class AutoPuller:
 
     def preference(self, loc: KVLocation) -> list[ConnectorKind]:
         """`preference(loc)`, without shared memory for a producer whose memory this process cannot read (found out
-        the first time a producer incarnation is chosen for: its planes are opened then)."""
+        the first time a producer incarnation is chosen for: its planes are opened then), nor for blocks of another
+        size where it is not read by cross-memory attach (SHMPuller.reads_sub_blocks)."""
+        kinds = self._readable(loc)
+        if loc.pull_block_size and ConnectorKind.SHM in kinds and not self._shm.reads_sub_blocks(loc):
+            return [k for k in kinds if k != ConnectorKind.SHM]
+        return kinds
+
+    def _readable(self, loc: KVLocation) -> list[ConnectorKind]:
         kinds = preference(loc)
         if ConnectorKind.SHM not in kinds or ConnectorKind.SHM not in {o.kind for o in loc.offers}:
             return kinds
@@ -69,6 +76,8 @@ class AutoPuller:
         """Why `loc` (as chosen) goes over a slower transport than shared memory; None: it does not."""
         with self._lock:
             why = self._refused.get((loc.producer, loc.producer_epoch))
+        if why is None and loc.pull_block_size and ConnectorKind.SHM in preference(loc):
+            why = TransportFallback.SUB_BLOCKS
         return why if loc.kind != ConnectorKind.SHM else None
 
     @property

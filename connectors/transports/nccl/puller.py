@@ -111,7 +111,7 @@ class NCCLPuller(ConfirmedPulls):
             self._channel.send(loc.side_channel, PullRequest(
                 request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
                 transport_address=self._address, dst_block_ids=dst_blocks, first_block=loc.first_block,
-                src_block_ids=loc.block_ids,
+                src_block_ids=loc.block_ids, block_size=loc.pull_block_size,
                 heads=loc.heads))
             rx.start()
             self._channel.wait(loc, transfer_id, deadline, fds=[self._wakeup.fd],

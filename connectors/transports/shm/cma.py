@@ -36,6 +36,7 @@ from kvwire.connectors.transports.block_copy import Run
 from kvwire.connectors.transports.kv_region import KVRegion, head_rows
 from kvwire.connectors.transports.shm.copier import BlockCopier
 from kvwire.connectors.transports.shm.segment import RegionPlanes
+from kvwire.connectors.transports.sub_blocks import SubBlocks
 from kvwire.connectors.wire import HeadSlice, KVLayout, PlaneDesc, ShmAccess, ShmSegment
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -114,6 +115,9 @@ class CmaReader:
         """
         if len(dst.planes) != self.num_planes:
             raise ValueError(f"{self.num_planes} producer planes for {len(dst.planes)} of ours")
+        if dst.split is not None:
+            local, remote = _sub_block_pieces(dst, src_layout, self._base, self._stride, self.row_nbytes, runs)
+            return self._read_all(local, remote, copier)
         rows = None if heads is None else head_rows(src_layout, self.row_nbytes, heads.src_head, heads.num_heads,
                                                      heads.per_block)
         s_lo, s_hi = rows or (0, self.row_nbytes)
@@ -121,6 +125,10 @@ class CmaReader:
         if s_hi - s_lo != d_hi - d_lo:
             raise ValueError(f"producer rows of {s_hi - s_lo} bytes for ours of {d_hi - d_lo}")
         local, remote = _pieces(dst, d_lo, self._base + np.uint64(s_lo), self._stride, s_hi - s_lo, runs)
+        return self._read_all(local, remote, copier)
+
+    def _read_all(self, local: np.ndarray, remote: np.ndarray, copier: BlockCopier | None) -> int:
+        """Read the pieces `(local, remote)`, split over `copier`'s lanes when it is worth it; the bytes read."""
         total = int(local[:, 1].sum())
         if copier is None or not copier.parallel(total) or local.shape[0] < 2:
             return _read(self.pid, local, remote)
@@ -140,10 +148,38 @@ def _pieces(dst: KVRegion, d_lo: int, src_base: np.ndarray, src_stride: np.ndarr
     d_stride = np.array([p.stride(0) for p in dst.planes], dtype=np.uint64)  # [planes]
     remote = (src_base[:, None] + src[None, :] * src_stride[:, None]).reshape(-1)  # [planes * blocks]
     local = (d_base[:, None] + dst_idx[None, :] * d_stride[:, None]).reshape(-1)  # [planes * blocks]
-    w = np.uint64(width)
-    starts = np.flatnonzero(np.concatenate([[True], (remote[:-1] + w != remote[1:]) | (local[:-1] + w != local[1:])]))
-    lengths = np.diff(np.append(starts, remote.size)).astype(np.uint64) * w
+    return _merged(local, remote, width)
+
+
+def _merged(local: np.ndarray, remote: np.ndarray, width: int | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`(local, remote)` iovec arrays `[pieces, 2]` of pieces at these addresses (uint64) of `width` bytes (one for
+    all, or each its own), adjacent pieces merged where both sides continue each other."""
+    w = np.broadcast_to(np.asarray(width, dtype=np.uint64), remote.shape)
+    starts = np.flatnonzero(np.concatenate([[True], (remote[:-1] + w[:-1] != remote[1:])
+                                            | (local[:-1] + w[:-1] != local[1:])]))
+    ends = np.cumsum(w, dtype=np.uint64)  # [pieces]: where each piece ends, counted from the first's start
+    lengths = np.diff(np.append(ends[starts] - w[starts], ends[-1] if ends.size else 0)).astype(np.uint64)
     return np.stack([local[starts], lengths], 1), np.stack([remote[starts], lengths], 1)  # each [pieces, 2]
+
+
+def _sub_block_pieces(dst: KVRegion, src_layout: KVLayout, src_base: np.ndarray, src_stride: np.ndarray,
+                      src_row: int, runs: list[Run]) -> tuple[np.ndarray, np.ndarray]:
+    """`(local, remote)` iovec arrays for runs of sub-blocks (`dst.split`; the producer's planes, of `src_layout`'s
+    blocks, seen in blocks as small: connectors/transports/sub_blocks.py), plane by plane, merged."""
+    assert dst.split is not None
+    theirs = SubBlocks.of(src_layout, dst.layout.block_size, src_row)
+    if (theirs.units, theirs.parts) != (dst.split.units, dst.split.parts):
+        raise ValueError(f"producer sub-blocks {theirs} do not pair with ours {dst.split}")
+    src = torch.cat([torch.arange(s, s + n) for s, _, n in runs]) if runs else torch.zeros(0, dtype=torch.int64)
+    dst_v = torch.cat([torch.arange(d, d + n) for _, d, n in runs]) if runs else torch.zeros(0, dtype=torch.int64)
+    remote, local, sizes = [], [], []
+    for p, plane in enumerate(dst.planes):
+        at, n = theirs.offsets(src, int(src_stride[p]))
+        remote.append(int(src_base[p]) + at.numpy())
+        local.append(plane.data_ptr() + dst.split.offsets(dst_v, plane.stride(0))[0].numpy())
+        sizes.append(n.numpy())
+    return _merged(np.concatenate(local).astype(np.uint64), np.concatenate(remote).astype(np.uint64),
+                   np.concatenate(sizes).astype(np.uint64))
 
 
 def _read(pid: int, local: np.ndarray, remote: np.ndarray) -> int:

@@ -127,6 +127,12 @@ class SHMPuller:
         mapping = self._maps.get(loc.producer)
         return DataPath.of([str(mapping.planes.access if mapping is not None else ShmAccess.MEMFD)])
 
+    def reads_sub_blocks(self, loc: KVLocation) -> bool:
+        """Whether `loc`'s producer (mapped: `refusal` was asked) is read by cross-memory attach, which reads blocks
+        of another size (connectors/transports/sub_blocks.py) as it reads whole ones."""
+        mapping = self._maps.get(loc.producer)
+        return mapping is not None and mapping.planes.access == ShmAccess.CMA
+
     def refusal(self, loc: KVLocation, timeout_s: float) -> ShmRefused | None:
         """Whether the kernel refuses this puller the memory of `loc`'s producer (mapped now, if not yet, within
         `timeout_s`); None: it does not, or the question could not be settled (the pull will say)."""
@@ -148,7 +154,7 @@ class SHMPuller:
         mapping = self._mapping(loc, deadline)
         runs = plan_runs(loc.block_ids, dst_blocks)
         dst = self._destination(loc, mapping)
-        self._check_ranges(loc, mapping, runs)
+        self._check_ranges(loc, mapping, dst, runs)
         transfer_id = next(self._transfer_ids)
         direct = self._read_direct(mapping, loc, dst, runs, dst_blocks, hidden, transfer_id)
         if direct is not None:
@@ -158,7 +164,8 @@ class SHMPuller:
         send_msg(mapping.sock, PullRequest(request_id=loc.request_id, transfer_id=transfer_id,
                                            consumer=self._node_id, transport_address=self.transport_address,
                                            dst_block_ids=dst_blocks, first_block=loc.first_block,
-                                           src_block_ids=loc.block_ids, heads=loc.heads))
+                                           src_block_ids=loc.block_ids, heads=loc.heads,
+                                           block_size=loc.pull_block_size))
         copied = False
         try:
             self._copy(mapping, loc, dst, runs)
@@ -196,9 +203,15 @@ class SHMPuller:
         region = self._region
         if loc.heads is not None:
             region = region.heads(loc.heads.dst_head, loc.heads.num_heads, loc.heads.per_block)
-        ours = self._region.layout.num_kv_heads
+        if loc.pull_block_size:
+            if mapping.planes.access != ShmAccess.CMA:
+                raise TransferError(loc.request_id, loc.producer, "blocks of another size are read from a "
+                                    f"producer's memory by cross-memory attach only, not {mapping.planes.access}")
+            region = region.sub_blocks(loc.pull_block_size)
+        ours = self._region.layout.num_kv_heads * self._region.layout.block_size
         row = self._region.planes[0].shape[1]
-        want = row * loc.layout.num_kv_heads // ours if row % ours == 0 else -1
+        theirs = loc.layout.num_kv_heads * loc.layout.block_size
+        want = row * theirs // ours if row * theirs % ours == 0 else -1
         if mapping.planes.num_planes != len(region.planes) or mapping.planes.row_nbytes != want:
             raise TransferError(loc.request_id, loc.producer, f"producer planes ({mapping.planes.num_planes} of "
                                 f"{mapping.planes.row_nbytes} bytes a row) do not pair with ours "
@@ -228,7 +241,7 @@ class SHMPuller:
             return None
         note = ShmRead(request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
                        transport_address=self.transport_address, dst_block_ids=dst_blocks, first_block=loc.first_block,
-                       src_block_ids=loc.block_ids, heads=loc.heads)
+                       src_block_ids=loc.block_ids, heads=loc.heads, block_size=loc.pull_block_size)
         with self._notes_lock:
             self._notes.append((time.monotonic(), mapping.sock, note))
         return len(dst_blocks) * dst.block_nbytes + nbytes
@@ -303,8 +316,11 @@ class SHMPuller:
             raise TransferError(loc.request_id, loc.producer, f"{len(fds)} hidden-state memfds, expected 1")
         return unpack_tensors(fds[0], hidden)
 
-    def _check_ranges(self, loc: KVLocation, mapping: _Mapping, runs: list[tuple[int, int, int]]) -> None:
-        src_blocks, dst_blocks = mapping.planes.num_blocks, self._region.num_blocks
+    def _check_ranges(self, loc: KVLocation, mapping: _Mapping, region: KVRegion,
+                      runs: list[tuple[int, int, int]]) -> None:
+        src_blocks, dst_blocks = mapping.planes.num_blocks, region.num_blocks
+        if loc.pull_block_size:
+            src_blocks *= loc.layout.block_size // loc.pull_block_size
         for src, dst, n in runs:
             if src < 0 or dst < 0 or src + n > src_blocks or dst + n > dst_blocks:
                 raise TransferError(loc.request_id, loc.producer,

@@ -241,7 +241,8 @@ class SHMSendEngine(SendEngine):
             return
         pull = PullRequest(request_id=msg.request_id, transfer_id=msg.transfer_id, consumer=msg.consumer,
                            transport_address=msg.transport_address, dst_block_ids=msg.dst_block_ids,
-                           first_block=msg.first_block, src_block_ids=msg.src_block_ids, heads=msg.heads)
+                           first_block=msg.first_block, src_block_ids=msg.src_block_ids, heads=msg.heads,
+                           block_size=msg.block_size)
         job = self.claims.claim(pull)
         if isinstance(job, Refused):
             log.info("request %s: direct read by %s not recorded: %s", msg.request_id, msg.consumer, job.reason)

@@ -87,7 +87,7 @@ class TCPPuller(ConfirmedPulls):
             self._channel.send(loc.side_channel, PullRequest(
                 request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
                 transport_address=self._token, dst_block_ids=dst_blocks, first_block=loc.first_block,
-                src_block_ids=loc.block_ids,
+                src_block_ids=loc.block_ids, block_size=loc.pull_block_size,
                 heads=loc.heads, layer_major=True))
             # Every byte after a header naming this transfer is this transfer's (one stream, in order; the
             # producer never refuses after the header): done is proof enough, the ok is skipped when it comes.

@@ -87,7 +87,7 @@ class UCXPuller(ConfirmedPulls):
         self._channel.send(loc.side_channel, PullRequest(
             request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
             transport_address=self._lanes.address, dst_block_ids=dst_blocks, first_block=loc.first_block,
-            src_block_ids=loc.block_ids,
+            src_block_ids=loc.block_ids, block_size=loc.pull_block_size,
             heads=loc.heads, pack_below=self._pack_below, host=host_identity(), guarded=self._guarded(loc),
             layer_major=True))  # a layer-wise location's blocks land layer by layer, as it sends them
         try:

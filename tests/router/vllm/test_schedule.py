@@ -148,22 +148,24 @@ def test_each_data_parallel_engines_requests_are_read():
     assert parse_server_metrics(one).engines == ()
 
 
-def test_a_prefill_instance_is_picked_only_of_the_decode_instance_s_block_size(caplog):
-    """KV moves only between equal block sizes: a decode instance of another size than every prefill instance's
-    takes its requests decode-only, said once (ERROR) with both sizes; unknown sizes count as equal."""
+def test_a_prefill_instance_is_picked_only_of_a_block_size_that_pairs_with_the_decode_instance_s(caplog):
+    """KV moves between block sizes where one divides the other: a decode instance whose size pairs with no
+    prefill instance's takes its requests decode-only, said once (ERROR) with the sizes; unknown sizes pair."""
     p2 = "http://p2:1"
     prefill, decode = InstancePool(NodeRole.PREFILL, [P, p2]), InstancePool(NodeRole.DECODE, [D1, D2])
     s = Scheduler(RoutingPolicy.PREFIX, 0, 120.0, prefill, decode)
     assert s.prefill(list(range(40)), D1) in (P, p2)  # nothing shown yet: any
     prefill.measured(P, ServerLoad(0, 0.0, 64))
-    prefill.measured(p2, ServerLoad(0, 0.0, 16))
+    prefill.measured(p2, ServerLoad(0, 0.0, 24))
     decode.measured(D1, ServerLoad(0, 0.0, 16))
-    decode.measured(D2, ServerLoad(0, 0.0, 32))
-    assert {s.prefill(list(range(40)), D1) for _ in range(4)} == {p2}
+    decode.measured(D2, ServerLoad(0, 0.0, 48))
+    assert {s.prefill(list(range(40)), D1) for _ in range(4)} == {P}  # 16 divides 64, not 24
+    assert s.prefill(list(range(40)), D2) == p2  # 48 = 2 x 24
+    decode.measured(D2, ServerLoad(0, 0.0, 40))
     assert s.prefill(list(range(40)), D2) == PathReason.PREFILL_OTHER_BLOCK_SIZE
     assert s.prefill(list(range(40)), D2) == PathReason.PREFILL_OTHER_BLOCK_SIZE
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert len(errors) == 1 and "KV blocks of 32 tokens" in errors[0] and "http://p:1: 64" in errors[0], errors
+    assert len(errors) == 1 and "KV blocks of 40 tokens" in errors[0] and "http://p:1: 64" in errors[0], errors
     prefill.take_out(P, "gone")
     prefill.take_out(p2, "gone")
     assert s.prefill(list(range(40)), D1) == PathReason.NO_PREFILL_INSTANCE

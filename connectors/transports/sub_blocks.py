@@ -1,0 +1,102 @@
+"""A pool seen in blocks smaller than its own: how KV moves between pools of different block sizes.
+
+vLLM servers may keep KV blocks of different sizes (a prefill server of 128-token blocks, a decode server of 64;
+different attention backends or hardware). A pull between them moves the KV in blocks of the smaller size, on
+both sides (KVRegion.sub_blocks). A plane row, one block of `ratio * tokens` tokens, is `units` units one after
+another (a KV head's page, or the whole row), each unit the same `parts`; a part is `runs` runs, one after another,
+each run the block's tokens in order, `token_nbytes` bytes a token. Sub-block `i` of a block is, in every run, the
+bytes of tokens `[i * tokens, (i + 1) * tokens)`: one piece per run, unit by unit, part by part, run by run. So:
+
+- vLLM's head-major rows on GPUs (each token's K and V side by side): a unit per head, one part of one run;
+- vLLM's CPU backend (its `vec` and `vec16` kernels): a unit per head, its K part stored transposed (a run per
+  element of head_dim, the block's tokens in each) and its V part one run, token by token;
+- MLA's latent rows and the older `[block_size, heads, head_dim]` planes: one run; `[2, block_size, ...]` planes:
+  K's run and V's.
+
+Both sides cut the same pieces in the same order (the smaller side's own blocks are sub-blocks of ratio 1, still a
+piece per run), so every transport pairs them as it pairs whole blocks. Sub-block `v` lies in block `v // ratio`.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+
+import torch
+
+from kvwire.connectors.kv_pool import TORCH_DTYPES
+from kvwire.connectors.wire import DType, KVLayout, PoolLayout
+
+Part = tuple[int, int]  # (runs, bytes a token in each run)
+
+
+@dataclass(frozen=True)
+class SubBlocks:
+    """Each plane row (a block of `ratio * tokens` tokens) seen as `ratio` blocks of `tokens` (module docstring)."""
+
+    ratio: int
+    tokens: int
+    units: int
+    parts: tuple[Part, ...]
+
+    @classmethod
+    def of(cls, layout: KVLayout, tokens: int, row_nbytes: int) -> SubBlocks:
+        """`layout`'s blocks, rows of `row_nbytes`, seen in blocks of `tokens`.
+
+        Raises:
+            ValueError: a pool whose rows are not runs of tokens (kvwire's own: a block holds every layer; the CPU
+                backend's AMX and non-x86 kernels, whose pages kvwire does not know), or a block size that `tokens`
+                does not divide.
+        """
+        if tokens <= 0 or layout.block_size % tokens:
+            raise ValueError(f"blocks of {layout.block_size} tokens do not split into blocks of {tokens}")
+        units, parts = _row_of(layout, row_nbytes)
+        return cls(layout.block_size // tokens, tokens, units, parts)
+
+    @property
+    def pieces_per_block(self) -> int:
+        return self.units * sum(runs for runs, _ in self.parts)
+
+    def offsets(self, blocks: torch.Tensor, row_stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each piece of sub-blocks `blocks` (int64) starts in a plane whose rows are `row_stride` bytes apart,
+        and its bytes: two `[len(blocks) * pieces_per_block]` int64 tensors, sub-block by sub-block, then unit,
+        part and run."""
+        block_tokens = self.ratio * self.tokens
+        starts, sizes, at = [], [], 0
+        for _ in range(self.units):
+            for runs, token in self.parts:
+                run = torch.arange(runs, dtype=torch.int64) * (block_tokens * token)  # [runs]
+                starts.append(at + run)
+                sizes.append(torch.full((runs,), self.tokens * token, dtype=torch.int64))
+                at += runs * block_tokens * token
+        within, nbytes = torch.cat(starts), torch.cat(sizes)  # [pieces_per_block]: a sub-block 0's pieces
+        token_bytes = torch.cat([torch.full((runs,), token, dtype=torch.int64)
+                                 for _ in range(self.units) for runs, token in self.parts])
+        base = (blocks // self.ratio) * row_stride  # [blocks]
+        shift = (blocks % self.ratio)[:, None] * (self.tokens * token_bytes)[None, :]  # [blocks, pieces]
+        return (base[:, None] + within[None, :] + shift).flatten(), nbytes.repeat(len(blocks))
+
+
+def _row_of(layout: KVLayout, row_nbytes: int) -> tuple[int, tuple[Part, ...]]:
+    """`(units, parts)` of a row of `layout` (module docstring)."""
+    n, heads = layout.block_size, layout.num_kv_heads
+    elem = torch.empty((), dtype=TORCH_DTYPES[layout.dtype]).element_size()
+    if layout.pool in (PoolLayout.VLLM, PoolLayout.VLLM_MLA):
+        return 1, ((1, row_nbytes // n),)
+    if layout.pool == PoolLayout.VLLM_BLOCK_FIRST:
+        return 1, ((2, row_nbytes // (2 * n)),)
+    if layout.pool == PoolLayout.VLLM_HNC:
+        return heads, ((1, row_nbytes // (heads * n)),)
+    if layout.pool == PoolLayout.VLLM_CPU and _cpu_pages_known(layout):
+        return heads, ((layout.head_dim, elem), (1, layout.head_dim * elem))
+    raise ValueError(f"kvwire does not know how a block of a {layout.pool} pool splits by tokens here: give both "
+                     "sides the same --block-size")
+
+
+def _cpu_pages_known(layout: KVLayout) -> bool:
+    """Whether vLLM's CPU backend keeps this layout's pages as kvwire knows them (its `vec` and `vec16` kernels: K
+    transposed, V token by token), not in AMX tiles (bf16 on a CPU with AMX) nor another architecture's."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    amx = layout.dtype == DType.BFLOAT16 and layout.block_size % 32 == 0 and torch.cpu._is_amx_tile_supported()
+    return not amx
