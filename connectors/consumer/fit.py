@@ -48,12 +48,14 @@ class LocationFit:
             return ReceiveError(rid, loc.producer, reason, TransferFailure.MISMATCH)
 
         layout = self._region.layout
+        other_size = loc.layout.block_size != layout.block_size and num_tokens == loc.num_tokens
         if heads is not None:
             loc = self._heads(loc, heads, bad)
-        elif _agree(msgspec.structs.replace(loc.layout, block_size=layout.block_size), layout) \
-                and loc.layout.block_size != layout.block_size and num_tokens == loc.num_tokens:
-            loc, dst_blocks, first_block, pick = self._in_sub_blocks(loc, dst_blocks, first_block, pick, bad)
-        elif not _agree(loc.layout, layout):
+        elif not _agree(msgspec.structs.replace(loc.layout, block_size=layout.block_size), layout):
+            raise bad(_differ(loc.layout, layout))
+        if other_size:
+            loc, dst_blocks, first_block, pick = self._in_sub_blocks(loc, dst_blocks, first_block, pick, heads, bad)
+        elif loc.layout.block_size != layout.block_size:
             raise bad(_differ(loc.layout, layout))
         if num_tokens < 0:
             raise bad("a prompt's tail is pulled only from a block boundary, given its whole prompt, without "
@@ -80,6 +82,7 @@ class LocationFit:
                 dst_blocks[first_block:n_blocks])
 
     def _in_sub_blocks(self, loc: KVLocation, dst_blocks: list[int], first_block: int, pick: list[int] | None,
+                       heads: HeadSlice | None,
                        bad: Callable[[str], TransferError]) -> tuple[KVLocation, list[int], int, list[int] | None]:
         """A pull between pools of different block sizes, in blocks of the smaller one on both sides
         (connectors/transports/sub_blocks.py): `loc` seen so (`pull_block_size`; its layout stays the producer's),
@@ -93,7 +96,10 @@ class LocationFit:
         if not why and pick is not None and (len(loc.block_ids), len(dst_blocks)) != (n_theirs, n_ours):
             why = "several KV cache groups move in whole blocks"
         try:
-            self._region.sub_blocks(size)
+            region = self._region
+            if heads is not None:
+                region = region.heads(heads.dst_head, heads.num_heads, heads.per_block)
+            region.sub_blocks(size)
         except ValueError as exc:
             why = why or str(exc)
         if why:
@@ -123,11 +129,12 @@ class LocationFit:
                 [dst_blocks[i] for i in pick])
 
     def _heads(self, loc: KVLocation, heads: HeadSlice, bad: Callable[[str], TransferError]) -> KVLocation:
-        """`loc` narrowed to a head slice, if both pools allow it (same layout but for their head counts)."""
+        """`loc` narrowed to a head slice, if both pools allow it (same layout but for their head counts and block
+        sizes: `_in_sub_blocks` then tells whether those pair)."""
         layout = self._region.layout
-        theirs = msgspec.structs.replace(loc.layout, num_kv_heads=layout.num_kv_heads)
+        theirs = msgspec.structs.replace(loc.layout, num_kv_heads=layout.num_kv_heads, block_size=layout.block_size)
         if not _agree(theirs, layout):
-            raise bad(_differ(loc.layout, layout) + " (head counts aside)")
+            raise bad(_differ(loc.layout, layout) + " (head counts and block sizes aside)")
         if loc.layerwise or loc.hidden or self._verify_kv:
             raise bad("a head slice of layer-wise KV, of hidden states or with checksums is not pulled")
         if heads.src_head + heads.num_heads > loc.layout.num_kv_heads:

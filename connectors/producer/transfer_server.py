@@ -276,20 +276,21 @@ class TransferServer:
             return f"prefill failed: {held.gate.failure}"
         if reason := _source_refusal(msg, held):
             return reason
-        if msg.heads is not None and msg.block_size:
-            return "a head slice in blocks of another size is not served"
-        if msg.block_size:
-            try:
-                self._region.sub_blocks(msg.block_size)
-            except ValueError as exc:
-                return f"blocks of {msg.block_size} tokens: {exc}"
-            if held.gate is not None:
-                return "layer-wise KV is not served in blocks of another size"
         if msg.heads is not None:
             try:
                 self._region.heads(msg.heads.src_head, msg.heads.num_heads, msg.heads.per_block)
             except ValueError as exc:
                 return f"head slice {msg.heads}: {exc}"
+        if msg.block_size:
+            region = self._region
+            try:
+                if msg.heads is not None:
+                    region = region.heads(msg.heads.src_head, msg.heads.num_heads, msg.heads.per_block)
+                region.sub_blocks(msg.block_size)
+            except ValueError as exc:
+                return f"blocks of {msg.block_size} tokens: {exc}"
+            if held.gate is not None:
+                return "layer-wise KV is not served in blocks of another size"
             if held.gate is not None or held.hidden:
                 return "a head slice of layer-wise KV or of hidden states is not served"
         return ""

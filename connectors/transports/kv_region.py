@@ -148,18 +148,27 @@ class KVRegion:
     def block_nbytes(self) -> int:
         if self.rows is not None:
             return (self.rows[1] - self.rows[0]) * len(self.planes)
-        return sum(p.shape[1] for p in self.planes) // (self.split.ratio if self.split else 1)
+        if self.split is not None:
+            return self.split.block_nbytes * len(self.planes)
+        return sum(p.shape[1] for p in self.planes)
 
     def sub_blocks(self, block_size: int) -> KVRegion:
-        """This region in blocks of `block_size` tokens, theirs or a divisor (connectors/transports/sub_blocks.py):
-        a block per piece per run of tokens of a row, for a pull between pools of different block sizes.
+        """This region (a head slice of it, too) in blocks of `block_size` tokens, theirs or a divisor
+        (connectors/transports/sub_blocks.py): a piece per run of tokens of a row, for a pull between pools of
+        different block sizes.
 
         Raises:
-            ValueError: a head slice, kvwire's own pool, or a block size that does not divide this one's.
+            ValueError: kvwire's own pool, or a block size that does not divide this one's.
         """
-        if self.rows is not None or self.split is not None:
-            raise ValueError("a head slice or a region in sub-blocks is not seen in sub-blocks again")
-        split = SubBlocks.of(self.layout, block_size, self.planes[0].shape[1])
+        if self.split is not None:
+            raise ValueError("a region in sub-blocks is not seen in sub-blocks again")
+        row, layout, heads = self.planes[0].shape[1], self.layout, None
+        if self.rows is not None:  # a head slice of head-major rows: its heads' units
+            lo, hi = self.rows
+            per_head = (hi - lo) // layout.num_kv_heads
+            heads = (lo // per_head, layout.num_kv_heads)
+            layout = msgspec.structs.replace(layout, num_kv_heads=row // per_head)
+        split = SubBlocks.of(layout, block_size, row, heads)
         return KVRegion(self.planes, msgspec.structs.replace(self.layout, block_size=block_size), split=split)
 
     def heads(self, first: int, count: int, per_block: bool = True) -> KVRegion:

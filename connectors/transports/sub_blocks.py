@@ -36,12 +36,14 @@ class SubBlocks:
 
     ratio: int
     tokens: int
-    units: int
+    units: int  # the units cut, from `first_unit` on (a tensor-parallel head slice: its heads)
     parts: tuple[Part, ...]
+    first_unit: int = 0
 
     @classmethod
-    def of(cls, layout: KVLayout, tokens: int, row_nbytes: int) -> SubBlocks:
-        """`layout`'s blocks, rows of `row_nbytes`, seen in blocks of `tokens`.
+    def of(cls, layout: KVLayout, tokens: int, row_nbytes: int, heads: tuple[int, int] | None = None) -> SubBlocks:
+        """`layout`'s blocks, rows of `row_nbytes`, seen in blocks of `tokens`; `heads`: only KV heads `[first,
+        first + count)` (a head-major row's units are its heads).
 
         Raises:
             ValueError: a pool whose rows are not runs of tokens (kvwire's own: a block holds every layer; the CPU
@@ -51,18 +53,27 @@ class SubBlocks:
         if tokens <= 0 or layout.block_size % tokens:
             raise ValueError(f"blocks of {layout.block_size} tokens do not split into blocks of {tokens}")
         units, parts = _row_of(layout, row_nbytes)
-        return cls(layout.block_size // tokens, tokens, units, parts)
+        first, count = heads or (0, units)
+        if heads is not None and (units != layout.num_kv_heads or first + count > units):
+            raise ValueError(f"heads {first}+{count} of a {layout.pool} row of {units} units")
+        return cls(layout.block_size // tokens, tokens, count, parts, first)
 
     @property
     def pieces_per_block(self) -> int:
         return self.units * sum(runs for runs, _ in self.parts)
+
+    @property
+    def block_nbytes(self) -> int:
+        """The bytes of one sub-block of a plane (of its units)."""
+        return self.units * sum(runs * self.tokens * token for runs, token in self.parts)
 
     def offsets(self, blocks: torch.Tensor, row_stride: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Where each piece of sub-blocks `blocks` (int64) starts in a plane whose rows are `row_stride` bytes apart,
         and its bytes: two `[len(blocks) * pieces_per_block]` int64 tensors, sub-block by sub-block, then unit,
         part and run."""
         block_tokens = self.ratio * self.tokens
-        starts, sizes, at = [], [], 0
+        starts, sizes = [], []
+        at = self.first_unit * sum(runs * block_tokens * token for runs, token in self.parts)
         for _ in range(self.units):
             for runs, token in self.parts:
                 run = torch.arange(runs, dtype=torch.int64) * (block_tokens * token)  # [runs]

@@ -16,12 +16,14 @@ from kvwire.connectors.consumer.role import KVConsumer
 from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.connectors.factory import create_transport
 from kvwire.connectors.producer.role import KVProducer
+from kvwire.connectors.vllm.identity import rank_node_id
 from kvwire.connectors.vllm.layout import region_of
+from kvwire.connectors.vllm.tp import TPSplit, plan, rank_key
 from tests import procs
 from tests.connectors import peer
 
 CTX = procs.CTX
-LAYERS, HEADS, HEAD_DIM, BLOCKS, TOKENS = 2, 2, 4, 36, 37
+LAYERS, HEADS, HEAD_DIM, BLOCKS, TOKENS = 2, 2, 4, 36, 37  # 2 heads: TP=2 gives a rank one
 HOLD_S = 30.0
 
 
@@ -141,3 +143,71 @@ def test_a_prompt_moves_between_block_sizes_token_by_token(kind, theirs, ours, d
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+
+
+def prefill_rank(redis_url: str, kind: ConnectorKind, tp: int, rank: int, rid: str, results) -> None:
+    """A prefill rank's process (TP `tp`, blocks of 8 tokens): hold the prompt's KV of its heads."""
+    split = TPSplit(HEADS, tp)
+    tensors = {f"layer.{i}": torch.zeros(BLOCKS, split.per_rank, 8, 2 * HEAD_DIM) for i in range(LAYERS)}
+    blocks = _blocks(rank, 8, 0)
+    for layer, t in enumerate(tensors.values()):
+        for tok in range(TOKENS):
+            for local in range(split.per_rank):
+                put(t, blocks[tok // 8], local, tok % 8, token_kv(rid, layer, split.first_head(rank) + local, tok))
+    config = _config(kind, NodeRole.PREFILL, rank_node_id("p-tp-sub", rank, tp), redis_url)
+    directory = KVDirectory(redis_url)
+    epoch = directory.next_epoch(config.node_id)
+    producer = KVProducer(config, directory, epoch, create_transport(config, epoch), region_of(tensors, BLOCKS, 8))
+    producer.hold(rank_key(rid, rank, tp), blocks, TOKENS)
+    results.put("held")
+    results.put(len(peer.wait_released(producer, 1, HOLD_S / 2)) == 1)
+    producer.close()
+    directory.close()
+    peer.flush_replies()
+
+
+def _decode_rank(redis_url: str, kind: ConnectorKind, rid: str, p_tp: int, d_tp: int, rank: int) -> None:
+    """A decode rank (blocks of 4 tokens): pull its heads' share of each prefill rank's copy and hold every one of
+    their tokens where it keeps them."""
+    decode = TPSplit(HEADS, d_tp)
+    tensors = {f"layer.{i}": torch.zeros(BLOCKS, decode.per_rank, 4, 2 * HEAD_DIM) for i in range(LAYERS)}
+    config = _config(kind, NodeRole.DECODE, rank_node_id("c-tp-sub", rank, d_tp), redis_url)
+    directory = KVDirectory(redis_url)
+    consumer = KVConsumer(config, directory, create_transport(config, directory.next_epoch(config.node_id)),
+                          region_of(tensors, BLOCKS, 4))
+    dst = _blocks(2, 4, 3 + rank)
+    try:
+        for pull in plan(TPSplit(HEADS, p_tp), decode, rank):
+            key = rank_key(rid, pull.rank, p_tp)
+            consumer.expect(key, rank_node_id("p-tp-sub", pull.rank, p_tp))
+            consumer.receive_blocks(key, TOKENS, dst, heads=pull.heads)
+    finally:
+        consumer.close()
+        directory.close()
+    for layer, t in enumerate(tensors.values()):
+        for local in range(decode.per_rank):
+            head = decode.first_head(rank) + local
+            assert all(torch.equal(read_kv(t, dst[tok // 4], local, tok % 4), token_kv(rid, layer, head, tok))
+                       for tok in range(TOKENS)), (rank, layer, head)
+
+
+@pytest.mark.parametrize("kind", [ConnectorKind.SHM, ConnectorKind.UCX, ConnectorKind.TCP])
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)], ids=["P2-D1", "P1-D2"])
+def test_tensor_parallel_ranks_pull_their_heads_between_block_sizes(kind, p_tp, d_tp, redis_url):
+    """Prefill ranks of 8-token blocks, decode ranks of 4-token blocks (one after the other here), each reading its
+    heads' share of each prefill rank's copy; every copy released once read."""
+    rid = f"tp-{kind}-{p_tp}-{d_tp}"
+    results = CTX.Queue()
+    ranks = [CTX.Process(target=prefill_rank, args=(redis_url, kind, p_tp, r, rid, results)) for r in range(p_tp)]
+    for proc in ranks:
+        proc.start()
+    try:
+        assert [results.get(timeout=60) for _ in ranks] == ["held"] * p_tp
+        for rank in range(d_tp):
+            _decode_rank(redis_url, kind, rid, p_tp, d_tp, rank)
+        assert [results.get(timeout=HOLD_S) for _ in ranks] == [True] * p_tp, "a copy waited for its hold deadline"
+    finally:
+        for proc in ranks:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()

@@ -116,7 +116,7 @@ class CmaReader:
         if len(dst.planes) != self.num_planes:
             raise ValueError(f"{self.num_planes} producer planes for {len(dst.planes)} of ours")
         if dst.split is not None:
-            local, remote = _sub_block_pieces(dst, src_layout, self._base, self._stride, self.row_nbytes, runs)
+            local, remote = _sub_block_pieces(dst, src_layout, heads, self._base, self._stride, self.row_nbytes, runs)
             return self._read_all(local, remote, copier)
         rows = None if heads is None else head_rows(src_layout, self.row_nbytes, heads.src_head, heads.num_heads,
                                                      heads.per_block)
@@ -162,12 +162,15 @@ def _merged(local: np.ndarray, remote: np.ndarray, width: int | np.ndarray) -> t
     return np.stack([local[starts], lengths], 1), np.stack([remote[starts], lengths], 1)  # each [pieces, 2]
 
 
-def _sub_block_pieces(dst: KVRegion, src_layout: KVLayout, src_base: np.ndarray, src_stride: np.ndarray,
-                      src_row: int, runs: list[Run]) -> tuple[np.ndarray, np.ndarray]:
+def _sub_block_pieces(dst: KVRegion, src_layout: KVLayout, heads: HeadSlice | None, src_base: np.ndarray,
+                      src_stride: np.ndarray, src_row: int, runs: list[Run]) -> tuple[np.ndarray, np.ndarray]:
     """`(local, remote)` iovec arrays for runs of sub-blocks (`dst.split`; the producer's planes, of `src_layout`'s
-    blocks, seen in blocks as small: connectors/transports/sub_blocks.py), plane by plane, merged."""
+    blocks, seen in blocks as small, of the head slice `heads` if any: connectors/transports/sub_blocks.py), plane
+    by plane, merged."""
     assert dst.split is not None
-    theirs = SubBlocks.of(src_layout, dst.layout.block_size, src_row)
+    sliced = heads is not None and (heads.per_block or heads.num_heads != src_layout.num_kv_heads)
+    theirs = SubBlocks.of(src_layout, dst.layout.block_size, src_row,
+                          (heads.src_head, heads.num_heads) if heads is not None and sliced else None)
     if (theirs.units, theirs.parts) != (dst.split.units, dst.split.parts):
         raise ValueError(f"producer sub-blocks {theirs} do not pair with ours {dst.split}")
     src = torch.cat([torch.arange(s, s + n) for s, _, n in runs]) if runs else torch.zeros(0, dtype=torch.int64)
