@@ -83,8 +83,8 @@ class Spans:
     nbytes: torch.Tensor  # [pieces] int64
 
 
-def _runs_blocks(runs: list[tuple[int, int]]) -> torch.Tensor:
-    """Every block of `runs`, in order: `[blocks]` int64."""
+def blocks_of(runs: list[tuple[int, int]]) -> torch.Tensor:
+    """Every block of the runs `(first, count)`, in order: `[blocks]` int64."""
     return _blocks(torch.tensor([s for s, _ in runs], dtype=torch.int64),
                    torch.tensor([n for _, n in runs], dtype=torch.int64))
 
@@ -230,7 +230,7 @@ class KVRegion:
         flat, plane = self._flat_planes[p], self.planes[p]
         step = plane.shape[1]
         if self.split is not None:
-            offsets, sizes = self.split.offsets(_runs_blocks(runs), plane.stride(0))
+            offsets, sizes = self.split.offsets(blocks_of(runs), plane.stride(0))
             return [flat[o:o + n] for o, n in zip(offsets.tolist(), sizes.tolist())]
         if self.rows is None:
             return [flat[start * step:(start + n) * step] for start, n in runs]

@@ -21,6 +21,7 @@ from kvwire.connectors.vllm.layout import region_of
 from kvwire.connectors.vllm.tp import TPSplit, plan, rank_key
 from tests import procs
 from tests.connectors import peer
+from tests.connectors.vllm_pages import put, read_kv
 
 CTX = procs.CTX
 LAYERS, HEADS, HEAD_DIM, BLOCKS, TOKENS = 2, 2, 4, 36, 37  # 2 heads: TP=2 gives a rank one
@@ -31,26 +32,6 @@ def token_kv(rid: str, layer: int, head: int, token: int) -> torch.Tensor:
     """A token's K (row 0) and V (row 1) in one head of one layer: [2, head_dim], told apart by all four."""
     return (torch.full((2 * HEAD_DIM,), float(zlib.crc32(f"{rid}/{layer}/{head}/{token}".encode()) % 10_000))
             + torch.arange(2 * HEAD_DIM)).view(2, HEAD_DIM)
-
-
-def slot(kv: torch.Tensor, block: int, head: int, token: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where vLLM keeps a token's K and V in a head's page: the CPU backend (its `vec` kernels) its K part stored
-    transposed, `[head_dim, block_size]`, then its V part, `[block_size, head_dim]`; GPU backends each token's K
-    and V side by side."""
-    page, n = kv[block, head].view(-1), kv.shape[2]
-    dim = page.numel() // (2 * n)
-    if kv.device.type != "cpu":
-        return page.view(n, 2 * dim)[token, :dim], page.view(n, 2 * dim)[token, dim:]
-    return page[:n * dim].view(dim, n)[:, token], page[n * dim:].view(n, dim)[token]
-
-
-def put(kv: torch.Tensor, block: int, head: int, token: int, value: torch.Tensor) -> None:
-    k, v = slot(kv, block, head, token)
-    k[:], v[:] = value[0], value[1]
-
-
-def read_kv(kv: torch.Tensor, block: int, head: int, token: int) -> torch.Tensor:
-    return torch.stack(slot(kv, block, head, token))
 
 
 def _tensors(block_size: int, device: str = "cpu") -> dict[str, torch.Tensor]:

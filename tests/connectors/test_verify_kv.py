@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from kvwire.connectors.config import ConnectorKind, NodeRole
+from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.kv_pool import KVPool
 from kvwire.connectors.model_input import ModelInput, SequenceInput
-from kvwire.connectors.standalone import open_consumer, open_producer
 from kvwire.connectors.transports.kv_checksum import layer_checksums
 from kvwire.connectors.transports.kv_region import KVRegion
 from tests.connectors import peer
@@ -19,23 +16,9 @@ LAY = peer.layout(layers=4, block_size=4)
 
 
 @pytest.fixture
-def pair(redis_url):
-    made = []
-
-    def make(producer_verifies: bool, consumer_verifies: bool):
-        out = []
-        for role, name, verify in ((NodeRole.PREFILL, "p-verify", producer_verifies),
-                                   (NodeRole.DECODE, "c-verify", consumer_verifies)):
-            cfg = dataclasses.replace(peer.config(ConnectorKind.TCP, role, name, redis_url, 3.0), verify_kv=verify)
-            pool = KVPool.allocate(LAY, 16, "cpu")
-            side = (open_producer if role == NodeRole.PREFILL else open_consumer)(cfg, kv_caches=pool.kv_caches)
-            made.append(side)
-            out += [side.connector, pool]
-        return out
-
-    yield make
-    for side in made:
-        side.close()
+def pair(standalone_pair):
+    return lambda producer_verifies, consumer_verifies: standalone_pair(ConnectorKind.TCP, "verify", LAY, 3.0,
+                                                                       (producer_verifies, consumer_verifies))
 
 
 def _move(prod, ppool, cons, cpool, rid: str, corrupt=None):

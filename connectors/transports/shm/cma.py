@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from kvwire.connectors.transports.block_copy import Run
-from kvwire.connectors.transports.kv_region import KVRegion, head_rows
+from kvwire.connectors.transports.kv_region import KVRegion, blocks_of, head_rows
 from kvwire.connectors.transports.shm.copier import BlockCopier
 from kvwire.connectors.transports.shm.segment import RegionPlanes
 from kvwire.connectors.transports.sub_blocks import SubBlocks
@@ -173,8 +173,7 @@ def _sub_block_pieces(dst: KVRegion, src_layout: KVLayout, heads: HeadSlice | No
                           (heads.src_head, heads.num_heads) if heads is not None and sliced else None)
     if (theirs.units, theirs.parts) != (dst.split.units, dst.split.parts):
         raise ValueError(f"producer sub-blocks {theirs} do not pair with ours {dst.split}")
-    src = torch.cat([torch.arange(s, s + n) for s, _, n in runs]) if runs else torch.zeros(0, dtype=torch.int64)
-    dst_v = torch.cat([torch.arange(d, d + n) for _, d, n in runs]) if runs else torch.zeros(0, dtype=torch.int64)
+    src, dst_v = blocks_of([(s, n) for s, _, n in runs]), blocks_of([(d, n) for _, d, n in runs])
     remote, local, sizes = [], [], []
     for p, plane in enumerate(dst.planes):
         at, n = theirs.offsets(src, int(src_stride[p]))

@@ -5,15 +5,11 @@ prompt) the consumer takes whole prompts only."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from kvwire.connectors.config import ConnectorKind, NodeRole
-from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.model_input import ModelInput, SequenceInput
-from kvwire.connectors.standalone import open_consumer, open_producer
 from tests.connectors import peer
 
 LAY = peer.layout(layers=3, block_size=4)
@@ -21,22 +17,8 @@ PROMPT = list(range(1, 15))  # 14 tokens: 4 blocks, the last partly full
 
 
 @pytest.fixture
-def pair(redis_url):
-    made = []
-
-    def make(kind: ConnectorKind, verify_kv: bool = False):
-        out = []
-        for role, name in ((NodeRole.PREFILL, f"p-tail-{kind}"), (NodeRole.DECODE, f"c-tail-{kind}")):
-            cfg = dataclasses.replace(peer.config(kind, role, name, redis_url, 5.0), verify_kv=verify_kv)
-            pool = KVPool.allocate(LAY, 16, "cpu")
-            side = (open_producer if role == NodeRole.PREFILL else open_consumer)(cfg, kv_caches=pool.kv_caches)
-            made.append(side)
-            out += [side.connector, pool]
-        return out
-
-    yield make
-    for side in made:
-        side.close()
+def pair(standalone_pair):
+    return lambda kind, verify_kv=False: standalone_pair(kind, f"tail-{kind}", LAY, 5.0, (verify_kv, verify_kv))
 
 
 @pytest.mark.parametrize("kind", [ConnectorKind.TCP, ConnectorKind.SHM, ConnectorKind.UCX])

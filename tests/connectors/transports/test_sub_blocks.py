@@ -10,6 +10,7 @@ import torch
 
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.vllm.layout import region_of
+from tests.connectors.vllm_pages import put, read_kv
 
 LAYERS, HEADS, CONTENT = 2, 3, 8  # CONTENT: a token's K and V, 4 values each
 
@@ -42,37 +43,18 @@ def token_kv(layer: int, head: int, token: int) -> torch.Tensor:
     return (torch.full((CONTENT,), 1000.0 * layer + 100 * head + token) + torch.arange(CONTENT) / 10).view(2, -1)
 
 
-BACKEND: dict[int, _Backend] = {}  # id(tensor) -> the backend that reads it, for `slot`
-
-
-def slot(kv: torch.Tensor, block: int, head: int, token: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where the backend keeps a token's K and V: the CPU backend (its `vec` kernels) the head page's K part
-    transposed, `[head_dim, block_size]`, then its V part, `[block_size, head_dim]`; the others token by token."""
-    page, n = kv[block, head].view(-1), kv.shape[2]
-    dim = page.numel() // (2 * n)
-    if BACKEND[id(kv)] is not CPU:
-        return page.view(n, 2 * dim)[token, :dim], page.view(n, 2 * dim)[token, dim:]
-    return page[:n * dim].view(dim, n)[:, token], page[n * dim:].view(n, dim)[token]
-
-
-def put(kv: torch.Tensor, block: int, head: int, token: int, value: torch.Tensor) -> None:
-    k, v = slot(kv, block, head, token)
-    k[:], v[:] = value[0], value[1]
-
-
-def read_kv(kv: torch.Tensor, block: int, head: int, token: int) -> torch.Tensor:
-    return torch.stack(slot(kv, block, head, token))
-
-
-def write_prompt(caches: dict[str, torch.Tensor], blocks: list[int], tokens: int, block_size: int) -> None:
+def write_prompt(caches: dict[str, torch.Tensor], blocks: list[int], tokens: int, block_size: int,
+                 backend: _Backend) -> None:
     for layer, kv in enumerate(caches.values()):
         for t in range(tokens):
             for h in range(kv.shape[1]):
-                put(kv, blocks[t // block_size], h, t % block_size, token_kv(layer, h, t))
+                put(kv, blocks[t // block_size], h, t % block_size, token_kv(layer, h, t), backend is CPU)
 
 
-def holds_prompt(caches: dict[str, torch.Tensor], blocks: list[int], tokens: int, block_size: int) -> bool:
-    return all(torch.equal(read_kv(kv, blocks[t // block_size], h, t % block_size), token_kv(layer, h, t))
+def holds_prompt(caches: dict[str, torch.Tensor], blocks: list[int], tokens: int, block_size: int,
+                 backend: _Backend) -> bool:
+    return all(torch.equal(read_kv(kv, blocks[t // block_size], h, t % block_size, backend is CPU),
+                           token_kv(layer, h, t))
                for layer, kv in enumerate(caches.values()) for t in range(tokens) for h in range(kv.shape[1]))
 
 
@@ -87,10 +69,9 @@ def test_a_prompt_copied_piece_to_piece_between_block_sizes_lands_token_by_token
     tokens, g = 21, min(src_size, dst_size)
     src_caches, src = pool(src_size, 12, backend)
     dst_caches, dst = pool(dst_size, 16, backend)
-    BACKEND.update({id(t): backend for t in [*src_caches.values(), *dst_caches.values()]})
     src_blocks = [7, 2, 9, 4, 11, 0][:-(-tokens // src_size)]
     dst_blocks = [3, 14, 1, 8, 5, 12, 6, 10, 13, 15, 0][:-(-tokens // dst_size)]
-    write_prompt(src_caches, src_blocks, tokens, src_size)
+    write_prompt(src_caches, src_blocks, tokens, src_size, backend)
     a, b = src.sub_blocks(g), dst.sub_blocks(g)
     assert (a.layout.block_size, b.layout.block_size) == (g, g)
     needed = -(-tokens // g)
@@ -102,7 +83,7 @@ def test_a_prompt_copied_piece_to_piece_between_block_sizes_lands_token_by_token
     assert [p.nbytes for p in pieces] == [p.nbytes for p in into]
     for p, q in zip(pieces, into):
         q[:] = p
-    assert holds_prompt(dst_caches, dst_blocks, tokens, dst_size)
+    assert holds_prompt(dst_caches, dst_blocks, tokens, dst_size, backend)
     spans = a.spans(src_runs)  # the same pieces by position, as the device paths cut them
     flat = [plane.view(-1) for plane in a.planes]
     assert [bytes(flat[int(p)][int(o):int(o) + int(n)].numpy()) for p, o, n in
