@@ -32,12 +32,13 @@ def next_name(parent: bytes, block: Sequence[int]) -> bytes:
     return _chained(parent, _packed(block))
 
 
-def block_names(tokens: Sequence[int], block_size: int) -> list[bytes]:
-    """Returns: one name per full block of `tokens` (a partial last block has none). The tokens are packed once,
-    not per block: this runs on the decode node's loop and on the router's for every prompt."""
+def block_names(tokens: Sequence[int], block_size: int, root: bytes = ROOT) -> list[bytes]:
+    """Returns: one name per full block of `tokens` (a partial last block has none), the first chained over `root`
+    (a prefix cache of their own: the router's cache scopes, router/vllm/cache_scope.py). The tokens are packed
+    once, not per block: this runs on the decode node's loop and on the router's for every prompt."""
     full = len(tokens) // block_size * block_size
     packed, step = _packed(tokens[:full]), block_size * 8
-    names, parent = [], ROOT
+    names, parent = [], root
     for start in range(0, full * 8, step):
         parent = _chained(parent, packed[start:start + step])
         names.append(parent)

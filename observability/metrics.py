@@ -111,6 +111,12 @@ class Metrics:
                                               "instances that failed, by role and how", ["role", "kind"], registry=r)
         self.vllm_tokenize_failures = Counter("kvwire_vllm_tokenize_failures", "Prompts a vLLM instance's POST "
                                               "/tokenize did not give the router (placed by load alone)", registry=r)
+        self.vllm_prefix_misses = Counter("kvwire_vllm_prefix_misses", "Requests the router sent decode-only as held "
+                                          "on their decode instance (cached-on-decode) whose answer said it read "
+                                          "fewer prompt tokens from its cache", registry=r)
+        self.vllm_prefix_missed_tokens = Counter("kvwire_vllm_prefix_missed_tokens", "Prompt tokens the router "
+                                                 "predicted held on the decode instance it sent a request to "
+                                                 "decode-only, which that instance computed again", registry=r)
         self.vllm_kv_events = Counter("kvwire_vllm_kv_events", "KV cache events the router read from vLLM decode "
                                       "instances (--vllm-kv-events), by kind", ["kind"], registry=r)
         # `path` is what UCX reported (e.g. "sysv/cma"), not a closed set: one series per transport served

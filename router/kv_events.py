@@ -35,6 +35,10 @@ class BlockStored(msgspec.Struct, tag=True, frozen=True):
     parent_block_hash: VLLMBlockHash | None
     token_ids: list[int]
     block_size: int
+    lora_id: int | None = None  # vLLM's deprecated name for the adapter: `lora_name` is the one it hashes
+    lora_name: str | None = None  # the LoRA adapter the blocks were computed with; None: the base model
+    # per block, vLLM's untagged extra keys (router/vllm/cache_scope.py), each item left as its msgpack bytes
+    extra_keys: list[list[msgspec.Raw] | None] | None = None
     group_idx: int | None = None  # the KV cache group (hybrid models); None: the only one
 
 

@@ -12,6 +12,10 @@ Lifecycle of an entry:
    `generated` tokens after it are held there too, as the start of whatever prompt continues it (the next
    turn of a conversation continues its last prompt with the answer the instance generated).
 3. `held(prompt, urls)`: how many of `prompt`'s tokens each instance holds, in whole blocks.
+
+Each takes the prompt's cache `scope` (ROOT: the base model's, no salt): vLLM keeps a LoRA adapter's, a cache
+salt's and a prompt with media in prefix caches of their own (router/vllm/cache_scope.py), so a prompt's chain of
+names starts at its scope, and the same tokens in two scopes share no block.
 4. An entry not recorded again for `ttl_s` is taken as evicted; `forget(url)` drops all of an instance's (it
    left rotation: a restarted server's cache is empty).
 
@@ -57,36 +61,36 @@ class PrefixIndex:
         self._entries = 0
         self._exact: dict[str, dict[VLLMBlockHash, bytes]] = {}  # EXACT instance -> its block hashes -> our names
 
-    def record(self, url: str, prompt: Sequence[int]) -> None:
+    def record(self, url: str, prompt: Sequence[int], scope: bytes = _ROOT) -> None:
         """`url` was sent `prompt`: its full blocks are held there from now."""
         if url in self._exact:
             return
         now = self._clock()
-        for name in block_names(prompt, self.block_size):
+        for name in block_names(prompt, self.block_size, scope):
             holders = self._blocks.setdefault(name, {})
             self._entries += url not in holders
             holders[url] = now
         if self._entries > self._max_entries:
             self._prune(now)
 
-    def answered(self, url: str, prompt: Sequence[int], generated: int) -> None:
+    def answered(self, url: str, prompt: Sequence[int], generated: int, scope: bytes = _ROOT) -> None:
         """`url` answered `prompt` with `generated` tokens: it holds the prompt's rest and those past it."""
         if url in self._exact:
             return
-        names = block_names(prompt, self.block_size)
+        names = block_names(prompt, self.block_size, scope)
         rest = tuple(prompt[len(names) * self.block_size:])
-        self._tails[(url, names[-1] if names else _ROOT)] = Tail(rest, max(0, generated), self._clock())
+        self._tails[(url, names[-1] if names else scope)] = Tail(rest, max(0, generated), self._clock())
 
-    def held(self, prompt: Sequence[int], urls: Iterable[str]) -> dict[str, int]:
+    def held(self, prompt: Sequence[int], urls: Iterable[str], scope: bytes = _ROOT) -> dict[str, int]:
         """Returns: for each of `urls`, how many of `prompt`'s first tokens it holds, a multiple of the block size."""
-        names, now, size = block_names(prompt, self.block_size), self._clock(), self.block_size
+        names, now, size = block_names(prompt, self.block_size, scope), self._clock(), self.block_size
         out = {}
         for url in urls:
             full = 0
             while full < len(names) and self._fresh(self._blocks.get(names[full], {}).get(url), now):
                 full += 1
             tokens = full * size
-            tail = self._tails.get((url, names[full - 1] if full else _ROOT))
+            tail = self._tails.get((url, names[full - 1] if full else scope))
             if tail is not None and self._fresh(tail.at, now) and tuple(prompt[tokens:tokens + len(tail.tokens)]) \
                     == tail.tokens:
                 tokens = min(len(prompt), tokens + len(tail.tokens) + tail.generated) // size * size
@@ -94,11 +98,12 @@ class PrefixIndex:
         return out
 
     def stored(self, url: str, parent: VLLMBlockHash | None, tokens: Sequence[int],
-               hashes: Sequence[VLLMBlockHash]) -> bool:
+               hashes: Sequence[VLLMBlockHash], scope: bytes = _ROOT) -> bool:
         """`url`'s prefix cache (its KV events) stored blocks `hashes` of `tokens`, after the block `parent` (None:
-        at the prompt's start). Returns: False when `parent` is one it never told of (events missed)."""
+        at the start of a prompt of `scope`). Returns: False when `parent` is one it never told of (events missed,
+        or blocks kvwire does not name: router/vllm/cache_scope.py)."""
         known = self._exact.setdefault(url, {})
-        name = _ROOT if parent is None else known.get(parent)
+        name = scope if parent is None else known.get(parent)
         if name is None:
             return False
         size = self.block_size

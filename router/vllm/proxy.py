@@ -61,6 +61,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvwire.connectors.config import NodeRole
+from kvwire.engine.block_names import ROOT
 from kvwire.observability.labels import InstanceState, KVEventKind, PathReason, ProxyPath, RequestStatus
 from kvwire.observability.metrics import CONTENT_TYPE, Metrics, process_metrics
 from kvwire.router.body_limit import BodyLimit
@@ -80,6 +81,7 @@ from kvwire.router.vllm.bodies import (
     is_stream,
     parse_body,
 )
+from kvwire.router.vllm.cache_scope import ModelCards
 from kvwire.router.vllm.load import scrape
 from kvwire.router.vllm.pass_on import PASSED_ON_PATHS, PassOn
 from kvwire.router.vllm.pool import HealthProbe, InstancePool, Tolerance, run_health_checks
@@ -88,6 +90,7 @@ from kvwire.router.vllm.schedule import Placement, Scheduler
 from kvwire.router.vllm.stored import StoredResponses
 from kvwire.router.vllm.tokens import PromptReader, completion_tokens_of
 from kvwire.router.vllm.upstream import FailureKind, InstanceError, unsent
+from kvwire.router.vllm.usage import cached_tokens_in, check_held
 
 log = logging.getLogger(__name__)
 _FIRST_RETRY_S = 0.05  # back-off before a request tries an instance again, doubled each time up to _LAST_RETRY_S
@@ -109,8 +112,9 @@ class VLLMRouter:
         self.schedule = Scheduler(config.routing, config.decode_only_below, config.prefix_ttl_s, self.prefill,
                                   self.decode)
         self._client: httpx2.AsyncClient | None = None
-        self._behind: set[asyncio.Task] = set()  # prefill steps still running after their request was answered
+        self._behind: set[asyncio.Task] = set()  # prefill steps, GET /v1/models: running past their request
         self._prompts = PromptReader(metrics)
+        self.cards = ModelCards()
         self.stored = StoredResponses()
         self.pass_on = PassOn(lambda: self.client, self.decode, metrics, self.stored)
         for pool in (self.prefill, self.decode):
@@ -137,6 +141,7 @@ class VLLMRouter:
 
             pools = (self.prefill, self.decode)
             await asyncio.gather(*(pool.check(probe, load) for pool in pools))  # serve knowing who is up
+            await self.cards.learn(client, self.decode.urls(InstanceState.UP), {}, probe_timeout)
             checks = asyncio.create_task(run_health_checks(pools, probe, self.config.health_interval_s, load))
             events = [asyncio.create_task(follow(endpoint, url, self._kv_events))
                       for url, endpoint in zip(self.config.decode_urls, self.config.decode_kv_events) if endpoint]
@@ -208,9 +213,10 @@ class VLLMRouter:
             body = parse_body(raw)
             deadline = started + self.config.instance_wait_s
             await self._wait_for_decode(rid, deadline)
-            call = await self._read_prompt(_Call(rid, endpoint, body, http.upstream_headers(request, rid), started,
-                                                 deadline))
-            placed = self.schedule.place(call.tokens)
+            headers = http.upstream_headers(request, rid)
+            call = await self._read_prompt(_Call(rid, endpoint, body, headers, started, deadline,
+                                                 scope=self._scope_of(body, headers)))
+            placed = self.schedule.place(call.tokens, scope=call.scope)
             if placed is None:
                 raise http.no_decode(rid)
             if (reason := decode_only_reason(body, endpoint)) is not None:
@@ -220,13 +226,13 @@ class VLLMRouter:
                 return await self._decode(call, Prefilled(None, reason), placed)
             if placed.decode_only is not None:
                 return await self._decode(call, Prefilled(None, placed.decode_only), placed)
-            url = self.schedule.prefill(call.tokens, placed.decode)
+            url = self.schedule.prefill(call.tokens, placed.decode, call.scope)
             if isinstance(url, PathReason):
                 return await self._decode(call, Prefilled(None, url), placed)
             limit = self.config.prefill_max_in_flight
             if limit and self.prefill.in_flight(url) >= limit:  # the least loaded one: every one is
                 return await self._decode(call, Prefilled(None, PathReason.PREFILL_SATURATED), placed)
-            self.schedule.sent(NodeRole.PREFILL, url, call.tokens)
+            self.schedule.sent(NodeRole.PREFILL, url, call.tokens, call.scope)
             producer = self._prefill_step.producer(url)
             if producer is not None and not self.config.sequential:
                 return await self._alongside(call, url, producer, placed)
@@ -246,6 +252,15 @@ class VLLMRouter:
         """Returns once a decode instance is up. Raises: APIError(503) when none is by `deadline`."""
         if not await self.decode.wait_up(deadline - time.monotonic()):
             raise http.no_decode(rid)
+
+    def _scope_of(self, body: dict[str, Any], headers: dict[str, str]) -> bytes:
+        """The body's cache scope; the base model's names asked for first, in the background, when not known yet."""
+        if self.cards.due() and (up := self.decode.urls(InstanceState.UP)):
+            timeout = httpx2.Timeout(max(self.config.health_interval_s, self.config.connect_timeout_s))
+            task = asyncio.create_task(self.cards.learn(self.client, up, headers, timeout))
+            self._behind.add(task)
+            task.add_done_callback(self._behind.discard)
+        return self.cards.scope_of(body)
 
     async def _read_prompt(self, call: _Call) -> _Call:
         """`call` with its prompt's token ids, when the scheduler needs them and an instance tokenizes them."""
@@ -288,19 +303,21 @@ class VLLMRouter:
         tried: set[str] = set()
         delay, last, blocks = _FIRST_RETRY_S, None, placed.blocks
         url: str | None = placed.decode
+        checked = prefilled.reason == PathReason.CACHED_ON_DECODE  # its answer's cached tokens against the held
         while True:
             if url is not None:
                 self.decode.started(url, blocks)
-                self.schedule.sent(NodeRole.DECODE, url, call.tokens)
+                self.schedule.sent(NodeRole.DECODE, url, call.tokens, call.scope)
                 headers = call.headers
                 if choices(body) > 1 and (engine := self.decode.engine_for(url)) is not None:
                     headers = headers | {http.DP_RANK: str(engine)}  # one engine pulls the KV, once, for all
                 try:
                     resp = await send(self.client, call.rid, url, call.endpoint, body, headers)
+                    held = placed.held if checked else 0
                     if not stream or resp.status_code != 200:
                         self.decode.ended(url, blocks)
-                        return self._whole_answer(resp, call, url, prefilled)
-                    return await self._stream_answer(resp, call, url, prefilled, blocks)
+                        return self._whole_answer(resp, call, url, prefilled, held)
+                    return await self._stream_answer(resp, call, url, prefilled, blocks, held)
                 except InstanceError as exc:
                     self.decode.ended(url, blocks)
                     record_failure(self.metrics, self.decode, url, exc)
@@ -316,19 +333,23 @@ class VLLMRouter:
                 raise http.no_decode(call.rid) if last is None else http.failed(last)
             await asyncio.sleep(delay)
             delay = min(2 * delay, _LAST_RETRY_S)
-            url = again.decode if (again := self.schedule.place(call.tokens, frozenset(tried))) else None
+            again = self.schedule.place(call.tokens, frozenset(tried), call.scope)
+            url, placed = (again.decode, again) if again else (None, placed)
 
-    def _whole_answer(self, resp: httpx2.Response, call: _Call, url: str, prefilled: Prefilled) -> Response:
-        """The client's answer from decode instance `url`'s whole one (or a stream's that was not 200)."""
+    def _whole_answer(self, resp: httpx2.Response, call: _Call, url: str, prefilled: Prefilled, held: int) -> Response:
+        """The client's answer from decode instance `url`'s whole one (or a stream's that was not 200), predicted to
+        hold `held` of its prompt tokens (0: not checked)."""
         self._answered(resp, call.rid, url, prefilled)
         self._count(resp.status_code)
         if resp.status_code == 200:
-            self.schedule.answered(url, call.tokens, completion_tokens_of(resp.content))
+            if held:
+                check_held(self.metrics, call.rid, url, held, cached_tokens_in(resp.content, stream=False))
+            self.schedule.answered(url, call.tokens, completion_tokens_of(resp.content), call.scope)
             self.stored.remember_from(call.endpoint, url, resp.content)
         return http.whole(resp, call.rid, prefilled.headers(url))
 
     async def _stream_answer(self, resp: httpx2.Response, call: _Call, url: str, prefilled: Prefilled,
-                             blocks: int) -> Response:
+                             blocks: int, held: int) -> Response:
         """The client's stream, from decode instance `url`'s first chunk (read here: a stream cut before it is an
         InstanceError of the call); `url` counts the request until the relay ends."""
         chunks = upstream.stream_bytes(resp, call.rid, url)
@@ -340,7 +361,7 @@ class VLLMRouter:
             raise
         self.metrics.ttft_seconds.observe(time.monotonic() - call.started)
         self._answered(resp, call.rid, url, prefilled)
-        return StreamingResponse(self._relay(resp, chunks, first, call, url, blocks),
+        return StreamingResponse(self._relay(resp, chunks, first, call, url, blocks, held),
                                  media_type=resp.headers.get("content-type"),
                                  headers={"x-request-id": call.rid} | prefilled.headers(url))
 
@@ -354,17 +375,22 @@ class VLLMRouter:
             self.decode.observe(url, None)
 
     async def _relay(self, resp: httpx2.Response, chunks: AsyncIterator[bytes], first: bytes, call: _Call, peer: str,
-                     blocks: int):
+                     blocks: int, held: int):
         """The decode instance's stream, chunk by chunk from `first`; an SSE error event if it breaks."""
         status, events = 200, first.count(b"data: {")  # an event a generated token, near enough for the index
+        cached = cached_tokens_in(first, stream=True) if held else None
         try:
             stored = self.stored.remember_from(call.endpoint, peer, first)
             yield first
             async for chunk in chunks:
                 events += chunk.count(b"data: {")
                 stored = stored or self.stored.remember_from(call.endpoint, peer, chunk)
+                if held and (said := cached_tokens_in(chunk, stream=True)) is not None:
+                    cached = said
                 yield chunk
-            self.schedule.answered(peer, call.tokens, events)
+            self.schedule.answered(peer, call.tokens, events, call.scope)
+            if held:
+                check_held(self.metrics, call.rid, peer, held, cached)
         except InstanceError as exc:
             log.warning("%s; stream cut", exc)
             record_failure(self.metrics, self.decode, peer, exc)
@@ -391,6 +417,7 @@ class _Call(NamedTuple):
     started: float  # its arrival (time.monotonic())
     deadline: float  # the last moment it may wait for a decode instance to take it
     tokens: list[int] | None = None  # its prompt's token ids, when the scheduler read them
+    scope: bytes = ROOT  # its prompt's cache scope (router/vllm/cache_scope.py)
 
 
 def create_vllm_app(config: VLLMRouterConfig, metrics: Metrics | None = None) -> FastAPI:

@@ -18,6 +18,8 @@ For each request, once its prompt's token ids are known (router/vllm/tokens.py):
 4. The prediction: what each instance was sent is held there from then (`sent`), and a decode instance's
    answer adds the tokens it generated (`answered`), which the conversation's next prompt starts with.
    An instance that leaves rotation is forgotten (its process may have restarted with an empty cache).
+   Each prompt is named in its cache scope (router/vllm/cache_scope.py: its LoRA adapter, cache_salt, media),
+   as vLLM keeps it: the same tokens under another adapter are not held.
    A decode instance whose KV events the router reads (`kv_events`, router/kv_events.py) is exact instead:
    its entries are what its prefix cache says, from its first event on.
 
@@ -33,10 +35,12 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from kvwire.connectors.config import NodeRole
+from kvwire.engine.block_names import ROOT
 from kvwire.observability.labels import InstanceState, PathReason
 from kvwire.router.config import RoutingPolicy
 from kvwire.router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvwire.router.prefix_index import PrefixIndex
+from kvwire.router.vllm.cache_scope import stored_scope
 from kvwire.router.vllm.pool import InstancePool
 
 log = logging.getLogger(__name__)
@@ -81,14 +85,16 @@ class Scheduler:
                       for pool in self._pools.values())
         return self.decode_only_below > 0 or (self.policy == RoutingPolicy.PREFIX and several)
 
-    def place(self, tokens: Sequence[int] | None, avoid: frozenset[str] = frozenset()) -> Placement | None:
-        """Returns: the decode instance for a prompt of `tokens` and its path (steps 1 and 2); None: none is UP."""
+    def place(self, tokens: Sequence[int] | None, avoid: frozenset[str] = frozenset(),
+              scope: bytes = ROOT) -> Placement | None:
+        """Returns: the decode instance for a prompt of `tokens` in cache scope `scope` and its path (steps 1 and 2);
+        None: none is UP."""
         index, pool = self._index(NodeRole.DECODE), self._pools[NodeRole.DECODE]
         if index is None and tokens and self.policy == RoutingPolicy.PREFIX and not self._said_no_block_size:
             self._said_no_block_size = True
             log.warning("no decode instance's GET /metrics has shown vllm:cache_config_info's block_size yet: "
                         "requests are placed by load alone until one does")
-        held = index.held(tokens, pool.urls(InstanceState.UP)) if index and tokens else {}
+        held = index.held(tokens, pool.urls(InstanceState.UP), scope) if index and tokens else {}
         blocks = _blocks(tokens, index)
         url = pool.pick(avoid, self._uncached(tokens, held, index), blocks)
         if url is None:
@@ -98,11 +104,11 @@ class Scheduler:
                       {u: pool.load(u, blocks) for u in pool.urls(InstanceState.UP)}, url)
         return Placement(url, held.get(url, 0), blocks, self._path(tokens, held.get(url, 0)))
 
-    def prefill(self, tokens: Sequence[int] | None, decode: str) -> str | PathReason:
+    def prefill(self, tokens: Sequence[int] | None, decode: str, scope: bytes = ROOT) -> str | PathReason:
         """Returns: the prefill instance for a prompt of `tokens` that decode instance `decode` takes (step 3): one
         whose KV block size pairs with its (router/vllm/pool.py, `pairs`); else why none."""
         index, pool = self._index(NodeRole.PREFILL), self._pools[NodeRole.PREFILL]
-        held = index.held(tokens, pool.urls(InstanceState.UP)) if index and tokens else {}
+        held = index.held(tokens, pool.urls(InstanceState.UP), scope) if index and tokens else {}
         size = self._pools[NodeRole.DECODE].block_size_of(decode)
         url = pool.pick(cost=self._uncached(tokens, held, index), request_blocks=_blocks(tokens, index),
                         block_size=size)
@@ -120,15 +126,15 @@ class Scheduler:
                       PathReason.PREFILL_OTHER_BLOCK_SIZE)
         return PathReason.PREFILL_OTHER_BLOCK_SIZE
 
-    def sent(self, role: NodeRole, url: str, tokens: Sequence[int] | None) -> None:
-        """`url`, an instance of `role`, was sent a prompt of `tokens`."""
+    def sent(self, role: NodeRole, url: str, tokens: Sequence[int] | None, scope: bytes = ROOT) -> None:
+        """`url`, an instance of `role`, was sent a prompt of `tokens` in cache scope `scope`."""
         if tokens and (index := self._index(role)) is not None:
-            index.record(url, tokens)
+            index.record(url, tokens, scope)
 
-    def answered(self, url: str, tokens: Sequence[int] | None, generated: int) -> None:
-        """Decode instance `url` answered a prompt of `tokens` with `generated` tokens."""
+    def answered(self, url: str, tokens: Sequence[int] | None, generated: int, scope: bytes = ROOT) -> None:
+        """Decode instance `url` answered a prompt of `tokens` in cache scope `scope` with `generated` tokens."""
         if tokens and (index := self._index(NodeRole.DECODE)) is not None:
-            index.answered(url, tokens, generated)
+            index.answered(url, tokens, generated, scope)
 
     def kv_events(self, url: str, events: Sequence[KVEvent]) -> None:
         """Decode instance `url`'s prefix cache changed as `events` say (router/kv_events.py)."""
@@ -153,8 +159,9 @@ class Scheduler:
                     self._unlike.add(url)
                     log.warning("vLLM instance %s: KV events of %d-token blocks, the index's are %d: not used", url,
                                 event.block_size, index.block_size)
-            else:
-                index.stored(url, event.parent_block_hash, event.token_ids, event.block_hashes)
+            elif (named := stored_scope(event)) is not None:
+                root, count = named
+                index.stored(url, event.parent_block_hash, event.token_ids, event.block_hashes[:count], root)
 
     def _path(self, tokens: Sequence[int] | None, held: int) -> PathReason | None:
         if tokens is None or len(tokens) - held >= self.decode_only_below:

@@ -10,8 +10,9 @@ away), a Responses answer with an id (in a stream, its first event) that GET /v1
 - a decode's, `kv_wait_s` later if told of a remote prefill (waiting for its KV; given up, as vLLM aborts,
   when the client goes away: counted in `aborted`), with the `kv_transfer_params` it got echoed in its text;
   streams as two SSE chunks.
-POST /detokenize answers a text naming it (no /tokenize: the router places by load alone). `bodies` records what
-each POST carried, `headers` its headers. GET /metrics answers `metrics` (404 while it is "").
+POST /detokenize answers a text naming it (no /tokenize: the router places by load alone, or by a prompt given as
+token ids). A decode answer's usage says `cached_tokens` prompt tokens were read from the cache, when set.
+`bodies` records what each POST carried, `headers` its headers. GET /metrics answers `metrics` (404 while it is "").
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class FakeVLLM:
         self.aborted = 0  # decode calls whose client went away while they waited for KV
         self.metrics = ""  # its Prometheus exposition, as vLLM's GET /metrics ("": none, 404)
         self.scrapes = 0  # GET /metrics asked
+        self.cached_tokens: int | None = None  # a decode answer's usage.prompt_tokens_details says (None: no usage)
         self.stored: set[str] = set()  # the ids of the Responses answers it stored (GET /v1/responses/{id})
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -105,7 +107,8 @@ class FakeVLLM:
 
         @app.get("/v1/models")
         async def models():
-            return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+            return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model", "parent": None},
+                                                            {"id": "sql", "object": "model", "parent": "fake"}]})
 
         async def generate(request: Request):
             body = await request.json()
@@ -127,12 +130,15 @@ class FakeVLLM:
             answer_id = self._answer_id(request, prefill, body)
             if body.get("stream") and not prefill:
                 chunks = [f"data: {json.dumps({'choices': [{'text': t}]})}\n\n" for t in (self.name, " done")]
+                if self.cached_tokens is not None:  # as stream_options.include_usage's last chunk
+                    chunks.append(f"data: {json.dumps({'choices': [], 'usage': self._usage()})}\n\n")
                 if answer_id:  # as the Responses API's first event
                     created = json.dumps({"response": {"id": answer_id}})
                     chunks.insert(0, f"event: response.created\ndata: {created}\n\n")
                 return StreamingResponse(iter([*chunks, "data: [DONE]\n\n"]), media_type="text/event-stream")
             handed = handed if prefill and self.hands_out_params else None
-            return JSONResponse({"id": answer_id, "choices": [{"text": text}], "kv_transfer_params": handed})
+            usage = {"usage": self._usage()} if self.cached_tokens is not None and not prefill else {}
+            return JSONResponse({"id": answer_id, "choices": [{"text": text}], "kv_transfer_params": handed} | usage)
 
         async def stored(response_id: str):
             found = response_id in self.stored
@@ -149,6 +155,10 @@ class FakeVLLM:
         app.add_api_route("/v1/responses/{response_id}", stored, methods=["GET"])
         app.add_api_route("/detokenize", detokenize, methods=["POST"])
         return app
+
+    def _usage(self) -> dict[str, Any]:
+        return {"prompt_tokens": 1, "completion_tokens": 2,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def _answer_id(self, request: Request, prefill: bool, body: dict[str, Any]) -> str | None:
         """A Responses answer's id (kept in `stored` unless the body said `store: false`); None for other APIs."""
