@@ -11,8 +11,9 @@
 3. `warm_up`: a dummy prompt and decode steps through the runner's model and pool, and the
    transfer plane's block copies, on the node's device (engine/warmup.py; unless the config
    says `warmup=False`), leaving the allocator, the pool and the metrics as they were.
-4. `start_heartbeat`: the node registers in the directory (routers may now pick it);
-   /readyz turns 200 if the self-test passed.
+4. `start_heartbeat`: start-up's heap is frozen (engine/gc_pauses.py: a full collection, tens
+   of ms, that a first request sent at once would otherwise wait out), then the node registers
+   in the directory (routers may now pick it); /readyz turns 200 if the self-test passed.
 5. `serve_until_signalled`: the node's loop runs until SIGTERM / SIGINT, then drains.
 6. `node.close()` stops the role, then `NodeRuntime.close` deregisters and closes the
    directory and the socket. The process exits 0.
@@ -152,7 +153,9 @@ class NodeRuntime:
                         on_restored: Callable[[], None] = lambda: None) -> None:
         """Register the node in the directory (routers may pick it from now on) and keep it there; not when
         the transport self-test failed: the node then serves nobody, and /readyz says why. `on_beat` and
-        `on_restored`: the Heartbeat's."""
+        `on_restored`: the Heartbeat's. Start-up is over: its heap is frozen first (engine/gc_pauses.py), as that
+        full collection takes tens of milliseconds, which a first request sent at once would wait out."""
+        freeze_startup_heap()
         failed = [c for c in self.transport_checks if not c.ok]
         if failed:
             log.error("node %s: not registering: transport self-test failed: %s", self.config.node_id,
@@ -258,7 +261,6 @@ def run_node(config: NodeConfig, make_node: Callable[[NodeConfig], Node]) -> Non
     """
     auth.install(config.auth_secret)  # before any socket opens
     with OpsServer(config.host, config.http_port or None, process_metrics()) as ops:
-        node = make_node(config)
-        freeze_startup_heap()
+        node = make_node(config)  # built, warmed, its heap frozen and registered
         ops.set_ready_check(node.rt.is_ready, node.rt.readiness_details)
         serve_until_signalled(node)

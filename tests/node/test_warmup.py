@@ -31,19 +31,29 @@ NUM_BLOCKS = 64
 WAIT_S = 60.0  # start-up of a node process (model, self-test) on a busy 2-core machine, with room to spare
 
 
-def _gated_node(role: str, model_dir: str, redis_url: str, http_port: int, warming, release) -> None:
-    """In the child: the node `kvwire <role>` would run, its warm-up held until `release` is set."""
+def _gated_node(role: str, model_dir: str, redis_url: str, http_port: int, warming, release,
+                frozen_when_registered) -> None:
+    """In the child: the node `kvwire <role>` would run, its warm-up held until `release` is set; whether it was
+    in the directory when it froze its start-up heap goes to `frozen_when_registered` (1: it was, 0: not)."""
     import kvwire.node.runtime as runtime
     from kvwire.cli.options import node_config
 
-    real = runtime.warm_up
+    real, real_freeze = runtime.warm_up, runtime.freeze_startup_heap
 
     def held_warm_up(*args, **kwargs):
         warming.set()
         release.wait(WAIT_S)
         return real(*args, **kwargs)
 
-    runtime.warm_up = held_warm_up
+    def seen_freeze() -> None:
+        directory = KVDirectory(redis_url)
+        try:
+            frozen_when_registered.value = int(directory.get_node(f"{role}-w") is not None)
+        finally:
+            directory.close()
+        real_freeze()
+
+    runtime.warm_up, runtime.freeze_startup_heap = held_warm_up, seen_freeze
     config = node_config(NodeRole(role), model=Path(model_dir), redis_url=redis_url, host="127.0.0.1", port=0,
                          node_id=f"{role}-w", connector=ConnectorKind.TCP, block_size=16, num_blocks=NUM_BLOCKS,
                          kv_deadline=5.0, max_model_len=0, device="cpu", torch_threads=1, http_port=http_port)
@@ -75,9 +85,10 @@ def test_a_node_registers_only_once_warmed_up(role, tiny_model_dir, redis_url):
     directory = KVDirectory(redis_url, node_ttl_s=2 * WAIT_S)
     other = NodeRole.DECODE if role == "prefill" else NodeRole.PREFILL
     directory.register_node(node(f"{other}-0", other))  # the other half of the cluster, registered already
-    warming, release = CTX.Event(), CTX.Event()
+    warming, release, frozen_when_registered = CTX.Event(), CTX.Event(), CTX.Value("i", -1)
     port = free_port()
-    proc = CTX.Process(target=_gated_node, args=(role, str(tiny_model_dir), redis_url, port, warming, release))
+    proc = CTX.Process(target=_gated_node, args=(role, str(tiny_model_dir), redis_url, port, warming, release,
+                                                 frozen_when_registered))
     with TestClient(create_app(RouterConfig(model_dir=tiny_model_dir, redis_url=redis_url), Metrics())) as router:
         proc.start()
         try:
@@ -90,6 +101,8 @@ def test_a_node_registers_only_once_warmed_up(role, tiny_model_dir, redis_url):
             assert body["disaggregate"] is False and status == (200 if role == "prefill" else 503), body
             release.set()
             _until(lambda: directory.get_node(f"{role}-w") is not None, "the node registers")
+            # its start-up heap's full collection (tens of ms) came first: a first request does not wait it out
+            assert frozen_when_registered.value == 0, "the node froze its heap only after it registered"
             status, body = _router_readyz(router)
             assert (status, body["disaggregate"]) == (200, True), body
             _until(lambda: _node_readyz(port).status_code == 200, "the node's /readyz turns 200")
