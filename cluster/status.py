@@ -9,7 +9,7 @@ import msgspec
 from kvwire.connectors.config import ConnectorKind, NodeRole
 from kvwire.connectors.directory.directory import AgedEntry, KVDirectory, TransferState
 from kvwire.connectors.wire import NodeEngine, NodeInfo, TransportCheck, models_agree
-from kvwire.observability.labels import TransferFailure
+from kvwire.observability.labels import RecomputeReason, TransferFailure
 
 
 class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,6 +30,7 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     engine: NodeEngine = NodeEngine.KVWIRE
     pulls: int = 0  # a consumer's pulls so far (a decode node, a vLLM consumer rank)
     recomputed: dict[TransferFailure, int] = {}  # ... and the prompts it recomputed instead, by reason
+    prefix_misses: int = 0  # a decode node's prompts kept on it as cached that it computed again (not in its cache)
     model: str = ""  # its checkpoint's fingerprint ("": not known); a prefill and a decode node of two trade no KV
 
 
@@ -56,7 +57,8 @@ def node_status(info: NodeInfo, now: float) -> NodeStatus:
                       epoch=info.epoch, queue_depth=info.queue_depth, running=info.running,
                       free_blocks=info.free_blocks, total_blocks=info.total_blocks, heartbeat_age_s=age,
                       draining=info.draining, transport_checks=info.transport_checks, engine=info.engine,
-                      pulls=info.pulls, recomputed=info.recomputed, model=info.model)
+                      pulls=info.pulls, recomputed=info.recomputed, prefix_misses=info.prefix_misses,
+                      model=info.model)
 
 
 def transfer_status(aged: AgedEntry) -> TransferStatus:
@@ -98,11 +100,12 @@ def _paths(checks: list[TransportCheck]) -> str:
 
 
 def _kv(n: NodeStatus) -> list[str]:
-    """PULLS, RECOMPUTED: a consumer's, a decode node or a vLLM consumer rank ("deadline:2 producer:1"; "0");
-    "-" for producers."""
+    """PULLS, RECOMPUTED: a consumer's, a decode node or a vLLM consumer rank ("deadline:2 producer:1"; "0"; a
+    decode node's prefix misses as "prefix_miss:N"); "-" for producers."""
     if n.role == NodeRole.PREFILL:
         return ["-", "-"]
-    return [str(n.pulls), " ".join(f"{r}:{c}" for r, c in sorted(n.recomputed.items()) if c) or "0"]
+    counts = [*sorted(n.recomputed.items()), (RecomputeReason.PREFIX_MISS, n.prefix_misses)]
+    return [str(n.pulls), " ".join(f"{r}:{c}" for r, c in counts if c) or "0"]
 
 
 def _load(n: NodeStatus) -> list[str]:

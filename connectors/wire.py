@@ -203,6 +203,9 @@ class NodeInfo(_Msg, tag="node", frozen=True):
     # receive and recomputed instead, by reason (connectors/consumer/totals.py). 0 and {} for producers.
     pulls: int = 0
     recomputed: dict[TransferFailure, int] = {}
+    # a decode node's prompts kept on it as cached-on-decode that found fewer blocks in its prefix cache than the
+    # router took it to hold (RecomputeReason.PREFIX_MISS): computed again there
+    prefix_misses: int = 0
     block_size: int = 0  # tokens per KV block of its pool (0: an older node)
     prefix_cache: bool = False  # a decode node keeping computed blocks for later prompts (engine/block_allocator.py)
     # a decode node's consumer inbox (connectors/consumer/inbox.py): producers push its KVReady there ("": an

@@ -45,6 +45,7 @@ from kvwire.connectors.kv_pool import KVPool
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.wakeup import Wakeup
 from kvwire.decode_node.request import DecodeRequest
+from kvwire.engine.block_names import cacheable
 from kvwire.engine.llm_engine import InvalidRequest, LLMEngine, StepOutput
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.sequence import Sequence
@@ -63,6 +64,7 @@ class DecodeNode:
         self.rt = rt = NodeRuntime.open(config, self._load)
         self._requests: dict[str, DecodeRequest] = {}  # every request accepted and not yet answered, by id
         self._awaiting_kv: dict[str, DecodeRequest] = {}  # of those, the ones not in the engine yet
+        self._prefix_misses = 0  # prompts kept here as cached-on-decode whose blocks were not in the cache
         self._wakeup = Wakeup()  # the consumer (a request settled) and the engine (a pull ended) wake us
         self._replies = PushSockets()  # TokenChunk / WorkError to routers
         pool = KVPool.allocate(rt.layout, config.engine.num_blocks, config.engine.device)
@@ -133,7 +135,7 @@ class DecodeNode:
     def _load(self) -> NodeLoad:
         """The node's queues, for its heartbeat (read on another thread)."""
         return NodeLoad(self._awaiting() + len(self.engine.waiting) + len(self.engine.shared), len(self.engine.running),
-                        *self._consumer.totals.snapshot())
+                        *self._consumer.totals.snapshot(), self._prefix_misses)
 
     def _awaiting(self) -> int:
         """Requests waiting for their KV: for its location, or being pulled. Any thread."""
@@ -275,9 +277,15 @@ class DecodeNode:
         if len(seq.output_ids) > 1 and t.first_token_time is not None and t.finished_time is not None:
             m.tpot_seconds.observe((t.finished_time - t.first_token_time) / (len(seq.output_ids) - 1))
         m.prompt_tokens_cached.inc(seq.num_cached_tokens)
-        reason = None if seq.bypassed or seq.prompt_shared else recompute_reason(record.work)
+        reason = None if seq.bypassed or seq.prompt_shared else recompute_reason(record.work, seq.num_cached_tokens,
+                                                                                 self.engine.block_size)
         if reason is not None:
             m.recomputes.labels(str(reason)).inc()
+        if reason == RecomputeReason.PREFIX_MISS:
+            self._prefix_misses += 1  # the heartbeat reads it (kvwire status)
+            log.info("request %s: kept here as cached-on-decode, holding %d prompt tokens; %d were in the prefix "
+                     "cache, the rest computed again", record.work.request_id, record.work.cached_expected,
+                     seq.num_cached_tokens)
 
     def _fail(self, rid: str, reason: str) -> None:
         record = self._requests.pop(rid, None)
@@ -299,12 +307,16 @@ _NOT_PREFILLED = {PathReason.PREFILL_SATURATED: RecomputeReason.PREFILL_SATURATE
                   PathReason.PROMPT_SHARED: RecomputeReason.PROMPT_NOT_SHARED}
 
 
-def recompute_reason(work: DecodeWork) -> RecomputeReason | None:
-    """Why a prompt computed here should have come as KV; None when the router kept it here by design."""
+def recompute_reason(work: DecodeWork, cached_tokens: int = 0, block_size: int = 1) -> RecomputeReason | None:
+    """Why a prompt computed here (`cached_tokens` of it read from the prefix cache, in blocks of `block_size`)
+    should have come as KV, or from the cache; None when the router kept it here by design."""
     if work.prefill_node:
         return RecomputeReason.KV_NOT_RECEIVED
     if work.path_reason is None:  # an older router
         return RecomputeReason.NO_PREFILL_NODE
+    if work.path_reason == PathReason.CACHED_ON_DECODE and cached_tokens < min(
+            work.cached_expected, cacheable(len(work.prompt_token_ids), block_size)):
+        return RecomputeReason.PREFIX_MISS
     if work.path_reason in _BY_DESIGN:
         return None
     return _NOT_PREFILLED.get(work.path_reason, RecomputeReason.NO_PREFILL_NODE)

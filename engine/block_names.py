@@ -16,6 +16,12 @@ from collections.abc import Sequence
 ROOT = b""  # the name of the empty prefix
 
 
+def cacheable(prompt_len: int, block_size: int) -> int:
+    """The most of a prompt of `prompt_len` tokens that a prefix cache gives: whole blocks, short of its last token
+    (computed for its logits), as kvwire's engine and vLLM's scheduler read it."""
+    return max(0, prompt_len - 1) // block_size * block_size
+
+
 def _packed(tokens: Sequence[int]) -> bytes:
     """The tokens as little-endian signed 64-bit integers (the bytes a name is hashed over)."""
     return struct.pack(f"<{len(tokens)}q", *tokens)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from kvwire.connectors.model_input import ModelInput, SequenceInput
 from kvwire.connectors.wakeup import Wakeup
 from kvwire.engine.block_allocator import BlockAllocator
-from kvwire.engine.block_names import block_names
+from kvwire.engine.block_names import block_names, cacheable
 from kvwire.engine.outputs import ModelRunnerOutput
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.sampler import TokenHistory, make_generator, sample
@@ -236,7 +236,7 @@ class LLMEngine:
         """Give `seq` its blocks: those of its cached prefix first (unless its KV is pulled whole), then fresh ones."""
         cached: list[int] = []
         if self.prefix_cache and not (seq.receive_kv and self._runner.pulls_whole_prompts):  # a pull writes after
-            usable = (len(seq.prompt_ids) - 1) // self.block_size  # its last token is computed, for its logits
+            usable = cacheable(len(seq.prompt_ids), self.block_size) // self.block_size
             cached = self.allocator.share(block_names(seq.prompt_ids[:usable * self.block_size], self.block_size))
         needed = self._blocks_needed(len(seq.prompt_ids), seq.params)
         seq.block_ids = cached + self.allocator.allocate(needed - len(cached))  # fits: _fits counted idle blocks

@@ -43,6 +43,9 @@ class RecomputeReason(enum.StrEnum):
     # a later choice meant to start from its first choice's prompt KV (PathReason.PROMPT_SHARED): that one was not on
     # the node, its prompt was already done, or it ended before its prompt was
     PROMPT_NOT_SHARED = "prompt_not_shared"
+    # kept here as cached-on-decode (PathReason.CACHED_ON_DECODE), the node's prefix cache held fewer of the
+    # prompt's blocks than the router took it to (evicted since, or never there): those were computed again
+    PREFIX_MISS = "prefix_miss"
     # Not recomputes: prompts the router kept on decode by design (short, cached there, or the client's wish);
     # kvwire_path_reasons_total counts those.
 

@@ -73,6 +73,9 @@ class DecodeWork(AnyMessage, tag="decode", frozen=True):
     # request, starts from: its prompt KV, not computed or received again (engine/shared_prompts.py); sent only to
     # nodes that say they do (NodeInfo.shares_prompts), with prefill_node "" and path_reason PROMPT_SHARED
     prompt_of: str = ""
+    # the prompt tokens the router took this node's prefix cache to hold when it kept the request here as
+    # cached-on-decode (PathReason.CACHED_ON_DECODE); the node counts a prefix miss when it held fewer
+    cached_expected: int = 0
 
 
 class DecodeStats(msgspec.Struct, frozen=True, kw_only=True):

@@ -146,7 +146,8 @@ class Dispatcher:
                                                   sampling=sampling, reply_to=self.reply_to,
                                                   prefill_node=route.prefill.node_id if route.prefill else "",
                                                   prefill_epoch=route.prefill.epoch if route.prefill else 0,
-                                                  trace=trace, path_reason=route.reason))
+                                                  trace=trace, path_reason=route.reason,
+                                                  cached_expected=route.held))
         return route, queue
 
     async def submit_shared(self, request_id: str, first: str, decode: NodeInfo, prompt_ids: list[int],

@@ -83,6 +83,7 @@ class Route:
     prefill: NodeInfo | None  # None: decode computes the prompt (`reason` says why)
     decode: NodeInfo
     reason: PathReason
+    held: int = 0  # the prompt tokens the decode node holds in its prefix cache (predicted, or as it said)
 
     @property
     def path(self) -> ProxyPath:
@@ -194,7 +195,7 @@ class Placement:
             return Route(None, decode, PathReason.NOT_ASKED)
         cached = held.get(_key(decode), 0)
         if len(prompt) - cached < self._decode_only_below:
-            return Route(None, decode, PathReason.CACHED_ON_DECODE if cached else PathReason.SHORT_PROMPT)
+            return Route(None, decode, PathReason.CACHED_ON_DECODE if cached else PathReason.SHORT_PROMPT, cached)
         prefills = [n for n in nodes if n.role == NodeRole.PREFILL]
         if not prefills:
             return Route(None, decode, PathReason.NO_PREFILL_INSTANCE)

@@ -10,7 +10,8 @@ Lifecycle of an entry:
 1. `record(url, prompt)` when the router sends a prompt to `url`: every full block of it is held there from now.
 2. `answered(url, prompt, generated)` once `url` answered it: the prompt's last, partial block and the
    `generated` tokens after it are held there too, as the start of whatever prompt continues it (the next
-   turn of a conversation continues its last prompt with the answer the instance generated).
+   turn of a conversation continues its last prompt with the answer the instance generated), all but the
+   last: a sampled token's KV is written when it is fed back, and the last one never is.
 3. `held(prompt, urls)`: how many of `prompt`'s tokens each instance holds, in whole blocks.
 
 Each takes the prompt's cache `scope` (ROOT: the base model's, no salt): vLLM keeps a LoRA adapter's, a cache
@@ -41,7 +42,7 @@ class Tail(NamedTuple):
     """What an instance holds past a prompt's last full block: that block's partial rest, then `generated` tokens."""
 
     tokens: tuple[int, ...]
-    generated: int
+    generated: int  # the answer's tokens whose KV the instance wrote: all but its last
     at: float
 
 
@@ -79,7 +80,7 @@ class PrefixIndex:
             return
         names = block_names(prompt, self.block_size, scope)
         rest = tuple(prompt[len(names) * self.block_size:])
-        self._tails[(url, names[-1] if names else scope)] = Tail(rest, max(0, generated), self._clock())
+        self._tails[(url, names[-1] if names else scope)] = Tail(rest, max(0, generated - 1), self._clock())
 
     def held(self, prompt: Sequence[int], urls: Iterable[str], scope: bytes = _ROOT) -> dict[str, int]:
         """Returns: for each of `urls`, how many of `prompt`'s first tokens it holds, a multiple of the block size."""

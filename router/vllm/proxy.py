@@ -61,7 +61,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvwire.connectors.config import NodeRole
-from kvwire.engine.block_names import ROOT
+from kvwire.engine.block_names import ROOT, cacheable
 from kvwire.observability.labels import InstanceState, KVEventKind, PathReason, ProxyPath, RequestStatus
 from kvwire.observability.metrics import CONTENT_TYPE, Metrics, process_metrics
 from kvwire.router.body_limit import BodyLimit
@@ -313,7 +313,8 @@ class VLLMRouter:
                     headers = headers | {http.DP_RANK: str(engine)}  # one engine pulls the KV, once, for all
                 try:
                     resp = await send(self.client, call.rid, url, call.endpoint, body, headers)
-                    held = placed.held if checked else 0
+                    size = self.decode.block_size_of(url) or 1
+                    held = min(placed.held, cacheable(len(call.tokens or ()), size)) if checked else 0
                     if not stream or resp.status_code != 200:
                         self.decode.ended(url, blocks)
                         return self._whole_answer(resp, call, url, prefilled, held)

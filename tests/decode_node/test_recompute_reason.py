@@ -36,3 +36,18 @@ def test_kv_asked_of_a_prefill_node_that_never_came(path, want):
 ])
 def test_decode_only_is_a_recompute_unless_chosen(path, want):
     assert recompute_reason(_work("", path)) == want
+
+
+def test_a_prompt_kept_here_as_cached_whose_blocks_were_not_in_the_cache_is_a_prefix_miss():
+    """The router kept it here predicting 32 of its 40 tokens in the prefix cache (blocks of 16): fewer found is a
+    miss; a cache gives whole blocks short of the prompt's last token, so 32 of a 33-token prompt is not asked."""
+    def work(prompt_len: int, expected: int) -> DecodeWork:
+        return DecodeWork(request_id="r", prompt_token_ids=[1] * prompt_len, sampling=SamplingParams(),
+                          prefill_node="", reply_to="tcp://127.0.0.1:1", path_reason=PathReason.CACHED_ON_DECODE,
+                          cached_expected=expected)
+
+    assert recompute_reason(work(40, 32), 16, 16) == RecomputeReason.PREFIX_MISS
+    assert recompute_reason(work(40, 32), 0, 16) == RecomputeReason.PREFIX_MISS
+    assert recompute_reason(work(40, 32), 32, 16) is None
+    assert recompute_reason(work(32, 32), 16, 16) is None  # its last block holds its last token: computed
+    assert recompute_reason(work(33, 32), 32, 16) is None

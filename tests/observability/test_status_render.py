@@ -18,7 +18,7 @@ def _status(transfers: bool = True) -> ClusterStatus:
     nodes = [NodeStatus(node_id="decode-0", role=NodeRole.DECODE, address="tcp://127.0.0.1:5001",
                         connector=ConnectorKind.TCP, epoch=3, queue_depth=2, running=5, free_blocks=100,
                         total_blocks=512, heartbeat_age_s=1.25, pulls=7, recomputed={TransferFailure.DEADLINE: 2},
-                        model="5be3cded080143ef",
+                        prefix_misses=1, model="5be3cded080143ef",
                         transport_checks=[TransportCheck(transport=ConnectorKind.TCP, ok=True, path="tcp", ms=2.0)]),
              NodeStatus(node_id="prefill-0", role=NodeRole.PREFILL, address="tcp://127.0.0.1:5002",
                         connector=ConnectorKind.AUTO, epoch=1, queue_depth=0, running=1, free_blocks=500,
@@ -39,7 +39,7 @@ def test_table_has_a_row_per_node_and_transfer_in_aligned_columns():
     assert header.split() == ["NODE", "ROLE", "ADDRESS", "CONNECTOR", "EPOCH", "QUEUED", "RUNNING", "FREE",
                               "BLOCKS", "HEARTBEAT", "TRANSPORT", "PATH", "PULLS", "RECOMPUTED", "MODEL"]
     assert decode.split() == ["decode-0", "decode", "tcp://127.0.0.1:5001", "tcp", "3", "2", "5", "100/512", "1.2s",
-                              "tcp:tcp", "7", "deadline:2", "5be3cded080143ef"]  # pulls, failed pulls, model
+                              "tcp:tcp", "7", "deadline:2", "prefix_miss:1", "5be3cded080143ef"]  # pulls, recomputes
     assert header.index("ROLE") == decode.index(" decode ") + 1 and header.index("HEARTBEAT") == decode.index("1.2s")
     prefill = next(line for line in lines if line.startswith("prefill-0"))
     assert prefill.split()[-6:] == ["-", "shm:shm", "ucx:FAILED", "-", "-", "-"]  # its model not known

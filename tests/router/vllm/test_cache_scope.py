@@ -108,10 +108,10 @@ def test_a_prompt_sent_under_one_adapter_is_not_held_under_another():
     s = scheduler()
     prompt, sql, poet = list(range(12)), scope("sql", None), scope("poet", None)
     s.sent(NodeRole.DECODE, D1, prompt, sql)
-    s.answered(D1, prompt, 4, sql)
+    s.answered(D1, prompt, 5, sql)  # the KV of all but the last of them written
     assert held(s, prompt, D1, sql) == 12
     assert held(s, prompt, D1, poet) == held(s, prompt, D1, ROOT) == 0  # vLLM would compute it all again
-    assert held(s, [*prompt, 50, 51, 52, 53], D1, sql) == 16  # the answer's 4 tokens: one more block
+    assert held(s, [*prompt, 50, 51, 52, 53], D1, sql) == 16  # the answer's 4 written: one more block
 
 
 def test_kv_events_of_an_adapter_s_blocks_are_held_in_its_scope_alone():
