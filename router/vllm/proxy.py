@@ -29,8 +29,8 @@ Lifecycle of a request:
    that never reached its instance (refused, or no connection in time) is tried again, on another
    instance if one is up, with back-off until `instance_wait_s` after arrival; one that reached it
    and timed out or broke gives the client a 504 or 502.
-5. ANSWERED: the decode instance's answer, whole or as its SSE stream chunk by chunk (from its first
-   chunk), with x-kvwire-path (disaggregated or decode-only), x-kvwire-reason (why: PathReason),
+5. ANSWERED (router/vllm/answers.py): the decode instance's answer, whole or as its SSE stream chunk by
+   chunk (from its first chunk), with x-kvwire-path (disaggregated or decode-only), x-kvwire-reason (why: PathReason),
    x-kvwire-decode and, when one computed the prompt, x-kvwire-prefill (the instances' base URLs).
 
 A client that goes away before its answer starts cancels the request's calls to the instances (vLLM aborts
@@ -48,20 +48,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any
 
-import anyio
 import httpx2
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvwire.connectors.config import NodeRole
-from kvwire.engine.block_names import ROOT, cacheable
+from kvwire.engine.block_names import cacheable
 from kvwire.observability.labels import InstanceState, KVEventKind, PathReason, ProxyPath, RequestStatus
 from kvwire.observability.metrics import CONTENT_TYPE, Metrics, process_metrics
 from kvwire.router.body_limit import BodyLimit
@@ -71,6 +69,7 @@ from kvwire.router.not_served import answer_not_served
 from kvwire.router.schemas import APIError
 from kvwire.router.vllm import http as http
 from kvwire.router.vllm import upstream as upstream
+from kvwire.router.vllm.answers import Answers, Call
 from kvwire.router.vllm.bodies import (
     Endpoint,
     Producer,
@@ -88,9 +87,8 @@ from kvwire.router.vllm.pool import HealthProbe, InstancePool, Tolerance, run_he
 from kvwire.router.vllm.prefill import Prefilled, PrefillStep, record_failure
 from kvwire.router.vllm.schedule import Placement, Scheduler
 from kvwire.router.vllm.stored import StoredResponses
-from kvwire.router.vllm.tokens import PromptReader, completion_tokens_of
-from kvwire.router.vllm.upstream import FailureKind, InstanceError, unsent
-from kvwire.router.vllm.usage import cached_tokens_in, check_held
+from kvwire.router.vllm.tokens import PromptReader
+from kvwire.router.vllm.upstream import InstanceError, unsent
 
 log = logging.getLogger(__name__)
 _FIRST_RETRY_S = 0.05  # back-off before a request tries an instance again, doubled each time up to _LAST_RETRY_S
@@ -116,6 +114,7 @@ class VLLMRouter:
         self._prompts = PromptReader(metrics)
         self.cards = ModelCards()
         self.stored = StoredResponses()
+        self._answers = Answers(metrics, self.decode, self.schedule, self.stored)
         self.pass_on = PassOn(lambda: self.client, self.decode, metrics, self.stored)
         for pool in (self.prefill, self.decode):
             metrics.watch_instances(str(pool.role), pool.count)
@@ -214,7 +213,7 @@ class VLLMRouter:
             deadline = started + self.config.instance_wait_s
             await self._wait_for_decode(rid, deadline)
             headers = http.upstream_headers(request, rid)
-            call = await self._read_prompt(_Call(rid, endpoint, body, headers, started, deadline,
+            call = await self._read_prompt(Call(rid, endpoint, body, headers, started, deadline,
                                                  scope=self._scope_of(body, headers)))
             placed = self.schedule.place(call.tokens, scope=call.scope)
             if placed is None:
@@ -238,14 +237,14 @@ class VLLMRouter:
                 return await self._alongside(call, url, producer, placed)
             prefilled = await self._prefill_step.run(self.client, rid, url, endpoint, body, call.headers)
             if prefilled.refusal is not None:
-                self._count(prefilled.refusal.status_code)
+                self._answers.count(prefilled.refusal.status_code)
                 return http.whole(prefilled.refusal, rid, {})
             return await self._decode(call, prefilled, placed)
         except APIError as exc:
-            self._count(exc.status)
+            self._answers.count(exc.status)
             return JSONResponse(exc.body(), status_code=exc.status, headers={"x-request-id": rid})
         except Exception:
-            self._count(500)
+            self._answers.count(500)
             raise
 
     async def _wait_for_decode(self, rid: str, deadline: float) -> None:
@@ -262,14 +261,14 @@ class VLLMRouter:
             task.add_done_callback(self._behind.discard)
         return self.cards.scope_of(body)
 
-    async def _read_prompt(self, call: _Call) -> _Call:
+    async def _read_prompt(self, call: Call) -> Call:
         """`call` with its prompt's token ids, when the scheduler needs them and an instance tokenizes them."""
         if not self.schedule.reads_prompts() or not (up := self.decode.urls(InstanceState.UP)):
             return call
         return call._replace(tokens=await self._prompts.read(self.client, call.rid, up, call.endpoint, call.body,
                                                              call.headers))
 
-    async def _alongside(self, call: _Call, url: str, producer: Producer, placed: Placement) -> Response:
+    async def _alongside(self, call: Call, url: str, producer: Producer, placed: Placement) -> Response:
         """The prefill and the decode step at once (module docstring, ALONGSIDE)."""
         key = f"kvwire-{uuid.uuid4().hex}"
         prefill = asyncio.create_task(self._prefill_step.run(self.client, call.rid, url, call.endpoint, call.body,
@@ -294,7 +293,7 @@ class VLLMRouter:
                 self._behind.add(prefill)
                 prefill.add_done_callback(self._behind.discard)
 
-    async def _decode(self, call: _Call, prefilled: Prefilled, placed: Placement) -> Response:
+    async def _decode(self, call: Call, prefilled: Prefilled, placed: Placement) -> Response:
         """The decode instance `placed` names answers the request, or the first other one that takes it (module
         docstring, steps 4 and 5)."""
         body = decode_body(call.body, prefilled.kv_transfer_params)
@@ -317,8 +316,8 @@ class VLLMRouter:
                     held = min(placed.held, cacheable(len(call.tokens or ()), size)) if checked else 0
                     if not stream or resp.status_code != 200:
                         self.decode.ended(url, blocks)
-                        return self._whole_answer(resp, call, url, prefilled, held)
-                    return await self._stream_answer(resp, call, url, prefilled, blocks, held)
+                        return self._answers.whole(resp, call, url, prefilled, held)
+                    return await self._answers.stream(resp, call, url, prefilled, blocks, held)
                 except InstanceError as exc:
                     self.decode.ended(url, blocks)
                     record_failure(self.metrics, self.decode, url, exc)
@@ -336,89 +335,6 @@ class VLLMRouter:
             delay = min(2 * delay, _LAST_RETRY_S)
             again = self.schedule.place(call.tokens, frozenset(tried), call.scope)
             url, placed = (again.decode, again) if again else (None, placed)
-
-    def _whole_answer(self, resp: httpx2.Response, call: _Call, url: str, prefilled: Prefilled, held: int) -> Response:
-        """The client's answer from decode instance `url`'s whole one (or a stream's that was not 200), predicted to
-        hold `held` of its prompt tokens (0: not checked)."""
-        self._answered(resp, call.rid, url, prefilled)
-        self._count(resp.status_code)
-        if resp.status_code == 200:
-            if held:
-                check_held(self.metrics, call.rid, url, held, cached_tokens_in(resp.content, stream=False))
-            self.schedule.answered(url, call.tokens, completion_tokens_of(resp.content), call.scope)
-            self.stored.remember_from(call.endpoint, url, resp.content)
-        return http.whole(resp, call.rid, prefilled.headers(url))
-
-    async def _stream_answer(self, resp: httpx2.Response, call: _Call, url: str, prefilled: Prefilled,
-                             blocks: int, held: int) -> Response:
-        """The client's stream, from decode instance `url`'s first chunk (read here: a stream cut before it is an
-        InstanceError of the call); `url` counts the request until the relay ends."""
-        chunks = upstream.stream_bytes(resp, call.rid, url)
-        try:
-            first = await anext(chunks, b"")
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await resp.aclose()
-            raise
-        self.metrics.ttft_seconds.observe(time.monotonic() - call.started)
-        self._answered(resp, call.rid, url, prefilled)
-        return StreamingResponse(self._relay(resp, chunks, first, call, url, blocks, held),
-                                 media_type=resp.headers.get("content-type"),
-                                 headers={"x-request-id": call.rid} | prefilled.headers(url))
-
-    def _answered(self, resp: httpx2.Response, rid: str, url: str, prefilled: Prefilled) -> None:
-        self.metrics.vllm_requests.labels(str(prefilled.path)).inc()
-        self.metrics.vllm_path_reasons.labels(str(prefilled.path), str(prefilled.reason)).inc()
-        if upstream.is_instance_fault(resp.status_code):
-            record_failure(self.metrics, self.decode, url,
-                           InstanceError(rid, url, FailureKind.BROKEN, f"answered {resp.status_code}"))
-        else:
-            self.decode.observe(url, None)
-
-    async def _relay(self, resp: httpx2.Response, chunks: AsyncIterator[bytes], first: bytes, call: _Call, peer: str,
-                     blocks: int, held: int):
-        """The decode instance's stream, chunk by chunk from `first`; an SSE error event if it breaks."""
-        status, events = 200, first.count(b"data: {")  # an event a generated token, near enough for the index
-        cached = cached_tokens_in(first, stream=True) if held else None
-        try:
-            stored = self.stored.remember_from(call.endpoint, peer, first)
-            yield first
-            async for chunk in chunks:
-                events += chunk.count(b"data: {")
-                stored = stored or self.stored.remember_from(call.endpoint, peer, chunk)
-                if held and (said := cached_tokens_in(chunk, stream=True)) is not None:
-                    cached = said
-                yield chunk
-            self.schedule.answered(peer, call.tokens, events, call.scope)
-            if held:
-                check_held(self.metrics, call.rid, peer, held, cached)
-        except InstanceError as exc:
-            log.warning("%s; stream cut", exc)
-            record_failure(self.metrics, self.decode, peer, exc)
-            err = http.failed(exc)
-            status = err.status
-            yield f"\n\ndata: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
-        finally:
-            self.decode.ended(peer, blocks)
-            with anyio.CancelScope(shield=True):  # the client may have gone: close the instance's stream anyway
-                await resp.aclose()
-        self._count(status)
-
-    def _count(self, http_status: int) -> None:
-        self.metrics.requests.labels(str(http.request_status(http_status))).inc()
-
-
-class _Call(NamedTuple):
-    """One client request as the router passes it on."""
-
-    rid: str
-    endpoint: Endpoint
-    body: dict[str, Any]
-    headers: dict[str, str]
-    started: float  # its arrival (time.monotonic())
-    deadline: float  # the last moment it may wait for a decode instance to take it
-    tokens: list[int] | None = None  # its prompt's token ids, when the scheduler read them
-    scope: bytes = ROOT  # its prompt's cache scope (router/vllm/cache_scope.py)
 
 
 def create_vllm_app(config: VLLMRouterConfig, metrics: Metrics | None = None) -> FastAPI:
