@@ -10,13 +10,15 @@ per layer, so the same run is 2 x num_layers pieces.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
 import msgspec
 import torch
 
-from kvwire.connectors.transports.sub_blocks import SubBlocks
+from kvwire.connectors.transports.sub_blocks import SubBlocks, unpack
 from kvwire.connectors.wire import KVLayout, KVLocation, PoolLayout
 
 # pools whose plane rows hold a block's KV heads one after another (a head slice is a byte range of a row)
@@ -349,6 +351,26 @@ def consumer_parts(region: KVRegion, loc: KVLocation, dst_blocks: list[int], hid
     region, runs = consumer_runs(region, loc, dst_blocks, len(hidden), max_pieces)
     kv = region.layer_major_parts(runs) if layer_major else region.parts(runs)
     return kv + byte_parts(hidden)
+
+
+def consumer_stream(region: KVRegion, loc: KVLocation, dst_blocks: list[int],
+                    hidden: list[torch.Tensor]) -> tuple[list[Part], Callable[[], None] | None]:
+    """`consumer_parts` for a byte stream: a pull that `packs` lands in one staging buffer (as `SendJob.stream_parts`
+    sends it), which the callable returned unpacks into its blocks once the stream is complete; None: the parts
+    are the blocks themselves."""
+    narrowed, runs = consumer_runs(region, loc, dst_blocks, len(hidden), None)
+    if not packs(narrowed, loc.layerwise):
+        return consumer_parts(region, loc, dst_blocks, hidden, layer_major=loc.layerwise), None
+    assert narrowed.split is not None  # packs() says so
+    ids = blocks_of(runs)
+    staging = torch.empty(len(narrowed.planes), len(ids), narrowed.split.block_nbytes, dtype=torch.uint8)
+    return byte_parts([staging, *hidden]), functools.partial(unpack, staging, narrowed.split, ids, narrowed.planes)
+
+
+def packs(region: KVRegion, layer_major: bool = False) -> bool:
+    """Whether a byte stream moves `region`'s blocks packed (sub_blocks.pack): sub-blocks of host planes, not
+    layer by layer. A device pool's go piece by piece through the stream's device staging as before."""
+    return region.split is not None and not layer_major and all(p.device.type == "cpu" for p in region.planes)
 
 
 def consumer_runs(region: KVRegion, loc: KVLocation, dst_blocks: list[int], n_hidden: int,

@@ -28,8 +28,9 @@ import torch
 from kvwire.connectors.config import ConnectorConfig, ConnectorKind
 from kvwire.connectors.kv_pool import KVPool
 from kvwire.connectors.transports.data_path import DataPath
-from kvwire.connectors.transports.kv_region import KVRegion, Part, byte_parts
+from kvwire.connectors.transports.kv_region import KVRegion, Part, blocks_of, byte_parts, packs
 from kvwire.connectors.transports.offers import narrow
+from kvwire.connectors.transports.sub_blocks import pack
 from kvwire.connectors.wire import PullRequest
 
 if TYPE_CHECKING:
@@ -144,6 +145,15 @@ class SendJob:
         """The same, as buffers (cheaper to build on the CPU); a layer-wise request's blocks layer by layer."""
         kv = self.region.layer_major_parts(self.runs) if self.held.gate else self.region.parts(self.runs)
         return kv + byte_parts(self.held.hidden)
+
+    def stream_parts(self) -> list[Part]:
+        """`parts()` for a byte stream: a pull of many sub-blocks of a host pool (a pull between block sizes), its
+        blocks packed into one buffer first, the same bytes in the same order (sub_blocks.pack)."""
+        if not packs(self.region, self.held.gate is not None):
+            return self.parts()
+        assert self.region.split is not None  # packs() says so
+        kv = pack(self.region.planes, self.region.split, blocks_of(self.runs))
+        return byte_parts([kv, *self.held.hidden])
 
     @property
     def layer_nbytes(self) -> int:

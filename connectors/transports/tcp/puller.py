@@ -33,7 +33,7 @@ import torch
 
 from kvwire.connectors.base import TransferError
 from kvwire.connectors.control.side_channel import SideChannelClient
-from kvwire.connectors.transports.kv_region import KVRegion, consumer_parts
+from kvwire.connectors.transports.kv_region import KVRegion, consumer_stream
 from kvwire.connectors.transports.tcp.frames import (
     ACK,
     DATA_MAGIC,
@@ -76,7 +76,7 @@ class TCPPuller(ConfirmedPulls):
             TransferError: refused, failed, malformed stream, or not complete by `deadline`.
         """
         try:
-            parts = consumer_parts(self._region, loc, dst_blocks, hidden, layer_major=loc.layerwise)
+            parts, land = consumer_stream(self._region, loc, dst_blocks, hidden)
         except ValueError as exc:
             raise TransferError(loc.request_id, loc.producer, str(exc)) from exc
         transfer_id = next(self._transfer_ids)
@@ -93,6 +93,8 @@ class TCPPuller(ConfirmedPulls):
             # producer never refuses after the header): done is proof enough, the ok is skipped when it comes.
             self._channel.wait(loc, transfer_id, deadline, fds=[sock.fileno()], progress=inbound.progress,
                                done=lambda: inbound.done, reply_needed=False)
+            if land is not None:
+                land()  # a packed pull's staging into its blocks
         except BaseException as exc:
             self._disconnect(loc.transport_address)
             self._staging.settle()  # no copy into the blocks outlives the failed pull

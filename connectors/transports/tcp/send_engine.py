@@ -146,7 +146,7 @@ class TCPSendEngine(SendEngine):
         if conn is None:
             raise TransferError(msg.request_id, msg.consumer, "consumer has no TCP data connection to this producer")
         header = memoryview(HEADER.pack(DATA_MAGIC, msg.transfer_id, job.nbytes))
-        stream = ByteStream([header, *job.parts()], outbound=True, staging=conn.staging)
+        stream = ByteStream([header, *job.stream_parts()], outbound=True, staging=conn.staging)
         job.state = _Sending(conn, stream, stream.remaining)
         conn.jobs.append(job)
         if len(conn.jobs) == 1:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvwire.connectors.transports.kv_region import KVRegion
+from kvwire.connectors.transports.sub_blocks import copy_sub_blocks
 from kvwire.connectors.vllm.layout import region_of
 from tests.connectors.vllm_pages import put, read_kv
 
@@ -100,3 +101,42 @@ def test_a_block_size_that_does_not_divide_or_a_head_slice_is_refused():
     with pytest.raises(ValueError, match="no rows to copy"):
         region.sub_blocks(4).row_views()
     assert region.sub_blocks(4).num_blocks == 8 and region.sub_blocks(4).block_nbytes * 2 == region.block_nbytes
+
+
+@pytest.mark.parametrize("backend", [CPU, GPU, MLA], ids=["cpu", "gpu", "mla"])
+@pytest.mark.parametrize(("src_size", "dst_size"), [(8, 4), (4, 8), (8, 2)])
+def test_sub_blocks_copied_whole_and_packed_back_to_back_are_the_pieces(src_size, dst_size, backend):
+    """`copy_sub_blocks` (a strided copy a sub-block and part) lands the prompt as the piece-to-piece copy does, and
+    packed back to back (`SubBlocks.packed`) the sub-blocks are the pieces' bytes in their order: the stream a
+    transport sends, however it was cut."""
+    tokens, g = 21, min(src_size, dst_size)
+    src_caches, src = pool(src_size, 12, backend)
+    dst_caches, dst = pool(dst_size, 16, backend)
+    src_blocks, dst_blocks = [7, 2, 9, 4, 11, 0][:-(-tokens // src_size)], [3, 14, 1, 8, 5, 12, 6, 10, 13, 15, 0]
+    write_prompt(src_caches, src_blocks, tokens, src_size, backend)
+    a, b = src.sub_blocks(g), dst.sub_blocks(g)
+    needed = -(-tokens // g)
+    src_ids = torch.tensor(sub(src_blocks, src_size // g, needed))
+    dst_ids = torch.tensor(sub(dst_blocks[:-(-tokens // dst_size)], dst_size // g, needed))
+    assert a.split is not None and b.split is not None
+    packed = a.split.packed()
+    staging = [torch.empty(needed, packed.block_nbytes, dtype=torch.uint8) for _ in a.planes]
+    copy_sub_blocks(a.planes, a.split, src_ids, staging, packed, torch.arange(needed))
+    stream = b"".join(bytes(p) for p in a.parts([(int(v), 1) for v in src_ids]))
+    assert b"".join(bytes(s.numpy()) for s in staging) == stream
+    copy_sub_blocks(staging, packed, torch.arange(needed), b.planes, b.split, dst_ids)
+    assert holds_prompt(dst_caches, dst_blocks, tokens, dst_size, backend)
+
+
+def test_sub_blocks_of_a_head_slice_are_copied_and_pairs_are_checked():
+    src_caches, src = pool(8, 4, CPU)
+    write_prompt(src_caches, [2], 8, 8, CPU)
+    sliced = src.heads(1, 2, True).sub_blocks(4)  # heads 1 and 2 of 3, in blocks of 4
+    assert sliced.split is not None and sliced.split.first_unit == 1
+    packed = sliced.split.packed()
+    staging = [torch.empty(2, packed.block_nbytes, dtype=torch.uint8) for _ in sliced.planes]
+    copy_sub_blocks(sliced.planes, sliced.split, torch.tensor([4, 5]), staging, packed, torch.arange(2))
+    assert b"".join(bytes(s.numpy()) for s in staging) == b"".join(bytes(p) for p in sliced.parts([(4, 2)]))
+    with pytest.raises(ValueError, match="do not pair"):
+        copy_sub_blocks(sliced.planes, sliced.split, torch.tensor([4]), staging, src.sub_blocks(4).split.packed(),
+                        torch.tensor([0]))
