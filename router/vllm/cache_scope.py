@@ -132,7 +132,7 @@ class ModelCards:
                 resp = await client.get(f"{url}/v1/models", headers=headers, timeout=timeout)
                 cards = resp.json()["data"] if resp.status_code == 200 else None
                 names = frozenset(c["id"] for c in cards if c.get("parent") is None) if cards else None
-            except (*PEER_ERRORS, ValueError, KeyError, TypeError) as exc:
+            except (*PEER_ERRORS, ValueError, KeyError, TypeError, AttributeError) as exc:  # not a list of cards
                 log.debug("GET %s/v1/models: %s", url, exc)
                 continue
             if names:
