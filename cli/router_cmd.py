@@ -96,9 +96,9 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
            served_model_name: ServedModelName = None, lenient: Lenient = False,
            max_body_bytes: MaxBodyBytes = MAX_BODY_BYTES, otlp_traces_endpoint: TracesEndpoint = "",
            log_level: LogLevel = "INFO") -> None:
-    """Serve the OpenAI API (POST /v1/completions and /v1/chat/completions), GET /v1/models,
-    /healthz, /readyz and /metrics: over kvwire's nodes (--model, --redis-url), or over vLLM servers
-    (--vllm-decode, and --vllm-prefill to disaggregate)."""
+    """Serve the OpenAI API (POST /v1/completions, /v1/chat/completions, /v1/responses), Anthropic's
+    /v1/messages, GET /v1/models, /healthz, /readyz and /metrics: over kvwire's nodes (--model,
+    --redis-url), or over vLLM servers (--vllm-decode, and --vllm-prefill to disaggregate)."""
     import uvicorn
 
     setup_logging(log_level)
