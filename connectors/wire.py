@@ -249,6 +249,9 @@ class PullRequest(_Msg, tag="pull", frozen=True):
     # Send the location's blocks seen in blocks of this many tokens (KVLocation.pull_block_size): first_block,
     # src_block_ids and dst_block_ids then count those; 0: the producer's own blocks.
     block_size: int = 0
+    # UCX: those sub-blocks travel packed back to back (sub_blocks.pack), one buffer in the message plan where
+    # their pieces were thousands; a producer that cannot pack them refuses (a byte stream, tcp, always packs)
+    packed: bool = False
 
 
 class PullReply(_Msg, tag="pull_reply", frozen=True):

@@ -353,14 +353,14 @@ def consumer_parts(region: KVRegion, loc: KVLocation, dst_blocks: list[int], hid
     return kv + byte_parts(hidden)
 
 
-def consumer_stream(region: KVRegion, loc: KVLocation, dst_blocks: list[int],
-                    hidden: list[torch.Tensor]) -> tuple[list[Part], Callable[[], None] | None]:
+def consumer_stream(region: KVRegion, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor],
+                    max_pieces: int | None = None) -> tuple[list[Part], Callable[[], None] | None]:
     """`consumer_parts` for a byte stream: a pull that `packs` lands in one staging buffer (as `SendJob.stream_parts`
     sends it), which the callable returned unpacks into its blocks once the stream is complete; None: the parts
     are the blocks themselves."""
-    narrowed, runs = consumer_runs(region, loc, dst_blocks, len(hidden), None)
+    narrowed, runs = consumer_runs(region, loc, dst_blocks, len(hidden), max_pieces)
     if not packs(narrowed, loc.layerwise):
-        return consumer_parts(region, loc, dst_blocks, hidden, layer_major=loc.layerwise), None
+        return consumer_parts(region, loc, dst_blocks, hidden, max_pieces, layer_major=loc.layerwise), None
     assert narrowed.split is not None  # packs() says so
     ids = blocks_of(runs)
     staging = torch.empty(len(narrowed.planes), len(ids), narrowed.split.block_nbytes, dtype=torch.uint8)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -37,7 +37,7 @@ from kvwire.connectors.base import TransferError
 from kvwire.connectors.control.side_channel import SideChannelClient
 from kvwire.connectors.transports.data_path import DataPath
 from kvwire.connectors.transports.host import host_identity
-from kvwire.connectors.transports.kv_region import KVRegion, Part, consumer_parts, consumer_runs
+from kvwire.connectors.transports.kv_region import KVRegion, Part, consumer_runs, consumer_stream
 from kvwire.connectors.transports.piece_copy import DevicePieces
 from kvwire.connectors.transports.transport import ConfirmedPulls
 from kvwire.connectors.transports.ucx.lanes import ReceiveLanes
@@ -80,7 +80,7 @@ class UCXPuller(ConfirmedPulls):
             TransferError: refused, failed, or not complete by `deadline`.
         """
         start = time.perf_counter()
-        parts = self._parts(loc, dst_blocks, hidden)
+        parts, land = self._parts(loc, dst_blocks, hidden)
         transfer_id = next(self._transfer_ids)
         # Ask first, then post the receives while the producer handles the request: a send that
         # arrives before its receive waits in UCX's unexpected queue (rendezvous: only its header).
@@ -89,7 +89,8 @@ class UCXPuller(ConfirmedPulls):
             transport_address=self._lanes.address, dst_block_ids=dst_blocks, first_block=loc.first_block,
             src_block_ids=loc.block_ids, block_size=loc.pull_block_size,
             heads=loc.heads, pack_below=self._pack_below, host=host_identity(), guarded=self._guarded(loc),
-            layer_major=True))  # a layer-wise location's blocks land layer by layer, as it sends them
+            layer_major=True,  # a layer-wise location's blocks land layer by layer, as it sends them
+            packed=land is not None))
         try:
             layer_pieces = (len(parts) - len(hidden)) // self._region.layout.num_layers if loc.layerwise else 0
             self._lanes.post(loc.transport_address, parts, transfer_id, self._pack_below, layer_pieces,
@@ -100,6 +101,8 @@ class UCXPuller(ConfirmedPulls):
                                can_block=lambda: False, done=self._lanes.done, reply_needed=False)
             self._lanes.check_errors()
             self._lanes.flush()  # the producer's sends complete on our acknowledgements
+            if land is not None:
+                land()  # packed sub-blocks from the staging buffer into their blocks
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("pulled %s from %s: %d pieces in %.2f ms; %s", loc.request_id, loc.producer, len(parts),
                           (time.perf_counter() - start) * 1e3, self._lanes.summary())
@@ -112,18 +115,20 @@ class UCXPuller(ConfirmedPulls):
             raise TransferError(loc.request_id, loc.producer, f"receive failed: {exc}") from exc
         return sum(piece_sizes(parts))
 
-    def _parts(self, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor]) -> Sequence[Part]:
+    def _parts(self, loc: KVLocation, dst_blocks: list[int],
+               hidden: list[torch.Tensor]) -> tuple[Sequence[Part], Callable[[], None] | None]:
         """Where the pull lands: a device pool's pieces known by address (unpacked by one kernel a slot:
-        piece_copy.py), a host pool's as buffers.
+        piece_copy.py), a host pool's as buffers (its sub-blocks in one, unpacked by the callable returned once
+        the pull is complete: kv_region.consumer_stream; None: nothing to unpack).
 
         Raises:
             TransferError: more pieces than UCX's tags can name, or blocks outside the pool.
         """
         if self._slots_on is None:
-            return consumer_parts(self._region, loc, dst_blocks, hidden, MAX_PIECES, layer_major=loc.layerwise)
+            return consumer_stream(self._region, loc, dst_blocks, hidden, MAX_PIECES)
         region, runs = consumer_runs(self._region, loc, dst_blocks, len(hidden), MAX_PIECES)
         try:
-            return DevicePieces(region, region.spans(runs, layer_major=loc.layerwise), hidden)
+            return DevicePieces(region, region.spans(runs, layer_major=loc.layerwise), hidden), None
         except ValueError as exc:
             raise TransferError(loc.request_id, loc.producer, str(exc)) from exc
 

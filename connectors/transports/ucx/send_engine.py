@@ -14,7 +14,7 @@ import logging
 from collections.abc import Sequence
 
 from kvwire.connectors.transports.host import elsewhere
-from kvwire.connectors.transports.kv_region import KVRegion, Part
+from kvwire.connectors.transports.kv_region import KVRegion, Part, packs
 from kvwire.connectors.transports.piece_copy import DevicePieces
 from kvwire.connectors.transports.transport import SendEngine, SendJob
 from kvwire.connectors.transports.ucx.flows import SendFlow
@@ -95,7 +95,9 @@ def _parts(job: SendJob) -> Sequence[Part]:
     """What the pull sends: a device pool's pieces known by address (packed by one kernel a slot: piece_copy.py),
     a host pool's as buffers."""
     if job.region.planes[0].device.type != "cuda":
-        return job.parts()
+        if job.msg.packed and not packs(job.region):
+            raise ValueError("packed sub-blocks asked of blocks that do not pack")
+        return job.stream_parts() if job.msg.packed else job.parts()
     return DevicePieces(job.region, job.region.spans(job.runs, layer_major=job.held.gate is not None), job.held.hidden)
 
 

@@ -149,3 +149,28 @@ def test_a_consumer_that_stops_reading_holds_only_its_share_of_the_producers_slo
     finally:
         stuck.close()
         producer.close()
+
+
+def test_sub_blocks_travel_packed_only_when_the_consumer_asks_and_the_pool_packs():
+    """A host pool's sub-blocks go as one packed buffer when the pull request says `packed` (a consumer that lands
+    them so); an older consumer's request does not, and gets the pieces; a pool that cannot pack refuses."""
+    from types import SimpleNamespace
+
+    from kvwire.connectors.transports.ucx.send_engine import _parts
+    from tests.connectors.transports.test_sub_blocks import CPU, pool, write_prompt
+
+    caches, region = pool(8, 4, CPU)
+    write_prompt(caches, [1], 8, 8, CPU)
+    split = region.sub_blocks(4)
+    hidden = [torch.ones(3)]
+
+    def job(packed: bool, on=split):
+        return SimpleNamespace(region=on, runs=[(2, 2)], held=SimpleNamespace(gate=None, hidden=hidden),
+                               msg=SimpleNamespace(packed=packed),
+                               parts=lambda: on.parts([(2, 2)]), stream_parts=lambda: [b"packed"])
+
+    pieces = _parts(job(False))
+    assert len(pieces) == split.num_parts([(2, 2)]) > 2
+    assert _parts(job(True)) == [b"packed"]
+    with pytest.raises(ValueError, match="do not pack"):
+        _parts(job(True, on=region))  # whole blocks: nothing to pack
