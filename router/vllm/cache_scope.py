@@ -45,6 +45,7 @@ _TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal", "messag
                          "function_call_output", "tool_use", "tool_result", "thinking", "redacted_thinking",
                          "reasoning", "summary_text", "reasoning_text"})
 _MESSAGE_FIELDS = ("messages", "input", "system", "instructions")  # chat, Responses and Messages bodies
+_CONTENT_KEYS = ("content", "output")  # where a message or a tool's result holds its parts
 LEARN_RETRY_S = 5.0  # how soon GET /v1/models is asked again after it gave no names
 
 
@@ -57,20 +58,22 @@ def scope(adapter: str | None, salt: str | None, media: Sequence[Any] = ()) -> b
 
 
 def media_parts(body: dict[str, Any]) -> list[Any]:
-    """The non-text content parts of the body's messages, in order."""
+    """The non-text content parts of the body's messages, in order: only what a message's (or a tool result's)
+    `content` or `output` holds, not its other fields (a chat message's `tool_calls`, a text block's
+    `cache_control`), which are text to vLLM or no part of the prompt."""
     found: list[Any] = []
 
     def walk(node: Any) -> None:
-        if isinstance(node, dict):
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+        elif isinstance(node, dict):
             kind = node.get("type")
             if isinstance(kind, str) and kind not in _TEXT_PARTS:
                 found.append(node)
                 return
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for item in node:
-                walk(item)
+            for key in _CONTENT_KEYS:
+                walk(node.get(key))
 
     for field in _MESSAGE_FIELDS:
         walk(body.get(field))

@@ -47,6 +47,20 @@ def test_a_body_s_scope_is_its_adapter_its_salt_and_its_media():
                                             {"role": "user", "content": [{"type": "tool_result", "content": [
                                                 {"type": "text", "text": "42"}]}]}]}
     assert known.scope_of(agent) == ROOT
+    claude = {"model": "llama", "system": [{"type": "text", "text": "You are Claude Code.",
+                                            "cache_control": {"type": "ephemeral"}}],
+              "messages": [{"role": "user", "content": [{"type": "text", "text": "hi",
+                                                         "cache_control": {"type": "ephemeral"}}]}]}
+    assert known.scope_of(claude) == ROOT  # a cache_control marker (which moves turn to turn) is no part
+    called = {"model": "llama", "messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "id": "c1",
+                                                               "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "42"}]}]}
+    assert known.scope_of(called) == ROOT  # a chat's tool calls are text to vLLM
+    picture = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"}}
+    shown = {"model": "llama", "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [picture]}]}]}
+    assert known.scope_of(shown) == scope(None, None, [picture])  # an image in a tool's result is media
 
 
 def test_before_the_base_model_s_names_are_known_a_named_model_is_a_scope_of_its_own():
