@@ -67,8 +67,8 @@ class Answers:
             self.stored.remember_from(call.endpoint, url, resp.content)
         return http.whole(resp, call.rid, prefilled.headers(url))
 
-    async def stream(self, resp: httpx2.Response, call: Call, url: str, prefilled: Prefilled,
-                             blocks: int, held: int) -> Response:
+    async def stream(self, resp: httpx2.Response, call: Call, url: str, prefilled: Prefilled, blocks: int,
+                     held: int) -> Response:
         """The client's stream, from decode instance `url`'s first chunk (read here: a stream cut before it is an
         InstanceError of the call); `url` counts the request until the relay ends."""
         chunks = upstream.stream_bytes(resp, call.rid, url)

@@ -214,12 +214,15 @@ def test_a_coding_agents_turns_are_rendered_and_stay_where_their_kv_is(trio: Tri
     the router has the decode servers render them (POST /v1/messages/render, served with --enable-scale-out), so
     the first turn is disaggregated, with the count vLLM's own, and the next, which adds a tool's result, goes
     decode-only to the server that holds the first turn's KV (cached-on-decode). Each answers as that server does
-    when asked directly. Before, such bodies were placed by load and every turn disaggregated."""
+    when asked directly. Before, such bodies were placed by load and every turn disaggregated. Its cache_control
+    markers move to the last block each turn, as Claude Code's do: they are no part of the prompt's cache scope."""
     body = {"model": str(vllm_model_dir), "max_tokens": MAX_TOKENS, "temperature": 0,
-            "system": [{"type": "text", "text": "You are a coding agent working in a small repository. " * 12}],
+            "system": [{"type": "text", "text": "You are a coding agent working in a small repository. " * 12,
+                        "cache_control": {"type": "ephemeral"}}],
             "tools": [{"name": "read_file", "description": "Read a file of the repository.",
                        "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}],
-            "messages": [{"role": "user", "content": [{"type": "text", "text": "What does notes.txt say?"}]}]}
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "What does notes.txt say?",
+                                                       "cache_control": {"type": "ephemeral"}}]}]}
     first = httpx2.post(f"{trio.router_url}/v1/messages", json=body, timeout=120)
     assert first.status_code == 200, first.text
     assert first.headers["x-kvwire-path"] == "disaggregated", first.headers["x-kvwire-reason"]
@@ -227,11 +230,13 @@ def test_a_coding_agents_turns_are_rendered_and_stay_where_their_kv_is(trio: Tri
     rendered = httpx2.post(f"{home}/v1/messages/render", json=body, timeout=10).json()["token_ids"]
     usage = first.json()["usage"]
     assert usage["input_tokens"] + usage["cache_read_input_tokens"] == len(rendered)
+    del body["messages"][0]["content"][0]["cache_control"]  # the marker moves to this turn's last block
     body["messages"] += [
         {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "read_file",
                                            "input": {"path": "notes.txt"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
-                                      "content": [{"type": "text", "text": "Buy milk."}]}]}]
+                                      "content": [{"type": "text", "text": "Buy milk."}],
+                                      "cache_control": {"type": "ephemeral"}}]}]
     second = httpx2.post(f"{trio.router_url}/v1/messages", json=body, timeout=120)
     assert (second.headers["x-kvwire-path"], second.headers["x-kvwire-reason"], second.headers["x-kvwire-decode"]) \
         == ("decode-only", "cached-on-decode", home)
