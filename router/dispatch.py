@@ -69,6 +69,7 @@ class Dispatcher:
                                     prefill_max_in_flight=prefill_max_in_flight, routing=routing,
                                     prefix_ttl_s=prefix_ttl_s)
         self._in_flight: dict[str, InFlight] = {}  # request id -> its record, from its pick until forgotten
+        self._held_prefills: dict[str, tuple[NodeInfo, PrefillWork]] = {}  # submitted with hold_prefill, not sent
         self._watch_period_s, self._left_grace_s = watch_period_s, left_grace_s
         self._ctx = zmq.asyncio.Context.instance()
         self._pull = self._ctx.socket(zmq.PULL)
@@ -119,9 +120,12 @@ class Dispatcher:
         return self._placement.pick(prompt, disaggregate, nodes, reserved, max_tokens)
 
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                     disaggregate: bool = True, trace: TraceContext | None = None) -> tuple[Route, asyncio.Queue]:
+                     disaggregate: bool = True, trace: TraceContext | None = None,
+                     hold_prefill: bool = False) -> tuple[Route, asyncio.Queue]:
         """Place the request and send its work (`trace`: the context its nodes' spans join). The node list is read
-        on a thread only when the shared one is stale (a few times a second at most)."""
+        on a thread only when the shared one is stale (a few times a second at most). `hold_prefill`: the prefill
+        node's work waits for `release_prefill`, so that the request's later choices reach its decode node before
+        its prompt can be done there (they start from it: `submit_shared`)."""
         nodes = self._placement.fresh_nodes()
         if nodes is None:
             nodes = await asyncio.to_thread(self.live_nodes)
@@ -131,8 +135,12 @@ class Dispatcher:
         self._in_flight[request_id] = InFlight(route.decode, reservation, queue, watched=True)
         if route.prefill is not None:  # its producer tells the decode node's consumer directly (an older node: its
             kv_ready = route.decode.kv_ready_endpoint or route.decode.work_endpoint  # work socket)
-            await self._push(route.prefill, PrefillWork(request_id=request_id, prompt_token_ids=prompt_ids,
-                                                        kv_ready_endpoint=kv_ready, trace=trace))
+            prefill = (route.prefill, PrefillWork(request_id=request_id, prompt_token_ids=prompt_ids,
+                                                  kv_ready_endpoint=kv_ready, trace=trace))
+            if hold_prefill:
+                self._held_prefills[request_id] = prefill
+            else:
+                await self._push(*prefill)
         elif route.reason == PathReason.NO_PREFILL_INSTANCE:
             log.warning("request %s: no live prefill node; decode computes the prompt", request_id)
         elif route.reason == PathReason.PREFILL_OTHER_MODEL:
@@ -176,8 +184,16 @@ class Dispatcher:
         sent = cast(asyncio.Future, sock.send(pack(CancelWork(request_id=request_id)), zmq.NOBLOCK))
         sent.add_done_callback(lambda f: _log_unsent(f, request_id))
 
+    async def release_prefill(self, request_id: str) -> None:
+        """Send the prefill node the work `submit` held for the request (nothing, if none was held or the request
+        was forgotten)."""
+        held = self._held_prefills.pop(request_id, None)
+        if held is not None:
+            await self._push(*held)
+
     def forget(self, request_id: str) -> None:
         """Drop the request's record; what it still reserved on its decode node ends there."""
+        self._held_prefills.pop(request_id, None)
         record = self._in_flight.pop(request_id, None)
         if record is not None and record.reservation is not None:
             self._placement.ended(record.reservation, finished=False)

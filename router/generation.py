@@ -7,7 +7,8 @@ Lifecycle:
    context; its context is what the nodes are sent). A prompt's first choice gets its own prefill and decode
    pick; its later ones (n > 1, best_of, and every choice of the same prompt again in a batch) go to that
    decode node to start from its prompt KV, when the node does that (`NodeInfo.shares_prompts`; else each is
-   picked as a first one is).
+   picked as a first one is). The first choice's prefill is sent last, so that the later ones are on the node
+   before its prompt can be done.
 2. `events()` yields each choice as a chunk of it arrives, until all are finished. A choice that a stop
    string ended is cancelled on its decode node (`CancelWork`) at once.
 3. `close()` (always called) cancels the choices not finished — a client that left, a timeout, another
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
 from kvwire.observability.tracing import Spans, TraceContext
@@ -50,7 +52,12 @@ class Generation:
         self._pumps: list[asyncio.Task] = []
 
     async def start(self) -> None:
+        """Send every choice's work. A prompt asked more than once is prefilled once, for its first choice, whose
+        prefill waits until its later choices are sent to its decode node: there they start from its prompt KV,
+        which must not be done before they arrive (a busy router between two sends once let it)."""
         firsts: dict[tuple[int, ...], tuple[Choice, Route]] = {}  # each prompt's first choice, and where it went
+        asked = Counter(tuple(c.prompt_ids) for c in self.choices)
+        held: list[str] = []  # first choices whose prefill waits for their later choices
         for choice in self.choices:
             sampling = self.plan.sampling_for(choice.index % self.plan.best_of)
             choice.span = self._spans.start("kvwire.route", self._trace, {
@@ -61,11 +68,16 @@ class Generation:
                     choice.request_id, first[0].request_id, first[1].decode, choice.prompt_ids, sampling,
                     trace=choice.span.context)
             else:
+                hold = asked[key] > 1 and key not in firsts
                 route, queue = await self._dispatcher.submit(choice.request_id, choice.prompt_ids, sampling,
-                                                             self.plan.disaggregate, trace=choice.span.context)
+                                                             self.plan.disaggregate, trace=choice.span.context,
+                                                             hold_prefill=hold)
+                held += [choice.request_id] if hold else []
                 firsts.setdefault(key, (choice, route))
             choice.path, choice.reason = route.path, route.reason
             self._pumps.append(asyncio.create_task(self._pump(choice, queue)))
+        for request_id in held:
+            await self._dispatcher.release_prefill(request_id)
 
     async def events(self) -> AsyncIterator[Choice]:
         """Each choice as a chunk of it arrives. Raises APIError on a node's error or at the deadline."""

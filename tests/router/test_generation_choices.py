@@ -85,3 +85,19 @@ def test_a_batchs_repeated_prompt_starts_from_its_first_occurrence():
     works, prefills, _ = asyncio.run(_sent(shares_prompts=True, prompts=[[3] * 40, [3] * 40]))
     assert [p.request_id for p in prefills] == ["req-0"]
     assert [(w.prefill_node, w.prompt_of) for w in works] == [("p0", "")] + [("", "req-0")] * 5
+
+
+def test_a_prompts_prefill_is_sent_after_its_later_choices_reached_its_decode_node(monkeypatch):
+    """Were it sent first, a busy router could send a later choice after the first one's prompt was done on the
+    decode node (seen under load: it then computed its prompt itself). Sent last, it cannot be."""
+    order: list[tuple[str, str]] = []
+    push = Dispatcher._push
+
+    async def recorded(self, node, msg):
+        order.append((type(msg).__name__, msg.request_id))
+        await push(self, node, msg)
+
+    monkeypatch.setattr(Dispatcher, "_push", recorded)
+    asyncio.run(_sent(shares_prompts=True))
+    assert order == [("DecodeWork", f"req-{k}") for k in range(6)] + [("PrefillWork", "req-0"),
+                                                                      ("PrefillWork", "req-3")]
