@@ -162,6 +162,32 @@ def with_tp(pair: tuple[VLLMServerSpec, VLLMServerSpec], prefill_tp: int,
     return bound(prefill, prefill_tp), bound(decode, decode_tp)
 
 
+def stop_router(router: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 10 s."""
+    router.terminate()
+    try:
+        router.wait(10)
+    except subprocess.TimeoutExpired:
+        router.kill()
+        router.wait()
+
+
+@contextmanager
+def routed(servers: list[VLLMServer], prefill_urls: list[str], decode_urls: list[str], log_path: Path,
+           extra_args: tuple[str, ...] = ()) -> Iterator[str]:
+    """`start_router` in front of `servers` (started), its URL; on exit the router and every one of `servers`
+    stopped (on a failed start too)."""
+    router = None
+    try:
+        url, router = start_router(prefill_urls, decode_urls, log_path, extra_args)
+        yield url
+    finally:
+        if router is not None:
+            stop_router(router)
+        for server in servers:
+            server.stop()
+
+
 @contextmanager
 def pd_cluster_of(prefill_spec: VLLMServerSpec, decode_spec: VLLMServerSpec, log_dir: Path,
                   sequential_router: bool = False) -> Iterator[PDCluster]:
@@ -186,12 +212,7 @@ def pd_cluster_of(prefill_spec: VLLMServerSpec, decode_spec: VLLMServerSpec, log
         yield cluster
     finally:
         for router in routers:
-            router.terminate()
-            try:
-                router.wait(10)
-            except subprocess.TimeoutExpired:
-                router.kill()
-                router.wait()
+            stop_router(router)
         now = [] if cluster is None else [cluster.prefill, cluster.decode]
         replaced = [s for s in now if s is not prefill and s is not decode]  # put in the cluster by a restart
         for server in (prefill, decode, *replaced):

@@ -344,23 +344,16 @@ def consumer_pieces(region: KVRegion, loc: KVLocation, dst_blocks: list[int], hi
     return region.pieces(runs) + hidden
 
 
-def consumer_parts(region: KVRegion, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor],
-                   max_pieces: int | None = None, layer_major: bool = False) -> list[Part]:
-    """`consumer_pieces` as `Part`s (for transports that take buffers); `layer_major`: the blocks layer by
-    layer (`KVRegion.layer_major_parts`), as a producer streaming layer-wise sends them."""
-    region, runs = consumer_runs(region, loc, dst_blocks, len(hidden), max_pieces)
-    kv = region.layer_major_parts(runs) if layer_major else region.parts(runs)
-    return kv + byte_parts(hidden)
-
-
 def consumer_stream(region: KVRegion, loc: KVLocation, dst_blocks: list[int], hidden: list[torch.Tensor],
                     max_pieces: int | None = None) -> tuple[list[Part], Callable[[], None] | None]:
-    """`consumer_parts` for a byte stream: a pull that `packs` lands in one staging buffer (as `SendJob.stream_parts`
-    sends it), which the callable returned unpacks into its blocks once the stream is complete; None: the parts
-    are the blocks themselves."""
+    """`consumer_pieces` as `Part`s, for transports that take buffers (the blocks layer by layer for a layer-wise
+    location, as its producer sends them: `KVRegion.layer_major_parts`), and what to do once they are filled. A
+    pull that `packs` lands in one staging buffer (as `SendJob.stream_parts` sends it), which the callable returned
+    unpacks into its blocks once the pull is complete; None: the parts are the blocks themselves."""
     narrowed, runs = consumer_runs(region, loc, dst_blocks, len(hidden), max_pieces)
     if not packs(narrowed, loc.layerwise):
-        return consumer_parts(region, loc, dst_blocks, hidden, max_pieces, layer_major=loc.layerwise), None
+        kv = narrowed.layer_major_parts(runs) if loc.layerwise else narrowed.parts(runs)
+        return kv + byte_parts(hidden), None
     assert narrowed.split is not None  # packs() says so
     ids = blocks_of(runs)
     staging = torch.empty(len(narrowed.planes), len(ids), narrowed.split.block_nbytes, dtype=torch.uint8)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvwire.cluster.redis_server import LocalRedis
-from kvwire.cluster.vllm_cluster import VLLMServer, start_all
-from kvwire.cluster.vllm_pd import ALWAYS_DISAGGREGATE, PDCluster, kvwire_pair, start_router
+from kvwire.cluster.vllm_cluster import VLLMServer
+from kvwire.cluster.vllm_pd import PDCluster, kvwire_pair, pd_cluster_of
 from kvwire.connectors.config import ConnectorKind
 from tests.vllm.routed import grown_since, routed_equals_plain
 
@@ -27,17 +27,8 @@ def pair(vllm_model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -> It
     prefill, decode = kvwire_pair(vllm_model_dir, redis_server.url, ConnectorKind.AUTO, log_dir)
     prefill = dataclasses.replace(prefill, node_id="prefill-b128")
     decode = dataclasses.replace(decode, node_id="decode-b64", extra_args=("--block-size", "64"))
-    servers = start_all([prefill, decode])
-    router = None
-    try:
-        url, router = start_router([servers[0].url], [servers[1].url], log_dir / "router.log", ALWAYS_DISAGGREGATE)
-        yield PDCluster(servers[0], servers[1], url, [router])
-    finally:
-        if router is not None:
-            router.terminate()
-            router.wait(10)
-        for server in servers:
-            server.stop()
+    with pd_cluster_of(prefill, decode, log_dir) as cluster:
+        yield cluster
 
 
 def test_kv_moves_between_block_sizes_and_decode_answers_as_a_plain_server(pair: PDCluster, plain_server: VLLMServer,

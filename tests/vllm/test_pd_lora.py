@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -22,7 +21,7 @@ import pytest
 
 from kvwire.cluster.redis_server import LocalRedis
 from kvwire.cluster.vllm_cluster import VLLMServer, start_all
-from kvwire.cluster.vllm_pd import kvwire_pair, start_router
+from kvwire.cluster.vllm_pd import kvwire_pair, routed
 from kvwire.connectors.config import ConnectorKind
 from kvwire.observability.labels import DISAGGREGATED_REASONS, PathReason
 from tests.vllm.lora import RANK, write_tiny_lora
@@ -51,17 +50,9 @@ def lora_pair(vllm_model_dir: Path, redis_server: LocalRedis, tmp_path_factory) 
     decode = dataclasses.replace(decode, node_id="decode-lora", extra_args=(*lora, "--kv-events-config", json.dumps(
         {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events})))
     servers = start_all([prefill, decode])
-    router: subprocess.Popen | None = None
-    try:
-        url, router = start_router([servers[0].url], [servers[1].url], log_dir / "router.log",
-                                   ("--vllm-kv-events", events))
+    with routed(servers, [servers[0].url], [servers[1].url], log_dir / "router.log",
+                ("--vllm-kv-events", events)) as url:
         yield LoRAPair(url, servers[0], servers[1])
-    finally:
-        if router is not None:
-            router.terminate()
-            router.wait(10)
-        for server in servers:
-            server.stop()
 
 
 def test_a_prompt_held_under_one_adapter_is_disaggregated_for_another(lora_pair: LoRAPair, vllm_model_dir: Path):

@@ -39,7 +39,7 @@ import zmq
 
 from kvwire.cluster.redis_server import LocalRedis
 from kvwire.cluster.vllm_cluster import VLLMServer, start_all
-from kvwire.cluster.vllm_pd import ALWAYS_DISAGGREGATE, PDCluster, kvwire_pair, start_router
+from kvwire.cluster.vllm_pd import ALWAYS_DISAGGREGATE, PDCluster, kvwire_pair, routed, start_router
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.directory.directory import KVDirectory, TransferState
 from kvwire.connectors.vllm.tp import rank_key
@@ -96,18 +96,10 @@ def trio(vllm_model_dir: Path, redis_server: LocalRedis, spans: OTLPReceiver, tm
     decode = dataclasses.replace(decode, extra_args=(*AGENTS, "--kv-events-config", json.dumps(
         {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events})))
     servers = start_all([prefill, decode, decode2])
-    router: subprocess.Popen | None = None
-    try:
-        url, router = start_router([servers[0].url], [s.url for s in servers[1:]], log_dir / "router.log",
-                                   ("--vllm-kv-events", f"{events},",  # the second decode server has none
-                                    "--log-level", "DEBUG"))  # its placements, in the log; no flag of its policy
+    with routed(servers, [servers[0].url], [s.url for s in servers[1:]], log_dir / "router.log",
+                ("--vllm-kv-events", f"{events},",  # the second decode server has none
+                 "--log-level", "DEBUG")) as url:  # its placements, in the log; no flag of its policy
         yield Trio(url, servers[0], servers[1:])
-    finally:
-        if router is not None:
-            router.terminate()
-            router.wait(10)
-        for server in servers:
-            server.stop()
 
 
 class Turn(NamedTuple):
