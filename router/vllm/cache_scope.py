@@ -114,6 +114,7 @@ class ModelCards:
         self.base: frozenset[str] | None = None  # None: not learned yet
         self._clock = clock
         self._asked_at = -LEARN_RETRY_S
+        self._said = False  # the WARNING that no instance told the names, once
 
     def scope_of(self, body: dict[str, Any]) -> bytes:
         """The cache scope of a client's body (module docstring)."""
@@ -142,3 +143,8 @@ class ModelCards:
                 self.base = names
                 log.info("base model names (cache scope ROOT): %s", ", ".join(sorted(names)))
                 return
+        if urls and not self._said:
+            self._said = True
+            log.warning("no decode instance's GET /v1/models listed the base model's names yet (asked again in %.0f "
+                        "s): until one does, a request naming a model is predicted to hold nothing of its prompt",
+                        LEARN_RETRY_S)

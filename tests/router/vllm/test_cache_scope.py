@@ -12,7 +12,7 @@ from kvwire.connectors.config import NodeRole
 from kvwire.engine.block_names import ROOT
 from kvwire.router.config import RoutingPolicy
 from kvwire.router.kv_events import BlockStored, decode_batch
-from kvwire.router.vllm.cache_scope import ModelCards, scope, stored_scope
+from kvwire.router.vllm.cache_scope import LEARN_RETRY_S, ModelCards, scope, stored_scope
 from kvwire.router.vllm.load import ServerLoad
 from kvwire.router.vllm.pool import InstancePool
 from kvwire.router.vllm.schedule import Scheduler
@@ -68,6 +68,22 @@ def test_before_the_base_model_s_names_are_known_a_named_model_is_a_scope_of_its
     assert unknown.due()
     assert unknown.scope_of({"model": "llama", "prompt": "hi"}) == scope("llama", None)  # predicted uncached
     assert unknown.scope_of({"prompt": "hi"}) == ROOT
+
+
+def test_an_instance_that_lists_no_names_is_said_once_and_asked_again_later(caplog):
+    now = [0.0]
+    known = ModelCards(clock=lambda: now[0])
+
+    async def learn() -> None:
+        async with httpx2.AsyncClient() as client:
+            await known.learn(client, [f"http://127.0.0.1:{free_port()}"], {}, httpx2.Timeout(5.0))
+
+    asyncio.run(learn())
+    asyncio.run(learn())
+    assert known.base is None and not known.due()
+    assert [r.levelname for r in caplog.records if "base model's names" in r.getMessage()] == ["WARNING"]
+    now[0] = LEARN_RETRY_S
+    assert known.due()
 
 
 def test_the_base_model_s_names_are_those_get_models_lists_without_a_parent():
