@@ -17,6 +17,9 @@ class TransferFailure(enum.StrEnum):
     # vLLM: another request of the server pulled this KV (the n > 1 children of one request share it) and the prefix
     # cache does not hold it (prefix caching off, or evicted): computed again
     PROMPT_NOT_SHARED = "prompt_not_shared"
+    # vLLM: the request asks for prompt logprobs, so vLLM reads none of its prompt's KV (transferred or cached) and
+    # computes it whole; the producer's KV is released unread. kvwire's router sends such requests decode-only
+    PROMPT_LOGPROBS = "prompt_logprobs"
 
 
 class TransportFallback(enum.StrEnum):
@@ -140,6 +143,9 @@ class PathReason(enum.StrEnum):
     # kv_transfer_params, which every prompt's request on the decode instance would then name
     BATCHED_PROMPTS = "batched-prompts"
     BEAM_SEARCH = "beam-search"  # vLLM's beam search answers a prefill step without kv_transfer_params
+    # the client asks for prompt logprobs (`prompt_logprobs`, or `echo` with logprobs): vLLM computes such a prompt
+    # whole, reading neither a transferred nor a cached KV of it
+    PROMPT_LOGPROBS = "prompt-logprobs"
     # a Responses API turn naming an earlier one (previous_response_id), stored on the decode instance that
     # answered it: the prefill instances do not have it
     PREVIOUS_RESPONSE = "previous-response"

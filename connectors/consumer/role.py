@@ -286,7 +286,8 @@ class KVConsumer:
             self.totals.failed(failure)
             record.pull_failed(str(exc), failure)
             self._mark_failed(request_id, str(exc))
-            self._abandon(record)
+            if record.location is not None:
+                self.abandon(record.location)
             if isinstance(exc, TransferError):
                 raise
             raise TransferError(request_id, "directory", str(exc)) from exc
@@ -385,13 +386,11 @@ class KVConsumer:
                 return tensors_from_bytes(loc.hidden, loc.inline_hidden, device)
         return empty_like_descs(loc.hidden, device)
 
-    def _abandon(self, record: ExpectedKV) -> None:
-        """Tell the producer of a location this rank will not pull (refused, or failed before or during the pull)
-        to release it now, not at its hold deadline. Best effort: its answer is not waited for (a later wait on
-        that side channel skips it), and a producer that already ended the pull refuses harmlessly."""
-        loc = record.location
-        if loc is None:
-            return
+    def abandon(self, loc: KVLocation) -> None:
+        """Tell `loc`'s producer this rank will not pull it (refused, failed before or during the pull, or not
+        needed) so it releases it now, not at its hold deadline. Best effort: its answer is not waited for (a later
+        wait on that side channel skips it), and a producer that already ended the pull refuses harmlessly. The
+        thread that pulls only (it owns the side channels)."""
         address = self._transport.published_addresses(self._puller).get(loc.kind, b"")
         try:
             self._declines.send(loc.side_channel, PullRequest(

@@ -62,6 +62,7 @@ class SchedulerHalf:
         self._next = KvwireMetadata()  # what the next step's metadata carries
         self.tally = Tally()  # prompts not pulled for want of a match (stats.py)
         self._shared = SharedPulls()  # keys pulled by one request for all that name them
+        self._warned_prompt_logprobs = False  # a WARNING the first time, DEBUG after
 
     def new_request(self, request: Request) -> None:
         """A producer's request: with state groups, drop its last prompt token (module docstring, step 0); it
@@ -119,8 +120,10 @@ class SchedulerHalf:
             return
         assert request.kv_transfer_params is not None
         request.kv_transfer_params["do_remote_prefill"] = False  # one pull per request, even if preempted
-        if num_external_tokens == 0:  # all of it in the local prefix cache
+        if num_external_tokens == 0:  # all of it in the local prefix cache, or vLLM reads none of it
             self._next.abandon.append(remote)
+            if request.get_skip_reading_prefix_cache():
+                self._prompt_logprobs(request, remote)
             return
         loaded = self._loaded(len(request.prompt_token_ids or ()))
         first_block = (loaded - num_external_tokens) // self._groups.block_size
@@ -132,6 +135,15 @@ class SchedulerHalf:
             self._next.pull[request.request_id] = Pull(remote, loaded, [], [], error=str(exc))
             return
         self._next.pull[request.request_id] = Pull(remote, loaded, block_ids, pick, prompt=_prompt(request, loaded))
+
+    def _prompt_logprobs(self, request: Request, remote: RemotePrefill) -> None:
+        """`request` asks for prompt logprobs: vLLM computes its prompt whole, whatever KV it was told of."""
+        self.tally.failed(TransferFailure.PROMPT_LOGPROBS)
+        level = logging.DEBUG if self._warned_prompt_logprobs else logging.WARNING
+        self._warned_prompt_logprobs = True
+        log.log(level, "request %s asks for prompt logprobs, so vLLM computes its whole prompt here: the KV %s holds "
+                "for it is released unread (counted as reason prompt_logprobs; kvwire's router sends such requests "
+                "decode-only)", request.request_id, remote.remote_engine_id)
 
     def finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's request_finished(_all_groups): whether the blocks stay (held for a consumer), and the params

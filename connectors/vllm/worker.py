@@ -43,10 +43,10 @@ from kvwire.connectors.factory import create_transport
 from kvwire.connectors.producer.role import KVProducer
 from kvwire.connectors.transports import piece_copy, row_copy
 from kvwire.connectors.transports.host import host_identity
+from kvwire.connectors.vllm.abandon import Abandons
 from kvwire.connectors.vllm.identity import claim_node_id, rank_node_id
 from kvwire.connectors.vllm.layout import region_of
 from kvwire.connectors.vllm.metadata import Hold, KvwireMetadata, Pull
-from kvwire.connectors.vllm.params import RemotePrefill
 from kvwire.connectors.vllm.settings import VLLMSettings
 from kvwire.connectors.vllm.tally import Tally
 from kvwire.connectors.vllm.tp import RankPull, TPSplit, plan, rank_key
@@ -78,6 +78,8 @@ HINTS = {  # what to do when pulls fail for this reason
     TransferFailure.SLOW_PATH: "the KV would cross the network stack between processes on one host",
     TransferFailure.PROMPT_NOT_SHARED: "turn vLLM's prefix caching on: a request's n > 1 choices then start from "
                                        "one pull",
+    TransferFailure.PROMPT_LOGPROBS: "vLLM computes a prompt whose logprobs are asked for whole: send such requests "
+                                     "to the decode server alone (kvwire's router does)",
 }
 
 
@@ -99,6 +101,7 @@ class WorkerHalf:
         self._held_ids: dict[str, str] = {}  # producer: the key this rank holds a request under -> its id
         self._closing = threading.Event()
         self._pull_thread: threading.Thread | None = None
+        self._abandons: Abandons | None = None  # consumer: prompts it will not pull, told to their producers
         self._epoch = 0
         self._heartbeat: Heartbeat | None = None
         self.tally = Tally()  # what vLLM's /metrics gets (stats.py)
@@ -136,6 +139,7 @@ class WorkerHalf:
             if self._settings.role.consumes:
                 self._consumer = KVConsumer(config, directory, create_transport(config, epoch), region)
                 undo.callback(self._consumer.close)
+                self._abandons = Abandons(self._settings, directory, self._consumer.wakeup)
                 self._pull_thread = threading.Thread(target=self._pull_ready, args=(self._consumer,),
                                                      name="kvwire-pull", daemon=True)
                 self._pull_thread.start()
@@ -153,8 +157,9 @@ class WorkerHalf:
             self._hold(rid, hold)
         for rid, pull in meta.pull.items():
             self._expect(rid, pull)
-        for remote in meta.abandon:
-            self._abandon(remote)
+        if self._abandons is not None:
+            for remote in meta.abandon:
+                self._abandons.abandon(remote)
 
     def transfer_results(self, wait_s: float = 0.0) -> tuple[set[str], set[str], set[str]]:
         """`(finished sending, finished receiving, failed receiving)` since the last call; with none yet while KV is
@@ -289,6 +294,8 @@ class WorkerHalf:
         while not self._closing.is_set():
             select.select([consumer.wakeup.fd], [], [], PULL_IDLE_S)
             consumer.wakeup.drain()
+            if self._abandons is not None:
+                self._abandons.tell(consumer)
             for key in consumer.ready():
                 if self._closing.is_set():
                     return
@@ -357,21 +364,6 @@ class WorkerHalf:
         # failed_recving: vLLM recomputes the whole prompt (blocks are not named: with several KV cache groups a
         # block id is ambiguous, and vLLM's engine dies on them)
         self._ended_transfers.put((rid, Ended.RECEIVED if ok else Ended.FAILED))
-
-    def _abandon(self, remote: RemotePrefill) -> None:
-        """This instance will not pull `remote`'s KV: the entries of the prefill ranks this rank answers for
-        are failed, so nobody waits for them (the producers' holds lapse at their deadline)."""
-        if self._directory is None:
-            return
-        split = self._settings.split
-        for p in range(remote.remote_tp_size):
-            if p % split.tp != self._settings.engine.tensor_rank:
-                continue
-            key = rank_key(remote.remote_request_id, p, remote.remote_tp_size)
-            try:
-                self._directory.fail(key, "the consumer computed or cached the prompt itself")
-            except DirectoryError as exc:
-                log.warning("request %s: cannot mark abandoned: %s", key, exc)
 
 
 class Ended(enum.Enum):

@@ -83,16 +83,28 @@ def decode_only_reason(body: dict[str, Any], endpoint: Endpoint) -> PathReason |
     """Why the client's body goes decode-only whatever the instances hold; None: it may be disaggregated.
 
     A batch of prompts: vLLM's prefill answer carries one prompt's kv_transfer_params, which every prompt's request
-    on the decode instance would name. Beam search: vLLM's answers none. A Responses turn naming an earlier one: the
-    earlier turns are stored on the decode instance that answered them, not on a prefill instance.
+    on the decode instance would name. Beam search: vLLM's answers none. Prompt logprobs: vLLM computes the prompt
+    whole on the decode instance, reading no KV of it. A Responses turn naming an earlier one: the earlier turns are
+    stored on the decode instance that answered them, not on a prefill instance.
     """
     if endpoint == Endpoint.COMPLETIONS and batched(body):
         return PathReason.BATCHED_PROMPTS
     if endpoint in (Endpoint.COMPLETIONS, Endpoint.CHAT) and body.get("use_beam_search") is True:
         return PathReason.BEAM_SEARCH
+    if prompt_logprobs(body, endpoint):
+        return PathReason.PROMPT_LOGPROBS
     if endpoint == Endpoint.RESPONSES and body.get("previous_response_id"):
         return PathReason.PREVIOUS_RESPONSE
     return None
+
+
+def prompt_logprobs(body: dict[str, Any], endpoint: Endpoint) -> bool:
+    """Whether vLLM computes the body's prompt logprobs: `prompt_logprobs`, or `echo` with the logprobs that vLLM
+    then takes for them (completions: `logprobs`; chat: `top_logprobs`, 0 by default)."""
+    if endpoint not in (Endpoint.COMPLETIONS, Endpoint.CHAT):
+        return False
+    echoed = body.get("logprobs") if endpoint == Endpoint.COMPLETIONS else body.get("top_logprobs", 0)
+    return body.get("prompt_logprobs") is not None or bool(body.get("echo")) and echoed is not None
 
 
 def batched(body: dict[str, Any]) -> bool:

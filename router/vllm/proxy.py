@@ -10,8 +10,8 @@ Lifecycle of a request:
 2. PLACED (router/vllm/schedule.py): its prompt's token ids (from an instance's POST /tokenize, when the
    scheduler needs them) pick its decode instance, by the prefix each holds and its load, and its path:
    decode-only when that instance holds all but a short part of the prompt, or when the body is a batch of
-   several prompts, asks for beam search, or continues a stored Responses answer (bodies.decode_only_reason;
-   the last goes to the decode instance that holds it, router/vllm/stored.py).
+   several prompts, asks for beam search or prompt logprobs, or continues a stored Responses answer
+   (bodies.decode_only_reason; the last goes to the decode instance that holds it, router/vllm/stored.py).
 3. PREFILL (router/vllm/prefill.py): the prefill instance the scheduler picks computes the prompt
    (max_tokens 1, its KV kept for a decode instance). Its 4xx goes back to the client unchanged.
    With no prefill instance up, every one up with `prefill_max_in_flight` requests in flight, or one

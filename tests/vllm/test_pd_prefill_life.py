@@ -7,6 +7,9 @@ its prefill server's life, started once for the module's tests, which run in thi
    prefilled once and pulled once, the others starting from the decode server's prefix cache, each choice equal to
    a plain server's; and n > 1 sent to the prefill server itself under one key (as a proxy that passes n on does)
    holds the KV once and leaves the server serving once that hold lapses.
+0c. Prompt logprobs: requests asking for them (completions and chat) go decode-only through the router, answers equal
+   a plain server's; one sent to the decode server with a prefill server's kv_transfer_params (as another proxy
+   would) is counted as `prompt_logprobs` and its hold released at once.
 1. Delayed free: two prompts computed with do_remote_decode and never pulled keep their blocks in use
    (vLLM's KV cache usage above zero) until the prefill server's kv_deadline_s (LEASE_S), then the connector
    reports them finished sending, vLLM frees them, and their directory entries say EXPIRED.
@@ -130,6 +133,43 @@ def test_n_choices_are_prefilled_and_pulled_once(plain_server: VLLMServer, pair:
     assert _text(pair.prefill.url, _body(model, PROMPTS[0] + " after n=3")) == _text(
         plain_server.url, _body(model, PROMPTS[0] + " after n=3"))
     assert httpx2.get(f"{pair.prefill.url}/health", timeout=10).status_code == 200
+
+
+# --- 0c. prompt logprobs -----------------------------------------------------------------------------------------
+
+LOGPROBS_PROMPT = "Every token of this prompt gets its logprob. " * 14  # 630 tokens: disaggregated were it not asked
+
+
+def test_prompt_logprobs_go_decode_only_and_a_pull_vllm_skips_is_counted_and_released(
+        plain_server: VLLMServer, pair: PDCluster, vllm_model_dir: Path):
+    """vLLM computes a prompt whose logprobs are asked for whole, reading no KV of it (transferred or cached): the
+    router sends it to the decode server alone, and a decode server told of KV anyway (another proxy) counts it and
+    releases the prefill server's hold at once, not at its kv_deadline_s."""
+    model = str(vllm_model_dir)
+    pulls, failed = pair.kv_pulls(), pair.kv_failed_by_reason()
+    for endpoint, body in (
+            ("completions", _body(model, LOGPROBS_PROMPT, prompt_logprobs=1)),
+            ("completions", _body(model, LOGPROBS_PROMPT + " Echoed.", echo=True, logprobs=1)),
+            ("chat/completions", {"model": model, "messages": [{"role": "user", "content": LOGPROBS_PROMPT}],
+                                  "max_tokens": MAX_TOKENS, "temperature": 0, "echo": True})):
+        routed = httpx2.post(f"{pair.router_url}/v1/{endpoint}", json=body, timeout=120)
+        routed.raise_for_status()
+        assert routed.headers["x-kvwire-reason"] == "prompt-logprobs", (endpoint, body.keys())
+        plain = httpx2.post(f"{plain_server.url}/v1/{endpoint}", json=body, timeout=120).json()
+        assert routed.json()["choices"] == plain["choices"]
+        assert routed.json().get("prompt_logprobs") == plain.get("prompt_logprobs")
+    assert pair.kv_pulls() == pulls and pair.kv_failed_by_reason() == failed, "nothing meant to move, nothing failed"
+
+    held_at = time.monotonic()
+    params = _held_params(pair, model, LOGPROBS_PROMPT + " Held.")
+    body = _body(model, LOGPROBS_PROMPT + " Held.", prompt_logprobs=1, kv_transfer_params=params)
+    answer = httpx2.post(f"{pair.decode.url}/v1/completions", json=body, timeout=120).json()
+    plain = httpx2.post(f"{plain_server.url}/v1/completions", json={**body, "kv_transfer_params": None}).json()
+    assert answer["choices"][0]["prompt_logprobs"] == plain["choices"][0]["prompt_logprobs"]
+    assert pair.kv_failed_by_reason()["prompt_logprobs"] == failed.get("prompt_logprobs", 0) + 1
+    while _usage(pair.prefill) > 0:  # released at the decode server's word, well before the prefill's lease
+        assert time.monotonic() < held_at + LEASE_S - 2, "the hold was kept until it lapsed"
+        time.sleep(0.2)  # another process's state: polled
 
 
 # --- 1. delayed free -------------------------------------------------------------------------------------------

@@ -65,6 +65,15 @@ def test_a_messages_prefill_body_asks_one_token_and_no_choices():
     (Endpoint.COMPLETIONS, {"prompt": "a", "use_beam_search": True}, PathReason.BEAM_SEARCH),
     (Endpoint.CHAT, {"messages": [], "use_beam_search": True}, PathReason.BEAM_SEARCH),
     (Endpoint.CHAT, {"messages": [], "use_beam_search": False}, None),
+    (Endpoint.COMPLETIONS, {"prompt": "a", "prompt_logprobs": 0}, PathReason.PROMPT_LOGPROBS),
+    (Endpoint.COMPLETIONS, {"prompt": "a", "echo": True, "logprobs": 1}, PathReason.PROMPT_LOGPROBS),
+    (Endpoint.COMPLETIONS, {"prompt": "a", "echo": True}, None),  # vLLM takes no prompt logprobs without logprobs
+    (Endpoint.COMPLETIONS, {"prompt": "a", "logprobs": 2, "prompt_logprobs": None}, None),
+    (Endpoint.CHAT, {"messages": [], "prompt_logprobs": -1}, PathReason.PROMPT_LOGPROBS),
+    (Endpoint.CHAT, {"messages": [], "echo": True}, PathReason.PROMPT_LOGPROBS),  # top_logprobs is 0 by default
+    (Endpoint.CHAT, {"messages": [], "echo": True, "top_logprobs": None}, None),
+    (Endpoint.CHAT, {"messages": [], "echo": False, "top_logprobs": 3, "logprobs": True}, None),
+    (Endpoint.RESPONSES, {"input": "a", "prompt_logprobs": 1}, None),  # vLLM's Responses API has none
     (Endpoint.RESPONSES, {"input": "a", "previous_response_id": "resp_1"}, PathReason.PREVIOUS_RESPONSE),
     (Endpoint.RESPONSES, {"input": "a", "previous_response_id": None}, None),
     (Endpoint.MESSAGES, {"messages": []}, None),
