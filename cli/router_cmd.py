@@ -98,7 +98,8 @@ def router(ctx: typer.Context, model: NodesModelDir = None, redis_url: NodesRedi
            log_level: LogLevel = "INFO") -> None:
     """Serve the OpenAI API (POST /v1/completions, /v1/chat/completions, /v1/responses), Anthropic's
     /v1/messages, GET /v1/models, /healthz, /readyz and /metrics: over kvwire's nodes (--model,
-    --redis-url), or over vLLM servers (--vllm-decode, and --vllm-prefill to disaggregate)."""
+    --redis-url), or over vLLM servers (--vllm-decode, and --vllm-prefill to disaggregate; then also POST
+    /v1/load_lora_adapter and /v1/unload_lora_adapter, passed on to every server)."""
     import uvicorn
 
     setup_logging(log_level)

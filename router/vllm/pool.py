@@ -207,14 +207,16 @@ class InstancePool:
             instance.state, instance.since = InstanceState.DOWN, self._clock()
         instance.reason = reason
 
-    def readmit(self, url: str) -> None:
-        """Put `url` back in rotation. Raises: KeyError, as `observe`."""
+    def readmit(self, url: str) -> bool:
+        """Put `url` back in rotation. Returns: whether it was out. Raises: KeyError, as `observe`."""
         instance = self._instances[url]
-        if instance.state == InstanceState.DOWN:
+        back = instance.state == InstanceState.DOWN
+        if back:
             log.info("vLLM %s instance %s back in rotation", self.role, url)
             instance.state, instance.since, instance.reason = InstanceState.UP, self._clock(), ""
             self._readmitted.set()
         self.observe(url, None)  # it answers: failures and slowness forgotten
+        return back
 
     async def wait_up(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for an instance to be UP (a health check re-admits it). Returns: whether one is."""
@@ -227,14 +229,15 @@ class InstancePool:
                 return bool(self.count(InstanceState.UP))
         return True
 
-    async def check(self, probe: Probe, scrape: Scrape | None = None) -> None:
+    async def check(self, probe: Probe, scrape: Scrape | None = None) -> list[str]:
         """Probe every instance at once: re-admit those that serve, observe what the others showed; then `scrape`
-        the load of those that serve."""
+        the load of those that serve. Returns: the instances that came back into rotation."""
         urls = list(self._instances)
-        serving = []
+        serving, back = [], []
         for url, problem in zip(urls, await asyncio.gather(*(probe(url) for url in urls))):
             if problem is None:
-                self.readmit(url)
+                if self.readmit(url):
+                    back.append(url)
                 serving.append(url)
             else:
                 self.observe(url, Problem(problem.kind, f"health check: {problem.reason}"))
@@ -243,6 +246,7 @@ class InstancePool:
             for url, server, in_flight in zip(serving, await asyncio.gather(*(scrape(url) for url in serving)), then):
                 if server is not None:
                     self.measured(url, server, in_flight)
+        return back
 
     def describe(self) -> dict[str, object]:
         """Returns: the instances UP (and those of them slow) and those DOWN with why, for /healthz."""
@@ -276,9 +280,16 @@ class HealthProbe:
         return Problem(FailureKind.BROKEN, f"GET /health answered {resp.status_code}")
 
 
+class Back(Protocol):
+    async def __call__(self, pool: InstancePool, urls: Sequence[str]) -> None:
+        """Instances `urls` of `pool` came back into rotation."""
+
+
 async def run_health_checks(pools: Sequence[InstancePool], probe: Probe, interval_s: float,
-                            scrape: Scrape | None = None) -> None:
-    """Check every pool every `interval_s` seconds, until cancelled."""
+                            scrape: Scrape | None = None, back: Back | None = None) -> None:
+    """Check every pool every `interval_s` seconds, until cancelled; `back` is told who came back after each."""
     while True:
         await asyncio.sleep(interval_s)
-        await asyncio.gather(*(pool.check(probe, scrape) for pool in pools))
+        for pool, urls in zip(pools, await asyncio.gather(*(pool.check(probe, scrape) for pool in pools))):
+            if urls and back is not None:
+                await back(pool, urls)

@@ -69,6 +69,7 @@ from kvwire.router.not_served import answer_not_served
 from kvwire.router.schemas import APIError
 from kvwire.router.vllm import http as http
 from kvwire.router.vllm import upstream as upstream
+from kvwire.router.vllm.adapters import LOAD, UNLOAD, Adapters
 from kvwire.router.vllm.answers import Answers, Call
 from kvwire.router.vllm.bodies import (
     Endpoint,
@@ -116,6 +117,7 @@ class VLLMRouter:
         self.stored = StoredResponses()
         self._answers = Answers(metrics, self.decode, self.schedule, self.stored)
         self.pass_on = PassOn(lambda: self.client, self.decode, metrics, self.stored)
+        self.adapters = Adapters(lambda: self.client, (self.prefill, self.decode), metrics)
         for pool in (self.prefill, self.decode):
             metrics.watch_instances(str(pool.role), pool.count)
 
@@ -141,7 +143,8 @@ class VLLMRouter:
             pools = (self.prefill, self.decode)
             await asyncio.gather(*(pool.check(probe, load) for pool in pools))  # serve knowing who is up
             await self.cards.learn(client, self.decode.urls(InstanceState.UP), {}, probe_timeout)
-            checks = asyncio.create_task(run_health_checks(pools, probe, self.config.health_interval_s, load))
+            checks = asyncio.create_task(run_health_checks(pools, probe, self.config.health_interval_s, load,
+                                                           self._back))
             events = [asyncio.create_task(follow(endpoint, url, self._kv_events))
                       for url, endpoint in zip(self.config.decode_urls, self.config.decode_kv_events) if endpoint]
             try:
@@ -151,6 +154,14 @@ class VLLMRouter:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
+
+    async def _back(self, pool: InstancePool, urls: Sequence[str]) -> None:
+        """Instances `urls` of `pool` came back into rotation, perhaps restarted: what they held is forgotten, and
+        the adapters loaded through the router are given to them (in the background: the health checks go on)."""
+        self.schedule.back(pool.role, urls)
+        task = asyncio.create_task(self.adapters.give(pool, urls))
+        self._behind.add(task)
+        task.add_done_callback(self._behind.discard)
 
     def _kv_events(self, url: str, events: Sequence[KVEvent]) -> None:
         for event in events:
@@ -354,6 +365,8 @@ def create_vllm_app(config: VLLMRouterConfig, metrics: Metrics | None = None) ->
     app.add_api_route(str(Endpoint.MESSAGES), router.messages, methods=["POST"])
     for path in PASSED_ON_PATHS:
         app.add_api_route(path, router.pass_on.to_any, methods=["POST"])
+    app.add_api_route(LOAD, router.adapters.load, methods=["POST"])
+    app.add_api_route(UNLOAD, router.adapters.unload, methods=["POST"])
     app.add_api_route(f"{Endpoint.RESPONSES}/{{response_id}}", router.pass_on.to_holder, methods=["GET"])
     app.add_api_route(f"{Endpoint.RESPONSES}/{{response_id}}/cancel", router.pass_on.to_holder, methods=["POST"])
     app.add_exception_handler(APIError, http.api_error)

@@ -136,6 +136,13 @@ class Scheduler:
         if tokens and (index := self._index(NodeRole.DECODE)) is not None:
             index.answered(url, tokens, generated, scope)
 
+    def back(self, role: NodeRole, urls: Sequence[str]) -> None:
+        """Instances `urls` of `role` came back into rotation: restarted, perhaps, so holding nothing yet (their KV
+        events, if read, say what they hold from then on)."""
+        if (index := self._indexes.get(role)) is not None:
+            for url in urls:
+                index.forget(url)
+
     def kv_events(self, url: str, events: Sequence[KVEvent]) -> None:
         """Decode instance `url`'s prefix cache changed as `events` say (router/kv_events.py)."""
         index = self._index(NodeRole.DECODE)

@@ -122,6 +122,15 @@ async def open_call(client: httpx2.AsyncClient, request_id: str, peer: str, meth
         raise _failure(exc, request_id, peer) from exc
 
 
+async def call_whole(client: httpx2.AsyncClient, request_id: str, peer: str, method: str, path: str,
+                     content: bytes, headers: dict[str, str]) -> httpx2.Response:
+    """As `open_call`, the whole answer read. Raises: InstanceError."""
+    try:
+        return await client.request(method, f"{peer}{path}", content=content or None, headers=headers)
+    except PEER_ERRORS as exc:
+        raise _failure(exc, request_id, peer) from exc
+
+
 async def stream_bytes(resp: httpx2.Response, request_id: str, peer: str) -> AsyncIterator[bytes]:
     """The bytes of an answer opened by `open_stream`, as they arrive. Raises: InstanceError."""
     try:

@@ -10,6 +10,9 @@ away), a Responses answer with an id (in a stream, its first event) that GET /v1
 - a decode's, `kv_wait_s` later if told of a remote prefill (waiting for its KV; given up, as vLLM aborts,
   when the client goes away: counted in `aborted`), with the `kv_transfer_params` it got echoed in its text;
   streams as two SSE chunks.
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter keep `adapters` (vLLM's answers, its refusals of an adapter
+loaded twice or unloaded unknown; a load of a `lora_path` in `missing` is refused as vLLM refuses a path with no
+adapter); a restart (`stop`, `start`) forgets them, as vLLM's runtime adapters are.
 POST /detokenize answers a text naming it (no /tokenize: the router places by load alone, or by a prompt given as
 token ids). A decode answer's usage says `cached_tokens` prompt tokens were read from the cache, when set.
 `bodies` records what each POST carried, `headers` its headers. GET /metrics answers `metrics` (404 while it is "").
@@ -66,10 +69,13 @@ class FakeVLLM:
         self.scrapes = 0  # GET /metrics asked
         self.cached_tokens: int | None = None  # a decode answer's usage.prompt_tokens_details says (None: no usage)
         self.stored: set[str] = set()  # the ids of the Responses answers it stored (GET /v1/responses/{id})
+        self.adapters: set[str] = set()  # the LoRA adapters loaded at run time
+        self.missing: set[str] = set()  # lora_paths that hold no adapter
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
     def start(self) -> FakeVLLM:
+        self.adapters = set()
         self._server, self._thread = serve_in_thread(self._app(), self.port, f"fake-vllm-{self.name}")
         return self
 
@@ -150,6 +156,27 @@ class FakeVLLM:
             self.headers.append(dict(request.headers))
             return JSONResponse({"prompt": f"by {self.name}"})
 
+        async def load(request: Request):
+            body = await request.json()
+            self.bodies.append(body)
+            self.headers.append(dict(request.headers))
+            name = body["lora_name"]
+            if name in self.adapters:
+                return _error(400, f"The lora adapter '{name}' has already been loaded.")
+            if body["lora_path"] in self.missing:
+                return _error(404, f"Loading lora {name} failed: No adapter found for {body['lora_path']}")
+            self.adapters.add(name)
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+        async def unload(request: Request):
+            name = (await request.json())["lora_name"]
+            if name not in self.adapters:
+                return _error(404, f"The lora adapter '{name}' cannot be found.")
+            self.adapters.discard(name)
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+        app.add_api_route("/v1/load_lora_adapter", load, methods=["POST"])
+        app.add_api_route("/v1/unload_lora_adapter", unload, methods=["POST"])
         for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"):
             app.add_api_route(path, generate, methods=["POST"])
         app.add_api_route("/v1/responses/{response_id}", stored, methods=["GET"])
@@ -168,6 +195,10 @@ class FakeVLLM:
         if body.get("store", True) and not prefill:
             self.stored.add(answer_id)
         return answer_id
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "BadRequestError", "code": status}}, status_code=status)
 
 
 def router_over(prefill: list[FakeVLLM], decode: list[FakeVLLM], **config) -> TestClient:

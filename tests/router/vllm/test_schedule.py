@@ -108,6 +108,18 @@ def test_an_instance_that_left_rotation_is_forgotten():
     assert placed is not None and placed.held == 0  # a restarted server's cache is empty
 
 
+def test_an_instance_back_in_rotation_unseen_by_any_request_while_out_is_forgotten():
+    """No request came while it was out (the health checks alone saw it go and come back): it may have restarted."""
+    s, decode = scheduler()
+    prompt = list(range(64))
+    home = serve(s, prompt)
+    decode.take_out(home, "gone")
+    assert decode.readmit(home) is True and decode.readmit(home) is False  # back once
+    s.back(NodeRole.DECODE, [home])
+    placed = s.place(prompt)
+    assert placed is not None and placed.held == 0
+
+
 def test_before_any_instance_shows_its_block_size_requests_are_placed_by_load():
     s, _ = scheduler(measured=False, below=40)
     homes = {serve(s, list(range(64))) for _ in range(2)}
