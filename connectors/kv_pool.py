@@ -18,6 +18,9 @@ TORCH_DTYPES: dict[DType, torch.dtype] = {
     DType.FLOAT32: torch.float32,
     DType.FLOAT16: torch.float16,
     DType.BFLOAT16: torch.bfloat16,
+    DType.UINT8: torch.uint8,
+    DType.FLOAT8_E4M3FN: torch.float8_e4m3fn,
+    DType.FLOAT8_E5M2: torch.float8_e5m2,
 }
 
 

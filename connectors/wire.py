@@ -30,6 +30,10 @@ class DType(enum.StrEnum):
     FLOAT32 = "float32"
     FLOAT16 = "float16"
     BFLOAT16 = "bfloat16"
+    # a quantized KV cache's storage (vLLM's fp8 caches are uint8 tensors); KVLayout.kv_quant says what it encodes
+    UINT8 = "uint8"
+    FLOAT8_E4M3FN = "float8_e4m3fn"
+    FLOAT8_E5M2 = "float8_e5m2"
 
 
 class PoolLayout(enum.StrEnum):
@@ -82,6 +86,17 @@ class KVLayout(_Msg, tag="layout", frozen=True):
     # the checkpoint whose KV this is (engine/fingerprint.py): two models of one shape must not trade KV.
     # "": not known (older nodes), which agrees with any (`models_agree`)
     model: str = ""
+    # a quantized KV cache: how its bytes encode values (vLLM's --kv-cache-dtype: fp8, fp8_e4m3, fp8_e5m2); both
+    # sides must agree, as one uint8 byte is a value of either. "": a cache of the model's own dtype
+    kv_quant: str = ""
+
+
+UNQUANTIZED_KV = frozenset({"auto", "float16", "half", "bfloat16", "float32", "float"})  # vLLM's --kv-cache-dtype
+
+
+def kv_quant_of(cache_dtype: str) -> str:
+    """The `KVLayout.kv_quant` of vLLM's --kv-cache-dtype `cache_dtype`: "" for a cache of the model's dtype."""
+    return "" if cache_dtype in UNQUANTIZED_KV else cache_dtype
 
 
 def models_agree(a: str, b: str) -> bool:

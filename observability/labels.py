@@ -132,6 +132,9 @@ class PathReason(enum.StrEnum):
     # every prefill instance up keeps KV blocks of another size than the decode instance picked (NodeInfo.block_size;
     # the vLLM router: vllm:cache_config_info): its KV would be refused as a mismatch
     PREFILL_OTHER_BLOCK_SIZE = "prefill-other-block-size"
+    # every prefill instance up whose block size pairs keeps another kind of KV cache (the vLLM router:
+    # vllm:cache_config_info's cache_dtype, e.g. fp8 against the model's dtype): its KV would be refused as a mismatch
+    PREFILL_OTHER_KV_CACHE_DTYPE = "prefill-other-kv-cache-dtype"
     PREFILL_SATURATED = "prefill-saturated"  # every prefill instance up had --prefill-max-in-flight requests
     PREFILL_FAILED = "prefill-failed"  # the prefill instance was not reached, timed out, broke or answered 5xx
     NO_KV_PARAMS = "no-kv-transfer-params"  # it answered without them (a vLLM started with no KV connector)
@@ -158,7 +161,7 @@ NODES_PATH_REASONS: tuple[PathReason, ...] = (
     PathReason.PREFILL_OTHER_MODEL, PathReason.PREFILL_OTHER_BLOCK_SIZE, PathReason.PREFILL_SATURATED,
     PathReason.NOT_ASKED, PathReason.PROMPT_SHARED)
 # the reasons the router in front of vLLM servers gives (router/vllm/)
-VLLM_PATH_REASONS: tuple[PathReason, ...] = tuple(
+VLLM_PATH_REASONS: tuple[PathReason, ...] = tuple(  # all but kvwire's own nodes' alone
     r for r in PathReason if r not in (PathReason.NOT_ASKED, PathReason.PREFILL_OTHER_MODEL, PathReason.PROMPT_SHARED))
 
 

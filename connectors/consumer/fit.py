@@ -176,4 +176,7 @@ def _differ(theirs: KVLayout, ours: KVLayout) -> str:
     if not models_agree(theirs.model, ours.model):
         return (f"the producer's KV is of another checkpoint (model {theirs.model}, ours {ours.model}): prefill and "
                 "decode must serve the same one")
+    if theirs.kv_quant != ours.kv_quant:
+        return (f"the producer's KV cache is {theirs.kv_quant or theirs.dtype}, ours {ours.kv_quant or ours.dtype}: "
+                "serve the same --kv-cache-dtype on both")
     return f"producer layout {theirs} does not match ours {ours}"

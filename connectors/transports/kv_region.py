@@ -109,9 +109,10 @@ class KVRegion:
     # layout's block_size is then theirs, and block ids count them.
     split: SubBlocks | None = None
 
-    def of_model(self, model: str) -> KVRegion:
-        """This region, its layout naming the checkpoint `model` (its fingerprint: connectors/checkpoint.py)."""
-        return dataclasses.replace(self, layout=msgspec.structs.replace(self.layout, model=model))
+    def of_model(self, model: str, kv_quant: str = "") -> KVRegion:
+        """This region, its layout naming the checkpoint `model` (its fingerprint: connectors/checkpoint.py) and
+        the quantization of its KV cache (KVLayout.kv_quant)."""
+        return dataclasses.replace(self, layout=msgspec.structs.replace(self.layout, model=model, kv_quant=kv_quant))
 
     @classmethod
     def from_kv_caches(cls, kv_caches: list[torch.Tensor]) -> KVRegion:

@@ -160,7 +160,7 @@ def _row_of(layout: KVLayout, row_nbytes: int) -> tuple[int, tuple[Part, ...]]:
 def _cpu_pages_known(layout: KVLayout) -> bool:
     """Whether vLLM's CPU backend keeps this layout's pages as kvwire knows them (its `vec` and `vec16` kernels: K
     transposed, V token by token), not in AMX tiles (bf16 on a CPU with AMX) nor another architecture's."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
+    if platform.machine().lower() not in ("x86_64", "amd64") or layout.kv_quant:
+        return False  # another architecture's kernels, or a quantized cache's pages: not known
     amx = layout.dtype == DType.BFLOAT16 and layout.block_size % 32 == 0 and torch.cpu._is_amx_tile_supported()
     return not amx

@@ -29,11 +29,13 @@ from typing import Any
 
 from kvwire.connectors.checkpoint import model_fingerprint, name_fingerprint
 from kvwire.connectors.directory.directory import KVDirectory
-from kvwire.connectors.wire import NodeInfo
+from kvwire.connectors.wire import NodeInfo, kv_quant_of
 
 log = logging.getLogger(__name__)
 _DP_SUFFIX = re.compile(r"_dp\d+$")  # what vLLM appends to each data-parallel engine's engine_id
 _UUID = re.compile(r"^([0-9a-f]{8})-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+# quantized KV caches whose blocks hold every byte of their values (scales, if any, per layer from the checkpoint)
+MOVED_QUANT = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class EngineShape:
     tensor_rank: int = 0  # a worker's; 0 in the scheduler
     kv_heads: int = 1  # the model's KV heads, all ranks together (MLA: its one latent)
     mla: bool = False
+    kv_quant: str = ""  # a quantized KV cache's --kv-cache-dtype (KVLayout.kv_quant); "": the model's dtype
 
     @classmethod
     def of(cls, vllm_config: Any, tensor_rank: int = 0) -> EngineShape:
@@ -60,9 +63,11 @@ class EngineShape:
         # gives every engine of a DP server, and data_parallel_index still tell the engine's place
         data_parallel = p.data_parallel_size > 1 or _DP_SUFFIX.search(engine_id) is not None
         rank = getattr(p, "data_parallel_index", p.data_parallel_rank)
+        cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
         return cls(engine_id=engine_id, tensor_parallel_size=p.tensor_parallel_size,
                    pipeline_parallel_size=p.pipeline_parallel_size, data_parallel=data_parallel,
-                   data_parallel_rank=rank, tensor_rank=tensor_rank, kv_heads=heads, mla=mla)
+                   data_parallel_rank=rank, tensor_rank=tensor_rank, kv_heads=heads, mla=mla,
+                   kv_quant=kv_quant_of(cache_dtype))
 
 
 def node_id_of(given: str, engine: EngineShape, hostname: str) -> str:
@@ -75,6 +80,10 @@ def node_id_of(given: str, engine: EngineShape, hostname: str) -> str:
 
 def refuse_shape(engine: EngineShape) -> None:
     """Raises: ValueError for a server shape kvwire would never move KV for."""
+    if engine.kv_quant and engine.kv_quant not in MOVED_QUANT:
+        raise ValueError(f"kvwire: this vLLM server's KV cache is {engine.kv_quant}, whose scales live apart from "
+                         f"its blocks; kvwire moves KV caches of the model's dtype or of {', '.join(MOVED_QUANT)} "
+                         "(--kv-cache-dtype)")
     pp = engine.pipeline_parallel_size
     if pp > 1:
         raise ValueError(f"kvwire: this vLLM server runs pipeline_parallel_size {pp}; kvwire's connector moves "

@@ -70,8 +70,8 @@ HINTS = {  # what to do when pulls fail for this reason
     TransferFailure.DEADLINE: "the KV was not announced within kv_deadline_s: is the prefill server overloaded, "
                               "or on another Redis?",
     TransferFailure.PRODUCER: "the prefill server failed the request or its entry expired: see its log",
-    TransferFailure.MISMATCH: "the servers differ in model, --dtype or --block-size (one must be a multiple of the "
-                              "other): serve such on both",
+    TransferFailure.MISMATCH: "the servers differ in model, --dtype, --kv-cache-dtype or --block-size (one must be "
+                              "a multiple of the other): serve such on both",
     TransferFailure.TRANSPORT: "the bytes did not move: can this server reach the prefill server's advertised "
                                "address (advertise_host), over the same transport?",
     TransferFailure.DIRECTORY: "Redis could not be reached or held an unreadable record: check redis_url",
@@ -114,7 +114,8 @@ class WorkerHalf:
         fingerprint (identity.checkpoint_of; "": not known).
 
         Raises: ValueError for a KV layout or transport kvwire cannot serve; DirectoryError."""
-        region = region_of(kv_caches, self._num_blocks, self._block_size, backend=backend).of_model(model)
+        region = region_of(kv_caches, self._num_blocks, self._block_size, backend=backend).of_model(
+            model, self._settings.engine.kv_quant)
         self._model = model
         split = self._settings.split
         if region.layout.num_kv_heads != split.per_rank:

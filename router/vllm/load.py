@@ -22,6 +22,7 @@ class ServerLoad(NamedTuple):
             vLLM sets it at each engine step, so an idle server shows its last busy step's: a figure for
             whether the cache is nearly full, not a count of other clients' blocks.
         block_size: tokens per KV block (vllm:cache_config_info); 0 when the metric was missing.
+        cache_dtype: its KV cache's --kv-cache-dtype (vllm:cache_config_info); "" when the metric was missing.
         engines: each data-parallel engine's requests, waiting and running, by its index (the `engine` label,
             vLLM's data-parallel rank); () for a server of one engine.
     """
@@ -30,11 +31,12 @@ class ServerLoad(NamedTuple):
     kv_usage: float
     block_size: int
     engines: tuple[int, ...] = ()
+    cache_dtype: str = ""
 
 
 def parse_server_metrics(text: str) -> ServerLoad:
     """Returns: the load that vLLM's Prometheus exposition `text` shows (0s where a series is missing)."""
-    waiting, usage, block_size = 0.0, [0.0], 0
+    waiting, usage, block_size, cache_dtype = 0.0, [0.0], 0, ""
     engines: dict[int, float] = {}
     for line in text.splitlines():
         match = _SAMPLE.match(line)
@@ -52,8 +54,9 @@ def parse_server_metrics(text: str) -> ServerLoad:
             usage.append(value)
         elif name == "vllm:cache_config_info":
             block_size = int(labels.get("block_size") or 0) or block_size
+            cache_dtype = labels.get("cache_dtype") or cache_dtype
     ranks = tuple(int(engines.get(i, 0)) for i in range(max(engines) + 1)) if len(engines) > 1 else ()
-    return ServerLoad(int(waiting), max(usage), block_size, ranks)
+    return ServerLoad(int(waiting), max(usage), block_size, ranks, cache_dtype)
 
 
 async def scrape(client: httpx2.AsyncClient, url: str, timeout: httpx2.Timeout) -> ServerLoad | None:

@@ -32,6 +32,7 @@ from typing import NamedTuple, Protocol
 import httpx2
 
 from kvwire.connectors.config import NodeRole
+from kvwire.connectors.wire import kv_quant_of
 from kvwire.observability.labels import InstanceState
 from kvwire.router.vllm.load import ServerLoad
 from kvwire.router.vllm.upstream import PEER_ERRORS, FailureKind, failure_kind
@@ -92,6 +93,7 @@ class Instance:
     engines: tuple[int, ...] = ()  # each data-parallel engine's requests at its last GET /metrics (() for one)
     engine_turn: int = 0  # rotates ties between its engines
     block_size: int = 0  # tokens per KV block, as its GET /metrics last showed (0: not yet)
+    kv_quant: str | None = None  # its KV cache's quantization (KVLayout.kv_quant, "": none), once its metrics showed
 
 
 class InstancePool:
@@ -108,12 +110,14 @@ class InstancePool:
         self._block_size = 0
 
     def pick(self, avoid: frozenset[str] = frozenset(), cost: Callable[[str], float] | None = None,
-             request_blocks: int = 1, block_size: int = 0) -> str | None:
+             request_blocks: int = 1, block_size: int = 0, kv_quant: str | None = None) -> str | None:
         """Returns: the URL of the UP instance (not in `avoid`, unless only those are UP) of the least `cost(url)`
         + load, ties in round-robin order; None when none is UP. `request_blocks`: a request's KV blocks, what
         each request queued on an instance (or SLOW_WEIGHT of them) weighs. `block_size`: only instances whose KV
-        blocks pair with blocks of that size (`pairs`), or not yet known (0: any)."""
-        up = [i for i in self._instances.values() if i.state == InstanceState.UP and pairs(i.block_size, block_size)]
+        blocks pair with blocks of that size (`pairs`), or not yet known (0: any); `kv_quant`: only instances of
+        that KV cache quantization, or not yet known (None: any)."""
+        up = [i for i in self._instances.values() if i.state == InstanceState.UP and pairs(i.block_size, block_size)
+              and (kv_quant is None or i.kv_quant is None or i.kv_quant == kv_quant)]
         up = [i for i in up if i.url not in avoid] or up
         if not up:
             return None
@@ -144,6 +148,8 @@ class InstancePool:
         ours = max(in_flight_then, instance.in_flight)  # queued there, for all the router knows
         instance.queued, instance.full = max(0, server.waiting - ours), server.kv_usage >= FULL
         instance.engines = server.engines
+        if server.cache_dtype:
+            instance.kv_quant = kv_quant_of(server.cache_dtype)
         if server.block_size:
             instance.block_size = server.block_size
             self._block_size = min(self._block_size or server.block_size, server.block_size)
@@ -151,6 +157,10 @@ class InstancePool:
     def block_size_of(self, url: str) -> int:
         """`url`'s KV block size, as its GET /metrics last showed; 0 before it did."""
         return self._instances[url].block_size
+
+    def kv_quant_of(self, url: str) -> str | None:
+        """`url`'s KV cache quantization ("": none), as its GET /metrics last showed; None before it did."""
+        return self._instances[url].kv_quant
 
     def block_sizes(self) -> dict[str, int]:
         """Each UP instance's KV block size, where its GET /metrics showed one."""

@@ -13,8 +13,9 @@ For each request, once its prompt's token ids are known (router/vllm/tokens.py):
    computing it there costs less than a prefill instance's round trip and the pull; else disaggregated.
 3. PREFILL INSTANCE (`prefill`): the UP prefill instance of the least cost, the same way, among those whose KV
    block size pairs with the decode instance's (one divides the other, as their metrics show; not yet shown
-   counts as pairing): a pull between others is refused as a mismatch, so with none the request goes
-   decode-only (PathReason.PREFILL_OTHER_BLOCK_SIZE, an ERROR once per decode instance).
+   counts as pairing) and whose KV cache is of the same kind (--kv-cache-dtype: the model's, or one fp8): a pull
+   between others is refused as a mismatch, so with none the request goes decode-only
+   (PathReason.PREFILL_OTHER_BLOCK_SIZE or PREFILL_OTHER_KV_CACHE_DTYPE, an ERROR once per decode instance).
 4. The prediction: what each instance was sent is held there from then (`sent`), and a decode instance's
    answer adds the tokens it generated (`answered`), which the conversation's next prompt starts with.
    An instance that leaves rotation is forgotten (its process may have restarted with an empty cache).
@@ -77,7 +78,8 @@ class Scheduler:
         self._exact: set[str] = set()  # decode instances whose KV events came
         self._unlike: set[str] = set()  # ... whose events' block size is not the index's (said once)
         self._said_no_block_size = False
-        self._unpaired: set[str] = set()  # decode instances no prefill instance's block size matched (said once)
+        self._unpaired: set[tuple[str, PathReason]] = set()  # decode instances no prefill instance paired, and why
+        # (said once)
 
     def reads_prompts(self) -> bool:
         """Whether a request's prompt must be tokenized to place it."""
@@ -109,22 +111,28 @@ class Scheduler:
         whose KV block size pairs with its (router/vllm/pool.py, `pairs`); else why none."""
         index, pool = self._index(NodeRole.PREFILL), self._pools[NodeRole.PREFILL]
         held = index.held(tokens, pool.urls(InstanceState.UP), scope) if index and tokens else {}
-        size = self._pools[NodeRole.DECODE].block_size_of(decode)
+        size, quant = self._pools[NodeRole.DECODE].block_size_of(decode), self._pools[NodeRole.DECODE].kv_quant_of(
+            decode)
         url = pool.pick(cost=self._uncached(tokens, held, index), request_blocks=_blocks(tokens, index),
-                        block_size=size)
+                        block_size=size, kv_quant=quant)
         if url is not None:
             return url
         if not pool.count(InstanceState.UP):
             return PathReason.NO_PREFILL_INSTANCE
-        if decode not in self._unpaired:
-            self._unpaired.add(decode)
-            log.error("decode instance %s keeps KV blocks of %d tokens and no prefill instance up pairs with it "
-                      "(%s): KV moves between block sizes only where one divides the other, so its requests go "
-                      "decode-only (reason %s) until one does; give prefill and decode servers such --block-size",
-                      decode, size,
-                      ", ".join(f"{u}: {n}" for u, n in pool.block_sizes().items()),
-                      PathReason.PREFILL_OTHER_BLOCK_SIZE)
-        return PathReason.PREFILL_OTHER_BLOCK_SIZE
+        if pool.pick(block_size=size) is not None:  # of the block size, not of the KV cache's kind
+            reason, why = PathReason.PREFILL_OTHER_KV_CACHE_DTYPE, (
+                f"a KV cache of {quant or 'the model dtype'}, and no prefill instance up keeps one of that kind "
+                "(KV moves between caches of one --kv-cache-dtype only)")
+        else:
+            reason, why = PathReason.PREFILL_OTHER_BLOCK_SIZE, (
+                f"KV blocks of {size} tokens, and no prefill instance up pairs with it ("
+                f"{', '.join(f'{u}: {n}' for u, n in pool.block_sizes().items())}; KV moves between block sizes only "
+                "where one divides the other)")
+        if (decode, reason) not in self._unpaired:
+            self._unpaired.add((decode, reason))
+            log.error("decode instance %s keeps %s: its requests go decode-only (reason %s) until one does; serve "
+                      "prefill and decode alike", decode, why, reason)
+        return reason
 
     def sent(self, role: NodeRole, url: str, tokens: Sequence[int] | None, scope: bytes = ROOT) -> None:
         """`url`, an instance of `role`, was sent a prompt of `tokens` in cache scope `scope`."""

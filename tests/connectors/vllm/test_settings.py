@@ -81,6 +81,17 @@ def test_pipeline_parallel_servers_and_uneven_splits_are_refused_at_start_up():
         VLLMSettings.parse("kv_producer", {"redis_url": URL}, EngineShape("e", tensor_parallel_size=4, kv_heads=6))
 
 
+def test_an_fp8_kv_cache_is_moved_and_one_whose_scales_live_apart_is_refused_at_start_up():
+    config = _vllm_config("e", 1, 0, 0)
+    for given, quant in (("auto", ""), ("bfloat16", ""), ("fp8", "fp8"), ("fp8_e5m2", "fp8_e5m2")):
+        config.cache_config = SimpleNamespace(cache_dtype=given)
+        engine = EngineShape.of(config)
+        assert engine.kv_quant == quant
+        VLLMSettings.parse("kv_producer", {"redis_url": URL}, engine)
+    with pytest.raises(ValueError, match="int8_per_token_head, whose scales live apart from its blocks"):
+        VLLMSettings.parse("kv_producer", {"redis_url": URL}, EngineShape("e", kv_quant="int8_per_token_head"))
+
+
 def test_each_tensor_parallel_rank_is_its_own_node():
     ranks = [EngineShape("e", tensor_parallel_size=2, tensor_rank=r, kv_heads=4) for r in (0, 1)]
     settings = [VLLMSettings.parse("kv_producer", {"redis_url": URL, "node_id": "p"}, e) for e in ranks]

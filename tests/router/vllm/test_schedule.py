@@ -145,7 +145,8 @@ vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
 vllm:cache_config_info{block_size="128",cache_dtype="auto",engine="0",num_gpu_blocks="40"} 1.0
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
 """
-    assert parse_server_metrics(text) == ServerLoad(waiting=3, kv_usage=0.5, block_size=128, engines=(5, 1))
+    assert parse_server_metrics(text) == ServerLoad(waiting=3, kv_usage=0.5, block_size=128, engines=(5, 1),
+                                                    cache_dtype="auto")
     assert parse_server_metrics("") == ServerLoad(0, 0.0, 0)
 
 
@@ -181,3 +182,30 @@ def test_a_prefill_instance_is_picked_only_of_a_block_size_that_pairs_with_the_d
     prefill.take_out(P, "gone")
     prefill.take_out(p2, "gone")
     assert s.prefill(list(range(40)), D1) == PathReason.NO_PREFILL_INSTANCE
+
+
+def test_a_prefill_instance_is_picked_only_of_the_decode_instance_s_kind_of_kv_cache(caplog):
+    """An fp8 KV cache's bytes are not a bf16 one's: a decode instance whose cache dtype no prefill instance of a
+    pairing block size keeps takes its requests decode-only, said once (ERROR); "auto" and the model's dtype are one
+    kind, and an instance whose metrics said nothing yet pairs with any."""
+    p2 = "http://p2:1"
+    prefill, decode = InstancePool(NodeRole.PREFILL, [P, p2]), InstancePool(NodeRole.DECODE, [D1, D2])
+    s = Scheduler(RoutingPolicy.PREFIX, 0, 120.0, prefill, decode)
+    prefill.measured(P, ServerLoad(0, 0.0, 16, cache_dtype="fp8"))
+    decode.measured(D1, ServerLoad(0, 0.0, 16, cache_dtype="fp8"))
+    decode.measured(D2, ServerLoad(0, 0.0, 16, cache_dtype="bfloat16"))
+    assert s.prefill(list(range(40)), D2) == p2  # not shown yet: pairs
+    prefill.measured(p2, ServerLoad(0, 0.0, 16, cache_dtype="auto"))
+    assert {s.prefill(list(range(40)), D1) for _ in range(4)} == {P}
+    assert {s.prefill(list(range(40)), D2) for _ in range(4)} == {p2}  # auto: the model's dtype, as bfloat16 is
+    prefill.take_out(p2, "gone")
+    assert s.prefill(list(range(40)), D2) == PathReason.PREFILL_OTHER_KV_CACHE_DTYPE
+    assert s.prefill(list(range(40)), D2) == PathReason.PREFILL_OTHER_KV_CACHE_DTYPE
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "a KV cache of the model dtype" in errors[0], errors
+
+
+def test_vllm_metrics_give_the_kv_cache_dtype():
+    text = 'vllm:cache_config_info{block_size="16",cache_dtype="fp8_e4m3",engine="0",num_gpu_blocks="40"} 1.0'
+    assert parse_server_metrics(text).cache_dtype == "fp8_e4m3"
+    assert parse_server_metrics("").cache_dtype == ""
