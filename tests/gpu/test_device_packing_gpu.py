@@ -38,14 +38,18 @@ REQUESTS = [("a", 40 * BLOCK, [*range(50, 70), *range(3, 41, 2)] + [90]), ("b", 
 DST = {"a": [*range(10, 30), *range(31, 51)], "b": [95, 0, 60]}
 
 
-def _kv(rid: str, layer: int, n_blocks: int) -> torch.Tensor:
-    """A request's KV in one layer, every head: [n_blocks, HEADS, BLOCK, 2 * HEAD_DIM] bf16, on the CPU."""
+def _kv(rid: str, layer: int, n_blocks: int, dtype: torch.dtype) -> torch.Tensor:
+    """A request's KV in one layer, every head: [n_blocks, HEADS, BLOCK, 2 * HEAD_DIM] of `dtype` (bf16, or uint8:
+    an fp8 cache's bytes, as vLLM keeps them), on the CPU."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{rid}/{layer}".encode()))
-    return torch.randn(n_blocks, HEADS, BLOCK, 2 * HEAD_DIM, generator=gen).to(torch.bfloat16)
+    shape = (n_blocks, HEADS, BLOCK, 2 * HEAD_DIM)
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+    return torch.randn(shape, generator=gen).to(dtype)
 
 
-def _tensors(heads: int) -> dict[str, torch.Tensor]:
-    return {f"layer.{i}": torch.zeros(BLOCKS, heads, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16, device="cuda:0")
+def _tensors(heads: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {f"layer.{i}": torch.zeros(BLOCKS, heads, BLOCK, 2 * HEAD_DIM, dtype=dtype, device="cuda:0")
             for i in range(LAYERS)}
 
 
@@ -53,12 +57,12 @@ def _config(kind: ConnectorKind, role: NodeRole, node_id: str, redis_url: str) -
     return ConnectorConfig(kind=kind, role=role, node_id=node_id, redis_url=redis_url, kv_deadline_s=HOLD_S)
 
 
-def prefill(redis_url: str, kind: ConnectorKind, results) -> None:
+def prefill(redis_url: str, kind: ConnectorKind, dtype: torch.dtype, results) -> None:
     """The producer's process: hold every request's KV on cuda:0; report once all are released."""
-    tensors = _tensors(HEADS)
+    tensors = _tensors(HEADS, dtype)
     for rid, _, blocks in REQUESTS:
         for layer, t in enumerate(tensors.values()):
-            t[blocks] = _kv(rid, layer, len(blocks)).to(t.device)
+            t[blocks] = _kv(rid, layer, len(blocks), dtype).to(t.device)
     config = _config(kind, NodeRole.PREFILL, "prefill-gpu", redis_url)
     directory = KVDirectory(redis_url)
     epoch = directory.next_epoch(config.node_id)
@@ -73,8 +77,8 @@ def prefill(redis_url: str, kind: ConnectorKind, results) -> None:
     peer.flush_replies()
 
 
-def _pull(redis_url: str, kind: ConnectorKind, heads: HeadSlice | None) -> dict[str, torch.Tensor]:
-    tensors = _tensors(HEADS if heads is None else heads.num_heads)
+def _pull(redis_url: str, kind: ConnectorKind, heads: HeadSlice | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    tensors = _tensors(HEADS if heads is None else heads.num_heads, dtype)
     config = _config(kind, NodeRole.DECODE, "decode-gpu", redis_url)
     directory = KVDirectory(redis_url)
     consumer = KVConsumer(config, directory, create_transport(config, directory.next_epoch(config.node_id)),
@@ -89,16 +93,22 @@ def _pull(redis_url: str, kind: ConnectorKind, heads: HeadSlice | None) -> dict[
         directory.close()
 
 
+SLICE = HeadSlice(4, 0, 4)
+
+
 @needs_gpu
-@pytest.mark.parametrize("kind", [ConnectorKind.UCX, ConnectorKind.TCP], ids=str)
-@pytest.mark.parametrize("heads", [None, HeadSlice(4, 0, 4)], ids=["whole-blocks", "head-slice"])
-def test_vllm_layout_kv_moves_between_two_processes_on_one_gpu(kind, heads, redis_url):
+@pytest.mark.parametrize(("kind", "heads", "dtype"), [
+    *((kind, heads, torch.bfloat16) for kind in (ConnectorKind.UCX, ConnectorKind.TCP) for heads in (None, SLICE)),
+    (ConnectorKind.UCX, None, torch.uint8), (ConnectorKind.TCP, SLICE, torch.uint8),  # an fp8 cache's bytes
+], ids=lambda v: {None: "whole-blocks", SLICE: "head-slice"}.get(v, str(v)) if not isinstance(v, torch.dtype)
+    else str(v).removeprefix("torch."))
+def test_vllm_layout_kv_moves_between_two_processes_on_one_gpu(kind, heads, dtype, redis_url):
     results = CTX.Queue()
-    proc = CTX.Process(target=prefill, args=(redis_url, kind, results))
+    proc = CTX.Process(target=prefill, args=(redis_url, kind, dtype, results))
     proc.start()
     try:
         assert results.get(timeout=60) == "held"
-        tensors = _pull(redis_url, kind, heads)
+        tensors = _pull(redis_url, kind, heads, dtype)
         assert results.get(timeout=HOLD_S) == len(REQUESTS)  # released on the consumer's reads
         proc.join(30)
         assert proc.exitcode == 0
@@ -107,7 +117,7 @@ def test_vllm_layout_kv_moves_between_two_processes_on_one_gpu(kind, heads, redi
     first, count = (0, HEADS) if heads is None else (heads.src_head, heads.num_heads)
     for layer, t in enumerate(tensors.values()):
         for rid, _, blocks in REQUESTS:
-            want = _kv(rid, layer, len(blocks))[:, first:first + count]
+            want = _kv(rid, layer, len(blocks), dtype)[:, first:first + count]
             assert torch.equal(t[DST[rid]].cpu(), want), f"{kind} layer {layer} request {rid}"
 
 
