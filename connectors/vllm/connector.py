@@ -11,6 +11,7 @@ cache groups (sliding-window beside full attention) hands per-group block lists 
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -58,6 +59,7 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
+            _warn_if_no_drain(vllm_config, self.settings)
             self._scheduler = SchedulerHalf(self.settings, self._groups)
         else:
             self._worker = WorkerHalf(self.settings, kv_cache_config.num_blocks, self._groups.block_size)
@@ -174,6 +176,16 @@ def _log_like_vllm() -> None:
         ours.addHandler(handler)
     ours.setLevel(theirs.level)
     ours.propagate = False
+
+
+def _warn_if_no_drain(vllm_config: VllmConfig, settings: VLLMSettings) -> None:
+    """A prefill server stopped (SIGTERM) with vLLM's default --shutdown-timeout 0 aborts at once, and the KV it
+    holds for decode servers goes with it: each of those prompts is computed again there (counted). With a
+    timeout, vLLM steps on while requests' KV is held (delayed free) and kvwire serves their pulls first."""
+    if settings.role.produces and not getattr(vllm_config, "shutdown_timeout", 0):
+        log.warning("kvwire: --shutdown-timeout is 0: when this server is stopped, the KV it holds for decode "
+                    "servers is dropped and they compute those prompts again; give it --shutdown-timeout %d (the "
+                    "KV's hold, kv_deadline_s) to let them pull it first", math.ceil(settings.kv_deadline_s))
 
 
 def _insist_on_recompute(transfer: Any) -> None:

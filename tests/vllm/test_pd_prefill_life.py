@@ -103,6 +103,15 @@ def test_disaggregated_equals_plain_over_nccl(plain_server: VLLMServer, pair: PD
     routed_equals_plain(pair, plain_server, str(vllm_model_dir))  # first: the decode server's metrics are fresh
 
 
+def test_a_prefill_server_that_would_drop_its_held_kv_when_stopped_says_so_at_start_up(pair: PDCluster):
+    """vLLM's default --shutdown-timeout 0 aborts at once on SIGTERM, and the KV held for decode servers goes too
+    (test_pd_schedule.py's prefill server runs with a timeout: stopped, it serves that KV first)."""
+    said = "--shutdown-timeout is 0: when this server is stopped, the KV it holds for decode servers is dropped"
+    assert pair.prefill.spec.log_path is not None and pair.decode.spec.log_path is not None
+    assert said in pair.prefill.spec.log_path.read_text()
+    assert said not in pair.decode.spec.log_path.read_text(), "a consumer holds nothing for others"
+
+
 # --- 0b. n > 1 ----------------------------------------------------------------------------------------------------
 
 CHOICES_PROMPT = "Several answers to one prompt share its prefill. " * 14  # 700 tokens: disaggregated

@@ -39,7 +39,14 @@ import zmq
 
 from kvwire.cluster.redis_server import LocalRedis
 from kvwire.cluster.vllm_cluster import VLLMServer, start_all
-from kvwire.cluster.vllm_pd import ALWAYS_DISAGGREGATE, PDCluster, kvwire_pair, routed, start_router
+from kvwire.cluster.vllm_pd import (
+    ALWAYS_DISAGGREGATE,
+    PDCluster,
+    counter_by_label,
+    kvwire_pair,
+    routed,
+    start_router,
+)
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.directory.directory import KVDirectory, TransferState
 from kvwire.connectors.vllm.tp import rank_key
@@ -64,6 +71,7 @@ USER = ["Tell me something.", "Go on, please.", "And what then?"]
 STORE = (("VLLM_ENABLE_RESPONSES_API_STORE", "1"),)  # the Responses API keeps answers (store) for later turns
 # a coding agent's servers: tools (auto tool choice), and the render endpoints the router renders its bodies by
 AGENTS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-scale-out")
+DRAIN_S = 30  # the prefill server's --shutdown-timeout: stopped, it serves the KV it holds until pulled
 
 
 class Trio(NamedTuple):
@@ -91,7 +99,8 @@ def trio(vllm_model_dir: Path, redis_server: LocalRedis, spans: OTLPReceiver, tm
                        for s in kvwire_pair(vllm_model_dir, redis_server.url, ConnectorKind.AUTO, log_dir))
     decode2 = traced(dataclasses.replace(decode, node_id="decode2-auto", log_path=log_dir / "decode2.log"),
                      spans.endpoint_for("decode2"))
-    prefill = traced(prefill, spans.endpoint_for("prefill"))
+    prefill = traced(dataclasses.replace(prefill, extra_args=(*AGENTS, "--shutdown-timeout", str(DRAIN_S))),
+                     spans.endpoint_for("prefill"))
     events = f"ipc://{log_dir}/decode-kv-events"  # vLLM's publisher binds it (as `tcp://*:5557`), the router connects
     decode = dataclasses.replace(decode, extra_args=(*AGENTS, "--kv-events-config", json.dumps(
         {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events})))
@@ -380,18 +389,20 @@ def test_a_real_prometheus_reads_the_dashboards_vllm_panels(trio: Trio, vllm_mod
         prometheus.stop()
 
 
-def test_a_restarted_prefill_is_read_anew_and_a_killed_one_recomputed(trio: Trio, plain_server: VLLMServer,
-                                                                      vllm_model_dir: Path, tmp_path: Path):
-    """The prefill server restarted under its id (a new epoch): the decode server reads the new process's KV cache
-    (its old one dropped with the dead process's socket). Then that one SIGKILLed while a burst's KV is being
-    pulled: every answer is the plain server's (recomputed where the KV could not come), the decode server
-    lives on, and nothing it pulled was read from the dead process after its death (the answers say so)."""
+def test_a_stopped_prefill_serves_its_held_kv_then_a_restart_is_read_anew_and_a_killed_one_recomputed(
+        trio: Trio, plain_server: VLLMServer, vllm_model_dir: Path, tmp_path: Path):
+    """The prefill server stopped (SIGTERM, --shutdown-timeout) while it holds a prompt's KV: a decode server
+    pulls it, and the server then exits, before its timeout. Restarted under its id (a new epoch): the decode
+    server reads the new process's KV cache (its old one dropped with the dead process's socket). Then that one
+    SIGKILLed while a burst's KV is being pulled: every answer is the plain server's (recomputed where the KV
+    could not come), the decode server lives on, and nothing it pulled was read from the dead process after its
+    death (the answers say so)."""
     model, decode = str(vllm_model_dir), trio.decodes[1]
     plain = openai_client(plain_server.url)
     prompts = [p + f" Restart {i}." for i in range(2) for p in PROMPTS]
     want = {p: plain.completions.create(model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
             for p in prompts}
-    trio.prefill.kill()
+    _stopped_while_holding(trio.prefill, decode, model, prompts[0], want[prompts[0]])
     restarted = VLLMServer(dataclasses.replace(trio.prefill.spec, port=trio.prefill.port)).start()
     router: subprocess.Popen | None = None
     try:
@@ -418,3 +429,31 @@ def test_a_restarted_prefill_is_read_anew_and_a_killed_one_recomputed(trio: Trio
             router.terminate()
             router.wait(10)
         restarted.stop()
+
+
+def _stopped_while_holding(prefill: VLLMServer, decode: VLLMServer, model: str, prompt: str, want: str) -> None:
+    """`prefill` computes `prompt` for a decode server and is stopped (SIGTERM) before `decode` asks for it:
+    `decode` pulls every prompt token from the stopping server, and it exits once that is done."""
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    params = httpx2.post(f"{prefill.url}/v1/completions", timeout=60, json={
+        **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+    assert prefill.proc is not None
+    before = counter_by_label(decode.url, "vllm:prompt_tokens_by_source_total", "source")
+    stopped = time.monotonic()
+    prefill.proc.terminate()
+    _until_logged(prefill, "[shutdown] API server: shutdown triggered")  # it is stopping: asked only now
+    answer = openai_client(decode.url).completions.create(**body, extra_body={"kv_transfer_params": params})
+    assert answer.choices[0].text == want
+    after = counter_by_label(decode.url, "vllm:prompt_tokens_by_source_total", "source")
+    pulled = after["external_kv_transfer"] - before.get("external_kv_transfer", 0)
+    assert pulled == answer.usage.prompt_tokens, "every prompt token pulled from the stopping server, none computed"
+    assert prefill.proc.wait(DRAIN_S + 10) == 0
+    assert time.monotonic() - stopped < DRAIN_S, "it left once its held KV was pulled, not at its timeout"
+
+
+def _until_logged(server: VLLMServer, line: str, timeout_s: float = 30.0) -> None:
+    assert server.spec.log_path is not None
+    deadline = time.monotonic() + timeout_s
+    while line not in server.spec.log_path.read_text():
+        assert time.monotonic() < deadline, f"{line!r} not in {server.spec.log_path}"
+        time.sleep(0.05)  # another process's log: polled
