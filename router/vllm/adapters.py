@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -51,7 +52,9 @@ class Adapters:
         self._client = client
         self._pools = pools
         self._metrics = metrics
-        self._loaded: dict[str, bytes] = {}  # adapter name -> the body of the load its instances took
+        # adapter name -> the body of the load its instances took, and its headers (the client's credentials: a
+        # server started with --api-key asks for them)
+        self._loaded: dict[str, tuple[bytes, dict[str, str]]] = {}
 
     async def load(self, request: Request) -> Response:
         return await self._everywhere(request, LOAD)
@@ -61,9 +64,10 @@ class Adapters:
 
     async def give(self, pool: InstancePool, urls: Sequence[str]) -> None:
         """Instances `urls` of `pool` came back into rotation: each is given every adapter loaded through here."""
-        for name, body in list(self._loaded.items()):
-            headers = {"content-type": "application/json"}
-            for _, url, answer in await self._send([(pool, url) for url in urls], LOAD, body, headers, "kvw-lora"):
+        for name, (body, headers) in list(self._loaded.items()):
+            rid = f"kvw-lora-{uuid.uuid4().hex}"
+            for _, url, answer in await self._send([(pool, url) for url in urls], LOAD, body,
+                                                   headers | {"x-request-id": rid}, rid):
                 if isinstance(answer, InstanceError) or answer.status_code >= 400 and not _already(answer):
                     log.warning("LoRA adapter %s not loaded again on %s, back in rotation: %s", name, url,
                                 _said(answer))
@@ -87,7 +91,7 @@ class Adapters:
             message = f"{path} of {name!r}: " + "; ".join(f"{r.url} {_said(r.answer)}" for r in replies)
             return JSONResponse(APIError(status, message).body(), status_code=status, headers={"x-request-id": rid})
         if path == LOAD:
-            self._loaded[name] = body
+            self._loaded[name] = (body, {k: v for k, v in headers.items() if k in ("authorization", "content-type")})
         else:
             self._loaded.pop(name, None)
         for r in replies:

@@ -48,11 +48,12 @@ def test_a_load_one_instance_refuses_is_answered_with_each_instances_answer_and_
 def test_an_instance_back_in_rotation_is_given_the_adapters_loaded_through_the_router(fakes):
     p, d1 = fakes["p"], fakes["d1"]
     with router_over([p], [d1]) as router:
-        assert router.post("/v1/load_lora_adapter", json=LOAD).status_code == 200
+        assert router.post("/v1/load_lora_adapter", json=LOAD, headers={"authorization": "Bearer k"}).status_code == 200
         d1.stop()  # a restart forgets runtime adapters
         _until(lambda: router.get("/healthz").json()["decode"]["down"] != [], "d1 seen down")
         d1.start()
         _until(lambda: d1.adapters == {"sql"}, "d1 given sql again once back")
+        assert d1.headers[-1]["authorization"] == "Bearer k", "with the client's credentials (vLLM's --api-key)"
         assert p.adapters == {"sql"}
         assert router.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 200
         d1.stop()
