@@ -77,7 +77,8 @@ class Adapters:
     async def _everywhere(self, request: Request, path: str) -> Response:
         rid, body = http.request_id(request), await request.body()
         name = _name(body)
-        targets = [(pool, url) for pool in self._pools for url in pool.urls(InstanceState.UP)]
+        targets = list({url: (pool, url) for pool in self._pools  # a kv_both server in both roles: once
+                        for url in pool.urls(InstanceState.UP)}.values())
         if not targets:
             raise APIError(503, f"request {rid}: no vLLM instance is up", type_="service_unavailable")
         headers = http.upstream_headers(request, rid) | {

@@ -31,6 +31,13 @@ def test_a_load_and_an_unload_reach_every_prefill_and_decode_instance(fakes):
         assert gone.status_code == 200 and all(f.adapters == set() for f in (p, d1, d2))
 
 
+def test_a_server_in_both_roles_is_asked_once(fakes):
+    p, d1 = fakes["p"], fakes["d1"]
+    with router_over([p, d1], [d1]) as router:  # d1: kv_both, in both pools
+        assert router.post("/v1/load_lora_adapter", json=LOAD).status_code == 200
+    assert len(d1.bodies) == 1 and d1.adapters == {"sql"} and p.adapters == {"sql"}
+
+
 def test_a_load_one_instance_refuses_is_answered_with_each_instances_answer_and_completed_by_a_retry(fakes):
     p, d1 = fakes["p"], fakes["d1"]
     d1.missing.add(LOAD["lora_path"])  # e.g. a path the decode host does not have
