@@ -156,9 +156,9 @@ def test_conversations_stay_where_their_kv_is_and_later_turns_are_decode_only(tr
 
 def test_responses_and_messages_apis_are_disaggregated_and_answers_found(trio: Trio, plain_server: VLLMServer,
                                                                         vllm_model_dir: Path):
-    """OpenAI's Responses API (the official client) and Anthropic's Messages API through the router, whole and
-    streamed: disaggregated, each answer the plain server's, the router's count of their prompts' tokens vLLM's
-    own. Answers stored on both decode servers are each found through the router (GET /v1/responses/{id}), and a
+    """OpenAI's Responses API and Anthropic's Messages API through the router (each company's official client),
+    whole and streamed: disaggregated, each answer the plain server's, the router's count of their prompts' tokens
+    vLLM's own. Answers stored on both decode servers are each found through the router (GET /v1/responses/{id}), and a
     later turn naming one goes decode-only to the server that stored it and answers as that server does."""
     model = str(vllm_model_dir)
     routed, plain = openai_client(trio.router_url), openai_client(plain_server.url)
@@ -174,20 +174,24 @@ def test_responses_and_messages_apis_are_disaggregated_and_answers_found(trio: T
         streamed = events.get_final_response().output_text
     assert streamed == plain.responses.create(input=text + " Streamed.", store=False, **ask).output_text
 
-    # another system prompt: the same one would share the Responses requests' prefix (cached-on-decode)
-    message = {"model": model, "system": "Answer in one line.", "max_tokens": MAX_TOKENS, "temperature": 0,
+    # Anthropic's official client; another system prompt: the same one would share the Responses requests' prefix
+    anthropic = pytest.importorskip("anthropic")  # vLLM's dependency
+    claude = anthropic.Anthropic(base_url=trio.router_url, api_key="unused", max_retries=0, timeout=120)
+    message = {"model": model, "system": "Answer in one line.", "max_tokens": MAX_TOKENS,
                "messages": [{"role": "user", "content": text + " Anthropic."}]}
-    got, plain_got = (httpx2.post(f"{url}/v1/messages", json=message, timeout=120) for url in (trio.router_url,
-                                                                                             plain_server.url))
-    assert got.headers["x-kvwire-path"] == "disaggregated", got.headers["x-kvwire-reason"]
-    assert got.json()["content"] == plain_got.json()["content"]
-    usage = got.json()["usage"]  # Anthropic's: input_tokens leaves out what was read from a cache (the pulled KV)
-    assert usage["cache_read_input_tokens"] > 0, usage
-    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == httpx2.post(
+    greedy = {"temperature": 0}  # the client's newest version takes no `temperature` argument; vLLM reads it
+    plain_got = httpx2.post(f"{plain_server.url}/v1/messages", json={**message, **greedy}, timeout=120).json()
+    raw = claude.messages.with_raw_response.create(**message, extra_body=greedy)
+    assert raw.headers["x-kvwire-path"] == "disaggregated", raw.headers["x-kvwire-reason"]
+    got = raw.parse()
+    assert got.content[0].text == plain_got["content"][0]["text"]
+    # Anthropic's usage: input_tokens leaves out what was read from a cache (the pulled KV)
+    assert got.usage.cache_read_input_tokens > 0, got.usage
+    assert got.usage.input_tokens + got.usage.cache_read_input_tokens == claude.messages.count_tokens(
+        model=model, system=message["system"], messages=message["messages"]).input_tokens == httpx2.post(
         f"{trio.decodes[0].url}/tokenize", json=_tokenize(Endpoint.MESSAGES, message), timeout=10).json()["count"]
-    streamed = httpx2.post(f"{trio.router_url}/v1/messages", json={**message, "stream": True}, timeout=120)
-    deltas = [json.loads(line[5:]).get("delta", {}) for line in streamed.text.splitlines() if line.startswith("data:")]
-    assert "".join(d.get("text", "") for d in deltas) == plain_got.json()["content"][0]["text"]
+    with claude.messages.stream(**message, extra_body=greedy) as events:
+        assert "".join(events.text_stream) == plain_got["content"][0]["text"]
 
     # prompts that share no prefix with the ones above (which would keep them where those are): placed by load
     stored = [routed.responses.with_raw_response.create(input=f"Voyage {i}. {text}", **ask) for i in range(4)]
