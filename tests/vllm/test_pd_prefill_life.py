@@ -175,6 +175,10 @@ def test_prompt_logprobs_go_decode_only_and_a_pull_vllm_skips_is_counted_and_rel
     answer = httpx2.post(f"{pair.decode.url}/v1/completions", json=body, timeout=120).json()
     plain = httpx2.post(f"{plain_server.url}/v1/completions", json={**body, "kv_transfer_params": None}).json()
     assert answer["choices"][0]["prompt_logprobs"] == plain["choices"][0]["prompt_logprobs"]
+    counted = time.monotonic() + 10  # vLLM records connector stats with an engine step's
+    while pair.kv_failed_by_reason()["prompt_logprobs"] < failed.get("prompt_logprobs", 0) + 1:
+        assert time.monotonic() < counted, pair.kv_failed_by_reason()
+        time.sleep(0.2)  # another process's metrics: polled
     assert pair.kv_failed_by_reason()["prompt_logprobs"] == failed.get("prompt_logprobs", 0) + 1
     while _usage(pair.prefill) > 0:  # released at the decode server's word, well before the prefill's lease
         assert time.monotonic() < held_at + LEASE_S - 2, "the hold was kept until it lapsed"
@@ -215,12 +219,13 @@ def test_a_live_prefills_id_is_refused_to_others_and_its_restart_fences_and_serv
     _used_again(model, pair)  # the live one was not fenced
     params = _held_params(pair, model, PROMPTS[1])
     _wait_ready_entry(redis_url, params["remote_request_id"])  # held and announced: what the restart fences
+    failed = pair.kv_failed_by_reason()  # what earlier tests counted
     pair.prefill.kill()
     # the restarted server is the pair's prefill server from here on; the fixture stops it
     pair.prefill = VLLMServer(dataclasses.replace(pair.prefill.spec, port=pair.prefill.port)).start()
     pair.prefill.wait_ready()
     _fenced_and_recomputed(model, redis_url, pair.decode.url, params, want)
-    _counted_where_vllm_users_look(pair)
+    _counted_where_vllm_users_look(pair, failed)
     _used_again(model, pair)
 
 
@@ -255,12 +260,17 @@ def _fenced_and_recomputed(model: str, redis_url: str, decode_url: str, params: 
     assert time.monotonic() - start < WAIT_S / 2, "a fenced entry is recomputed at once, not at the KV deadline"
 
 
-def _counted_where_vllm_users_look(cluster) -> None:
-    """The recompute shows on the decode server's own /metrics, by reason (stats reach it a step later)."""
+def _counted_where_vllm_users_look(cluster, before: dict[str, float]) -> None:
+    """The recompute shows on the decode server's own /metrics, by reason (stats reach it a step later): one more
+    `producer` since `before`, nothing else."""
     deadline = time.monotonic() + 10
-    while (failed := cluster.kv_failed_by_reason()).get("producer", 0) < 1 and time.monotonic() < deadline:
+    grown: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        grown = {r: n - before.get(r, 0) for r, n in cluster.kv_failed_by_reason().items()}
+        if grown.get("producer", 0) >= 1:
+            break
         time.sleep(0.2)  # vLLM records connector stats with its next engine step's
-    assert failed["producer"] == 1 and sum(failed.values()) == 1, failed
+    assert grown["producer"] == 1 and sum(grown.values()) == 1, grown
 
 
 def _used_again(model: str, cluster) -> None:

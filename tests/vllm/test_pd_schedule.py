@@ -449,8 +449,10 @@ def _stopped_while_holding(prefill: VLLMServer, decode: VLLMServer, model: str, 
     answer = openai_client(decode.url).completions.create(**body, extra_body={"kv_transfer_params": params})
     assert answer.choices[0].text == want
     after = counter_by_label(decode.url, "vllm:prompt_tokens_by_source_total", "source")
-    pulled = after["external_kv_transfer"] - before.get("external_kv_transfer", 0)
-    assert pulled == answer.usage.prompt_tokens, "every prompt token pulled from the stopping server, none computed"
+    grown = {source: n - before.get(source, 0) for source, n in after.items()}
+    # the decode server's prefix cache may hold the prompt's first blocks (earlier prompts share them): the rest
+    assert grown["external_kv_transfer"] > 0 and grown["local_compute"] == 0, grown
+    assert grown["external_kv_transfer"] + grown["local_cache_hit"] == answer.usage.prompt_tokens, grown
     assert prefill.proc.wait(DRAIN_S + 10) == 0
     assert time.monotonic() - stopped < DRAIN_S, "it left once its held KV was pulled, not at its timeout"
 
