@@ -40,7 +40,6 @@ LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 
 
 class Reply(NamedTuple):
-    pool: InstancePool
     url: str
     answer: httpx2.Response | InstanceError
 
@@ -66,7 +65,7 @@ class Adapters:
         """Instances `urls` of `pool` came back into rotation: each is given every adapter loaded through here."""
         for name, (body, headers) in list(self._loaded.items()):
             rid = f"kvw-lora-{uuid.uuid4().hex}"
-            for _, url, answer in await self._send([(pool, url) for url in urls], LOAD, body,
+            for url, answer in await self._send([(pool, url) for url in urls], LOAD, body,
                                                    headers | {"x-request-id": rid}, rid):
                 if isinstance(answer, InstanceError) or answer.status_code >= 400 and not _already(answer):
                     log.warning("LoRA adapter %s not loaded again on %s, back in rotation: %s", name, url,
@@ -108,9 +107,9 @@ class Adapters:
                 answer = await call_whole(self._client(), rid, url, "POST", path, body, headers)
             except InstanceError as exc:
                 record_failure(self._metrics, pool, url, exc)  # a refused one is out, and given the load when back
-                return Reply(pool, url, exc)
+                return Reply(url, exc)
             pool.observe(url, None)
-            return Reply(pool, url, answer)
+            return Reply(url, answer)
 
         return list(await asyncio.gather(*(one(pool, url) for pool, url in targets)))
 
