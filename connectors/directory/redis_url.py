@@ -111,7 +111,8 @@ def connection_pool(url: str, **kwargs: Any) -> redis.ConnectionPool:
     if not is_sentinel_url(url):
         return redis.ConnectionPool.from_url(url, **kwargs)
     target = parse_sentinel_url(url)
-    for_sentinels = {k: kwargs[k] for k in ("socket_timeout", "socket_connect_timeout", "retry") if k in kwargs}
+    shared = ("socket_timeout", "socket_connect_timeout", "retry")
+    for_sentinels: dict[str, Any] = {k: kwargs[k] for k in shared if k in kwargs}
     sentinel = Sentinel(target.sentinels, sentinel_kwargs={**for_sentinels, **target.sentinel_kwargs})
     return SentinelConnectionPool(target.service, sentinel, **{**target.master_kwargs, **kwargs})
 
