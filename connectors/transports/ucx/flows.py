@@ -24,7 +24,8 @@ Lifecycle on the consumer (`ReceiveFlow`, one per lane and pull, on that lane's 
 Packs are posted in the order the producer sends them, so the oldest pack in flight on
 the producer always has a receive or a free slot waiting for it: neither side can stall
 the other. After a failure, on either side, `discard_slots` drops the slots still in use,
-never to be reused (the worker's `abandon` cancels their receives).
+never to be reused (the worker's `abandon` cancels their receives), and the flow stays, its
+buffers with it, until every message it posted has completed (`settled`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class _Flow:
         self._todo: deque[tuple[int, Message]] = deque()  # messages not posted yet, in order
         self._packs: list[_Pack] = []
         self.requests: Requests = []  # unpacked pieces' requests
+        self._discarded: Requests = []  # the requests of packs whose slots `discard_slots` dropped
         self.started = time.perf_counter()
         self.packing_s = 0.0  # spent copying packs into or out of slots (and waiting for those copies)
 
@@ -83,9 +85,20 @@ class _Flow:
         check_errors(self.requests)
 
     def discard_slots(self) -> None:
-        for _, _, slot, _ in self._packs:
+        """After a failure: the slots in use are never reused; their requests (and buffers) stay for `settled`."""
+        for request, buf, slot, _ in self._packs:
             self._staging.discard(slot)
+            self._discarded.append((request, buf))
         self._packs, self._todo = [], deque()
+
+    def in_flight(self) -> int:
+        """Messages posted and not completed yet."""
+        return sum(not req.completed for req, *_ in self._packs) + sum(not req.completed for req, _ in self.requests)
+
+    def settled(self) -> bool:
+        """Every message this flow posted has completed (sent, failed or cancelled): UCX touches none of its
+        buffers any more. Stops at the first one in flight."""
+        return all(req.completed for req, *_ in self._packs) and all_done(self._discarded) and all_done(self.requests)
 
     def _tag(self, index: int) -> ucx.UCXXTag:
         return ucx.UCXXTag(tag_of(self._transfer_id, index, self._packed, self._device_packs))

@@ -163,14 +163,16 @@ class ReceiveLanes:
 
     def stop(self, producer: bytes) -> int:
         """After a failure: stop the lane threads, then cancel whatever is still posted on any lane and
-        drop the staging slots it used. Returns how many receives were cancelled."""
+        drop the staging slots it used. Returns how many receives were still posted (now cancelled)."""
         for thread in self._threads:
             thread.stop()
-        cancelled = sum(t.abandon(producer) for t in self._transports)
+        posted = sum(flow.in_flight() for flow in self._flows)
+        for t in self._transports:
+            t.abandon(producer)
         for flow in self._flows:
             flow.discard_slots()
         self._flows = []
-        return cancelled
+        return posted
 
     def close(self) -> None:
         for thread in self._threads:

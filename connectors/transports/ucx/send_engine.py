@@ -34,12 +34,22 @@ class UCXSendEngine(SendEngine):
         self._staging = SendStaging()
         self.transport_address = self._transport.address
         self._active: list[SendJob] = []
+        # Failed or abandoned pulls' flows, kept (and the buffers their sends read with them) until every message
+        # they posted has completed: a send on another lane's endpoint may still read a pull that failed on one.
+        self._settling: list[SendFlow] = []
 
     def fds(self) -> list[int]:
         return []
 
+    @property
+    def settling(self) -> int:
+        """Failed or abandoned pulls whose sends UCX may still be reading."""
+        return len(self._settling)
+
     def progress(self) -> bool:
         moved = self._transport.progress()
+        if self._settling:
+            self._settling = [flow for flow in self._settling if not flow.settled()]
         for job in list(self._active):
             flow = _flow(job)
             try:
@@ -79,7 +89,10 @@ class UCXSendEngine(SendEngine):
 
     def _drop(self, job: SendJob) -> None:
         self._active.remove(job)
-        _flow(job).discard_slots()
+        flow = _flow(job)
+        flow.discard_slots()
+        if not flow.settled():
+            self._settling.append(flow)
 
     def close(self) -> None:
         self._transport.close()

@@ -93,9 +93,19 @@ RNDV_THRESH = 8 << 10
 _TRANSPORTS = "^cma"
 
 
+# UCX's keepalive off: in UCX 1.21 its periodic round over a worker's endpoints dereferenced the null transport
+# endpoint of a guarded endpoint whose peer had failed (SIGSEGV in ucp_ep_do_uct_ep_am_keepalive, uct_ep=0x0, from
+# ucp_worker_progress; a consumer after failed pulls: 6 of 6 runs of tests/connectors in one process crashed, 0 of
+# 3 with it off). kvwire does not need it to notice a silent peer: every wait has a deadline, a producer's
+# heartbeat lapses in the directory (consumer/producer_watch.py), and guarded transports still report a
+# connection their kernel saw reset.
+_KEEPALIVE = "inf"
+
+
 def _config(role: Role, device_pool: bool) -> dict[str, str]:
     """UCX settings kvwire picks unless the environment sets them (UCX_<NAME> wins)."""
-    ours = {"TLS": _TRANSPORTS, "SYSV_ERROR_HANDLING": "y", "POSIX_ERROR_HANDLING": "y"}
+    ours = {"TLS": _TRANSPORTS, "SYSV_ERROR_HANDLING": "y", "POSIX_ERROR_HANDLING": "y",
+            "KEEPALIVE_INTERVAL": _KEEPALIVE}
     if device_pool:
         ours["RNDV_SCHEME"] = _RNDV_SCHEME[role]
     else:
@@ -126,19 +136,18 @@ class UCXWorker:
         self._worker.progress()
         return True
 
-    def abandon(self, peer: bytes) -> int:
-        """Cancel every receive posted for `peer` (after a failure): none of them can land late.
-        Returns how many were still in flight."""
-        self.forget_peer(peer)  # closing an endpoint schedules its requests for cancelling
-        cancelled = self._worker.cancel_inflight_requests()
+    def abandon(self, peer: bytes) -> None:
+        """Cancel every receive posted for `peer` (after a failure): none of them can land late."""
+        self.forget_peer(peer)  # a guarded endpoint's close cancels its requests; an unguarded one's schedules them
+        self._worker.cancel_inflight_requests()
         self._worker.progress()
-        return cancelled
 
     def forget_peer(self, peer: bytes) -> None:
+        """Close every endpoint to `peer`, each once (`close_endpoint`)."""
         self._paths.pop(peer, None)
         for guarded in (False, True):
             for ep in self._endpoints.pop((peer, guarded), []):
-                ep.close()
+                close_endpoint(ep, guarded)
 
     def close(self) -> None:
         for peer, _ in list(self._endpoints):
@@ -174,6 +183,23 @@ class UCXWorker:
             return DataPath.unknown(str(exc))
         self._paths[peer] = path
         return path
+
+
+def close_endpoint(ep: ucx.UCXEndpoint, guarded: bool) -> None:
+    """Close `ep` once, never leaving its requests in flight where UCX can tell a dead peer.
+
+    Guarded: ucxx's blocking close cancels the endpoint's requests (each then completes, cancelled, on the
+    next progress) and force-closes it, a local step with no round trip to the peer; where UCX's error callback
+    closed the endpoint already it does nothing. ucxx's non-blocking `close()` is never used on such an
+    endpoint: on one that is closing already it returns a request wrapper around a null pointer whose
+    deallocation dereferences it (SIGSEGV, tests/connectors/transports/ucx/test_endpoint_close.py), and it left
+    a send on the endpoint in flight for good. Unguarded (two CUDA pools of one host): the non-blocking close,
+    since a blocking one flushes, and a flush to a dead peer would never end.
+    """
+    if guarded:
+        ep.close_blocking()
+    else:
+        ep.close()
 
 
 def open_worker(config: dict[str, str], attempts: int = OPEN_ATTEMPTS,

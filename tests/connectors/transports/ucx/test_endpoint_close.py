@@ -1,0 +1,200 @@
+"""Closing the endpoints to a peer (`UCXWorker.forget_peer`) after a pull to it failed or was abandoned.
+
+Real UCX between real processes. Two hazards, both in ucxx's non-blocking `close()` that kvwire used before
+`close_endpoint`: on an endpoint UCX's error callback had closed already (its peer died) it returned a request
+wrapper around a null pointer, and the producer died of SIGSEGV as that was freed; and on an endpoint to a peer
+that lives but never progresses, the send posted on it stayed in flight for good, its buffer pinned. The producer
+runs in a child, so that a crash shows as its exit code. And the send engine keeps an abandoned pull's flow, the
+buffers its sends read with it, until every one of them has ended (`UCXSendEngine.settling`).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvwire.connectors.kv_pool import KVPool
+from kvwire.connectors.transports.kv_region import KVRegion
+from kvwire.connectors.transports.transport import SendJob
+from kvwire.connectors.transports.ucx.flows import SendFlow
+from kvwire.connectors.transports.ucx.packing import Staging
+from kvwire.connectors.transports.ucx.send_engine import UCXSendEngine
+from kvwire.connectors.transports.ucx.worker import Role, UCXWorker
+from kvwire.connectors.wire import DType, PullRequest
+from tests import procs
+from tests.connectors import peer
+
+CTX = procs.CTX
+MESSAGE = 1 << 20  # one rendezvous message: the consumer must answer before it moves
+CONNECT_S = 0.5  # the producer progresses its endpoints this long before the consumer goes
+DEADLINE_S = 20.0  # for a send to a dead or silent peer to end, and for each child's answer
+
+
+def consume(addresses, progressing: bool) -> None:
+    """Child: a consumer's worker that says its address, then progresses forever (or never)."""
+    worker = UCXWorker(Role.CONSUMER)
+    addresses.put(worker.address)
+    while True:
+        if progressing:
+            worker.progress()
+        time.sleep(0.001)
+
+
+def _progress_for(worker: UCXWorker, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        worker.progress()
+        time.sleep(0.001)
+
+
+def _send_until_done(worker: UCXWorker, flow: SendFlow, deadline_s: float) -> str:
+    """Progress `flow` until it is done; returns its error ("" for none, "timeout" if it never ended)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        worker.progress()
+        flow.advance()
+        if flow.done():
+            try:
+                flow.check_errors()
+            except Exception as exc:  # noqa: BLE001 - the UCX error is what the test reports
+                return type(exc).__name__ or "error"
+            return ""
+    return "timeout"
+
+
+def produce_to_dead_peer(address: bytes, ready, killed, results) -> None:
+    """Child: endpoints to a consumer that then dies; a send to it fails; its endpoints are closed."""
+    worker = UCXWorker(Role.PRODUCER)
+    worker.endpoints_for(address, True)
+    _progress_for(worker, CONNECT_S)
+    ready.set()
+    killed.wait(DEADLINE_S)
+    flow = SendFlow(worker, address, [memoryview(bytearray(MESSAGE))], 1, 0, Staging(1), guarded=True)
+    error = _send_until_done(worker, flow, DEADLINE_S)
+    worker.forget_peer(address)
+    gc.collect()
+    worker.progress()
+    del flow
+    gc.collect()
+    worker.close()
+    results.put(error)
+
+
+def produce_to_silent_peer(address: bytes, results) -> None:
+    """Child: a send to a consumer that never progresses, abandoned: its request ends once the endpoint closes."""
+    worker = UCXWorker(Role.PRODUCER)
+    flow = SendFlow(worker, address, [memoryview(bytearray(MESSAGE))], 1, 0, Staging(1), guarded=True)
+    _progress_for(worker, CONNECT_S)
+    in_flight = not flow.done()
+    worker.forget_peer(address)
+    end = time.monotonic() + DEADLINE_S
+    while not flow.settled() and time.monotonic() < end:
+        worker.progress()
+    results.put((in_flight, flow.settled()))
+    worker.close()
+
+
+def _consumer(progressing: bool):
+    addresses = CTX.Queue()
+    consumer = CTX.Process(target=consume, args=(addresses, progressing), daemon=True)
+    consumer.start()
+    return consumer, addresses.get(timeout=DEADLINE_S)
+
+
+def test_a_dead_peers_endpoints_close_without_crashing_the_producer():
+    consumer, address = _consumer(progressing=True)
+    ready, killed, results = CTX.Event(), CTX.Event(), CTX.Queue()
+    producer = CTX.Process(target=produce_to_dead_peer, args=(address, ready, killed, results))
+    producer.start()
+    try:
+        assert ready.wait(DEADLINE_S)
+        consumer.kill()
+        consumer.join(DEADLINE_S)
+        killed.set()
+        producer.join(3 * DEADLINE_S)
+        assert producer.exitcode == 0, f"the producer died (exit code {producer.exitcode})"
+        error = results.get(timeout=1)
+        assert error not in ("", "timeout"), "a send to a dead peer neither failed nor ended"
+    finally:
+        for proc in (producer, consumer):
+            proc.kill()
+            proc.join(DEADLINE_S)
+
+
+def test_a_send_to_a_peer_that_never_answers_ends_when_its_endpoint_closes():
+    consumer, address = _consumer(progressing=False)
+    results = CTX.Queue()
+    producer = CTX.Process(target=produce_to_silent_peer, args=(address, results))
+    producer.start()
+    try:
+        in_flight, settled = results.get(timeout=2 * DEADLINE_S)
+        assert in_flight, "the send completed although its peer never progressed"
+        assert settled, f"the send was still in flight {DEADLINE_S} s after its endpoint closed"
+        producer.join(DEADLINE_S)
+        assert producer.exitcode == 0
+    finally:
+        for proc in (producer, consumer):
+            proc.kill()
+            proc.join(DEADLINE_S)
+
+
+@dataclass
+class _Held:
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    gate: None = None
+
+
+class _Claims:
+    def __init__(self) -> None:
+        self.finished: list[tuple[SendJob, BaseException | None]] = []
+
+    def claim(self, msg, identity=b""):
+        raise AssertionError("a UCX engine takes no pulls itself")
+
+    def finish(self, job: SendJob, error: BaseException | None) -> None:
+        self.finished.append((job, error))
+
+
+def test_an_abandoned_pulls_flow_is_kept_until_its_sends_end():
+    consumer, address = _consumer(progressing=False)
+    pool = KVPool.allocate(peer.layout(DType.FLOAT32, 4, 256), 8)  # 8 blocks of 128 KiB: rendezvous messages
+    msg = PullRequest(request_id="abandoned", transfer_id=1, consumer="silent", transport_address=address,
+                      dst_block_ids=list(range(8)), guarded=True)
+    job = SendJob(b"", msg, _Held(), KVRegion.from_kv_caches(pool.kv_caches), [(0, 8)], time.monotonic())
+    engine = UCXSendEngine()
+    engine.bind(claims := _Claims())
+    try:
+        engine.start(job)
+        end = time.monotonic() + CONNECT_S
+        while time.monotonic() < end:
+            engine.progress()
+        assert not claims.finished, "a send to a consumer that never progressed ended"
+        engine.abandon(job)
+        assert engine.settling == 1
+        end = time.monotonic() + DEADLINE_S
+        while engine.settling and time.monotonic() < end:
+            engine.progress()
+        assert engine.settling == 0, f"the abandoned pull's sends were in flight {DEADLINE_S} s after it"
+        assert not claims.finished  # abandoned: the transfer server, not the engine, ends the job
+    finally:
+        engine.close()
+        consumer.kill()
+        consumer.join(DEADLINE_S)
+
+
+def test_ucx_keepalive_is_off_unless_the_environment_turns_it_on(monkeypatch):
+    """UCX 1.21's keepalive round crashed a consumer after failed pulls (worker.py's `_KEEPALIVE`)."""
+    worker = UCXWorker(Role.CONSUMER)
+    try:
+        assert worker._ctx.config["KEEPALIVE_INTERVAL"] == "inf"  # test-only reach: UCX's own reading of it
+    finally:
+        worker.close()
+    monkeypatch.setenv("UCX_KEEPALIVE_INTERVAL", "5s")
+    worker = UCXWorker(Role.CONSUMER)
+    try:
+        assert worker._ctx.config["KEEPALIVE_INTERVAL"] != "inf"
+    finally:
+        worker.close()
