@@ -127,6 +127,19 @@ class ReceiveLanes:
         for thread, flow in zip(self._threads, self._flows[1:]):
             thread.start(flow)
 
+    def connect(self, producer: bytes, guarded: bool = True) -> None:
+        """Make every lane's endpoint to the producer's worker at `producer` now (kept for later pulls), before the
+        producer is asked to send: a lane that cannot reach it (UCX: "Destination is unreachable", say a worker made
+        while its network device was down) fails the pull here, and the producer never connects to lanes that are
+        replaced at once (`puller._fence`).
+
+        Raises:
+            UCXError: UCX could not make an endpoint.
+            ValueError: `producer` is not a well-formed address.
+        """
+        for t in self._transports:
+            t.endpoints_for(producer, guarded)
+
     def path_to(self, producer: bytes, guarded: bool = True) -> DataPath:
         """What UCX selected between lane 0 and the producer's worker at `producer` (every lane's the same)."""
         return self._transports[0].path_to(producer, guarded)

@@ -82,16 +82,18 @@ class UCXPuller(ConfirmedPulls):
         start = time.perf_counter()
         parts, land = self._parts(loc, dst_blocks, hidden)
         transfer_id = next(self._transfer_ids)
-        # Ask first, then post the receives while the producer handles the request: a send that
-        # arrives before its receive waits in UCX's unexpected queue (rendezvous: only its header).
-        self._channel.send(loc.side_channel, PullRequest(
-            request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
-            transport_address=self._lanes.address, dst_block_ids=dst_blocks, first_block=loc.first_block,
-            src_block_ids=loc.block_ids, block_size=loc.pull_block_size,
-            heads=loc.heads, pack_below=self._pack_below, host=host_identity(), guarded=self._guarded(loc),
-            layer_major=True,  # a layer-wise location's blocks land layer by layer, as it sends them
-            packed=land is not None))
         try:
+            # Endpoints first (made once per producer): lanes that cannot reach the producer fail before it is
+            # asked to send to them. Then ask, and post the receives while the producer handles the request: a
+            # send that arrives before its receive waits in UCX's unexpected queue (rendezvous: only its header).
+            self._lanes.connect(loc.transport_address, self._guarded(loc))
+            self._channel.send(loc.side_channel, PullRequest(
+                request_id=loc.request_id, transfer_id=transfer_id, consumer=self._node_id,
+                transport_address=self._lanes.address, dst_block_ids=dst_blocks, first_block=loc.first_block,
+                src_block_ids=loc.block_ids, block_size=loc.pull_block_size,
+                heads=loc.heads, pack_below=self._pack_below, host=host_identity(), guarded=self._guarded(loc),
+                layer_major=True,  # a layer-wise location's blocks land layer by layer, as it sends them
+                packed=land is not None))
             layer_pieces = (len(parts) - len(hidden)) // self._region.layout.num_layers if loc.layerwise else 0
             self._lanes.post(loc.transport_address, parts, transfer_id, self._pack_below, layer_pieces,
                              self._guarded(loc))

@@ -1,8 +1,8 @@
 """What UCX selected for an endpoint: its transports (sysv, posix, cma, tcp, rc_mlx5, ...).
 
 ucxx does not wrap `ucp_ep_query`, so it is called through ctypes on the libucp that ucxx
-already loaded (looked up by soname, never loaded a second time); an endpoint's `handle` is
-its `ucp_ep_h`. The structs below are UCX 1.21's, from ucp/api/ucp.h and ucp_def.h:
+already loaded (libucp.py); an endpoint's `handle` is its `ucp_ep_h`. The structs below are
+UCX 1.21's, from ucp/api/ucp.h and ucp_def.h:
 
     ucp_ep_attr_t        { uint64_t field_mask; char name[UCP_ENTITY_NAME_MAX = 32];
                            struct sockaddr_storage local_sockaddr, remote_sockaddr;
@@ -19,9 +19,9 @@ path as unknown, with the reason, and never fail a transfer over it.
 from __future__ import annotations
 
 import ctypes
-import functools
-import os
 from collections.abc import Callable
+
+from kvwire.connectors.transports.ucx.libucp import LibUCPUnavailable, function
 
 UCP_EP_ATTR_FIELD_TRANSPORTS = 1 << 3
 MAX_ENTRIES = 16  # lanes an endpoint may have (UCP_MAX_LANES is 8 in UCX 1.21)
@@ -46,17 +46,12 @@ class _EpAttr(ctypes.Structure):
                 ("transports", _Transports), ("user_data", ctypes.c_void_p)]
 
 
-@functools.cache
 def _ep_query() -> Callable[[int, object], int]:
     """`ucp_ep_query` of the libucp in this process. Raises QueryUnavailable."""
     try:
-        lib = ctypes.CDLL("libucp.so.0", mode=os.RTLD_NOLOAD)  # the one ucxx loaded
-        fn = lib.ucp_ep_query
-    except (OSError, AttributeError) as exc:
-        raise QueryUnavailable(f"ucp_ep_query not found: {exc}") from exc
-    fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(_EpAttr)]
-    fn.restype = ctypes.c_int
-    return fn
+        return function("ucp_ep_query", (ctypes.c_void_p, ctypes.POINTER(_EpAttr)), ctypes.c_int)
+    except LibUCPUnavailable as exc:
+        raise QueryUnavailable(str(exc)) from exc
 
 
 def endpoint_transports(ep_handle: int) -> list[tuple[str, str]]:

@@ -59,6 +59,7 @@ class UCXSendEngine(SendEngine):
                 flow.check_errors()
             except Exception as exc:  # noqa: BLE001 - UCX raises its own error types
                 self._drop(job)
+                self._transport.forget_failed(job.msg.transport_address)  # closed now, not at the next pull
                 self.claims.finish(job, exc)
                 continue
             self._active.remove(job)

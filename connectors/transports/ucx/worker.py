@@ -46,6 +46,7 @@ import logging
 import os
 import struct
 import time
+from collections.abc import Callable
 
 # ucxx sets UCX_MEMTYPE_CACHE, which UCX 1.21 no longer knows and warns about at every start.
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -56,6 +57,7 @@ from ucxx._lib.arr import Array  # noqa: E402
 from kvwire.connectors.config import MAX_PULL_LANES as MAX_LANES  # noqa: E402
 from kvwire.connectors.transports.data_path import DataPath  # noqa: E402
 from kvwire.connectors.transports.host import elsewhere  # noqa: E402
+from kvwire.connectors.transports.ucx.libucp import force_close  # noqa: E402
 from kvwire.connectors.transports.ucx.query import endpoint_transports  # noqa: E402
 
 SEGMENT_BITS = 24  # low tag bits: message index within one transfer, and how it is packed
@@ -147,7 +149,15 @@ class UCXWorker:
         self._paths.pop(peer, None)
         for guarded in (False, True):
             for ep in self._endpoints.pop((peer, guarded), []):
-                close_endpoint(ep, guarded)
+                close_endpoint(ep, guarded, self._worker.progress)
+
+    def forget_failed(self, peer: bytes) -> bool:
+        """`forget_peer(peer)` if an endpoint to it has failed (UCX's error callback ran); returns whether."""
+        eps = self._endpoints.get((peer, True), [])
+        if all(ep.alive for ep in eps):
+            return False
+        self.forget_peer(peer)
+        return True
 
     def close(self) -> None:
         for peer, _ in list(self._endpoints):
@@ -185,21 +195,29 @@ class UCXWorker:
         return path
 
 
-def close_endpoint(ep: ucx.UCXEndpoint, guarded: bool) -> None:
-    """Close `ep` once, never leaving its requests in flight where UCX can tell a dead peer.
+def close_endpoint(ep: ucx.UCXEndpoint, guarded: bool, progress: Callable[[], object]) -> None:
+    """Close `ep` once, never leaving its requests in flight where UCX can tell a dead peer, nor a failed
+    endpoint open.
 
-    Guarded: ucxx's blocking close cancels the endpoint's requests (each then completes, cancelled, on the
-    next progress) and force-closes it, a local step with no round trip to the peer; where UCX's error callback
-    closed the endpoint already it does nothing. ucxx's non-blocking `close()` is never used on such an
-    endpoint: on one that is closing already it returns a request wrapper around a null pointer whose
-    deallocation dereferences it (SIGSEGV, tests/connectors/transports/ucx/test_endpoint_close.py), and it left
-    a send on the endpoint in flight for good. Unguarded (two CUDA pools of one host): the non-blocking close,
-    since a blocking one flushes, and a flush to a dead peer would never end.
+    Guarded and failed (UCX's error callback ran: its peer died, its link broke): ucxx would leave the UCP
+    endpoint open (libucp.py), so kvwire force-closes it itself, progressing the worker with `progress` until
+    the close completes. Guarded and healthy: ucxx's blocking close cancels the endpoint's requests (each then
+    completes, cancelled, on the next progress) and force-closes it, a local step with no round trip to the
+    peer. ucxx's non-blocking `close()` is never used on a guarded endpoint: on one that is closing already it
+    returns a request wrapper around a null pointer whose deallocation dereferences it (SIGSEGV,
+    tests/connectors/transports/ucx/test_endpoint_close.py), and it left a send on the endpoint in flight for
+    good. Unguarded (two CUDA pools of one host): the non-blocking close, since a blocking one flushes, and a
+    flush to a dead peer would never end.
     """
-    if guarded:
-        ep.close_blocking()
-    else:
+    if not guarded:
         ep.close()
+        return
+    failed = not ep.alive  # read before close_blocking, which marks a healthy endpoint closed too
+    ep.close_blocking()
+    if failed and ep.handle:
+        status = force_close(ep.handle, progress)
+        if status != 0:
+            log.warning("UCX: closing a failed endpoint returned status %d", status)
 
 
 def open_worker(config: dict[str, str], attempts: int = OPEN_ATTEMPTS,

@@ -19,6 +19,8 @@ import torch
 from kvwire.connectors.kv_pool import KVPool
 from kvwire.connectors.transports.kv_region import KVRegion
 from kvwire.connectors.transports.transport import SendJob
+from kvwire.connectors.transports.ucx import libucp
+from kvwire.connectors.transports.ucx import worker as worker_module
 from kvwire.connectors.transports.ucx.flows import SendFlow
 from kvwire.connectors.transports.ucx.packing import Staging
 from kvwire.connectors.transports.ucx.send_engine import UCXSendEngine
@@ -179,6 +181,48 @@ def test_an_abandoned_pulls_flow_is_kept_until_its_sends_end():
             engine.progress()
         assert engine.settling == 0, f"the abandoned pull's sends were in flight {DEADLINE_S} s after it"
         assert not claims.finished  # abandoned: the transfer server, not the engine, ends the job
+    finally:
+        engine.close()
+        consumer.kill()
+        consumer.join(DEADLINE_S)
+
+
+def test_a_pull_that_failed_on_a_dead_consumer_closes_its_failed_endpoint_at_once(monkeypatch):
+    """ucxx leaves a guarded endpoint whose peer failed open (libucp.py): the engine force-closes it as the pull
+    fails, and UCX completes that close; a healthy endpoint is closed by ucxx, with no forced close."""
+    statuses: list[int] = []
+
+    def spy(handle, progress, **kwargs):
+        statuses.append(libucp.force_close(handle, progress, **kwargs))
+        return statuses[-1]
+
+    monkeypatch.setattr(worker_module, "force_close", spy, raising=False)
+    consumer, address = _consumer(progressing=True)
+    pool = KVPool.allocate(peer.layout(DType.FLOAT32, 4, 256), 8)
+    msg = PullRequest(request_id="dead", transfer_id=1, consumer="dead", transport_address=address,
+                      dst_block_ids=list(range(8)), guarded=True)
+    job = SendJob(b"", msg, _Held(), KVRegion.from_kv_caches(pool.kv_caches), [(0, 8)], time.monotonic())
+    engine = UCXSendEngine()
+    engine.bind(claims := _Claims())
+    try:
+        engine._transport.endpoints_for(address)  # test-only reach: connected while the consumer lives
+        _progress_for(engine._transport, CONNECT_S)
+        consumer.kill()
+        consumer.join(DEADLINE_S)
+        engine.start(job)
+        end = time.monotonic() + DEADLINE_S
+        while not claims.finished and time.monotonic() < end:
+            engine.progress()
+        assert claims.finished and claims.finished[0][1] is not None, "a pull to a dead consumer did not fail"
+        assert statuses == [0], f"the failed endpoint was not closed (forced closes: {statuses})"
+        healthy, healthy_address = _consumer(progressing=True)
+        try:
+            engine._transport.endpoints_for(healthy_address)  # test-only reach: the engine's worker
+            engine._transport.forget_peer(healthy_address)
+            assert statuses == [0]  # ucxx closed that one itself
+        finally:
+            healthy.kill()
+            healthy.join(DEADLINE_S)
     finally:
         engine.close()
         consumer.kill()
