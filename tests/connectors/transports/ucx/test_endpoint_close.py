@@ -160,14 +160,20 @@ class _Claims:
         self.finished.append((job, error))
 
 
-def test_an_abandoned_pulls_flow_is_kept_until_its_sends_end():
-    consumer, address = _consumer(progressing=False)
-    pool = KVPool.allocate(peer.layout(DType.FLOAT32, 4, 256), 8)  # 8 blocks of 128 KiB: rendezvous messages
-    msg = PullRequest(request_id="abandoned", transfer_id=1, consumer="silent", transport_address=address,
+def _engine_with_pull(address: bytes, request_id: str) -> tuple[UCXSendEngine, _Claims, SendJob]:
+    """A send engine and a guarded pull of 8 blocks of 128 KiB (rendezvous messages) to the consumer at `address`."""
+    pool = KVPool.allocate(peer.layout(DType.FLOAT32, 4, 256), 8)
+    msg = PullRequest(request_id=request_id, transfer_id=1, consumer=request_id, transport_address=address,
                       dst_block_ids=list(range(8)), guarded=True)
     job = SendJob(b"", msg, _Held(), KVRegion.from_kv_caches(pool.kv_caches), [(0, 8)], time.monotonic())
     engine = UCXSendEngine()
     engine.bind(claims := _Claims())
+    return engine, claims, job
+
+
+def test_an_abandoned_pulls_flow_is_kept_until_its_sends_end():
+    consumer, address = _consumer(progressing=False)
+    engine, claims, job = _engine_with_pull(address, "abandoned")
     try:
         engine.start(job)
         end = time.monotonic() + CONNECT_S
@@ -196,14 +202,9 @@ def test_a_pull_that_failed_on_a_dead_consumer_closes_its_failed_endpoint_at_onc
         statuses.append(libucp.force_close(handle, progress, **kwargs))
         return statuses[-1]
 
-    monkeypatch.setattr(worker_module, "force_close", spy, raising=False)
+    monkeypatch.setattr(worker_module, "force_close", spy)
     consumer, address = _consumer(progressing=True)
-    pool = KVPool.allocate(peer.layout(DType.FLOAT32, 4, 256), 8)
-    msg = PullRequest(request_id="dead", transfer_id=1, consumer="dead", transport_address=address,
-                      dst_block_ids=list(range(8)), guarded=True)
-    job = SendJob(b"", msg, _Held(), KVRegion.from_kv_caches(pool.kv_caches), [(0, 8)], time.monotonic())
-    engine = UCXSendEngine()
-    engine.bind(claims := _Claims())
+    engine, claims, job = _engine_with_pull(address, "dead")
     try:
         engine._transport.endpoints_for(address)  # test-only reach: connected while the consumer lives
         _progress_for(engine._transport, CONNECT_S)
