@@ -11,11 +11,15 @@ matrix printed at the end of the session (tests/netns/matrix.py).
 
 from __future__ import annotations
 
+import importlib.metadata
 import signal
 import time
 
 import pytest
 
+from kvwire.cli.extras import UCX_KINDS
+from kvwire.cluster.supervisor import ChildProcess
+from kvwire.connectors.config import ConnectorKind
 from kvwire.connectors.directory.directory import KVDirectory
 from kvwire.engine.reference import generate
 from kvwire.protocol.work import SamplingParams
@@ -58,6 +62,34 @@ def pids(cluster: NetnsCluster) -> dict[str, int]:
     return {role: cluster.procs[role].pid for role in ("prefill", "decode")}
 
 
+UCX_TCP_CRASH = (signal.SIGSEGV, signal.SIGABRT)  # UCX 1.21's heap corruption after a healed link (README)
+UCX_FIXED = (1, 22)  # clean in 4 of 4 runs with it; ucxx 0.52 pins UCX below it
+
+
+def ucx_version() -> tuple[int, ...]:
+    """The installed UCX wheel's version, () without one."""
+    for dist in ("libucx-cu12", "libucx-cu13"):
+        try:
+            return tuple(int(part) for part in importlib.metadata.version(dist).split(".")[:2])
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ()
+
+
+def assert_same_processes(cluster: NetnsCluster, before: dict[str, ChildProcess], connector: ConnectorKind) -> None:
+    """No node died during the fault. One exception, reported as an expected failure, never a pass: a prefill
+    node killed by SIGSEGV or SIGABRT over UCX below UCX_FIXED, the heap corruption in UCX's TCP transport
+    that README's Known limits describes (the caller has checked that nothing was lost by then)."""
+    died = {role: proc.returncode for role, proc in before.items() if cluster.procs[role] is not proc}
+    code = died.get("prefill")
+    if (set(died) == {"prefill"} and code is not None and code < 0 and -code in UCX_TCP_CRASH
+            and connector in UCX_KINDS and ucx_version() < UCX_FIXED):
+        version = ".".join(map(str, ucx_version()))
+        pytest.xfail(f"the prefill node was killed by {signal.Signals(-code).name} (UCX {version}'s TCP "
+                     "heap corruption after a healed link, README Known limits); restarted, nothing lost")
+    assert not died, f"nodes died during the fault (exit codes): {died}"
+
+
 def settle(cluster: NetnsCluster, model_dir, tally: Tally) -> None:
     """After the fault: no leak, no orphan, and a request served over the transfer plane again.
 
@@ -84,7 +116,7 @@ def settle(cluster: NetnsCluster, model_dir, tally: Tally) -> None:
 
 def test_data_link_down_mid_transfer(cluster, connector, tiny_model_dir):
     """The A-B link goes down while KV moves (slowed to 50 Mbit/s so it is mid-stream), up HEAL_AFTER_S later."""
-    tally, before = Tally(), pids(cluster)
+    tally, before = Tally(), {role: cluster.procs[role] for role in ("prefill", "decode")}
     expected = reference(tiny_model_dir, LONG)
     shaped = cluster.topo.shape_data("50mbit")  # best effort: without tc the transfers are just quicker
     try:
@@ -100,7 +132,7 @@ def test_data_link_down_mid_transfer(cluster, connector, tiny_model_dir):
     assert tally.lost == 0
     assert tally.recomputed + tally.errors >= 1, "the fault landed after every request had its KV"
     settle(cluster, tiny_model_dir, tally)
-    assert pids(cluster) == before
+    assert_same_processes(cluster, before, connector)
 
 
 def test_decode_loses_redis(cluster, connector, tiny_model_dir):
