@@ -19,14 +19,13 @@ import tempfile
 from pathlib import Path
 
 from kvwire.cluster.redis_server import LocalRedis
-from kvwire.cluster.vllm_cluster import VLLMServer, VLLMServerSpec
 from kvwire.cluster.vllm_pd import kvwire_pair, pd_cluster_of
 from kvwire.connectors.config import ConnectorKind
 from tests.vllm.conftest import PROMPTS
 from tests.vllm.mamba_state import compare
 from tests.vllm.models import write_tiny_qwen3_next
 from tests.vllm.routed import openai_client
-from tests.vllm.test_pd_shapes import Answer, _complete
+from tests.vllm.test_pd_shapes import Answer, _complete, split_server
 
 WORDS = "the of and kv cache decode prefill token block state layer head transfer node request prompt model".split()
 
@@ -49,13 +48,9 @@ def largest_difference(want: Answer, got: Answer) -> float:
 
 def split_answer(model: Path, text: str, num_tokens: int, log_path: Path) -> Answer:
     """A plain server's answer to `text` computed in two steps: all but its last token, then that token."""
-    server = VLLMServer(VLLMServerSpec(model, cpu_cores="0", dtype="bfloat16", log_path=log_path, extra_args=(
-        "--no-enable-prefix-caching", "--max-num-batched-tokens", str(num_tokens - 1)))).start()
-    try:
+    with split_server(model, log_path, num_tokens) as server:
         server.wait_ready()
         return _complete(openai_client(server.url), str(model), text)
-    finally:
-        server.stop()
 
 
 def main(work: Path, furthest: int) -> None:

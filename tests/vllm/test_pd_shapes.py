@@ -35,7 +35,6 @@ import json
 import re
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 from typing import NamedTuple
 
@@ -150,8 +149,11 @@ def pair(request, model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -
     if shape.kv_cache_dtype:
         pair = tuple(dataclasses.replace(s, extra_args=(*s.extra_args, "--kv-cache-dtype", shape.kv_cache_dtype))
                      for s in pair)
-    with ExitStack() as stack:
-        reference = stack.enter_context(_split_server(model_dir, log_dir)) if shape.computed else None
+    with contextlib.ExitStack() as stack:
+        reference = None
+        if shape.computed:
+            reference = stack.enter_context(split_server(model_dir, log_dir / "reference.log",
+                                                         QWEN3_NEXT_PROMPT_TOKENS))
         cluster = stack.enter_context(pd_cluster_of(*with_tp(pair, shape.prefill_tp, 1), log_dir))
         if reference is not None:
             reference.wait_ready()
@@ -159,13 +161,12 @@ def pair(request, model_dir: Path, redis_server: LocalRedis, tmp_path_factory) -
 
 
 @contextlib.contextmanager
-def _split_server(model_dir: Path, log_dir: Path) -> Iterator[VLLMServer]:
-    """A plain server (started, not yet ready) that computes a QWEN3_NEXT_PROMPT_TOKENS prompt as the pair does:
-    all but the last token in one step, then the last token in a step of its own."""
+def split_server(model_dir: Path, log_path: Path, num_tokens: int) -> Iterator[VLLMServer]:
+    """A plain server (started, not yet ready) that computes a `num_tokens` prompt as a pair with state does: all
+    but the last token in one step, then the last token in a step of its own."""
     server = VLLMServer(VLLMServerSpec(model_dir, cpu_cores="0", dtype=DTYPES.get(model_dir.name, DTYPE),
                                        extra_args=("--no-enable-prefix-caching", "--max-num-batched-tokens",
-                                                   str(QWEN3_NEXT_PROMPT_TOKENS - 1)),
-                                       log_path=log_dir / "reference.log")).start()
+                                                   str(num_tokens - 1)), log_path=log_path)).start()
     try:
         yield server
     finally:
