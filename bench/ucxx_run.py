@@ -37,7 +37,7 @@ def _side(work: Workload, trials: int, warmup: int, side: int, pipe) -> None:
     transport = UCXWorker(Role.PRODUCER if side == 0 else Role.CONSUMER)
     pipe.send((transport.address, checksum(region, work.block_ids(0)) if side == 0 else 0))
     peer, want = pipe.recv()
-    (ep,) = transport.endpoints_for(peer)
+    (ep,) = transport.link(peer).endpoints
     parts = region.parts(work.runs(side))
     times, cpu = [], CpuTally()
     for i in range(trials):

@@ -128,7 +128,7 @@ class SendFlow(_Flow):
                  pack_below: int, staging: Staging, gate: Gate | None = None, layer_pieces: int = 0,
                  guarded: bool = True):
         super().__init__(parts, transfer_id, pack_below, staging, layer_pieces=layer_pieces)
-        self._eps = transport.endpoints_for(peer, guarded)
+        self._link = transport.link(peer, guarded)
         self._gate, self._layer_pieces = gate, layer_pieces
         self._share = min(PULL_SLOTS, max(1, staging.max_slots // 2))  # slots this pull may hold at once
         self._todo.extend(self._mine)  # every message goes in order
@@ -147,7 +147,9 @@ class SendFlow(_Flow):
 
     def advance(self) -> bool:
         """After the worker was progressed: take back the slots of completed sends, pack the next. Returns
-        whether a pack completed."""
+        whether a pack completed. Raises EndpointClosed, unfinished, once its endpoints were closed."""
+        if not self.done():
+            self._link.check()
         done = self._reap()
         for _, _, slot, _ in done:
             self._staging.give(slot)
@@ -173,7 +175,7 @@ class SendFlow(_Flow):
             i, m = self._todo[0]
             if m.first + m.count > limit:
                 return
-            ep = self._eps[i % len(self._eps)]
+            ep = self._link.lane(i)
             if not m.packed:
                 buf = Array(wire_buffer(self._parts[m.first]))
                 self.requests.append((ep.tag_send(buf, self._tag(i)), buf))
@@ -207,18 +209,21 @@ class ReceiveFlow(_Flow):
                  guarded: bool = True):
         super().__init__(parts, transfer_id, pack_below, staging, lane, lanes, layer_pieces)
         self._transport = transport
-        self._ep = transport.endpoints_for(peer, guarded)[0]
+        self._link = transport.link(peer, guarded)
         for i, m in self._mine:  # every unpacked piece's receive now; packs as slots free up
             if m.packed:
                 self._todo.append((i, m))
             else:
                 buf = Array(wire_buffer(parts[m.first]))
-                self.requests.append((self._ep.tag_recv(buf, self._tag(i)), buf))
+                self.requests.append((self._link.lane(0).tag_recv(buf, self._tag(i)), buf))
         self._fill()
 
     def advance(self) -> bool:
-        """Progress the worker, unpack the packs that came, post the next. Returns whether anything moved."""
+        """Progress the worker, unpack the packs that came, post the next. Returns whether anything moved.
+        Raises EndpointClosed, unfinished, once its endpoint was closed."""
         moved = self._transport.progress()
+        if not self.done():
+            self._link.check()
         done = self._reap()
         for k, (_, _, slot, m) in enumerate(done):
             try:
@@ -238,7 +243,7 @@ class ReceiveFlow(_Flow):
             i, m = self._todo.popleft()
             try:
                 buf = Array(wire_buffer(slot[:m.nbytes]))
-                request = self._ep.tag_recv(buf, self._tag(i))
+                request = self._link.lane(0).tag_recv(buf, self._tag(i))
             except BaseException:
                 self._staging.discard(slot)
                 raise

@@ -138,7 +138,7 @@ class ReceiveLanes:
             ValueError: `producer` is not a well-formed address.
         """
         for t in self._transports:
-            t.endpoints_for(producer, guarded)
+            t.link(producer, guarded)
 
     def path_to(self, producer: bytes, guarded: bool = True) -> DataPath:
         """What UCX selected between lane 0 and the producer's worker at `producer` (every lane's the same)."""

@@ -121,12 +121,42 @@ def error_handling(peer_host: str, device_pool: bool) -> bool:
     return elsewhere(peer_host) or not device_pool
 
 
+class EndpointClosed(RuntimeError):
+    """A flow would post through endpoints that `forget_peer` closed (another pull to that peer failed or was
+    abandoned): its pull fails instead."""
+
+
+class Link:
+    """The endpoints to one peer, one per lane of its worker(s), from `UCXWorker.link` until `forget_peer`.
+
+    Flows post through `lane(i)`, never through an endpoint they kept: once closed, an endpoint's UCP handle may
+    be freed memory. ucxx keeps the handle of a failed endpoint that kvwire force-closed (libucp.py), and a send
+    posted through it was a use after free (SIGSEGV, tests/connectors/transports/ucx/test_endpoint_close.py): a
+    second pull to the same consumer still held it after the first pull's failure closed it.
+    """
+
+    def __init__(self, endpoints: list[ucx.UCXEndpoint]) -> None:
+        self.endpoints = endpoints
+        self.closed = False
+
+    def check(self) -> None:
+        """Raises EndpointClosed once `forget_peer` closed this link."""
+        if self.closed:
+            raise EndpointClosed("the endpoints to this peer were closed after another pull to it failed or was "
+                                 "abandoned")
+
+    def lane(self, index: int) -> ucx.UCXEndpoint:
+        """The endpoint for message `index` (lane index mod n). Raises EndpointClosed once the link is closed."""
+        self.check()
+        return self.endpoints[index % len(self.endpoints)]
+
+
 class UCXWorker:
     def __init__(self, role: Role, device_pool: bool = False) -> None:
         """`device_pool`: the KV it moves is in CUDA memory (its context's rendezvous scheme: `_config`)."""
         self._ctx, self._worker = open_worker(_config(role, device_pool))
         # a peer's (packed) address, and whether error handling is on -> one endpoint per lane
-        self._endpoints: dict[tuple[bytes, bool], list[ucx.UCXEndpoint]] = {}
+        self._links: dict[tuple[bytes, bool], Link] = {}
         self._paths: dict[bytes, DataPath] = {}  # what UCX selected for those endpoints: fixed for their life
         self.address: bytes = self._worker.address.tobytes()
 
@@ -148,36 +178,39 @@ class UCXWorker:
         """Close every endpoint to `peer`, each once (`close_endpoint`)."""
         self._paths.pop(peer, None)
         for guarded in (False, True):
-            for ep in self._endpoints.pop((peer, guarded), []):
+            link = self._links.pop((peer, guarded), None)
+            if link is None:
+                continue
+            link.closed = True  # before closing: no flow posts through these endpoints from now on
+            for ep in link.endpoints:
                 close_endpoint(ep, guarded, self._worker.progress)
 
     def forget_failed(self, peer: bytes) -> bool:
         """`forget_peer(peer)` if an endpoint to it has failed (UCX's error callback ran); returns whether."""
-        eps = self._endpoints.get((peer, True), [])
-        if all(ep.alive for ep in eps):
+        link = self._links.get((peer, True))
+        if link is None or all(ep.alive for ep in link.endpoints):
             return False
         self.forget_peer(peer)
         return True
 
     def close(self) -> None:
-        for peer, _ in list(self._endpoints):
+        for peer, _ in list(self._links):
             self.forget_peer(peer)
 
-    def endpoints_for(self, peer: bytes, guarded: bool = True) -> list[ucx.UCXEndpoint]:
-        """One endpoint per lane of the worker(s) at `peer` (made once, kept until `forget_peer`).
+    def link(self, peer: bytes, guarded: bool = True) -> Link:
+        """One endpoint per lane of the worker(s) at `peer` (made once, kept until `forget_peer` closes them).
 
         Args:
             guarded: endpoint error handling on (`error_handling`, the module docstring).
         Raises:
             ValueError: `peer` is not a well-formed address.
         """
-        eps = self._endpoints.get((peer, guarded))
-        if eps is None:
-            eps = [ucx.UCXEndpoint.create_from_worker_address(self._worker, ucx.UCXAddress.create_from_buffer(a),
-                                                              guarded)
-                   for a in unpack_lanes(peer)]
-            self._endpoints[(peer, guarded)] = eps
-        return eps
+        link = self._links.get((peer, guarded))
+        if link is None:
+            link = Link([ucx.UCXEndpoint.create_from_worker_address(
+                self._worker, ucx.UCXAddress.create_from_buffer(a), guarded) for a in unpack_lanes(peer)])
+            self._links[(peer, guarded)] = link
+        return link
 
     def path_to(self, peer: bytes, guarded: bool = True) -> DataPath:
         """The transports UCX selected for the endpoints to `peer` (made now if need be: UCX picks its
@@ -187,7 +220,7 @@ class UCXWorker:
         if path is not None:
             return path
         try:
-            path = DataPath.of([name for ep in self.endpoints_for(peer, guarded)
+            path = DataPath.of([name for ep in self.link(peer, guarded).endpoints
                                 for name, _ in endpoint_transports(ep.handle)])
         except Exception as exc:  # noqa: BLE001 - QueryUnavailable, a bad address, UCX's own errors: all "unknown"
             return DataPath.unknown(str(exc))

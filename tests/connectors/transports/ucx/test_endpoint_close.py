@@ -70,7 +70,7 @@ def _send_until_done(worker: UCXWorker, flow: SendFlow, deadline_s: float) -> st
 def produce_to_dead_peer(address: bytes, ready, killed, results) -> None:
     """Child: endpoints to a consumer that then dies; a send to it fails; its endpoints are closed."""
     worker = UCXWorker(Role.PRODUCER)
-    worker.endpoints_for(address, True)
+    worker.link(address, True)
     _progress_for(worker, CONNECT_S)
     ready.set()
     killed.wait(DEADLINE_S)
@@ -146,7 +146,7 @@ def test_a_send_to_a_peer_that_never_answers_ends_when_its_endpoint_closes():
 @dataclass
 class _Held:
     hidden: list[torch.Tensor] = field(default_factory=list)
-    gate: None = None
+    gate: object = None
 
 
 class _Claims:
@@ -206,7 +206,7 @@ def test_a_pull_that_failed_on_a_dead_consumer_closes_its_failed_endpoint_at_onc
     consumer, address = _consumer(progressing=True)
     engine, claims, job = _engine_with_pull(address, "dead")
     try:
-        engine._transport.endpoints_for(address)  # test-only reach: connected while the consumer lives
+        engine._transport.link(address)  # test-only reach: connected while the consumer lives
         _progress_for(engine._transport, CONNECT_S)
         consumer.kill()
         consumer.join(DEADLINE_S)
@@ -218,7 +218,7 @@ def test_a_pull_that_failed_on_a_dead_consumer_closes_its_failed_endpoint_at_onc
         assert statuses == [0], f"the failed endpoint was not closed (forced closes: {statuses})"
         healthy, healthy_address = _consumer(progressing=True)
         try:
-            engine._transport.endpoints_for(healthy_address)  # test-only reach: the engine's worker
+            engine._transport.link(healthy_address)  # test-only reach: the engine's worker
             engine._transport.forget_peer(healthy_address)
             assert statuses == [0]  # ucxx closed that one itself
         finally:
@@ -228,6 +228,74 @@ def test_a_pull_that_failed_on_a_dead_consumer_closes_its_failed_endpoint_at_onc
         engine.close()
         consumer.kill()
         consumer.join(DEADLINE_S)
+
+
+@dataclass
+class _ClosedGate:
+    """A layer-wise prefill that has written no layer until `open` is set."""
+
+    request_id: str = "waiting"
+    open: bool = False
+
+    def ready_layers(self) -> int:
+        return 0
+
+    @property
+    def complete_and_ready(self) -> bool:
+        return self.open
+
+    @property
+    def failure(self) -> None:
+        return None
+
+    def needs_polling(self) -> bool:
+        return False
+
+
+def two_pulls_to_a_dead_consumer(address: bytes, ready, killed, results) -> None:
+    """Child: two pulls to one consumer, the second waiting for its prefill's first layer. The consumer dies, the
+    first pull fails and the engine closes the endpoints to it; then the second's layer comes."""
+    engine, claims, first = _engine_with_pull(address, "first")
+    gate = _ClosedGate()
+    second = SendJob(b"", first.msg, _Held(gate=gate), first.region, first.runs, first.deadline)
+    engine.start(second)  # nothing to send yet; its endpoints are made now, and connect while the consumer lives
+    _progress_for(engine._transport, CONNECT_S)  # test-only reach: the engine's worker
+    ready.set()
+    killed.wait(DEADLINE_S)
+    engine.start(first)
+    end = time.monotonic() + DEADLINE_S
+    while not claims.finished and time.monotonic() < end:
+        engine.progress()
+    gate.open = True
+    end = time.monotonic() + DEADLINE_S
+    while len(claims.finished) < 2 and time.monotonic() < end:
+        engine.progress()
+    results.put([(job.msg.request_id if job is first else "second", type(exc).__name__ if exc else "")
+                 for job, exc in claims.finished])
+    engine.close()
+
+
+def test_a_pull_whose_endpoints_another_failed_pull_closed_fails_without_touching_them():
+    """The second pull still held the endpoints the first pull's failure had force-closed: posting through them was
+    a use after free in UCX (SIGSEGV: ucxx keeps a force-closed endpoint's freed handle). It fails, typed."""
+    consumer, address = _consumer(progressing=True)
+    ready, killed, results = CTX.Event(), CTX.Event(), CTX.Queue()
+    producer = CTX.Process(target=two_pulls_to_a_dead_consumer, args=(address, ready, killed, results))
+    producer.start()
+    try:
+        assert ready.wait(DEADLINE_S)
+        consumer.kill()
+        consumer.join(DEADLINE_S)
+        killed.set()
+        producer.join(3 * DEADLINE_S)
+        assert producer.exitcode == 0, f"the producer died (exit code {producer.exitcode})"
+        finished = dict(results.get(timeout=1))
+        assert finished["first"] != "", "a pull to a dead consumer did not fail"
+        assert finished.get("second") == "EndpointClosed", finished
+    finally:
+        for proc in (producer, consumer):
+            proc.kill()
+            proc.join(DEADLINE_S)
 
 
 def test_ucx_keepalive_is_off_unless_the_environment_turns_it_on(monkeypatch):
