@@ -77,6 +77,7 @@ class UCXSendEngine(SendEngine):
     def start(self, job: SendJob) -> None:
         if job.num_pieces > MAX_PIECES:
             raise ValueError(f"{job.num_pieces} pieces exceed {MAX_PIECES}")
+        self._transport.forget_all_failed()  # before this pull's endpoints are made or reused
         gate, parts = job.held.gate, _parts(job)
         job.state = SendFlow(self._transport, job.msg.transport_address, parts, job.msg.transfer_id,
                              job.msg.pack_below, self._staging.for_pull(parts, job.msg.pack_below), gate,

@@ -193,6 +193,16 @@ class UCXWorker:
         self.forget_peer(peer)
         return True
 
+    def forget_all_failed(self) -> int:
+        """`forget_failed` for every peer: close each link with an endpoint whose peer failed, a consumer's worker
+        that was fenced or died after its last pull from here (else one failed UCP endpoint stays open per such
+        worker, for the life of the process). Returns how many links were closed."""
+        failed = [peer for (peer, guarded), link in self._links.items()
+                  if guarded and not all(ep.alive for ep in link.endpoints)]
+        for peer in failed:
+            self.forget_peer(peer)
+        return len(failed)
+
     def close(self) -> None:
         for peer, _ in list(self._links):
             self.forget_peer(peer)

@@ -298,6 +298,31 @@ def test_a_pull_whose_endpoints_another_failed_pull_closed_fails_without_touchin
             proc.join(DEADLINE_S)
 
 
+def test_a_new_pull_first_closes_the_links_whose_peer_failed():
+    """A consumer's worker that failed after its last pull here (fenced, or dead) leaves its link failed; the next
+    pull closes it, and leaves healthy links alone."""
+    dead, dead_address = _consumer(progressing=True)
+    healthy, healthy_address = _consumer(progressing=True)
+    engine, _, job = _engine_with_pull(healthy_address, "after")
+    worker = engine._transport  # test-only reach: the engine's worker
+    try:
+        failed_link = worker.link(dead_address)
+        _progress_for(worker, CONNECT_S)
+        dead.kill()
+        dead.join(DEADLINE_S)
+        flow = SendFlow(worker, dead_address, [memoryview(bytearray(MESSAGE))], 1, 0, Staging(1), guarded=True)
+        assert _send_until_done(worker, flow, DEADLINE_S) not in ("", "timeout")
+        assert not failed_link.closed  # nothing closed it: the pull that failed was not the engine's
+        engine.start(job)
+        assert failed_link.closed
+        assert not worker.link(healthy_address).closed
+    finally:
+        engine.close()
+        for proc in (dead, healthy):
+            proc.kill()
+            proc.join(DEADLINE_S)
+
+
 def test_ucx_keepalive_is_off_unless_the_environment_turns_it_on(monkeypatch):
     """UCX 1.21's keepalive round crashed a consumer after failed pulls (worker.py's `_KEEPALIVE`)."""
     worker = UCXWorker(Role.CONSUMER)
