@@ -139,6 +139,11 @@ class Link:
         self.endpoints = endpoints
         self.closed = False
 
+    @property
+    def failed(self) -> bool:
+        """An endpoint's peer failed (UCX's error callback ran: it died, or its link broke)."""
+        return not all(ep.alive for ep in self.endpoints)
+
     def check(self) -> None:
         """Raises EndpointClosed once `forget_peer` closed this link."""
         if self.closed:
@@ -188,7 +193,7 @@ class UCXWorker:
     def forget_failed(self, peer: bytes) -> bool:
         """`forget_peer(peer)` if an endpoint to it has failed (UCX's error callback ran); returns whether."""
         link = self._links.get((peer, True))
-        if link is None or all(ep.alive for ep in link.endpoints):
+        if link is None or not link.failed:
             return False
         self.forget_peer(peer)
         return True
@@ -197,8 +202,7 @@ class UCXWorker:
         """`forget_failed` for every peer: close each link with an endpoint whose peer failed, a consumer's worker
         that was fenced or died after its last pull from here (else one failed UCP endpoint stays open per such
         worker, for the life of the process). Returns how many links were closed."""
-        failed = [peer for (peer, guarded), link in self._links.items()
-                  if guarded and not all(ep.alive for ep in link.endpoints)]
+        failed = [peer for (peer, guarded), link in self._links.items() if guarded and link.failed]
         for peer in failed:
             self.forget_peer(peer)
         return len(failed)
