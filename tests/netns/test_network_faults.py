@@ -62,7 +62,7 @@ def pids(cluster: NetnsCluster) -> dict[str, int]:
     return {role: cluster.procs[role].pid for role in ("prefill", "decode")}
 
 
-UCX_TCP_CRASH = (signal.SIGSEGV, signal.SIGABRT)  # UCX 1.21's heap corruption after a healed link (README)
+UCX_TCP_CRASH = (signal.SIGSEGV, signal.SIGABRT)  # UCX 1.21 TCP: a use after free once a healed link fails (README)
 UCX_FIXED = (1, 22)  # clean in 4 of 4 runs with it; ucxx 0.52 pins UCX below it
 
 
@@ -78,7 +78,7 @@ def ucx_version() -> tuple[int, ...]:
 
 def assert_same_processes(cluster: NetnsCluster, before: dict[str, ChildProcess], connector: ConnectorKind) -> None:
     """No node died during the fault. One exception, reported as an expected failure, never a pass: a prefill
-    node killed by SIGSEGV or SIGABRT over UCX below UCX_FIXED, the heap corruption in UCX's TCP transport
+    node killed by SIGSEGV or SIGABRT over UCX below UCX_FIXED, the use after free in UCX's TCP transport
     that README's Known limits describes (the caller has checked that nothing was lost by then)."""
     died = {role: proc.returncode for role, proc in before.items() if cluster.procs[role] is not proc}
     code = died.get("prefill")
@@ -86,7 +86,7 @@ def assert_same_processes(cluster: NetnsCluster, before: dict[str, ChildProcess]
             and connector in UCX_KINDS and ucx_version() < UCX_FIXED):
         version = ".".join(map(str, ucx_version()))
         pytest.xfail(f"the prefill node was killed by {signal.Signals(-code).name} (UCX {version}'s TCP "
-                     "heap corruption after a healed link, README Known limits); restarted, nothing lost")
+                     "use after free once a healed link fails, README Known limits); restarted, nothing lost")
     assert not died, f"nodes died during the fault (exit codes): {died}"
 
 

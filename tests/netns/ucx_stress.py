@@ -14,7 +14,7 @@ It needs root (it builds tests/netns's two-host topology).
 
 It prints the producer's exit code (-11: SIGSEGV). A core goes where kernel.core_pattern says. Seen with UCX 1.21
 and the code of e067a84: 1 crash in 4 runs, 45 minutes in all (`uct_tcp_iface_handle_events` called for a freed
-TCP endpoint, the second stack README names).
+TCP endpoint: UCX destroyed it in its read handler and then ran its write handler, README Known limits).
 """
 
 from __future__ import annotations
