@@ -11,8 +11,10 @@ Latency: that life for one request at a time, with the round trips the nodes mak
 (publish; lookup; compare-and-set and delete pipelined together, as the producer does
 once a pull is confirmed), p50 / p99 over many requests, each followed by three bare
 PINGs timed the same way: the machine's floor for those three round trips, at the same
-moments. Throughput: the same four steps for `batch` requests at once, pipelined,
-counted as operations (4 per request) per second.
+moments (and one bare PING before each, the floor for one: interleaved, so that a busy
+moment of the machine falls on all three series alike, not on one). Throughput: the
+same four steps for `batch` requests at once, pipelined, counted as operations (4 per
+request) per second.
 """
 
 from __future__ import annotations
@@ -94,9 +96,9 @@ def bench_directory(redis_url: str, requests: int, batch: int) -> DirectoryResul
     d = KVDirectory(redis_url, entry_ttl_s=60.0)
     try:
         verified = all(_one_life(d, f"warm-{i}") for i in range(50))
-        ping = _ping_latencies(d, min(requests, 5000))
-        lat, floor = [], []
+        lat, floor, ping = [], [], []
         for i in range(min(requests, 5000)):
+            ping.extend(_ping_latencies(d, 1))
             start = time.perf_counter()
             verified &= _one_life(d, f"lat-{i}")
             lat.append(time.perf_counter() - start)
