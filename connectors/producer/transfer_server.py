@@ -12,7 +12,11 @@ A pull here:
    then each hidden tensor) and the send engine is handed a `SendJob`.
 4. When the engine finishes the job, the server replies `PullReply`, the held table
    releases the request's blocks, and a successful pull is reported (`on_delivered`).
-   A job past its deadline is abandoned and released.
+   A job past its deadline is abandoned and answered. A failed or abandoned job whose
+   sends the transport may still be reading (UCX: a link left open until it fails,
+   ucx/worker.py `park`) keeps its blocks until the engine says it is `settled`: a
+   consumer takes completed receives as the whole proof (ucx/puller.py), so a send that
+   lands late must still read the request's bytes.
 
 Requests nobody pulls are released at their hold deadline (`on_expired`). Malformed
 messages are logged with the peer, counted and dropped. `close()` stops the thread and the
@@ -78,7 +82,10 @@ class TransferServer:
         self._wakeup = Wakeup()
         self._stop = threading.Event()
         self._jobs: dict[tuple[str, str, int], SendJob] = {}  # (request, consumer, its transfer id)
-        self._finished: queue.SimpleQueue[tuple[SendJob, BaseException | None]] = queue.SimpleQueue()
+        self._finished: queue.SimpleQueue[tuple[SendJob, BaseException | None, bool]] = queue.SimpleQueue()
+        self._settled: queue.SimpleQueue[SendJob] = queue.SimpleQueue()
+        # answered jobs whose blocks the engine may still read, with how they failed
+        self._settling: dict[tuple[str, str, int], tuple[SendJob, BaseException]] = {}
         self.rejected_messages = 0
         self._warned: set[tuple[bytes, str]] = set()  # (peer, reason) rejections logged
         engine.bind(self)
@@ -91,10 +98,21 @@ class TransferServer:
     def wake(self) -> None:
         self._wakeup.wake()
 
-    def finish(self, job: SendJob, error: BaseException | None) -> None:
-        """The engine is done with `job` (error None on success). Thread-safe."""
-        self._finished.put((job, error))
+    def finish(self, job: SendJob, error: BaseException | None, settling: bool = False) -> None:
+        """The engine is done with `job` (error None on success); `settling`: it may still read the job's pieces,
+        whose blocks stay held until `settled(job)`. Thread-safe."""
+        self._finished.put((job, error, settling))
         self._wakeup.wake()
+
+    def settled(self, job: SendJob) -> None:
+        """The engine no longer reads the pieces of `job`, finished or abandoned as settling. Thread-safe."""
+        self._settled.put(job)
+        self._wakeup.wake()
+
+    @property
+    def settling(self) -> int:
+        """Answered pulls whose blocks stay held while the transport may still read them."""
+        return len(self._settling)
 
     def close(self) -> None:
         self._stop.set()
@@ -133,11 +151,14 @@ class TransferServer:
         while not self._finished.empty():
             self._complete(*self._finished.get())
             moved = True
+        while not self._settled.empty():  # after every finish queued before it
+            if (ended := self._settling.pop(_key(self._settled.get()), None)) is not None:
+                self._release(*ended)
+            moved = True
         now = time.monotonic()
         for job in [j for j in self._jobs.values() if j.deadline <= now]:
             log.warning("request %s: pull by %s missed its deadline", job.msg.request_id, job.msg.consumer)
-            self._engine.abandon(job)
-            self._complete(job, TimeoutError("pull missed its deadline"))
+            self._complete(job, TimeoutError("pull missed its deadline"), settling=self._engine.abandon(job))
         for rid in self._held.expire_due(now):
             log.info("request %s: KV not pulled before its hold deadline; released", rid)
             self._on_expired(rid)
@@ -240,7 +261,7 @@ class TransferServer:
         if msg.block_size:
             region = region.sub_blocks(msg.block_size)
         job = SendJob(identity, msg, held, region, runs, time.monotonic() + self._send_deadline_s)
-        self._jobs[(msg.request_id, msg.consumer, msg.transfer_id)] = job
+        self._jobs[_key(job)] = job
         return job
 
     def _distrust(self, consumer: str, address: bytes) -> str:
@@ -295,13 +316,22 @@ class TransferServer:
                 return "a head slice of layer-wise KV or of hidden states is not served"
         return ""
 
-    def _complete(self, job: SendJob, error: BaseException | None) -> None:
-        if self._jobs.pop((job.msg.request_id, job.msg.consumer, job.msg.transfer_id), None) is None:
+    def _complete(self, job: SendJob, error: BaseException | None, settling: bool = False) -> None:
+        """Answer `job`'s consumer and end its pull; with `settling`, its blocks stay held until `settled`."""
+        if self._jobs.pop(_key(job), None) is None:
             return  # finished already (e.g. abandoned, then the engine reported)
         if error is not None:
             log.warning("request %s: send to %s failed: %s", job.msg.request_id, job.msg.consumer, error)
         if not job.replied:
             self._reply(job.identity, job.msg, error is None, "" if error is None else f"send failed: {error}")
+        if settling:
+            assert error is not None, "a pull that succeeded has no send in flight"
+            self._settling[_key(job)] = (job, error)
+            return
+        self._release(job, error)
+
+    def _release(self, job: SendJob, error: BaseException | None) -> None:
+        """`job`'s pull is over: its blocks go once every puller's pull is."""
         released = self._held.finish_pull(job.msg.request_id, job.msg.consumer)
         if error is None and released:  # the last puller: the entry is consumed (others may still need it)
             self._on_delivered(job.msg, job.nbytes)
@@ -309,6 +339,11 @@ class TransferServer:
     def _reply(self, identity: bytes, msg: PullRequest, ok: bool, reason: str = "") -> None:
         reply = PullReply(request_id=msg.request_id, transfer_id=msg.transfer_id, ok=ok, reason=reason)
         self._sock.send_multipart([identity, pack(reply)])
+
+
+def _key(job: SendJob) -> tuple[str, str, int]:
+    """A pull's name among the server's jobs: its request, its consumer, and that consumer's transfer id."""
+    return job.msg.request_id, job.msg.consumer, job.msg.transfer_id
 
 
 def _held_blocks(msg: PullRequest, held: HeldRequest) -> list[int]:

@@ -183,8 +183,13 @@ class Claims(Protocol):
         Engines that take pulls on their own channel (shared memory) call it themselves."""
         ...
 
-    def finish(self, job: SendJob, error: BaseException | None) -> None:
-        """The engine is done with `job` (error None on success). Thread-safe."""
+    def finish(self, job: SendJob, error: BaseException | None, settling: bool = False) -> None:
+        """The engine is done with `job` (error None on success); `settling`: it may still read the job's pieces,
+        whose blocks stay held until `settled(job)`. Thread-safe."""
+        ...
+
+    def settled(self, job: SendJob) -> None:
+        """The engine no longer reads the pieces of `job`, finished or abandoned as settling. Thread-safe."""
         ...
 
 
@@ -217,8 +222,10 @@ class SendEngine(ABC):
     def start(self, job: SendJob) -> None:
         """Begin the job; `claims.finish(job, error)` must follow exactly once (any thread)."""
 
-    def abandon(self, job: SendJob) -> None:
-        """The job missed its deadline; stop touching its pieces if the transport can."""
+    def abandon(self, job: SendJob) -> bool:
+        """The job missed its deadline; stop touching its pieces if the transport can. Returns whether it may
+        still read them: it then calls `claims.settled(job)` once it no longer does (the blocks stay held)."""
+        return False
 
     def close(self) -> None:
         pass

@@ -16,7 +16,8 @@ Lifecycle:
 4. A lane idle for `LANE_IDLE_S` discards its group and ends.
 5. `close()` ends every lane and the store.
 
-`abandon(job)` (deadline) marks the job and waits briefly for the lane to stop touching it.
+`abandon(job)` (deadline) marks the job and waits briefly for the lane to stop touching it; a lane still sending
+after that keeps the job's blocks held until it stops (`Claims.settled`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class _JobState:
     abandoned: bool = False
     running: bool = False
     ended: threading.Event = field(default_factory=threading.Event)
+    settles: bool = False  # abandoned while its lane still sent: the lane says `settled` once it stops
 
 
 class NCCLSendEngine(SendEngine):
@@ -82,15 +84,20 @@ class NCCLSendEngine(SendEngine):
                 lane = self._lanes[key] = _Lane(self, key, job.msg.consumer)
             lane.jobs.put(job)
 
-    def abandon(self, job: SendJob) -> None:
+    def abandon(self, job: SendJob) -> bool:
         state = job.state
         assert isinstance(state, _JobState)  # set by start()
         with state.lock:
             state.abandoned = True
             running = state.running
-        if running and not state.ended.wait(ABANDON_WAIT_S):
-            log.error("request %s: lane for %s still sending %.1fs after the deadline",
-                      job.msg.request_id, job.msg.consumer, ABANDON_WAIT_S)
+        if not running or state.ended.wait(ABANDON_WAIT_S):
+            return False
+        with state.lock:
+            state.settles = not state.ended.is_set()
+        if state.settles:
+            log.error("request %s: lane for %s still sending %.1fs after the deadline; its blocks stay held until it "
+                      "stops", job.msg.request_id, job.msg.consumer, ABANDON_WAIT_S)
+        return state.settles
 
     def close(self) -> None:
         with self._lock:
@@ -161,8 +168,12 @@ class _Lane:
             self._discard()
             error = TransferError(job.msg.request_id, job.msg.consumer, f"{type(exc).__name__}: {exc}")
         finally:
-            state.ended.set()
+            with state.lock:
+                state.ended.set()
+                settles = state.settles
         self._engine.claims.finish(job, error)
+        if settles:
+            self._engine.claims.settled(job)
 
     def _group_for(self, job: SendJob) -> PairGroup:
         """The group of the pair the consumer opened for this pull, built if new.

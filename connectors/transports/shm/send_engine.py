@@ -256,10 +256,11 @@ class SHMSendEngine(SendEngine):
         now = time.monotonic()
         return not any(now - at < SPIN_S for conn in self._conns.values() for _, at in conn.reading.values())
 
-    def abandon(self, job: SendJob) -> None:
+    def abandon(self, job: SendJob) -> bool:
         """The job's deadline passed before the consumer said it was done: stop holding it for the read."""
         for conn in self._conns.values():
             conn.reading.pop((job.msg.request_id, job.msg.transfer_id), None)
+        return False
 
     def _send(self, conn: _Conn, msg: Message, fds: Sequence[int] = ()) -> bool:
         try:

@@ -152,10 +152,10 @@ class TCPSendEngine(SendEngine):
         if len(conn.jobs) == 1:
             self._pump(conn)
 
-    def abandon(self, job: SendJob) -> None:
+    def abandon(self, job: SendJob) -> bool:
         sending = job.state
         if not isinstance(sending, _Sending) or job not in sending.conn.jobs:
-            return
+            return False
         conn = sending.conn
         half_sent = conn.jobs[0] is job and sending.stream.moved_any
         conn.jobs.remove(job)
@@ -163,6 +163,7 @@ class TCPSendEngine(SendEngine):
             self._drop(conn, f"pull of {job.msg.request_id} abandoned half sent")
         else:
             self._watch(conn)
+        return False
 
     def close(self) -> None:
         for conn in list(self._conns.values()):

@@ -49,7 +49,16 @@ from kvwire.connectors.transports.ucx.packing import (
 )
 
 # ucxx only through worker.py, which sets UCX's environment before importing it
-from kvwire.connectors.transports.ucx.worker import Array, Requests, UCXWorker, all_done, check_errors, tag_of, ucx
+from kvwire.connectors.transports.ucx.worker import (
+    Array,
+    Link,
+    Requests,
+    UCXWorker,
+    all_done,
+    check_errors,
+    tag_of,
+    ucx,
+)
 
 PULL_SLOTS = 8  # staging slots one pull's sends may hold at once (and at most half the producer's)
 _Pack = tuple[ucx.UCXRequest, Array, Part, Message]  # a posted pack: request, its buffer, the slot, the message
@@ -133,6 +142,11 @@ class SendFlow(_Flow):
         self._share = min(PULL_SLOTS, max(1, staging.max_slots // 2))  # slots this pull may hold at once
         self._todo.extend(self._mine)  # every message goes in order
         self._fill()
+
+    @property
+    def link(self) -> Link:
+        """The endpoints its messages go through."""
+        return self._link
 
     @property
     def waiting_on_gate(self) -> bool:

@@ -163,6 +163,7 @@ class UCXWorker:
         # a peer's (packed) address, and whether error handling is on -> one endpoint per lane
         self._links: dict[tuple[bytes, bool], Link] = {}
         self._paths: dict[bytes, DataPath] = {}  # what UCX selected for those endpoints: fixed for their life
+        self._parked: list[tuple[Link, float]] = []  # guarded links out of use, each closed by then at the latest
         self.address: bytes = self._worker.address.tobytes()
 
     def progress(self) -> bool:
@@ -184,11 +185,49 @@ class UCXWorker:
         self._paths.pop(peer, None)
         for guarded in (False, True):
             link = self._links.pop((peer, guarded), None)
-            if link is None:
-                continue
-            link.closed = True  # before closing: no flow posts through these endpoints from now on
-            for ep in link.endpoints:
-                close_endpoint(ep, guarded, self._worker.progress)
+            if link is not None:
+                self._close(link, guarded)
+
+    def park(self, peer: bytes, until: float) -> bool:
+        """Take the endpoints to `peer` out of use as `forget_peer` does, but leave guarded ones over TCP open
+        until `close_parked` finds them failed, idle, or past `until` (time.monotonic()). Returns whether it
+        parked them (others are closed now: over shared memory a peer that dies is not noticed with UCX's
+        keepalive off, and nothing there needs it).
+
+        For a pull abandoned with its sends in flight. Force-closing a guarded endpoint while part of a message
+        is stuck in its TCP endpoint (the link is down) leaves UCX 1.21 discarding it, waiting on a flush; once
+        the link heals and the peer's socket closes, UCX destroys it inside its read handler and then runs its
+        write handler through the freed endpoint (the prefill node's SIGSEGV or SIGABRT in README's Known
+        limits). Left open, the endpoint fails the ordinary way when the peer's socket closes, or its sends
+        complete; either way nothing is stuck in it when it is closed.
+        """
+        if (peer, True) not in self._links or "tcp" not in self.path_to(peer).transports:
+            self.forget_peer(peer)
+            return False
+        link = self._links.pop((peer, True))
+        link.closed = True  # no flow posts through it from now on
+        self._parked.append((link, until))
+        self.forget_peer(peer)  # an unguarded link closes now (its close does not force)
+        return True
+
+    def close_parked(self, now: float, busy: Callable[[Link], bool]) -> int:
+        """Close each parked link whose peer failed, that carries nothing in flight (`busy` false), or whose
+        time is up (then with its sends stuck, as `forget_peer` would: logged). Returns how many stay parked."""
+        parked, self._parked = self._parked, []
+        for link, until in parked:
+            if link.failed or not busy(link):
+                self._close(link, True)
+            elif now >= until:
+                log.warning("UCX: closing endpoints whose sends were still in flight at the end of their drain")
+                self._close(link, True)
+            else:
+                self._parked.append((link, until))
+        return len(self._parked)
+
+    def _close(self, link: Link, guarded: bool) -> None:
+        link.closed = True  # before closing: no flow posts through these endpoints from now on
+        for ep in link.endpoints:
+            close_endpoint(ep, guarded, self._worker.progress)
 
     def forget_failed(self, peer: bytes) -> bool:
         """`forget_peer(peer)` if an endpoint to it has failed (UCX's error callback ran); returns whether."""
@@ -210,6 +249,7 @@ class UCXWorker:
     def close(self) -> None:
         for peer, _ in list(self._links):
             self.forget_peer(peer)
+        self.close_parked(float("inf"), lambda link: False)
 
     def link(self, peer: bytes, guarded: bool = True) -> Link:
         """One endpoint per lane of the worker(s) at `peer` (made once, kept until `forget_peer` closes them).

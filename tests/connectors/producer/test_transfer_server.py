@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 import zmq
@@ -13,7 +15,7 @@ from kvwire.connectors.producer import transfer_server
 from kvwire.connectors.producer.held import HeldRequest, HeldTable
 from kvwire.connectors.producer.transfer_server import TransferServer
 from kvwire.connectors.transports.kv_region import KVRegion
-from kvwire.connectors.transports.transport import Refused, SendJob
+from kvwire.connectors.transports.transport import Refused, SendEngine, SendJob
 from kvwire.connectors.transports.ucx.send_engine import UCXSendEngine
 from kvwire.connectors.wire import WIRE_VERSION, KVLocation, PullReply, PullRequest, ShmHello, decode, encode
 from tests.connectors import peer
@@ -131,4 +133,52 @@ def test_a_directory_that_fails_keeps_a_verified_consumer_and_refuses_the_rest(m
         directory_up = False
         assert "cannot verify" in claim("r5", "c")  # its old address is no fallback
     finally:
+        srv.close()
+
+
+class _SettlingEngine(SendEngine):
+    """A transport whose every pull stalls, and which may still read an abandoned pull's pieces until the test
+    says it is done (UCX's parked links: connectors/transports/ucx/send_engine.py)."""
+
+    def __init__(self) -> None:
+        self.abandoned: list[SendJob] = []
+
+    def start(self, job: SendJob) -> None:
+        pass
+
+    def abandon(self, job: SendJob) -> bool:
+        self.abandoned.append(job)
+        return True
+
+
+def test_an_abandoned_pull_whose_sends_may_land_keeps_its_blocks_until_they_settled():
+    """The consumer is answered at the deadline, but the blocks stay held (a late send must read the request's own
+    bytes) until the engine says it no longer reads them; and a pull that failed is never reported delivered."""
+    released: list[tuple[str, list[int]]] = []
+    delivered: list[PullRequest] = []
+    held = HeldTable(lambda rid, blocks: released.append((rid, blocks)))
+    engine = _SettlingEngine()
+    deadline_s = 0.2
+    srv = TransferServer("127.0.0.1", KVRegion.from_kv_caches(KVPool.allocate(peer.layout(), 8).kv_caches), held,
+                         engine, deadline_s, {"c": b"x"}.get, on_delivered=lambda msg, n: delivered.append(msg))
+    srv.start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(srv.side_channel)
+    try:
+        _hold(held, "late", [2, 3])
+        sock.send(_pull("late", [4, 5]))
+        reply = _reply(sock)
+        assert not reply.ok and "deadline" in reply.reason
+        assert [j.msg.request_id for j in engine.abandoned] == ["late"]
+        assert srv.settling == 1 and released == [] and len(held) == 1
+        assert held.begin_pull("late", "other") is None  # still in flight: nobody else takes it either
+        srv.settled(engine.abandoned[0])
+        end = time.monotonic() + 5.0
+        while not released and time.monotonic() < end:
+            time.sleep(0.01)
+        assert released == [("late", [2, 3])]
+        assert srv.settling == 0 and delivered == []
+    finally:
+        sock.close(0)
         srv.close()

@@ -5,16 +5,15 @@ Real UCX between real processes. Two hazards, both in ucxx's non-blocking `close
 wrapper around a null pointer, and the producer died of SIGSEGV as that was freed; and on an endpoint to a peer
 that lives but never progresses, the send posted on it stayed in flight for good, its buffer pinned. The producer
 runs in a child, so that a crash shows as its exit code. And the send engine keeps an abandoned pull's flow, the
-buffers its sends read with it, until every one of them has ended (`UCXSendEngine.settling`).
+buffers its sends read and its blocks with it, until every one of them has ended (`UCXSendEngine.settling`); over
+TCP it parks the pull's endpoints rather than force-closing them with a send stuck in one (worker.py `park`).
 """
 
 from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from kvwire.connectors.kv_pool import KVPool
 from kvwire.connectors.transports.kv_region import KVRegion
@@ -23,11 +22,12 @@ from kvwire.connectors.transports.ucx import libucp
 from kvwire.connectors.transports.ucx import worker as worker_module
 from kvwire.connectors.transports.ucx.flows import SendFlow
 from kvwire.connectors.transports.ucx.packing import Staging
-from kvwire.connectors.transports.ucx.send_engine import UCXSendEngine
+from kvwire.connectors.transports.ucx.send_engine import DRAIN_S, SETTLE_S, UCXSendEngine
 from kvwire.connectors.transports.ucx.worker import Role, UCXWorker
 from kvwire.connectors.wire import DType, PullRequest
 from tests import procs
 from tests.connectors import peer
+from tests.connectors.transports.engine_stubs import Held, RecordingClaims
 
 CTX = procs.CTX
 MESSAGE = 1 << 20  # one rendezvous message: the consumer must answer before it moves
@@ -149,50 +149,112 @@ def test_a_send_to_a_peer_that_never_answers_ends_when_its_endpoint_closes():
             proc.join(DEADLINE_S)
 
 
-@dataclass
-class _Held:
-    hidden: list[torch.Tensor] = field(default_factory=list)
-    gate: object = None
-
-
-class _Claims:
-    def __init__(self) -> None:
-        self.finished: list[tuple[SendJob, BaseException | None]] = []
-
-    def claim(self, msg, identity=b""):
-        raise AssertionError("a UCX engine takes no pulls itself")
-
-    def finish(self, job: SendJob, error: BaseException | None) -> None:
-        self.finished.append((job, error))
-
-
-def _engine_with_pull(address: bytes, request_id: str) -> tuple[UCXSendEngine, _Claims, SendJob]:
+def _engine_with_pull(address: bytes, request_id: str,
+                      drain_s: float = DRAIN_S) -> tuple[UCXSendEngine, RecordingClaims, SendJob]:
     """A send engine and a guarded pull of 8 blocks of 128 KiB (rendezvous messages) to the consumer at `address`."""
     pool = KVPool.allocate(peer.layout(DType.FLOAT32, 4, 256), 8)
     msg = PullRequest(request_id=request_id, transfer_id=1, consumer=request_id, transport_address=address,
                       dst_block_ids=list(range(8)), guarded=True)
-    job = SendJob(b"", msg, _Held(), KVRegion.from_kv_caches(pool.kv_caches), [(0, 8)], time.monotonic())
-    engine = UCXSendEngine()
-    engine.bind(claims := _Claims())
+    job = SendJob(b"", msg, Held(), KVRegion.from_kv_caches(pool.kv_caches), [(0, 8)], time.monotonic())
+    engine = UCXSendEngine(drain_s=drain_s)
+    engine.bind(claims := RecordingClaims())
     return engine, claims, job
 
 
-def test_an_abandoned_pulls_flow_is_kept_until_its_sends_end():
+def _started_and_stuck(engine: UCXSendEngine, claims: RecordingClaims, job: SendJob) -> None:
+    engine.start(job)
+    end = time.monotonic() + CONNECT_S
+    while time.monotonic() < end:
+        engine.progress()
+    assert not claims.finished, "a send to a consumer that never progressed ended"
+
+
+def _progress_until_settled(engine: UCXSendEngine, timeout_s: float) -> float:
+    """Seconds until nothing settles any more (at least `timeout_s` if something still does)."""
+    start = time.monotonic()
+    while engine.settling and time.monotonic() < start + timeout_s:
+        engine.progress()
+        time.sleep(0.001)
+    return time.monotonic() - start
+
+
+def test_an_abandoned_pulls_flow_and_blocks_are_kept_until_its_sends_end():
     consumer, address = _consumer(progressing=False)
     engine, claims, job = _engine_with_pull(address, "abandoned")
     try:
-        engine.start(job)
-        end = time.monotonic() + CONNECT_S
-        while time.monotonic() < end:
-            engine.progress()
-        assert not claims.finished, "a send to a consumer that never progressed ended"
-        engine.abandon(job)
+        _started_and_stuck(engine, claims, job)
+        assert engine.abandon(job), "the engine let go of the blocks of a pull whose sends were in flight"
         assert engine.settling == 1
-        end = time.monotonic() + DEADLINE_S
-        while engine.settling and time.monotonic() < end:
-            engine.progress()
+        _progress_until_settled(engine, DEADLINE_S)
         assert engine.settling == 0, f"the abandoned pull's sends were in flight {DEADLINE_S} s after it"
-        assert not claims.finished  # abandoned: the transfer server, not the engine, ends the job
+        assert claims.settled_jobs == [job]  # its blocks go now
+        assert not claims.finished  # abandoned: the transfer server, not the engine, answers the consumer
+    finally:
+        engine.close()
+        consumer.kill()
+        consumer.join(DEADLINE_S)
+
+
+def _spy_forced_closes(monkeypatch) -> list[int]:
+    statuses: list[int] = []
+
+    def spy(handle, progress, **kwargs):
+        statuses.append(libucp.force_close(handle, progress, **kwargs))
+        return statuses[-1]
+
+    monkeypatch.setattr(worker_module, "force_close", spy)
+    return statuses
+
+
+def _spy_closes(monkeypatch) -> list[str]:
+    """Every endpoint the worker closes from now on: "failed" (its peer had failed) or "healthy"."""
+    closes: list[str] = []
+    real = worker_module.close_endpoint
+
+    def spy(ep, guarded, progress):
+        closes.append("healthy" if ep.alive else "failed")
+        real(ep, guarded, progress)
+
+    monkeypatch.setattr(worker_module, "close_endpoint", spy)
+    return closes
+
+
+def test_over_tcp_an_abandoned_pulls_endpoints_stay_open_until_the_consumer_goes(monkeypatch):
+    """Over TCP a stuck send is never force-closed (worker.py `park`): the endpoints stay open, the blocks held,
+    until the consumer's socket closes; then the failed endpoint is closed and the blocks go, long before DRAIN_S."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # both ends: the consumer child inherits it
+    closing = _spy_closes(monkeypatch)
+    consumer, address = _consumer(progressing=False)
+    engine, claims, job = _engine_with_pull(address, "parked")
+    try:
+        _started_and_stuck(engine, claims, job)
+        assert engine._transport.path_to(address).transports == ("tcp",)  # test-only reach: what UCX chose
+        assert engine.abandon(job)
+        assert _progress_until_settled(engine, 2 * CONNECT_S) >= 2 * CONNECT_S, "an abandoned send ended unread"
+        assert closing == [] and claims.settled_jobs == [], "a pull's endpoints closed while its send was stuck"
+        consumer.kill()
+        consumer.join(DEADLINE_S)
+        took = _progress_until_settled(engine, DEADLINE_S)
+        assert engine.settling == 0 and claims.settled_jobs == [job], f"settling {took:.1f} s after the consumer died"
+        assert took < DRAIN_S / 2, took
+        assert closing and set(closing) == {"failed"}, closing  # closed once it failed, never while stuck
+    finally:
+        engine.close()
+        consumer.kill()
+        consumer.join(DEADLINE_S)
+
+
+def test_over_tcp_a_parked_link_to_a_consumer_that_never_reads_closes_when_its_drain_is_up(monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    consumer, address = _consumer(progressing=False)
+    drain_s = 1.0
+    engine, claims, job = _engine_with_pull(address, "drained", drain_s)
+    try:
+        _started_and_stuck(engine, claims, job)
+        assert engine.abandon(job)
+        took = _progress_until_settled(engine, DEADLINE_S)
+        assert engine.settling == 0 and claims.settled_jobs == [job], f"still settling after {took:.1f} s"
+        assert drain_s <= took < drain_s + SETTLE_S + 1.0, took
     finally:
         engine.close()
         consumer.kill()
@@ -202,13 +264,7 @@ def test_an_abandoned_pulls_flow_is_kept_until_its_sends_end():
 def test_a_pull_that_failed_on_a_dead_consumer_closes_its_failed_endpoint_at_once(monkeypatch):
     """ucxx leaves a guarded endpoint whose peer failed open (libucp.py): the engine force-closes it as the pull
     fails, and UCX completes that close; a healthy endpoint is closed by ucxx, with no forced close."""
-    statuses: list[int] = []
-
-    def spy(handle, progress, **kwargs):
-        statuses.append(libucp.force_close(handle, progress, **kwargs))
-        return statuses[-1]
-
-    monkeypatch.setattr(worker_module, "force_close", spy)
+    statuses = _spy_forced_closes(monkeypatch)
     consumer, address = _consumer(progressing=True)
     engine, claims, job = _engine_with_pull(address, "dead")
     try:
@@ -263,7 +319,7 @@ def two_pulls_to_a_dead_consumer(address: bytes, ready, killed, results) -> None
     first pull fails and the engine closes the endpoints to it; then the second's layer comes."""
     engine, claims, first = _engine_with_pull(address, "first")
     gate = _ClosedGate()
-    second = SendJob(b"", first.msg, _Held(gate=gate), first.region, first.runs, first.deadline)
+    second = SendJob(b"", first.msg, Held(gate=gate), first.region, first.runs, first.deadline)
     engine.start(second)  # nothing to send yet; its endpoints are made now, and connect while the consumer lives
     _progress_for(engine._transport, CONNECT_S)  # test-only reach: the engine's worker
     ready.set()
