@@ -32,6 +32,7 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     recomputed: dict[TransferFailure, int] = {}  # ... and the prompts it recomputed instead, by reason
     prefix_misses: int = 0  # a decode node's prompts kept on it as cached that it computed again (not in its cache)
     model: str = ""  # its checkpoint's fingerprint ("": not known); a prefill and a decode node of two trade no KV
+    settling: int = 0  # a producer's failed pulls whose blocks stay held until their sends settle (0: an older node)
 
 
 class TransferStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -58,7 +59,7 @@ def node_status(info: NodeInfo, now: float) -> NodeStatus:
                       free_blocks=info.free_blocks, total_blocks=info.total_blocks, heartbeat_age_s=age,
                       draining=info.draining, transport_checks=info.transport_checks, engine=info.engine,
                       pulls=info.pulls, recomputed=info.recomputed, prefix_misses=info.prefix_misses,
-                      model=info.model)
+                      model=info.model, settling=info.settling)
 
 
 def transfer_status(aged: AgedEntry) -> TransferStatus:
@@ -109,11 +110,12 @@ def _kv(n: NodeStatus) -> list[str]:
 
 
 def _load(n: NodeStatus) -> list[str]:
-    """QUEUED, RUNNING, FREE BLOCKS; a vLLM server's rank knows its pool's size only (vLLM's own /metrics
-    has the rest)."""
+    """QUEUED, RUNNING (a producer's settling pulls as "3 +1 settling"), FREE BLOCKS; a vLLM server's rank knows
+    its pool's size only (vLLM's own /metrics has the rest)."""
+    settling = f" +{n.settling} settling" if n.settling else ""
     if n.engine == NodeEngine.VLLM:
-        return ["-", "-", f"-/{n.total_blocks}"]
-    return [str(n.queue_depth), str(n.running), f"{n.free_blocks}/{n.total_blocks}"]
+        return ["-", f"-{settling}", f"-/{n.total_blocks}"]
+    return [str(n.queue_depth), f"{n.running}{settling}", f"{n.free_blocks}/{n.total_blocks}"]
 
 
 def _unpaired(nodes: list[NodeStatus]) -> list[str]:

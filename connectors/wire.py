@@ -227,6 +227,7 @@ class NodeInfo(_Msg, tag="node", frozen=True):
     # older node, told on its work endpoint)
     kv_ready_endpoint: str = msgspec.field(default="", name="kv_ready_address")
     model: str = ""  # its checkpoint's fingerprint (KVLayout.model); "": not known (vLLM, an older node)
+    settling: int = 0  # a producer's failed pulls whose blocks stay held while their sends may still read them
     shares_prompts: bool = False  # a decode node that starts a request's later choices from its first one's prompt KV
 
 

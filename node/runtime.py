@@ -67,6 +67,7 @@ class NodeLoad(NamedTuple):
     pulls: int = 0  # a decode node's: pulls that moved a prompt's KV since it started
     recomputed: dict[TransferFailure, int] = {}  # a decode node's: pulls that failed since it started, by reason
     prefix_misses: int = 0  # a decode node's: prompts kept on it as cached-on-decode whose blocks were gone
+    settling: int = 0  # a prefill node's: failed pulls whose blocks stay held while their sends may still read them
 
 
 class Node(Protocol):
@@ -187,6 +188,7 @@ class NodeRuntime:
                         free_blocks=self.allocator.num_free, total_blocks=self.allocator.num_blocks,
                         queue_depth=load.queue_depth, running=load.running, transport_checks=self.transport_checks,
                         pulls=load.pulls, recomputed=load.recomputed, prefix_misses=load.prefix_misses,
+                        settling=load.settling,
                         host=host_identity(), pid=os.getpid(), block_size=self.config.engine.block_size,
                         prefix_cache=self.config.engine.prefix_cache,
                         kv_ready_endpoint=self.kv_ready_endpoint, model=self.model_fingerprint,

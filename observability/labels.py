@@ -88,6 +88,7 @@ class Queue(enum.StrEnum):
 
     PREFILL_PENDING = "prefill_pending"  # prefill: waiting for free blocks to compute
     PREFILL_HELD = "prefill_held"  # prefill: computed, blocks held until pulled
+    PREFILL_SETTLING = "prefill_settling"  # prefill: pulls failed with sends in flight; blocks held until they settle
     DECODE_AWAITING_KV = "decode_awaiting_kv"  # decode: waiting for the KV to be READY
     DECODE_WAITING = "decode_waiting"  # decode: in the engine, waiting for blocks (or a later choice for its first
     # choice's prompt)

@@ -75,6 +75,7 @@ class PrefillNode:
         rt.metrics.watch_blocks(lambda: rt.allocator.num_free, rt.allocator.num_blocks)
         rt.metrics.watch_queue(Queue.PREFILL_PENDING, lambda: len(self._pending))
         rt.metrics.watch_queue(Queue.PREFILL_HELD, lambda: self._producer.held_requests)
+        rt.metrics.watch_queue(Queue.PREFILL_SETTLING, lambda: self._producer.settling_requests)
         rt.warm_up(self._runner)  # before registering: no router picks a cold node
         rt.start_heartbeat(on_restored=self._producer.readvertise)
 
@@ -120,7 +121,7 @@ class PrefillNode:
         self._wakeup.close()
 
     def _load(self) -> NodeLoad:
-        return NodeLoad(len(self._pending), self._producer.held_requests)
+        return NodeLoad(len(self._pending), self._producer.held_requests, settling=self._producer.settling_requests)
 
     def _give_up(self) -> None:
         """The drain ended: fail prompts never computed (held KV is released as the producer closes)."""

@@ -107,6 +107,11 @@ class KVProducer:
         """Requests whose blocks are held here until pulled, refused or expired."""
         return len(self._held)
 
+    @property
+    def settling_requests(self) -> int:
+        """Failed pulls whose sends may still read their blocks: held until the transport settles them."""
+        return sum(server.settling for server in self._servers.values())
+
     def holds(self, request_id: str) -> bool:
         """Whether the request's blocks are held here (`released()` will return them)."""
         return self._held.get(request_id) is not None

@@ -212,7 +212,7 @@ class WorkerHalf:
         return NodeInfo(node_id=config.node_id, role=config.role, epoch=epoch, work_endpoint="",
                         connector=config.kind, free_blocks=0, total_blocks=self._num_blocks, engine=NodeEngine.VLLM,
                         host=host_identity(), pid=os.getpid(), pulls=pulls, recomputed=recomputed,
-                        model=self._model)
+                        model=self._model, settling=self._producer.settling_requests if self._producer else 0)
 
     # --- producer --------------------------------------------------------------------------
 

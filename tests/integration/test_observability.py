@@ -71,6 +71,7 @@ def test_counters_moved_where_the_events_happened(cluster):
         assert used >= 0 and free > 0 and used + free == 256
     assert ("kvwire_queue_depth", frozenset({("queue", "decode_running")})) in decode
     assert ("kvwire_queue_depth", frozenset({("queue", "prefill_pending")})) in prefill
+    assert one(prefill, "kvwire_queue_depth", queue="prefill_settling") == 0  # no pull failed with sends in flight
 
 
 def test_status_json_lists_both_nodes_with_a_recent_heartbeat(cluster):

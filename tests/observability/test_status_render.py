@@ -103,3 +103,20 @@ def test_a_decode_node_no_prefill_node_shares_a_checkpoint_with_is_called_out():
     same = msgspec.structs.replace(prefill, model=decode.model)
     assert "WARNING" not in render(msgspec.structs.replace(status, nodes=[decode, same, other]))
     assert "WARNING" not in render(status)  # a node that does not say its model agrees with any
+
+
+def test_a_producers_settling_pulls_are_shown_beside_what_it_holds(redis_url):
+    """A failed pull whose sends may still read its blocks keeps them held (connectors/producer/transfer_server.py):
+    the heartbeat carries the count, and RUNNING shows it, for a kvwire prefill node and a vLLM server's rank."""
+    directory = KVDirectory(redis_url)
+    try:
+        directory.register_node(msgspec.structs.replace(node("prefill-0", NodeRole.PREFILL), running=3, settling=1))
+        directory.register_node(msgspec.structs.replace(
+            node("vllm-vm-1", NodeRole.PREFILL), work_endpoint="", engine=NodeEngine.VLLM, pid=7, settling=2))
+        status = read_status(directory)
+    finally:
+        directory.close()
+    assert sorted((n.node_id, n.settling) for n in status.nodes) == [("prefill-0", 1), ("vllm-vm-1", 2)]
+    rows = {line.split()[0]: line for line in render(status).splitlines() if line.startswith(("prefill-0", "vllm-vm"))}
+    assert " 3 +1 settling " in rows["prefill-0"] and " - +2 settling " in rows["vllm-vm-1"]
+    assert "settling" not in render(_status())  # none settling: the column as before
